@@ -1,0 +1,32 @@
+"""mhanum: numerical analysis of multi-head attention.
+
+Attention in JAX with explicit numerics, certified arbitrary-precision references, error metrics,
+and (in :mod:`mhanum.bounds`) error bounds stated as theorems.
+"""
+
+from mhanum import formats, measure, reference, summation
+from mhanum._errors import CertificationError, InvalidArgument
+from mhanum.attention import attention, multi_head_attention
+from mhanum.formats import Format, get_format, round_to
+from mhanum.numerics import PRESETS, Numerics
+from mhanum.params import MHAParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "CertificationError",
+    "Format",
+    "InvalidArgument",
+    "MHAParams",
+    "Numerics",
+    "__version__",
+    "attention",
+    "formats",
+    "get_format",
+    "measure",
+    "multi_head_attention",
+    "reference",
+    "round_to",
+    "summation",
+]

@@ -1,0 +1,110 @@
+"""Validation at the boundary: shapes, dtypes and values checked before tracing.
+
+Values are checked only when they are concrete (numpy arrays, or JAX arrays outside a trace):
+inside ``jax.jit`` NaN and Inf are results to measure, not errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from mhanum._errors import InvalidArgument
+
+
+def is_traced(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _is_float_dtype(dtype: np.dtype) -> bool:
+    if np.issubdtype(dtype, np.floating):
+        return True
+    try:
+        ml_dtypes.finfo(dtype)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def float_array(x: Any, name: str, *, min_ndim: int = 0) -> Any:
+    """``x`` as an array with a real floating dtype (JAX arrays and tracers are kept as they are)."""
+    arr = x if isinstance(x, jax.Array) else np.asarray(x)
+    if not _is_float_dtype(np.dtype(arr.dtype)):
+        msg = f"{name}: expected a floating-point array, got dtype {arr.dtype}"
+        raise InvalidArgument(msg)
+    if arr.ndim < min_ndim:
+        msg = (
+            f"{name}: expected an array with at least {min_ndim} dimensions, got shape {arr.shape}"
+        )
+        raise InvalidArgument(msg)
+    return arr
+
+
+def check_finite(x: Any, name: str, *, allow_neg_inf: bool = False) -> None:
+    """Raise if a concrete ``x`` holds NaN or Inf (``-inf`` allowed on request), naming the index."""
+    if is_traced(x):
+        return
+    values = np.asarray(x).astype(np.float64)
+    bad = np.isnan(values) | (np.isposinf(values) if allow_neg_inf else np.isinf(values))
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        allowed = "finite values or -inf" if allow_neg_inf else "finite values"
+        msg = f"{name}: expected {allowed}, got {values[index]} at index {index}"
+        raise InvalidArgument(msg)
+
+
+def broadcast(shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The broadcast of the named shapes, or an error naming them."""
+    try:
+        return tuple(np.broadcast_shapes(*shapes.values()))
+    except ValueError:
+        described = ", ".join(f"{n} {s}" for n, s in shapes.items())
+        msg = f"{', '.join(shapes)}: expected broadcastable batch dimensions, got {described}"
+        raise InvalidArgument(msg) from None
+
+
+def check_broadcastable_to(x: Any, name: str, target: tuple[int, ...]) -> None:
+    shape = tuple(np.shape(x))
+    try:
+        ok = np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        ok = False
+    if not ok:
+        msg = f"{name}: expected a shape broadcastable to {target}, got {shape}"
+        raise InvalidArgument(msg)
+
+
+def bool_mask(mask: Any, target: tuple[int, ...]) -> Any:
+    """A boolean mask (True = attend) broadcastable to ``target``."""
+    arr = mask if isinstance(mask, jax.Array) else np.asarray(mask)
+    if arr.dtype != np.bool_:
+        msg = (
+            f"mask: expected a boolean array (True = attend), got dtype {arr.dtype}; "
+            "pass an additive float mask as bias="
+        )
+        raise InvalidArgument(msg)
+    check_broadcastable_to(arr, "mask", target)
+    return arr
+
+
+def positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        msg = f"{name}: expected a positive integer, got {value!r}"
+        raise InvalidArgument(msg)
+    return int(value)
+
+
+def scale_value(scale: Any, d_k: int) -> float:
+    """The softmax scale: ``1/sqrt(d_k)`` in float64 by default, else a positive finite number."""
+    if scale is None:
+        return 1.0 / float(np.sqrt(d_k))
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
+        msg = f"scale: expected a positive finite number or None, got {scale!r}"
+        raise InvalidArgument(msg)
+    if not np.isfinite(scale) or scale <= 0:
+        msg = f"scale: expected a positive finite number or None, got {scale!r}"
+        raise InvalidArgument(msg)
+    return float(scale)

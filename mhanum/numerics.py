@@ -1,0 +1,320 @@
+"""``Numerics``: every numerical choice of an attention computation, named.
+
+A :class:`Numerics` is frozen and hashable, so it can be a static argument of ``jax.jit``. It
+describes a run completely: which format each stage stores its values in, how dot products and
+sums are ordered and accumulated, which softmax algorithm runs, how masks are applied and where
+the ``1/sqrt(d_k)`` scale is placed. Nothing in mhanum reads a global precision.
+
+The stages of one attention head and the fields that govern them::
+
+    q, k, v  ── rounded to ``input``
+    scale on q (and/or k) ── rounded to ``scale_format`` (default: the operand's format)
+    S = Q Kᵀ ── operands rounded to ``operand_format`` (if set), products and sums in ``accum``
+                 in the ``summation`` order, result rounded to ``score_format``
+    scale on S, bias, mask ── in ``score_format``; mask by ``mask_mode`` with ``mask_value``
+    softmax ── ``softmax`` algorithm; max-shift, exp, sum and division in ``softmax_format``
+    P ── rounded to ``prob_format``
+    O = P V ── like S; result rounded to ``output_format``
+
+For multi-head attention the projections ``x @ w + b`` accumulate in ``accum`` (the bias is added
+in ``accum``) and are rounded to ``input``; the output projection is rounded to ``output_format``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from mhanum._errors import InvalidArgument
+from mhanum.formats import Format, get_format
+
+__all__ = ["PRESETS", "Numerics"]
+
+_ACCUM_FORMATS = ("float64", "float32", "bfloat16", "float16")
+_SUMMATIONS = ("native", "sequential", "pairwise", "kahan")
+_SCALES = ("scores", "q", "qk")
+_MASK_MODES = ("fill", "add")
+_BLOCKED = re.compile(r"^blocked\((\d+)\)$")
+_ONLINE = re.compile(r"^online\((\d+)\)$")
+_FINFO = re.compile(r"^(?:(\d*\.?\d+)\s*\*\s*)?finfo\.min$")
+
+
+def _bad(field: str, expected: str, got: Any) -> InvalidArgument:
+    return InvalidArgument(f"numerics.{field}: expected {expected}, got {got!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """Every numerical choice of an attention or multi-head attention computation.
+
+    Attributes:
+        input: format q, k, v (or x) and the weights are rounded to, and the default format of
+            every stored intermediate.
+        accum: format in which dot-product products are rounded and summed (and bias added in
+            projections). Must be at least as precise as ``input`` and ``operand_format``.
+        summation: order of every sum: ``"native"`` (XLA's own dot and reduce, order unknown),
+            ``"sequential"``, ``"pairwise"``, ``"blocked(b)"`` (sequential within blocks of ``b``,
+            then sequential over the block sums) or ``"kahan"`` (compensated).
+        softmax: ``"naive"`` (no max shift), ``"safe"`` (shift by the row maximum) or
+            ``"online(B)"`` (FlashAttention-style streaming over key blocks of ``B`` with a running
+            maximum and rescaling).
+        softmax_format: format of the softmax arithmetic (shift, exp, sum, division).
+            Default: ``accum``.
+        score_format: format of the scores ``Q Kᵀ`` and of scaling, bias and mask on them.
+            Default: ``input``'s storage (``float32`` for ``tf32``).
+        prob_format: format the probabilities are rounded to before ``P V``. Default as
+            ``score_format``.
+        output_format: format of the attention (and output projection) result. Default as
+            ``score_format``.
+        operand_format: format dot operands are rounded to on entry to every dot (``"tf32"`` for
+            TF32 tensor-core matmuls); ``None`` for no extra rounding.
+        mask_mode: ``"fill"`` replaces masked logits by ``mask_value``; ``"add"`` adds it.
+        mask_value: ``-inf``, a number such as ``-1e9`` (rounded to ``score_format``, where it may
+            overflow to ``-inf``), ``"finfo.min"`` or ``"c*finfo.min"`` (``0 < c <= 1``; jax uses
+            ``"0.7*finfo.min"``) of ``score_format``.
+        scale: where ``1/sqrt(d_k)`` is applied: ``"scores"`` (on ``Q Kᵀ``), ``"q"`` (on q before
+            the dot) or ``"qk"`` (``d_k**-0.25`` on both q and k, as PyTorch's math path does).
+        scale_format: format of the scaled q/k (``scale`` ``"q"``/``"qk"``); default: ``input``.
+            The scale constant is rounded to the format of the product it enters.
+        exp_ulps: assumed accuracy of ``exp`` in ``softmax_format``, in units in the last place
+            (used by the bounds; XLA's float32 ``exp`` is not correctly rounded).
+        div_ulps: assumed accuracy of division in ``softmax_format``, in ulps.
+
+    Raises:
+        InvalidArgument: for an unknown format, order or algorithm, or an inconsistent combination.
+
+    Examples:
+        >>> Numerics.preset("bf16-fp32acc").accum
+        'float32'
+        >>> Numerics(input="bf16", summation="blocked(32)").summation
+        'blocked(32)'
+    """
+
+    input: str = "float32"
+    accum: str = "float32"
+    summation: str = "native"
+    softmax: str = "safe"
+    softmax_format: str | None = None
+    score_format: str | None = None
+    prob_format: str | None = None
+    output_format: str | None = None
+    operand_format: str | None = None
+    mask_mode: str = "fill"
+    mask_value: float | str = -math.inf
+    scale: str = "scores"
+    scale_format: str | None = None
+    exp_ulps: float = 2.0
+    div_ulps: float = 0.5
+
+    def __post_init__(self) -> None:
+        canon = object.__setattr__
+        for field in ("input", "accum"):
+            canon(self, field, get_format(getattr(self, field), argname=f"numerics.{field}").name)
+        for field in ("softmax_format", "score_format", "prob_format", "output_format",
+                      "operand_format", "scale_format"):  # fmt: skip
+            value = getattr(self, field)
+            if value is not None:
+                canon(self, field, get_format(value, argname=f"numerics.{field}").name)
+        if self.accum not in _ACCUM_FORMATS:
+            raise _bad("accum", f"one of {_ACCUM_FORMATS}", self.accum)
+        if self.softmax_format is not None and self.softmax_format not in _ACCUM_FORMATS:
+            raise _bad("softmax_format", f"one of {_ACCUM_FORMATS}", self.softmax_format)
+        acc = get_format(self.accum)
+        for field in ("input", "operand_format"):
+            value = getattr(self, field)
+            if value is not None and get_format(value).precision > acc.precision:
+                msg = (
+                    f"numerics.accum: expected a format at least as precise as numerics.{field} "
+                    f"({value}, p={get_format(value).precision}), got {self.accum} "
+                    f"(p={acc.precision})"
+                )
+                raise InvalidArgument(msg)
+        canon(self, "summation", _canonical_order(self.summation))
+        canon(self, "softmax", _canonical_softmax(self.softmax))
+        if self.mask_mode not in _MASK_MODES:
+            raise _bad("mask_mode", f"one of {_MASK_MODES}", self.mask_mode)
+        canon(self, "mask_value", _canonical_mask_value(self.mask_value))
+        if self.scale not in _SCALES:
+            raise _bad("scale", f"one of {_SCALES}", self.scale)
+        for field in ("exp_ulps", "div_ulps"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise _bad(field, "a finite number >= 0", value)
+            canon(self, field, float(value))
+
+    # Resolved formats -------------------------------------------------------------------------
+
+    @property
+    def storage_format(self) -> Format:
+        """The format stored intermediates default to: ``input``, or float32 for ``tf32``."""
+        fmt = get_format(self.input)
+        return get_format(fmt.storage) if fmt.name == "tf32" else fmt
+
+    def format_of(self, role: str) -> Format:
+        """The resolved :class:`Format` of a stage.
+
+        Args:
+            role: one of ``input``, ``accum``, ``operand``, ``score``, ``softmax``, ``prob``,
+                ``output``, ``scale``.
+        """
+        explicit = {
+            "input": self.input,
+            "accum": self.accum,
+            "operand": self.operand_format,
+            "score": self.score_format,
+            "softmax": self.softmax_format or self.accum,
+            "prob": self.prob_format,
+            "output": self.output_format,
+            "scale": self.scale_format or self.input,
+        }
+        if role not in explicit:
+            msg = f"role: expected one of {tuple(explicit)}, got {role!r}"
+            raise InvalidArgument(msg)
+        value = explicit[role]
+        if value is None:
+            return get_format(self.input) if role == "operand" else self.storage_format
+        return get_format(value)
+
+    @property
+    def needs_x64(self) -> bool:
+        """Whether any stage uses float64 (JAX must then run with ``jax_enable_x64``)."""
+        roles = ("input", "accum", "score", "softmax", "prob", "output", "scale")
+        return any(self.format_of(r).name == "float64" for r in roles)
+
+    @property
+    def summation_kind(self) -> str:
+        """``native``, ``sequential``, ``pairwise``, ``blocked`` or ``kahan``."""
+        return "blocked" if self.summation.startswith("blocked") else self.summation
+
+    @property
+    def summation_block(self) -> int | None:
+        """The block size of ``blocked(b)``, else ``None``."""
+        m = _BLOCKED.match(self.summation)
+        return int(m.group(1)) if m else None
+
+    @property
+    def softmax_kind(self) -> str:
+        """``naive``, ``safe`` or ``online``."""
+        return "online" if self.softmax.startswith("online") else self.softmax
+
+    @property
+    def softmax_block(self) -> int | None:
+        """The key-block size of ``online(B)``, else ``None``."""
+        m = _ONLINE.match(self.softmax)
+        return int(m.group(1)) if m else None
+
+    def mask_constant(self) -> float:
+        """The masking constant as stored in ``score_format`` (may be ``-inf`` after overflow)."""
+        from mhanum.formats import round_to
+
+        fmt = self.format_of("score")
+        value = self.mask_value
+        if isinstance(value, str):
+            m = _FINFO.match(value)
+            assert m is not None  # canonicalised in __post_init__
+            factor = float(m.group(1)) if m.group(1) else 1.0
+            value = -factor * fmt.max_finite
+        return float(round_to(value, fmt))
+
+    # Construction -----------------------------------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str) -> Numerics:
+        """A named preset; see :data:`PRESETS` and :meth:`presets`.
+
+        Raises:
+            InvalidArgument: for an unknown name.
+        """
+        if name not in PRESETS:
+            msg = f"name: expected one of {', '.join(PRESETS)}, got {name!r}"
+            raise InvalidArgument(msg)
+        return PRESETS[name]
+
+    @staticmethod
+    def presets() -> tuple[str, ...]:
+        """Names of the presets, in order."""
+        return tuple(PRESETS)
+
+    def replace(self, **changes: Any) -> Numerics:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line naming every non-default choice."""
+        default = Numerics()
+        parts = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name in ("input", "accum") or getattr(self, f.name) != getattr(default, f.name)
+        ]
+        return "Numerics(" + ", ".join(parts) + ")"
+
+
+def _canonical_order(value: Any) -> str:
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        if text in _SUMMATIONS:
+            return text
+        m = _BLOCKED.match(text)
+        if m and int(m.group(1)) >= 1:
+            return f"blocked({int(m.group(1))})"
+    raise _bad(
+        "summation", "'native', 'sequential', 'pairwise', 'kahan' or 'blocked(b)', b >= 1", value
+    )
+
+
+def _canonical_softmax(value: Any) -> str:
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        if text in ("naive", "safe"):
+            return text
+        m = _ONLINE.match(text)
+        if m and int(m.group(1)) >= 1:
+            return f"online({int(m.group(1))})"
+    raise _bad("softmax", "'naive', 'safe' or 'online(B)', B >= 1", value)
+
+
+def _canonical_mask_value(value: Any) -> float | str:
+    if isinstance(value, str):
+        text = value.strip().replace(" ", "")
+        if text in ("-inf", "-infinity"):
+            return -math.inf
+        m = _FINFO.match(text)
+        if m and (m.group(1) is None or 0 < float(m.group(1)) <= 1):
+            return text
+        raise _bad(
+            "mask_value", "a number <= 0, '-inf', 'finfo.min' or 'c*finfo.min' (0<c<=1)", value
+        )
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad("mask_value", "a number <= 0 or a string such as 'finfo.min'", value)
+    value = float(value)
+    if math.isnan(value) or value > 0:
+        raise _bad("mask_value", "a number <= 0 (or -inf)", value)
+    return value
+
+
+def _preset(input: str, accum: str, **kw: Any) -> Numerics:
+    return Numerics(input=input, accum=accum, **kw)
+
+
+PRESETS: Mapping[str, Numerics] = {
+    "fp64": _preset("float64", "float64"),
+    "fp32": _preset("float32", "float32"),
+    "tf32": _preset("float32", "float32", operand_format="tf32"),
+    "bf16": _preset("bfloat16", "bfloat16"),
+    "bf16-fp32acc": _preset("bfloat16", "float32"),
+    "fp16": _preset("float16", "float16"),
+    "fp16-fp32acc": _preset("float16", "float32"),
+}
+"""Named numerics of real modes.
+
+* ``fp64``, ``fp32``: everything in that format.
+* ``tf32``: the GPU default for float32 matmuls on Ampere and later: float32 tensors, dot operands
+  rounded to tf32 (10-bit fraction), exact products, float32 accumulation.
+* ``bf16``, ``fp16``: everything, accumulation and softmax included, in that format.
+* ``bf16-fp32acc``, ``fp16-fp32acc``: tensors in that format, dots accumulated and the softmax
+  computed in float32, results rounded back (what frameworks do with half-precision tensors).
+"""

@@ -1,0 +1,225 @@
+"""Summation orders in JAX: every order really runs, in the accumulation format.
+
+Each function takes the order as a string, as in :attr:`mhanum.Numerics.summation`:
+
+* ``"sequential"``: ``s = ((t0 + t1) + t2) + ...``, a loop over the terms;
+* ``"pairwise"``: the complete binary tree over the terms in order, ``((t0 + t1) + (t2 + t3)) +
+  ...``; with ``n`` not a power of two it equals the tree over the terms padded with zeros (the
+  streaming form used here keeps ``log2 n`` partial sums, not all ``n`` terms);
+* ``"blocked(b)"``: sequential within consecutive blocks of ``b`` terms, then sequential over the
+  block sums (the last block may be shorter);
+* ``"kahan"``: compensated summation, ``y = t - c; u = s + y; c = (u - s) - y; s = u``;
+* ``"native"``: XLA's own ``dot``/``reduce`` in the accumulation dtype, order unknown.
+
+In a dot product the terms are the products ``a_k * b_k``, each rounded to the accumulation format
+before it is added (no fused multiply-add; see :mod:`mhanum._arith`). ``"native"`` dots run at
+``lax.Precision.HIGHEST`` so that float32 means float32 on every backend.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mhanum._arith import Arith, runtime_zero, to_format
+from mhanum._errors import InvalidArgument
+from mhanum.formats import Format, get_format
+from mhanum.numerics import Numerics
+
+__all__ = ["matmul", "sum"]
+
+Term = Callable[[Any], jax.Array]
+
+
+def _parse(order: str) -> tuple[str, int | None]:
+    num = Numerics(summation=order)
+    return num.summation_kind, num.summation_block
+
+
+def _accum_format(accum: Format | str) -> Format:
+    fmt = get_format(accum, argname="accum")
+    if fmt.name not in ("float64", "float32", "bfloat16", "float16"):
+        msg = f"accum: expected float64, float32, bfloat16 or float16, got {fmt.name}"
+        raise InvalidArgument(msg)
+    return fmt
+
+
+def _sequential(xs: Any, term: Term, shape: tuple[int, ...], ar: Arith) -> jax.Array:
+    def step(acc: jax.Array, x: Any) -> tuple[jax.Array, None]:
+        return ar.add(acc, term(x)), None
+
+    return lax.scan(step, jnp.zeros(shape, ar.dtype), xs)[0]
+
+
+def _kahan(xs: Any, term: Term, shape: tuple[int, ...], ar: Arith) -> jax.Array:
+    def step(carry: tuple[jax.Array, jax.Array], x: Any) -> tuple[Any, None]:
+        s, c = carry
+        y = ar.sub(term(x), c)
+        u = ar.add(s, y)
+        return (u, ar.sub(ar.sub(u, s), y)), None
+
+    zero = jnp.zeros(shape, ar.dtype)
+    return lax.scan(step, (zero, zero), xs)[0][0]
+
+
+def _blocked(xs: Any, term: Term, shape: tuple[int, ...], ar: Arith, n: int, b: int) -> jax.Array:
+    blocks = -(-n // b)
+    pad = blocks * b - n
+
+    def padded(x: jax.Array) -> jax.Array:
+        widths = [(0, pad)] + [(0, 0)] * (x.ndim - 1)
+        return jnp.pad(x, widths).reshape(blocks, b, *x.shape[1:])
+
+    blocked_xs = jax.tree_util.tree_map(padded, xs)
+
+    def block(total: jax.Array, bx: Any) -> tuple[jax.Array, None]:
+        return ar.add(total, _sequential(bx, term, shape, ar)), None
+
+    return lax.scan(block, jnp.zeros(shape, ar.dtype), blocked_xs)[0]
+
+
+def _pairwise(xs: Any, term: Term, shape: tuple[int, ...], ar: Arith, n: int) -> jax.Array:
+    # Streaming pairwise summation: after the i-th term (0-based), merge as many times as i+1 has
+    # trailing zero bits, each merge adding the newer partial sum to the one below it. At the end
+    # the stack holds the sums of the blocks named by the binary digits of n, largest first; they
+    # are folded from the top, as the zero-padded tree would add them.
+    depth = max(1, math.ceil(math.log2(n))) + 1
+    zero = jnp.zeros(shape, ar.dtype)
+
+    def step(carry: tuple[jax.Array, jax.Array, jax.Array], x: Any) -> tuple[Any, None]:
+        stack, sp, i = carry
+        i1 = i + 1
+        merges = lax.population_count((i1 & -i1) - 1)
+
+        def merge(_: Any, state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            val, top = state
+            return ar.add(stack[top - 1], val), top - 1
+
+        val, sp = lax.fori_loop(0, merges, merge, (term(x), sp))
+        return (stack.at[sp].set(val), sp + 1, i1), None
+
+    init = (jnp.zeros((depth, *shape), ar.dtype), jnp.int32(0), jnp.int32(0))
+    stack, sp, _ = lax.scan(step, init, xs)[0]
+
+    def fold(j: jax.Array, total: jax.Array) -> jax.Array:
+        return ar.add(stack[sp - 2 - j], total)
+
+    return lax.fori_loop(0, sp - 1, fold, stack[sp - 1] + zero)
+
+
+def _reduce(
+    xs: Any, term: Term, n: int, shape: tuple[int, ...], ar: Arith, order: str
+) -> jax.Array:
+    kind, block = _parse(order)
+    if n == 0:
+        return jnp.zeros(shape, ar.dtype)
+    if kind == "sequential":
+        return _sequential(xs, term, shape, ar)
+    if kind == "kahan":
+        return _kahan(xs, term, shape, ar)
+    if kind == "pairwise":
+        return _pairwise(xs, term, shape, ar, n)
+    if kind == "blocked":
+        assert block is not None
+        return _blocked(xs, term, shape, ar, n, block)
+    msg = f"order: expected an emulated order, got {order!r}"
+    raise InvalidArgument(msg)
+
+
+def sum(
+    x: jax.Array, *, order: str = "sequential", accum: Format | str = "float32", axis: int = -1
+) -> jax.Array:
+    """Sum ``x`` along ``axis`` in ``accum`` in the given order.
+
+    The terms are first rounded into ``accum`` (exactly, if they are already values of it). The
+    result is returned in ``accum``'s carrier dtype (float32, or float64 for float64).
+
+    Args:
+        x: a JAX or numpy float array.
+        order: ``"native"``, ``"sequential"``, ``"pairwise"``, ``"blocked(b)"`` or ``"kahan"``.
+        accum: the accumulation format.
+        axis: the axis to sum over.
+
+    Examples:
+        >>> import numpy as np
+        >>> x = np.array([1.0] + [2.0**-24] * 4, np.float32)
+        >>> float(sum(x, order="sequential"))  # each 2**-24 is absorbed by 1
+        1.0
+        >>> float(sum(x, order="pairwise")) == 1 + 2.0**-22
+        True
+    """
+    ar = Arith(_accum_format(accum), runtime_zero(jnp.asarray(x)))
+    return sum_with(ar, jnp.moveaxis(jnp.asarray(x), axis, -1), order)
+
+
+def sum_with(ar: Arith, x: jax.Array, order: str, *, keepdims: bool = False) -> jax.Array:
+    """Sum the last axis of ``x`` in ``ar``'s format (the terms rounded into it first)."""
+    x = ar.take(x)
+    if _parse(order)[0] == "native":
+        fmt = ar.fmt
+        total = jnp.sum(x.astype(fmt.jax_dtype), axis=-1, dtype=fmt.jax_dtype).astype(ar.dtype)
+    else:
+        xs = jnp.moveaxis(x, -1, 0)
+        total = _reduce(xs, lambda t: t, x.shape[-1], x.shape[:-1], ar, order)
+    return total[..., None] if keepdims else total
+
+
+def matmul(
+    a: jax.Array,
+    b: jax.Array,
+    *,
+    order: str = "native",
+    accum: Format | str = "float32",
+    operand_format: Format | str | None = None,
+) -> jax.Array:
+    """``a @ b`` with products rounded to ``accum`` and summed in ``order``.
+
+    Args:
+        a: ``(..., M, K)`` float array.
+        b: ``(..., K, N)`` float array (batch dimensions broadcast with ``a``'s).
+        order: the summation order over ``K``.
+        accum: the accumulation format (products are rounded to it, then summed in it).
+        operand_format: if given, ``a`` and ``b`` are first rounded to this format (``"tf32"``).
+
+    Returns:
+        ``(..., M, N)`` in ``accum``'s carrier dtype, each entry a value of ``accum``.
+    """
+    fmt = _accum_format(accum)
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
+        msg = f"b: expected shape (..., {a.shape[-1] if a.ndim else '?'}, N), got {b.shape}"
+        raise InvalidArgument(msg)
+    ar = Arith(fmt, runtime_zero(a))
+    op = None if operand_format is None else get_format(operand_format, argname="operand_format")
+    return matmul_with(ar, a, b, order, op)
+
+
+def matmul_with(
+    ar: Arith, a: jax.Array, b: jax.Array, order: str, operand: Format | None = None
+) -> jax.Array:
+    """``a @ b`` accumulated in ``ar``'s format; operands first rounded to ``operand`` if given."""
+    if operand is not None:
+        a, b = to_format(a, operand), to_format(b, operand)
+    a, b = ar.take(a), ar.take(b)
+    if _parse(order)[0] == "native":
+        storage = jnp.promote_types(a.dtype, b.dtype)
+        out = jnp.matmul(
+            a.astype(storage),
+            b.astype(storage),
+            precision=lax.Precision.HIGHEST,
+            preferred_element_type=ar.fmt.jax_dtype,
+        )
+        return out.astype(ar.dtype)
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    shape = (*batch, a.shape[-2], b.shape[-1])
+    xs = (jnp.moveaxis(a, -1, 0), jnp.moveaxis(b, -2, 0))
+
+    def product(x: tuple[jax.Array, jax.Array]) -> jax.Array:
+        return ar.mul(x[0][..., :, None], x[1][..., None, :])
+
+    return _reduce(xs, product, a.shape[-1], shape, ar, order)
