@@ -192,10 +192,10 @@ def _round_bits(xp: Any, bitcast: Any, x: Any, carrier: _Carrier, fmt: Format, m
 
     if fmt.emin > carrier.emin:
         quantum = math.ldexp(1.0, fmt.emin - fmt.precision + 1)
-        scaled = xp.abs(x) * carrier.float_dtype(1.0 / quantum)
+        tiny = xp.abs(x) < fmt.smallest_normal
+        scaled = xp.where(tiny, xp.abs(x), 0) * carrier.float_dtype(1.0 / quantum)
         integral = xp.round(scaled) if mode == "nearest" else xp.trunc(scaled)
-        subnormal = integral * carrier.float_dtype(quantum)
-        rounded = xp.where(xp.abs(x) < fmt.smallest_normal, subnormal, rounded)
+        rounded = xp.where(tiny, integral * carrier.float_dtype(quantum), rounded)
 
     big = carrier.float_dtype(fmt.max_finite)
     if mode == "nearest":
@@ -302,7 +302,7 @@ def ulp(x: Any, fmt: Format | str) -> np.ndarray:
     f = get_format(fmt)
     arr = np.abs(_as_float64(x, "x"))
     _, e = np.frexp(arr)
-    exponent = np.maximum(e - 1, f.emin)
+    exponent = np.where(arr > 0, np.maximum(e - 1, f.emin), f.emin)
     return np.ldexp(1.0, exponent - f.precision + 1)
 
 

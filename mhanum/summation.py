@@ -14,6 +14,10 @@ Each function takes the order as a string, as in :attr:`mhanum.Numerics.summatio
 In a dot product the terms are the products ``a_k * b_k``, each rounded to the accumulation format
 before it is added (no fused multiply-add; see :mod:`mhanum._arith`). ``"native"`` dots run at
 ``lax.Precision.HIGHEST`` so that float32 means float32 on every backend.
+
+On XLA's CPU backend float32 arithmetic flushes subnormal results to zero (``--xla_cpu_ftz``), and
+so does bfloat16 arithmetic carried in float32: a sum whose exact value is below ``2**-126`` in
+magnitude may come out as zero. float16 subnormals are normal float32 numbers and are exact.
 """
 
 from __future__ import annotations
