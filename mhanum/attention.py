@@ -12,7 +12,9 @@ mask is passed as ``bias=``.
 
 A fully-masked row (every key masked) is NaN when the masking constant is ``-inf`` (the softmax of
 an empty set is undefined: ``-inf - (-inf)`` in the safe softmax, ``0/0`` in the naive and online
-ones), and uniform over the keys when masked logits are replaced by a finite constant.
+ones). When masked logits are replaced by a finite constant the row is uniform over the keys with
+the safe and online softmax; the naive softmax (no shift) underflows every ``exp`` to 0 for a
+constant such as ``finfo.min`` or ``-1e9`` and gives ``0/0 = NaN``.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class _Stages:
         self.storage = num.storage_format
         self.prob = num.format_of("prob")
         self.output = num.format_of("output")
-        self.operand = num.operand_format and num.format_of("operand")
+        self.operand = num.format_of("operand") if num.operand_format is not None else None
 
     def dot(self, a: jax.Array, b: jax.Array) -> jax.Array:
         return matmul_with(self.acc, a, b, self.num.summation, self.operand)
