@@ -24,6 +24,7 @@ import numpy as np
 
 from mhanum import measure, reference
 from mhanum.attention import multi_head_attention
+from mhanum.formats import get_format
 from mhanum.numerics import Numerics
 from mhanum.params import MHAParams
 
@@ -97,17 +98,24 @@ def render(result: DemoResult) -> str:
     """The demo as text: a table of errors per preset, then the two findings."""
     c = result.config
     lines = [
-        f"mhanum demo: {c['num_heads']}-head self-attention, d_model {c['d_model']}, "
-        f"L {c['length']}, seed {c['seed']}",
+        (
+            f"mhanum demo: {c['num_heads']}-head self-attention, d_model {c['d_model']}, "
+            f"L {c['length']}, seed {c['seed']}"
+        ),
         f"reference: mpmath, certified to 20 digits ({result.reference_seconds:.1f} s)",
         "",
-        f"{'preset':<14}{'max abs':>11}{'max rel':>11}{'normwise':>11}{'max ulps':>10}  of",
+        f"{'preset':<14}{'max abs':>10}{'normwise':>10}{'= x u':>9}  {'of':<10}{'max rel':>9}",
     ]
     for name, e in result.presets.items():
+        u = get_format(e["fmt"]).u
         lines.append(
-            f"{name:<14}{e['max_abs']:>11.2e}{e['max_rel']:>11.2e}{e['normwise_max']:>11.2e}"
-            f"{e['max_ulps']:>10.1f}  {e['fmt']}"
+            f"{name:<14}{e['max_abs']:>10.2e}{e['normwise_max']:>10.2e}"
+            f"{e['normwise_max'] / u:>9.1f}  {e['fmt']:<10}{e['max_rel']:>9.2e}"
         )
+    lines += [
+        "normwise = max|error| / max|reference|; u = unit roundoff of the output format;",
+        "max rel is componentwise and large where an output is near zero (cancellation in P V).",
+    ]
     m = result.mask_minus_1e9["errors"]
     h = result.heads["difference"]
     lines += [
@@ -117,7 +125,7 @@ def render(result: DemoResult) -> str:
         "  s + (-1e9) rounds to -1e9 for |s| < 32 and the softmax becomes uniform.",
         "",
         f"Finding 2: {result.heads['num_heads']} heads vs 1 head with the same weights",
-        f"  normwise relative difference {h['normwise_max']:.2f}: each head's scores are dot "
-        "products over its own d_k components, a different function, not a rounding effect.",
+        f"  normwise relative difference {h['normwise_max']:.2f}: each head's scores are dot",
+        "  products over its own d_k components: a different function, not a rounding effect.",
     ]
     return "\n".join(lines)

@@ -68,7 +68,8 @@ def attention_error_bound(
         if mask is None
         else np.broadcast_to(mask, (q.shape[0], k.shape[0]))
     )
-    assert keep.any(axis=-1).all() and (mask is None or num.mask_value == -math.inf)
+    assert keep.any(axis=-1).all()
+    assert mask is None or num.mask_value == -math.inf
     d_k, n = q.shape[-1], k.shape[-2]
     assert math.log(d_k, 4).is_integer(), "the scale must be a power of two"
     assert num.scale == "scores"

@@ -139,17 +139,20 @@ def test_fully_masked_row_under_each_convention(softmax):
     base = Numerics.preset("fp32").replace(softmax=softmax)
     # -inf: the softmax of an empty set is undefined; the output says so.
     out = np.asarray(mn.attention(q, k, v, mask, numerics=base))
-    assert np.isnan(out[1]).all() and np.isfinite(out[[0, 2]]).all()
+    assert np.isnan(out[1]).all()
+    assert np.isfinite(out[[0, 2]]).all()
     ref_nan = reference.attention(q, k, v, mask=mask)
     e = measure.errors(out, ref_nan)
-    assert e.n_undefined == v.shape[1] and e.n_nonfinite == 0
+    assert e.n_undefined == v.shape[1]
+    assert e.n_nonfinite == 0
     # finfo.min replaces every logit of the row by the same value: exactly uniform once shifted;
     # without the shift (naive) every exp underflows to 0 and the row is 0/0.
     out = np.asarray(mn.attention(q, k, v, mask, numerics=base.replace(mask_value="finfo.min")))
     added = base.replace(mask_mode="add", mask_value=-1e9)  # every |s| < 32: the same -1e9 row
     out_added = np.asarray(mn.attention(q, k, v, mask, numerics=added))
     if softmax == "naive":
-        assert np.isnan(out[1]).all() and np.isnan(out_added[1]).all()
+        assert np.isnan(out[1]).all()
+        assert np.isnan(out_added[1]).all()
     else:
         uniform = np.asarray(mn.attention(np.zeros_like(q), k, v, numerics=base))
         np.testing.assert_array_equal(out[1], uniform[1])
@@ -162,7 +165,8 @@ def test_minus_1e9_overflows_in_float16_and_poisons_a_fully_masked_row():
     num = Numerics.preset("fp16").replace(mask_value=-1e9)
     assert num.mask_constant() == -math.inf
     out = np.asarray(mn.attention(q, k, v, mask, numerics=num), np.float64)
-    assert np.isnan(out[1]).all() and np.isfinite(out[0]).all()
+    assert np.isnan(out[1]).all()
+    assert np.isfinite(out[0]).all()
 
 
 @pytest.mark.parametrize("placement", ["q", "qk"])
@@ -277,7 +281,8 @@ def test_import_without_x64_refuses_float64_numerics_but_runs_float32():
         "except mn.InvalidArgument as e:\n    print('refused:', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "float32" in out.stdout and "refused: numerics: uses float64" in out.stdout
+    assert "float32" in out.stdout
+    assert "refused: numerics: uses float64" in out.stdout
 
 
 P = mn.MHAParams.random(8, seed=0)

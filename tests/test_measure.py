@@ -21,26 +21,33 @@ def test_metrics_on_a_hand_computed_case():
     assert e.normwise_max == 2.0**-18 / 4.0
     assert e.normwise_fro == math.sqrt(2.0**-40 + 2.0**-36) / math.sqrt(1 + 4 + 0.25 + 16)
     assert e.max_ulps == 8.0  # 2**-20 at 1.0 is 8 ulps of float32 (ulp 2**-23), likewise at 4.0
-    assert e.n_compared == 4 and e.n_nonfinite == 0 and e.n_undefined == 0
+    assert e.n_compared == 4
+    assert e.n_nonfinite == 0
+    assert e.n_undefined == 0
 
 
 def test_zero_reference_entries():
     e = measure.errors(np.array([0.0, 1.0]), np.array([0.0, 1.0]))
     assert e.max_rel == 0.0
     e = measure.errors(np.array([1e-30, 1.0]), np.array([0.0, 1.0]))
-    assert e.max_rel == math.inf and e.max_abs == 1e-30
+    assert e.max_rel == math.inf
+    assert e.max_abs == 1e-30
 
 
 def test_nan_in_the_computed_output_is_reported_not_hidden():
     e = measure.errors(np.array([1.0, np.nan, 2.0]), np.array([1.0, 1.0, 2.0]), fmt="float32")
-    assert e.n_nonfinite == 1 and e.argmax_abs == (1,)
+    assert e.n_nonfinite == 1
+    assert e.argmax_abs == (1,)
     assert e.max_abs == e.max_rel == e.normwise_max == e.max_ulps == math.inf
     assert "1 non-finite computed" in str(e)
 
 
 def test_undefined_reference_entries_are_excluded_and_counted():
     e = measure.errors(np.array([np.nan, 1.0]), np.array([np.nan, 1.0]))
-    assert e.n_undefined == 1 and e.n_nonfinite == 0 and e.max_abs == 0.0 and e.n_compared == 1
+    assert e.n_undefined == 1
+    assert e.n_nonfinite == 0
+    assert e.max_abs == 0.0
+    assert e.n_compared == 1
 
 
 def test_mpf_reference_gives_exact_differences():
