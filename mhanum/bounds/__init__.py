@@ -1,0 +1,9 @@
+"""Error bounds for attention, one module per error source; each bound is a theorem.
+
+Every bound function returns a :class:`Bound`: the total and its named terms, with the theorem
+number (in ``papers/``), its assumptions and its source.
+"""
+
+from mhanum.bounds._result import Bound
+
+__all__ = ["Bound"]

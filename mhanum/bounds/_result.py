@@ -1,0 +1,46 @@
+"""The value every bound function returns."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """An error bound: the total, its terms, and the theorem it instantiates.
+
+    Attributes:
+        total: the bound (a float, or an array shaped like the quantity bounded).
+        terms: named contributions whose combination (as the theorem states) gives ``total``.
+        theorem: the theorem's label in ``papers/`` (e.g. ``"S.2"``).
+        assumptions: the assumptions under which the bound holds, in words.
+        source: the literature the theorem follows (a key of ``docs/references.md``), if any.
+    """
+
+    total: Any
+    terms: Mapping[str, Any]
+    theorem: str
+    assumptions: tuple[str, ...] = ()
+    source: str | None = None
+
+    def dominant(self) -> str:
+        """The name of the largest term (by its maximum over entries)."""
+        return max(self.terms, key=lambda name: float(np.max(np.abs(self.terms[name]))))
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: arrays become nested lists."""
+
+        def plain(x: Any) -> Any:
+            return np.asarray(x).tolist() if isinstance(x, np.ndarray) else x
+
+        return {
+            "total": plain(self.total),
+            "terms": {k: plain(v) for k, v in self.terms.items()},
+            "theorem": self.theorem,
+            "assumptions": list(self.assumptions),
+            "source": self.source,
+        }
