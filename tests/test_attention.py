@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_bound import attention_error_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mhanum as mn
 from mhanum import InvalidArgument, Numerics, measure, reference, round_to
 from mhanum.numerics import PRESETS
+from tests.attention_bound import attention_error_bound
 
 ORDERS = ["native", "sequential", "pairwise", "blocked(5)", "kahan"]
 SOFTMAXES = ["naive", "safe", "online(7)"]
