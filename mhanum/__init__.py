@@ -6,7 +6,7 @@ and (in :mod:`mhanum.bounds`) error bounds stated as theorems.
 
 from mhanum import formats, measure, reference, summation
 from mhanum._errors import CertificationError, InvalidArgument
-from mhanum.attention import attention, multi_head_attention
+from mhanum.attention import attention, multi_head_attention, softmax
 from mhanum.formats import Format, get_format, round_to
 from mhanum.numerics import PRESETS, Numerics
 from mhanum.params import MHAParams
@@ -28,5 +28,6 @@ __all__ = [
     "multi_head_attention",
     "reference",
     "round_to",
+    "softmax",
     "summation",
 ]

@@ -36,7 +36,7 @@ from mhanum.numerics import Numerics
 from mhanum.params import MHAParams
 from mhanum.summation import matmul_with, sum_with
 
-__all__ = ["attention", "multi_head_attention"]
+__all__ = ["attention", "multi_head_attention", "softmax"]
 
 
 def _numerics(numerics: Numerics | str | None) -> Numerics:
@@ -128,13 +128,47 @@ def _logits(st: _Stages, q: jax.Array, k: jax.Array, mask: Any, bias: Any, scale
 
 
 def _softmax_then_pv(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
+    return st.dot(to_format(_probabilities(st, s), st.prob), v)
+
+
+def _online_normaliser(st: _Stages, s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Running maximum and rescaled sum over key blocks (Milakov & Gimelshein 2018, Alg. 3)."""
+    sm = st.soft
+    block = st.num.softmax_block
+    assert block is not None
+    n_blocks = -(-s.shape[-1] // block)
+    pad = n_blocks * block - s.shape[-1]
+    s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    s_blocks = jnp.moveaxis(s.reshape(*s.shape[:-1], n_blocks, block), -2, 0)
+
+    def step(carry: tuple[jax.Array, jax.Array], sb: jax.Array) -> Any:
+        m, d = carry
+        m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
+        shift = jnp.where(jnp.isneginf(m_new), jnp.zeros_like(m_new), m_new)
+        c = sm.exp(sm.sub(m, shift))
+        d = sm.add(sm.mul(d, c), st.sum(sm.exp(sm.sub(sb, shift))))
+        return (m_new, d), None
+
+    init = (
+        jnp.full((*s.shape[:-1], 1), -jnp.inf, sm.dtype),
+        jnp.zeros((*s.shape[:-1], 1), sm.dtype),
+    )
+    return lax.scan(step, init, s_blocks)[0]
+
+
+def _probabilities(st: _Stages, s: jax.Array) -> jax.Array:
+    """The softmax of the logits ``s`` in the softmax format, by the numerics' algorithm."""
     sm = st.soft
     x = sm.take(s)
-    if st.num.softmax_kind == "safe":
+    kind = st.num.softmax_kind
+    if kind == "online":
+        m, d = _online_normaliser(st, x)
+        shift = jnp.where(jnp.isneginf(m), jnp.zeros_like(m), m)
+        return sm.div(sm.exp(sm.sub(x, shift)), d)
+    if kind == "safe":
         x = sm.sub(x, jnp.max(x, axis=-1, keepdims=True))
     e = sm.exp(x)
-    p = to_format(sm.div(e, st.sum(e)), st.prob)
-    return st.dot(p, v)
+    return sm.div(e, st.sum(e))
 
 
 def _online(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
@@ -263,6 +297,40 @@ def attention(
     fmt = num.format_of("input")
     q, k, v = (_host_round(x, fmt) for x in (q, k, v))
     return _attention_jit(q, k, v, mask, bias, numerics=num, scale=factor)
+
+
+@functools.partial(jax.jit, static_argnames=("numerics",))
+def _softmax_jit(x: Any, mask: Any, *, numerics: Numerics) -> jax.Array:
+    st = _Stages(numerics, runtime_zero(x))
+    s = st.score.take(x)
+    if mask is not None:
+        constant = jnp.asarray(numerics.mask_constant(), st.score.dtype)
+        s = jnp.where(
+            mask, s, constant if numerics.mask_mode == "fill" else st.score.add(s, constant)
+        )
+    return _probabilities(st, s).astype(st.soft.fmt.jax_dtype)
+
+
+def softmax(x: Any, mask: Any = None, *, numerics: Numerics | str | None = None) -> jax.Array:
+    """The softmax stage of :func:`attention` alone, over the last axis of the logits ``x``.
+
+    ``x`` is rounded to ``numerics.score_format`` and masked as in :func:`attention` (True means
+    keep), then the softmax runs in ``numerics.softmax_format`` by ``numerics.softmax``: ``naive``
+    ``exp(x)/Σ exp(x)``; ``safe`` ``exp(x - max)/Σ``; ``online(B)`` the running maximum ``m`` and
+    sum ``d`` over blocks of ``B`` (Milakov & Gimelshein 2018), then ``exp(x - m)/d``. Every sum is
+    in ``numerics.summation`` order. The result is in the softmax format (not yet rounded to
+    ``prob_format``).
+
+    Raises:
+        InvalidArgument: for a non-float or non-finite ``x`` (``-inf`` is allowed), or a bad mask.
+    """
+    num = _numerics(numerics)
+    _check_x64(num)
+    x = V.float_array(x, "x", min_ndim=1)
+    V.check_finite(x, "x", allow_neg_inf=True)
+    if mask is not None:
+        mask = V.bool_mask(mask, tuple(x.shape))
+    return _softmax_jit(_host_round(x, num.format_of("score")), mask, numerics=num)
 
 
 def _project(st: _Stages, x: jax.Array, w: jax.Array, b: Any, fmt: Format) -> jax.Array:

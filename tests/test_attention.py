@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import mhanum as mn
 from mhanum import InvalidArgument, Numerics, measure, reference, round_to
 from mhanum.numerics import PRESETS
-from tests.attention_bound import attention_error_bound
+from tests.attention_bound import VacuousBoundError, attention_error_bound
 
 ORDERS = ["native", "sequential", "pairwise", "blocked(5)", "kahan"]
 SOFTMAXES = ["naive", "safe", "online(7)"]
@@ -70,6 +70,10 @@ def test_error_is_within_the_derived_bound_on_generated_inputs(
     q = round_to(scale * rng.standard_normal((4, 16)), fmt)
     k = round_to(scale * rng.standard_normal((lk, 16)), fmt)
     v = round_to(rng.standard_normal((lk, 3)) * np.exp(rng.uniform(-3, 3, (lk, 1))), fmt)
+    try:
+        attention_error_bound(q, k, v, num)
+    except VacuousBoundError:
+        assume(False)  # outside the bound's hypotheses: nothing to check
     _check_within_bound(q, k, v, num)
 
 
