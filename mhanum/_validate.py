@@ -19,9 +19,14 @@ def is_traced(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-def _is_float_dtype(dtype: np.dtype) -> bool:
-    if np.issubdtype(dtype, np.floating):
-        return True
+def is_exact_float_dtype(dtype: np.dtype) -> bool:
+    """Whether every value of ``dtype`` is a float64: float16/32/64 and the ml_dtypes floats.
+
+    (``np.longdouble`` is excluded: its values need not be exact in float64.)
+    """
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "fV" or dtype.itemsize > 8:
+        return False
     try:
         ml_dtypes.finfo(dtype)
     except (TypeError, ValueError):
@@ -32,7 +37,7 @@ def _is_float_dtype(dtype: np.dtype) -> bool:
 def float_array(x: Any, name: str, *, min_ndim: int = 0) -> Any:
     """``x`` as an array with a real floating dtype (JAX arrays and tracers are kept as they are)."""
     arr = x if isinstance(x, jax.Array) else np.asarray(x)
-    if not _is_float_dtype(np.dtype(arr.dtype)):
+    if not is_exact_float_dtype(np.dtype(arr.dtype)):
         msg = f"{name}: expected a floating-point array, got dtype {arr.dtype}"
         raise InvalidArgument(msg)
     if arr.ndim < min_ndim:

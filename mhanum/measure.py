@@ -31,6 +31,7 @@ from typing import Any
 import mpmath
 import numpy as np
 
+from mhanum import _exact
 from mhanum._errors import InvalidArgument
 from mhanum.formats import Format, get_format, ulp
 
@@ -78,14 +79,18 @@ def _infer_format(dtype: np.dtype) -> Format | None:
 
 
 def _exact_differences(computed: np.ndarray, reference: np.ndarray) -> np.ndarray:
-    """``|c - r|`` formed in mpmath from mpf reference values, rounded once to float64."""
+    """``|c - r|`` formed exactly in mpmath from mpf reference values, rounded once to float64.
+
+    (``float(mpf)`` would round twice for subnormal differences.)
+    """
     ctx = mpmath.MPContext()
     out = np.empty(computed.shape)
     for index, (c, r) in enumerate(zip(computed.flat, reference.flat, strict=True)):
         if not math.isfinite(c) or ctx.isnan(r):
             out.flat[index] = math.nan
         else:
-            out.flat[index] = float(abs(ctx.fsub(ctx.mpf(float(c)), r, exact=True)))
+            difference = ctx.fsub(ctx.mpf(float(c)), r, exact=True)
+            out.flat[index] = abs(_exact.to_float64(*_exact.mpf_pair(difference)))
     return out
 
 

@@ -1,0 +1,849 @@
+"""Certified arbitrary-precision reference of attention and multi-head attention.
+
+The reference computes what attention *should* return for the given binary floating-point inputs:
+the exact real-number result, correctly rounded to float64, and (on request) as mpmath numbers
+certified to a requested number of significant digits. Everything else in mhanum is measured
+against it, so it depends on no other part of mhanum that computes attention.
+
+**Exact where it can be.** Every input (float16/32/64, bfloat16, float8, ...) converts to float64
+exactly and is then a dyadic rational ``m * 2**e``. Sums and products of dyadic rationals are dyadic
+rationals, so the projections ``x @ w + b``, the scores ``q @ k.T``, the bias, the logit
+differences ``s_ij - s_im`` and (for MHA) the products ``v_h @ wo_h`` are computed with no rounding
+at all, once, independently of any working precision. Only the irrational numbers are computed at
+a working precision ``p``, with a local ``mpmath.MPContext`` (never the global ``mpmath.mp``): the
+default scale ``1/sqrt(d_k)`` (exact when ``d_k`` is a power of 4), ``exp``, the softmax sums and
+quotients. The output ``sum_j p_ij v_j`` (for MHA ``sum_h sum_j p_hij (v_h wo_h)_j + bo``) is then
+formed exactly from the rounded probabilities and rounded once.
+
+**Certified by doubling the precision.** The whole computation runs at ``p`` and at ``2p`` bits,
+starting from ``p = ceil(digits * log2(10)) + 32``, and is accepted only if every output component
+agrees: ``|r_p - r_2p| <= 10**-digits * |r_2p|`` (two exact zeros agree). Otherwise both precisions
+are doubled, while ``p <= max_prec``; then :class:`~mhanum.CertificationError` says how many digits
+were reached and where. This is the classical precision-doubling check, not an interval
+enclosure: it is sound when the error at ``2p`` is much smaller than the error at ``p``. That holds
+here because nothing exact is rounded before the end. Rounding an exact number is what fools
+the check: the logit ``-1e60 - 1`` rounded to 100 or to 200 bits loses the ``- 1`` both times, and
+the two runs agree on a wrong ``exp``. The rounded numbers are approximations of irrational
+numbers, whose errors shrink by about ``2**-p`` when ``p`` doubles, and mpmath exponents are
+unbounded, so nothing underflows. Terms are dropped from a sum only where a bound proves them
+below ``2**-p`` of the result; otherwise the sum is exact.
+
+**Two backends.** ``backend="mpmath"`` is the naive algorithm, written to be obviously right:
+loops over exact dot products and mpmath numbers, ``exp``, ``fsum``, and every output element as
+one exact sum; it costs ``O(L**2 d)`` Python operations (``O(L**2 d**2)`` for MHA).
+``backend="exact"`` (default) does all linear algebra on integers with Ozaki-style splitting into
+float64 digit matrices (see :mod:`mhanum._exact`) and multiplies the probabilities in fixed point
+per row; only ``exp`` and the softmax run element by element. Both are certified the same way; they
+share the input checks and the certification, not the arithmetic.
+
+Sums that can cancel are never left to ``mpmath.fsum``/``fdot``: those drop a term more than
+``2*prec`` bits below the running sum even if the sum later cancels (``fsum([1, 2**-1000, -1])``
+is 0 at 100 and at 200 bits, a wrong value that doubling the precision would certify).
+
+**Rounding to float64.** The returned float64 array is the higher-precision value ``r_2p`` rounded
+to nearest (ties to even, subnormals rounded once, magnitudes past the float64 range become
+``±inf``). It is the correctly rounded exact result unless the exact result lies within the
+certified tolerance ``10**-digits`` (relative) of a float64 rounding boundary.
+
+**Fully-masked rows.** A row whose keys are all excluded (``mask`` False or ``bias`` ``-inf``) has
+no softmax: the softmax over the empty set is undefined. ``fully_masked="nan"`` (default) returns
+NaN for it, the mathematically faithful answer; ``"zero"`` returns zeros (PyTorch's
+``_safe_softmax``); ``"uniform"`` returns the mean of ``v`` over all ``L_k`` keys (what replacing
+the masked logits by one finite constant gives).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import mpmath
+import numpy as np
+
+from mhanum import _exact
+from mhanum import _validate as V
+from mhanum._errors import CertificationError, InvalidArgument
+from mhanum.params import MHAParams
+
+__all__ = ["attention", "multi_head_attention"]
+
+_FULLY_MASKED = ("nan", "zero", "uniform")
+_BACKENDS = ("exact", "mpmath")
+_MAX_DIGITS = 2000
+_MIN_MAX_PREC = 64
+# Bits beyond ceil(digits * log2(10)) at the starting working precision.
+_GUARD_BITS = 32
+# Bits beyond the working precision of the dyadic approximation of an irrational scale.
+_SCALE_GUARD_BITS = 64
+# Bits of the scale approximation used only to choose each row's largest score.
+_ARGMAX_SCALE_BITS = 64
+
+# A backend's computation at one working precision: mpf outputs (zeros in undefined rows) and a
+# boolean array marking the rows (all axes but the last) that are undefined.
+_Compute = Callable[[mpmath.MPContext], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """Validated keyword options shared by both public functions."""
+
+    digits: int
+    max_prec: int
+    fully_masked: str
+    backend: str
+    return_mpf: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScoreSpec:
+    """How scores become probabilities; the arrays have the full scores shape ``(..., Lq, Lk)``.
+
+    Attributes:
+        excluded: True where a key is excluded (``mask`` False or ``bias`` ``-inf``).
+        bias: float64 bias with ``-inf`` replaced by 0, or ``None``.
+        scale: the exact scale as ``(man, exp)``, or ``None`` for ``1/sqrt(d_k)``.
+        d_k: the length of the score dot products.
+        fully_masked: the fully-masked-row policy.
+    """
+
+    excluded: np.ndarray
+    bias: np.ndarray | None
+    scale: tuple[int, int] | None
+    d_k: int
+    fully_masked: str
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    digits: int = 20,
+    fully_masked: str = "nan",
+    max_prec: int = 8192,
+    backend: str = "exact",
+    return_mpf: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Exact attention ``softmax(scale * q @ k.T + bias) @ v`` of the given floats, certified.
+
+    Scores ``s_ij = scale * sum_t q_it k_jt + bias_ij`` are formed exactly; keys excluded by
+    ``mask`` or by a ``-inf`` bias get weight exactly zero; the softmax over the remaining keys and
+    the output ``o_i = sum_j p_ij v_j`` are certified to ``digits`` significant digits (see the
+    module docstring).
+
+    Args:
+        q: queries ``(..., Lq, d_k)``, any real floating-point array (numpy, ml_dtypes, JAX).
+        k: keys ``(..., Lk, d_k)``.
+        v: values ``(..., Lk, d_v)``; the leading dimensions of ``q``, ``k``, ``v`` broadcast.
+        mask: boolean array broadcastable to ``(..., Lq, Lk)``; True means attend, False excludes
+            the key exactly.
+        bias: float array broadcastable to ``(..., Lq, Lk)`` added exactly to the scaled scores;
+            finite or ``-inf`` (``-inf`` excludes the key).
+        scale: the score scale, used exactly; ``None`` means exactly ``1/sqrt(d_k)``.
+        digits: significant digits to certify, an integer in ``[1, 2000]``.
+        fully_masked: result for a row with every key excluded: ``"nan"`` (the softmax over an
+            empty set is undefined), ``"zero"`` or ``"uniform"`` (mean of ``v`` over all keys).
+        max_prec: largest working precision in bits, an integer ``>= 64`` and at least the
+            starting precision ``ceil(digits * log2(10)) + 32``; the check runs at ``p`` and
+            ``2p`` for ``p`` up to ``max_prec``.
+        backend: ``"exact"`` (integer linear algebra, fast) or ``"mpmath"`` (naive loops).
+        return_mpf: also return the certified mpmath values.
+
+    Returns:
+        float64 array ``(..., Lq, d_v)``, the certified values rounded to nearest; with
+        ``return_mpf=True`` the pair ``(floats, mpf_values)``, ``mpf_values`` an object array of
+        ``mpf`` of a private context at the certifying precision (convert with ``mpmath.mpf``).
+
+    Raises:
+        InvalidArgument: for a non-float, non-finite or misshapen array, a non-boolean mask, a NaN
+            or ``+inf`` bias, or an out-of-range option; the message names the argument.
+        CertificationError: if ``digits`` digits are not reached by ``max_prec`` bits.
+
+    Examples:
+        Equal scores average the values:
+
+        >>> import numpy as np
+        >>> from mhanum import reference
+        >>> v = np.array([[1.0], [2.0], [4.0]])
+        >>> reference.attention(np.zeros((1, 2)), np.ones((3, 2)), v)
+        array([[2.33333333]])
+        >>> import mpmath
+        >>> out, exact = reference.attention(
+        ...     np.zeros((1, 2)), np.ones((3, 2)), v, digits=30, return_mpf=True)
+        >>> mpmath.nstr(exact[0, 0], 30)
+        '2.33333333333333333333333333333'
+    """
+    options = _check_options(digits, max_prec, fully_masked, backend, return_mpf)
+    q64, k64, v64 = (_float_array(x, name, 2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    V.check_finite(q64, "q")
+    V.check_finite(k64, "k")
+    V.check_finite(v64, "v")
+    _check_qkv_shapes(q64, k64, v64)
+    batch = V.broadcast({"q": q64.shape[:-2], "k": k64.shape[:-2], "v": v64.shape[:-2]})
+    shape = (*batch, q64.shape[-2], k64.shape[-2])
+    spec = _score_spec(mask, bias, _check_scale(scale), shape, q64.shape[-1], options.fully_masked)
+    if options.backend == "exact":
+        dyadic = _exact.Dyadic.from_float64
+        core = _exact_attention(dyadic(q64), dyadic(k64), dyadic(v64), spec)
+        compute = _floating_outputs(core)
+    else:
+        floating = _exact.Floating.from_float64
+        compute = _bind_naive_attention(floating(q64), floating(k64), floating(v64), spec)
+    return _certified(compute, options)
+
+
+def multi_head_attention(
+    x_q: Any,
+    x_kv: Any,
+    params: MHAParams,
+    num_heads: int,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    digits: int = 20,
+    fully_masked: str = "nan",
+    max_prec: int = 8192,
+    backend: str = "exact",
+    return_mpf: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Exact multi-head attention ``concat_h(attention_h) @ wo + bo`` of the given floats, certified.
+
+    ``q = x_q @ wq + bq``, ``k = x_kv @ wk + bk``, ``v = x_kv @ wv + bv`` exactly (a ``None`` bias
+    is no bias); head ``h`` takes columns ``[h*d_k, (h+1)*d_k)`` of ``q`` and ``k`` (``d_k =
+    wq.shape[1] // num_heads``) and ``[h*d_v, (h+1)*d_v)`` of ``v``; each head is
+    :func:`attention` with scale exactly ``1/sqrt(d_k)``; the heads are concatenated in head order
+    and projected, ``y = o @ wo + bo``. A row is NaN (with ``fully_masked="nan"``) if it is fully
+    masked in any head.
+
+    Args:
+        x_q: query input ``(..., Lq, d_q)``, any real floating-point array.
+        x_kv: key/value input ``(..., Lk, d_kv)``; leading dimensions broadcast with ``x_q``'s.
+        params: the weights, ``y = x @ w + b`` convention.
+        num_heads: number of heads ``H``, dividing ``wq.shape[1]`` and ``wv.shape[1]``.
+        mask: boolean array broadcastable to ``(..., H, Lq, Lk)`` (so an ``(Lq, Lk)`` mask applies
+            to every head); True means attend.
+        bias: float array broadcastable to ``(..., H, Lq, Lk)``, finite or ``-inf``.
+        digits: significant digits to certify, an integer in ``[1, 2000]``.
+        fully_masked: ``"nan"``, ``"zero"`` or ``"uniform"``, as in :func:`attention` (per head).
+        max_prec: largest working precision in bits, as in :func:`attention`.
+        backend: ``"exact"`` or ``"mpmath"``.
+        return_mpf: also return the certified mpmath values.
+
+    Returns:
+        float64 array ``(..., Lq, d_out)``, the certified values rounded to nearest (``±inf``
+        where they are past the float64 range, which attention alone, a convex combination of
+        ``v``, never is); with ``return_mpf=True`` the pair ``(floats, mpf_values)``.
+
+    Raises:
+        InvalidArgument: for invalid ``params`` or ``num_heads``, a non-float, non-finite or
+            misshapen input, a bad mask or bias, or an out-of-range option.
+        CertificationError: if ``digits`` digits are not reached by ``max_prec`` bits.
+
+    Examples:
+        >>> import numpy as np
+        >>> from mhanum import MHAParams, reference
+        >>> params = MHAParams.random(8, seed=0)
+        >>> x = np.random.default_rng(0).standard_normal((5, 8))
+        >>> reference.multi_head_attention(x, x, params, 2).shape
+        (5, 8)
+    """
+    options = _check_options(digits, max_prec, fully_masked, backend, return_mpf)
+    if not isinstance(params, MHAParams):
+        msg = f"params: expected an MHAParams, got {type(params).__name__}"
+        raise InvalidArgument(msg)
+    params.validate(num_heads)
+    xq64 = _float_array(x_q, "x_q", 2)
+    xkv64 = _float_array(x_kv, "x_kv", 2)
+    V.check_finite(xq64, "x_q")
+    V.check_finite(xkv64, "x_kv")
+    _check_inputs_match_params(xq64, xkv64, params, num_heads)
+    batch = V.broadcast({"x_q": xq64.shape[:-2], "x_kv": xkv64.shape[:-2]})
+    shape = (*batch, num_heads, xq64.shape[-2], xkv64.shape[-2])
+    d_k = params.qk_width // num_heads
+    spec = _score_spec(mask, bias, None, shape, d_k, options.fully_masked)
+    params64 = _params_float64(params)
+    if options.backend == "exact":
+        compute = _floating_outputs(_exact_mha(xq64, xkv64, params64, num_heads, spec))
+    else:
+        compute = _bind_naive_mha(xq64, xkv64, params64, num_heads, spec)
+    return _certified(compute, options)
+
+
+# --- validation --------------------------------------------------------------------------------
+
+
+def _check_options(
+    digits: Any, max_prec: Any, fully_masked: Any, backend: Any, return_mpf: Any
+) -> _Options:
+    if not _is_int(digits) or not 1 <= digits <= _MAX_DIGITS:
+        msg = f"digits: expected an integer in [1, {_MAX_DIGITS}], got {digits!r}"
+        raise InvalidArgument(msg)
+    if not _is_int(max_prec) or max_prec < _MIN_MAX_PREC:
+        msg = f"max_prec: expected an integer >= {_MIN_MAX_PREC}, got {max_prec!r}"
+        raise InvalidArgument(msg)
+    if max_prec < _start_prec(int(digits)):
+        msg = (
+            f"max_prec: expected at least {_start_prec(int(digits))} bits for digits={digits}, "
+            f"got {max_prec}"
+        )
+        raise InvalidArgument(msg)
+    if fully_masked not in _FULLY_MASKED:
+        msg = f"fully_masked: expected one of 'nan', 'zero', 'uniform', got {fully_masked!r}"
+        raise InvalidArgument(msg)
+    if backend not in _BACKENDS:
+        msg = f"backend: expected 'exact' or 'mpmath', got {backend!r}"
+        raise InvalidArgument(msg)
+    if not isinstance(return_mpf, (bool, np.bool_)):
+        msg = f"return_mpf: expected a bool, got {return_mpf!r}"
+        raise InvalidArgument(msg)
+    return _Options(int(digits), int(max_prec), fully_masked, backend, bool(return_mpf))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _start_prec(digits: int) -> int:
+    """Starting working precision in bits for ``digits`` significant digits."""
+    return math.ceil(digits * math.log2(10)) + _GUARD_BITS
+
+
+def _float_array(x: Any, name: str, min_ndim: int) -> np.ndarray:
+    """``x`` converted exactly to float64, after checking its dtype and rank."""
+    return np.asarray(V.float_array(x, name, min_ndim=min_ndim)).astype(np.float64)
+
+
+def _check_qkv_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    d_k, l_k = q.shape[-1], k.shape[-2]
+    if d_k < 1:
+        msg = f"q: expected d_k >= 1, got shape {q.shape}"
+        raise InvalidArgument(msg)
+    if k.shape[-1] != d_k:
+        msg = f"k: expected shape (..., Lk, {d_k}) (d_k of q), got {k.shape}"
+        raise InvalidArgument(msg)
+    if l_k < 1:
+        msg = f"k: expected at least one key, got shape {k.shape}"
+        raise InvalidArgument(msg)
+    if v.shape[-2] != l_k:
+        msg = f"v: expected shape (..., {l_k}, d_v) (Lk of k), got {v.shape}"
+        raise InvalidArgument(msg)
+
+
+def _check_inputs_match_params(
+    x_q: np.ndarray, x_kv: np.ndarray, params: MHAParams, num_heads: int
+) -> None:
+    if x_q.shape[-1] != params.d_q:
+        msg = f"x_q: expected shape (..., Lq, {params.d_q}) (rows of params.wq), got {x_q.shape}"
+        raise InvalidArgument(msg)
+    if x_kv.shape[-1] != params.d_kv:
+        msg = f"x_kv: expected shape (..., Lk, {params.d_kv}) (rows of params.wk), got {x_kv.shape}"
+        raise InvalidArgument(msg)
+    if x_kv.shape[-2] < 1:
+        msg = f"x_kv: expected at least one key, got shape {x_kv.shape}"
+        raise InvalidArgument(msg)
+    if params.qk_width // num_heads < 1:
+        msg = f"params.wq: expected at least one column per head, got shape {params.wq.shape}"
+        raise InvalidArgument(msg)
+
+
+def _broadcast_to(x: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    try:
+        return np.broadcast_to(x, shape)
+    except ValueError:
+        msg = f"{name}: expected a shape broadcastable to {shape}, got {x.shape}"
+        raise InvalidArgument(msg) from None
+
+
+def _check_scale(scale: Any) -> tuple[int, int] | None:
+    """The scale as an exact ``(man, exp)`` pair, or ``None`` for ``1/sqrt(d_k)``."""
+    if scale is None:
+        return None
+    arr = np.asarray(scale)
+    numeric = arr.dtype.kind in "iu" or V.is_exact_float_dtype(arr.dtype)
+    if arr.ndim != 0 or not numeric or isinstance(scale, (bool, np.bool_)):
+        msg = f"scale: expected None or a finite real number, got {scale!r}"
+        raise InvalidArgument(msg)
+    value = float(arr.astype(np.float64))
+    if not math.isfinite(value) or (arr.dtype.kind in "iu" and int(arr) != value):
+        msg = f"scale: expected None or a finite real number exact in float64, got {scale!r}"
+        raise InvalidArgument(msg)
+    return _float_pair(value)
+
+
+def _score_spec(
+    mask: Any,
+    bias: Any,
+    scale: tuple[int, int] | None,
+    shape: tuple[int, ...],
+    d_k: int,
+    fully_masked: str,
+) -> _ScoreSpec:
+    """Check ``mask`` and ``bias`` against the scores ``shape`` and combine them."""
+    excluded = np.zeros(shape, dtype=bool)
+    if mask is not None:
+        mask_arr = np.asarray(mask)
+        if mask_arr.dtype != np.bool_:
+            msg = (
+                f"mask: expected a boolean array (True means attend; pass an additive float "
+                f"mask as bias=), got dtype {mask_arr.dtype}"
+            )
+            raise InvalidArgument(msg)
+        excluded = ~_broadcast_to(mask_arr, "mask", shape)
+    bias64 = None
+    if bias is not None:
+        bias_arr = _float_array(bias, "bias", 0)
+        V.check_finite(bias_arr, "bias", allow_neg_inf=True)
+        bias_arr = _broadcast_to(bias_arr, "bias", shape)
+        excluded = excluded | np.isneginf(bias_arr)
+        bias64 = np.where(np.isneginf(bias_arr), 0.0, bias_arr)
+    return _ScoreSpec(excluded, bias64, scale, d_k, fully_masked)
+
+
+def _params_float64(params: MHAParams) -> MHAParams:
+    """The parameters with every array converted (exactly) to a numpy float64 array."""
+    converted = {
+        f.name: np.asarray(value).astype(np.float64)
+        for f in dataclasses.fields(params)
+        if (value := getattr(params, f.name)) is not None
+    }
+    return dataclasses.replace(params, **converted)
+
+
+# --- certification -----------------------------------------------------------------------------
+
+
+def _context(prec: int) -> mpmath.MPContext:
+    """A fresh mpmath context at ``prec`` bits, rounding to nearest."""
+    ctx = mpmath.MPContext()
+    ctx.prec = prec
+    return ctx
+
+
+def _certified(compute: _Compute, options: _Options) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Run ``compute`` at ``p`` and ``2p`` until they agree; the float64 (and mpf) result."""
+    values = _certify(compute, options)
+    floats = _to_float64(values)
+    return (floats, values) if options.return_mpf else floats
+
+
+def _certify(compute: _Compute, options: _Options) -> np.ndarray:
+    prec = _start_prec(options.digits)
+    low = _with_nan(compute, _context(prec))
+    while True:
+        ctx = _context(2 * prec)
+        high = _with_nan(compute, ctx)
+        worst = _worst_disagreement(ctx, low, high, options.digits)
+        if worst is None:
+            return high
+        if 2 * prec > options.max_prec:
+            index, agreed = worst
+            msg = (
+                f"could not certify {options.digits} digits within max_prec={options.max_prec} "
+                f"bits: at {prec} and {2 * prec} bits the worst component, at index {index}, "
+                f"agrees to {agreed:.1f} digits (value {ctx.nstr(high[index], 10)})"
+            )
+            raise CertificationError(msg)
+        low, prec = high, 2 * prec
+
+
+def _with_nan(compute: _Compute, ctx: mpmath.MPContext) -> np.ndarray:
+    """The outputs of ``compute`` with its undefined rows set to NaN."""
+    values, undefined = compute(ctx)
+    values[undefined] = ctx.nan
+    return values
+
+
+def _worst_disagreement(
+    ctx: mpmath.MPContext, low: np.ndarray, high: np.ndarray, digits: int
+) -> tuple[tuple[int, ...], float] | None:
+    """``None`` if every component agrees to ``digits`` digits, else the worst index and digits."""
+    tolerance = ctx.mpf(10) ** -digits
+    worst_index, worst_error = None, ctx.zero
+    for index, hi in np.ndenumerate(high):
+        if ctx.isnan(hi) or abs(low[index] - hi) <= tolerance * abs(hi):
+            continue
+        error = abs(low[index] - hi) / abs(hi) if hi else ctx.inf
+        if error > worst_error:
+            worst_index, worst_error = index, error
+    if worst_index is None:
+        return None
+    agreed = max(0.0, -float(ctx.log10(worst_error))) if worst_error != ctx.inf else 0.0
+    return tuple(int(i) for i in worst_index), agreed
+
+
+def _to_float64(values: np.ndarray) -> np.ndarray:
+    """mpf values correctly rounded to float64 (NaN kept)."""
+    out = np.empty(values.shape, dtype=np.float64)
+    for index, value in np.ndenumerate(values):
+        out[index] = math.nan if mpmath.isnan(value) else _exact.to_float64(*_exact.mpf_pair(value))
+    return out
+
+
+# --- the scale ---------------------------------------------------------------------------------
+
+
+def _scale_dyadic(spec: _ScoreSpec, bits: int) -> tuple[int, int]:
+    """The scale as ``(man, exp)``, exact or truncated to ``bits`` fraction bits.
+
+    A given scale is exact, and so is ``1/sqrt(d_k)`` when ``d_k`` is a power of 4; otherwise
+    ``isqrt(4**bits // d_k) * 2**-bits`` is below ``1/sqrt(d_k)`` by less than ``2**-bits``.
+    """
+    if spec.scale is not None:
+        return spec.scale
+    return math.isqrt((1 << (2 * bits)) // spec.d_k), -bits
+
+
+# --- exact backend -----------------------------------------------------------------------------
+
+# An exact-backend stage at one working precision: exact values (probabilities, or outputs before
+# their final rounding) and the undefined rows.
+_Stage = Callable[[mpmath.MPContext], tuple[_exact.Floating, np.ndarray]]
+
+
+def _exact_attention(
+    q: _exact.Dyadic, k: _exact.Dyadic, v: _exact.Dyadic, spec: _ScoreSpec
+) -> _Stage:
+    """The computation of ``o = P @ v`` at a working precision (scores computed once, here)."""
+    probabilities = _exact_probabilities(q, k, spec)
+
+    def outputs(ctx: mpmath.MPContext) -> tuple[_exact.Floating, np.ndarray]:
+        probs, undefined = probabilities(ctx)
+        return _exact.rows_matmul(probs, v, prec=ctx.prec), undefined
+
+    return outputs
+
+
+def _exact_mha(
+    x_q: np.ndarray, x_kv: np.ndarray, params: MHAParams, num_heads: int, spec: _ScoreSpec
+) -> _Stage:
+    """The computation of ``y`` at a working precision (everything exact computed once, here).
+
+    ``y = sum_h P_h @ (v_h @ wo_h) + bo``: the products ``v_h @ wo_h`` are exact and independent
+    of the precision, so the probabilities, which are rounded, are multiplied once, and no
+    rounded intermediate (such as a head output) can lose bits that a later cancellation needs.
+    """
+    q, k, v = (
+        _exact_affine(x, w, b).map(lambda a: _split_heads(a, num_heads))
+        for x, w, b in (
+            (x_q, params.wq, params.bq),
+            (x_kv, params.wk, params.bk),
+            (x_kv, params.wv, params.bv),
+        )
+    )
+    probabilities = _exact_probabilities(q, k, spec)
+    paths = _value_paths(v, params, num_heads)
+    with_bias = params.bo is not None
+
+    def outputs(ctx: mpmath.MPContext) -> tuple[_exact.Floating, np.ndarray]:
+        probs, undefined = probabilities(ctx)
+        merged = probs.map(_merge_heads)
+        if with_bias:
+            merged = _append_one(merged)
+        return _exact.rows_matmul(merged, paths, prec=ctx.prec), np.any(undefined, axis=-2)
+
+    return outputs
+
+
+def _exact_affine(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> _exact.Dyadic:
+    product = _exact.matmul(_exact.Dyadic.from_float64(x), _exact.Dyadic.from_float64(w))
+    return product if b is None else _exact.add(product, _exact.Dyadic.from_float64(b))
+
+
+def _value_paths(v: _exact.Dyadic, params: MHAParams, num_heads: int) -> _exact.Dyadic:
+    """``[v_1 @ wo_1; ...; v_H @ wo_H; bo]``, ``(..., H*Lk (+1), d_out)``, exactly.
+
+    Row ``h*Lk + j`` is what key ``j`` of head ``h`` contributes to the output per unit weight;
+    the last row, present when ``bo`` is, is the bias (the weights get a column of ones).
+    """
+    wo = params.wo.reshape(num_heads, params.v_width // num_heads, params.d_out)
+    per_head = _exact.matmul(v, _exact.Dyadic.from_float64(wo))
+    paths = per_head.map(
+        lambda a: a.reshape((*a.shape[:-3], a.shape[-3] * a.shape[-2], a.shape[-1]))
+    )
+    if params.bo is None:
+        return paths
+    bias = _exact.Dyadic.from_float64(params.bo)
+    bias = bias.map(lambda a: np.broadcast_to(a, (*paths.shape[:-2], 1, a.shape[-1])))
+    return _exact.concatenate([paths, bias], axis=-2)
+
+
+def _exact_probabilities(q: _exact.Dyadic, k: _exact.Dyadic, spec: _ScoreSpec) -> _Stage:
+    """Precompute the exact score differences; return the probabilities at a working precision.
+
+    Each row's logits are taken relative to its largest score, key ``m``: ``d_ij = scale *
+    (S_ij - S_im) + (b_ij - b_im)`` with the differences exact and ``scale`` a dyadic within
+    ``2**-(prec+64)`` of the exact one (equal to it when it is dyadic), so ``d`` is exact and
+    ``exp`` is the first rounding. (A shift of a row leaves its softmax unchanged; ``m`` only keeps
+    ``exp`` small, so it is chosen with a 64-bit scale.)
+    """
+    shape = spec.excluded.shape
+    scores = _exact.matmul(q, k.map(lambda a: np.swapaxes(a, -1, -2)))
+    scores = scores.map(lambda a: np.broadcast_to(a, shape))
+    bias = None if spec.bias is None else _exact.Dyadic.from_float64(spec.bias)
+    top = _row_argmax(scores, bias, spec)
+    delta_scores = _minus_at(scores, top)
+    delta_bias = None if bias is None else _minus_at(bias, top)
+
+    def probabilities(ctx: mpmath.MPContext) -> tuple[_exact.Floating, np.ndarray]:
+        logits = _scaled(delta_scores, _scale_dyadic(spec, ctx.prec + _SCALE_GUARD_BITS))
+        if delta_bias is not None:
+            logits = _exact.add(logits, delta_bias)
+        return _exact_softmax(ctx, logits, spec)
+
+    return probabilities
+
+
+def _scaled(x: _exact.Dyadic, scale: tuple[int, int]) -> _exact.Dyadic:
+    man, exp = scale
+    return _exact.Dyadic(x.exp + exp, ints=x.ints * man)
+
+
+def _row_argmax(scores: _exact.Dyadic, bias: _exact.Dyadic | None, spec: _ScoreSpec) -> np.ndarray:
+    """Index ``(..., Lq, 1)`` of (approximately) the largest included score of each row."""
+    logits = _scaled(scores, _scale_dyadic(spec, _ARGMAX_SCALE_BITS))
+    if bias is not None:
+        logits = _exact.add(logits, bias)
+    below = min(logits.ints.flat, default=0) - 1
+    return np.argmax(np.where(spec.excluded, below, logits.ints), axis=-1)[..., None]
+
+
+def _minus_at(x: _exact.Dyadic, index: np.ndarray) -> _exact.Dyadic:
+    """``x`` minus its element at ``index`` of each row, exactly."""
+    return _exact.Dyadic(x.exp, ints=x.ints - np.take_along_axis(x.ints, index, axis=-1))
+
+
+def _exact_softmax(
+    ctx: mpmath.MPContext, logits: _exact.Dyadic, spec: _ScoreSpec
+) -> tuple[_exact.Floating, np.ndarray]:
+    """Probabilities at the working precision (exactly 0 for excluded keys), and undefined rows.
+
+    ``ctx.ldexp`` makes each logit an mpf exactly (``ctx.mpf`` would round it to the working
+    precision, and a rounded ``-1e60 - 1`` loses the ``- 1`` at 100 and at 200 bits alike).
+    """
+    shape = logits.ints.shape
+    man = np.empty(shape, dtype=object)
+    exp = np.empty(shape, dtype=object)
+    undefined = np.zeros(shape[:-1], dtype=bool)
+    for row in np.ndindex(shape[:-1]):
+        keep = ~spec.excluded[row]
+        if keep.any():
+            weights = [
+                ctx.exp(ctx.ldexp(int(m), logits.exp)) if kept else ctx.zero
+                for m, kept in zip(logits.ints[row], keep, strict=True)
+            ]
+            total = ctx.fsum(weights)
+            probs = _object_row([weight / total for weight in weights])
+        else:
+            probs, undefined[row] = _fully_masked_row(ctx, spec.fully_masked, shape[-1])
+        # Probabilities are not negative, so mpf.man_exp (which drops the sign) is exact.
+        man[row], exp[row] = zip(*(p.man_exp for p in probs), strict=True)
+    return _exact.Floating(man, exp), undefined
+
+
+def _fully_masked_row(ctx: mpmath.MPContext, policy: str, l_k: int) -> tuple[np.ndarray, bool]:
+    """Weights of a fully-masked row and whether the row is undefined."""
+    if policy == "uniform":
+        return _object_row([ctx.one / l_k] * l_k), False
+    return _object_row([ctx.zero] * l_k), policy == "nan"
+
+
+def _object_row(values: list[Any]) -> np.ndarray:
+    row = np.empty(len(values), dtype=object)
+    row[:] = values
+    return row
+
+
+def _split_heads(a: np.ndarray, num_heads: int) -> np.ndarray:
+    """``(..., L, H*d)`` to ``(..., H, L, d)``."""
+    return np.moveaxis(a.reshape((*a.shape[:-1], num_heads, a.shape[-1] // num_heads)), -2, -3)
+
+
+def _merge_heads(a: np.ndarray) -> np.ndarray:
+    """``(..., H, L, d)`` to ``(..., L, H*d)``, heads in order."""
+    moved = np.moveaxis(a, -3, -2)
+    return moved.reshape((*moved.shape[:-2], moved.shape[-2] * moved.shape[-1]))
+
+
+def _append_one(x: _exact.Floating) -> _exact.Floating:
+    """Append a column of ones, so that a bias row appended to the weights is added."""
+    ones = np.ones((*x.man.shape[:-1], 1), dtype=np.int64).astype(object)
+    return _exact.Floating(
+        np.concatenate([x.man, ones], axis=-1), np.concatenate([x.exp, ones * 0], axis=-1)
+    )
+
+
+def _floating_outputs(core: _Stage) -> _Compute:
+    """Round a core's exact outputs to the working precision (the last rounding)."""
+
+    def compute(ctx: mpmath.MPContext) -> tuple[np.ndarray, np.ndarray]:
+        out, undefined = core(ctx)
+        values = np.empty(out.man.shape, dtype=object)
+        for index, man in np.ndenumerate(out.man):
+            values[index] = ctx.mpf((man, out.exp[index]))
+        return values, np.broadcast_to(undefined[..., None], values.shape)
+
+    return compute
+
+
+# --- mpmath (naive) backend --------------------------------------------------------------------
+
+
+def _bind_naive_attention(
+    q: _exact.Floating, k: _exact.Floating, v: _exact.Floating, spec: _ScoreSpec
+) -> _Compute:
+    batch = spec.excluded.shape[:-2]
+    v = v.map(lambda a: np.broadcast_to(a, batch + a.shape[-2:]))
+
+    def compute(ctx: mpmath.MPContext) -> tuple[np.ndarray, np.ndarray]:
+        probs, undefined = _naive_probabilities(ctx, q, k, spec)
+        out = np.empty((*probs.shape[:-1], v.man.shape[-1]), dtype=object)
+        for index in np.ndindex(out.shape):
+            *row, c = index
+            terms = [_times(p, *v.pair((*row[:-1], j, c))) for j, p in enumerate(probs[tuple(row)])]
+            out[index] = ctx.mpf(_exact.sum_exact(terms, ctx.prec))
+        return out, np.broadcast_to(undefined[..., None], out.shape)
+
+    return compute
+
+
+def _bind_naive_mha(
+    x_q: np.ndarray, x_kv: np.ndarray, params: MHAParams, num_heads: int, spec: _ScoreSpec
+) -> _Compute:
+    """Exact projections; then, at a working precision, each output as one exact sum.
+
+    ``y_ic = sum_h sum_j sum_t p_hij v_hjt wo_(h,t)c + bo_c``, the probabilities being the only
+    rounded numbers in it.
+    """
+    q, k, v = (
+        _naive_affine(_exact.Floating.from_float64(x), w, b).map(
+            lambda a: _split_heads(a, num_heads)
+        )
+        for x, w, b in (
+            (x_q, params.wq, params.bq),
+            (x_kv, params.wk, params.bk),
+            (x_kv, params.wv, params.bv),
+        )
+    )
+    batch, d_v = spec.excluded.shape[:-3], v.man.shape[-1]
+    v = v.map(lambda a: np.broadcast_to(a, batch + a.shape[-3:]))
+    wo = _exact.Floating.from_float64(params.wo)
+    bo = None if params.bo is None else _exact.Floating.from_float64(params.bo)
+
+    def compute(ctx: mpmath.MPContext) -> tuple[np.ndarray, np.ndarray]:
+        probs, undefined = _naive_probabilities(ctx, q, k, spec)
+        out = np.empty((*probs.shape[:-3], probs.shape[-2], params.d_out), dtype=object)
+        for index in np.ndindex(out.shape):
+            *b, i, c = index
+            terms = [] if bo is None else [bo.pair(c)]
+            for (h, j), p in np.ndenumerate(probs[(*b, slice(None), i)]):
+                for t in range(d_v):
+                    terms.append(
+                        _product(_times(p, *v.pair((*b, h, j, t))), wo.pair((h * d_v + t, c)))
+                    )
+            out[index] = ctx.mpf(_exact.sum_exact(terms, ctx.prec))
+        rows = np.any(undefined, axis=-2)
+        return out, np.broadcast_to(rows[..., None], out.shape)
+
+    return compute
+
+
+def _naive_affine(x: _exact.Floating, w: np.ndarray, b: np.ndarray | None) -> _exact.Floating:
+    """``x @ w + b`` exactly, element by element."""
+    w_exact = _exact.Floating.from_float64(w)
+    b_exact = None if b is None else _exact.Floating.from_float64(b)
+    n, width = w.shape
+    man = np.empty((*x.man.shape[:-1], width), dtype=object)
+    exp = np.empty_like(man)
+    for index in np.ndindex(man.shape):
+        *row, c = index
+        terms = [_product(x.pair((*row, t)), w_exact.pair((t, c))) for t in range(n)]
+        if b_exact is not None:
+            terms.append(b_exact.pair(c))
+        man[index], exp[index] = _exact.sum_exact(terms)
+    return _exact.Floating(man, exp)
+
+
+def _naive_probabilities(
+    ctx: mpmath.MPContext, q: _exact.Floating, k: _exact.Floating, spec: _ScoreSpec
+) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax by loops: exact dot products, ``p_j = exp(s_j - s_m) / sum_l exp(s_l - s_m)``.
+
+    ``s_j - s_m = scale * (q.k_j - q.k_m) + (b_j - b_m)`` is formed from exact differences (only
+    an irrational scale rounds), ``m`` being the key of the largest score.
+
+    Returns:
+        ``(probs, undefined)``: mpf probabilities ``(..., Lq, Lk)`` (fully-masked rows per the
+        policy, zeros where undefined) and the undefined rows ``(..., Lq)``.
+    """
+    shape = spec.excluded.shape
+    batch, l_k = shape[:-2], shape[-1]
+    q, k = (x.map(lambda a: np.broadcast_to(a, batch + a.shape[-2:])) for x in (q, k))
+    scale = spec.scale if spec.scale is not None else 1 / ctx.sqrt(spec.d_k)
+    probs = np.empty(shape, dtype=object)
+    undefined = np.zeros(shape[:-1], dtype=bool)
+    for row in np.ndindex(shape[:-1]):
+        keys = [j for j in range(l_k) if not spec.excluded[(*row, j)]]
+        if not keys:
+            probs[row], undefined[row] = _fully_masked_row(ctx, spec.fully_masked, l_k)
+            continue
+        dots = {j: _naive_dot(q, k, row, j) for j in keys}
+        biases = {j: _naive_bias(spec, row, j) for j in keys}
+        m = max(keys, key=lambda j: _naive_logit(ctx, scale, dots[j], biases[j]))
+        logits = {
+            j: _naive_logit(ctx, scale, _minus(dots[j], dots[m]), _minus(biases[j], biases[m]))
+            for j in keys
+        }
+        exps = {j: ctx.exp(logit) for j, logit in logits.items()}
+        total = ctx.fsum(exps.values())
+        probs[row] = _object_row([exps[j] / total if j in exps else ctx.zero for j in range(l_k)])
+    return probs, undefined
+
+
+def _naive_dot(
+    q: _exact.Floating, k: _exact.Floating, row: tuple[int, ...], j: int
+) -> tuple[int, int]:
+    """``q_i . k_j`` exactly, as a pair."""
+    return _exact.sum_exact(
+        _product(q.pair((*row, t)), k.pair((*row[:-1], j, t))) for t in range(q.man.shape[-1])
+    )
+
+
+def _naive_bias(spec: _ScoreSpec, row: tuple[int, ...], j: int) -> tuple[int, int]:
+    return (0, 0) if spec.bias is None else _float_pair(spec.bias[(*row, j)])
+
+
+def _minus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    """``a - b`` exactly, for pairs."""
+    return _exact.sum_exact([a, (-b[0], b[1])])
+
+
+def _naive_logit(
+    ctx: mpmath.MPContext, scale: Any, dot: tuple[int, int], bias: tuple[int, int]
+) -> Any:
+    """``scale * dot + bias`` as an mpf: exact for a dyadic scale, else one rounding (the product)."""
+    if isinstance(scale, tuple):
+        product = _product(scale, dot)
+    else:
+        product = _exact.mpf_pair(scale * ctx.ldexp(*dot))
+    return ctx.ldexp(*_exact.sum_exact([product, bias]))
+
+
+def _float_pair(x: float) -> tuple[int, int]:
+    """A float64 as an exact ``(man, exp)`` pair."""
+    mant, exp = math.frexp(float(x))
+    return int(math.ldexp(mant, 53)), exp - 53
+
+
+def _times(p: Any, man: int, exp: int) -> tuple[int, int]:
+    """The exact product of an mpf and ``man * 2**exp`` as a pair."""
+    return _product(_exact.mpf_pair(p), (man, exp))
+
+
+def _product(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    """The exact product of two pairs."""
+    return a[0] * b[0], a[1] + b[1]
