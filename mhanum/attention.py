@@ -68,17 +68,12 @@ def _host_round(x: Any, fmt: Format) -> Any:
     return jnp.asarray(rounded.astype(carrier))
 
 
-def _bias_array(bias: Any, target: tuple[int, ...]) -> Any:
+def _bias_array(bias: Any, target: tuple[int, ...], fmt: Format) -> Any:
+    """A checked additive bias, rounded once into the score format (``-inf`` entries allowed)."""
     arr = V.float_array(bias, "bias")
     V.check_finite(arr, "bias", allow_neg_inf=True)
     V.check_broadcastable_to(arr, "bias", target)
-    return (
-        arr
-        if isinstance(arr, jax.Array)
-        else jnp.asarray(
-            arr.astype(np.float64) if jax.config.read("jax_enable_x64") else arr.astype(np.float32)
-        )
-    )
+    return _host_round(arr, fmt)
 
 
 class _Stages:
@@ -292,7 +287,7 @@ def attention(
     if mask is not None:
         mask = V.bool_mask(mask, target)
     if bias is not None:
-        bias = _bias_array(bias, target)
+        bias = _bias_array(bias, target, num.format_of("score"))
     factor = V.scale_value(scale, q.shape[-1])
     fmt = num.format_of("input")
     q, k, v = (_host_round(x, fmt) for x in (q, k, v))
@@ -423,7 +418,7 @@ def multi_head_attention(
     if mask is not None:
         mask = V.bool_mask(mask, target)
     if bias is not None:
-        bias = _bias_array(bias, target)
+        bias = _bias_array(bias, target, num.format_of("score"))
     factor = V.scale_value(scale, params.qk_width // heads)
     fmt = num.format_of("input")
     x_q, x_kv = _host_round(x_q, fmt), _host_round(x_kv, fmt)
