@@ -5,5 +5,23 @@ number (in ``papers/``), its assumptions and its source.
 """
 
 from mhanum.bounds._result import Bound
+from mhanum.bounds.masking import (
+    MaskAnalysis,
+    MaskRange,
+    MaskRecommendation,
+    analyze_mask,
+    analyze_numerics,
+    recommend_mask_value,
+    safe_mask_range,
+)
 
-__all__ = ["Bound"]
+__all__ = [
+    "Bound",
+    "MaskAnalysis",
+    "MaskRange",
+    "MaskRecommendation",
+    "analyze_mask",
+    "analyze_numerics",
+    "recommend_mask_value",
+    "safe_mask_range",
+]

@@ -1,0 +1,814 @@
+"""Is a masking constant safe? Storage, overflow, absorption, leakage and fully-masked rows.
+
+A masked logit is replaced by (``fill``) or added to (``add``) a constant ``c`` in the score format
+``F`` (as :mod:`mhanum.attention` does); the softmax then runs in the softmax format ``F_s``. For
+unmasked (attended) scores ``|s| <= B`` (``B`` is ``score_bound``) this module derives, each as a
+theorem of ``papers/masking.md``:
+
+* M.1 the stored constant ``fl_F(c)`` and whether it overflows (also on conversion into ``F_s``);
+* M.2 whether ``fl_F(s + c)`` can overflow to ``-inf``;
+* M.3 the absorption of scores by an added constant (the spacing of ``F`` at ``c``);
+* M.4 the probability of masked keys in the exact softmax of the stored logits;
+* M.5 the probability of masked keys in the *computed* softmax (rounding included), and when it
+  is exactly zero;
+* M.6 what a fully-masked row becomes (NaN, uniform, or the softmax of quantised logits);
+* M.7 the interval of safe constants, and a recommended one.
+
+Throughout, ``B_F`` is the largest value of ``F`` that is ``<= B``: scores are values of ``F``, so
+``|s| <= B`` is the same as ``|s| <= B_F``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import mpmath
+
+from mhanum._errors import InvalidArgument
+from mhanum.bounds._result import Bound
+from mhanum.formats import Format, get_format, round_to, ulp
+from mhanum.numerics import Numerics
+
+__all__ = [
+    "MaskAnalysis",
+    "MaskRange",
+    "MaskRecommendation",
+    "analyze_mask",
+    "analyze_numerics",
+    "recommend_mask_value",
+    "safe_mask_range",
+]
+
+_MODES = ("fill", "add")
+_SOFTMAX_FORMATS = ("float64", "float32", "bfloat16", "float16")
+_ONLINE = re.compile(r"^online(\(\d+\))?$")
+# Assumption (U) of papers/masking.md: exp returns 0 below this fraction of half the smallest
+# subnormal (a relative margin for the carrier's own exp error).
+_UNDERFLOW_MARGIN = 1.0 - 2.0**-8
+_MP = mpmath.MPContext()
+_MP.prec = 113
+
+Outcome = str  # "nan" | "uniform" | "quantised" | "nan_possible"
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskAnalysis:
+    """What a masking constant does in a format (``papers/masking.md`` Theorems M.1–M.6).
+
+    Attributes:
+        format: the score format ``F`` the constant is stored in.
+        softmax_format: the format ``F_s`` of the softmax arithmetic.
+        mode: ``"fill"`` (masked logits replaced by the constant) or ``"add"`` (added to them).
+        softmax: ``"naive"``, ``"safe"`` or ``"online"``.
+        requested: the constant asked for (a float, ``-inf``, or a ``finfo`` string).
+        requested_value: the requested constant as a real number (``finfo`` strings resolved).
+        stored_value: ``fl_F(c)``, round-to-nearest (M.1); may be ``-inf``.
+        softmax_value: ``fl_{F_s}(fl_F(c))``, the constant as the softmax sees it (M.1).
+        score_bound: ``B``.
+        score_bound_in_format: ``B_F``, the largest value of ``F`` that is ``<= B``.
+        n_keys: keys per row (at most ``n_keys - 1`` masked with one attended), or ``None``.
+        stored_overflow: the requested constant is finite, the stored one is not (M.1).
+        softmax_overflow: a finite masked logit becomes ``-inf`` on conversion into ``F_s`` (M.1).
+        add_can_overflow: ``fl_F(s + c) = -inf`` for some score ``|s| <= B`` (M.2), i.e.
+            ``fl_F(c - B_F) = -inf`` while ``c`` is finite.
+        overflows: ``stored_overflow`` or ``softmax_overflow`` or (``add`` and
+            ``add_can_overflow``).
+        absorption_ulp: ``ulp_F(c)``, the spacing of ``F`` at the constant (M.3); ``None`` for an
+            infinite constant.
+        absorption_radius: scores with ``|s| <`` this value are absorbed, ``fl_F(s + c) = c``
+            (half the smaller gap to a neighbour of ``c``; M.3); ``None`` for an infinite constant.
+        absorbs_scores: every score ``|s| <= B`` is absorbed when added (M.3).
+        logit_error_bound: ``ulp_F(|c| + B_F)/2`` bounds ``|fl_F(s + c) - (s + c)|`` for every
+            ``|s| <= B`` without overflow (M.3); ``None`` for an infinite constant.
+        masked_logit_max: the largest masked logit in ``F``: ``c`` (fill) or ``fl_F(c + B_F)``
+            (add).
+        leakage_ratio_exact: ``e^{masked_logit_max + B_F}``: in the exact softmax of the stored
+            logits, each masked key's probability is at most this times any attended key's (M.4).
+        leakage_exact: with ``n_keys`` keys, at least one attended, an upper bound on the total
+            probability of masked keys in the exact softmax of the stored logits (M.4); ``None``
+            without ``n_keys``.
+        leakage_per_key: an upper bound on each masked key's *computed* probability in ``F_s``,
+            rounding included (M.5).
+        leakage_bound: ``(n_keys - 1) * leakage_per_key``, an upper bound on the total computed
+            probability of masked keys (M.5); ``None`` without ``n_keys``. May exceed 1
+            (vacuous).
+        leakage_is_zero: every masked key's computed probability is exactly 0, because ``exp`` of
+            every masked (shifted) logit underflows to 0 in ``F_s`` (M.5, assumption U).
+        exp_argument_max: the largest argument ``X`` of ``exp`` at a masked key (M.5).
+        exp_zero_below: ``exp(x)`` is 0 in ``F_s`` for ``x <=`` this (assumption U).
+        fully_masked_row: ``"nan"`` (every fully-masked row is NaN), ``"uniform"`` (every one is
+            exactly uniform: all probabilities equal), ``"quantised"`` (finite: the softmax of the
+            rounded logits ``fl_F(s + c)``) or ``"nan_possible"`` (NaN for some rows with
+            ``|s| <= B``, finite for others) (M.6).
+        notes: the reasons, in words.
+        assumptions: the assumptions the claims rest on.
+    """
+
+    format: str
+    softmax_format: str
+    mode: str
+    softmax: str
+    requested: float | str
+    requested_value: float
+    stored_value: float
+    softmax_value: float
+    score_bound: float
+    score_bound_in_format: float
+    n_keys: int | None
+    stored_overflow: bool
+    softmax_overflow: bool
+    add_can_overflow: bool
+    overflows: bool
+    absorption_ulp: float | None
+    absorption_radius: float | None
+    absorbs_scores: bool
+    logit_error_bound: float | None
+    masked_logit_max: float
+    leakage_ratio_exact: float
+    leakage_exact: float | None
+    leakage_per_key: float
+    leakage_bound: float | None
+    leakage_is_zero: bool
+    exp_argument_max: float
+    exp_zero_below: float
+    fully_masked_row: Outcome
+    notes: tuple[str, ...]
+    assumptions: tuple[str, ...]
+
+    def leakage(self) -> Bound:
+        """The computed-leakage bound (papers/masking.md Theorem M.5) as a :class:`Bound`.
+
+        ``total = masked_keys * per_key``; ``exact`` is the bound of Theorem M.4 for the exact
+        softmax of the stored logits (not a term of the total, reported for comparison).
+
+        Raises:
+            InvalidArgument: if the analysis was made without ``n_keys``.
+        """
+        if self.n_keys is None or self.leakage_bound is None or self.leakage_exact is None:
+            msg = "n_keys: expected the analysis to be made with n_keys, got None"
+            raise InvalidArgument(msg)
+        return Bound(
+            total=self.leakage_bound,
+            terms={
+                "per_key": self.leakage_per_key,
+                "masked_keys": (self.n_keys or 1) - 1,
+                "exact": self.leakage_exact,
+            },
+            theorem="M.5",
+            assumptions=self.assumptions,
+            source="papers/masking.md",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskRange:
+    """The interval ``[low, high]`` of safe constants in a format (Theorem M.7).
+
+    Every value ``c`` of the format with ``low <= c <= high`` is finite in ``format`` and in
+    ``softmax_format``, gives a finite ``fl(s + c)`` (also in ``softmax_format``) for every score
+    ``|s| <= B``, and has ``leakage_bound <= leak_tol``. ``low`` is the most negative such value:
+    the next value below makes ``fl(-B_F + c)`` overflow. ``high`` is the least negative: the next
+    value above leaks more than ``leak_tol``. ``empty`` when no value qualifies (then ``low`` and
+    ``high`` are NaN).
+    """
+
+    format: str
+    softmax_format: str
+    mode: str
+    score_bound: float
+    leak_tol: float
+    n_keys: int
+    low: float
+    high: float
+    empty: bool
+    reason: str
+
+    def contains(self, c: float) -> bool:
+        """Whether ``c`` lies in ``[low, high]``."""
+        return not self.empty and self.low <= c <= self.high
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskRecommendation:
+    """A recommended constant, its analysis and the reason it was chosen."""
+
+    value: float
+    analysis: MaskAnalysis
+    range: MaskRange
+    reason: str
+
+
+# Validation ---------------------------------------------------------------------------------------
+
+
+def _real(value: Any, name: str, expected: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        msg = f"{name}: expected {expected}, got {value!r}"
+        raise InvalidArgument(msg)
+    return float(value)
+
+
+def _score_bound(value: Any) -> float:
+    b = _real(value, "score_bound", "a finite number >= 0")
+    if not math.isfinite(b) or b < 0:
+        msg = f"score_bound: expected a finite number >= 0, got {value!r}"
+        raise InvalidArgument(msg)
+    return b
+
+
+def _mode(value: Any) -> str:
+    if value not in _MODES:
+        msg = f"mode: expected one of {_MODES}, got {value!r}"
+        raise InvalidArgument(msg)
+    return str(value)
+
+
+def _softmax_kind(value: Any) -> str:
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        if text in ("naive", "safe"):
+            return text
+        if _ONLINE.match(text):
+            return "online"
+    msg = f"softmax: expected 'naive', 'safe', 'online' or 'online(B)', got {value!r}"
+    raise InvalidArgument(msg)
+
+
+def _softmax_format(value: Any, fmt: Format) -> Format:
+    if value is None:
+        return get_format(fmt.name if fmt.name in _SOFTMAX_FORMATS else "float32")
+    f = get_format(value, argname="softmax_format")
+    if f.name not in _SOFTMAX_FORMATS:
+        msg = f"softmax_format: expected one of {_SOFTMAX_FORMATS}, got {value!r}"
+        raise InvalidArgument(msg)
+    return f
+
+
+def _n_keys(value: Any, *, required: bool) -> int | None:
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        msg = f"n_keys: expected an integer >= 1, got {value!r}"
+        raise InvalidArgument(msg)
+    return int(value)
+
+
+def _ulps(value: Any, name: str) -> float:
+    v = _real(value, name, "a finite number >= 0")
+    if not math.isfinite(v) or v < 0:
+        msg = f"{name}: expected a finite number >= 0, got {value!r}"
+        raise InvalidArgument(msg)
+    return v
+
+
+def _leak_tol(value: Any) -> float:
+    t = _real(value, "leak_tol", "a number in [0, 1)")
+    if not 0 <= t < 1:
+        msg = f"leak_tol: expected a number in [0, 1), got {value!r}"
+        raise InvalidArgument(msg)
+    return t
+
+
+def _resolve(value: Any, fmt: Format) -> tuple[float | str, float, float]:
+    """(canonical requested value, its real value, stored value), resolved as ``Numerics`` does."""
+    try:
+        num = Numerics(input="float64", accum="float64", score_format=fmt.name, mask_value=value)
+    except InvalidArgument as err:
+        msg = (
+            "value: expected a number <= 0, -inf, 'finfo.min' or 'c*finfo.min' (0 < c <= 1), "
+            f"got {value!r}"
+        )
+        raise InvalidArgument(msg) from err
+    requested = num.mask_value
+    if isinstance(requested, str):
+        m = re.match(r"^(?:(\d*\.?\d+)\*)?finfo\.min$", requested)
+        assert m is not None
+        real = -(float(m.group(1)) if m.group(1) else 1.0) * fmt.max_finite
+    else:
+        real = requested
+    return requested, real, num.mask_constant()
+
+
+# Exact arithmetic on the values of a format --------------------------------------------------------
+
+
+def _fl(x: float, fmt: Format) -> float:
+    return float(round_to(x, fmt))
+
+
+def _fl_sum(a: float, b: float, fmt: Format) -> float:
+    """``fl_F(a + b)`` for values ``a``, ``b`` of ``F``: exact for ``F`` float64, and for narrower
+    formats the float64 sum rounded again, which is innocuous (``53 >= 2p + 2``)."""
+    return _fl(a + b, fmt)
+
+
+def _ordinal(x: float, fmt: Format) -> int:
+    """The signed index of a finite value of ``fmt`` in the ordered list of its values."""
+    a = abs(x)
+    half = 1 << (fmt.precision - 1)
+    if a < fmt.smallest_normal:
+        index = int(a / fmt.smallest_subnormal)
+    else:
+        e = math.frexp(a)[1] - 1
+        index = (e - fmt.emin + 1) * half + int(math.ldexp(a, fmt.precision - 1 - e)) - half
+    return -index if x < 0 else index
+
+
+def _from_ordinal(i: int, fmt: Format) -> float:
+    half = 1 << (fmt.precision - 1)
+    a = abs(i)
+    if a < half:
+        v = math.ldexp(float(a), fmt.emin - fmt.precision + 1)
+    else:
+        e = fmt.emin + a // half - 1
+        v = math.ldexp(float(half + a % half), e - fmt.precision + 1)
+    return -v if i < 0 else v
+
+
+def _round_down(b: float, fmt: Format) -> float:
+    """The largest value of ``fmt`` that is ``<= b`` (``b >= 0``)."""
+    if b >= fmt.max_finite:
+        return fmt.max_finite
+    r = _fl(b, fmt)
+    return r if r <= b else _from_ordinal(_ordinal(r, fmt) - 1, fmt)
+
+
+def _neighbour_gaps(c: float, fmt: Format) -> tuple[float, float]:
+    """Distances from a finite ``c`` to its neighbours toward zero and away from zero."""
+    i = _ordinal(c, fmt)
+    step = -1 if c < 0 else 1
+    toward = abs(c - _from_ordinal(i - step, fmt)) if i != 0 else fmt.smallest_subnormal
+    if abs(i) < _ordinal(fmt.max_finite, fmt):
+        away = abs(_from_ordinal(i + (step if i != 0 else -1), fmt) - c)
+    else:
+        away = float(ulp(c, fmt))
+    return toward, away
+
+
+def _exp_zero_below(fs: Format) -> float:
+    """Assumption U: ``exp(x)`` is 0 in ``F_s`` when ``e^x <= (1 - 2^-8) α/2``."""
+    return math.log(fs.smallest_subnormal) - math.log(2) + math.log(_UNDERFLOW_MARGIN)
+
+
+def _exp_up(x: float) -> mpmath.mpf:
+    return _MP.exp(_MP.mpf(x)) if x < math.inf else _MP.inf
+
+
+def _up(x: Any) -> float:
+    """A float64 ``>=`` the mpmath number ``x``."""
+    f = float(x)
+    return math.nextafter(math.nextafter(f, math.inf), math.inf) if math.isfinite(f) else f
+
+
+# Analysis -----------------------------------------------------------------------------------------
+
+
+def analyze_mask(
+    fmt: Format | str,
+    value: float | str,
+    mode: str,
+    score_bound: float,
+    *,
+    softmax_format: Format | str | None = None,
+    n_keys: int | None = None,
+    softmax: str = "safe",
+    exp_ulps: float = 2.0,
+    div_ulps: float = 0.5,
+) -> MaskAnalysis:
+    """Analyse a masking constant: papers/masking.md Theorems M.1–M.6.
+
+    Assumptions: round-to-nearest, ties to even; attended scores are values of ``F`` with
+    ``|s| <= B``; at least one key of a row is attended (except in M.6); the softmax computes
+    ``exp`` in ``F_s`` with error ``<= exp_ulps`` ulps and ``exp(0) = 1`` exactly (E), returns 0
+    when ``e^x <= (1 - 2^-8)·α_s/2`` (U; ``α_s`` the smallest subnormal of ``F_s``), divides with
+    error ``<= div_ulps`` ulps, and sums nonnegative terms by any summation tree (not compensated).
+
+    Let ``c`` be the stored constant, ``c⁺`` the largest masked logit (``c`` for fill,
+    ``fl_F(c + B_F)`` for add), ``u`` and ``α`` the unit roundoff and smallest subnormal of ``F_s``,
+    ``X = fl_s(fl_s(c⁺) + fl_s(B_F))`` (safe and online) or ``X = fl_s(c⁺)`` (naive). Then (M.4)
+    in the exact softmax of the stored logits of a row of ``n`` keys, ``m`` of them masked,
+
+    .. math::
+
+        \\sum_{j\\ \\mathrm{masked}} p_j \\le \\frac{m\\,e^{c^+ + B_F}}{(n - m) + m\\,e^{c^+ + B_F}}
+        \\le \\frac{(n-1)\\,e^{c^+ + B_F}}{1 + (n-1)\\,e^{c^+ + B_F}},
+
+    and (M.5) every masked key's computed probability satisfies, with ``D = 1`` (safe, online) or
+    ``D = e^{-fl_s(B_F)}(1 - 2 k_e u)`` (naive),
+
+    .. math::
+
+        \\hat p_j \\le \\frac{e^{X}(1 + 2k_e u) + k_e\\alpha}{D}(1 + 2k_d u) + k_d\\alpha,
+
+    and ``\\hat p_j = 0`` when ``X`` is below the underflow threshold of U.
+
+    Args:
+        fmt: the score format ``F`` (where the mask is applied).
+        value: the constant: a number ``<= 0``, ``-inf``, ``"finfo.min"`` or ``"c*finfo.min"``
+            (resolved in ``F`` exactly as :meth:`mhanum.Numerics.mask_constant` does).
+        mode: ``"fill"`` or ``"add"``.
+        score_bound: ``B >= 0``, a bound on the magnitude of attended scores.
+        softmax_format: ``F_s``, one of float64, float32, bfloat16, float16; default ``F`` when it
+            is one of those, else float32.
+        n_keys: keys per row, for the total leakage; ``None`` reports per-key bounds only.
+        softmax: ``"naive"``, ``"safe"`` or ``"online"``/``"online(B)"``.
+        exp_ulps: ``k_e``, the accuracy of ``exp`` in ulps of ``F_s``.
+        div_ulps: ``k_d``, the accuracy of division in ulps of ``F_s``.
+
+    Returns:
+        A :class:`MaskAnalysis`.
+
+    Raises:
+        InvalidArgument: for an unknown format, mode or softmax, a positive or NaN constant, a
+            negative or non-finite score bound, or ``n_keys < 1``.
+
+    Examples:
+        >>> a = analyze_mask("float16", -1e9, "fill", 10.0)
+        >>> a.stored_value, a.overflows, a.fully_masked_row
+        (-inf, True, 'nan')
+        >>> analyze_mask("float32", -1e9, "add", 10.0).absorption_ulp
+        64.0
+
+    References:
+        ``papers/masking.md`` (its table lists the constants frameworks use).
+    """
+    f = get_format(fmt)
+    kind = _softmax_kind(softmax)
+    m = _mode(mode)
+    b = _score_bound(score_bound)
+    fs = _softmax_format(softmax_format, f)
+    n = _n_keys(n_keys, required=False)
+    ke, kd = _ulps(exp_ulps, "exp_ulps"), _ulps(div_ulps, "div_ulps")
+    requested, real, c = _resolve(value, f)
+    return _analyze(f, fs, m, kind, b, n, ke, kd, requested, real, c)
+
+
+def analyze_numerics(
+    numerics: Numerics, score_bound: float, *, n_keys: int | None = None
+) -> MaskAnalysis:
+    """:func:`analyze_mask` for the mask of a :class:`~mhanum.Numerics` (its score and softmax
+    formats, mode, constant, softmax algorithm and ``exp``/division accuracy)."""
+    if not isinstance(numerics, Numerics):
+        msg = f"numerics: expected a Numerics, got {type(numerics).__name__}"
+        raise InvalidArgument(msg)
+    return analyze_mask(
+        numerics.format_of("score"),
+        numerics.mask_value,
+        numerics.mask_mode,
+        score_bound,
+        softmax_format=numerics.format_of("softmax"),
+        n_keys=n_keys,
+        softmax=numerics.softmax,
+        exp_ulps=numerics.exp_ulps,
+        div_ulps=numerics.div_ulps,
+    )
+
+
+_ASSUMPTIONS = (
+    "round-to-nearest, ties to even, in the score and softmax formats",
+    "attended scores are values of the score format with |s| <= score_bound",
+    "at least one key per row is attended (leakage)",
+    "E: exp in the softmax format within exp_ulps ulps, and exp(0) = 1 exactly",
+    "U: exp returns 0 when e^x <= (1 - 2^-8) * (smallest subnormal)/2",
+    "division within div_ulps ulps; sums of nonnegative terms by a summation tree (not Kahan)",
+)
+
+
+def _analyze(
+    f: Format,
+    fs: Format,
+    mode: str,
+    kind: str,
+    b: float,
+    n: int | None,
+    ke: float,
+    kd: float,
+    requested: float | str,
+    real: float,
+    c: float,
+) -> MaskAnalysis:
+    notes: list[str] = []
+    bf = _round_down(b, f)
+    bs = _fl(bf, fs)
+    c_s = _fl(c, fs)
+    stored_overflow = math.isfinite(real) and not math.isfinite(c)
+    if stored_overflow:
+        notes.append(f"M.1: {real!r} exceeds the range of {f.name} and is stored as -inf.")
+    # M.2: fl(s + c) is monotone in s, so the most negative result is at s = -B_F.
+    low = _fl_sum(c, -bf, f) if math.isfinite(c) else c
+    high = _fl_sum(c, bf, f) if math.isfinite(c) else c
+    add_can_overflow = math.isfinite(c) and not math.isfinite(low)
+    if add_can_overflow:
+        notes.append(
+            f"M.2: fl({c!r} + s) = -inf in {f.name} for scores s <= {_add_overflow_threshold(c, f)!r}"
+            f" (|s| <= {bf!r} allowed)."
+        )
+    masked_max = c if mode == "fill" else high
+    masked_min = c if mode == "fill" else low
+    softmax_overflow = (math.isfinite(masked_min) and not math.isfinite(_fl(masked_min, fs))) or (
+        math.isfinite(c) and not math.isfinite(c_s)
+    )
+    if softmax_overflow:
+        notes.append(
+            f"M.1: a finite masked logit becomes -inf on conversion into {fs.name} "
+            f"(largest finite {fs.max_finite!r})."
+        )
+    overflows = stored_overflow or softmax_overflow or (mode == "add" and add_can_overflow)
+
+    # M.3 absorption.
+    absorption_ulp: float | None
+    radius: float | None
+    err: float | None
+    if math.isfinite(c):
+        absorption_ulp = float(ulp(c, f))
+        toward, away = _neighbour_gaps(c, f)
+        radius = min(toward, away) / 2
+        absorbs = low == c == high
+        err = float(ulp(abs(c) + bf, f)) / 2
+        if mode == "add":
+            notes.append(
+                f"M.3: an added constant quantises a logit s to fl(s + c): spacing {absorption_ulp!r}"
+                f" at c, error <= {err!r}; |s| < {radius!r} is absorbed entirely"
+                + (" (every |s| <= B is)." if absorbs else ".")
+            )
+    else:
+        absorption_ulp = radius = err = None
+        absorbs = True
+
+    # M.4 exact leakage.
+    ratio = _exp_up(masked_max + bf) if math.isfinite(masked_max) else _MP.zero
+    leakage_ratio = _up(ratio)
+    leakage_exact = None if n is None else _up((n - 1) * ratio / (1 + (n - 1) * ratio))
+
+    # M.5 computed leakage.
+    zero_below = _exp_zero_below(fs)
+    masked_s = _fl(masked_max, fs)
+    x_arg = _fl_sum(masked_s, bs, fs) if kind != "naive" else masked_s
+    u, alpha = fs.u, fs.smallest_subnormal
+    if x_arg <= zero_below:
+        per_key = 0.0
+        leak_zero = True
+    else:
+        leak_zero = False
+        num = _exp_up(x_arg) * (1 + 2 * ke * u) + ke * alpha
+        if kind == "naive":
+            den = _MP.exp(-_MP.mpf(bs)) * (1 - 2 * ke * u)
+            if den < fs.smallest_normal:
+                den = _MP.zero
+        else:
+            den = _MP.one
+        per_key = _up(num / den * (1 + 2 * kd * u) + kd * alpha) if den > 0 else math.inf
+    leakage_bound = None if n is None else (0.0 if leak_zero else _up(_MP.mpf(per_key) * (n - 1)))
+    if leak_zero:
+        notes.append(
+            f"M.5: exp of every masked logit (argument <= {x_arg!r}) underflows to 0 in {fs.name}:"
+            " masked keys get probability exactly 0."
+        )
+
+    # A filled row holds c everywhere: equal logits, whatever the scores were.
+    equal = absorbs or mode == "fill"
+    outcome, why = _fully_masked(mode, kind, fs, ke, c, c_s, low, high, equal, zero_below)
+    notes.append(why)
+    if n is not None and outcome == "uniform" and kind != "naive" and n > 2**fs.precision:
+        notes.append(
+            f"M.6: with {n} > 2^{fs.precision} keys a sum of ones in {fs.name} need not be exact "
+            f"(a sequential sum stalls at 2^{fs.precision}): the probabilities are equal but may "
+            "not sum to 1."
+        )
+    return MaskAnalysis(
+        format=f.name,
+        softmax_format=fs.name,
+        mode=mode,
+        softmax=kind,
+        requested=requested,
+        requested_value=real,
+        stored_value=c,
+        softmax_value=c_s,
+        score_bound=b,
+        score_bound_in_format=bf,
+        n_keys=n,
+        stored_overflow=stored_overflow,
+        softmax_overflow=softmax_overflow,
+        add_can_overflow=add_can_overflow,
+        overflows=overflows,
+        absorption_ulp=absorption_ulp,
+        absorption_radius=radius,
+        absorbs_scores=absorbs,
+        logit_error_bound=err,
+        masked_logit_max=masked_max,
+        leakage_ratio_exact=leakage_ratio,
+        leakage_exact=leakage_exact,
+        leakage_per_key=per_key,
+        leakage_bound=leakage_bound,
+        leakage_is_zero=leak_zero,
+        exp_argument_max=x_arg,
+        exp_zero_below=zero_below,
+        fully_masked_row=outcome,
+        notes=tuple(notes),
+        assumptions=_ASSUMPTIONS,
+    )
+
+
+def _add_overflow_threshold(c: float, f: Format) -> float:
+    """The largest score ``s`` of ``f`` with ``fl(s + c) = -inf`` (``s`` in ``[-max, 0]``)."""
+    lo, hi = _ordinal(-f.max_finite, f), 0
+    while lo < hi:  # find the largest ordinal whose score overflows
+        mid = (lo + hi + 1) // 2
+        if math.isinf(_fl_sum(c, _from_ordinal(mid, f), f)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return _from_ordinal(lo, f)
+
+
+def _positive_exp(x: float, fs: Format, ke: float) -> bool:
+    """``exp(x)`` is certainly a positive normal number of ``fs`` (assumption E)."""
+    return math.isfinite(x) and math.exp(x) * (1 - 2 * ke * fs.u) >= fs.smallest_normal
+
+
+def _fully_masked(
+    mode: str,
+    kind: str,
+    fs: Format,
+    ke: float,
+    c: float,
+    c_s: float,
+    low: float,
+    high: float,
+    absorbs: bool,
+    zero_below: float,
+) -> tuple[Outcome, str]:
+    """Theorem M.6: the computed softmax of a row whose every key is masked."""
+    if mode == "fill":
+        if not math.isfinite(c_s):
+            return "nan", (
+                "M.6: every masked logit is -inf in the softmax format: a fully-masked row is NaN"
+                " (-inf - (-inf) after the max shift; 0/0 in the naive and online softmax)."
+            )
+        lo_s = hi_s = c_s
+    else:
+        lo_s, hi_s = _fl(low, fs), _fl(high, fs)
+        if not math.isfinite(hi_s):
+            return "nan", "M.6: fl(s + c) = -inf for every score: a fully-masked row is NaN."
+        if not math.isfinite(lo_s):
+            return "nan_possible", (
+                "M.6: fl(s + c) overflows to -inf for the most negative scores: a row whose every "
+                "logit overflows is NaN; other rows are the softmax of the finite logits."
+            )
+    finite = "uniform" if absorbs else "quantised"
+    what = (
+        "all logits equal c: exactly uniform"
+        if absorbs
+        else "the softmax of the quantised logits fl(s + c)"
+    )
+    if kind != "naive":
+        return finite, f"M.6: the max shift makes the row finite: {what}."
+    if hi_s <= zero_below:
+        return "nan", (
+            f"M.6: the naive softmax underflows exp({hi_s!r}) to 0 for every key: 0/0 = NaN."
+        )
+    if _positive_exp(lo_s, fs, ke):
+        return finite, f"M.6: exp of every logit is positive in the naive softmax: {what}."
+    return "nan_possible", (
+        "M.6: exp of the masked logits is near underflow in the naive softmax: NaN (0/0) for "
+        "some rows or exp implementations."
+    )
+
+
+# Safe range and recommendation ---------------------------------------------------------------------
+
+
+def safe_mask_range(
+    fmt: Format | str,
+    score_bound: float,
+    leak_tol: float,
+    *,
+    mode: str = "fill",
+    n_keys: int,
+    softmax_format: Format | str | None = None,
+    softmax: str = "safe",
+    exp_ulps: float = 2.0,
+    div_ulps: float = 0.5,
+) -> MaskRange:
+    """The interval of safe masking constants: papers/masking.md Theorem M.7.
+
+    A value ``c`` of ``F`` is safe when it is finite in ``F`` and ``F_s``, ``fl_F(s + c)`` is
+    finite (also in ``F_s``) for every score ``|s| <= B`` (whatever the ``mode``: a constant that
+    is safe to add is safe to fill), and the computed leakage bound of Theorem M.5 (for ``mode``,
+    ``softmax`` and ``n_keys``) is ``<= leak_tol``. Both conditions are monotone in ``c``
+    (rounding is monotone), so the safe values form an interval ``[low, high]`` of ``F``, found by
+    bisection over the ordered values of ``F``.
+
+    Raises:
+        InvalidArgument: as :func:`analyze_mask`, and for ``leak_tol`` outside ``[0, 1)``.
+    """
+    f = get_format(fmt)
+    kind = _softmax_kind(softmax)
+    m = _mode(mode)
+    b = _score_bound(score_bound)
+    tol = _leak_tol(leak_tol)
+    n = _n_keys(n_keys, required=True)
+    assert n is not None
+    fs = _softmax_format(softmax_format, f)
+    ke, kd = _ulps(exp_ulps, "exp_ulps"), _ulps(div_ulps, "div_ulps")
+    bf = _round_down(b, f)
+
+    def finite_when_added(i: int) -> bool:
+        c = _from_ordinal(i, f)
+        lo = _fl_sum(c, -bf, f)
+        return math.isfinite(lo) and math.isfinite(_fl(lo, fs)) and math.isfinite(_fl(c, fs))
+
+    def leaks_little(i: int) -> bool:
+        c = _from_ordinal(i, f)
+        a = _analyze(f, fs, m, kind, b, n, ke, kd, c, c, c)
+        return a.leakage_bound is not None and a.leakage_bound <= tol
+
+    bottom = _ordinal(-f.max_finite, f)
+    # low: the smallest ordinal that stays finite (finite_when_added is false below, true above).
+    lo, hi = bottom, 0
+    if not finite_when_added(hi):
+        return _empty(f, fs, m, b, tol, n, "no constant stays finite when a score is added")
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if finite_when_added(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    low_i = lo
+    if not leaks_little(low_i):
+        a = _analyze(f, fs, m, kind, b, n, ke, kd, *(_from_ordinal(low_i, f),) * 3)
+        return _empty(
+            f, fs, m, b, tol, n,
+            f"even the most negative safe constant leaks up to {a.leakage_bound!r} > {tol!r}",
+        )  # fmt: skip
+    lo, hi = low_i, 0
+    while lo < hi:  # largest ordinal that leaks little
+        mid = (lo + hi + 1) // 2
+        if leaks_little(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    low, high = _from_ordinal(low_i, f), _from_ordinal(lo, f)
+    below = "no finite value lies" if low == -f.max_finite else f"fl(-{bf!r} + c) overflows to -inf"
+    reason = (
+        f"below {low!r}, {below}; above {high!r}, the leakage bound "
+        f"(Theorem M.5, {n} keys, {kind} softmax in {fs.name}) exceeds {tol!r}"
+    )
+    return MaskRange(f.name, fs.name, m, b, tol, n, low, high, False, reason)
+
+
+def _empty(
+    f: Format, fs: Format, mode: str, b: float, tol: float, n: int, reason: str
+) -> MaskRange:
+    return MaskRange(f.name, fs.name, mode, b, tol, n, math.nan, math.nan, True, reason)
+
+
+def recommend_mask_value(
+    fmt: Format | str,
+    score_bound: float,
+    leak_tol: float,
+    *,
+    mode: str = "fill",
+    n_keys: int,
+    softmax_format: Format | str | None = None,
+    softmax: str = "safe",
+    exp_ulps: float = 2.0,
+    div_ulps: float = 0.5,
+) -> MaskRecommendation:
+    """A safe constant (papers/masking.md Theorem M.7): a negative power of two, exactly representable in every
+    binary format, near the geometric middle of the safe range, so that it is as far (in ratio)
+    from overflowing as from leaking; the range's least negative end if no power of two fits.
+
+    Raises:
+        InvalidArgument: as :func:`safe_mask_range`, and when no constant is safe (``leak_tol``
+            too small for ``n_keys`` and ``score_bound`` in the format).
+    """
+    r = safe_mask_range(
+        fmt, score_bound, leak_tol, mode=mode, n_keys=n_keys, softmax_format=softmax_format,
+        softmax=softmax, exp_ulps=exp_ulps, div_ulps=div_ulps,
+    )  # fmt: skip
+    if r.empty:
+        msg = (
+            f"leak_tol: expected a tolerance some finite constant of {r.format} meets with "
+            f"score_bound {r.score_bound!r} and {r.n_keys} keys, got {leak_tol!r} ({r.reason})"
+        )
+        raise InvalidArgument(msg)
+    f = get_format(fmt)
+    middle = math.sqrt(abs(r.low) * max(abs(r.high), f.smallest_subnormal))
+    k = round(math.log2(middle)) if middle > 0 else f.emin
+    candidates = [-math.ldexp(1.0, j) for j in (k, k - 1, k + 1, k - 2, k + 2)]
+    chosen = next((c for c in candidates if r.contains(c) and _fl(c, f) == c), r.high)
+    analysis = analyze_mask(
+        f, chosen, r.mode, score_bound, n_keys=n_keys, softmax_format=softmax_format,
+        softmax=softmax, exp_ulps=exp_ulps, div_ulps=div_ulps,
+    )  # fmt: skip
+    headroom = f.max_finite - abs(chosen)
+    reason = (
+        f"{chosen!r} is exactly representable in {f.name}; safe range [{r.low!r}, {r.high!r}]; "
+        f"leakage bound {analysis.leakage_bound!r} <= {r.leak_tol!r}; adding any score up to "
+        f"{headroom!r} in magnitude cannot overflow"
+    )
+    return MaskRecommendation(chosen, analysis, r, reason)
