@@ -4,6 +4,7 @@ Every bound function returns a :class:`Bound`: the total and its named terms, wi
 number (in ``papers/``), its assumptions and its source.
 """
 
+from mhanum.bounds import heads, masking
 from mhanum.bounds._result import Bound
 from mhanum.bounds.masking import (
     MaskAnalysis,
@@ -22,6 +23,8 @@ __all__ = [
     "MaskRecommendation",
     "analyze_mask",
     "analyze_numerics",
+    "heads",
+    "masking",
     "recommend_mask_value",
     "safe_mask_range",
 ]
