@@ -258,7 +258,7 @@ def _naive_or_safe(xs: np.ndarray, xr: np.ndarray, model: _Model, safe: bool) ->
 
 
 def _online(xs: np.ndarray, xr: np.ndarray, model: _Model, block: int) -> tuple[Any, ...]:
-    """One row of the online softmax (Theorem S.3): the recursion of ``papers/softmax.md`` §4."""
+    """One row of the online softmax (Theorem S.3): the recursion of ``papers/softmax.md`` §3."""
     n = xs.size
     finite = np.isfinite(xr)
     xs, xr = np.where(finite, xs, 0.0), np.where(finite, xr, 0.0)
@@ -362,7 +362,7 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
 
         |\\hat p_i - p_i| \\le \\mathrm{total}_i,
 
-    where ``total`` is the rigorous a posteriori bound of ``papers/softmax.md`` (§2-4). To first
+    where ``total`` is the rigorous a posteriori bound of ``papers/softmax.md`` (§1-3). To first
     order in ``u``, with ``σ_j`` the error of the exp argument (``σ_j = |x̂_j - x_j|`` naive;
     ``+ u|x̂_j - x̂_max|`` or 0 when the difference is exact, safe and online) and ``γ`` the
     summation constant over ``n`` terms (over ``B`` terms for online):
@@ -378,7 +378,7 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
     with ``K = ⌈n/B⌉`` blocks, ``k(j)`` the block of ``j``, ``σ_j <= u(m_{k(j)} - x̂_j)`` for the
     in-block terms and ``σ_{c,l} <= u(m_l - m_{l-1})`` the error of the argument of the ``l``-th
     rescaling factor (the ``u`` is the rounding of adding a block sum to the rescaled total). With ``exp_ulps = div_ulps =
-    1/2`` and sequential summation: naive ``(n + 3)u`` (BHH Thm 3.3), safe
+    1/2`` and sequential summation: naive ``(n + 2)u`` (within BHH Thm 3.3's ``(n + 3)u``), safe
     ``(n + 2 + 2(x_max - x_min))u`` (BHH Thm 4.3, here componentwise), online
     ``(B + 3 + 2(x_max - x_min) + 3(⌈n/B⌉ - 1))u`` at most (Theorem S.3; ``B + 2 + ...`` for
     one block): each term is rescaled at most ``⌈n/B⌉ - 1`` times, and the arguments of the
@@ -592,7 +592,7 @@ def logit_perturbation(delta: Any, probabilities: Any = None) -> Bound:
             \\le \\big(e^{2\\|\\Delta s\\|_\\infty} - 1\\big) p_i .
 
     Exact (no rounding): it bounds the effect of earlier errors (scores, masks, the logits'
-    rounding) on the softmax. Proof in ``papers/softmax.md`` §5.
+    rounding) on the softmax. Proof in ``papers/softmax.md`` §4.
 
     Args:
         delta: the perturbation ``Δs`` (``(..., n)``; the row's ``∞``-norm is taken over the last
