@@ -32,22 +32,11 @@ from mhanum import _validate as V
 from mhanum._arith import Arith, runtime_zero, to_format
 from mhanum._errors import InvalidArgument
 from mhanum.formats import Format, round_to
-from mhanum.numerics import Numerics
+from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
 from mhanum.summation import matmul_with, sum_with
 
 __all__ = ["attention", "multi_head_attention", "softmax"]
-
-
-def _numerics(numerics: Numerics | str | None) -> Numerics:
-    if numerics is None:
-        return Numerics()
-    if isinstance(numerics, str):
-        return Numerics.preset(numerics)
-    if not isinstance(numerics, Numerics):
-        msg = f"numerics: expected a Numerics or a preset name, got {type(numerics).__name__}"
-        raise InvalidArgument(msg)
-    return numerics
 
 
 def _check_x64(num: Numerics) -> None:
@@ -98,9 +87,14 @@ class _Stages:
         return sum_with(self.soft, x, self.num.summation, keepdims=True)
 
 
+def _constant(ar: Arith, value: float) -> jax.Array:
+    """A Python float rounded once into ``ar``'s format (on the host, from its float64 value)."""
+    return jnp.asarray(float(round_to(value, ar.fmt)), ar.dtype)
+
+
 def _scaled(st: _Stages, x: jax.Array, factor: float) -> jax.Array:
     ar = st.scaled
-    return ar.mul(ar.take(x), ar.take(jnp.asarray(factor, ar.dtype)))
+    return ar.mul(ar.take(x), _constant(ar, factor))
 
 
 def _logits(st: _Stages, q: jax.Array, k: jax.Array, mask: Any, bias: Any, scale: float) -> Any:
@@ -112,7 +106,7 @@ def _logits(st: _Stages, q: jax.Array, k: jax.Array, mask: Any, bias: Any, scale
     sc = st.score
     s = sc.take(st.dot(q, jnp.swapaxes(k, -1, -2)))
     if num.scale == "scores":
-        s = sc.mul(s, sc.take(jnp.asarray(scale, sc.dtype)))
+        s = sc.mul(s, _constant(sc, scale))
     if bias is not None:
         s = sc.add(s, sc.take(bias))
     if mask is not None:
@@ -268,7 +262,7 @@ def attention(
         >>> out.shape
         (2, 2)
     """
-    num = _numerics(numerics)
+    num = resolve(numerics)
     _check_x64(num)
     q, k, v = (V.float_array(x, name, min_ndim=2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     if k.shape[-1] != q.shape[-1]:
@@ -319,7 +313,7 @@ def softmax(x: Any, mask: Any = None, *, numerics: Numerics | str | None = None)
     Raises:
         InvalidArgument: for a non-float or non-finite ``x`` (``-inf`` is allowed), or a bad mask.
     """
-    num = _numerics(numerics)
+    num = resolve(numerics)
     _check_x64(num)
     x = V.float_array(x, "x", min_ndim=1)
     V.check_finite(x, "x", allow_neg_inf=True)
@@ -399,7 +393,7 @@ def multi_head_attention(
         InvalidArgument: as :func:`attention`, and for parameters that do not fit the inputs or a
             ``num_heads`` that does not divide the projected widths.
     """
-    num = _numerics(numerics)
+    num = resolve(numerics)
     _check_x64(num)
     if not isinstance(params, MHAParams):
         msg = f"params: expected an MHAParams, got {type(params).__name__}"

@@ -31,7 +31,7 @@ from typing import Any
 from mhanum._errors import InvalidArgument
 from mhanum.formats import Format, get_format
 
-__all__ = ["PRESETS", "Numerics"]
+__all__ = ["PRESETS", "Numerics", "resolve"]
 
 _ACCUM_FORMATS = ("float64", "float32", "bfloat16", "float16")
 _SUMMATIONS = ("native", "sequential", "pairwise", "kahan")
@@ -318,3 +318,19 @@ PRESETS: Mapping[str, Numerics] = {
 * ``bf16-fp32acc``, ``fp16-fp32acc``: tensors in that format, dots accumulated and the softmax
   computed in float32, results rounded back (what frameworks do with half-precision tensors).
 """
+
+
+def resolve(numerics: Numerics | str | None) -> Numerics:
+    """``numerics`` as a :class:`Numerics`: itself, a preset by name, or the default for ``None``.
+
+    Raises:
+        InvalidArgument: for an unknown preset name or a value of another type.
+    """
+    if numerics is None:
+        return Numerics()
+    if isinstance(numerics, str):
+        return Numerics.preset(numerics)
+    if not isinstance(numerics, Numerics):
+        msg = f"numerics: expected a Numerics or a preset name, got {type(numerics).__name__}"
+        raise InvalidArgument(msg)
+    return numerics

@@ -6,6 +6,7 @@ number (in ``papers/``), its assumptions and its source.
 
 from mhanum.bounds import heads, masking
 from mhanum.bounds._result import Bound
+from mhanum.bounds.attention import attention_bound
 from mhanum.bounds.masking import (
     MaskAnalysis,
     MaskRange,
@@ -23,6 +24,7 @@ __all__ = [
     "MaskRecommendation",
     "analyze_mask",
     "analyze_numerics",
+    "attention_bound",
     "heads",
     "masking",
     "recommend_mask_value",

@@ -32,7 +32,7 @@ import numpy as np
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.formats import Format, representable, round_to
-from mhanum.numerics import Numerics
+from mhanum.numerics import Numerics, resolve
 
 __all__ = ["logit_perturbation", "lse_bound", "softmax_bound", "summation_gamma"]
 
@@ -47,17 +47,6 @@ _ASSUMPTIONS = (
 _FLUSHING = ("float32", "bfloat16", "float64")
 # Slack for evaluating the bound itself in float64 from a long-double softmax.
 _EVAL_SLACK = 1.0 + 2.0**-40
-
-
-def _numerics(numerics: Numerics | str | None) -> Numerics:
-    if numerics is None:
-        return Numerics()
-    if isinstance(numerics, str):
-        return Numerics.preset(numerics)
-    if not isinstance(numerics, Numerics):
-        msg = f"numerics: expected a Numerics or a preset name, got {type(numerics).__name__}"
-        raise InvalidArgument(msg)
-    return numerics
 
 
 def _gamma(k: float, u: float) -> float:
@@ -408,7 +397,7 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
         Blanchard, Higham & Higham, IMA J. Numer. Anal. 41(4), 2021, Thms 3.3, 4.3;
         Milakov & Gimelshein, arXiv:1805.02867 (the online algorithm); papers/softmax.md.
     """
-    num = _numerics(numerics)
+    num = resolve(numerics)
     arr = _logits(x, num)
     model = _Model(num)
     rounded = round_to(arr, model.fmt)
@@ -553,7 +542,7 @@ def lse_bound(
     ):
         msg = f"log_ulps: expected a finite number >= 0, got {log_ulps!r}"
         raise InvalidArgument(msg)
-    num = _numerics(numerics)
+    num = resolve(numerics)
     arr = _logits(x, num)
     model = _Model(num)
     rounded = round_to(arr, model.fmt)

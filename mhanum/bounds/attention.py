@@ -1,0 +1,341 @@
+"""A posteriori componentwise bound on the error of ``mhanum.attention``: papers/attention.md A.1.
+
+:func:`attention_bound` evaluates Theorem A.1 on the given inputs and returns its total and its
+terms (logits, softmax, probability rounding, operand rounding, ``P V``, output), so that a user
+sees which source dominates. It covers the configurations the theorem covers and refuses the
+others with :class:`~mhanum.InvalidArgument` rather than answer outside its hypotheses: scale on
+the scores, masks applied with ``-inf`` (or ``-inf`` bias entries) and no fully-masked row, a
+bias that stays finite in the score format, a score format no wider than the softmax format, and
+for the online softmax an accumulation format no wider than the softmax format. Every sum and dot
+enters through the factor of its summation order (Theorem S.0: the height of the summation tree,
+or Kahan's constant).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from mhanum import _validate as V
+from mhanum._errors import InvalidArgument
+from mhanum.bounds._result import Bound
+from mhanum.bounds.softmax import summation_gamma
+from mhanum.formats import Format, representable, round_to
+from mhanum.numerics import Numerics, resolve
+
+__all__ = ["attention_bound"]
+
+_EVALUATION = 2.0**-40  # relative rounding of evaluating the bound in float64 (see A.1, step 0)
+_LOGIT_LIMIT = 2.0**12  # |scale|·|q|·|k| below this keeps that evaluation error under 2^-40
+
+ASSUMPTIONS = (
+    "round-to-nearest; a rounding into F is x(1+δ)+η, |δ| <= u_F, |η| <= 2^emin_F (flush-to-zero)",
+    "exp in the softmax format within exp_ulps ulps, division within div_ulps ulps",
+    "sums and dots in numerics.summation: tree orders γ_h, Kahan 2u + 4Nu² (Theorem S.0)",
+    "no overflow",
+)
+
+
+def _sum_factor(n: int, order: str, u: float) -> float:
+    """Relative error of a sum of ``n`` terms in ``order`` (Theorem S.0); refuses ``nu >= 1``."""
+    g = summation_gamma(max(n, 1), order, u)
+    if not math.isfinite(g):
+        msg = f"numerics: expected n·u < 1 for a finite bound, got n = {n} with u = {u}"
+        raise InvalidArgument(msg)
+    return g
+
+
+def _dot_factor(n: int, order: str, u: float) -> float:
+    """Relative error of a dot of length ``n``: each product rounded, then summed in ``order``."""
+    return (1 + u) * (1 + _sum_factor(n, order, u)) - 1
+
+
+def _check_scope(num: Numerics, mask: Any) -> None:
+    if num.scale != "scores":
+        msg = f"numerics.scale: Theorem A.1 covers the scale on the scores, got {num.scale!r}"
+        raise InvalidArgument(msg)
+    if mask is not None and num.mask_value != -math.inf:
+        msg = (
+            "numerics.mask_value: Theorem A.1 covers masks applied with -inf, got "
+            f"{num.mask_value!r} (see mhanum.bounds.masking for finite constants)"
+        )
+        raise InvalidArgument(msg)
+    if num.softmax_kind == "online" and (
+        num.format_of("accum").precision > num.format_of("softmax").precision
+    ):
+        msg = (
+            "numerics.softmax_format: Theorem A.1 needs, for the online softmax, a softmax "
+            f"format at least as precise as accum, got {num.format_of('softmax').name} and "
+            f"{num.format_of('accum').name}"
+        )
+        raise InvalidArgument(msg)
+    if num.format_of("score").precision > num.format_of("softmax").precision:
+        msg = (
+            "numerics.score_format: Theorem A.1 needs a score format no wider than the softmax "
+            f"format, got {num.format_of('score').name} and {num.format_of('softmax').name}"
+        )
+        raise InvalidArgument(msg)
+
+
+def _rounding(fmt: Format, x: np.ndarray) -> tuple[float, float]:
+    """(u, η) of rounding ``x`` into ``fmt`` and reading it back (A.1, step 1).
+
+    ``(0, 0)`` when every value is a normal number of ``fmt`` or zero. A subnormal value, even one
+    ``fmt`` represents, may be read as zero (XLA's CPU backend treats float32 denormals as zero),
+    an absolute error below ``2^emin``.
+    """
+    exact = bool(np.all(representable(x, fmt)))
+    tiny = bool(np.any((x != 0) & (np.abs(x) < fmt.smallest_normal)))
+    return (0.0 if exact else fmt.u), (0.0 if exact and not tiny else fmt.smallest_normal)
+
+
+def _is_power_of_four(d: int) -> bool:
+    return d & (d - 1) == 0 and (d.bit_length() - 1) % 2 == 0
+
+
+def _head(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    keep: np.ndarray,
+    bias: np.ndarray | None,
+    num: Numerics,
+    scale: float,
+    default_scale: bool,
+) -> dict[str, np.ndarray]:
+    """The terms of Theorem A.1 for one head (2-D inputs; ``bias`` finite where ``keep``)."""
+    d_k, n = q.shape[-1], k.shape[-2]
+    order = num.summation
+    fmts = {r: num.format_of(r) for r in ("accum", "score", "softmax", "prob", "output")}
+    u_a, u_s, u_m, u_p, u_o = (fmts[r].u for r in ("accum", "score", "softmax", "prob", "output"))
+    eta_a, eta_s, eta_m, eta_p, eta_o = (
+        fmts[r].smallest_normal for r in ("accum", "score", "softmax", "prob", "output")
+    )
+    # Step 1. Operand rounding: the inputs into the input format (if they are not values of it)
+    # and the dot operands into the operand format (TF32).
+    u_in, eta_in = _rounding(
+        num.format_of("input"), np.concatenate([q.ravel(), k.ravel(), v.ravel()])
+    )
+    op = num.format_of("operand")
+    u_op, eta_op = (op.u, op.smallest_normal) if num.operand_format is not None else (0.0, 0.0)
+    u_qkv = (1 + u_in) * (1 + u_op) - 1
+    eta_qkv = eta_in * (1 + u_op) + eta_op
+    eps_e = 2 * num.exp_ulps * u_m
+    u_div = 2 * num.div_ulps * u_m
+    # Step 2. The constant: the float64 value of 1/sqrt(d_k) (two float64 roundings unless
+    # d_k = 4^m) or the given scale, rounded once into the score format; the product by it is
+    # exact when it is a power of two.
+    c_hat = float(round_to(scale, fmts["score"]))
+    if default_scale and not _is_power_of_four(d_k):
+        # irrational: fl(1/fl(sqrt(d))) = c(1+δ2)/(1+δ1) in float64, then rounded into F_score
+        u_c = (1 + 2.0**-53) / (1 - 2.0**-53) * (1 + u_s) - 1
+    else:
+        u_c = 0.0 if c_hat == scale else u_s
+    u_mul = 0.0 if math.frexp(c_hat)[0] == 0.5 else u_s
+    theta = (1 + u_s) * (1 + u_c) * (1 + u_mul) - 1
+
+    # Step 3. The logits' errors δ_ij and Δ_i = max_j δ_ij.
+    t = q @ k.T
+    qk_abs = np.abs(q) @ np.abs(k).T
+    if np.max(scale * qk_abs, initial=0.0) > _LOGIT_LIMIT:
+        msg = f"q: expected scale·|q|·|k| <= 2^12 for a float64 evaluation of A.1, got {np.max(scale * qk_abs):.3g}"
+        raise InvalidArgument(msg)
+    op_abs = 2 * eta_qkv * (np.abs(q).sum(-1)[:, None] + np.abs(k).sum(-1)[None, :] + d_k)
+    qk_factor = (1 + u_qkv) ** 2
+    dot = (qk_factor - 1) * qk_abs + op_abs
+    dot += _dot_factor(d_k, order, u_a) * (qk_factor * qk_abs + op_abs) + 2 * d_k * eta_a
+    delta = scale * (dot * (1 + theta) + theta * np.abs(t)) + (abs(c_hat) * (1 + u_s) + 2) * eta_s
+    s = scale * t
+    if bias is not None:
+        u_b, eta_b = _rounding(fmts["score"], bias[keep])
+        s = s + bias
+        delta = (1 + u_s) * (delta + u_b * np.abs(bias) + eta_b) + u_s * np.abs(s) + eta_s
+    delta = np.where(keep, delta, 0.0)
+    big_delta = delta.max(axis=-1, keepdims=True)
+    s = np.where(keep, s, -np.inf)
+
+    shift = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - shift)
+    p /= p.sum(axis=-1, keepdims=True)
+    spread = 2 * big_delta
+    lowest = np.where(keep, s, np.inf).min(axis=-1)
+    logit_range = (s.max(axis=-1) - lowest)[:, None] + spread
+
+    kind = num.softmax_kind
+    if kind == "naive":
+        sigma = np.full_like(s, eta_m)
+        e_sum = np.exp(s).sum(axis=-1, keepdims=True) * np.exp(-spread)
+    else:
+        gap = np.abs(np.where(keep, s, 0.0) - shift)
+        sigma = np.where(keep, u_m * (gap + spread), 0.0) + eta_m
+        e_sum = np.exp(s - shift).sum(axis=-1, keepdims=True) * np.exp(-spread)
+    r_term = np.exp(sigma) * (1 + eps_e) - 1
+    blocks = 0
+    online = kind == "online"
+    if online:
+        # Step 5. Each term passes through its block's sum (or dot) and one addition per block
+        # from its own on, and is rescaled once per later block (A.1, online).
+        assert num.softmax_block is not None
+        width = min(num.softmax_block, n)
+        blocks = -(-n // num.softmax_block)
+        r_c = np.exp(u_m * logit_range + eta_m) * (1 + eps_e) - 1
+        rescale = ((1 + r_c) * (1 + u_m) * (1 + u_a) ** 2) ** (blocks - 1)
+        r_term = (1 + np.maximum(r_term, r_c)) * rescale - 1
+        g_sum = (1 + _sum_factor(width, order, u_m)) * (1 + u_m) ** blocks - 1
+        g_pv = (1 + _dot_factor(width, order, u_a)) * (1 + u_a) ** blocks - 1
+    else:
+        g_sum, g_pv = _sum_factor(n, order, u_m), _dot_factor(n, order, u_a)
+    underflow = n * eta_m / e_sum
+    t_sum = (1 + r_term.max(axis=-1, keepdims=True) + underflow) * (1 + g_sum) - 1
+    t_sum = t_sum + underflow
+    vacuous = t_sum >= 1
+    t_safe = np.where(vacuous, 0.0, t_sum)
+    per_sum = 1 / (e_sum * (1 - t_safe))
+
+    p_tilde_hi = p * np.exp(spread)
+    soft = p_tilde_hi * ((1 + r_term) * (1 + u_div) / (1 - t_safe) - 1)
+    soft += eta_m * (1 + u_div) * per_sum + eta_m
+    p_hat_hi = p_tilde_hi + soft
+    prob = u_p * p_hat_hi + (eta_p * per_sum + blocks * eta_m * per_sum if online else eta_p)
+    p_hat_hi = p_hat_hi + prob
+    operand_p = u_op * p_hat_hi + (eta_op if num.operand_format is not None else 0.0)
+    p_hat_hi = p_hat_hi + operand_p
+    logits = (np.exp(spread) - 1) * p
+    v_abs = (1 + u_qkv) * np.abs(v) + eta_qkv
+    o = p @ v
+
+    scale_out = (1 + u_o) * ((1 + u_div) if online else 1.0)
+    terms = {
+        "logits": scale_out * (logits @ v_abs),
+        "softmax": scale_out * (soft @ v_abs),
+        "probability_rounding": scale_out * (prob @ v_abs),
+        "operands": scale_out * (operand_p @ v_abs + p_hat_hi @ (v_abs - np.abs(v))),
+        "pv": scale_out
+        * (
+            g_pv * (p_hat_hi @ v_abs)
+            + (2 * (n + blocks) * eta_a * per_sum if online else 2 * n * eta_a)
+        ),
+        "output": (
+            u_o * np.abs(o) + eta_o + ((1 + u_o) * (u_div * np.abs(o) + eta_m) if online else 0.0)
+        ),
+    }
+    terms = {name: value * (1 + _EVALUATION) for name, value in terms.items()}
+    if vacuous.any():
+        terms["vacuous"] = np.where(vacuous, np.inf, 0.0) * np.ones_like(o)
+    return terms
+
+
+def attention_bound(
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any = None,
+    *,
+    bias: Any = None,
+    numerics: Numerics | str | None = None,
+    scale: float | None = None,
+) -> Bound:
+    """Theorem A.1: a componentwise bound on ``|attention(q, k, v, mask, numerics) − exact|``.
+
+    The exact value is the attention of the given (float64) inputs with the exact scale
+    (``mhanum.reference.attention``). With ``t = q·k``, ``s = scale·t`` and ``p = softmax(s)``:
+
+    .. math::
+
+        |\\hat o - o| \\le \\underbrace{(e^{2\\Delta} - 1)\\,p\\,|V|}_{\\text{logits}}
+          + \\underbrace{\\mathrm{dev}_{\\mathrm{softmax}}\\,|V|}_{\\text{softmax}}
+          + \\dots + \\underbrace{\\gamma_{n}(u_a)\\,\\hat p\\,|V|}_{PV}
+          + \\underbrace{u_o |o| + \\eta_o}_{\\text{output}},
+
+    where ``Δ_i = max_j |ŝ_ij − s_ij|`` is bounded from the dot factor of ``d_k`` terms times
+    ``|q|·|k|``, the scale and bias roundings, and the softmax deviation follows Blanchard, Higham
+    & Higham (2021) made rigorous, with the online rescalings counted (papers/attention.md gives
+    every term and the proof).
+
+    Assumptions: round-to-nearest with an absolute underflow term ``2^emin`` per rounding (so
+    XLA's flush-to-zero is covered); ``exp`` within ``numerics.exp_ulps`` ulps and division within
+    ``numerics.div_ulps`` ulps of the softmax format; no overflow; ``n·u < 1``. Rows where the
+    computed softmax sum may be off by 100% get an infinite bound (term ``vacuous``).
+
+    Args:
+        q, k, v: 2-D or batched inputs as for :func:`mhanum.attention` (float64 values; if they
+            are not values of ``numerics.input`` their rounding is included).
+        mask: optional boolean mask (True = attend), applied with ``-inf``.
+        bias: optional additive float bias broadcastable to ``(..., Lq, Lk)``; ``-inf`` entries
+            exclude keys. Its rounding into the score format is included.
+        numerics: a :class:`Numerics` or preset name.
+        scale: the logit scale; default ``1/sqrt(d_k)``.
+
+    Returns:
+        A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape.
+
+    Raises:
+        InvalidArgument: outside the theorem's scope (scale on q or k, a finite masking constant,
+            a score format wider than the softmax format, a fully-masked row, a finite bias that
+            overflows the score format), or for shapes, dtypes or values that do not fit.
+
+    References:
+        blanchard2021; higham2002 (§3.1); papers/attention.md Theorem A.1.
+    """
+    num = resolve(numerics)
+    q, k, v = (V.float_array(x, name, min_ndim=2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
+        msg = (
+            "k, v: expected shapes (..., Lk, d_k) and (..., Lk, d_v) with q (..., Lq, d_k), got "
+            f"q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+        raise InvalidArgument(msg)
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        V.check_finite(x, name)
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    _check_scope(num, mask)
+    rows, keys = q.shape[-2], k.shape[-2]
+    extra = {}
+    if mask is not None:
+        extra["mask"] = V.bool_mask(mask, np.shape(mask)).shape[:-2]
+        V.check_broadcastable_to(mask, "mask", (*np.shape(mask)[:-2], rows, keys))
+    if bias is not None:
+        bias = V.float_array(bias, "bias")
+        V.check_finite(bias, "bias", allow_neg_inf=True)
+        V.check_broadcastable_to(bias, "bias", (*np.shape(bias)[:-2], rows, keys))
+        extra["bias"] = np.shape(bias)[:-2]
+    batch = V.broadcast({"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2], **extra})
+    keep = np.ones((*batch, rows, keys), bool)
+    if mask is not None:
+        keep = keep & np.asarray(mask, bool)
+    if bias is not None:
+        b = np.broadcast_to(np.asarray(bias, np.float64), keep.shape)
+        keep = keep & ~np.isneginf(b)
+        _check_bias_fits(b, keep, num.format_of("score"))
+        b = np.where(keep, b, 0.0)
+    if not keep.any(axis=-1).all():
+        msg = "mask: Theorem A.1 needs at least one attended key per row, got a fully-masked row"
+        raise InvalidArgument(msg)
+    c = V.scale_value(scale, q.shape[-1])
+    qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
+    per_head = [
+        _head(qb[i], kb[i], vb[i], keep[i], None if bias is None else b[i], num, c, scale is None)
+        for i in np.ndindex(*batch)
+    ]
+    names = sorted({name for head in per_head for name in head})
+    out_shape = (*batch, rows, v.shape[-1])
+    terms = {}
+    for name in names:
+        stacked = [head.get(name, np.zeros((rows, v.shape[-1]))) for head in per_head]
+        terms[name] = np.stack(stacked).reshape(out_shape)
+    total = sum(terms.values())
+    return Bound(total, terms, "A.1", ASSUMPTIONS, "blanchard2021")
+
+
+def _check_bias_fits(b: np.ndarray, keep: np.ndarray, fmt: Format) -> None:
+    """A finite bias that overflows the score format is a masking constant: outside A.1."""
+    overflow = keep & np.isinf(round_to(np.where(keep, b, 0.0), fmt))
+    if overflow.any():
+        index = tuple(int(i) for i in np.argwhere(overflow)[0])
+        msg = (
+            f"bias: expected values finite in the score format {fmt.name}, got {b[index]} at "
+            f"index {index}, which overflows (see mhanum.bounds.analyze_mask)"
+        )
+        raise InvalidArgument(msg)

@@ -1,0 +1,146 @@
+"""mhanum.bounds.attention_bound (Theorem A.1): soundness beyond pre-rounded inputs, terms, scope."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import mhanum as mn
+from mhanum import InvalidArgument, Numerics, reference
+from mhanum.bounds import attention_bound
+from mhanum.numerics import PRESETS
+
+
+@settings(max_examples=15)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    d_k=st.sampled_from([3, 12, 16, 20, 64]),
+    preset=st.sampled_from(list(PRESETS)),
+    order=st.sampled_from(["native", "sequential", "pairwise", "blocked(3)", "kahan"]),
+    softmax=st.sampled_from(["naive", "safe", "online(5)"]),
+    masked=st.booleans(),
+)
+def test_sound_on_unrounded_inputs_and_inexact_scales(seed, d_k, preset, order, softmax, masked):
+    # float64 inputs that are not values of the input format, and 1/sqrt(d_k) irrational for
+    # d_k not a power of 4: both roundings are terms of A.1.
+    num = Numerics.preset(preset).replace(summation=order, softmax=softmax)
+    rng = np.random.default_rng(seed)
+    q, k, v = (
+        rng.standard_normal((5, d_k)),
+        rng.standard_normal((11, d_k)),
+        rng.standard_normal((11, 3)),
+    )
+    mask = (rng.random((5, 11)) < 0.7) | (np.arange(11) == 0) if masked else None
+    bound = attention_bound(q, k, v, mask, numerics=num)
+    assume(np.isfinite(bound.total).all())
+    out = np.asarray(mn.attention(q, k, v, mask, numerics=num), np.float64)
+    err = np.abs(out - reference.attention(q, k, v, mask=mask))
+    assert np.all(err <= bound.total), f"{np.max(err / bound.total):.3g}"
+
+
+def test_terms_add_up_and_name_the_dominant_source():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((4, 16)) for _ in range(3))
+    b = attention_bound(q, k, v, numerics="bf16-fp32acc")
+    np.testing.assert_array_equal(b.total, sum(b.terms.values()))
+    assert b.theorem == "A.1"
+    # Unrounded float64 inputs into bfloat16 (u = 2^-8): rounding q and k moves the logits far
+    # more than float32 accumulation does.
+    assert b.dominant() == "logits"
+    rounded = [mn.round_to(x, "bfloat16") for x in (q, k, v)]
+    assert attention_bound(*rounded, numerics="bf16-fp32acc").terms["operands"].max() == 0.0
+
+
+def test_batched_bound_equals_per_slice_bounds():
+    rng = np.random.default_rng(1)
+    q, k, v = (
+        rng.standard_normal((2, 3, 16)),
+        rng.standard_normal((2, 5, 16)),
+        rng.standard_normal((1, 5, 2)),
+    )
+    b = attention_bound(q, k, v, numerics="fp32").total
+    for i in range(2):
+        np.testing.assert_array_equal(
+            b[i], attention_bound(q[i], k[i], v[0], numerics="fp32").total
+        )
+
+
+Q = np.zeros((2, 4))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"numerics": Numerics(scale="q")}, "numerics.scale: Theorem A.1 covers"),
+        (
+            {"numerics": Numerics(mask_value=-1e9), "mask": np.ones((2, 2), bool)},
+            "numerics.mask_value",
+        ),
+        (
+            {
+                "numerics": Numerics(
+                    input="bf16", score_format="float32", softmax_format="bfloat16", accum="float32"
+                )
+            },
+            "numerics.score_format",
+        ),
+        ({"mask": np.array([[True, True], [False, False]])}, "mask: Theorem A.1 needs"),
+        ({"bias": np.array([[0.0, -np.inf], [-np.inf, -np.inf]])}, "mask: Theorem A.1 needs"),
+        ({"numerics": Numerics(softmax="online(2)", softmax_format="bfloat16")}, "softmax_format"),
+        ({"bias": np.array([[np.nan, 0.0]])}, "bias: expected finite values or -inf"),
+        ({"numerics": 3}, "numerics: expected a Numerics"),
+    ],
+)
+def test_outside_the_theorem_raises(kwargs, match):
+    with pytest.raises(InvalidArgument, match=match):
+        attention_bound(Q, Q, Q, **kwargs)
+
+
+@settings(max_examples=15)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    preset=st.sampled_from(list(PRESETS)),
+    order=st.sampled_from(["native", "sequential", "pairwise", "kahan"]),
+    softmax=st.sampled_from(["naive", "safe", "online(2)"]),
+    n_keys=st.sampled_from([1, 2, 3, 7]),
+    scale=st.sampled_from([None, 0.3, 2.0, 3.7]),
+    bias_size=st.sampled_from([0.0, 1.0, 30.0]),
+)
+def test_sound_with_bias_short_rows_and_any_scale(
+    seed, preset, order, softmax, n_keys, scale, bias_size
+):
+    # Short rows (Kahan's constant exceeds γ_{n-1} for n = 3), scales above one (the underflow of
+    # the first score rounding is multiplied by the scale), and an additive bias with -inf entries.
+    num = Numerics.preset(preset).replace(summation=order, softmax=softmax)
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((4, 8)), rng.standard_normal((n_keys, 8))
+    v = rng.standard_normal((n_keys, 2))
+    bias = bias_size * rng.standard_normal((4, n_keys))
+    bias[:, 1:][rng.random((4, n_keys - 1)) < 0.3] = -np.inf
+    bound = attention_bound(q, k, v, bias=bias, numerics=num, scale=scale)
+    assume(np.isfinite(bound.total).all())
+    out = np.asarray(mn.attention(q, k, v, bias=bias, numerics=num, scale=scale), np.float64)
+    err = np.abs(out - reference.attention(q, k, v, bias=bias, scale=scale))
+    assert np.all(err <= bound.total), f"{np.max(err / bound.total):.3g}"
+
+
+def test_subnormal_inputs_read_as_zero_are_covered():
+    # float32 subnormals are values of the format, but XLA's CPU backend may read them as zero.
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((3, 4)) for _ in range(3))
+    q[0, 0] = 2.0**-140
+    k[1, 2] = -(2.0**-130)
+    num = Numerics.preset("fp32")
+    assert attention_bound(q, k, v, numerics=num).terms["logits"].min() > 0
+    err = np.abs(
+        np.asarray(mn.attention(q, k, v, numerics=num), np.float64) - reference.attention(q, k, v)
+    )
+    assert np.all(err <= attention_bound(q, k, v, numerics=num).total)
+
+
+def test_a_bias_that_overflows_the_score_format_is_refused():
+    q = np.zeros((2, 4))
+    with pytest.raises(InvalidArgument, match="bias: expected values finite in the score format"):
+        attention_bound(q, q, q, bias=np.full((2, 2), -1e9), numerics="fp16")
