@@ -6,7 +6,7 @@ number (in ``papers/``), its assumptions and its source.
 
 from mhanum.bounds import heads, masking
 from mhanum.bounds._result import Bound
-from mhanum.bounds.attention import attention_bound
+from mhanum.bounds.attention import attention_bound, mha_bound
 from mhanum.bounds.masking import (
     MaskAnalysis,
     MaskRange,
@@ -27,6 +27,7 @@ __all__ = [
     "attention_bound",
     "heads",
     "masking",
+    "mha_bound",
     "recommend_mask_value",
     "safe_mask_range",
 ]

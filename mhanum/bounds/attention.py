@@ -13,6 +13,7 @@ or Kahan's constant).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -24,8 +25,9 @@ from mhanum.bounds._result import Bound
 from mhanum.bounds.softmax import summation_gamma
 from mhanum.formats import Format, representable, round_to
 from mhanum.numerics import Numerics, resolve
+from mhanum.params import MHAParams
 
-__all__ = ["attention_bound"]
+__all__ = ["attention_bound", "mha_bound"]
 
 _EVALUATION = 2.0**-40  # relative rounding of evaluating the bound in float64 (see A.1, step 0)
 _LOGIT_LIMIT = 2.0**12  # |scale|·|q|·|k| below this keeps that evaluation error under 2^-40
@@ -91,6 +93,12 @@ def _rounding(fmt: Format, x: np.ndarray) -> tuple[float, float]:
     return (0.0 if exact else fmt.u), (0.0 if exact and not tiny else fmt.smallest_normal)
 
 
+def _rounding_error(x: np.ndarray, fmt: Format) -> np.ndarray:
+    """A componentwise bound on ``|fl(x) - x|`` for the rounding of ``x`` into ``fmt`` (step 1)."""
+    u, eta = _rounding(fmt, x)
+    return u * np.abs(x) + eta
+
+
 def _is_power_of_four(d: int) -> bool:
     return d & (d - 1) == 0 and (d.bit_length() - 1) % 2 == 0
 
@@ -104,8 +112,16 @@ def _head(
     num: Numerics,
     scale: float,
     default_scale: bool,
-) -> dict[str, np.ndarray]:
-    """The terms of Theorem A.1 for one head (2-D inputs; ``bias`` finite where ``keep``)."""
+    errors: tuple[Any, Any, Any],
+    given: tuple[Any, Any, Any] | None = None,
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """The terms of Theorem A.1 for one head, the float64 output ``o = p v`` and ``|o - o*|``.
+
+    2-D inputs; ``bias`` finite where ``keep``. ``errors`` bound ``|q_used - q|`` etc., the
+    operands the dots read before any operand-format rounding (step 1). ``given`` bounds the
+    errors of the float64 ``q, k, v`` themselves against the exact values the reference uses
+    (A.2: float64 projections); their effect on the exact output is the term ``evaluation``.
+    """
     d_k, n = q.shape[-1], k.shape[-2]
     order = num.summation
     fmts = {r: num.format_of(r) for r in ("accum", "score", "softmax", "prob", "output")}
@@ -113,15 +129,15 @@ def _head(
     eta_a, eta_s, eta_m, eta_p, eta_o = (
         fmts[r].smallest_normal for r in ("accum", "score", "softmax", "prob", "output")
     )
-    # Step 1. Operand rounding: the inputs into the input format (if they are not values of it)
-    # and the dot operands into the operand format (TF32).
-    u_in, eta_in = _rounding(
-        num.format_of("input"), np.concatenate([q.ravel(), k.ravel(), v.ravel()])
-    )
+    # Step 1. Operands: |q_used - q| <= e_q, then the rounding into the operand format (TF32).
     op = num.format_of("operand")
     u_op, eta_op = (op.u, op.smallest_normal) if num.operand_format is not None else (0.0, 0.0)
-    u_qkv = (1 + u_in) * (1 + u_op) - 1
-    eta_qkv = eta_in * (1 + u_op) + eta_op
+    e_q, e_k, e_v = errors
+    q_abs, k_abs = np.abs(q), np.abs(k)
+    q_used, k_used = q_abs + e_q, k_abs + e_k
+    e_q_op, e_k_op = e_q + u_op * q_used + eta_op, e_k + u_op * k_used + eta_op
+    q_op, k_op = q_abs + e_q_op, k_abs + e_k_op
+    v_abs = (1 + u_op) * (np.abs(v) + e_v) + eta_op
     eps_e = 2 * num.exp_ulps * u_m
     u_div = 2 * num.div_ulps * u_m
     # Step 2. The constant: the float64 value of 1/sqrt(d_k) (two float64 roundings unless
@@ -138,14 +154,11 @@ def _head(
 
     # Step 3. The logits' errors δ_ij and Δ_i = max_j δ_ij.
     t = q @ k.T
-    qk_abs = np.abs(q) @ np.abs(k).T
-    if np.max(scale * qk_abs, initial=0.0) > _LOGIT_LIMIT:
-        msg = f"q: expected scale·|q|·|k| <= 2^12 for a float64 evaluation of A.1, got {np.max(scale * qk_abs):.3g}"
+    if np.max(scale * (q_abs @ k_abs.T), initial=0.0) > _LOGIT_LIMIT:
+        msg = f"q: expected scale·|q|·|k| <= 2^12 for a float64 evaluation of A.1, got {np.max(scale * (q_abs @ k_abs.T)):.3g}"
         raise InvalidArgument(msg)
-    op_abs = 2 * eta_qkv * (np.abs(q).sum(-1)[:, None] + np.abs(k).sum(-1)[None, :] + d_k)
-    qk_factor = (1 + u_qkv) ** 2
-    dot = (qk_factor - 1) * qk_abs + op_abs
-    dot += _dot_factor(d_k, order, u_a) * (qk_factor * qk_abs + op_abs) + 2 * d_k * eta_a
+    dot = e_q_op @ k_abs.T + q_abs @ e_k_op.T + e_q_op @ e_k_op.T
+    dot += _dot_factor(d_k, order, u_a) * (q_op @ k_op.T) + 2 * d_k * eta_a
     delta = scale * (dot * (1 + theta) + theta * np.abs(t)) + (abs(c_hat) * (1 + u_s) + 2) * eta_s
     s = scale * t
     if bias is not None:
@@ -200,10 +213,9 @@ def _head(
     p_hat_hi = p_tilde_hi + soft
     prob = u_p * p_hat_hi + (eta_p * per_sum + blocks * eta_m * per_sum if online else eta_p)
     p_hat_hi = p_hat_hi + prob
-    operand_p = u_op * p_hat_hi + (eta_op if num.operand_format is not None else 0.0)
+    operand_p = u_op * p_hat_hi + eta_op
     p_hat_hi = p_hat_hi + operand_p
     logits = (np.exp(spread) - 1) * p
-    v_abs = (1 + u_qkv) * np.abs(v) + eta_qkv
     o = p @ v
 
     scale_out = (1 + u_o) * ((1 + u_div) if online else 1.0)
@@ -221,10 +233,30 @@ def _head(
             u_o * np.abs(o) + eta_o + ((1 + u_o) * (u_div * np.abs(o) + eta_m) if online else 0.0)
         ),
     }
+    o_error = _EVALUATION * (p @ np.abs(v))
+    if given is not None:
+        terms["evaluation"] = _given_error(q_abs, k_abs, v, p, keep, scale, given)
+        o_error = o_error + terms["evaluation"]
     terms = {name: value * (1 + _EVALUATION) for name, value in terms.items()}
     if vacuous.any():
         terms["vacuous"] = np.where(vacuous, np.inf, 0.0) * np.ones_like(o)
-    return terms
+    return terms, o, o_error
+
+
+def _given_error(
+    q_abs: np.ndarray,
+    k_abs: np.ndarray,
+    v: np.ndarray,
+    p: np.ndarray,
+    keep: np.ndarray,
+    scale: float,
+    given: tuple[Any, Any, Any],
+) -> np.ndarray:
+    """``|p v - p* v*|`` for inputs off the exact ones by ``given`` (Theorem S.4 for ``p``)."""
+    g_q, g_k, g_v = given
+    moved = scale * (g_q @ k_abs.T + q_abs @ np.asarray(g_k).T + g_q @ np.asarray(g_k).T)
+    big = np.max(np.where(keep, moved, 0.0), axis=-1, keepdims=True)
+    return np.expm1(2 * big) * (p @ np.abs(v)) + np.exp(2 * big) * (p @ (g_v * np.ones_like(v)))
 
 
 def attention_bound(
@@ -292,31 +324,25 @@ def attention_bound(
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     _check_scope(num, mask)
     rows, keys = q.shape[-2], k.shape[-2]
-    extra = {}
-    if mask is not None:
-        extra["mask"] = V.bool_mask(mask, np.shape(mask)).shape[:-2]
-        V.check_broadcastable_to(mask, "mask", (*np.shape(mask)[:-2], rows, keys))
-    if bias is not None:
-        bias = V.float_array(bias, "bias")
-        V.check_finite(bias, "bias", allow_neg_inf=True)
-        V.check_broadcastable_to(bias, "bias", (*np.shape(bias)[:-2], rows, keys))
-        extra["bias"] = np.shape(bias)[:-2]
+    extra = {n: np.shape(x)[:-2] for n, x in (("mask", mask), ("bias", bias)) if x is not None}
     batch = V.broadcast({"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2], **extra})
-    keep = np.ones((*batch, rows, keys), bool)
-    if mask is not None:
-        keep = keep & np.asarray(mask, bool)
-    if bias is not None:
-        b = np.broadcast_to(np.asarray(bias, np.float64), keep.shape)
-        keep = keep & ~np.isneginf(b)
-        _check_bias_fits(b, keep, num.format_of("score"))
-        b = np.where(keep, b, 0.0)
-    if not keep.any(axis=-1).all():
-        msg = "mask: Theorem A.1 needs at least one attended key per row, got a fully-masked row"
-        raise InvalidArgument(msg)
+    keep, b = _keep_and_bias(mask, bias, (*batch, rows, keys), num)
     c = V.scale_value(scale, q.shape[-1])
     qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
+    fmt_in = num.format_of("input")
+    errors = tuple(_rounding_error(x, fmt_in) for x in (qb, kb, vb))
     per_head = [
-        _head(qb[i], kb[i], vb[i], keep[i], None if bias is None else b[i], num, c, scale is None)
+        _head(
+            qb[i],
+            kb[i],
+            vb[i],
+            keep[i],
+            None if b is None else b[i],
+            num,
+            c,
+            scale is None,
+            (errors[0][i], errors[1][i], errors[2][i]),
+        )[0]
         for i in np.ndindex(*batch)
     ]
     names = sorted({name for head in per_head for name in head})
@@ -329,6 +355,33 @@ def attention_bound(
     return Bound(total, terms, "A.1", ASSUMPTIONS, "blanchard2021")
 
 
+def _keep_and_bias(
+    mask: Any, bias: Any, target: tuple[int, ...], num: Numerics
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The attended keys (mask True, bias not ``-inf``) and the bias (0 where not attended).
+
+    Raises:
+        InvalidArgument: for a mask or bias that does not broadcast to ``target``, a bias that is
+            NaN, ``+inf`` or overflows the score format, or a row that attends no key.
+    """
+    keep = np.ones(target, bool)
+    if mask is not None:
+        keep = keep & np.asarray(V.bool_mask(mask, target), bool)
+    b = None
+    if bias is not None:
+        arr = V.float_array(bias, "bias")
+        V.check_finite(arr, "bias", allow_neg_inf=True)
+        V.check_broadcastable_to(arr, "bias", target)
+        b = np.broadcast_to(np.asarray(arr, np.float64), target)
+        keep = keep & ~np.isneginf(b)
+        _check_bias_fits(b, keep, num.format_of("score"))
+        b = np.where(keep, b, 0.0)
+    if not keep.any(axis=-1).all():
+        msg = "mask: Theorem A.1 needs at least one attended key per row, got a fully-masked row"
+        raise InvalidArgument(msg)
+    return keep, b
+
+
 def _check_bias_fits(b: np.ndarray, keep: np.ndarray, fmt: Format) -> None:
     """A finite bias that overflows the score format is a masking constant: outside A.1."""
     overflow = keep & np.isinf(round_to(np.where(keep, b, 0.0), fmt))
@@ -339,3 +392,206 @@ def _check_bias_fits(b: np.ndarray, keep: np.ndarray, fmt: Format) -> None:
             f"index {index}, which overflows (see mhanum.bounds.analyze_mask)"
         )
         raise InvalidArgument(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Linear:
+    """Theorem A.2 (a): ``y = x w + b`` in float64 and the bounds of the computed ``ŷ``.
+
+    ``|y - y*| <= given`` (float64 evaluation); ``|ŷ - y*| <= fixed + kappa·(e_x @ slope)`` for
+    an operand read with ``|x̂ - x*| <= e_x``.
+    """
+
+    y: np.ndarray
+    given: np.ndarray
+    fixed: np.ndarray
+    slope: np.ndarray
+    kappa: float
+
+    def error(self, e_x: np.ndarray) -> np.ndarray:
+        return self.fixed + self.kappa * (e_x @ self.slope)
+
+
+def _linear(
+    x: np.ndarray,
+    x_given: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None,
+    num: Numerics,
+    out: Format,
+) -> _Linear:
+    """A.2 (a) for ``fl_out(fl_a(fl_a(op(x̂) op(ŵ)) + b̂))``, ``w`` and ``b`` rounded to the input format.
+
+    ``x`` stands in for the exact operand ``x*`` with ``|x - x*| <= x_given``.
+    """
+    fmt_in, acc = num.format_of("input"), num.format_of("accum")
+    op = num.format_of("operand")
+    u_op, eta_op = (op.u, op.smallest_normal) if num.operand_format is not None else (0.0, 0.0)
+    d = x.shape[-1]
+    g = _dot_factor(d, num.summation, acc.u)
+    x_bar = np.abs(x) + x_given
+    e_w = _rounding_error(w, fmt_in)
+    e_w_op = e_w + u_op * (np.abs(w) + e_w) + eta_op
+    slope = np.abs(w) + e_w_op
+    # x̂ = x* + e: its operand rounding adds u_op|x̂| + η_op, |x̂| <= x_bar + e_x
+    e0 = u_op * x_bar + eta_op
+    fixed = e0 @ np.abs(w) + x_bar @ e_w_op + e0 @ e_w_op
+    fixed = fixed + g * ((x_bar + e0) @ slope) + 2 * d * acc.smallest_normal
+    kappa = (1 + u_op) * (1 + g)
+    f64 = _dot_factor(d + 1, "sequential", 2.0**-53)
+    y = x @ w
+    y_given = x_given @ np.abs(w) + f64 * (np.abs(x) @ np.abs(w))
+    if b is not None:
+        y = y + b
+        y_given = y_given + f64 * np.abs(b)
+        e_b = _rounding_error(b, fmt_in)
+        y_bar = np.abs(y) + y_given
+        fixed = (1 + acc.u) * (fixed + e_b) + acc.u * y_bar + acc.smallest_normal
+        kappa *= 1 + acc.u
+    y_bar = np.abs(y) + y_given
+    fixed = out.u * y_bar + (1 + out.u) * fixed + out.smallest_normal
+    kappa *= 1 + out.u
+    scale = 1 + _EVALUATION
+    return _Linear(y, y_given * scale, fixed * scale, slope, kappa * scale)
+
+
+def _split(x: np.ndarray, heads: int) -> np.ndarray:
+    """``(..., L, H·d)`` to ``(..., H, L, d)``."""
+    return np.swapaxes(x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads), -2, -3)
+
+
+def _merge(x: np.ndarray) -> np.ndarray:
+    """``(..., H, L, d)`` to ``(..., L, H·d)``."""
+    x = np.swapaxes(x, -2, -3)
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+def mha_bound(
+    x_q: Any,
+    x_kv: Any,
+    params: MHAParams,
+    num_heads: int,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    numerics: Numerics | str | None = None,
+    scale: float | None = None,
+) -> Bound:
+    """Theorem A.2: a componentwise bound on ``|multi_head_attention(...) − exact|``.
+
+    The exact value is ``mhanum.reference.multi_head_attention`` of the given (float64) inputs and
+    weights. The bound composes three steps (papers/attention.md, Theorem A.2):
+
+    (a) each projection ``y = x w + b``, computed as ``fl_st(fl_a(fl_a(x̂ ŵ) + b̂))`` with the
+    inputs and weights rounded to ``numerics.input`` and the dot in ``numerics.summation``:
+
+    .. math::
+
+        |\\hat y - y| \\le u_{st}|y| + (1 + u_{st})\big[(1 + u_a)\big(E_{xw} + |\\hat b - b|\big)
+          + u_a|y| + \\eta_a\big] + \\eta_{st},\\quad
+        E_{xw} \\le e_x|w| + |x|e_w + e_x e_w + G_d(u_a)(|x| + e_x)(|w| + e_w) + 2d\\eta_a;
+
+    (b) Theorem A.1 for every head, with its operands off the exact projections by the bounds of
+    (a) (A.1, step 1) and a term ``evaluation`` for the float64 stand-ins of the exact ones;
+
+    (c) the output projection as in (a), with the per-head outputs off by the totals of (b).
+
+    The terms are those of A.1 propagated through the output projection
+    (``attention.logits``, ``attention.softmax``, ...) and ``output_projection``, the error of
+    (c) with exact per-head outputs. The q/k/v projection errors act through ``attention.logits``
+    (q, k) and ``attention.operands`` (v).
+
+    Assumptions: those of Theorem A.1 (round to nearest with an absolute underflow term per
+    rounding, ``exp`` and division within ``numerics.exp_ulps``/``div_ulps`` ulps, sums in the
+    numerics' order with the factors of Theorem S.0, no overflow, ``n·u < 1``) and its scope
+    (scale on the scores, masks with ``-inf``, no fully-masked row).
+
+    Args:
+        x_q: query input ``(..., Lq, d_q)``.
+        x_kv: key/value input ``(..., Lk, d_kv)``.
+        params: the weights (float64 values; their rounding into ``numerics.input`` is included).
+        num_heads: number of heads.
+        mask: optional boolean mask broadcastable to ``(..., H, Lq, Lk)``, True = attend.
+        bias: optional additive bias broadcastable to ``(..., H, Lq, Lk)``.
+        numerics: a :class:`Numerics` or preset name.
+        scale: the logit scale; default ``1/sqrt(d_k)``.
+
+    Returns:
+        A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape ``(..., Lq, d_out)``.
+
+    Raises:
+        InvalidArgument: outside the theorem's scope (as :func:`attention_bound`) or for inputs
+            that do not fit the parameters.
+
+    References:
+        higham2002 (§3.1); blanchard2021; papers/attention.md Theorems A.1 and A.2.
+    """
+    num = resolve(numerics)
+    if not isinstance(params, MHAParams):
+        msg = f"params: expected an MHAParams, got {type(params).__name__}"
+        raise InvalidArgument(msg)
+    heads = V.positive_int(num_heads, "num_heads")
+    params.validate(heads)
+    xs = {}
+    for x, name, width in ((x_q, "x_q", params.d_q), (x_kv, "x_kv", params.d_kv)):
+        arr = V.float_array(x, name, min_ndim=2)
+        if arr.shape[-1] != width:
+            msg = f"{name}: expected last dimension {width} (from params), got shape {arr.shape}"
+            raise InvalidArgument(msg)
+        V.check_finite(arr, name)
+        xs[name] = np.asarray(arr, np.float64)
+    _check_scope(num, mask)
+    outer = V.broadcast({"x_q": xs["x_q"].shape[:-2], "x_kv": xs["x_kv"].shape[:-2]})
+    rows, keys = xs["x_q"].shape[-2], xs["x_kv"].shape[-2]
+    keep, b = _keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)
+    w: dict[str, Any] = {
+        f.name: None if getattr(params, f.name) is None else np.asarray(getattr(params, f.name))
+        for f in dataclasses.fields(params)
+    }
+    w = {name: None if a is None else a.astype(np.float64) for name, a in w.items()}
+    fmt_in, storage = num.format_of("input"), num.storage_format
+    proj = {}
+    for name, x, wn, bn in (
+        ("q", "x_q", "wq", "bq"),
+        ("k", "x_kv", "wk", "bk"),
+        ("v", "x_kv", "wv", "bv"),
+    ):
+        x64 = np.broadcast_to(xs[x], (*outer, *xs[x].shape[-2:]))
+        lin = _linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage)
+        used = lin.error(_rounding_error(x64, fmt_in))
+        proj[name] = (
+            _split(lin.y, heads),
+            _split(used + lin.given, heads),
+            _split(lin.given, heads),
+        )
+    c = V.scale_value(scale, params.qk_width // heads)
+    results = {}
+    for i in np.ndindex(*outer, heads):
+        (q, eq, gq), (k, ek, gk), (v, ev, gv) = (proj[n] for n in "qkv")
+        results[i] = _head(
+            q[i],
+            k[i],
+            v[i],
+            keep[i],
+            None if b is None else b[i],
+            num,
+            c,
+            scale is None,
+            (eq[i], ek[i], ev[i]),
+            (gq[i], gk[i], gv[i]),
+        )
+    shape = (*outer, heads, rows, params.v_width // heads)
+
+    def gather(pick: Any) -> np.ndarray:
+        return _merge(
+            np.stack([pick(results[i]) for i in np.ndindex(*outer, heads)]).reshape(shape)
+        )
+
+    names = sorted({name for r in results.values() for name in r[0]})
+    head_terms = {n: gather(lambda r, n=n: r[0].get(n, np.zeros_like(r[1]))) for n in names}
+    o, o_given = gather(lambda r: r[1]), gather(lambda r: r[2])
+    out = _linear(o, o_given, w["wo"], w["bo"], num, num.format_of("output"))
+    terms = {f"attention.{n}": out.kappa * (t @ out.slope) for n, t in head_terms.items()}
+    terms["output_projection"] = out.fixed
+    total = sum(terms.values())
+    return Bound(total, terms, "A.2", ASSUMPTIONS, "blanchard2021")

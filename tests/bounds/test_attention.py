@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import mhanum as mn
 from mhanum import InvalidArgument, Numerics, reference
-from mhanum.bounds import attention_bound
+from mhanum.bounds import attention_bound, mha_bound
 from mhanum.numerics import PRESETS
 
 
@@ -144,3 +144,69 @@ def test_a_bias_that_overflows_the_score_format_is_refused():
     q = np.zeros((2, 4))
     with pytest.raises(InvalidArgument, match="bias: expected values finite in the score format"):
         attention_bound(q, q, q, bias=np.full((2, 2), -1e9), numerics="fp16")
+
+
+@settings(max_examples=20)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    preset=st.sampled_from(list(PRESETS)),
+    order=st.sampled_from(["native", "sequential", "pairwise", "blocked(3)", "kahan"]),
+    softmax=st.sampled_from(["naive", "safe", "online(3)"]),
+    heads=st.sampled_from([1, 2, 4]),
+    masked=st.booleans(),
+    x_scale=st.sampled_from([0.5, 1.0, 4.0]),
+)
+def test_mha_bound_is_sound(seed, preset, order, softmax, heads, masked, x_scale):
+    # Unrounded float64 inputs and weights, biases in every projection, d_k = 16/heads (the scale
+    # is irrational for d_k = 8), cross-attention with Lq != Lk.
+    num = Numerics.preset(preset).replace(summation=order, softmax=softmax)
+    rng = np.random.default_rng(seed)
+    params = mn.MHAParams.random(16, seed=seed % 1000, d_kv=12, d_out=10)
+    x_q = x_scale * rng.standard_normal((2, 5, 16))
+    x_kv = x_scale * rng.standard_normal((2, 7, 12))
+    mask = None
+    if masked:
+        mask = rng.random((2, heads, 5, 7)) < 0.6
+        mask[..., 0] = True
+    bound = mha_bound(x_q, x_kv, params, heads, mask=mask, numerics=num)
+    assume(np.isfinite(bound.total).all())
+    out = mn.multi_head_attention(x_q, x_kv, params, heads, mask=mask, numerics=num)
+    ref = reference.multi_head_attention(x_q, x_kv, params, heads, mask=mask)
+    err = np.abs(np.asarray(out, np.float64) - ref)
+    assert np.all(err <= bound.total), f"{np.max(err / bound.total):.3g}"
+
+
+def test_mha_bound_terms_and_one_head_against_attention_bound():
+    rng = np.random.default_rng(5)
+    params = mn.MHAParams.random(8, seed=2)
+    x = rng.standard_normal((6, 8))
+    b = mha_bound(x, x, params, 2, numerics="fp32")
+    assert b.theorem == "A.2"
+    assert b.total.shape == (6, 8)
+    np.testing.assert_allclose(b.total, sum(b.terms.values()), rtol=1e-15)
+    assert {"attention.logits", "attention.pv", "output_projection"} <= set(b.terms)
+    assert all(np.all(t >= 0) for t in b.terms.values())
+    # Exactly representable weights and inputs with an identity output projection: A.2 is A.1
+    # on the projections plus the projection terms, so it is at least A.1 of the exact q, k, v.
+    eye = mn.MHAParams(np.eye(8), np.eye(8), np.eye(8), np.eye(8))
+    x32 = mn.round_to(x, "float32")
+    a2 = mha_bound(x32, x32, eye, 1, numerics="fp32").total
+    a1 = attention_bound(x32, x32, x32, numerics="fp32").total
+    assert np.all(a2 >= a1)
+    assert np.all(a2 <= 4 * a1)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((np.zeros((3, 8)), np.zeros((3, 8)), "params", 2), "params: expected an MHAParams"),
+        ((np.zeros((3, 7)), np.zeros((3, 8)), None, 2), "x_q: expected last dimension 8"),
+        ((np.zeros((3, 8)), np.zeros((3, 8)), None, 3), "num_heads"),
+        ((np.full((3, 8), np.nan), np.zeros((3, 8)), None, 2), "x_q: expected finite values"),
+    ],
+)
+def test_mha_bound_bad_arguments(args, match):
+    params = mn.MHAParams.random(8, seed=0)
+    args = tuple(params if a is None else a for a in args)
+    with pytest.raises(InvalidArgument, match=match):
+        mha_bound(*args)
