@@ -4,7 +4,7 @@ Attention in JAX with explicit numerics, certified arbitrary-precision reference
 and (in :mod:`mhanum.bounds`) error bounds stated as theorems.
 """
 
-from mhanum import formats, measure, reference, summation
+from mhanum import bounds, formats, measure, reference, summation
 from mhanum._errors import CertificationError, InvalidArgument
 from mhanum.attention import attention, multi_head_attention, softmax
 from mhanum.formats import Format, get_format, round_to
@@ -22,6 +22,7 @@ __all__ = [
     "Numerics",
     "__version__",
     "attention",
+    "bounds",
     "formats",
     "get_format",
     "measure",
