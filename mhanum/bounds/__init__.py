@@ -4,7 +4,7 @@ Every bound function returns a :class:`Bound`: the total and its named terms, wi
 number (in ``papers/``), its assumptions and its source.
 """
 
-from mhanum.bounds import heads, masking
+from mhanum.bounds import heads, masking, summation
 from mhanum.bounds._result import Bound
 from mhanum.bounds.attention import attention_bound, mha_bound
 from mhanum.bounds.masking import (
@@ -16,6 +16,7 @@ from mhanum.bounds.masking import (
     recommend_mask_value,
     safe_mask_range,
 )
+from mhanum.bounds.summation import dot_bound, matmul_bound, probabilistic_gamma, sum_bound
 
 __all__ = [
     "Bound",
@@ -25,9 +26,14 @@ __all__ = [
     "analyze_mask",
     "analyze_numerics",
     "attention_bound",
+    "dot_bound",
     "heads",
     "masking",
+    "matmul_bound",
     "mha_bound",
+    "probabilistic_gamma",
     "recommend_mask_value",
     "safe_mask_range",
+    "sum_bound",
+    "summation",
 ]

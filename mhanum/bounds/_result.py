@@ -19,6 +19,8 @@ class Bound:
         theorem: the theorem's label in ``papers/`` (e.g. ``"S.2"``).
         assumptions: the assumptions under which the bound holds, in words.
         source: the literature the theorem follows (a key of ``docs/references.md``), if any.
+        probability: the probability with which the bound holds under a probabilistic model of
+            the rounding errors (stated in ``assumptions``); 1 for a deterministic bound.
     """
 
     total: Any
@@ -26,6 +28,7 @@ class Bound:
     theorem: str
     assumptions: tuple[str, ...] = ()
     source: str | None = None
+    probability: float = 1.0
 
     def dominant(self) -> str:
         """The name of the largest term (by its maximum over entries)."""
@@ -43,4 +46,5 @@ class Bound:
             "theorem": self.theorem,
             "assumptions": list(self.assumptions),
             "source": self.source,
+            "probability": self.probability,
         }

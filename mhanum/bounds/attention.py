@@ -23,6 +23,7 @@ from mhanum import _validate as V
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.bounds.softmax import summation_gamma
+from mhanum.bounds.summation import probabilistic_gamma, tree_height
 from mhanum.formats import Format, representable, round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
@@ -35,23 +36,50 @@ _LOGIT_LIMIT = 2.0**12  # |scale|·|q|·|k| below this keeps that evaluation err
 ASSUMPTIONS = (
     "round-to-nearest; a rounding into F is x(1+δ)+η, |δ| <= u_F, |η| <= 2^emin_F (flush-to-zero)",
     "exp in the softmax format within exp_ulps ulps, division within div_ulps ulps",
-    "sums and dots in numerics.summation: tree orders γ_h, Kahan 2u + 4Nu² (Theorem S.0)",
+    "sums and dots in numerics.summation: tree orders γ_h, Kahan as Theorem R.4 (Theorem S.0)",
     "no overflow",
 )
 
 
-def _sum_factor(n: int, order: str, u: float) -> float:
-    """Relative error of a sum of ``n`` terms in ``order`` (Theorem S.0); refuses ``nu >= 1``."""
-    g = summation_gamma(max(n, 1), order, u)
-    if not math.isfinite(g):
+PROBABILISTIC = (
+    "probabilistic (lam): the rounding errors of sums and dots are independent, mean-zero random "
+    "variables (Higham & Mary 2019, Theorem 2.4; exact for stochastic rounding, a model for "
+    "round to nearest); the bound holds with probability >= Bound.probability (union bound)"
+)
+
+
+def _sum_factor(n: int, order: str, u: float, lam: float | None = None) -> float:
+    """Relative error of a sum of ``n`` terms in ``order`` (Theorem S.0); refuses ``nu >= 1``.
+
+    With ``lam``, the probabilistic factor ``γ̃_h(λ)`` of Theorem R.6 for a tree of height ``h``
+    (Kahan's sum keeps its deterministic constant).
+    """
+    return _chain(n, order, u, lam, products=False)
+
+
+def _dot_factor(n: int, order: str, u: float, lam: float | None = None) -> float:
+    """Relative error of a dot of length ``n``: each product rounded, then summed in ``order``."""
+    return _chain(n, order, u, lam, products=True)
+
+
+def _chain(
+    n: int, order: str, u: float, lam: float | None, *, products: bool, extra: int = 0
+) -> float:
+    """The factor of a sum (or dot) of ``n`` terms followed by ``extra`` further roundings."""
+    n = max(n, 1)
+    kind = Numerics(summation=order).summation_kind
+    if lam is None or kind == "kahan":
+        g = summation_gamma(n, order, u)
+        g = (1 + g) * (1 + u) ** (extra + int(products)) - 1
+    else:
+        length = tree_height(n, order) + extra + int(products)
+        if kind == "native" and u > 2.0**-24:
+            length *= 2  # partial sums may be rounded to float32 first, then to the format
+        g = probabilistic_gamma(length, u, lam)[0]
+    if not math.isfinite(g) or g >= 1:
         msg = f"numerics: expected n·u < 1 for a finite bound, got n = {n} with u = {u}"
         raise InvalidArgument(msg)
     return g
-
-
-def _dot_factor(n: int, order: str, u: float) -> float:
-    """Relative error of a dot of length ``n``: each product rounded, then summed in ``order``."""
-    return (1 + u) * (1 + _sum_factor(n, order, u)) - 1
 
 
 def _check_scope(num: Numerics, mask: Any) -> None:
@@ -114,6 +142,7 @@ def _head(
     default_scale: bool,
     errors: tuple[Any, Any, Any],
     given: tuple[Any, Any, Any] | None = None,
+    lam: float | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """The terms of Theorem A.1 for one head, the float64 output ``o = p v`` and ``|o - o*|``.
 
@@ -158,7 +187,7 @@ def _head(
         msg = f"q: expected scale·|q|·|k| <= 2^12 for a float64 evaluation of A.1, got {np.max(scale * (q_abs @ k_abs.T)):.3g}"
         raise InvalidArgument(msg)
     dot = e_q_op @ k_abs.T + q_abs @ e_k_op.T + e_q_op @ e_k_op.T
-    dot += _dot_factor(d_k, order, u_a) * (q_op @ k_op.T) + 2 * d_k * eta_a
+    dot += _dot_factor(d_k, order, u_a, lam) * (q_op @ k_op.T) + 2 * d_k * eta_a
     delta = scale * (dot * (1 + theta) + theta * np.abs(t)) + (abs(c_hat) * (1 + u_s) + 2) * eta_s
     s = scale * t
     if bias is not None:
@@ -196,10 +225,10 @@ def _head(
         r_c = np.exp(u_m * logit_range + eta_m) * (1 + eps_e) - 1
         rescale = ((1 + r_c) * (1 + u_m) * (1 + u_a) ** 2) ** (blocks - 1)
         r_term = (1 + np.maximum(r_term, r_c)) * rescale - 1
-        g_sum = (1 + _sum_factor(width, order, u_m)) * (1 + u_m) ** blocks - 1
-        g_pv = (1 + _dot_factor(width, order, u_a)) * (1 + u_a) ** blocks - 1
+        g_sum = _chain(width, order, u_m, lam, products=False, extra=blocks)
+        g_pv = _chain(width, order, u_a, lam, products=True, extra=blocks)
     else:
-        g_sum, g_pv = _sum_factor(n, order, u_m), _dot_factor(n, order, u_a)
+        g_sum, g_pv = _sum_factor(n, order, u_m, lam), _dot_factor(n, order, u_a, lam)
     underflow = n * eta_m / e_sum
     t_sum = (1 + r_term.max(axis=-1, keepdims=True) + underflow) * (1 + g_sum) - 1
     t_sum = t_sum + underflow
@@ -268,6 +297,7 @@ def attention_bound(
     bias: Any = None,
     numerics: Numerics | str | None = None,
     scale: float | None = None,
+    lam: float | None = None,
 ) -> Bound:
     """Theorem A.1: a componentwise bound on ``|attention(q, k, v, mask, numerics) − exact|``.
 
@@ -299,6 +329,10 @@ def attention_bound(
             exclude keys. Its rounding into the score format is included.
         numerics: a :class:`Numerics` or preset name.
         scale: the logit scale; default ``1/sqrt(d_k)``.
+        lam: if given, the probabilistic variant: every sum and dot factor ``γ_h`` becomes
+            Higham & Mary's ``γ̃_h(λ) = exp(λ√h·u + hu²/(1-u)) - 1`` (Theorem R.6), and
+            ``Bound.probability`` is ``1 - N·2exp(-λ²(1-u)²/2)`` for the ``N`` product chains
+            (union bound). Exp, division and single roundings stay deterministic.
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape.
@@ -342,6 +376,7 @@ def attention_bound(
             c,
             scale is None,
             (errors[0][i], errors[1][i], errors[2][i]),
+            lam=lam,
         )[0]
         for i in np.ndindex(*batch)
     ]
@@ -352,7 +387,20 @@ def attention_bound(
         stacked = [head.get(name, np.zeros((rows, v.shape[-1]))) for head in per_head]
         terms[name] = np.stack(stacked).reshape(out_shape)
     total = sum(terms.values())
-    return Bound(total, terms, "A.1", ASSUMPTIONS, "blanchard2021")
+    chains = math.prod(batch) * rows * keys * (q.shape[-1] + 1 + v.shape[-1])
+    return _result(total, terms, "A.1", num, lam, chains)
+
+
+def _result(
+    total: Any, terms: dict[str, Any], theorem: str, num: Numerics, lam: float | None, chains: int
+) -> Bound:
+    """The :class:`Bound`; with ``lam``, the probability of the union of the ``chains`` events."""
+    if lam is None:
+        return Bound(total, terms, theorem, ASSUMPTIONS, "blanchard2021")
+    u = max(num.format_of(r).u for r in ("accum", "softmax"))
+    fail = chains * 2 * math.exp(-((lam * (1 - u)) ** 2) / 2)
+    assumptions = (*ASSUMPTIONS, PROBABILISTIC)
+    return Bound(total, terms, theorem, assumptions, "higham2019", max(0.0, 1.0 - fail))
 
 
 def _keep_and_bias(
@@ -419,6 +467,7 @@ def _linear(
     b: np.ndarray | None,
     num: Numerics,
     out: Format,
+    lam: float | None = None,
 ) -> _Linear:
     """A.2 (a) for ``fl_out(fl_a(fl_a(op(x̂) op(ŵ)) + b̂))``, ``w`` and ``b`` rounded to the input format.
 
@@ -428,7 +477,7 @@ def _linear(
     op = num.format_of("operand")
     u_op, eta_op = (op.u, op.smallest_normal) if num.operand_format is not None else (0.0, 0.0)
     d = x.shape[-1]
-    g = _dot_factor(d, num.summation, acc.u)
+    g = _dot_factor(d, num.summation, acc.u, lam)
     x_bar = np.abs(x) + x_given
     e_w = _rounding_error(w, fmt_in)
     e_w_op = e_w + u_op * (np.abs(w) + e_w) + eta_op
@@ -476,6 +525,7 @@ def mha_bound(
     bias: Any = None,
     numerics: Numerics | str | None = None,
     scale: float | None = None,
+    lam: float | None = None,
 ) -> Bound:
     """Theorem A.2: a componentwise bound on ``|multi_head_attention(...) − exact|``.
 
@@ -515,6 +565,8 @@ def mha_bound(
         bias: optional additive bias broadcastable to ``(..., H, Lq, Lk)``.
         numerics: a :class:`Numerics` or preset name.
         scale: the logit scale; default ``1/sqrt(d_k)``.
+        lam: the probabilistic variant, as for :func:`attention_bound` (the projections' chains
+            are counted in ``Bound.probability``).
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape ``(..., Lq, d_out)``.
@@ -557,7 +609,7 @@ def mha_bound(
         ("v", "x_kv", "wv", "bv"),
     ):
         x64 = np.broadcast_to(xs[x], (*outer, *xs[x].shape[-2:]))
-        lin = _linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage)
+        lin = _linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage, lam)
         used = lin.error(_rounding_error(x64, fmt_in))
         proj[name] = (
             _split(lin.y, heads),
@@ -579,6 +631,7 @@ def mha_bound(
             scale is None,
             (eq[i], ek[i], ev[i]),
             (gq[i], gk[i], gv[i]),
+            lam,
         )
     shape = (*outer, heads, rows, params.v_width // heads)
 
@@ -590,8 +643,15 @@ def mha_bound(
     names = sorted({name for r in results.values() for name in r[0]})
     head_terms = {n: gather(lambda r, n=n: r[0].get(n, np.zeros_like(r[1]))) for n in names}
     o, o_given = gather(lambda r: r[1]), gather(lambda r: r[2])
-    out = _linear(o, o_given, w["wo"], w["bo"], num, num.format_of("output"))
+    out = _linear(o, o_given, w["wo"], w["bo"], num, num.format_of("output"), lam)
     terms = {f"attention.{n}": out.kappa * (t @ out.slope) for n, t in head_terms.items()}
     terms["output_projection"] = out.fixed
     total = sum(terms.values())
-    return Bound(total, terms, "A.2", ASSUMPTIONS, "blanchard2021")
+    d_v = params.v_width // heads
+    chains = math.prod(outer) * (
+        heads * rows * keys * (params.qk_width // heads + 1 + d_v)
+        + rows * params.qk_width * params.d_q
+        + keys * (params.qk_width + params.v_width) * params.d_kv
+        + rows * params.d_out * params.v_width
+    )
+    return _result(total, terms, "A.2", num, lam, chains)

@@ -19,7 +19,8 @@ Model of the arithmetic in the softmax format ``F`` (unit roundoff ``u = 2^-p``,
 * no overflow (a bound that cannot exclude it is ``inf``);
 * a sum of ``N`` nonnegative terms in the order ``numerics.summation`` has relative error at most
   ``γ_h`` with ``h`` the height of its tree (sequential and native ``N - 1``, pairwise
-  ``⌈log2 N⌉``, ``blocked(b)`` ``(b - 1) + (⌈N/b⌉ - 1)``), Kahan ``2u + 4Nu^2``.
+  ``⌈log2 N⌉``, ``blocked(b)`` ``(b - 1) + (⌈N/b⌉ - 1)``), Kahan the constant of Theorem R.4
+  (papers/summation.md).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
+from mhanum.bounds.summation import sum_factor
 from mhanum.formats import Format, representable, round_to
 from mhanum.numerics import Numerics, resolve
 
@@ -54,15 +56,19 @@ def _gamma(k: float, u: float) -> float:
 
 
 def summation_gamma(n: int, order: str, u: float) -> float:
-    """The relative error bound of a sum of ``n`` nonnegative terms in ``order`` (Theorem S.0).
+    """The relative error bound of a sum of ``n`` terms in ``order`` (Theorem S.0).
+
+    Delegates to :func:`mhanum.bounds.summation.sum_factor` (papers/summation.md, R.3-R.4):
 
     .. math::
 
-        |\\hat s - s| \\le \\gamma\\, s, \\qquad \\gamma = \\gamma_h = \\frac{hu}{1-hu}
+        |\\hat s - s| \\le \\gamma \\sum_j |a_j|, \\qquad \\gamma = \\gamma_h = \\frac{hu}{1-hu}
 
-    with ``h`` the height of the summation tree: ``n - 1`` (sequential; native, any order),
-    ``⌈log2 n⌉`` (pairwise), ``(min(b, n) - 1) + (⌈n/b⌉ - 1)`` (blocked(b)); Kahan's compensated
-    sum ``2u + 4nu^2`` (Knuth; requires ``nu <= 0.1``, else ``inf``).
+    with ``h`` the height of the summation tree: ``n - 1`` (sequential; native, any order, with
+    ``u`` replaced by ``u + 2^-24 + 2^-24·u`` for formats narrower than float32, which XLA may
+    carry in float32), ``⌈log2 n⌉`` (pairwise), ``(min(b, n) - 1) + (⌈n/b⌉ - 1)`` (blocked(b));
+    Kahan's compensated sum the constant of Theorem R.4, ``3u + 4nu^2 + O(u^2)``, valid while
+    ``nuβ < 1 - 2u - u²`` (``β = 2u + u²``). ``inf`` where no finite bound follows.
 
     Args:
         n: number of terms (``>= 1``).
@@ -73,22 +79,10 @@ def summation_gamma(n: int, order: str, u: float) -> float:
         InvalidArgument: for ``n < 1`` or an unknown order.
 
     References:
-        Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., 2002, §4.2-4.3.
+        Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., 2002, §4.2-4.3;
+        papers/summation.md.
     """
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        msg = f"n: expected an integer >= 1, got {n!r}"
-        raise InvalidArgument(msg)
-    num = Numerics(summation=order)
-    kind, n = num.summation_kind, int(n)
-    if kind in ("sequential", "native"):
-        return _gamma(n - 1, u)
-    if kind == "pairwise":
-        return _gamma(math.ceil(math.log2(n)) if n > 1 else 0, u)
-    if kind == "blocked":
-        b = num.summation_block
-        assert b is not None
-        return _gamma((min(b, n) - 1) + (-(-n // b) - 1), u)
-    return 2 * u + 4 * n * u * u if n * u <= 0.1 else math.inf
+    return sum_factor(n, order, u)
 
 
 def _summation_ops(n: int, kind: str) -> int:
