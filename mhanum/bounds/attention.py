@@ -233,6 +233,16 @@ def _head(
     t_sum = (1 + r_term.max(axis=-1, keepdims=True) + underflow) * (1 + g_sum) - 1
     t_sum = t_sum + underflow
     vacuous = t_sum >= 1
+    if kind == "naive":
+        # No shift: exp may overflow, and XLA divides by the row sum as a product with its
+        # reciprocal, which flushes to zero once the sum exceeds 2^-emin (papers/attention.md,
+        # step 5). Either makes the bound vacuous for the row.
+        fm = num.format_of("softmax")
+        top = s.max(axis=-1, keepdims=True) + spread
+        log_sum = top + np.log(np.exp(s - top).sum(axis=-1, keepdims=True) * np.exp(spread) * 2)
+        vacuous = (
+            vacuous | (log_sum >= -fm.emin * math.log(2) - 1) | (top >= math.log(fm.max_finite) - 1)
+        )
     t_safe = np.where(vacuous, 0.0, t_sum)
     per_sum = 1 / (e_sum * (1 - t_safe))
 

@@ -233,3 +233,14 @@ def test_probabilistic_variant_is_smaller_and_holds_on_random_data(preset):
     assert np.all(err <= prob.total)
     mha = mha_bound(q, q, mn.MHAParams.random(64, seed=1), 4, numerics=num, lam=6.0)
     assert 0 < mha.probability < prob.probability
+
+
+def test_naive_softmax_with_a_huge_row_sum_is_vacuous():
+    # The row sum e^87.5 + 1 exceeds 2^126: XLA's reciprocal flushes to zero and the output is 0.
+    q, k, v = np.array([[87.5]]), np.array([[1.0], [0.0]]), np.array([[1.0], [2.0]])
+    num = Numerics.preset("fp32").replace(softmax="naive")
+    out = np.asarray(mn.attention(q, k, v, numerics=num, scale=1.0), np.float64)
+    ref = reference.attention(q, k, v, scale=1.0)
+    bound = attention_bound(q, k, v, numerics=num, scale=1.0).total
+    assert np.all(np.abs(out - ref) <= bound)
+    assert np.isinf(bound).all()

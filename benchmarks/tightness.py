@@ -1,0 +1,533 @@
+"""Tightness of the a posteriori attention bound (Theorem A.1) against measured errors.
+
+Run with ``python benchmarks/tightness.py`` (``--full`` for the larger grid). For every
+configuration (preset × softmax × summation order × ``L``, ``d``) it draws ``--n`` inputs from each
+input family below, rounds them into the preset's input format (so only the computation's error is
+measured), and compares the bound ``mhanum.bounds.attention_bound`` with the measured error
+``|mhanum.attention(q, k, v, mask, numerics) − mhanum.reference.attention(q, k, v, mask=mask)|``
+(the reference is certified, float64). ``L`` is the number of queries and of keys,
+``d = d_k = d_v``.
+
+Tightness is printed two ways:
+
+* ``max/max``: max(bound) / max(error) over every entry of every input of the configuration;
+* ``med min``: the median over inputs of min over entries of bound/error (how close the bound gets
+  where it is closest), skipping entries whose error is zero.
+
+``dominant`` is the term of the bound (``Bound.terms``) with the largest finite value over all
+inputs of the configuration (an infinite bound is reported as ``vacuous``). The issue's goal is
+``max/max <= 10`` at ``L, d <= 64``; the script lists the configurations above it and what
+dominates there. It marks nothing as passed or failed, but it prints loudly, with a command that
+reproduces it, every input whose measured error the bound does not cover, and exits with status
+
+* 1 if a finite measured error exceeds its bound anywhere, or a bound is NaN (a soundness
+  violation);
+* 2 if not, but some output is not finite while its bound is (overflow, outside A.1's assumption 4,
+  which ``attention_bound`` does not check: the naive softmax with large logits in ``--full``);
+* 0 otherwise.
+
+``--presets``, ``--softmax``, ``--summation``, ``--sizes`` and ``--families`` narrow the grid (to
+reproduce one case). Input draws depend only on the seed, the family, the input's index and
+``L``, ``d``, so a narrowed run measures the same inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+jax.config.update("jax_enable_x64", True)  # fp64 numerics; before mhanum creates arrays
+
+import mhanum as mn
+from mhanum import InvalidArgument, Numerics, reference
+from mhanum.bounds import attention_bound
+from mhanum.formats import Format, get_format
+from mhanum.numerics import PRESETS
+
+GOAL = 10.0
+Inputs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]
+
+
+# Input families. Each takes a generator, L (queries = keys), d (= d_k = d_v) and the input format,
+# and returns q, k, v (values of the format) and a mask (True = attend) or None.
+
+
+def _rounded(fmt: Format, *xs: np.ndarray) -> tuple[np.ndarray, ...]:
+    return tuple(np.asarray(mn.round_to(x, fmt), np.float64) for x in xs)
+
+
+def random_normal(rng: np.random.Generator, L: int, d: int, fmt: Format) -> Inputs:
+    """q, k, v with independent N(0, 1) entries: the typical case."""
+    q, k, v = _rounded(fmt, *(rng.standard_normal((L, d)) for _ in range(3)))
+    return q, k, v, None
+
+
+def large_norm(rng: np.random.Generator, L: int, d: int, fmt: Format) -> Inputs:
+    """q and k scaled by a factor in [4, 8]: logits of standard deviation 16 to 64.
+
+    The logit errors grow with |q|·|k| (A.1, step 3) while the softmax is nearly one-hot.
+    """
+    scale = rng.uniform(4.0, 8.0)
+    q, k, v = (rng.standard_normal((L, d)) for _ in range(3))
+    q, k, v = _rounded(fmt, scale * q, scale * k, v)
+    return q, k, v, None
+
+
+def near_ties(rng: np.random.Generator, L: int, d: int, fmt: Format) -> Inputs:
+    """All keys equal to one key up to relative perturbations of about 8 units of roundoff.
+
+    The logits of a row are nearly equal and the softmax nearly uniform; the keys still differ
+    after rounding into the input format.
+    """
+    k0 = rng.standard_normal(d)
+    k = k0 * (1 + 8 * fmt.u * rng.standard_normal((L, d)))
+    q, k, v = _rounded(fmt, 2.0 * rng.standard_normal((L, d)), k, rng.standard_normal((L, d)))
+    return q, k, v, None
+
+
+def cancellation_in_v(rng: np.random.Generator, L: int, d: int, fmt: Format) -> Inputs:
+    """v of magnitude ~32 with column mean zero under near-uniform weights: p·v is near zero.
+
+    Each column of v is ±32 (random signs) plus N(0, 1) noise, with its mean over the keys
+    subtracted; q and k are small (N(0, 1/16)) so the weights are close to uniform and the output
+    is a small difference of large terms. The bound's P V terms scale with p|v|, not with |o|.
+    """
+    v = 32.0 * rng.choice([-1.0, 1.0], size=(L, d)) + rng.standard_normal((L, d))
+    v -= v.mean(axis=0, keepdims=True)
+    q, k = (0.25 * rng.standard_normal((L, d)) for _ in range(2))
+    q, k, v = _rounded(fmt, q, k, v)
+    return q, k, v, None
+
+
+def outlier_channel(rng: np.random.Generator, L: int, d: int, fmt: Format) -> Inputs:
+    """One channel of q and of k 30× larger than the others (as in LLM activation outliers).
+
+    The logits are dominated by one product per dot, so |q|·|k| is far above |q·k| for most keys.
+    """
+    q, k, v = (rng.standard_normal((L, d)) for _ in range(3))
+    channel = rng.integers(d)
+    q[:, channel] *= 30.0
+    k[:, channel] *= 30.0
+    q, k, v = _rounded(fmt, q, k, v)
+    return q, k, v, None
+
+
+def long_masked_rows(rng: np.random.Generator, L: int, d: int, fmt: Format) -> Inputs:
+    """N(0, 1) inputs with a random mask keeping about 90% of the L keys of each row.
+
+    Key 0 is always kept, so no row is fully masked; sums still run over all L keys.
+    """
+    q, k, v = _rounded(fmt, *(rng.standard_normal((L, d)) for _ in range(3)))
+    mask = rng.random((L, L)) < 0.9
+    mask[:, 0] = True
+    return q, k, v, mask
+
+
+FAMILIES: dict[str, Callable[[np.random.Generator, int, int, Format], Inputs]] = {
+    "random": random_normal,
+    "large_norm": large_norm,
+    "near_ties": near_ties,
+    "cancel_v": cancellation_in_v,
+    "outlier": outlier_channel,
+    "masked": long_masked_rows,
+}
+
+
+@dataclass
+class Case:
+    """One input of a family, rounded into one format, with its certified reference."""
+
+    family: str
+    index: int
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    mask: np.ndarray | None
+    ref: np.ndarray
+
+
+@dataclass
+class Result:
+    """Measurements of one configuration over all its inputs.
+
+    ``*_finite`` maxima skip the entries whose bound is infinite (term ``vacuous``: the computed
+    softmax sum may be off by 100%); per-family values are keyed by family name.
+    """
+
+    max_err: float = 0.0
+    max_bound: float = 0.0
+    max_err_finite: float = 0.0
+    max_bound_finite: float = 0.0
+    min_ratios: list[float] = field(default_factory=list)
+    term_max: dict[str, float] = field(default_factory=dict)
+    family_err: dict[str, float] = field(default_factory=dict)
+    family_bound: dict[str, float] = field(default_factory=dict)
+    family_terms: dict[str, dict[str, float]] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)
+    vacuous: list[str] = field(default_factory=list)
+    non_finite: list[str] = field(default_factory=list)
+
+
+def make_cases(
+    fmt: Format, L: int, d: int, n: int, seed: int, families: list[str]
+) -> dict[str, list[Case]]:
+    """``n`` inputs of every family in ``fmt``; the same draws for every format."""
+    cases: dict[str, list[Case]] = {}
+    for name in families:
+        f_index = list(FAMILIES).index(name)  # draws do not depend on which families run
+        drawn = [
+            FAMILIES[name](np.random.default_rng([seed, f_index, i, L, d]), L, d, fmt)
+            for i in range(n)
+        ]
+        q, k, v = (np.stack([x[j] for x in drawn]) for j in range(3))
+        mask = None if drawn[0][3] is None else np.stack([x[3] for x in drawn])
+        ref = reference.attention(q, k, v, mask=mask)
+        cases[name] = [
+            Case(name, i, q[i], k[i], v[i], None if mask is None else mask[i], ref[i])
+            for i in range(n)
+        ]
+    return cases
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of the grid."""
+
+    preset: str
+    softmax: str
+    order: str
+    L: int
+    d: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.preset} {self.softmax} {self.order} L={self.L} d={self.d}"
+
+    def numerics(self) -> Numerics:
+        return Numerics.preset(self.preset).replace(summation=self.order, softmax=self.softmax)
+
+    def command(self, family: str, index: int, seed: int) -> str:
+        """The command line that measures this configuration on this input (and the ones before)."""
+        return (
+            f"python benchmarks/tightness.py --presets {self.preset} --softmax '{self.softmax}' "
+            f"--summation '{self.order}' --sizes {self.L}x{self.d} --families {family} "
+            f"--n {index + 1} --seed {seed}"
+        )
+
+
+@dataclass
+class Problem:
+    """A measured error that the bound does not cover, with what is needed to reproduce it."""
+
+    kind: str  # "violation", "nan bound" or "non-finite output"
+    config: Config
+    family: str
+    index: int
+    detail: str
+
+
+def softmax_note(num: Numerics, c: Case) -> str:
+    """For the naive softmax: how large the exact row sums of exponentials get in ``F_m``.
+
+    Above ``1/smallest_normal`` the reciprocal of the sum is subnormal (XLA divides by a
+    broadcast sum as a product by its reciprocal, and flushes subnormals to zero); above
+    ``max_finite`` the sum overflows.
+    """
+    if num.softmax_kind != "naive":
+        return ""
+    s = (c.q @ c.k.T) / math.sqrt(c.q.shape[-1])
+    if c.mask is not None:
+        s = np.where(c.mask, s, -np.inf)
+    top = s.max(axis=-1)
+    lse = float(np.max(top + np.log(np.exp(s - top[:, None]).sum(axis=-1))))
+    fmt = num.format_of("softmax")
+    return (
+        f"; naive softmax: max row log-sum-exp {lse:.2f}, ln(1/smallest normal of {fmt.name}) "
+        f"= {-math.log(fmt.smallest_normal):.2f}, ln(max finite) = {math.log(fmt.max_finite):.2f}"
+    )
+
+
+def run_config(config: Config, cases: dict[str, list[Case]], problems: list[Problem]) -> Result:
+    """Measure every case under ``config``; append what the bound does not cover to ``problems``."""
+    num = config.numerics()
+    res = Result()
+    for family, group in cases.items():
+        q, k, v = (np.stack([getattr(c, a) for c in group]) for a in "qkv")
+        mask = None if group[0].mask is None else np.stack([c.mask for c in group])
+        out = np.asarray(mn.attention(q, k, v, mask, numerics=num), np.float64)
+        for c, o in zip(group, out, strict=True):
+            try:
+                bound = attention_bound(c.q, c.k, c.v, c.mask, numerics=num)
+            except InvalidArgument as exc:
+                res.refused.append(f"{family}[{c.index}]: {exc}")
+                continue
+            total = np.asarray(bound.total)
+            if np.isnan(total).any():
+                detail = f"{np.isnan(total).sum()} NaN entries in the bound"
+                problems.append(Problem("nan bound", config, family, c.index, detail))
+                continue
+            if not np.all(np.isfinite(o)):
+                res.non_finite.append(f"{family}[{c.index}]")
+                if np.all(np.isfinite(total)):
+                    detail = f"{np.sum(~np.isfinite(o))} non-finite output entries"
+                    detail += softmax_note(num, c)
+                    problems.append(Problem("non-finite output", config, family, c.index, detail))
+                continue
+            err = np.abs(o - c.ref)
+            if np.any(err > total):
+                bad = err > total
+                worst = float(np.max(err[bad] / total[bad]))
+                detail = (
+                    f"{bad.sum()} entries (rows {sorted(set(np.nonzero(bad)[0].tolist()))}) with "
+                    f"error > bound, worst error/bound = {worst:.4g}, worst error "
+                    f"{float(err[bad].max()):.3g}" + softmax_note(num, c)
+                )
+                problems.append(Problem("violation", config, family, c.index, detail))
+            finite = np.isfinite(total)
+            if not finite.all():
+                res.vacuous.append(f"{family}[{c.index}]")
+            res.max_err = max(res.max_err, float(err.max()))
+            res.max_bound = max(res.max_bound, float(total.max()))
+            if finite.any():
+                res.max_err_finite = max(res.max_err_finite, float(err[finite].max()))
+                res.max_bound_finite = max(res.max_bound_finite, float(total[finite].max()))
+            res.family_err[family] = max(res.family_err.get(family, 0.0), float(err.max()))
+            res.family_bound[family] = max(res.family_bound.get(family, 0.0), float(total.max()))
+            terms = res.family_terms.setdefault(family, {})
+            for term, value in bound.terms.items():
+                value = np.asarray(value)
+                top = float(np.max(value[finite])) if finite.any() else 0.0
+                if term == "vacuous":
+                    top = math.inf if not finite.all() else 0.0
+                res.term_max[term] = max(res.term_max.get(term, 0.0), top)
+                terms[term] = max(terms.get(term, 0.0), top)
+            nonzero = err > 0
+            if nonzero.any():
+                res.min_ratios.append(float(np.min(total[nonzero] / err[nonzero])))
+    return res
+
+
+def ratio(bound: float, err: float) -> float:
+    if err == 0.0:
+        return math.nan
+    return bound / err
+
+
+def fmt_ratio(x: float) -> str:
+    if math.isnan(x):
+        return "-"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.3g}"
+
+
+def dominant(term_max: dict[str, float]) -> str:
+    """The largest finite term (maximum over entries with a finite bound), else ``vacuous``."""
+    finite = {t: x for t, x in term_max.items() if t != "vacuous"}
+    if not finite or max(finite.values()) == 0.0:
+        return "vacuous" if term_max.get("vacuous", 0.0) > 0 else "-"
+    return max(finite, key=lambda t: finite[t])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=3, help="inputs per family (default 3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the input draws")
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="add pairwise, blocked(8), kahan, the naive softmax and L, d in {16, 64}",
+    )
+    parser.add_argument(
+        "--presets", default=",".join(PRESETS), help="comma-separated presets (default: all)"
+    )
+    parser.add_argument(
+        "--families",
+        default=",".join(FAMILIES),
+        help=f"comma-separated input families (default: {','.join(FAMILIES)})",
+    )
+    parser.add_argument(
+        "--softmax", default="", help="comma-separated softmax algorithms (overrides the grid's)"
+    )
+    parser.add_argument(
+        "--summation", default="", help="comma-separated summation orders (overrides the grid's)"
+    )
+    parser.add_argument(
+        "--sizes", default="", help="comma-separated LxD, e.g. 16x64 (overrides the grid's)"
+    )
+    args = parser.parse_args()
+    presets = [p for p in args.presets.split(",") if p]
+    families = [f for f in args.families.split(",") if f]
+    for f in families:
+        if f not in FAMILIES:
+            parser.error(f"--families: unknown family {f!r}; expected some of {list(FAMILIES)}")
+    for p in presets:
+        if p not in PRESETS:
+            parser.error(f"--presets: unknown preset {p!r}; expected some of {list(PRESETS)}")
+    if args.full:
+        softmaxes = ["naive", "safe", "online(16)"]
+        orders = ["native", "sequential", "pairwise", "blocked(8)", "kahan"]
+        sizes = [(L, d) for L in (16, 64) for d in (16, 64)]
+    else:
+        softmaxes = ["safe", "online(16)"]
+        orders = ["native", "sequential"]
+        sizes = [(64, 64)]
+    softmaxes = args.softmax.split(",") if args.softmax else softmaxes
+    orders = args.summation.split(",") if args.summation else orders
+    if args.sizes:
+        try:
+            sizes = [(int(a), int(b)) for a, b in (x.split("x") for x in args.sizes.split(","))]
+        except ValueError:
+            parser.error(f"--sizes: expected LxD[,LxD...], got {args.sizes!r}")
+    for softmax in softmaxes:
+        for order in orders:
+            try:
+                Numerics(softmax=softmax, summation=order)
+            except InvalidArgument as exc:
+                parser.error(str(exc))
+
+    start = time.perf_counter()
+    problems: list[Problem] = []
+    rows: list[tuple[Config, Result]] = []
+    formats = {get_format(Numerics.preset(p).input).name for p in presets}
+    for L, d in sizes:
+        cases = {
+            fmt: make_cases(get_format(fmt), L, d, args.n, args.seed, families)
+            for fmt in sorted(formats)
+        }
+        for preset in presets:
+            for softmax in softmaxes:
+                for order in orders:
+                    config = Config(preset, softmax, order, L, d)
+                    fmt = get_format(config.numerics().input).name
+                    rows.append((config, run_config(config, cases[fmt], problems)))
+    elapsed = time.perf_counter() - start
+
+    print(f"cores: os.cpu_count() = {os.cpu_count()}, usable = {len(os.sched_getaffinity(0))}")
+    print(f"inputs: {args.n} per family, families {', '.join(families)}; seed {args.seed}")
+    print("max/max = max(bound)/max(error) over all entries of all inputs")
+    print("med min = median over inputs of min over entries of bound/error (zero errors skipped)")
+    print("fin m/m = max/max over the entries whose bound is finite (differs if some are vacuous)")
+    print("dominant = largest finite term of Bound.terms over all inputs")
+    print()
+    named = [(config.name, res) for config, res in rows]
+    width = max(len(name) for name, _ in named) + 1
+    head = (
+        f"{'configuration':<{width}} {'max err':>9} {'max bound':>9} {'max/max':>8} "
+        f"{'med min':>8} {'fin m/m':>8} {'dominant':<20} {'notes'}"
+    )
+    print(head)
+    print("-" * len(head))
+    for name, res in named:
+        notes = []
+        if res.vacuous:
+            notes.append(f"vacuous (inf) on {len(res.vacuous)}: {' '.join(res.vacuous)}")
+        if res.non_finite:
+            notes.append(f"non-finite output (skipped) on {' '.join(res.non_finite)}")
+        if res.refused:
+            notes.append(f"{len(res.refused)} refused, e.g. {res.refused[0]}")
+        med = statistics.median(res.min_ratios) if res.min_ratios else math.nan
+        print(
+            f"{name:<{width}} {res.max_err:>9.2e} {res.max_bound:>9.2e} "
+            f"{fmt_ratio(ratio(res.max_bound, res.max_err)):>8} {fmt_ratio(med):>8} "
+            f"{fmt_ratio(ratio(res.max_bound_finite, res.max_err_finite)):>8} "
+            f"{dominant(res.term_max):<20} {'; '.join(notes)}"
+        )
+
+    print()
+    print(
+        "max/max per input family (inf: some input got a vacuous bound; refused / non-fin: no "
+        "input measured, the bound refused it or the output was not finite)"
+    )
+    head = f"{'configuration':<{width}} " + " ".join(f"{f:>10}" for f in families)
+    print(head)
+    print("-" * len(head))
+    for name, res in named:
+        cells = [
+            fmt_ratio(ratio(res.family_bound[f], res.family_err[f]))
+            if f in res.family_err
+            else ("refused" if any(x.startswith(f"{f}[") for x in res.refused) else "non-fin")
+            for f in families
+        ]
+        print(f"{name:<{width}} " + " ".join(f"{c:>10}" for c in cells))
+
+    print()
+    worst = sorted(
+        ((ratio(r.max_bound, r.max_err), name, r) for name, r in named if r.max_err > 0),
+        key=lambda t: (-t[0], -ratio(t[2].max_bound_finite, t[2].max_err_finite)),
+    )
+    above = [(x, name, r) for x, name, r in worst if not x <= GOAL]
+    print(f"configurations with ratio > {GOAL:g} (max/max): {len(above)} of {len(rows)}")
+    for x, name, r in above:
+        top = dominant(r.term_max)
+        share = r.term_max.get(top, math.nan) / r.max_bound_finite if r.max_bound_finite else 0.0
+        finite_fams = [f for f in r.family_err if math.isfinite(r.family_bound[f])]
+        text = f"  {name}: {fmt_ratio(x)}"
+        if r.vacuous:
+            vac = sorted({v.split("[")[0] for v in r.vacuous})
+            fin = fmt_ratio(ratio(r.max_bound_finite, r.max_err_finite))
+            text += f" (vacuous on {', '.join(vac)}; finite entries {fin})"
+        text += f"; dominant {top} ({share:.0%} of the largest finite bound)"
+        if finite_fams:
+            fam = max(finite_fams, key=lambda f: ratio(r.family_bound[f], r.family_err[f]))
+            text += (
+                f"; loosest finite family {fam} "
+                f"({fmt_ratio(ratio(r.family_bound[fam], r.family_err[fam]))}, "
+                f"dominant {dominant(r.family_terms[fam])})"
+            )
+        print(text)
+    if refused := [(name, r.refused) for name, r in named if r.refused]:
+        print()
+        print("refused by attention_bound (outside Theorem A.1's hypotheses):")
+        for name, items in refused:
+            print(f"  {name}: {len(items)} inputs, e.g. {items[0]}")
+    print()
+    print(f"wall time: {elapsed:.1f} s")
+    return report_problems(problems, args.seed)
+
+
+def report_problems(problems: list[Problem], seed: int) -> int:
+    """Print what the bound does not cover, loudly; the exit status (0, 1 or 2)."""
+    if not problems:
+        print("soundness: every measured error is within its bound")
+        return 0
+    violations = [p for p in problems if p.kind != "non-finite output"]
+    non_finite = [p for p in problems if p.kind == "non-finite output"]
+    print()
+    print("!" * 100)
+    if violations:
+        print(f"!!! {len(violations)} SOUNDNESS VIOLATION(S): measured error above a finite bound")
+        for p in violations:
+            print(f"!!! {p.kind.upper()}: {p.config.name}, family {p.family}, input {p.index}, "
+                  f"seed {seed}: {p.detail}")  # fmt: skip
+            print(f"!!!     reproduce: {p.config.command(p.family, p.index, seed)}")
+    if non_finite:
+        configs: dict[Config, list[Problem]] = {}
+        for p in non_finite:
+            configs.setdefault(p.config, []).append(p)
+        print(
+            f"!!! NON-FINITE OUTPUT under a finite bound on {len(non_finite)} inputs in "
+            f"{len(configs)} configurations (overflow: outside A.1's assumption 4, which "
+            "attention_bound does not check):"
+        )
+        for config, items in configs.items():
+            where = " ".join(f"{p.family}[{p.index}]" for p in items)
+            print(f"!!!   {config.name}: {where}")
+        first = non_finite[0]
+        print(f"!!!   e.g. {first.config.name} {first.family}[{first.index}]: {first.detail}")
+        print(f"!!!     reproduce: {first.config.command(first.family, first.index, seed)}")
+    print("!" * 100)
+    return 1 if violations else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
