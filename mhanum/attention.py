@@ -78,10 +78,10 @@ class _Stages:
         self.storage = num.storage_format
         self.prob = num.format_of("prob")
         self.output = num.format_of("output")
-        self.operand = num.format_of("operand") if num.operand_format is not None else None
+        self.operand = num.operand_rounding
 
     def dot(self, a: jax.Array, b: jax.Array) -> jax.Array:
-        return matmul_with(self.acc, a, b, self.num.summation, self.operand)
+        return matmul_with(self.acc, a, b, self.num.summation, self.operand, self.num.dot)
 
     def sum(self, x: jax.Array) -> jax.Array:
         return sum_with(self.soft, x, self.num.summation, keepdims=True)

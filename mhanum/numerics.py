@@ -9,8 +9,9 @@ The stages of one attention head and the fields that govern them::
 
     q, k, v  ── rounded to ``input``
     scale on q (and/or k) ── rounded to ``scale_format`` (default: the operand's format)
-    S = Q Kᵀ ── operands rounded to ``operand_format`` (if set), products and sums in ``accum``
-                 in the ``summation`` order, result rounded to ``score_format``
+    S = Q Kᵀ ── the ``dot`` unit: operands rounded to ``operand_format`` (if set), products and
+                 sums in ``accum`` in the ``summation`` order (``dot="ieee"``), or split into
+                 bf16 passes, or a tensor-core model; result rounded to ``score_format``
     scale on S, bias, mask ── in ``score_format``; mask by ``mask_mode`` with ``mask_value``
     softmax ── ``softmax`` algorithm; max-shift, exp, sum and division in ``softmax_format``
     P ── rounded to ``prob_format``
@@ -39,6 +40,8 @@ _SCALES = ("scores", "q", "qk")
 _MASK_MODES = ("fill", "add")
 _BLOCKED = re.compile(r"^blocked\((\d+)\)$")
 _ONLINE = re.compile(r"^online\((\d+)\)$")
+_TENSOR_CORE = re.compile(r"^tensor-core\(([a-z0-9_-]+)\)$")
+_SPLITS = {"bf16x1": 1, "bf16x3": 3, "bf16x6": 6}
 _FINFO = re.compile(r"^(?:(\d*\.?\d+)\s*\*\s*)?finfo\.min$")
 
 
@@ -71,6 +74,15 @@ class Numerics:
             ``score_format``.
         operand_format: format dot operands are rounded to on entry to every dot (``"tf32"`` for
             TF32 tensor-core matmuls); ``None`` for no extra rounding.
+        dot: the inner-product unit of every dot (``Q Kᵀ``, ``P V``, projections):
+            ``"ieee"``: products rounded to ``accum`` and summed in ``summation`` order;
+            ``"bf16x1"``, ``"bf16x3"``, ``"bf16x6"``: float32 operands split into one, two or
+            three bfloat16 pieces and multiplied in 1, 3 or 6 passes of exact products summed in
+            float32 (XLA's ``BF16_BF16_F32[_X3|_X6]`` dot algorithms and the TPU passes of
+            Henry, Tang & Heinecke 2019); ``"tensor-core(<model>)"``: the inner product of an
+            NVIDIA tensor core (:mod:`mhanum.tensorcore`; operands rounded to the model's input
+            format, groups of exact products fused into a float32 accumulator). The last two
+            need ``accum="float32"``; ``operand_format`` must then be unset.
         mask_mode: ``"fill"`` replaces masked logits by ``mask_value``; ``"add"`` adds it.
         mask_value: ``-inf``, a number such as ``-1e9`` (rounded to ``score_format``, where it may
             overflow to ``-inf``), ``"finfo.min"`` or ``"c*finfo.min"`` (``0 < c <= 1``; jax uses
@@ -102,6 +114,7 @@ class Numerics:
     prob_format: str | None = None
     output_format: str | None = None
     operand_format: str | None = None
+    dot: str = "ieee"
     mask_mode: str = "fill"
     mask_value: float | str = -math.inf
     scale: str = "scores"
@@ -133,6 +146,8 @@ class Numerics:
                 )
                 raise InvalidArgument(msg)
         canon(self, "summation", _canonical_order(self.summation))
+        canon(self, "dot", _canonical_dot(self.dot))
+        self._check_dot()
         canon(self, "softmax", _canonical_softmax(self.softmax))
         if self.mask_mode not in _MASK_MODES:
             raise _bad("mask_mode", f"one of {_MASK_MODES}", self.mask_mode)
@@ -144,6 +159,20 @@ class Numerics:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise _bad(field, "a finite number >= 0", value)
             canon(self, field, float(value))
+
+    def _check_dot(self) -> None:
+        kind = self.dot_kind
+        if kind == "ieee":
+            return
+        if self.accum != "float32":
+            raise _bad("accum", f"'float32' with dot={self.dot!r}", self.accum)
+        if self.operand_format is not None:
+            raise _bad("operand_format", f"None with dot={self.dot!r} (the dot unit sets it)",
+                       self.operand_format)  # fmt: skip
+        if kind == "tensor-core" and self.summation not in ("native", "sequential"):
+            raise _bad(
+                "summation", f"'native' or 'sequential' with dot={self.dot!r}", self.summation
+            )
 
     # Resolved formats -------------------------------------------------------------------------
 
@@ -163,7 +192,7 @@ class Numerics:
         explicit = {
             "input": self.input,
             "accum": self.accum,
-            "operand": self.operand_format,
+            "operand": self.operand_format or self._dot_operand(),
             "score": self.score_format,
             "softmax": self.softmax_format or self.accum,
             "prob": self.prob_format,
@@ -177,6 +206,43 @@ class Numerics:
         if value is None:
             return get_format(self.input) if role == "operand" else self.storage_format
         return get_format(value)
+
+    def _dot_operand(self) -> str | None:
+        if self.dot == "bf16x1":
+            return "bfloat16"
+        if self.dot_kind == "tensor-core":
+            from mhanum.tensorcore import get_model
+
+            return get_model(self.dot_model or "").input_format
+        return None
+
+    @property
+    def operand_rounding(self) -> Format | None:
+        """The format every dot operand is rounded to on entry, if any.
+
+        ``operand_format``; ``bfloat16`` for ``dot="bf16x1"``; the model's input format for a
+        tensor core; ``None`` otherwise (``bf16x3``/``bf16x6`` split their operands instead).
+        """
+        name = self.operand_format or self._dot_operand()
+        return None if name is None else get_format(name)
+
+    @property
+    def dot_kind(self) -> str:
+        """``ieee``, ``split`` (``bf16xN``, N > 1) or ``tensor-core``; ``bf16x1`` is ``ieee``."""
+        if self.dot.startswith("tensor-core"):
+            return "tensor-core"
+        return "split" if self.dot in ("bf16x3", "bf16x6") else "ieee"
+
+    @property
+    def dot_passes(self) -> int:
+        """Number of bf16 passes of a split dot (1 for every other unit)."""
+        return _SPLITS.get(self.dot, 1)
+
+    @property
+    def dot_model(self) -> str | None:
+        """The tensor-core model name of ``dot="tensor-core(<model>)"``, else ``None``."""
+        m = _TENSOR_CORE.match(self.dot)
+        return m.group(1) if m else None
 
     @property
     def needs_x64(self) -> bool:
@@ -266,6 +332,20 @@ def _canonical_order(value: Any) -> str:
     )
 
 
+def _canonical_dot(value: Any) -> str:
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        if text == "ieee" or text in _SPLITS:
+            return text
+        m = _TENSOR_CORE.match(text)
+        if m:
+            from mhanum.tensorcore import get_model
+
+            get_model(m.group(1))  # raises InvalidArgument for an unknown model
+            return text
+    raise _bad("dot", "'ieee', 'bf16x1', 'bf16x3', 'bf16x6' or 'tensor-core(<model>)'", value)
+
+
 def _canonical_softmax(value: Any) -> str:
     if isinstance(value, str):
         text = value.strip().lower().replace(" ", "")
@@ -308,6 +388,25 @@ PRESETS: Mapping[str, Numerics] = {
     "bf16-fp32acc": _preset("bfloat16", "float32"),
     "fp16": _preset("float16", "float16"),
     "fp16-fp32acc": _preset("float16", "float32"),
+    "tpu-bf16-1pass": _preset("float32", "float32", dot="bf16x1"),
+    "tpu-bf16-3pass": _preset("float32", "float32", dot="bf16x3"),
+    "tpu-bf16-6pass": _preset("float32", "float32", dot="bf16x6"),
+    "tensor-core-fp16": _preset("float16", "float32", dot="tensor-core(h100-fp16)"),
+    "tensor-core-bf16": _preset("bfloat16", "float32", dot="tensor-core(h100-bf16)"),
+    "fp8-e4m3-fp32acc": _preset(
+        "float8_e4m3fn",
+        "float32",
+        score_format="float32",
+        prob_format="float8_e4m3fn",
+        output_format="float32",
+    ),
+    "fp8-e5m2-fp32acc": _preset(
+        "float8_e5m2",
+        "float32",
+        score_format="float32",
+        prob_format="float8_e5m2",
+        output_format="float32",
+    ),
 }
 """Named numerics of real modes.
 
@@ -317,6 +416,16 @@ PRESETS: Mapping[str, Numerics] = {
 * ``bf16``, ``fp16``: everything, accumulation and softmax included, in that format.
 * ``bf16-fp32acc``, ``fp16-fp32acc``: tensors in that format, dots accumulated and the softmax
   computed in float32, results rounded back (what frameworks do with half-precision tensors).
+* ``tpu-bf16-1pass``, ``tpu-bf16-3pass``, ``tpu-bf16-6pass``: float32 tensors whose every dot
+  runs as 1, 3 or 6 passes of bfloat16 pieces (JAX's ``DEFAULT``, ``HIGH`` and ``HIGHEST``
+  precision on TPU; ``dot="bf16xN"``).
+* ``tensor-core-fp16``, ``tensor-core-bf16``: half-precision tensors whose dots run on the H100
+  tensor-core model of :mod:`mhanum.tensorcore` (groups of 16 exact products aligned to the
+  largest with 2 extra bits, truncated into a float32 accumulator; Fasi et al. 2021, Khattak &
+  Mikaitis 2025; checked bit for bit on an H100), softmax in float32, results rounded back.
+* ``fp8-e4m3-fp32acc``, ``fp8-e5m2-fp32acc``: fp8 q, k, v (and probabilities, rounded to the same
+  fp8 format before ``P V``, as FlashAttention-3 does); products exact and accumulated in float32,
+  scores, softmax and output in float32.
 """
 
 

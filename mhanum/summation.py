@@ -11,6 +11,12 @@ Each function takes the order as a string, as in :attr:`mhanum.Numerics.summatio
 * ``"kahan"``: compensated summation, ``y = t - c; u = s + y; c = (u - s) - y; s = u``;
 * ``"native"``: XLA's own ``dot``/``reduce`` in the accumulation dtype, order unknown.
 
+A dot may run on another inner-product unit (:attr:`mhanum.Numerics.dot`): ``"bf16x3"`` and
+``"bf16x6"`` split each float32 operand into bfloat16 pieces as XLA's dot-algorithm rewriter does
+(``hi`` = the float32 truncated to 8 significant bits, then the remainder likewise, the last piece
+rounded), form one dot per pass in ``order`` and add the passes in XLA's order, smallest first;
+``"tensor-core(<model>)"`` runs :func:`mhanum.tensorcore.matmul`.
+
 In a dot product the terms are the products ``a_k * b_k``, each rounded to the accumulation format
 before it is added (no fused multiply-add; see :mod:`mhanum._arith`). ``"native"`` dots run at
 ``lax.Precision.HIGHEST`` so that float32 means float32 on every backend.
@@ -180,6 +186,7 @@ def matmul(
     order: str = "native",
     accum: Format | str = "float32",
     operand_format: Format | str | None = None,
+    dot: str = "ieee",
 ) -> jax.Array:
     """``a @ b`` with products rounded to ``accum`` and summed in ``order``.
 
@@ -189,6 +196,8 @@ def matmul(
         order: the summation order over ``K``.
         accum: the accumulation format (products are rounded to it, then summed in it).
         operand_format: if given, ``a`` and ``b`` are first rounded to this format (``"tf32"``).
+        dot: the inner-product unit, as :attr:`mhanum.Numerics.dot` (``"ieee"``, ``"bf16x1"``,
+            ``"bf16x3"``, ``"bf16x6"``, ``"tensor-core(<model>)"``).
 
     Returns:
         ``(..., M, N)`` in ``accum``'s carrier dtype, each entry a value of ``accum``.
@@ -198,17 +207,83 @@ def matmul(
     if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
         msg = f"b: expected shape (..., {a.shape[-1] if a.ndim else '?'}, N), got {b.shape}"
         raise InvalidArgument(msg)
+    num = Numerics(
+        input=fmt.name,
+        accum=fmt.name,
+        summation=order,
+        operand_format=None if operand_format is None else get_format(operand_format).name,
+        dot=dot,
+    )
     ar = Arith(fmt, runtime_zero(a))
-    op = None if operand_format is None else get_format(operand_format, argname="operand_format")
-    return matmul_with(ar, a, b, order, op)
+    return matmul_with(ar, a, b, order, num.operand_rounding, num.dot)
+
+
+_PASSES = {
+    # (lhs piece, rhs piece) of each pass, in the order XLA adds them (papers/summation.md R.7)
+    "bf16x3": ((1, 0), (0, 1), (0, 0)),
+    "bf16x6": ((1, 1), (0, 2), (2, 0), (0, 1), (1, 0), (0, 0)),
+}
+
+
+def _truncate_bf16(x: jax.Array) -> jax.Array:
+    """A float32 truncated to its leading 8 significant bits (a bfloat16 value, toward zero)."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def split_bf16(x: jax.Array, pieces: int) -> list[jax.Array]:
+    """Split float32 ``x`` into ``pieces`` bfloat16 values (in float32) as XLA's rewriter does.
+
+    Every piece but the last is the remainder truncated to 8 bits; the last is the remainder
+    rounded to bfloat16. With three pieces the split is exact for normal numbers.
+    """
+    from mhanum.formats import get_format
+
+    bf16 = get_format("bfloat16")
+    out, rest = [], jnp.asarray(x, jnp.float32)
+    for i in range(pieces):
+        if i == pieces - 1:
+            out.append(to_format(rest, bf16))
+        else:
+            head = _truncate_bf16(rest)
+            out.append(head)
+            rest = rest - head
+    return out
+
+
+def _split_matmul(ar: Arith, a: jax.Array, b: jax.Array, order: str, dot: str) -> jax.Array:
+    pieces = 2 if dot == "bf16x3" else 3
+    a_parts, b_parts = split_bf16(a, pieces), split_bf16(b, pieces)
+    total = None
+    for i, j in _PASSES[dot]:
+        part = matmul_with(ar, a_parts[i], b_parts[j], order)
+        total = part if total is None else ar.add(total, part)
+    assert total is not None
+    return total
 
 
 def matmul_with(
-    ar: Arith, a: jax.Array, b: jax.Array, order: str, operand: Format | None = None
+    ar: Arith,
+    a: jax.Array,
+    b: jax.Array,
+    order: str,
+    operand: Format | None = None,
+    dot: str = "ieee",
 ) -> jax.Array:
-    """``a @ b`` accumulated in ``ar``'s format; operands first rounded to ``operand`` if given."""
+    """``a @ b`` accumulated in ``ar``'s format; operands first rounded to ``operand`` if given.
+
+    ``dot`` is the inner-product unit (:attr:`mhanum.Numerics.dot`); ``"bf16x1"`` is ``"ieee"``
+    with ``operand`` bfloat16, and a tensor core rounds the operands to its input format.
+    """
     if operand is not None:
         a, b = to_format(a, operand), to_format(b, operand)
+    if dot in _PASSES:
+        return _split_matmul(ar, ar.take(a), ar.take(b), order, dot)
+    if dot.startswith("tensor-core"):
+        from mhanum import tensorcore
+
+        model = tensorcore.get_model(dot[len("tensor-core(") : -1])
+        return tensorcore.matmul(ar.take(a), ar.take(b), model).astype(ar.dtype)
     a, b = ar.take(a), ar.take(b)
     if _parse(order)[0] == "native":
         storage = jnp.promote_types(a.dtype, b.dtype)

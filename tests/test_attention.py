@@ -21,6 +21,7 @@ import mhanum as mn
 from mhanum import InvalidArgument, Numerics, measure, reference, round_to
 from mhanum.bounds import attention_bound
 from mhanum.numerics import PRESETS
+from tests._numerics import configured
 
 ORDERS = ["native", "sequential", "pairwise", "blocked(5)", "kahan"]
 SOFTMAXES = ["naive", "safe", "online(7)"]
@@ -46,7 +47,7 @@ def _check_within_bound(q, k, v, num, mask=None):
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("softmax", SOFTMAXES)
 def test_error_is_within_the_derived_bound_and_nonzero(preset, order, softmax):
-    num = Numerics.preset(preset).replace(summation=order, softmax=softmax)
+    num = configured(preset, summation=order, softmax=softmax)
     q, k, v = _inputs(hash((preset, order, softmax)) % 2**32, num.format_of("input"))
     err = _check_within_bound(q, k, v, num)
     assert err.max() > 0  # every preset rounds somewhere on these inputs
@@ -64,7 +65,7 @@ def test_error_is_within_the_derived_bound_and_nonzero(preset, order, softmax):
 def test_error_is_within_the_derived_bound_on_generated_inputs(
     seed, lk, scale, preset, order, softmax
 ):
-    num = Numerics.preset(preset).replace(summation=order, softmax=softmax)
+    num = configured(preset, summation=order, softmax=softmax)
     rng = np.random.default_rng(seed)
     fmt = num.format_of("input")
     q = round_to(scale * rng.standard_normal((4, 16)), fmt)
@@ -225,7 +226,7 @@ def test_output_dtype_is_the_output_format_storage():
 
 @pytest.mark.parametrize("preset", ["fp32", "bf16-fp32acc", "fp16"])
 def test_mha_is_projection_heads_attention_concat_projection(preset):
-    num = Numerics.preset(preset).replace(summation="blocked(3)")
+    num = configured(preset, summation="blocked(3)")
     rng = np.random.default_rng(1)
     params = mn.MHAParams.random(16, seed=1)
     fmt = num.format_of("input")

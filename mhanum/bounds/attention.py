@@ -23,7 +23,7 @@ from mhanum import _validate as V
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.bounds.softmax import summation_gamma
-from mhanum.bounds.summation import probabilistic_gamma, tree_height
+from mhanum.bounds.summation import probabilistic_gamma, split_constants, tree_height
 from mhanum.formats import Format, representable, round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
@@ -80,6 +80,77 @@ def _chain(
         msg = f"numerics: expected n·u < 1 for a finite bound, got n = {n} with u = {u}"
         raise InvalidArgument(msg)
     return g
+
+
+_SPLIT_FLUSH = 2.0**-125  # a bf16 piece below 2^-126 may be flushed: |a - Σ pieces| gains < 2^-125
+
+
+def _operand_error(num: Numerics) -> tuple[float, float]:
+    """``(u_op, η_op)``: ``|a_used - a| <= u_op|a| + η_op`` for a dot operand (A.1, step 1)."""
+    if num.dot_kind == "split":
+        return 0.0, _SPLIT_FLUSH
+    op = num.operand_rounding
+    return (op.u, op.smallest_normal) if op is not None else (0.0, 0.0)
+
+
+def _operand_bits(num: Numerics, fmt: Format) -> int:
+    """Significant bits of a dot operand stored in ``fmt`` after the operand rounding."""
+    op = num.operand_rounding
+    return min(fmt.precision, op.precision) if op is not None else fmt.precision
+
+
+def _unit_factor(
+    num: Numerics, n: int, lam: float | None, *, bits: tuple[int, int], extra: int = 0
+) -> float:
+    """Relative error of a dot of length ``n`` on ``num``'s dot unit, then ``extra`` roundings.
+
+    ``|computed - Σ a_k b_k| <= factor · Σ |a_k||b_k|`` (plus the underflow terms of
+    :func:`_unit_eta`) for the operands ``a, b`` the unit reads. ``bits`` are the operands'
+    significant bits: products are exact when they sum to at most the accumulation precision
+    (Theorem R.5). A split dot (Theorem R.7) sums ``P`` passes of exact products: the tree of
+    each pass and ``P - 1`` additions of passes, times ``c_P``, plus the dropped pieces ``τ_P``.
+    """
+    order, acc = num.summation, num.format_of("accum")
+    kind = num.dot_kind
+    if kind == "ieee":
+        exact = sum(bits) <= acc.precision
+        return _chain(n, order, acc.u, lam, products=not exact, extra=extra)
+    if kind == "split":
+        c, tau = split_constants(num.dot_passes)
+        g = _chain(n, order, acc.u, lam, products=False, extra=num.dot_passes - 1)
+        return (1 + g * c + tau) * (1 + acc.u) ** extra - 1
+    from mhanum import tensorcore
+
+    if lam is not None:
+        msg = "lam: the probabilistic bound (Theorem A.3) does not cover tensor-core dot units"
+        raise InvalidArgument(msg)
+    model = tensorcore.get_model(num.dot_model or "")
+    f = tensorcore.dot_error_factor(model, max(n, 1), order=num.summation)
+    return (1 + f) * (1 + acc.u) ** extra - 1
+
+
+def _anchor(num: Numerics) -> float:
+    """``2^emin`` of a tensor core's input format, else 0 (Theorem A.1, step 3, tensor cores).
+
+    Theorem T.2 assumes normal inputs. A product with a subnormal factor ``b`` is aligned as if
+    ``|b|`` were ``2^emin``, so it can raise a step's alignment exponent to at most
+    ``2^emin·|a|``: counting ``2^emin (|a_k| + |b_k| + 2^emin)`` as an extra addend of every
+    product keeps T.2's proof valid. The dot's error gains
+    ``factor · 2^emin · Σ_k (|a_k| + |b_k| + 2^emin)``.
+    """
+    op = num.operand_rounding
+    return op.smallest_normal if num.dot_kind == "tensor-core" and op is not None else 0.0
+
+
+def _unit_eta(num: Numerics, n: int) -> float:
+    """Absolute underflow allowance of one dot of length ``n`` (flushed products and sums)."""
+    eta_a = num.format_of("accum").smallest_normal
+    if num.dot_kind == "tensor-core":
+        from mhanum import tensorcore
+
+        model = tensorcore.get_model(num.dot_model or "")
+        return tensorcore.dot_error_eta(model, max(n, 1), order=num.summation)
+    return 2 * n * num.dot_passes * eta_a
 
 
 def _check_scope(num: Numerics, mask: Any) -> None:
@@ -159,8 +230,10 @@ def _head(
         fmts[r].smallest_normal for r in ("accum", "score", "softmax", "prob", "output")
     )
     # Step 1. Operands: |q_used - q| <= e_q, then the rounding into the operand format (TF32).
-    op = num.format_of("operand")
-    u_op, eta_op = (op.u, op.smallest_normal) if num.operand_format is not None else (0.0, 0.0)
+    u_op, eta_op = _operand_error(num)
+    fin = num.format_of("input")
+    bits_qk = (_operand_bits(num, fin), _operand_bits(num, fin))
+    bits_pv = (_operand_bits(num, fmts["prob"]), _operand_bits(num, fin))
     e_q, e_k, e_v = errors
     q_abs, k_abs = np.abs(q), np.abs(k)
     q_used, k_used = q_abs + e_q, k_abs + e_k
@@ -187,7 +260,11 @@ def _head(
         msg = f"q: expected scale·|q|·|k| <= 2^12 for a float64 evaluation of A.1, got {np.max(scale * (q_abs @ k_abs.T)):.3g}"
         raise InvalidArgument(msg)
     dot = e_q_op @ k_abs.T + q_abs @ e_k_op.T + e_q_op @ e_k_op.T
-    dot += _dot_factor(d_k, order, u_a, lam) * (q_op @ k_op.T) + 2 * d_k * eta_a
+    f_qk, anchor = _unit_factor(num, d_k, lam, bits=bits_qk), _anchor(num)
+    dot += f_qk * (q_op @ k_op.T) + _unit_eta(num, d_k)
+    if anchor:
+        sums = q_op.sum(axis=-1)[:, None] + k_op.sum(axis=-1)[None, :] + d_k * anchor
+        dot += f_qk * anchor * sums
     delta = scale * (dot * (1 + theta) + theta * np.abs(t)) + (abs(c_hat) * (1 + u_s) + 2) * eta_s
     s = scale * t
     if bias is not None:
@@ -226,9 +303,11 @@ def _head(
         rescale = ((1 + r_c) * (1 + u_m) * (1 + u_a) ** 2) ** (blocks - 1)
         r_term = (1 + np.maximum(r_term, r_c)) * rescale - 1
         g_sum = _chain(width, order, u_m, lam, products=False, extra=blocks)
-        g_pv = _chain(width, order, u_a, lam, products=True, extra=blocks)
+        g_pv = _unit_factor(num, width, lam, bits=bits_pv, extra=blocks)
+        eta_pv = blocks * _unit_eta(num, width) + 2 * blocks * eta_a
     else:
-        g_sum, g_pv = _sum_factor(n, order, u_m, lam), _dot_factor(n, order, u_a, lam)
+        g_sum, g_pv = _sum_factor(n, order, u_m, lam), _unit_factor(num, n, lam, bits=bits_pv)
+        eta_pv = _unit_eta(num, n)
     underflow = n * eta_m / e_sum
     t_sum = (1 + r_term.max(axis=-1, keepdims=True) + underflow) * (1 + g_sum) - 1
     t_sum = t_sum + underflow
@@ -254,6 +333,10 @@ def _head(
     p_hat_hi = p_hat_hi + prob
     operand_p = u_op * p_hat_hi + eta_op
     p_hat_hi = p_hat_hi + operand_p
+    if anchor:
+        # the P·V unit reads p̂ (online: unnormalised weights <= 1, divided by the sum later)
+        weights = n if online else p_hat_hi.sum(axis=-1, keepdims=True)
+        eta_pv = eta_pv + g_pv * anchor * (weights + v_abs.sum(axis=0) + n * anchor)
     logits = (np.exp(spread) - 1) * p
     o = p @ v
 
@@ -263,11 +346,7 @@ def _head(
         "softmax": scale_out * (soft @ v_abs),
         "probability_rounding": scale_out * (prob @ v_abs),
         "operands": scale_out * (operand_p @ v_abs + p_hat_hi @ (v_abs - np.abs(v))),
-        "pv": scale_out
-        * (
-            g_pv * (p_hat_hi @ v_abs)
-            + (2 * (n + blocks) * eta_a * per_sum if online else 2 * n * eta_a)
-        ),
+        "pv": scale_out * (g_pv * (p_hat_hi @ v_abs) + (eta_pv * per_sum if online else eta_pv)),
         "output": (
             u_o * np.abs(o) + eta_o + ((1 + u_o) * (u_div * np.abs(o) + eta_m) if online else 0.0)
         ),
@@ -484,10 +563,10 @@ def _linear(
     ``x`` stands in for the exact operand ``x*`` with ``|x - x*| <= x_given``.
     """
     fmt_in, acc = num.format_of("input"), num.format_of("accum")
-    op = num.format_of("operand")
-    u_op, eta_op = (op.u, op.smallest_normal) if num.operand_format is not None else (0.0, 0.0)
+    u_op, eta_op = _operand_error(num)
     d = x.shape[-1]
-    g = _dot_factor(d, num.summation, acc.u, lam)
+    bits = _operand_bits(num, fmt_in)
+    g = _unit_factor(num, d, lam, bits=(bits, bits))
     x_bar = np.abs(x) + x_given
     e_w = _rounding_error(w, fmt_in)
     e_w_op = e_w + u_op * (np.abs(w) + e_w) + eta_op
@@ -495,7 +574,12 @@ def _linear(
     # x̂ = x* + e: its operand rounding adds u_op|x̂| + η_op, |x̂| <= x_bar + e_x
     e0 = u_op * x_bar + eta_op
     fixed = e0 @ np.abs(w) + x_bar @ e_w_op + e0 @ e_w_op
-    fixed = fixed + g * ((x_bar + e0) @ slope) + 2 * d * acc.smallest_normal
+    fixed = fixed + g * ((x_bar + e0) @ slope) + _unit_eta(num, d)
+    anchor = _anchor(num)
+    if anchor:
+        fixed = fixed + g * anchor * (
+            (x_bar + e0).sum(axis=-1, keepdims=True) + slope.sum(axis=0) + d * anchor
+        )
     kappa = (1 + u_op) * (1 + g)
     f64 = _dot_factor(d + 1, "sequential", 2.0**-53)
     y = x @ w

@@ -49,6 +49,7 @@ __all__ = [
     "kahan_factor",
     "matmul_bound",
     "probabilistic_gamma",
+    "split_constants",
     "sum_bound",
     "sum_factor",
     "tree_height",
@@ -303,8 +304,9 @@ def dot_factor(
     *,
     input: Format | str | None = None,
     operand: Format | str | None = None,
+    dot: str = "ieee",
 ) -> float:
-    """A priori relative constant of an inner product of length ``n`` (Theorem R.5).
+    """A priori relative constant of an inner product of length ``n`` (Theorems R.5, R.7, T.2).
 
     ``|fl(xᵀy) - xᵀy| <= dot_factor(...) · |x|ᵀ|y|`` without underflow, for ``x, y`` values of
     ``input`` (default: ``accum``), rounded to ``operand`` first if given (``"tf32"``), each
@@ -321,9 +323,17 @@ def dot_factor(
     at most ``p_acc/2`` significant bits (bfloat16 or float16 values in float32, float32 values in
     float64, tf32 operands in float32). ``native`` uses ``u'`` as :func:`sum_factor`.
 
+    Other inner-product units (``dot``, as :attr:`mhanum.Numerics.dot`; ``accum`` float32):
+    ``"bf16x1"`` is the above with ``operand="bfloat16"``; ``"bf16x3"``/``"bf16x6"`` (Theorem
+    R.7) give ``((1 + φ_h)(1 + u)^{P-1} - 1)·c_P + τ_P`` with ``P`` passes of exact products
+    (:func:`split_constants`); ``"tensor-core(<model>)"`` gives
+    :func:`mhanum.tensorcore.dot_error_factor` (Theorem T.2, normal inputs), with the rounding of
+    ``input`` values to the model's input format as for ``operand``. Underflow terms
+    are not included.
+
     Raises:
-        InvalidArgument: for ``n < 1``, an unknown order or format, or an accumulation format
-            that is not one of float64, float32, bfloat16, float16.
+        InvalidArgument: for ``n < 1``, an unknown order, format or unit, or an accumulation
+            format that is not one of float64, float32, bfloat16, float16.
 
     Examples:
         >>> dot_factor(64, "sequential", "float32", input="bf16") == gamma(63, 2.0**-24)
@@ -334,6 +344,27 @@ def dot_factor(
     n = _count(n)
     kind, _ = _order(order)
     acc = _accum(accum)
+    if dot != "ieee":
+        from mhanum.numerics import Numerics
+
+        num = Numerics(input=acc.name, accum=acc.name, summation=order, dot=dot)
+        if num.dot_kind == "tensor-core":
+            from mhanum import tensorcore
+
+            f = tensorcore.dot_error_factor(num.dot_model or "", n, order=order)
+            unit_in = num.operand_rounding
+            assert unit_in is not None
+            given = acc if input is None else get_format(input, argname="input")
+            return f if _subset(given, unit_in) else (1 + f) * (1 + unit_in.u) ** 2 - 1
+        if num.dot_kind == "ieee":  # bf16x1
+            return dot_factor(n, order, acc, input=input, operand="bfloat16")
+        passes = num.dot_passes
+        unit = _native_unit(acc.u) if kind == "native" else acc.u
+        base = (
+            _kahan_constants(n, acc.u)[0] if kind == "kahan" else gamma(tree_height(n, order), unit)
+        )
+        c, tau = split_constants(passes)
+        return ((1 + base) * (1 + acc.u) ** (passes - 1) - 1) * c + tau
     fin = None if input is None else get_format(input, argname="input")
     fop = None if operand is None else get_format(operand, argname="operand")
     bits = [acc.precision] + [f.precision for f in (fin, fop) if f is not None]
@@ -349,6 +380,51 @@ def dot_factor(
         unit = _native_unit(acc.u) if kind == "native" else acc.u
         phi = gamma(tree_height(n, order) + (0 if exact else 1), unit)
     return phi if u_op == 0 else (1 + phi) * (1 + u_op) ** 2 - 1
+
+
+_BF16_HEAD = 1 + 2.0**-8  # |piece_1| <= (1 + 2^-8)|a|: a truncated or a rounded leading piece
+_BF16_REST = 2.0**-7  # |a - (piece_1 + ... + piece_i)| <= (2^-7)^i |a|, truncated or rounded
+_SPLIT_PASSES = {1: ((0, 0),), 3: ((0, 0), (0, 1), (1, 0)),
+                 6: ((0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (2, 0))}  # fmt: skip
+
+
+def split_constants(passes: int) -> tuple[float, float]:
+    """``(c_P, τ_P)`` of a float32 dot run as ``passes`` bfloat16 passes (Theorem R.7).
+
+    Each float32 ``a`` is split into ``m`` bfloat16 pieces (``m = 1, 2, 3`` for 1, 3, 6 passes),
+    each piece the remainder truncated (XLA) or rounded (Henry et al.) to 8 bits, so that
+    ``|a_1| <= (1 + 2^-8)|a|``, ``|a_i| <= (1 + 2^-8) β^{i-1} |a|`` and the remainder after ``m``
+    pieces ``|ρ_m| <= β^m |a|`` with ``β = 2^-7`` (``ρ_3 = 0``: three pieces hold 24 bits).
+    The passes are the products ``a_i b_j`` with ``(i, j)`` in the pass set ``P``, and
+
+    .. math::
+
+        \\sum_{(i,j) \\in P} |a_i||b_j| \\le c_P |a||b|, \\qquad
+        \\Bigl|ab - \\sum_{(i,j) \\in P} a_i b_j\\Bigr| \\le \\tau_P |a||b|,
+
+    ``c_P = Σ_P κ_i κ_j`` and ``τ_P = Σ_{(i,j) ∉ P, i,j <= m} κ_i κ_j + 2ρ(1 + ρ) + ρ²`` with
+    ``κ_i = (1 + 2^-8)β^{i-1}`` and ``ρ = β^m`` (0 for ``m = 3``). Away from underflow.
+
+    Raises:
+        InvalidArgument: for ``passes`` other than 1, 3 or 6.
+
+    Examples:
+        >>> c, tau = split_constants(6)
+        >>> tau < 2**-19
+        True
+    """
+    if passes not in _SPLIT_PASSES:
+        msg = f"passes: expected 1, 3 or 6, got {passes!r}"
+        raise InvalidArgument(msg)
+    pieces = {1: 1, 3: 2, 6: 3}[passes]
+    kappa = [_BF16_HEAD * _BF16_REST**i for i in range(pieces)]
+    used = _SPLIT_PASSES[passes]
+    c = sum(kappa[i] * kappa[j] for i, j in used)
+    dropped = sum(
+        kappa[i] * kappa[j] for i in range(pieces) for j in range(pieces) if (i, j) not in used
+    )
+    rho = 0.0 if pieces == 3 else _BF16_REST**pieces
+    return c, dropped + 2 * rho * (1 + rho) + rho * rho
 
 
 def probabilistic_gamma(n: int, u: float, lam: float) -> tuple[float, float]:

@@ -11,6 +11,7 @@ import mhanum as mn
 from mhanum import InvalidArgument, Numerics, reference
 from mhanum.bounds import attention_bound, mha_bound
 from mhanum.numerics import PRESETS
+from tests._numerics import configured
 
 
 @settings(max_examples=15)
@@ -25,7 +26,7 @@ from mhanum.numerics import PRESETS
 def test_sound_on_unrounded_inputs_and_inexact_scales(seed, d_k, preset, order, softmax, masked):
     # float64 inputs that are not values of the input format, and 1/sqrt(d_k) irrational for
     # d_k not a power of 4: both roundings are terms of A.1.
-    num = Numerics.preset(preset).replace(summation=order, softmax=softmax)
+    num = configured(preset, summation=order, softmax=softmax)
     rng = np.random.default_rng(seed)
     q, k, v = (
         rng.standard_normal((5, d_k)),
@@ -113,7 +114,7 @@ def test_sound_with_bias_short_rows_and_any_scale(
 ):
     # Short rows (Kahan's constant exceeds γ_{n-1} for n = 3), scales above one (the underflow of
     # the first score rounding is multiplied by the scale), and an additive bias with -inf entries.
-    num = Numerics.preset(preset).replace(summation=order, softmax=softmax)
+    num = configured(preset, summation=order, softmax=softmax)
     rng = np.random.default_rng(seed)
     q, k = rng.standard_normal((4, 8)), rng.standard_normal((n_keys, 8))
     v = rng.standard_normal((n_keys, 2))
@@ -159,7 +160,7 @@ def test_a_bias_that_overflows_the_score_format_is_refused():
 def test_mha_bound_is_sound(seed, preset, order, softmax, heads, masked, x_scale):
     # Unrounded float64 inputs and weights, biases in every projection, d_k = 16/heads (the scale
     # is irrational for d_k = 8), cross-attention with Lq != Lk.
-    num = Numerics.preset(preset).replace(summation=order, softmax=softmax)
+    num = configured(preset, summation=order, softmax=softmax)
     rng = np.random.default_rng(seed)
     params = mn.MHAParams.random(16, seed=seed % 1000, d_kv=12, d_out=10)
     x_q = x_scale * rng.standard_normal((2, 5, 16))
@@ -219,7 +220,7 @@ def test_probabilistic_variant_is_smaller_and_holds_on_random_data(preset):
     # data is a deterministic instance of the model, so a failure here is a (rare) model failure
     # with a fixed seed: it is either always there or never.
     rng = np.random.default_rng(11)
-    num = Numerics.preset(preset).replace(summation="sequential")
+    num = configured(preset, summation="sequential")
     q, k, v = (mn.round_to(rng.standard_normal((64, 64)), num.input) for _ in range(3))
     det = attention_bound(q, k, v, numerics=num)
     prob = attention_bound(q, k, v, numerics=num, lam=6.0)
