@@ -398,11 +398,12 @@ def to_float64(man: int, exp: int) -> float:
     if not man:
         return 0.0
     top = exp + abs(man).bit_length()
+    sign = 1.0 if man > 0 else -1.0  # math.copysign(x, man) fails for a man past the float range
     if top > 1025:
-        return math.copysign(math.inf, man)
+        return math.copysign(math.inf, sign)
     if top < -1075:
-        return math.copysign(0.0, man)
+        return math.copysign(0.0, sign)
     try:
         return float(man << exp) if exp >= 0 else man / (1 << -exp)
     except OverflowError:
-        return math.copysign(math.inf, man)
+        return math.copysign(math.inf, sign)

@@ -97,6 +97,73 @@ def _check(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def _search_numerics(args: argparse.Namespace) -> Any:
+    from mhanum import Numerics
+
+    num = Numerics.preset(args.preset or "fp32")
+    changes = {f: getattr(args, f) for f in ("input", "accum", "summation", "softmax")}
+    changes = {f: value for f, value in changes.items() if value is not None}
+    return num.replace(**changes) if changes else num
+
+
+def _search(args: argparse.Namespace) -> int:
+    from mhanum import cases, search
+
+    num = _search_numerics(args)
+    shape = search.Shape(
+        q_len=args.q_len, kv_len=args.kv_len, d_k=args.d_k, d_v=args.d_v,
+        batch=args.batch, heads=args.heads,
+    )  # fmt: skip
+    out = Path(args.out)
+    bar = _search_progress(sys.stderr)
+    run = search.random_search if args.random else search.worst_case
+    case = run(num, shape, objective=args.objective, budget=args.budget, seed=args.seed,
+               mask=args.mask, progress=bar)  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    path = cases.save(case, out, force=args.force, unique=case.violation)
+    result = case.summary() | {"case": str(path)}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        verdict = "VIOLATION: error exceeds bound" if case.violation else "within bound"
+        print(
+            f"{case.method} search, {case.numerics.describe()}, {case.evaluations} evaluations "
+            f"in {case.seconds:.1f} s\n"
+            f"worst {case.objective}: ratio {case.ratio:.4g} (error {case.error:.3g}, bound "
+            f"{case.bound:.3g}, dominant term {case.dominant_term}), normwise error "
+            f"{case.normwise:.3g}: {verdict}\n"
+            f"saved {path}; re-run it with: mhanum replay {path}"
+        )
+    return 1 if case.violation else 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from mhanum import cases
+
+    result = cases.replay(args.case)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        same = "bit for bit" if result.bit_for_bit else "DIFFERENT output"
+        verdict = "VIOLATION" if result.violation else "within bound"
+        print(
+            f"{args.case}: {result.case.numerics.describe()}: {same}; ratio {result.ratio:.4g} "
+            f"(saved {result.case.ratio:.4g}), dominant term {result.dominant_term}: {verdict}"
+        )
+    return 0 if result.ok else 1
+
+
+def _search_progress(stream: TextIO) -> Any:
+    """The progress bar of ``mhanum search``: evaluations done and the best value so far."""
+    bar = _ProgressBar(stream)
+
+    def update(done: int, total: int, best: float) -> None:
+        bar.worst = best
+        bar(done, total, {})
+
+    return update
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mhanum", description="Numerical analysis of multi-head attention."
@@ -137,6 +204,86 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("records", help="a records file written by mhanum measure")
     check.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     check.set_defaults(func=_check)
+
+    # -- search / replay subcommands --
+    search = commands.add_parser(
+        "search",
+        help="search for the inputs on which a numerics config is worst (exit 1 on a violation)",
+    )
+    search.add_argument("--preset", default=None, help="numerics preset (default fp32)")
+    for field, text in (
+        ("input", "input format"),
+        ("accum", "accumulation format"),
+        ("summation", "summation order"),
+        ("softmax", "softmax algorithm"),
+    ):
+        search.add_argument(f"--{field}", default=None, help=f"{text} (overrides the preset)")
+    for size, default in (("q-len", 8), ("kv-len", 16), ("d-k", 16), ("d-v", None),
+                          ("batch", 1), ("heads", 1)):  # fmt: skip
+        search.add_argument(f"--{size}", type=int, default=default, help=f"{size} ({default})")
+    search.add_argument("--budget", type=int, default=200, help="objective evaluations (200)")
+    search.add_argument("--seed", type=int, default=0, help="search seed (0)")
+    search.add_argument(
+        "--objective", choices=("error/bound", "error"), default="error/bound", help="(error/bound)"
+    )
+    search.add_argument(
+        "--mask",
+        choices=("none", "padding", "causal", "random"),
+        default="none",
+        help="mask kind searched with the inputs (none)",
+    )
+    search.add_argument("--random", action="store_true", help="run the random baseline instead")
+    search.add_argument("--out", default="cases", help="directory for the case files (cases)")
+    search.add_argument("--force", action="store_true", help="overwrite an existing case")
+    search.add_argument("--json", action="store_true", help="print the result as JSON")
+    search.set_defaults(func=_search)
+
+    replay = commands.add_parser(
+        "replay", help="re-run a saved case bit for bit and re-check its bound (exit 1 if not)"
+    )
+    replay.add_argument("case", help="a case file (.npz) written by mhanum search")
+    replay.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    replay.set_defaults(func=_replay)
+
+    # -- compare subcommand --
+    def _compare(args: argparse.Namespace) -> int:
+        from mhanum.adapters import _cli
+
+        return _cli.run(args)
+
+    compare = commands.add_parser(
+        "compare",
+        help="run every installed framework on one input against the reference and bounds, "
+        "or attribute the difference of two layers to its causes",
+    )
+    from mhanum.adapters import _cli as compare_cli
+
+    compare_cli.add_arguments(compare)
+    compare.set_defaults(func=_compare)
+
+    # -- report subcommand --
+    def _report(args: argparse.Namespace) -> int:
+        from mhanum.report import _command  # imports matplotlib: only when a report is asked for
+
+        return _command.run(args)
+
+    report = commands.add_parser(
+        "report", help="error-bound report (HTML, Markdown, JSON with figures) for a grid"
+    )
+    report.add_argument(
+        "config", nargs="?", default=None, help="grid TOML (default: the embedded grid)"
+    )
+    report.add_argument("-o", "--out", default="mhanum-report", help="directory (mhanum-report)")
+    report.add_argument("--force", action="store_true", help="overwrite the report in --out")
+    report.add_argument(
+        "--cases", nargs="+", default=[], help="worst-case JSON files or directories (search)"
+    )
+    report.add_argument("--records", nargs="+", default=[], help="records files of mhanum measure")
+    report.add_argument(
+        "--print-default-config", action="store_true", help="print the default grid and exit"
+    )
+    report.set_defaults(func=_report)
+
     return parser
 
 

@@ -28,13 +28,24 @@ numbers, whose errors shrink by about ``2**-p`` when ``p`` doubles, and mpmath e
 unbounded, so nothing underflows. Terms are dropped from a sum only where a bound proves them
 below ``2**-p`` of the result; otherwise the sum is exact.
 
-**Two backends.** ``backend="mpmath"`` is the naive algorithm, written to be obviously right:
+**Backends.** ``backend="mpmath"`` is the naive algorithm, written to be obviously right:
 loops over exact dot products and mpmath numbers, ``exp``, ``fsum``, and every output element as
 one exact sum; it costs ``O(L**2 d)`` Python operations (``O(L**2 d**2)`` for MHA).
-``backend="exact"`` (default) does all linear algebra on integers with Ozaki-style splitting into
-float64 digit matrices (see :mod:`mhanum._exact`) and multiplies the probabilities in fixed point
-per row; only ``exp`` and the softmax run element by element. Both are certified the same way; they
-share the input checks and the certification, not the arithmetic.
+``backend="exact"`` does all linear algebra on integers with Ozaki-style splitting into float64
+digit matrices (see :mod:`mhanum._exact`) and multiplies the probabilities in fixed point per row;
+only ``exp`` and the softmax run element by element. Both are certified by doubling the precision
+(above); they share the input checks and the certification, not the arithmetic.
+
+``backend="dd"`` certifies differently, with no mpmath in the loop: vectorised double-double ball
+arithmetic in numpy (:mod:`mhanum._dd`, :mod:`mhanum._fastref`) carries a proven componentwise
+error bound with every value, from Ozaki-split products of the floats through a table-driven
+``exp`` to the outputs (``papers/reference.md``, Theorem 1), and a component is certified when its
+bound is below ``10**-digits`` of its value. It certifies at most 26 digits (:func:`max_digits`)
+and raises :class:`~mhanum.CertificationError` where it cannot certify. ``backend="auto"``
+(default) runs ``"dd"`` and recomputes just the rows it did not certify, with ``"arb"`` where
+python-flint is installed (faster) and ``"exact"`` otherwise; when ``digits > 26`` it runs
+``"exact"`` on everything. It always certifies ``digits``. ``backend="arb"`` uses python-flint's
+rigorous balls (the optional extra ``arb``) with precision doubling until the radii certify.
 
 Sums that can cancel are never left to ``mpmath.fsum``/``fdot``: those drop a term more than
 ``2*prec`` bits below the running sum even if the sum later cancels (``fsum([1, 2**-1000, -1])``
@@ -62,15 +73,17 @@ from typing import Any
 import mpmath
 import numpy as np
 
-from mhanum import _exact
+from mhanum import _dd, _exact, _fastref
 from mhanum import _validate as V
+from mhanum._dd import Ball
 from mhanum._errors import CertificationError, InvalidArgument
 from mhanum.params import MHAParams
 
-__all__ = ["attention", "multi_head_attention"]
+__all__ = ["BACKENDS", "attention", "max_digits", "multi_head_attention"]
 
 _FULLY_MASKED = ("nan", "zero", "uniform")
-_BACKENDS = ("exact", "mpmath")
+BACKENDS = ("auto", "dd", "exact", "mpmath", "arb")
+"""The backends, fastest first: see :func:`max_digits` and ``docs/performance.md``."""
 _MAX_DIGITS = 2000
 _MIN_MAX_PREC = 64
 # Bits beyond ceil(digits * log2(10)) at the starting working precision.
@@ -126,7 +139,7 @@ def attention(
     digits: int = 20,
     fully_masked: str = "nan",
     max_prec: int = 8192,
-    backend: str = "exact",
+    backend: str = "auto",
     return_mpf: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Exact attention ``softmax(scale * q @ k.T + bias) @ v`` of the given floats, certified.
@@ -151,7 +164,11 @@ def attention(
         max_prec: largest working precision in bits, an integer ``>= 64`` and at least the
             starting precision ``ceil(digits * log2(10)) + 32``; the check runs at ``p`` and
             ``2p`` for ``p`` up to ``max_prec``.
-        backend: ``"exact"`` (integer linear algebra, fast) or ``"mpmath"`` (naive loops).
+        backend: ``"auto"`` (double-double enclosure; the rows it does not certify recomputed
+            by ``"arb"`` if python-flint is installed, else by ``"exact"``), ``"dd"`` (the
+            enclosure alone), ``"exact"`` (integer linear algebra), ``"mpmath"`` (naive loops)
+            or ``"arb"`` (python-flint ball arithmetic); see
+            :func:`max_digits`.
         return_mpf: also return the certified mpmath values.
 
     Returns:
@@ -162,7 +179,9 @@ def attention(
     Raises:
         InvalidArgument: for a non-float, non-finite or misshapen array, a non-boolean mask, a NaN
             or ``+inf`` bias, or an out-of-range option; the message names the argument.
-        CertificationError: if ``digits`` digits are not reached by ``max_prec`` bits.
+        CertificationError: if ``digits`` digits are not reached by ``max_prec`` bits; with
+            ``backend="dd"``, if ``digits > max_digits("dd")`` or a component is not certified.
+        ImportError: for ``backend="arb"`` without python-flint (``pip install "mhanum[arb]"``).
 
     Examples:
         Equal scores average the values:
@@ -187,14 +206,39 @@ def attention(
     batch = V.broadcast({"q": q64.shape[:-2], "k": k64.shape[:-2], "v": v64.shape[:-2]})
     shape = (*batch, q64.shape[-2], k64.shape[-2])
     spec = _score_spec(mask, bias, _check_scale(scale), shape, q64.shape[-1], options.fully_masked)
-    if options.backend == "exact":
-        dyadic = _exact.Dyadic.from_float64
-        core = _exact_attention(dyadic(q64), dyadic(k64), dyadic(v64), spec)
-        compute = _floating_outputs(core)
-    else:
+    if options.backend == "arb":
+        return _arb_backend().attention(q64, k64, v64, spec, options)
+    if options.backend == "mpmath":
         floating = _exact.Floating.from_float64
         compute = _bind_naive_attention(floating(q64), floating(k64), floating(v64), spec)
-    return _certified(compute, options)
+        return _certified(compute, options)
+
+    def exact_rows(index: tuple[int, ...], rows: Any) -> np.ndarray:
+        """Some rows of one batch element, certified by ``"arb"`` if installed, else ``"exact"``."""
+        q_b, k_b, v_b = (_batch_element(x, batch, index) for x in (q64, k64, v64))
+        sub = _sub_spec(spec, (*index, rows))
+        if _has_flint():
+            with_mpf = dataclasses.replace(options, return_mpf=True)
+            return _arb_backend().attention(q_b[rows], k_b, v_b, sub, with_mpf)[1]
+        dyadic = _exact.Dyadic.from_float64
+        core = _exact_attention(dyadic(q_b[rows]), dyadic(k_b), dyadic(v_b), sub)
+        return _certify(_floating_outputs(core), options)
+
+    if options.backend == "exact" or not _fast_path_applies(options):
+        dyadic = _exact.Dyadic.from_float64
+        core = _exact_attention(dyadic(q64), dyadic(k64), dyadic(v64), spec)
+        return _certified(_floating_outputs(core), options)
+    with np.errstate(all="ignore"):
+        out, undefined = _fastref.attention(
+            q64,
+            k64,
+            v64,
+            spec.excluded,
+            spec.bias,
+            _fastref.scale_ball(spec.scale, spec.d_k),
+            spec.fully_masked,
+        )
+    return _fast_certified(out, undefined, batch, exact_rows, options)
 
 
 def multi_head_attention(
@@ -208,7 +252,7 @@ def multi_head_attention(
     digits: int = 20,
     fully_masked: str = "nan",
     max_prec: int = 8192,
-    backend: str = "exact",
+    backend: str = "auto",
     return_mpf: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Exact multi-head attention ``concat_h(attention_h) @ wo + bo`` of the given floats, certified.
@@ -231,7 +275,7 @@ def multi_head_attention(
         digits: significant digits to certify, an integer in ``[1, 2000]``.
         fully_masked: ``"nan"``, ``"zero"`` or ``"uniform"``, as in :func:`attention` (per head).
         max_prec: largest working precision in bits, as in :func:`attention`.
-        backend: ``"exact"`` or ``"mpmath"``.
+        backend: as in :func:`attention`.
         return_mpf: also return the certified mpmath values.
 
     Returns:
@@ -242,7 +286,9 @@ def multi_head_attention(
     Raises:
         InvalidArgument: for invalid ``params`` or ``num_heads``, a non-float, non-finite or
             misshapen input, a bad mask or bias, or an out-of-range option.
-        CertificationError: if ``digits`` digits are not reached by ``max_prec`` bits.
+        CertificationError: if ``digits`` digits are not reached by ``max_prec`` bits; with
+            ``backend="dd"``, as in :func:`attention`.
+        ImportError: for ``backend="arb"`` without python-flint.
 
     Examples:
         >>> import numpy as np
@@ -267,11 +313,33 @@ def multi_head_attention(
     d_k = params.qk_width // num_heads
     spec = _score_spec(mask, bias, None, shape, d_k, options.fully_masked)
     params64 = _params_float64(params)
-    if options.backend == "exact":
+    if options.backend == "arb":
+        return _arb_backend().multi_head_attention(xq64, xkv64, params64, num_heads, spec, options)
+    if options.backend == "mpmath":
+        return _certified(_bind_naive_mha(xq64, xkv64, params64, num_heads, spec), options)
+
+    def exact_rows(index: tuple[int, ...], rows: Any) -> np.ndarray:
+        """Some rows of one batch element, certified by ``"arb"`` if installed, else ``"exact"``."""
+        xq_b, xkv_b = (_batch_element(x, batch, index) for x in (xq64, xkv64))
+        sub = _sub_spec(spec, (*index, slice(None), rows))
+        if _has_flint():
+            with_mpf = dataclasses.replace(options, return_mpf=True)
+            arb = _arb_backend()
+            return arb.multi_head_attention(xq_b[rows], xkv_b, params64, num_heads, sub, with_mpf)[
+                1
+            ]
+        core = _exact_mha(xq_b[rows], xkv_b, params64, num_heads, sub)
+        return _certify(_floating_outputs(core), options)
+
+    if options.backend == "exact" or not _fast_path_applies(options):
         compute = _floating_outputs(_exact_mha(xq64, xkv64, params64, num_heads, spec))
-    else:
-        compute = _bind_naive_mha(xq64, xkv64, params64, num_heads, spec)
-    return _certified(compute, options)
+        return _certified(compute, options)
+    weights = {f.name: getattr(params64, f.name) for f in dataclasses.fields(params64)}
+    with np.errstate(all="ignore"):
+        out, undefined = _fastref.multi_head_attention(
+            xq64, xkv64, weights, num_heads, spec.excluded, spec.bias, spec.fully_masked
+        )
+    return _fast_certified(out, undefined, batch, exact_rows, options)
 
 
 # --- validation --------------------------------------------------------------------------------
@@ -295,8 +363,8 @@ def _check_options(
     if fully_masked not in _FULLY_MASKED:
         msg = f"fully_masked: expected one of 'nan', 'zero', 'uniform', got {fully_masked!r}"
         raise InvalidArgument(msg)
-    if backend not in _BACKENDS:
-        msg = f"backend: expected 'exact' or 'mpmath', got {backend!r}"
+    if backend not in BACKENDS:
+        msg = f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
         raise InvalidArgument(msg)
     if not isinstance(return_mpf, (bool, np.bool_)):
         msg = f"return_mpf: expected a bool, got {return_mpf!r}"
@@ -412,6 +480,130 @@ def _params_float64(params: MHAParams) -> MHAParams:
         if (value := getattr(params, f.name)) is not None
     }
     return dataclasses.replace(params, **converted)
+
+
+# --- the fast path ------------------------------------------------------------------------------
+
+# The certified mpf values of some rows (an index array of the query axis) of one batch element.
+_ExactRows = Callable[[tuple[int, ...], Any], np.ndarray]
+
+
+def max_digits(backend: str) -> int:
+    """The most significant digits ``backend`` certifies; asking for more raises or falls back.
+
+    ``"auto"``, ``"exact"``, ``"mpmath"`` and ``"arb"`` certify any number of digits up to 2000
+    (given ``max_prec``). ``"dd"``, the double-double enclosure alone, certifies at most 26: its
+    error bounds are near ``2**-95`` of the values (``papers/reference.md``, Theorem 1); with
+    more digits ``backend="dd"`` raises :class:`~mhanum.CertificationError` and ``"auto"`` runs
+    the exact backend on every row.
+
+    Raises:
+        InvalidArgument: for an unknown backend.
+
+    Examples:
+        >>> from mhanum import reference
+        >>> reference.max_digits("dd"), reference.max_digits("auto")
+        (26, 2000)
+    """
+    if backend not in BACKENDS:
+        msg = f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
+        raise InvalidArgument(msg)
+    return _fastref.MAX_DIGITS if backend == "dd" else _MAX_DIGITS
+
+
+def _fast_path_applies(options: _Options) -> bool:
+    """Whether to try the double-double enclosure (``"dd"`` refuses what it cannot certify).
+
+    Its bounds assume gradual underflow, which a library loaded into the process can switch off.
+    """
+    if not _dd.gradual_underflow():
+        if options.backend == "dd":
+            msg = "backend 'dd' needs gradual underflow, but float64 subnormals are flushed"
+            raise CertificationError(msg)
+        return False
+    if options.digits <= _fastref.MAX_DIGITS:
+        return True
+    if options.backend == "dd":
+        msg = (
+            f"backend 'dd' certifies at most {_fastref.MAX_DIGITS} digits, got digits="
+            f"{options.digits}; use backend='auto' or 'exact'"
+        )
+        raise CertificationError(msg)
+    return False
+
+
+def _batch_element(x: np.ndarray, batch: tuple[int, ...], index: tuple[int, ...]) -> np.ndarray:
+    """Batch element ``index`` of ``x`` broadcast to the batch shape ``batch``."""
+    return np.broadcast_to(x, batch + x.shape[-2:])[index]
+
+
+def _sub_spec(spec: _ScoreSpec, index: tuple[Any, ...]) -> _ScoreSpec:
+    """The score spec restricted by ``index`` (a batch element and some query rows)."""
+    bias = None if spec.bias is None else spec.bias[index]
+    return dataclasses.replace(spec, excluded=spec.excluded[index], bias=bias)
+
+
+def _fast_certified(
+    out: Ball,
+    undefined: np.ndarray,
+    batch: tuple[int, ...],
+    exact_rows: _ExactRows,
+    options: _Options,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """The enclosed outputs where they certify ``digits``; elsewhere the exact rows (or raise).
+
+    An undefined row is NaN. A row with a component the enclosure does not certify is
+    recomputed by ``exact_rows`` (``"auto"``: with ``"arb"`` where python-flint is installed,
+    else with ``"exact"``, both certified by doubling the precision); with ``"dd"`` that raises
+    :class:`~mhanum.CertificationError`.
+    """
+    good = _fastref.certified(out, options.digits) | undefined[..., None]
+    floats = np.where(undefined[..., None], np.nan, out.hi)
+    values = _dd_to_mpf(out.hi, out.lo, undefined) if options.return_mpf else None
+    failed = ~good.all(axis=-1)
+    if failed.any() and options.backend == "dd":
+        first = tuple(int(i) for i in np.argwhere(~good)[0])
+        msg = (
+            f"backend 'dd' could not certify {options.digits} digits for {int((~good).sum())} "
+            f"of {good.size} components (first at index {first}); use backend='auto'"
+        )
+        raise CertificationError(msg)
+    for index in np.ndindex(batch):
+        rows = np.flatnonzero(failed[index])
+        if rows.size:
+            exact = exact_rows(index, rows)
+            floats[(*index, rows)] = _to_float64(exact)
+            if values is not None:
+                values[(*index, rows)] = exact
+    return (floats, values) if values is not None else floats
+
+
+def _dd_to_mpf(hi: np.ndarray, lo: np.ndarray, undefined: np.ndarray) -> np.ndarray:
+    """``hi + lo`` as exact mpf numbers (NaN in undefined rows)."""
+    ctx = _context(_exact._FLOAT64_MANTISSA_BITS)
+    values = np.empty(hi.shape, dtype=object)
+    for index, h in np.ndenumerate(hi):
+        if undefined[index[:-1]]:
+            values[index] = ctx.nan
+        else:
+            values[index] = ctx.fadd(ctx.mpf(float(h)), ctx.mpf(float(lo[index])), exact=True)
+    return values
+
+
+def _has_flint() -> bool:
+    """Whether python-flint (the ``arb`` extra) can be imported."""
+    try:
+        import flint  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _arb_backend() -> Any:
+    """The python-flint backend, imported on first use."""
+    from mhanum import _arbref
+
+    return _arbref
 
 
 # --- certification -----------------------------------------------------------------------------

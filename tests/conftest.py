@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import os
 
+# One BLAS thread per process: `-n 2` on 2 cores already fills them, and threaded BLAS on small
+# products oversubscribes them (about 100x slower in the reference's Ozaki products). Set before
+# numpy is first imported.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import jax
 from hypothesis import HealthCheck, settings
 

@@ -321,4 +321,26 @@ def test_committed_h100_records_hold_when_rechecked_here():
             sample.append(r)
     result = devices.check(sample)
     assert result.ok
-    assert result.counts["holds"] == len(sample) >= 20
+    # written with bound revision 1: today's sharper bound makes them stale, checked at the
+    # largest error and against the recorded bound
+    assert result.counts["holds"] + result.counts["stale"] == len(sample) >= 20
+    attention = [
+        v for v, r in zip(result.verdicts, sample, strict=True) if r["kind"] == "attention"
+    ]
+    assert all(v.ratio <= 1 for v in attention)
+
+
+def test_a_record_of_an_earlier_bound_revision_is_stale_not_inconsistent(measured):
+    # Records keep no per-entry errors: a record written with an earlier evaluation of A.1 is
+    # judged against the bound it was measured with and at its largest error against today's.
+    records, _ = measured
+    honest = _attention_records(records)[0]
+    old = copy.deepcopy(honest)
+    del old["bound"]["revision"]
+    old["bound"]["max"] *= 1.5
+    [verdict] = devices.check([old]).verdicts
+    assert verdict.verdict == "stale"
+    assert "re-measure" in verdict.reason
+    broken = copy.deepcopy(old)
+    broken["errors"]["max_abs"] *= 2 * honest["tightness"]
+    assert devices.check([broken]).verdicts[0].verdict == "VIOLATED"

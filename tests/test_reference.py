@@ -441,15 +441,30 @@ def test_the_global_mpmath_precision_is_neither_read_nor_changed():
 
 
 def test_the_reference_imports_no_implementation_under_test():
-    allowed = {"mhanum", "mhanum._errors", "mhanum._exact", "mhanum._validate", "mhanum.params"}
+    allowed = {
+        "mhanum",
+        "mhanum._dd",
+        "mhanum._errors",
+        "mhanum._exact",
+        "mhanum._validate",
+        "mhanum.params",
+    }
     package = pathlib.Path(reference.__file__).parent
-    for name in ("reference.py", "_exact.py", "_validate.py"):
+    for name in (
+        "reference.py",
+        "_exact.py",
+        "_validate.py",
+        "_dd.py",
+        "_fastref.py",
+        "_arbref.py",
+    ):
         tree = ast.parse((package / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "mhanum").startswith("mhanum"):
                 assert node.module in allowed, (name, node.module)
                 if node.module == "mhanum":
-                    assert {alias.name for alias in node.names} <= {"_exact", "_validate"}, name
+                    names = {alias.name for alias in node.names}
+                    assert names <= {"_exact", "_validate", "_dd", "_fastref", "_arbref"}, name
             if isinstance(node, ast.Import):
                 assert not any(a.name.startswith("mhanum") for a in node.names), name
 
@@ -502,9 +517,15 @@ def test_low_precision_inputs_are_converted_exactly(dtype):
 def test_mha_output_past_the_float64_range_is_inf():
     params = MHAParams(np.eye(1), np.eye(1), np.eye(1), np.array([[1e300]]))
     x_kv = np.array([[1e300]])
-    y, values = reference.multi_head_attention(np.ones((1, 1)), x_kv, params, 1, return_mpf=True)
+    y, values = reference.multi_head_attention(
+        np.ones((1, 1)), x_kv, params, 1, backend="exact", return_mpf=True
+    )
     assert y[0, 0] == np.inf
     assert _fraction(values[0, 0]) == Fraction(1e300) ** 2
+    # The default backend certifies 20 digits of it (its fallback need not be exact).
+    y, values = reference.multi_head_attention(np.ones((1, 1)), x_kv, params, 1, return_mpf=True)
+    assert y[0, 0] == np.inf
+    assert abs(_fraction(values[0, 0]) - Fraction(1e300) ** 2) <= TOL * Fraction(1e300) ** 2
 
 
 # --- the exact kernels -------------------------------------------------------------------------
@@ -629,7 +650,7 @@ _Q, _K, _V = np.zeros((2, 3)), np.zeros((4, 3)), np.zeros((4, 2))
         ({"max_prec": 32}, r"^max_prec: expected an integer >= 64"),
         ({"digits": 100, "max_prec": 64}, r"^max_prec: expected at least 365 bits"),
         ({"fully_masked": "ignore"}, r"^fully_masked: expected one of"),
-        ({"backend": "numpy"}, r"^backend: expected 'exact' or 'mpmath'"),
+        ({"backend": "numpy"}, r"^backend: expected one of 'auto', 'dd', 'exact', 'mpmath', 'arb'"),
         ({"return_mpf": "yes"}, r"^return_mpf: expected a bool"),
     ],
 )

@@ -6,6 +6,7 @@ number (in ``papers/``), its assumptions and its source.
 
 from mhanum.bounds import heads, masking, summation
 from mhanum.bounds._result import Bound
+from mhanum.bounds.a_priori import attention_bound_a_priori, mha_bound_a_priori
 from mhanum.bounds.attention import attention_bound, mha_bound
 from mhanum.bounds.masking import (
     MaskAnalysis,
@@ -26,11 +27,13 @@ __all__ = [
     "analyze_mask",
     "analyze_numerics",
     "attention_bound",
+    "attention_bound_a_priori",
     "dot_bound",
     "heads",
     "masking",
     "matmul_bound",
     "mha_bound",
+    "mha_bound_a_priori",
     "probabilistic_gamma",
     "recommend_mask_value",
     "safe_mask_range",

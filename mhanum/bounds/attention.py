@@ -1,19 +1,22 @@
 """A posteriori componentwise bound on the error of ``mhanum.attention``: papers/attention.md A.1.
 
 :func:`attention_bound` evaluates Theorem A.1 on the given inputs and returns its total and its
-terms (logits, softmax, probability rounding, operand rounding, ``P V``, output), so that a user
-sees which source dominates. It covers the configurations the theorem covers and refuses the
-others with :class:`~mhanum.InvalidArgument` rather than answer outside its hypotheses: scale on
-the scores, masks applied with ``-inf`` (or ``-inf`` bias entries) and no fully-masked row, a
-bias that stays finite in the score format, a score format no wider than the softmax format, and
-for the online softmax an accumulation format no wider than the softmax format. Every sum and dot
-enters through the factor of its summation order (Theorem S.0: the height of the summation tree,
-or Kahan's constant).
+terms (logits, softmax, probability rounding, operand rounding, ``P V``, output, and ``mask``
+for the leakage of a finite masking constant), so that a user sees which source dominates. It
+covers the configurations the theorem covers and refuses the others with
+:class:`~mhanum.InvalidArgument` rather than answer outside its hypotheses: masks applied with
+``-inf`` (no fully-masked row) or a finite constant (``fill`` or ``add``; a fully-masked row is
+then compared with the leaky problem's own value), a bias that stays finite in the score format,
+a score format no wider than the softmax format, and for the online softmax an accumulation
+format no wider than the softmax format. The scale may sit on the scores, on ``q`` or on ``q``
+and ``k``. Every sum and dot enters through the factor of its summation order (Theorem S.0: the
+height of the summation tree, or Kahan's constant).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 from typing import Any
 
@@ -68,14 +71,16 @@ def _chain(
     """The factor of a sum (or dot) of ``n`` terms followed by ``extra`` further roundings."""
     n = max(n, 1)
     kind = Numerics(summation=order).summation_kind
-    if lam is None or kind == "kahan":
-        g = summation_gamma(n, order, u)
-        g = (1 + g) * (1 + u) ** (extra + int(products)) - 1
-    else:
+    g_det = summation_gamma(n, order, u)
+    g = (1 + g_det) * (1 + u) ** (extra + int(products)) - 1
+    if lam is not None and kind != "kahan":
         length = tree_height(n, order) + extra + int(products)
         if kind == "native" and u > 2.0**-24:
             length *= 2  # partial sums may be rounded to float32 first, then to the format
-        g = probabilistic_gamma(length, u, lam)[0]
+        # the deterministic factor holds always, so the event |θ| <= min(both) has the
+        # probability of |θ| <= γ̃ (Theorem A.3): short chains keep γ, long ones get γ̃
+        g_prob = probabilistic_gamma(length, u, lam)[0]
+        g = g_prob if not (math.isfinite(g) and 0 <= g < 1) else min(g, g_prob)
     if not math.isfinite(g) or g >= 1:
         msg = f"numerics: expected n·u < 1 for a finite bound, got n = {n} with u = {u}"
         raise InvalidArgument(msg)
@@ -153,16 +158,7 @@ def _unit_eta(num: Numerics, n: int) -> float:
     return 2 * n * num.dot_passes * eta_a
 
 
-def _check_scope(num: Numerics, mask: Any) -> None:
-    if num.scale != "scores":
-        msg = f"numerics.scale: Theorem A.1 covers the scale on the scores, got {num.scale!r}"
-        raise InvalidArgument(msg)
-    if mask is not None and num.mask_value != -math.inf:
-        msg = (
-            "numerics.mask_value: Theorem A.1 covers masks applied with -inf, got "
-            f"{num.mask_value!r} (see mhanum.bounds.masking for finite constants)"
-        )
-        raise InvalidArgument(msg)
+def _check_scope(num: Numerics) -> None:
     if num.softmax_kind == "online" and (
         num.format_of("accum").precision > num.format_of("softmax").precision
     ):
@@ -202,6 +198,74 @@ def _is_power_of_four(d: int) -> bool:
     return d & (d - 1) == 0 and (d.bit_length() - 1) % 2 == 0
 
 
+def _power_of_two(x: float) -> bool:
+    return x != 0 and math.frexp(x)[0] in (0.5, -0.5)
+
+
+def _scale_operands(
+    q: np.ndarray,
+    k: np.ndarray,
+    errors: tuple[Any, Any, Any],
+    given: tuple[Any, Any, Any] | None,
+    num: Numerics,
+    scale: float,
+    default_scale: bool,
+) -> tuple[np.ndarray, np.ndarray, tuple[Any, Any, Any], tuple[Any, Any, Any] | None]:
+    """Step 2' (scale on ``q``, or ``sqrt(scale)`` on ``q`` and ``k``): the scaled operands.
+
+    The factor ``f`` (``c`` or ``sqrt(c)``) is the float64 number ``f64`` (relative error ``u64``
+    against the exact factor: the default scale's two float64 roundings, and the float64 square
+    root), rounded once into the scale format to ``f̂`` (relative ``u_r``), and the product
+    ``fl(x̂ f̂)`` is rounded in that format (``u_mul``, zero when ``f̂`` is a power of two). The
+    stand-in of the exact scaled operand is the float64 product ``f64·x``; the errors against
+    it, and of it against the exact ``f·x*`` (``given``), are those of papers/attention.md
+    step 2'.
+    """
+    fmt = num.format_of("scale")
+    u64 = 0.0
+    if default_scale and not _is_power_of_four(q.shape[-1]):
+        u64 = (1 + 2.0**-53) / (1 - 2.0**-53) - 1
+    f64 = scale
+    if num.scale == "qk":
+        f64 = math.sqrt(scale)
+        if fractions.Fraction(f64) ** 2 != fractions.Fraction(scale):
+            u64 = (1 + u64) * (1 + 2.0**-53) - 1
+    f_hat = float(round_to(f64, fmt))
+    u_r = 0.0 if f_hat == f64 else fmt.u
+    u_mul = 0.0 if _power_of_two(f_hat) else fmt.u
+    theta = (1 + u_r) * (1 + u_mul) - 1
+    up = abs(f64) * (1 + 2.0**-52)
+    exact_product = _power_of_two(f64)
+    g_prev = given if given is not None else (np.zeros_like(q), np.zeros_like(k), 0.0)
+
+    def scaled(x: np.ndarray, e: Any, g: Any) -> tuple[np.ndarray, Any, Any]:
+        xs = f64 * x
+        rounding = 0.0 if exact_product else 2.0**-53 * np.abs(xs)
+        e_new = up * (theta * np.abs(x) + (1 + theta) * e) + rounding + fmt.smallest_normal
+        g_new = up * g / (1 - u64) + (u64 / (1 - u64)) * up * np.abs(x) + rounding
+        return xs, e_new, g_new
+
+    q, e_q, g_q = scaled(q, errors[0], g_prev[0])
+    e_k, g_k = errors[1], g_prev[1]
+    if num.scale == "qk":
+        k, e_k, g_k = scaled(k, e_k, g_k)
+    return q, k, (e_q, e_k, errors[2]), (g_q, g_k, g_prev[2])
+
+
+def _log_expm1_upper(x: np.ndarray) -> np.ndarray:
+    """An upper bound on ``log(e^x - 1)`` for ``x > 0`` that does not overflow."""
+    small = np.minimum(x, 30.0)
+    with np.errstate(divide="ignore"):
+        return np.where(x > 30.0, x, np.log(np.expm1(small)))
+
+
+def _times_expm1(log_a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``e^{log_a}·(e^y - 1)`` for ``y >= 0``, without ``0·inf`` (``log_a`` may be ``-inf``)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        direct = np.exp(log_a) * np.expm1(np.minimum(y, 1.0))
+        return np.where(y > 1.0, np.exp(log_a + y), direct)
+
+
 def _head(
     q: np.ndarray,
     k: np.ndarray,
@@ -214,25 +278,31 @@ def _head(
     errors: tuple[Any, Any, Any],
     given: tuple[Any, Any, Any] | None = None,
     lam: float | None = None,
+    masked: np.ndarray | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """The terms of Theorem A.1 for one head, the float64 output ``o = p v`` and ``|o - o*|``.
 
-    2-D inputs; ``bias`` finite where ``keep``. ``errors`` bound ``|q_used - q|`` etc., the
-    operands the dots read before any operand-format rounding (step 1). ``given`` bounds the
-    errors of the float64 ``q, k, v`` themselves against the exact values the reference uses
-    (A.2: float64 projections); their effect on the exact output is the term ``evaluation``.
+    2-D inputs; ``keep`` marks the attended keys (the exact attention's), ``bias`` is finite
+    where ``keep``. ``masked`` (only for a finite masking constant) marks the keys the mask
+    excludes: their computed logits are the constant (``fill``) or the logit plus the constant
+    (``add``), a leakage the term ``mask`` bounds (step 3'). ``errors`` bound ``|q_used - q|``
+    etc., the operands the dots read before any operand-format rounding (step 1). ``given``
+    bounds the errors of the float64 ``q, k, v`` themselves against the exact values the
+    reference uses (A.2: float64 projections; the scale on q and k); their effect on the exact
+    output is the term ``evaluation``.
     """
+    if num.scale != "scores":
+        q, k, errors, given = _scale_operands(q, k, errors, given, num, scale, default_scale)
+        scale, default_scale = 1.0, False
     d_k, n = q.shape[-1], k.shape[-2]
-    order = num.summation
-    fmts = {r: num.format_of(r) for r in ("accum", "score", "softmax", "prob", "output")}
-    u_a, u_s, u_m, u_p, u_o = (fmts[r].u for r in ("accum", "score", "softmax", "prob", "output"))
-    eta_a, eta_s, eta_m, eta_p, eta_o = (
-        fmts[r].smallest_normal for r in ("accum", "score", "softmax", "prob", "output")
-    )
+    fmts = {r: num.format_of(r) for r in ("score", "softmax", "prob")}
+    u_s, u_m, eta_s = fmts["score"].u, fmts["softmax"].u, fmts["score"].smallest_normal
     # Step 1. Operands: |q_used - q| <= e_q, then the rounding into the operand format (TF32).
     u_op, eta_op = _operand_error(num)
     fin = num.format_of("input")
-    bits_qk = (_operand_bits(num, fin), _operand_bits(num, fin))
+    f_q = num.format_of("scale") if num.scale != "scores" else fin
+    f_k = num.format_of("scale") if num.scale == "qk" else fin
+    bits_qk = (_operand_bits(num, f_q), _operand_bits(num, f_k))
     bits_pv = (_operand_bits(num, fmts["prob"]), _operand_bits(num, fin))
     e_q, e_k, e_v = errors
     q_abs, k_abs = np.abs(q), np.abs(k)
@@ -254,7 +324,7 @@ def _head(
     u_mul = 0.0 if math.frexp(c_hat)[0] == 0.5 else u_s
     theta = (1 + u_s) * (1 + u_c) * (1 + u_mul) - 1
 
-    # Step 3. The logits' errors δ_ij and Δ_i = max_j δ_ij.
+    # Step 3. The logits' errors δ_ij.
     t = q @ k.T
     if np.max(scale * (q_abs @ k_abs.T), initial=0.0) > _LOGIT_LIMIT:
         msg = f"q: expected scale·|q|·|k| <= 2^12 for a float64 evaluation of A.1, got {np.max(scale * (q_abs @ k_abs.T)):.3g}"
@@ -268,65 +338,152 @@ def _head(
     delta = scale * (dot * (1 + theta) + theta * np.abs(t)) + (abs(c_hat) * (1 + u_s) + 2) * eta_s
     s = scale * t
     if bias is not None:
-        u_b, eta_b = _rounding(fmts["score"], bias[keep])
-        s = s + bias
-        delta = (1 + u_s) * (delta + u_b * np.abs(bias) + eta_b) + u_s * np.abs(s) + eta_s
-    delta = np.where(keep, delta, 0.0)
-    big_delta = delta.max(axis=-1, keepdims=True)
-    s = np.where(keep, s, -np.inf)
+        b0 = np.where(np.isfinite(bias), bias, 0.0)
+        u_b, eta_b = _rounding(fmts["score"], b0[np.isfinite(bias)])
+        s = s + b0
+        delta = (1 + u_s) * (delta + u_b * np.abs(b0) + eta_b) + u_s * np.abs(s) + eta_s
+    # Step 3'. A finite masking constant M: the computed logits are those of the leaky problem
+    # (the masked keys keep the logit M (fill) or s + M (add)); ``live`` marks its keys.
+    live, exclude = keep, np.zeros_like(keep)
+    if masked is not None:
+        const = num.mask_constant()
+        open_bias = np.ones_like(keep) if bias is None else ~np.isneginf(bias)
+        if num.mask_mode == "fill":
+            live = keep | masked
+            s = np.where(masked, const, s)
+            delta = np.where(masked, 0.0, delta)
+        else:
+            live = keep | (masked & open_bias)
+            s_add = s + const
+            delta = np.where(masked, (1 + u_s) * delta + u_s * np.abs(s_add) + eta_s, delta)
+            limit = fmts["score"].max_finite
+            with np.errstate(over="ignore"):
+                risky = live & masked & ((np.abs(s_add) + delta) * (1 + u_s) >= limit)
+            if risky.any():
+                msg = (
+                    f"numerics.mask_value: the masked logits s + {const:g} may overflow the score "
+                    f"format {fmts['score'].name} (see mhanum.bounds.analyze_mask)"
+                )
+                raise InvalidArgument(msg)
+            s = np.where(masked, s_add, s)
+        exclude = live & ~keep
+    delta = np.where(live, delta, 0.0)
+    s = np.where(live, s, -np.inf)
+    terms, p = _softmax_pv(s, delta, v, v_abs, live, num, lam, bits_pv, anchor, (eps_e, u_div))
+    # The target: the exact attention over the attended keys; in a row with none, the leaky
+    # problem itself (fill: uniform over the keys; add: the unmasked softmax).
+    empty = ~keep.any(axis=-1, keepdims=True)
+    target = np.where(empty, live, keep)
+    s_t = np.where(target, s, -np.inf)
+    p_t = np.exp(s_t - s_t.max(axis=-1, keepdims=True))
+    p_t /= p_t.sum(axis=-1, keepdims=True)
+    o = p_t @ v
+    if exclude.any():
+        leak = np.where(exclude & ~empty, p, 0.0)
+        spread = np.abs(v)[None, :, :] + np.abs(o)[:, None, :]
+        floor = np.where(empty, 0.0, n * 2.0**-1022 * spread.max(axis=1))
+        terms["mask"] = np.einsum("ij,ijl->il", leak, spread) + floor
+    o_error = _EVALUATION * (p_t @ np.abs(v))
+    if given is not None:
+        terms["evaluation"] = _given_error(q_abs, k_abs, v, p_t, target, scale, given)
+        o_error = o_error + terms["evaluation"]
+    terms = {name: value * (1 + _EVALUATION) for name, value in terms.items()}
+    return terms, o, o_error
 
-    shift = s.max(axis=-1, keepdims=True)
-    p = np.exp(s - shift)
-    p /= p.sum(axis=-1, keepdims=True)
-    spread = 2 * big_delta
-    lowest = np.where(keep, s, np.inf).min(axis=-1)
-    logit_range = (s.max(axis=-1) - lowest)[:, None] + spread
 
+def _softmax_pv(
+    s: np.ndarray,
+    delta: np.ndarray,
+    v: np.ndarray,
+    v_abs: np.ndarray,
+    live: np.ndarray,
+    num: Numerics,
+    lam: float | None,
+    bits_pv: tuple[int, int],
+    anchor: float,
+    accuracy: tuple[float, float],
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Steps 4-7 of A.1 for logits ``s`` (``-inf`` where not live) off by at most ``delta``.
+
+    Returns the terms (against the exact attention of these logits) and its probabilities.
+    """
+    n = s.shape[-1]
+    order = num.summation
+    fmts = {r: num.format_of(r) for r in ("accum", "softmax", "prob", "output")}
+    u_a, u_m, u_p, u_o = (fmts[r].u for r in ("accum", "softmax", "prob", "output"))
+    eta_a, eta_m, eta_p, eta_o = (
+        fmts[r].smallest_normal for r in ("accum", "softmax", "prob", "output")
+    )
+    u_op, eta_op = _operand_error(num)
+    eps_e, u_div = accuracy
+    # Step 4 (per key). p̃_j = p_j e^{δ_j} / Σ_l p_l e^{δ_l} lies in
+    # [p_j e^{-δ̄_j}/E_hi, p_j e^{δ̄_j}/E_lo], E_lo = Σ p_l e^{-δ̄_l}, E_hi = Σ p_l e^{δ̄_l}.
+    top = s.max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = top + np.log(np.exp(s - top).sum(axis=-1, keepdims=True))
+        log_p = s - lse
+        log_e_lo = _logsumexp(log_p - delta)
+        log_e_hi = _logsumexp(log_p + delta)
+    p = np.exp(log_p)
+    log_pt_hi = np.minimum(log_p + delta - log_e_lo, 0.0)  # p̃_j <= 1
+    p_tilde_hi = np.exp(log_pt_hi)
+    p_tilde_lo = np.exp(log_p - delta - log_e_hi)
+    logits = np.maximum(p_tilde_hi - p, p - p_tilde_lo)
+    # Step 5. |ŝ_j - m| <= G_j for the computed maximum m in [lo, hi] (safe, online).
+    lo = np.where(live, s - delta, -np.inf).max(axis=-1, keepdims=True)
+    hi = np.where(live, s + delta, -np.inf).max(axis=-1, keepdims=True)
+    gap = np.where(live, np.maximum(hi - s + delta, np.abs(s + delta - lo)), 0.0)
     kind = num.softmax_kind
-    if kind == "naive":
-        sigma = np.full_like(s, eta_m)
-        e_sum = np.exp(s).sum(axis=-1, keepdims=True) * np.exp(-spread)
-    else:
-        gap = np.abs(np.where(keep, s, 0.0) - shift)
-        sigma = np.where(keep, u_m * (gap + spread), 0.0) + eta_m
-        e_sum = np.exp(s - shift).sum(axis=-1, keepdims=True) * np.exp(-spread)
-    r_term = np.exp(sigma) * (1 + eps_e) - 1
     blocks = 0
     online = kind == "online"
+    if kind == "naive":
+        x = np.full_like(s, eta_m + math.log1p(eps_e))
+        log_s_lo = _logsumexp(s - delta)
+    else:
+        x = u_m * gap + eta_m + math.log1p(eps_e)
+        log_s_lo = np.maximum(0.0, _logsumexp(s - delta - hi))
     if online:
-        # Step 5. Each term passes through its block's sum (or dot) and one addition per block
-        # from its own on, and is rescaled once per later block (A.1, online).
+        # Step 5, online: a term's own exp and the rescalings of the later blocks have
+        # arguments that telescope to |ŝ_j - m_final| <= G_j; K exps, K - 1 rescalings.
         assert num.softmax_block is not None
         width = min(num.softmax_block, n)
         blocks = -(-n // num.softmax_block)
-        r_c = np.exp(u_m * logit_range + eta_m) * (1 + eps_e) - 1
-        rescale = ((1 + r_c) * (1 + u_m) * (1 + u_a) ** 2) ** (blocks - 1)
-        r_term = (1 + np.maximum(r_term, r_c)) * rescale - 1
+        x = (
+            u_m * gap
+            + blocks * (eta_m + math.log1p(eps_e))
+            + (blocks - 1) * (math.log1p(u_m) + 2 * math.log1p(u_a))
+        )
         g_sum = _chain(width, order, u_m, lam, products=False, extra=blocks)
         g_pv = _unit_factor(num, width, lam, bits=bits_pv, extra=blocks)
         eta_pv = blocks * _unit_eta(num, width) + 2 * blocks * eta_a
     else:
         g_sum, g_pv = _sum_factor(n, order, u_m, lam), _unit_factor(num, n, lam, bits=bits_pv)
         eta_pv = _unit_eta(num, n)
-    underflow = n * eta_m / e_sum
-    t_sum = (1 + r_term.max(axis=-1, keepdims=True) + underflow) * (1 + g_sum) - 1
-    t_sum = t_sum + underflow
-    vacuous = t_sum >= 1
+    # R_j = e^{x_j} - 1: the relative error of the computed (rescaled) exponential of key j.
+    x = np.where(live, x, 0.0)
+    log_r = _log_expm1_upper(np.maximum(x, 1e-300))
+    with np.errstate(over="ignore"):
+        r_mean = np.exp(_logsumexp(np.where(live, log_pt_hi + log_r, -np.inf)))
+        r_max = np.expm1(np.where(live, x, 0.0).max(axis=-1, keepdims=True))
+    r_bar = np.minimum(r_mean, r_max)
+    with np.errstate(over="ignore"):
+        underflow = n * eta_m * np.exp(-log_s_lo)
+        t_sum = (1 + r_bar + underflow) * (1 + g_sum) - 1 + underflow
+    vacuous = ~np.isfinite(t_sum) | (t_sum >= 1)
     if kind == "naive":
         # No shift: exp may overflow, and XLA divides by the row sum as a product with its
         # reciprocal, which flushes to zero once the sum exceeds 2^-emin (papers/attention.md,
         # step 5). Either makes the bound vacuous for the row.
-        fm = num.format_of("softmax")
-        top = s.max(axis=-1, keepdims=True) + spread
-        log_sum = top + np.log(np.exp(s - top).sum(axis=-1, keepdims=True) * np.exp(spread) * 2)
-        vacuous = (
-            vacuous | (log_sum >= -fm.emin * math.log(2) - 1) | (top >= math.log(fm.max_finite) - 1)
-        )
+        fm = fmts["softmax"]
+        log_sum = _logsumexp(s + delta) + math.log(2)
+        carrier_emin = -1022 if fm.name == "float64" else -126  # the reciprocal's format
+        flush = log_sum >= -carrier_emin * math.log(2) - 1
+        vacuous = vacuous | flush | (hi >= math.log(fm.max_finite) - 1)
     t_safe = np.where(vacuous, 0.0, t_sum)
-    per_sum = 1 / (e_sum * (1 - t_safe))
+    per_sum = np.exp(np.where(vacuous, 0.0, -log_s_lo)) / (1 - t_safe)
 
-    p_tilde_hi = p * np.exp(spread)
-    soft = p_tilde_hi * ((1 + r_term) * (1 + u_div) / (1 - t_safe) - 1)
+    y = x + math.log1p(u_div) - np.log1p(-t_safe)
+    soft = _times_expm1(log_pt_hi, y)
     soft += eta_m * (1 + u_div) * per_sum + eta_m
     p_hat_hi = p_tilde_hi + soft
     prob = u_p * p_hat_hi + (eta_p * per_sum + blocks * eta_m * per_sum if online else eta_p)
@@ -337,7 +494,6 @@ def _head(
         # the P·V unit reads p̂ (online: unnormalised weights <= 1, divided by the sum later)
         weights = n if online else p_hat_hi.sum(axis=-1, keepdims=True)
         eta_pv = eta_pv + g_pv * anchor * (weights + v_abs.sum(axis=0) + n * anchor)
-    logits = (np.exp(spread) - 1) * p
     o = p @ v
 
     scale_out = (1 + u_o) * ((1 + u_div) if online else 1.0)
@@ -351,14 +507,17 @@ def _head(
             u_o * np.abs(o) + eta_o + ((1 + u_o) * (u_div * np.abs(o) + eta_m) if online else 0.0)
         ),
     }
-    o_error = _EVALUATION * (p @ np.abs(v))
-    if given is not None:
-        terms["evaluation"] = _given_error(q_abs, k_abs, v, p, keep, scale, given)
-        o_error = o_error + terms["evaluation"]
-    terms = {name: value * (1 + _EVALUATION) for name, value in terms.items()}
     if vacuous.any():
         terms["vacuous"] = np.where(vacuous, np.inf, 0.0) * np.ones_like(o)
-    return terms, o, o_error
+    return terms, p
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    """``log Σ_j e^{x_j}`` over the last axis (keepdims), ``-inf`` for an all ``-inf`` row."""
+    top = x.max(axis=-1, keepdims=True)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        return safe + np.log(np.exp(x - safe).sum(axis=-1, keepdims=True))
 
 
 def _given_error(
@@ -403,7 +562,15 @@ def attention_bound(
     where ``Δ_i = max_j |ŝ_ij − s_ij|`` is bounded from the dot factor of ``d_k`` terms times
     ``|q|·|k|``, the scale and bias roundings, and the softmax deviation follows Blanchard, Higham
     & Higham (2021) made rigorous, with the online rescalings counted (papers/attention.md gives
-    every term and the proof).
+    every term and the proof). The logit term is evaluated per key (Lemma 4: ``p̃_j = p_j
+    e^{δ_j}/Σ_l p_l e^{δ_l}``), which is at most ``(e^{2Δ}-1)p``, and the softmax sum's error is
+    the ``p̃``-weighted mean of the keys' exponential errors.
+
+    A finite masking constant ``M`` (``numerics.mask_value``) makes the computed output that of
+    the *leaky problem* (masked logits ``M`` or ``s + M``, step 3'); the term ``mask`` bounds its
+    distance ``Σ_{masked j} p^L_j(|v_j| + |o|)`` to the exact masked attention. A fully-masked
+    row's target is the leaky problem's value: the mean of ``v`` (``fill``,
+    ``reference.attention(..., fully_masked="uniform")``) or the unmasked attention (``add``).
 
     Assumptions: round-to-nearest with an absolute underflow term ``2^emin`` per rounding (so
     XLA's flush-to-zero is covered); ``exp`` within ``numerics.exp_ulps`` ulps and division within
@@ -413,7 +580,8 @@ def attention_bound(
     Args:
         q, k, v: 2-D or batched inputs as for :func:`mhanum.attention` (float64 values; if they
             are not values of ``numerics.input`` their rounding is included).
-        mask: optional boolean mask (True = attend), applied with ``-inf``.
+        mask: optional boolean mask (True = attend), applied as ``numerics`` says (``mask_mode``,
+            ``mask_value``).
         bias: optional additive float bias broadcastable to ``(..., Lq, Lk)``; ``-inf`` entries
             exclude keys. Its rounding into the score format is included.
         numerics: a :class:`Numerics` or preset name.
@@ -427,9 +595,10 @@ def attention_bound(
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape.
 
     Raises:
-        InvalidArgument: outside the theorem's scope (scale on q or k, a finite masking constant,
-            a score format wider than the softmax format, a fully-masked row, a finite bias that
-            overflows the score format), or for shapes, dtypes or values that do not fit.
+        InvalidArgument: outside the theorem's scope (a score format wider than the softmax
+            format, a fully-masked row under ``-inf``, an add-mode constant whose masked logits
+            may overflow the score format, a finite bias that overflows it), or for shapes,
+            dtypes or values that do not fit.
 
     References:
         blanchard2021; higham2002 (§3.1); papers/attention.md Theorem A.1.
@@ -445,11 +614,11 @@ def attention_bound(
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         V.check_finite(x, name)
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    _check_scope(num, mask)
+    _check_scope(num)
     rows, keys = q.shape[-2], k.shape[-2]
     extra = {n: np.shape(x)[:-2] for n, x in (("mask", mask), ("bias", bias)) if x is not None}
     batch = V.broadcast({"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2], **extra})
-    keep, b = _keep_and_bias(mask, bias, (*batch, rows, keys), num)
+    keep, masked, b = _keep_and_bias(mask, bias, (*batch, rows, keys), num)
     c = V.scale_value(scale, q.shape[-1])
     qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
     fmt_in = num.format_of("input")
@@ -466,6 +635,7 @@ def attention_bound(
             scale is None,
             (errors[0][i], errors[1][i], errors[2][i]),
             lam=lam,
+            masked=None if masked is None else masked[i],
         )[0]
         for i in np.ndindex(*batch)
     ]
@@ -494,16 +664,22 @@ def _result(
 
 def _keep_and_bias(
     mask: Any, bias: Any, target: tuple[int, ...], num: Numerics
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """The attended keys (mask True, bias not ``-inf``) and the bias (0 where not attended).
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The attended keys (mask True, bias not ``-inf``), the masked keys when the masking
+    constant is finite (else ``None``), and the bias (``-inf`` entries kept).
 
     Raises:
         InvalidArgument: for a mask or bias that does not broadcast to ``target``, a bias that is
-            NaN, ``+inf`` or overflows the score format, or a row that attends no key.
+            NaN, ``+inf`` or overflows the score format, or a row that attends no key while the
+            masking constant is ``-inf`` (its output is undefined: NaN).
     """
     keep = np.ones(target, bool)
+    masked = None
     if mask is not None:
-        keep = keep & np.asarray(V.bool_mask(mask, target), bool)
+        m = np.asarray(V.bool_mask(mask, target), bool)
+        keep = keep & m
+        if num.mask_constant() != -math.inf:
+            masked = ~np.broadcast_to(m, target)
     b = None
     if bias is not None:
         arr = V.float_array(bias, "bias")
@@ -511,12 +687,25 @@ def _keep_and_bias(
         V.check_broadcastable_to(arr, "bias", target)
         b = np.broadcast_to(np.asarray(arr, np.float64), target)
         keep = keep & ~np.isneginf(b)
-        _check_bias_fits(b, keep, num.format_of("score"))
-        b = np.where(keep, b, 0.0)
-    if not keep.any(axis=-1).all():
-        msg = "mask: Theorem A.1 needs at least one attended key per row, got a fully-masked row"
+        _check_bias_fits(b, ~np.isneginf(b), num.format_of("score"))
+    if masked is None and not keep.any(axis=-1).all():
+        msg = (
+            "mask: Theorem A.1 needs at least one attended key per row when masked logits are "
+            "-inf (the row's output is NaN), got a fully-masked row"
+        )
         raise InvalidArgument(msg)
-    return keep, b
+    if masked is not None:
+        live = (
+            keep | masked
+            if num.mask_mode == "fill"
+            else keep | (masked & ~np.isneginf(b if b is not None else 0.0))
+        )
+        if not live.any(axis=-1).all():
+            msg = (
+                "bias: expected at least one key per row whose logit is finite, got a row with none"
+            )
+            raise InvalidArgument(msg)
+    return keep, masked, b
 
 
 def _check_bias_fits(b: np.ndarray, keep: np.ndarray, fmt: Format) -> None:
@@ -648,7 +837,7 @@ def mha_bound(
     Assumptions: those of Theorem A.1 (round to nearest with an absolute underflow term per
     rounding, ``exp`` and division within ``numerics.exp_ulps``/``div_ulps`` ulps, sums in the
     numerics' order with the factors of Theorem S.0, no overflow, ``n·u < 1``) and its scope
-    (scale on the scores, masks with ``-inf``, no fully-masked row).
+    (as :func:`attention_bound`: masks with ``-inf`` or a finite constant, scale anywhere).
 
     Args:
         x_q: query input ``(..., Lq, d_q)``.
@@ -686,10 +875,10 @@ def mha_bound(
             raise InvalidArgument(msg)
         V.check_finite(arr, name)
         xs[name] = np.asarray(arr, np.float64)
-    _check_scope(num, mask)
+    _check_scope(num)
     outer = V.broadcast({"x_q": xs["x_q"].shape[:-2], "x_kv": xs["x_kv"].shape[:-2]})
     rows, keys = xs["x_q"].shape[-2], xs["x_kv"].shape[-2]
-    keep, b = _keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)
+    keep, masked, b = _keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)
     w: dict[str, Any] = {
         f.name: None if getattr(params, f.name) is None else np.asarray(getattr(params, f.name))
         for f in dataclasses.fields(params)
@@ -726,6 +915,7 @@ def mha_bound(
             (eq[i], ek[i], ev[i]),
             (gq[i], gk[i], gv[i]),
             lam,
+            None if masked is None else masked[i],
         )
     shape = (*outer, heads, rows, params.v_width // heads)
 

@@ -230,8 +230,13 @@ def _naive_or_safe(xs: np.ndarray, xr: np.ndarray, model: _Model, safe: bool) ->
     den_hi = in_sum + gamma + in_sum * gamma + model.sum_abs(n) * inv_s
     den_lo = in_sum + gamma * (1 + in_sum) + model.sum_abs(n) * inv_s
     log_top = m + max(math.log1p(float(np.max(a))), log_s + math.log1p(den_hi))
-    if not safe and log_top >= math.log(model.fmt.max_finite):
-        den_lo = math.inf  # exp(x) or the sum may overflow
+    carrier_emin = -1022 if model.fmt.name == "float64" else -126  # XLA's carrier: f64 or f32
+    reciprocal_flush = -carrier_emin * math.log(2) - 1
+    if not safe and (log_top >= math.log(model.fmt.max_finite) or log_top >= reciprocal_flush):
+        # exp(x) or the sum may overflow, or the sum may exceed 2^-emin / e: XLA divides by a
+        # broadcast row sum as a product with its reciprocal, which is then subnormal and
+        # flushed to zero, so every probability of the row becomes 0 (papers/softmax.md S.1).
+        den_lo = math.inf
     eta_num = np.where(finite, eta_e, 0.0)
     total = _row_bound(p, p_rel, a, eta_num, den_lo, den_hi, model)
     terms = _first_order_terms(p, sigma, model, gamma)

@@ -74,10 +74,21 @@ Q = np.zeros((2, 4))
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"numerics": Numerics(scale="q")}, "numerics.scale: Theorem A.1 covers"),
         (
-            {"numerics": Numerics(mask_value=-1e9), "mask": np.ones((2, 2), bool)},
-            "numerics.mask_value",
+            {
+                "numerics": Numerics(input="float16", mask_mode="add", mask_value=-65504.0),
+                "mask": np.array([[True, False], [True, True]]),
+                "bias": np.array([[0.0, -16.0]]),
+            },
+            "numerics.mask_value: the masked logits",
+        ),
+        (
+            {
+                "numerics": Numerics(mask_mode="add", mask_value=-1e9),
+                "mask": np.array([[True, False], [True, True]]),
+                "bias": np.array([[-np.inf, -np.inf]]),
+            },
+            "bias: expected at least one key per row",
         ),
         (
             {
@@ -125,6 +136,111 @@ def test_sound_with_bias_short_rows_and_any_scale(
     out = np.asarray(mn.attention(q, k, v, bias=bias, numerics=num, scale=scale), np.float64)
     err = np.abs(out - reference.attention(q, k, v, bias=bias, scale=scale))
     assert np.all(err <= bound.total), f"{np.max(err / bound.total):.3g}"
+
+
+@settings(max_examples=20)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    d_k=st.sampled_from([4, 12, 16, 20]),
+    preset=st.sampled_from(list(PRESETS)),
+    placement=st.sampled_from(["q", "qk"]),
+    scale=st.sampled_from([None, 0.3, 2.0]),
+    softmax=st.sampled_from(["naive", "safe", "online(3)"]),
+)
+def test_sound_with_the_scale_on_q_or_on_q_and_k(seed, d_k, preset, placement, scale, softmax):
+    # The scaled operands are rounded in the scale format before the dot (step 2'); sqrt(0.3) and
+    # 1/sqrt(d_k)^(1/2) are irrational, sqrt(2.0) too; d_k = 4, 16 make 1/sqrt(d_k) a power of 2.
+    num = configured(preset, scale=placement, softmax=softmax)
+    rng = np.random.default_rng(seed)
+    q, k, v = (
+        rng.standard_normal((4, d_k)),
+        rng.standard_normal((7, d_k)),
+        rng.standard_normal((7, 3)),
+    )
+    bound = attention_bound(q, k, v, numerics=num, scale=scale)
+    assume(np.isfinite(bound.total).all())
+    out = np.asarray(mn.attention(q, k, v, numerics=num, scale=scale), np.float64)
+    err = np.abs(out - reference.attention(q, k, v, scale=scale))
+    assert np.all(err <= bound.total), f"{np.max(err / bound.total):.3g}"
+
+
+MASK_CONSTANTS = [-1e4, -1e9, -30.0, "finfo.min", "0.7*finfo.min"]
+
+
+@settings(max_examples=25)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    preset=st.sampled_from(list(PRESETS)),
+    mode=st.sampled_from(["fill", "add"]),
+    value=st.sampled_from(MASK_CONSTANTS),
+    softmax=st.sampled_from(["naive", "safe", "online(3)"]),
+    order=st.sampled_from(["native", "sequential", "pairwise", "kahan"]),
+    fully_masked_row=st.booleans(),
+    logit_size=st.sampled_from([1.0, 4.0]),
+)
+def test_sound_with_finite_masking_constants(
+    seed, preset, mode, value, softmax, order, fully_masked_row, logit_size
+):
+    # Finite constants leak (fill: the masked keys keep the constant; add: s + M, absorbed) and
+    # a fully-masked row is the leaky problem itself: uniform (fill) or the unmasked softmax (add).
+    num = configured(preset, mask_mode=mode, mask_value=value, softmax=softmax, summation=order)
+    rng = np.random.default_rng(seed)
+    q, k = logit_size * rng.standard_normal((4, 8)), rng.standard_normal((9, 8))
+    v = rng.standard_normal((9, 2))
+    mask = rng.random((4, 9)) < 0.6
+    mask[:, 0] = True
+    if fully_masked_row:
+        mask[1] = False
+    assume(not (fully_masked_row and num.mask_constant() == -np.inf))  # NaN row: refused
+    refused = ""
+    try:
+        bound = attention_bound(q, k, v, mask, numerics=num)
+    except InvalidArgument as exc:  # add-mode logits that may overflow the score format
+        refused = str(exc)
+    if refused:
+        assert "may overflow" in refused
+        return
+    assume(np.isfinite(bound.total).all())
+    out = np.asarray(mn.attention(q, k, v, mask, numerics=num), np.float64)
+    ref = reference.attention(q, k, v, mask=mask, fully_masked="uniform")
+    if fully_masked_row and mode == "add":
+        ref[1] = reference.attention(q[1:2], k, v)[0]
+    err = np.abs(out - ref)
+    assert np.all(err <= bound.total), f"{np.max(err / bound.total):.3g}"
+    if "mask" in bound.terms:
+        assert np.all(bound.terms["mask"][1] == 0.0) or not fully_masked_row
+
+
+def test_the_leakage_of_a_small_fill_constant_is_the_mask_term():
+    # Filling masked logits with -1 leaks O(1) probability: the bound must name it, and the
+    # measured error must lie below it (and above a tenth of it: the term is tight here).
+    rng = np.random.default_rng(3)
+    q, k, v = (0.3 * rng.standard_normal((n, 8)) for n in (3, 16, 16))
+    mask = np.array([[True] * 8 + [False] * 8] * 3)
+    num = Numerics(mask_value=-1.0)
+    bound = attention_bound(q, k, v, mask, numerics=num)
+    assert bound.dominant() == "mask"
+    out = np.asarray(mn.attention(q, k, v, mask, numerics=num), np.float64)
+    err = np.abs(out - reference.attention(q, k, v, mask=mask))
+    assert np.all(err <= bound.total)
+    assert np.max(err) > 0.1 * np.max(bound.total)
+
+
+def test_ones_times_minus_1e9_is_covered_and_not_vacuous():
+    # The seed case: an additive -1e9 on every float32 logit (every key "masked" in add mode):
+    # the logits are quantised to multiples of 64, the error is O(1), and the bound, finite,
+    # covers it (the leaky problem's target is the unmasked softmax).
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((8, 16)) for _ in range(3))
+    num = Numerics(mask_mode="add", mask_value=-1e9)
+    mask = np.zeros((8, 8), bool)
+    bound = attention_bound(q, k, v, mask, numerics=num)
+    out = np.asarray(mn.attention(q, k, v, mask, numerics=num), np.float64)
+    err = np.abs(out - reference.attention(q, k, v))
+    assert np.isfinite(bound.total).all()
+    assert np.max(err) > 0.1
+    assert np.all(err <= bound.total)
+    assert np.max(err / bound.total) > 0.05
 
 
 def test_subnormal_inputs_read_as_zero_are_covered():

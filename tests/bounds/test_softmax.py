@@ -311,3 +311,13 @@ def test_summation_gamma_orders() -> None:
 def test_bad_arguments(call: object, match: str) -> None:
     with pytest.raises(InvalidArgument, match=match):
         call()  # type: ignore[operator]
+
+
+def test_naive_softmax_whose_sum_flushes_the_reciprocal_is_vacuous():
+    # x = (87.5, 87.5) in float32: the sum 2e^87.5 ≈ 2e38 is finite, but XLA multiplies by its
+    # reciprocal, 5e-39 < 2^-126, which the CPU flushes to zero: the output is (0, 0).
+    num = Numerics(softmax="naive")
+    x = np.array([87.5, 87.5])
+    out = np.asarray(mhanum.softmax(x, numerics=num), np.float64)
+    assert np.all(out == 0.0)
+    assert np.all(np.isinf(softmax_bound(x, num).total))

@@ -1,0 +1,160 @@
+"""``jax.nn.dot_product_attention`` inside a multi-head layer built from mhanum's weights.
+
+The layer projects with ``x @ w + b`` in float32 (``jax.numpy``), splits heads into the
+``(B, T, N, H)`` layout ``jax.nn.dot_product_attention`` wants, and projects the output. The
+``xla`` implementation (jax 0.10, ``jax/_src/nn/functions.py`` ``_dot_product_attention_core``)
+scales the logits after the einsum, **replaces** masked logits by ``-0.7 * finfo(dtype).max``
+(capped at float32's range, ``_get_large_negative``), and runs the softmax in float32 even for
+float64 inputs. The mask is boolean only, **True = attend**; a fully-masked row is uniform.
+The ``cudnn`` implementation (GPUs) is not modelled here (see ``mhanum.devices``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mhanum._errors import InvalidArgument
+from mhanum.adapters import _common as C
+from mhanum.numerics import Numerics
+from mhanum.params import MHAParams
+
+__all__ = [
+    "PATHS",
+    "JaxLayer",
+    "effective_mask",
+    "extract",
+    "load",
+    "model",
+    "numerics",
+    "run",
+    "version",
+]
+
+PATHS = ("xla",)
+
+_SOURCE = "jax/_src/nn/functions.py: dot_product_attention, _dot_product_attention_core"
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxLayer:
+    """float32 weights and a head count: the state of a ``jax.nn`` multi-head layer."""
+
+    params: MHAParams
+    num_heads: int
+
+
+def version() -> str:
+    """The installed jax version."""
+    return str(jax.__version__)
+
+
+def load(params: MHAParams, num_heads: int) -> JaxLayer:
+    """A :class:`JaxLayer` holding ``params`` rounded to float32."""
+    return JaxLayer(C.float32_params(params, num_heads), int(num_heads))
+
+
+def extract(layer: JaxLayer) -> MHAParams:
+    """The layer's weights (float64 copies)."""
+    fields = dataclasses.fields(layer.params)
+    return MHAParams(*(np.asarray(getattr(layer.params, f.name), np.float64) for f in fields))
+
+
+def numerics(path: str = "xla", *, precision: str = "default") -> Numerics:
+    """The mhanum :class:`~mhanum.Numerics` of ``jax.nn.dot_product_attention`` in float32.
+
+    Args:
+        path: ``"xla"``.
+        precision: ``"default"`` (float32 on CPU), ``"tf32"`` (NVIDIA Ampere+ default) or
+            ``"bf16"`` (one bfloat16 pass, the TPU default).
+    """
+    C.check_path(path, PATHS)
+    dot: dict[str, dict[str, Any]] = {
+        "default": {},
+        "tf32": {"operand_format": "tf32"},
+        "bf16": {"dot": "bf16x1"},
+    }
+    if precision not in dot:
+        msg = f"precision: expected one of {tuple(dot)}, got {precision!r}"
+        raise InvalidArgument(msg)
+    return Numerics(
+        input="float32",
+        accum="float32",
+        scale="scores",
+        mask_mode="fill",
+        mask_value="0.7*finfo.min",
+        **dot[precision],
+    )
+
+
+def model(path: str = "xla", *, precision: str = "default") -> C.PathModel:
+    """The :class:`~mhanum.adapters.PathModel` of the ``xla`` implementation."""
+    return C.PathModel(
+        "jax",
+        path,
+        numerics(path, precision=precision),
+        "uniform",
+        _SOURCE,
+        "bool mask only; softmax in float32 even for float64 inputs",
+    )
+
+
+def effective_mask(raw_mask: Any, path: str = "xla") -> np.ndarray:
+    """A ``jax.nn`` mask attends where it is True."""
+    C.check_path(path, PATHS)
+    arr = np.asarray(raw_mask)
+    if arr.dtype != np.bool_:
+        msg = f"raw_mask: expected a boolean mask (jax.nn takes no other), got {arr.dtype}"
+        raise InvalidArgument(msg)
+    return arr
+
+
+def _heads(x: Any, n: int) -> Any:
+    return x.reshape(*x.shape[:-1], n, x.shape[-1] // n)
+
+
+def run(
+    layer: JaxLayer,
+    x_q: Any,
+    x_kv: Any,
+    mask: Any = None,
+    *,
+    path: str = "xla",
+    raw_mask: Any = None,
+) -> np.ndarray:
+    """Run the layer with ``jax.nn.dot_product_attention(implementation=path)``; numpy float32.
+
+    Args:
+        layer: a :class:`JaxLayer` (from :func:`load`).
+        x_q: ``(B, Lq, E)`` or ``(Lq, E)``.
+        x_kv: ``(B, Lk, E)`` or ``(Lk, E)``.
+        mask: mhanum mask (True = attend) broadcastable to ``(B, Lq, Lk)``.
+        path: ``"xla"``.
+        raw_mask: a boolean mask passed untranslated, broadcastable to ``(B, H, Lq, Lk)``.
+
+    Raises:
+        InvalidArgument: for shapes that do not fit, an unknown path, or both masks.
+    """
+    C.check_path(path, PATHS)
+    if mask is not None and raw_mask is not None:
+        msg = "raw_mask: expected None when mask is given, got both"
+        raise InvalidArgument(msg)
+    p, n = layer.params, layer.num_heads
+    q_in = C.batched(x_q, "x_q", p.d_q)
+    kv_in = C.batched(x_kv, "x_kv", p.d_kv)
+    m = C.mask3(mask, q_in.shape[0], q_in.shape[1], kv_in.shape[1])
+    given = jnp.asarray(m[:, None]) if m is not None else raw_mask
+    out = _forward(q_in, kv_in, p, given, n, path)
+    return C.unbatch(np.asarray(out), x_q)
+
+
+def _forward(x_q: Any, x_kv: Any, p: Any, mask: Any, n: int, implementation: Any) -> Any:
+    q = _heads(jnp.asarray(x_q) @ p.wq + p.bq, n)
+    k = _heads(jnp.asarray(x_kv) @ p.wk + p.bk, n)
+    v = _heads(jnp.asarray(x_kv) @ p.wv + p.bv, n)
+    o = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+    return o.reshape(*o.shape[:-2], -1) @ p.wo + p.bo

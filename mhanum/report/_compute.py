@@ -1,0 +1,461 @@
+"""Every number of a report, as plain JSON-ready data (no figures, no formatting).
+
+Each section is one function returning a dict; :func:`compute` calls them in order and reports
+progress. Inputs come from :func:`mhanum.devices.inputs` (numpy ``PCG64``, never the JAX RNG), so
+the same config gives the same numbers on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mhanum import bounds, devices, measure, reference
+from mhanum._errors import InvalidArgument
+from mhanum.attention import attention, multi_head_attention
+from mhanum.bounds import heads as heads_bounds
+from mhanum.formats import get_format
+from mhanum.numerics import Numerics
+from mhanum.params import MHAParams
+from mhanum.report._config import Config
+
+__all__ = ["CASE_FIELDS", "Progress", "compute", "read_cases"]
+
+Progress = Callable[[int, int, str], None]
+"""``progress(done, total, what)``, called after each step."""
+
+
+CASE_FIELDS = (
+    "mhanum_version",
+    "numerics",
+    "preset",
+    "shape",
+    "seed",
+    "objective",
+    "error",
+    "bound",
+    "ratio",
+    "dominant_term",
+    "created",
+)
+"""The fields of a saved worst case (``mhanum.search``)."""
+
+
+def _a_priori_function(name: str) -> Callable[..., Any] | None:
+    """``mhanum.bounds.<name>`` (Theorem A.4) when this mhanum has it: the report plots the
+    a-priori series only then, and says so otherwise."""
+    fn = getattr(bounds, name, None)
+    return fn if callable(fn) else None
+
+
+def _lam(chains: int, probability: float, num: Numerics) -> float:
+    """The ``λ`` for which the union bound of Theorem A.3 over ``chains`` chains gives
+    ``probability``: ``chains · 2 exp(−λ²(1−u)²/2) = 1 − probability``."""
+    u = max(num.format_of(r).u for r in ("accum", "softmax"))
+    # The factor keeps Bound.probability >= probability despite the rounding of this formula.
+    return math.sqrt(2 * math.log(2 * chains / (1 - probability))) / (1 - u) * (1 + 2.0**-20)
+
+
+def _per_sample_max(x: np.ndarray, samples: int) -> np.ndarray:
+    return np.asarray(x, np.float64).reshape(samples, -1).max(axis=1)
+
+
+def _median(x: Iterable[float]) -> float:
+    return float(np.median(np.fromiter(x, np.float64)))
+
+
+def _attention_point(
+    config: Config, length: int, mask_kind: str
+) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray | None, np.ndarray]:
+    shape = (1, config.samples, length, config.d_k)
+    q, k, v = devices.inputs(shape, "float32", config.structure, config.seed)
+    mask = devices.mask_array(mask_kind, length)
+    ref = np.asarray(reference.attention(q, k, v, mask=mask), np.float64)
+    return (q, k, v), mask, ref
+
+
+def _min_keys(mask: np.ndarray | None, length: int) -> int:
+    return length if mask is None else int(mask.sum(axis=-1).min())
+
+
+def _a_priori(
+    fn: Callable[..., Any] | None, qkv: Sequence[np.ndarray], mask: Any, num: Numerics, n: int
+) -> list[float] | None:
+    """Per-sample a-priori bounds (Theorem A.4, max over entries) from each sample's sizes and
+    norms only: the largest row norms of q and k, the largest |v|, the fewest attended keys."""
+    if fn is None:
+        return None
+    q, k, v = (np.asarray(x, np.float64)[0] for x in qkv)
+    length, d_k, d_v = k.shape[-2], q.shape[-1], v.shape[-1]
+    up = 1 + 2.0**-40  # a float64 norm may fall below the exact one by a few ulps: round it up
+    values = []
+    for i in range(n):
+        b = fn(
+            q.shape[-2],
+            length,
+            d_k,
+            d_v,
+            q_norm=float(np.linalg.norm(q[i], axis=-1).max()) * up,
+            k_norm=float(np.linalg.norm(k[i], axis=-1).max()) * up,
+            v_max=float(np.abs(v[i]).max()),
+            numerics=num,
+            min_keys=_min_keys(mask, length),
+        )
+        values.append(float(np.max(b.total)))
+    return values
+
+
+def _note(text: str, notes: list[str]) -> None:
+    if text not in notes:
+        notes.append(text)
+
+
+def _attention_bounds(
+    qkv: Sequence[np.ndarray],
+    mask: Any,
+    num: Numerics,
+    err: np.ndarray,
+    config: Config,
+    fn: Callable[..., Any] | None,
+    refusals: list[str],
+    prior_notes: list[str],
+) -> dict[str, Any]:
+    """The bounds of one grid point; ``None`` where a theorem refuses the point.
+
+    The reasons go to ``refusals`` (A.1, A.3) and ``prior_notes`` (the a-priori bound), once each.
+    """
+    q, k, v = qkv
+    n, length = config.samples, q.shape[-2]
+    lam = _lam(n * length * length * (2 * config.d_k + 1), config.probability, num)
+    out: dict[str, Any] = {
+        "bound_a_posteriori": None,
+        "bound_probabilistic": None,
+        "probabilistic_lam": lam,
+        "probabilistic_probability": None,
+        "ratio": None,
+        "dominant_term": None,
+        "terms_at_max": {},
+        "terms_max": {},
+    }
+    try:
+        post = bounds.attention_bound(q, k, v, mask, numerics=num)
+    except InvalidArgument as exc:
+        _note(str(exc), refusals)
+    else:
+        total = np.asarray(post.total, np.float64)
+        at = np.unravel_index(int(np.argmax(total)), total.shape)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(err == 0, 0.0, err / total)
+        out |= {
+            "bound_a_posteriori": [float(x) for x in _per_sample_max(total, n)],
+            "ratio": [float(x) for x in _per_sample_max(ratio, n)],
+            "dominant_term": post.dominant(),
+            "terms_at_max": {
+                name: float(np.asarray(t, np.float64)[at]) for name, t in post.terms.items()
+            },
+            "terms_max": {name: float(np.max(t)) for name, t in post.terms.items()},
+        }
+    try:
+        prob = bounds.attention_bound(q, k, v, mask, numerics=num, lam=lam)
+    except InvalidArgument as exc:
+        _note(str(exc), refusals)
+    else:
+        out["bound_probabilistic"] = [float(x) for x in _per_sample_max(prob.total, n)]
+        out["probabilistic_probability"] = prob.probability
+    prior = None
+    try:
+        prior = _a_priori(fn, qkv, mask, num, n)
+    except InvalidArgument as exc:
+        _note(str(exc), prior_notes)
+    return out | {"bound_a_priori": prior}
+
+
+def attention_grid(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
+    """Measured error, a-posteriori (A.1), probabilistic (A.3) and a-priori bounds per point."""
+    fn_name = "attention_bound_a_priori"
+    fn = _a_priori_function(fn_name)
+    points: list[dict[str, Any]] = []
+    refusals: list[str] = []
+    prior_notes: list[str] = []
+    for mask_kind in config.masks:
+        for length in config.lengths:
+            qkv, mask, ref = _attention_point(config, length, mask_kind)
+            step(f"reference L={length} mask={mask_kind}")
+            n = config.samples
+            for preset in config.presets:
+                num = Numerics.preset(preset)
+                out = np.asarray(attention(*qkv, mask, numerics=num), np.float64)
+                err = np.abs(out - ref)
+                fmt = num.format_of("output")
+                per_err = _per_sample_max(err, n)
+                normwise = [
+                    measure.errors(out[0, i], ref[0, i], fmt=fmt).normwise_max for i in range(n)
+                ]
+                point: dict[str, Any] = {
+                    "preset": preset,
+                    "format": num.format_of("input").name,
+                    "output_format": fmt.name,
+                    "u": fmt.u,
+                    "length": length,
+                    "d_k": config.d_k,
+                    "mask": mask_kind,
+                    "error_max_abs": [float(x) for x in per_err],
+                    "error_normwise": [float(x) for x in normwise],
+                    "error_median": _median(per_err),
+                    "error_worst": float(per_err.max()),
+                }
+                point |= _attention_bounds(qkv, mask, num, err, config, fn, refusals, prior_notes)
+                points.append(point)
+                step(f"{preset} L={length} mask={mask_kind}")
+    return {
+        "theorems": {"a_posteriori": "A.1", "probabilistic": "A.3", "a_priori": "A.4"},
+        "a_priori": fn_name if fn is not None else None,
+        "a_priori_notes": prior_notes,
+        "refusals": refusals,
+        "points": points,
+    }
+
+
+def head_partitioning(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
+    """h heads at a fixed ``d_model``: errors and bounds (A.2, and A.4 from ``max |x|`` when
+    mhanum has it), the difference to one head, dot-length factors (H.1), output projection
+    factors (H.3) and scale exactness (H.2)."""
+    hc = config.heads
+    rng = np.random.Generator(np.random.PCG64(config.seed))
+    x = rng.standard_normal((hc.length, hc.d_model)).astype(np.float32)
+    params = MHAParams.random(hc.d_model, seed=config.seed)
+    x_max = float(np.abs(x).max())
+    prior = _a_priori_function("mha_bound_a_priori")
+    rows = []
+    refusals: list[str] = []
+    for h in hc.num_heads:
+        ref = np.asarray(reference.multi_head_attention(x, x, params, h), np.float64)
+        d_k = hc.d_model // h
+        row: dict[str, Any] = {"num_heads": h, "d_k": d_k, "presets": {}}
+        if h != 1:
+            diff = heads_bounds.head_partition_difference(x, params, h, 1)
+            row["difference_to_one_head"] = {
+                "normwise_max": diff.normwise_max,
+                "max_abs": diff.max_abs,
+                "explanation": diff.explanation,
+            }
+        row["scale_exactness"] = {
+            f"{fmt}/{placement}": {
+                "exact": s.exact,
+                "relative_error": s.relative_error,
+            }
+            for fmt in ("float32", "bfloat16", "float16")
+            for placement in ("scores", "qk")
+            for s in (heads_bounds.scale_exactness(d_k, fmt, placement),)
+        }
+        step(f"heads h={h} reference")
+        for preset in config.presets:
+            num = Numerics.preset(preset)
+            y = np.asarray(multi_head_attention(x, x, params, h, numerics=num), np.float64)
+            err = np.abs(y - ref)
+            entry: dict[str, Any] = {
+                "error_max_abs": float(err.max()),
+                "error_normwise": measure.errors(y, ref, fmt=num.format_of("output")).normwise_max,
+                "bound_max": None,
+                "ratio": None,
+            }
+            try:
+                bound = np.asarray(bounds.mha_bound(x, x, params, h, numerics=num).total)
+            except InvalidArgument as exc:
+                _note(str(exc), refusals)
+            else:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ratio = float(np.max(np.where(err == 0, 0.0, err / bound)))
+                entry |= {"bound_max": float(bound.max()), "ratio": ratio}
+            entry["bound_a_priori"] = None
+            if prior is not None:
+                try:
+                    b = prior(params, h, hc.length, hc.length, x_max=x_max, numerics=num)
+                except InvalidArgument as exc:
+                    _note(str(exc), refusals)
+                else:
+                    entry["bound_a_priori"] = float(np.max(b.total))
+            accum = num.format_of("accum")
+            for name, factor in (
+                ("score_dot_factor", partial(heads_bounds.score_dot_factor, hc.d_model, h)),
+                (
+                    "output_projection_factor",
+                    partial(heads_bounds.output_projection_factor, h, d_k),
+                ),
+            ):
+                try:
+                    entry[name] = factor(accum).as_dict()
+                except InvalidArgument as exc:
+                    entry[name] = None
+                    _note(str(exc), refusals)
+            row["presets"][preset] = entry
+            step(f"heads h={h} {preset}")
+        rows.append(row)
+    return {"d_model": hc.d_model, "length": hc.length, "rows": rows, "refusals": refusals}
+
+
+def _constant_label(value: float | str) -> str:
+    if isinstance(value, str):
+        return "-0.7·finfo.max" if value == "0.7*finfo.min" else value
+    return "-inf" if value == -math.inf else f"{value:g}"
+
+
+def mask_constants(config: Config) -> dict[str, Any]:
+    """What each constant does in each format and the safe range (papers/masking.md M.1–M.7).
+
+    Leakage and fully-masked rows (M.4–M.6) follow the configured mode; overflow and absorption
+    (M.2, M.3) are those of the constant added to a score, whatever the mode.
+    """
+    mc = config.mask_constants
+    formats = []
+    for fmt in mc.formats:
+        rows = []
+        for value in mc.values:
+            a = bounds.analyze_mask(fmt, value, mc.mode, mc.score_bound, n_keys=mc.n_keys)
+            added = bounds.analyze_mask(fmt, value, "add", mc.score_bound, n_keys=mc.n_keys)
+            rows.append(
+                {
+                    "constant": _constant_label(value),
+                    "requested": a.requested_value,
+                    "stored": a.stored_value,
+                    "overflows": a.overflows,
+                    "add_can_overflow": added.add_can_overflow,
+                    "absorbs_scores_when_added": added.absorbs_scores,
+                    "absorption_ulp": added.absorption_ulp,
+                    "leakage_bound": a.leakage_bound,
+                    "leakage_is_zero": a.leakage_is_zero,
+                    "fully_masked_row": a.fully_masked_row,
+                }
+            )
+        r = bounds.safe_mask_range(fmt, mc.score_bound, mc.leak_tol, mode=mc.mode, n_keys=mc.n_keys)
+        entry: dict[str, Any] = {
+            "format": get_format(fmt).name,
+            "constants": rows,
+            "safe_range": {"low": r.low, "high": r.high, "empty": r.empty, "reason": r.reason},
+            "recommended": None,
+        }
+        if not r.empty:
+            rec = bounds.recommend_mask_value(
+                fmt, mc.score_bound, mc.leak_tol, mode=mc.mode, n_keys=mc.n_keys
+            )
+            entry["recommended"] = {"value": rec.value, "reason": rec.reason}
+        formats.append(entry)
+    return {
+        "mode": mc.mode,
+        "score_bound": mc.score_bound,
+        "n_keys": mc.n_keys,
+        "leak_tol": mc.leak_tol,
+        "formats": formats,
+    }
+
+
+def _case_files(sources: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    files: list[Path] = []
+    for source in sources:
+        path = Path(source)
+        if path.is_dir():
+            files.extend(sorted(path.glob("*.json")))
+        elif path.is_file():
+            files.append(path)
+        else:
+            msg = f"cases: expected JSON files or directories of them, got {str(path)!r}"
+            raise InvalidArgument(msg)
+    return files
+
+
+def read_cases(sources: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
+    """Worst cases saved by the search: JSON objects (or lists of them) with :data:`CASE_FIELDS`.
+
+    Fields missing from a case are ``None``; its file is recorded under ``file``.
+
+    Raises:
+        InvalidArgument: for a path that does not exist, or a file that is not a JSON object or
+            list of objects.
+    """
+    cases = []
+    for path in _case_files(sources):
+        try:
+            data = json.loads(path.read_text("utf-8"))
+        except (OSError, ValueError) as exc:
+            msg = f"cases: expected a JSON case file, got {str(path)!r} ({exc})"
+            raise InvalidArgument(msg) from None
+        items = data if isinstance(data, list) else [data]
+        for item in items:
+            if not isinstance(item, Mapping):
+                msg = f"cases: expected JSON objects in {str(path)!r}, got {type(item).__name__}"
+                raise InvalidArgument(msg)
+            cases.append({f: item.get(f) for f in CASE_FIELDS} | {"file": str(path)})
+    return sorted(cases, key=lambda c: -_number(c["ratio"]))
+
+
+def _number(x: Any) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else -math.inf
+
+
+def device_records(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The verdicts of :func:`mhanum.devices.check` on a records file, and every measurement."""
+    records = devices.read_records(path)
+    result = devices.check(records)
+    points = [
+        {
+            "implementation": r["implementation"],
+            "dtype": r["dtype"],
+            "model": r["model"]["label"],
+            "error_max_abs": r["errors"]["max_abs"],
+            "bound_max": r["bound"]["max"],
+            "ratio": v.ratio,
+            "verdict": v.verdict,
+        }
+        for r, v in zip(records, result.verdicts, strict=True)
+        if r.get("kind") == "attention" and r.get("status") == "measured"
+    ]
+    return {
+        "file": str(path),
+        "ok": result.ok,
+        "counts": result.counts,
+        "summary": list(result.summary),
+        "points": points,
+    }
+
+
+def compute(
+    config: Config,
+    *,
+    cases: Sequence[str | os.PathLike[str]] = (),
+    records: Sequence[str | os.PathLike[str]] = (),
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """All sections of a report as JSON-ready data (without provenance: see ``build``)."""
+    total = (
+        len(config.masks) * len(config.lengths) * (1 + len(config.presets))
+        + len(config.heads.num_heads) * (1 + len(config.presets))
+        + 1
+        + len(records)
+    )
+    done = 0
+
+    def step(what: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, what)
+
+    case_list = read_cases(cases)  # read first: a bad file fails before minutes of work
+    data: dict[str, Any] = {"attention": attention_grid(config, step)}
+    data["heads"] = head_partitioning(config, step)
+    data["mask_constants"] = mask_constants(config)
+    step("mask constants")
+    data["cases"] = case_list
+    files = []
+    for path in records:
+        files.append(device_records(path))
+        step(f"records {path}")
+    data["records"] = {"files": files}
+    return data

@@ -1,0 +1,716 @@
+"""Worst-case input search: Hypothesis ``target()`` plus a local optimiser, and a random baseline.
+
+:func:`worst_case` looks for inputs on which one attention configuration is furthest from the exact
+result, either in absolute terms (``objective="error"``: the normwise relative error
+``max|ô − o| / max|o|``) or relative to mhanum's bound (``objective="error/bound"``: the
+componentwise ratio ``max_i |ô_i − o_i| / B_i`` of Theorem A.1, which exceeds 1 only if the bound
+is wrong). It runs in three stages:
+
+1. **targeted search**: Hypothesis draws inputs from :func:`mhanum.strategies.attention_inputs`
+   and is steered with ``hypothesis.target`` on the objective. The budget is split into stages,
+   one per structure family (plain inputs, then each of :data:`mhanum.strategies.STRUCTURES` alone
+   or paired with another), so that every family is explored; within a stage the objective is
+   targeted under the stage's label and under one label per dominant bound term (so that inputs
+   where, say, the ``pv`` term dominates are climbed separately from those where ``logits``
+   does);
+2. **refinement**: the two best inputs are refined with scipy's Nelder–Mead over a
+   four-parameter family (scale q, scale k, scale and shift v; every point rounded back into the
+   input format), restarted with a wider simplex while budget remains;
+3. **confirmation**: the best input is re-measured against the certified reference
+   (:func:`mhanum.reference.attention`).
+
+During stages 1 and 2 the objective is *cheap*: the error is measured against mhanum's own
+float64 attention (preset ``fp64``), whose distance to the exact output is itself bounded by
+Theorem A.1 with the ``fp64`` numerics, ``B64``. By the triangle inequality (papers/search.md,
+Lemma W.1)
+
+.. math::
+
+    \\big|\\,|\\hat o_i - \\tilde o_i| - |\\hat o_i - o_i|\\,\\big| \\le |\\tilde o_i - o_i|
+    \\le B64_i ,
+
+so the cheap ratio is within ``slack = max_i B64_i / B_i`` of the true one. The slack is reported
+with every evaluation; where it exceeds ``1e-6`` (the ``fp64`` preset itself, say) every evaluation
+uses the certified reference instead.
+
+:func:`random_search` spends the same budget on independent random inputs with the same objective,
+for an honest comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings, target
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+
+from mhanum import reference, strategies
+from mhanum._errors import InvalidArgument
+from mhanum.attention import attention
+from mhanum.bounds import attention_bound
+from mhanum.bounds._result import Bound
+from mhanum.formats import get_format, round_to
+from mhanum.numerics import PRESETS, Numerics, resolve
+
+__all__ = [
+    "OBJECTIVES",
+    "Evaluation",
+    "Objective",
+    "Shape",
+    "WorstCase",
+    "random_search",
+    "worst_case",
+]
+
+OBJECTIVES = ("error", "error/bound")
+"""The objectives :func:`worst_case` maximises."""
+
+SLACK_LIMIT = 1e-6
+"""Largest cheap-objective slack (``max B64/B``) accepted before falling back to the reference."""
+
+BoundFunction = Callable[..., Bound]
+Progress = Callable[[int, int, float], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Sizes of one attention call: q ``(batch, heads, q_len, d_k)``, k/v ``(…, kv_len, d_k/d_v)``.
+
+    ``d_v`` defaults to ``d_k``.
+    """
+
+    q_len: int = 8
+    kv_len: int = 16
+    d_k: int = 16
+    d_v: int | None = None
+    batch: int = 1
+    heads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.d_v is None:
+            object.__setattr__(self, "d_v", self.d_k)
+        for name, value in self.as_dict().items():
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                msg = f"shape.{name}: expected a positive integer, got {value!r}"
+                raise InvalidArgument(msg)
+            object.__setattr__(self, name, int(value))
+
+    def as_dict(self) -> dict[str, int]:
+        """The sizes by name (JSON-ready)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def of(cls, shape: Shape | Mapping[str, int]) -> Shape:
+        """``shape`` as a :class:`Shape` (a mapping of the field names is accepted).
+
+        Raises:
+            InvalidArgument: for an unknown key or a non-positive size.
+        """
+        if isinstance(shape, Shape):
+            return shape
+        if not isinstance(shape, Mapping):
+            msg = f"shape: expected a Shape or a mapping of sizes, got {type(shape).__name__}"
+            raise InvalidArgument(msg)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(shape) - names)
+        if unknown:
+            msg = f"shape: expected keys from {sorted(names)}, got {unknown}"
+            raise InvalidArgument(msg)
+        return cls(**shape)
+
+    def arrays(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """The shapes of q, k and v."""
+        lead = (self.batch, self.heads)
+        d_v = int(self.d_v or self.d_k)
+        return (
+            (*lead, self.q_len, self.d_k),
+            (*lead, self.kv_len, self.d_k),
+            (*lead, self.kv_len, d_v),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """One evaluation of the objective.
+
+    Attributes:
+        value: the objective (``ratio`` or ``normwise``).
+        ratio: ``max_i |ô_i − o_i| / B_i``.
+        error: ``|ô_i − o_i|`` at the entry attaining ``ratio``.
+        bound: ``B_i`` at that entry.
+        normwise: ``max |ô − o| / max |o|``.
+        dominant_term: the largest term of the bound at that entry.
+        index: that entry.
+        slack: ``max_i B64_i / B_i``, how far the cheap ratio may be from the true one (0 when
+            measured against the certified reference).
+        output: the computed output ``ô`` as float64.
+    """
+
+    value: float
+    ratio: float
+    error: float
+    bound: float
+    normwise: float
+    dominant_term: str
+    index: tuple[int, ...]
+    slack: float
+    output: np.ndarray = dataclasses.field(repr=False)
+
+
+class Objective:
+    """The objective of a search: measure one input's error and bound.
+
+    Args:
+        numerics: the configuration under test.
+        objective: ``"error"`` or ``"error/bound"``.
+        bound: the bound function (default :func:`mhanum.bounds.attention_bound`); a test can pass
+            a deliberately wrong one.
+        certified: measure against the certified reference on every call (otherwise the float64
+            attention is used where its slack is below :data:`SLACK_LIMIT`).
+    """
+
+    def __init__(
+        self,
+        numerics: Numerics,
+        objective: str = "error/bound",
+        *,
+        bound: BoundFunction | None = None,
+        certified: bool = False,
+    ) -> None:
+        if objective not in OBJECTIVES:
+            msg = f"objective: expected one of {OBJECTIVES}, got {objective!r}"
+            raise InvalidArgument(msg)
+        self.numerics = numerics
+        self.objective = objective
+        self.bound = bound or attention_bound
+        self.certified = certified
+        self.fp64 = PRESETS["fp64"]
+        self.calls = 0
+        self.out_of_scope = 0
+
+    def __call__(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        mask: np.ndarray | None = None,
+        *,
+        certified: bool | None = None,
+    ) -> Evaluation | None:
+        """The evaluation, or ``None`` outside the bound's scope (refused, overflow, vacuous)."""
+        self.calls += 1
+        try:
+            b = self.bound(q, k, v, mask, numerics=self.numerics)
+        except InvalidArgument:
+            self.out_of_scope += 1
+            return None
+        total = np.asarray(b.total, np.float64)
+        out = np.asarray(attention(q, k, v, mask, numerics=self.numerics), np.float64)
+        if not (np.all(np.isfinite(out)) and np.all(np.isfinite(total))):
+            self.out_of_scope += 1
+            return None
+        exact = self.certified if certified is None else certified
+        slack = 0.0
+        if not exact:
+            try:
+                b64 = np.asarray(attention_bound(q, k, v, mask, numerics=self.fp64).total)
+            except InvalidArgument:  # outside Lemma W.1's hypotheses: measure exactly
+                b64 = np.full_like(total, np.inf)
+            slack = _max_ratio(b64, total)
+            exact = not slack <= SLACK_LIMIT
+            if not exact:
+                ref = np.asarray(attention(q, k, v, mask, numerics=self.fp64), np.float64)
+        if exact:
+            ref = np.asarray(reference.attention(q, k, v, mask=mask), np.float64)
+            slack = 0.0
+        err = np.abs(out - ref)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratios = np.where(err > 0, err / total, 0.0)
+        flat = int(np.argmax(ratios))
+        index = tuple(int(i) for i in np.unravel_index(flat, ratios.shape))
+        scale = float(np.max(np.abs(ref), initial=0.0))
+        normwise = float(err.max(initial=0.0)) / scale if scale > 0 else 0.0
+        ratio = float(ratios.flat[flat])
+        terms = {name: float(np.broadcast_to(t, total.shape)[index]) for name, t in b.terms.items()}
+        return Evaluation(
+            value=ratio if self.objective == "error/bound" else normwise,
+            ratio=ratio,
+            error=float(err[index]),
+            bound=float(total[index]),
+            normwise=normwise,
+            dominant_term=max(terms, key=lambda name: terms[name]),
+            index=index,
+            slack=slack,
+            output=out,
+        )
+
+
+def _max_ratio(a: np.ndarray, b: np.ndarray) -> float:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.where(a > 0, a / b, 0.0)
+    return float(np.max(r, initial=0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class WorstCase:
+    """The worst input a search found, confirmed against the certified reference.
+
+    Attributes:
+        numerics: the configuration searched.
+        shape: the sizes searched.
+        q, k, v: the inputs (float64 arrays whose values lie in ``numerics.input``).
+        output: the computed attention output (float64 copy of its values).
+        mask: the boolean mask (True = attend), or ``None``.
+        objective: ``"error"`` or ``"error/bound"``.
+        error: ``|ô_i − o_i|`` at the entry ``index`` attaining ``ratio`` (certified reference).
+        bound: the bound ``B_i`` at that entry.
+        ratio: ``max_i |ô_i − o_i| / B_i``; above 1 is a bound violation.
+        normwise: ``max |ô − o| / max |o|``.
+        dominant_term: the bound's largest term at ``index``.
+        index: the entry attaining ``ratio``.
+        method: ``"targeted"`` or ``"random"``.
+        seed: the search's seed.
+        budget: the number of cheap evaluations allowed.
+        evaluations: the number spent.
+        cheap_ratio: the ratio the cheap objective measured, within ``slack`` of ``ratio``.
+        slack: ``max B64/B`` of the cheap objective at this input.
+        seconds: wall time of the search.
+        structure: the structures of the input (:data:`mhanum.strategies.STRUCTURES`), if known.
+    """
+
+    numerics: Numerics
+    shape: Shape
+    q: np.ndarray = dataclasses.field(repr=False)
+    k: np.ndarray = dataclasses.field(repr=False)
+    v: np.ndarray = dataclasses.field(repr=False)
+    output: np.ndarray = dataclasses.field(repr=False)
+    mask: np.ndarray | None = dataclasses.field(repr=False)
+    objective: str
+    error: float
+    bound: float
+    ratio: float
+    normwise: float
+    dominant_term: str
+    index: tuple[int, ...]
+    method: str
+    seed: int
+    budget: int
+    evaluations: int
+    cheap_ratio: float
+    slack: float
+    seconds: float = 0.0
+    structure: tuple[str, ...] = ()
+
+    @property
+    def violation(self) -> bool:
+        """Whether the measured error exceeds the bound somewhere."""
+        return self.ratio > 1
+
+    @property
+    def value(self) -> float:
+        """The objective's value (``ratio`` or ``normwise``)."""
+        return self.ratio if self.objective == "error/bound" else self.normwise
+
+    @property
+    def inputs(self) -> dict[str, np.ndarray]:
+        """``{"q": q, "k": k, "v": v}``, and ``"mask"`` if there is one."""
+        arrays = {"q": self.q, "k": self.k, "v": self.v}
+        return arrays if self.mask is None else arrays | {"mask": self.mask}
+
+    @property
+    def preset(self) -> str | None:
+        """The preset name whose numerics these are, if any."""
+        return next((name for name, num in PRESETS.items() if num == self.numerics), None)
+
+    def summary(self) -> dict[str, Any]:
+        """The scalars, JSON-ready."""
+        return {
+            "preset": self.preset,
+            "numerics": self.numerics.describe(),
+            "method": self.method,
+            "objective": self.objective,
+            "error": self.error,
+            "bound": self.bound,
+            "ratio": self.ratio,
+            "normwise": self.normwise,
+            "dominant_term": self.dominant_term,
+            "violation": self.violation,
+            "evaluations": self.evaluations,
+            "seconds": self.seconds,
+        }
+
+
+@dataclasses.dataclass
+class _Candidate:
+    value: float
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    structure: tuple[str, ...]
+    evaluation: Evaluation
+    mask: np.ndarray | None = None
+
+
+class _Tracker:
+    """Counts evaluations against the budget, keeps the best few inputs, reports progress."""
+
+    def __init__(self, objective: Objective, budget: int, progress: Progress | None) -> None:
+        self.objective = objective
+        self.budget = budget
+        self.progress = progress
+        self.done = 0
+        self.best: list[_Candidate] = []
+
+    @property
+    def exhausted(self) -> bool:
+        return self.done >= self.budget
+
+    @property
+    def best_value(self) -> float:
+        return self.best[0].value if self.best else 0.0
+
+    def evaluate(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        mask: np.ndarray | None = None,
+        structure: tuple[str, ...] = (),
+    ) -> Evaluation | None:
+        self.done += 1
+        ev = self.objective(q, k, v, mask)
+        if ev is not None and not math.isnan(ev.value):  # inf: a nonzero error over a zero bound
+            self._keep(_Candidate(ev.value, q, k, v, structure, ev, mask))
+        if self.progress is not None:
+            self.progress(min(self.done, self.budget), self.budget, self.best_value)
+        return ev
+
+    def _keep(self, cand: _Candidate, size: int = 4) -> None:
+        if any(c.value == cand.value for c in self.best):
+            return
+        self.best = sorted([*self.best, cand], key=lambda c: -c.value)[:size]
+
+
+def _check_x64() -> None:
+    import jax
+
+    if not jax.config.read("jax_enable_x64"):
+        msg = (
+            "numerics: the search measures against float64 attention (Lemma W.1), which needs "
+            "JAX's 64-bit mode; call jax.config.update('jax_enable_x64', True) at start-up"
+        )
+        raise InvalidArgument(msg)
+
+
+def _check_budget(budget: Any) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
+        msg = f"budget: expected a positive integer, got {budget!r}"
+        raise InvalidArgument(msg)
+    return int(budget)
+
+
+def _check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        msg = f"seed: expected a non-negative integer, got {seed!r}"
+        raise InvalidArgument(msg)
+    return int(seed)
+
+
+def worst_case(
+    numerics: Numerics | str,
+    shape: Shape | Mapping[str, int],
+    *,
+    objective: str = "error/bound",
+    budget: int = 200,
+    seed: int = 0,
+    refine: float = 0.25,
+    structure: Any = None,
+    mask: str | None = None,
+    bound: BoundFunction | None = None,
+    progress: Progress | None = None,
+) -> WorstCase:
+    """Search for the input on which ``numerics`` is worst, and confirm it.
+
+    Args:
+        numerics: a :class:`~mhanum.Numerics` or a preset name.
+        shape: a :class:`Shape` or a mapping of its fields.
+        objective: ``"error/bound"`` (componentwise error over bound, Theorem A.1) or ``"error"``
+            (normwise relative error).
+        budget: the number of objective evaluations (targeted search and refinement together).
+        seed: seed of the Hypothesis search (the same seed repeats the search).
+        refine: the fraction of the budget given to the Nelder–Mead refinement.
+        structure: the ``structure`` argument of :func:`mhanum.strategies.attention_inputs`
+            (default: structures mixed in at random).
+        mask: a mask kind of :func:`mhanum.strategies.masks` (``"padding"``, ``"causal"``,
+            ``"random"``; every row attends some key), searched together with the inputs;
+            ``None`` or ``"none"`` for no mask.
+        bound: the bound function (default :func:`mhanum.bounds.attention_bound`).
+        progress: called as ``progress(done, budget, best_value)`` after each evaluation.
+
+    Returns:
+        A :class:`WorstCase` measured against the certified reference.
+
+    Raises:
+        InvalidArgument: for a bad argument, without JAX's 64-bit mode, or when no input in the
+            budget was within the bound's scope.
+
+    Examples:
+        >>> import jax
+        >>> jax.config.update("jax_enable_x64", True)
+        >>> case = worst_case("fp16-fp32acc", {"q_len": 2, "kv_len": 4, "d_k": 4}, budget=8)
+        >>> 0 <= case.ratio <= 1
+        True
+    """
+    num = resolve(numerics)
+    sizes = Shape.of(shape)
+    budget, seed = _check_budget(budget), _check_seed(seed)
+    _check_x64()
+    if not isinstance(refine, (int, float)) or not 0 <= refine < 1:
+        msg = f"refine: expected a fraction in [0, 1), got {refine!r}"
+        raise InvalidArgument(msg)
+    kind = _check_mask(mask)
+    start = time.perf_counter()
+    tracker = _Tracker(Objective(num, objective, bound=bound), budget, progress)
+    search_budget = max(1, budget - int(refine * budget))
+    _targeted(tracker, num, sizes, search_budget, seed, structure, kind)
+    _refine(tracker, num)
+    return _confirm(tracker, num, sizes, "targeted", seed, start)
+
+
+def _families(structure: Any) -> list[tuple[str, Any]]:
+    """The stages of the targeted search: one per structure family (or the user's structure)."""
+    if structure is not None:
+        return [("custom", structure)]
+    mixes = strategies.default_mixes()
+    families: list[tuple[str, Any]] = [("plain", "plain")]
+    for name in strategies.STRUCTURES:
+        families.append((name, st.sampled_from([m for m in mixes if name in m])))
+    return families
+
+
+def _check_mask(mask: Any) -> str | None:
+    kinds = strategies.MASK_KINDS
+    if mask is not None and mask not in kinds:
+        msg = f"mask: expected None or one of {kinds}, got {mask!r}"
+        raise InvalidArgument(msg)
+    return None if mask == "none" else mask
+
+
+def _targeted(
+    tracker: _Tracker,
+    num: Numerics,
+    shape: Shape,
+    examples: int,
+    seed: int,
+    structure: Any,
+    mask: str | None,
+) -> None:
+    """Hypothesis with ``target()``, one stage per structure family, the budget split evenly."""
+    stages = _families(structure)
+    for i, (family, mix) in enumerate(stages):
+        share = (examples * (i + 1)) // len(stages) - (examples * i) // len(stages)
+        if share > 0:
+            _stage(tracker, num, shape, share, seed * 1000 + i, family, mix, mask)
+
+
+def _stage(
+    tracker: _Tracker,
+    num: Numerics,
+    shape: Shape,
+    examples: int,
+    seed: int,
+    family: str,
+    structure: Any,
+    mask: str | None,
+) -> None:
+    inputs = strategies.attention_inputs(
+        q_len=shape.q_len,
+        kv_len=shape.kv_len,
+        d_k=shape.d_k,
+        d_v=shape.d_v,
+        batch=shape.batch,
+        heads=shape.heads,
+        fmt=num.input,
+        accum=num.accum,
+        structure=structure,
+    )
+    masks: st.SearchStrategy[np.ndarray | None] = st.none()
+    if mask is not None:
+        masks = strategies.masks(
+            q_len=shape.q_len, kv_len=shape.kv_len, batch=shape.batch, heads=shape.heads, kind=mask
+        )
+    label = f"{tracker.objective.objective} | {family}"
+    stop = tracker.done + examples
+
+    @settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        derandomize=False,
+        phases=[Phase.generate, Phase.target],
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+        report_multiple_bugs=False,
+    )
+    @hypothesis_seed(seed)
+    @given(inputs, masks)
+    def run(x: strategies.AttentionInputs, m: np.ndarray | None) -> None:
+        if tracker.done >= stop:
+            return
+        ev = tracker.evaluate(x.q, x.k, x.v, m, tuple(sorted(x.structure)))
+        if ev is not None and math.isfinite(ev.value):
+            target(ev.value, label=label)
+            target(ev.value, label=f"{label} | {ev.dominant_term}")
+
+    run()
+
+
+def _transform(
+    params: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, fmt: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The refinement family: ``2^a q``, ``2^b k``, ``2^c v + d·max|v|``, rounded into ``fmt``."""
+    f = get_format(fmt)
+    a, b, c, d = (float(x) for x in np.clip(params, -60, 60))
+    top = float(np.max(np.abs(v), initial=0.0))
+
+    def into(x: np.ndarray) -> np.ndarray:
+        return round_to(np.clip(x, -f.max_finite, f.max_finite), f)
+
+    return into(2.0**a * q), into(2.0**b * k), into(2.0**c * v + d * top)
+
+
+def _refine(tracker: _Tracker, num: Numerics) -> None:
+    """Nelder–Mead over :func:`_transform` from each of the best inputs, within the budget."""
+    from scipy.optimize import minimize
+
+    starts = list(tracker.best[:2])
+    # a second pass restarts from the same inputs with a wider simplex if budget remains
+    for step, cand in [(0.5, c) for c in starts] + [(2.0, c) for c in starts]:
+        if tracker.exhausted:
+            return
+
+        def loss(params: np.ndarray, cand: _Candidate = cand) -> float:
+            if tracker.exhausted:
+                return 0.0
+            q, k, v = _transform(params, cand.q, cand.k, cand.v, num.input)
+            ev = tracker.evaluate(q, k, v, cand.mask, cand.structure)
+            return -ev.value if ev is not None else 0.0
+
+        simplex = np.vstack([np.zeros(4), step * np.eye(4)])
+        simplex[4, 3] = step * 2.0**-8
+        remaining = tracker.budget - tracker.done
+        minimize(
+            loss,
+            np.zeros(4),
+            method="Nelder-Mead",
+            options={"maxfev": max(1, remaining // 2), "initial_simplex": simplex},
+        )
+
+
+def _confirm(
+    tracker: _Tracker, num: Numerics, shape: Shape, method: str, seed: int, start: float
+) -> WorstCase:
+    if not tracker.best:
+        msg = (
+            f"numerics: expected some input within the bound's scope, got none in "
+            f"{tracker.done} evaluations ({tracker.objective.out_of_scope} out of scope)"
+        )
+        raise InvalidArgument(msg)
+    if tracker.progress is not None and not tracker.exhausted:  # finished early: close the bar
+        tracker.progress(tracker.budget, tracker.budget, tracker.best_value)
+    best = tracker.best[0]
+    ev = tracker.objective(best.q, best.k, best.v, best.mask, certified=True)
+    if ev is None:  # the same input was in scope a moment ago
+        msg = "numerics: the best input fell out of the bound's scope on confirmation"
+        raise InvalidArgument(msg)
+    return WorstCase(
+        numerics=num,
+        shape=shape,
+        q=best.q,
+        k=best.k,
+        v=best.v,
+        output=ev.output,
+        mask=best.mask,
+        objective=tracker.objective.objective,
+        error=ev.error,
+        bound=ev.bound,
+        ratio=ev.ratio,
+        normwise=ev.normwise,
+        dominant_term=ev.dominant_term,
+        index=ev.index,
+        method=method,
+        seed=seed,
+        budget=tracker.budget,
+        evaluations=tracker.done,
+        cheap_ratio=best.evaluation.ratio,
+        slack=best.evaluation.slack,
+        seconds=time.perf_counter() - start,
+        structure=best.structure,
+    )
+
+
+def random_search(
+    numerics: Numerics | str,
+    shape: Shape | Mapping[str, int],
+    *,
+    objective: str = "error/bound",
+    budget: int = 200,
+    seed: int = 0,
+    mask: str | None = None,
+    bound: BoundFunction | None = None,
+    progress: Progress | None = None,
+) -> WorstCase:
+    """The random baseline: ``budget`` independent inputs, the best one confirmed.
+
+    Each input draws q, k and v independently from the standard normal distribution, multiplies
+    each by ``2^j`` for ``j`` uniform in ``[-3, 3]``, and rounds into ``numerics.input``. The
+    objective and its confirmation are those of :func:`worst_case`. A mask of the requested kind
+    is drawn with each input (padding: a uniform valid length per batch entry; random: each key
+    kept with probability 1/2, key 0 kept in a row that would be empty).
+
+    Args:
+        numerics, shape, objective, budget, seed, mask, bound, progress: as for
+            :func:`worst_case` (``seed`` seeds a ``numpy.random.Generator``).
+
+    Returns:
+        A :class:`WorstCase` with ``method="random"``.
+    """
+    num = resolve(numerics)
+    sizes = Shape.of(shape)
+    budget, seed = _check_budget(budget), _check_seed(seed)
+    _check_x64()
+    kind = _check_mask(mask)
+    start = time.perf_counter()
+    tracker = _Tracker(Objective(num, objective, bound=bound), budget, progress)
+    rng = np.random.default_rng(seed)
+    fmt = get_format(num.input)
+    while not tracker.exhausted:
+        q, k, v = (
+            round_to(rng.standard_normal(s) * 2.0 ** rng.uniform(-3, 3), fmt)
+            for s in sizes.arrays()
+        )
+        tracker.evaluate(q, k, v, None if kind is None else _random_mask(kind, sizes, rng))
+    return _confirm(tracker, num, sizes, "random", seed, start)
+
+
+def _random_mask(kind: str, shape: Shape, rng: np.random.Generator) -> np.ndarray:
+    """A mask of ``kind`` for the random baseline; every row attends at least one key."""
+    full = (shape.batch, shape.heads, shape.q_len, shape.kv_len)
+    keys = np.arange(shape.kv_len)
+    if kind == "padding":
+        lengths = rng.integers(1, shape.kv_len + 1, size=shape.batch)
+        mask = keys[None, None, None, :] < lengths[:, None, None, None]
+    elif kind == "causal":
+        rows = np.arange(shape.q_len)[:, None] + (shape.kv_len - shape.q_len)
+        mask = keys[None, :] <= rows
+    else:
+        mask = rng.random(full) < 0.5
+    mask = np.array(np.broadcast_to(mask, full), bool)
+    mask[..., 0] |= ~mask.any(axis=-1)
+    return mask

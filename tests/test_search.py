@@ -1,0 +1,211 @@
+"""mhanum.search: the targeted search finds planted worst cases, catches wrong bounds, and its
+cheap objective stays within its proven slack of the certified one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mhanum import InvalidArgument, Numerics, cli
+from mhanum import search as ms
+from mhanum.bounds import attention_bound
+from mhanum.bounds._result import Bound
+from mhanum.bounds.summation import gamma
+
+SEQUENTIAL = Numerics(summation="sequential")
+SMALL = ms.Shape(q_len=2, kv_len=16, d_k=4, d_v=2)
+
+
+def _bound_over_100(*args, **kwargs) -> Bound:
+    """A deliberately wrong bound, for the tests only: Theorem A.1 divided by 100."""
+    b = attention_bound(*args, **kwargs)
+    return Bound(b.total / 100, {k: t / 100 for k, t in b.terms.items()}, "test-only")
+
+
+def test_search_finds_the_planted_sequential_summation_worst_case_random_does_not():
+    budget = 100
+    case = ms.worst_case(SEQUENTIAL, SMALL, budget=budget, seed=0)
+    baseline = ms.random_search(SEQUENTIAL, SMALL, budget=budget, seed=0)
+    # The planted case: o = (1 + 15·2^-24)/16 summed sequentially from 1/16, every small addend
+    # absorbed; the error is γ_15-sized relative to |o| (15 u of the 16 terms' sum).
+    o = abs(case.output[case.index])
+    assert case.error >= 0.9 * gamma(SMALL.kv_len - 1, 2.0**-24) * o
+    assert case.ratio >= 0.3
+    assert case.ratio >= 3 * baseline.ratio
+    assert not case.violation
+    assert case.evaluations <= budget
+    assert baseline.evaluations == budget
+
+
+def test_a_wrong_bound_is_caught_as_a_violation():
+    case = ms.worst_case("fp32", {"q_len": 2, "kv_len": 8, "d_k": 4}, budget=12, seed=1,
+                         bound=_bound_over_100)  # fmt: skip
+    assert case.violation
+    assert case.ratio > 1
+    baseline = ms.random_search("fp32", {"q_len": 2, "kv_len": 8, "d_k": 4}, budget=5,
+                                bound=_bound_over_100)  # fmt: skip
+    assert baseline.violation
+
+
+def _zero_bound(*args, **kwargs) -> Bound:
+    b = attention_bound(*args, **kwargs)
+    return Bound(0 * b.total, {k: 0 * t for k, t in b.terms.items()}, "test-only")
+
+
+def test_a_zero_bound_with_a_nonzero_error_is_an_infinite_violation():
+    case = ms.random_search("bf16-fp32acc", {"q_len": 2, "kv_len": 4, "d_k": 2}, budget=3,
+                            bound=_zero_bound)  # fmt: skip
+    assert case.ratio == float("inf")
+    assert case.violation
+
+
+@pytest.mark.parametrize("preset", ["bf16-fp32acc", "fp16-fp32acc", "fp32"])
+def test_cheap_ratio_is_within_its_slack_of_the_certified_ratio(preset):
+    case = ms.worst_case(preset, {"q_len": 2, "kv_len": 8, "d_k": 4}, budget=15, seed=0)
+    assert 0 < case.slack <= ms.SLACK_LIMIT
+    assert abs(case.cheap_ratio - case.ratio) <= case.slack * (1 + 1e-9) + 1e-12
+    assert 0 <= case.ratio <= 1
+
+
+def test_fp64_numerics_fall_back_to_the_certified_reference():
+    objective = ms.Objective(Numerics.preset("fp64"))
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, 3, 2)) for _ in range(3))
+    ev = objective(q, k, v)
+    assert ev is not None
+    assert ev.slack == 0.0
+    assert ev.ratio <= 1
+
+
+def test_the_same_seed_repeats_the_search():
+    a = ms.worst_case("fp16-fp32acc", {"q_len": 2, "kv_len": 4, "d_k": 4}, budget=12, seed=3)
+    b = ms.worst_case("fp16-fp32acc", {"q_len": 2, "kv_len": 4, "d_k": 4}, budget=12, seed=3)
+    assert a.q.tobytes() == b.q.tobytes()
+    assert a.v.tobytes() == b.v.tobytes()
+    assert a.ratio == b.ratio
+
+
+def test_error_objective_maximises_the_normwise_error():
+    case = ms.worst_case("bf16-fp32acc", {"q_len": 2, "kv_len": 4, "d_k": 4}, budget=12,
+                         objective="error")  # fmt: skip
+    assert case.objective == "error"
+    assert case.value == case.normwise > 0
+
+
+@pytest.mark.parametrize("kind", ["padding", "causal", "random"])
+def test_masked_search_and_baseline_keep_every_row_attending(kind):
+    shape = {"q_len": 3, "kv_len": 6, "d_k": 4, "batch": 2}
+    case = ms.worst_case("bf16-fp32acc", shape, budget=10, seed=0, mask=kind)
+    baseline = ms.random_search("bf16-fp32acc", shape, budget=4, mask=kind)
+    for found in (case, baseline):
+        assert found.mask is not None
+        assert found.mask.shape == (2, 1, 3, 6)
+        assert found.mask.any(axis=-1).all()
+        assert 0 <= found.ratio <= 1
+    if kind == "causal":
+        assert (case.mask[0, 0] == np.tril(np.ones((3, 6), bool), k=3)).all()
+
+
+def test_progress_reports_every_evaluation_and_the_best_value():
+    seen = []
+    case = ms.random_search("fp32", {"q_len": 2, "kv_len": 4, "d_k": 2}, budget=6,
+                            progress=lambda done, total, best: seen.append((done, total, best)))  # fmt: skip
+    assert [s[0] for s in seen] == list(range(1, 7))
+    assert all(s[1] == 6 for s in seen)
+    assert seen[-1][2] == pytest.approx(case.cheap_ratio)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"objective": "loss"},
+        {"budget": 0},
+        {"budget": 2.5},
+        {"seed": -1},
+        {"refine": 1.0},
+        {"shape": {"q_len": 0, "kv_len": 2, "d_k": 2}},
+        {"shape": {"length": 4}},
+        {"shape": (2, 2, 2)},
+        {"numerics": "no-such-preset"},
+        {"mask": "diagonal"},
+    ],
+)
+def test_bad_arguments_raise(kwargs):
+    args = {"numerics": "fp32", "shape": {"q_len": 2, "kv_len": 2, "d_k": 2}, "budget": 2}
+    with pytest.raises(InvalidArgument):
+        ms.worst_case(**(args | kwargs))
+
+
+def test_the_search_needs_64_bit_jax(monkeypatch):
+    import jax
+
+    monkeypatch.setattr(jax.config, "read", lambda name: False)
+    with pytest.raises(InvalidArgument, match="64-bit"):
+        ms.worst_case("fp32", {"q_len": 2, "kv_len": 2, "d_k": 2}, budget=2)
+
+
+def _refusing_bound(*args, **kwargs) -> Bound:
+    msg = "numerics: outside this test bound's scope"
+    raise InvalidArgument(msg)
+
+
+def test_inputs_outside_the_bound_are_skipped_and_none_in_scope_raises_cleanly():
+    objective = ms.Objective(Numerics(), bound=_refusing_bound)
+    assert objective(np.ones((1, 2)), np.ones((2, 2)), np.ones((2, 2))) is None
+    assert objective.out_of_scope == 1
+    with pytest.raises(InvalidArgument, match="scope"):
+        ms.worst_case("fp32", {"q_len": 2, "kv_len": 2, "d_k": 2}, budget=3,
+                      bound=_refusing_bound)  # fmt: skip
+
+
+def test_cli_search_saves_the_case_and_prints_json(tmp_path, capsys):
+    code = cli.main(["search", "--preset", "fp16-fp32acc", "--q-len", "2", "--kv-len", "4",
+                     "--d-k", "4", "--budget", "8", "--out", str(tmp_path), "--json"])  # fmt: skip
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert code == 0
+    assert result["preset"] == "fp16-fp32acc"
+    assert 0 <= result["ratio"] <= 1
+    assert (tmp_path / result["case"].split("/")[-1]).exists()
+    assert "max ratio" in captured.err
+    again = cli.main(["search", "--preset", "fp16-fp32acc", "--q-len", "2", "--kv-len", "4",
+                      "--d-k", "4", "--budget", "8", "--out", str(tmp_path)])  # fmt: skip
+    assert again == 2  # the case exists: never overwritten without --force
+    assert "--force" in capsys.readouterr().err
+
+
+def test_cli_search_takes_numerics_flags(tmp_path, capsys):
+    code = cli.main(["search", "--input", "bfloat16", "--summation", "sequential", "--random",
+                     "--q-len", "2", "--kv-len", "4", "--d-k", "2", "--budget", "4",
+                     "--out", str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "summation='sequential'" in out
+    assert "mhanum replay" in out
+
+
+def test_cli_search_exits_non_zero_on_a_violation_and_saves_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ms, "attention_bound", _bound_over_100)
+    code = cli.main(["search", "--preset", "fp32", "--q-len", "2", "--kv-len", "8", "--d-k",
+                     "4", "--budget", "10", "--seed", "1", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 1
+    assert "VIOLATION" in capsys.readouterr().out
+    saved = list(tmp_path.glob("*.json"))
+    assert len(saved) == 1
+    assert json.loads(saved[0].read_text())["ratio"] > 1
+    again = cli.main(["search", "--preset", "fp32", "--q-len", "2", "--kv-len", "8", "--d-k",
+                      "4", "--budget", "10", "--seed", "1", "--out", str(tmp_path)])  # fmt: skip
+    assert again == 1  # a violation is saved beside the existing case, never lost
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["fp32", "bf16"])
+def test_targeted_search_beats_random_threefold_where_random_stays_low(preset):
+    shape = ms.Shape(q_len=4, kv_len=32, d_k=16)
+    case = ms.worst_case(preset, shape, budget=200, seed=0)
+    baseline = ms.random_search(preset, shape, budget=200, seed=0)
+    assert case.ratio >= 3 * baseline.ratio
+    assert not case.violation
