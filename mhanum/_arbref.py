@@ -12,15 +12,16 @@ precision is a global (``flint.ctx.prec``): it is set for the computation and re
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any
 
 import mpmath
 import numpy as np
 
-from mhanum import _exact
+from mhanum import _dd, _exact
 from mhanum._errors import CertificationError
 
-__all__ = ["attention", "multi_head_attention"]
+__all__ = ["attention", "multi_head_attention", "refine_mha_rows"]
 
 _GUARD_BITS = 32
 
@@ -210,3 +211,200 @@ def multi_head_attention(
         return outputs, undefined
 
     return _certify(run, shape, options, _start(options))
+
+
+# Fraction bits of the fixed-point probabilities beyond the Arb precision (refined rows).
+_FIXED_GUARD_BITS = 16
+
+
+def refine_mha_rows(
+    x_q: np.ndarray, x_kv: np.ndarray, params: Any, num_heads: int, spec: Any, options: Any
+) -> np.ndarray | None:
+    """A few rows of multi-head attention, certified cheaply: exact linear algebra, Arb softmax.
+
+    The rows that the double-double enclosure did not certify are usually short of a few bits
+    because their output cancels. Only their probabilities need more precision; everything
+    linear is exact (:mod:`mhanum._exact`), and nothing is computed for all keys at once that
+    costs more than a product with ``x_kv``. With ``v_hj = x_j Wv_h + bv_h``,
+
+    .. math::
+
+        y = \\sum_h \\Big(\\sum_j p_{hj} x_j\\, Wv_h + \\big(\\sum_j p_{hj}\\big) bv_h\\Big) Wo_h + bo
+          = \\sum_h \\sum_j p_{hj}\\, v_{hj} Wo_h + bo,
+
+    and the scores are ``s_hj = x_j (Wk_h q_h^T) + bk_h . q_h``, exactly. The probabilities are
+    Arb balls at precision ``p``; their midpoints are rounded to multiples of ``2**-F`` (``F = p +
+    16``), giving ``P~`` with ``|p - P~| <= e`` where ``e = rad + 2**-(F+1)``. The output is
+    ``y~``, the exact value of the formula at ``P~``, and since ``y`` is linear in ``p``,
+
+    .. math::
+
+        |y_c - \\tilde y_c| \\le \\sum_h \\Big(\\sum_j e_{hj}\\Big)
+            \\max_{j, t} |v_{hjt}| \\sum_t |Wo_{h,tc}|,
+
+    each factor bounded above in float64 (``papers/reference.md``, Theorem 2). A component is
+    certified when this radius is 0 or at most ``2**-ceil(digits log2 10) / 2`` of ``|y~|``.
+
+    Args:
+        x_q: the rows' query inputs ``(R, d_q)``.
+        x_kv: key/value inputs ``(Lk, d_kv)``.
+        params: float64 :class:`~mhanum.MHAParams`.
+        num_heads: number of heads ``H``.
+        spec: the score spec of these rows, ``excluded`` of shape ``(H, R, Lk)``.
+        options: the validated options.
+
+    Returns:
+        The certified values ``(R, d_out)`` as mpf numbers (the exact ``y~``), or ``None`` if a
+        component is not certified at ``2p`` and ``4p`` bits (``p`` the starting precision) or
+        a row is undefined: the caller then recomputes the rows by another backend.
+    """
+    flint = _flint()
+    start = _start(options)
+    precisions = [p for p in (2 * start, 4 * start) if p <= options.max_prec] or [start]
+    linear = _RowAlgebra(x_q, x_kv, params, num_heads)
+    # An overflowing bound is inf (or NaN), which does not certify.
+    with np.errstate(over="ignore", invalid="ignore"):
+        radius_factors = linear.radius_factors()
+    threshold = Fraction(1, 1 << (math.ceil(options.digits * math.log2(10)) + 1))
+    scores = linear.scores()
+    saved = flint.ctx.prec
+    try:
+        for prec in precisions:
+            flint.ctx.prec = prec
+            fixed_bits = prec + _FIXED_GUARD_BITS
+            probs = linear.probabilities(flint, scores, spec)
+            if probs is None:
+                return None
+            fixed, errors = _fixed_point(probs, fixed_bits)
+            center = linear.outputs(fixed, fixed_bits)
+            with np.errstate(over="ignore", invalid="ignore"):
+                radius = _dd.upper_matmul(errors, radius_factors)
+            if _all_certified(center, radius, threshold):
+                return _mpf_values(center)
+    finally:
+        flint.ctx.prec = saved
+    return None
+
+
+class _RowAlgebra:
+    """The exact linear algebra of :func:`refine_mha_rows` for some query rows."""
+
+    def __init__(self, x_q: np.ndarray, x_kv: np.ndarray, params: Any, num_heads: int) -> None:
+        dyadic = _exact.Dyadic.from_float64
+        self.params, self.num_heads = params, num_heads
+        self.rows, self.l_k = x_q.shape[0], x_kv.shape[0]
+        self.x_kv, self.x_kv_floats = dyadic(x_kv), x_kv
+        q = _exact.matmul(dyadic(x_q), dyadic(params.wq))
+        if params.bq is not None:
+            q = _exact.add(q, dyadic(params.bq))
+        self.q = q.map(lambda a: self._heads(a).transpose(1, 2, 0))  # (H, d_k, R)
+
+    def _heads(self, a: np.ndarray) -> np.ndarray:
+        """``(n, H*d)`` to ``(n, H, d)``."""
+        return a.reshape(a.shape[0], self.num_heads, -1)
+
+    def scores(self) -> _exact.Dyadic:
+        """``q_h . k_hj`` exactly, ``(H, R, Lk)``, via ``u_h = Wk_h q_h^T`` and ``x_kv u``."""
+        dyadic, heads, rows = _exact.Dyadic.from_float64, self.num_heads, self.rows
+        wk = dyadic(np.ascontiguousarray(self._heads(self.params.wk).transpose(1, 0, 2)))
+        u = _exact.matmul(wk, self.q)  # (H, d_kv, R)
+        u = u.map(lambda a: a.transpose(1, 0, 2).reshape(a.shape[1], heads * rows))
+        scores = _exact.matmul(self.x_kv, u)  # (Lk, H*R)
+        scores = scores.map(lambda a: a.reshape(self.l_k, heads, rows).transpose(1, 2, 0))
+        if self.params.bk is not None:
+            bk = dyadic(self.params.bk.reshape(heads, 1, -1))
+            scores = _exact.add(scores, _exact.matmul(bk, self.q).map(lambda a: a[..., 0, :, None]))
+        return scores
+
+    def probabilities(self, flint: Any, scores: _exact.Dyadic, spec: Any) -> list[Any] | None:
+        """Arb probabilities of each head (``arb_mat`` ``(R, Lk)``), or ``None`` if undefined."""
+        scale = _scale(flint, None, self.params.qk_width // self.num_heads)
+        unit = flint.arb(2) ** scores.exp
+        heads = []
+        for h in range(self.num_heads):
+            matrix = flint.arb_mat(
+                [[flint.arb(int(s)) * unit for s in row] for row in scores.ints[h]]
+            )
+            bias = None if spec.bias is None else spec.bias[h]
+            probs, undefined = _softmax_rows(
+                flint, matrix, scale, bias, spec.excluded[h], spec.fully_masked
+            )
+            if undefined.any():
+                return None
+            heads.append(probs)
+        return heads
+
+    def outputs(self, fixed: _exact.Dyadic, fixed_bits: int) -> _exact.Dyadic:
+        """``y~``: the output for the fixed-point probabilities ``fixed`` ``(H, R, Lk)``."""
+        dyadic, params, heads = _exact.Dyadic.from_float64, self.params, self.num_heads
+        weighted = _exact.matmul(fixed, self.x_kv)  # (H, R, d_kv)
+        wv = dyadic(np.ascontiguousarray(self._heads(params.wv).transpose(1, 0, 2)))
+        per_head = _exact.matmul(weighted, wv)  # (H, R, d_v)
+        if params.bv is not None:
+            mass = _exact.Dyadic(-fixed_bits, ints=fixed.ints.sum(axis=-1)[..., None])
+            bv = dyadic(params.bv.reshape(heads, 1, -1))
+            per_head = _exact.add(
+                per_head, _exact.Dyadic(mass.exp + bv.exp, ints=mass.ints * bv.ints)
+            )
+        merged = per_head.map(lambda a: a.transpose(1, 0, 2).reshape(self.rows, -1))
+        out = _exact.matmul(merged, dyadic(params.wo))
+        if params.bo is not None:
+            out = _exact.add(out, dyadic(params.bo))
+        return out
+
+    def radius_factors(self) -> np.ndarray:
+        """``(H, d_out)``: upper bounds of ``max_{j,t} |v_hjt| sum_t |Wo_{h,tc}|``."""
+        params, heads = self.params, self.num_heads
+        values = _dd.upper_matmul(np.abs(self.x_kv_floats), np.abs(params.wv))
+        if params.bv is not None:
+            values = _dd.up(values + np.abs(params.bv))
+        largest = self._heads(values).max(axis=(0, 2))  # (H,)
+        indicator = np.repeat(np.eye(heads), params.v_width // heads, axis=1)
+        column_sums = _dd.upper_matmul(indicator, np.abs(params.wo))
+        return _dd.up(largest[:, None] * column_sums)
+
+
+def _fixed_point(probs: list[Any], bits: int) -> tuple[_exact.Dyadic, np.ndarray]:
+    """Midpoints rounded to multiples of ``2**-bits`` ``(H, R, Lk)``, and error bounds ``(R, H)``.
+
+    The error bound of head ``h`` in row ``r`` is an upper bound, in float64, of ``sum_j (rad_j +
+    2**-(bits+1))``: the radii and the rounding of the midpoints.
+    """
+    heads, rows, l_k = len(probs), probs[0].nrows(), probs[0].ncols()
+    ints = np.empty((heads, rows, l_k), dtype=object)
+    errors = np.empty((rows, heads))
+    for h, matrix in enumerate(probs):
+        for r in range(rows):
+            radii: list[tuple[int, int]] = [(l_k, -bits - 1)]
+            for j in range(l_k):
+                ball = matrix[r, j]
+                man, exp = (int(t) for t in ball.mid().man_exp())
+                # Below half a unit (exp(-1e40), say) it rounds to 0, with no huge shift.
+                tiny = exp + abs(man).bit_length() < -bits - 1
+                ints[h, r, j] = 0 if tiny else _exact.round_shift(man, exp + bits)
+                rad_man, rad_exp = ball.rad().man_exp()
+                radii.append((int(rad_man), int(rad_exp)))
+            # Within 2**-72 of the exact sum, below it at worst; `up` covers that and the rounding.
+            errors[r, h] = _exact.to_float64(*_exact.sum_exact(radii, 64))
+    return _exact.Dyadic(-bits, ints=ints), _dd.up(errors)
+
+
+def _all_certified(center: _exact.Dyadic, radius: np.ndarray, threshold: Fraction) -> bool:
+    """Whether every ``radius`` is 0 or at most ``threshold`` times ``|center|`` (exactly)."""
+    unit = Fraction(2) ** center.exp
+    if not np.isfinite(radius).all():
+        return False
+    for index, rad in np.ndenumerate(radius):
+        if rad != 0 and not Fraction(rad) <= threshold * abs(int(center.ints[index])) * unit:
+            return False
+    return True
+
+
+def _mpf_values(center: _exact.Dyadic) -> np.ndarray:
+    """The exact values of ``center`` as mpf numbers of a context precise enough for them."""
+    ctx = mpmath.MPContext()
+    ctx.prec = max([abs(int(m)).bit_length() for m in center.ints.flat] + [53])
+    values = np.empty(center.shape, dtype=object)
+    for index, man in np.ndenumerate(center.ints):
+        values[index] = ctx.mpf((int(man), center.exp))
+    return values

@@ -37,6 +37,7 @@ __all__ = [
     "concatenate",
     "matmul",
     "mpf_pair",
+    "round_shift",
     "rows_matmul",
     "sum_exact",
     "to_float64",
@@ -55,14 +56,14 @@ _SUM_GUARD_BITS = 8
 _bit_length = np.frompyfunc(lambda n: int(n).bit_length(), 1, 1)
 
 
-def _round_shift(man: int, shift: int) -> int:
+def round_shift(man: int, shift: int) -> int:
     """``man * 2**shift`` rounded to the nearest integer (halfway cases upward)."""
     if shift >= 0:
         return man << shift
     return (man + (1 << (-shift - 1))) >> -shift
 
 
-_round_shift_array = np.frompyfunc(_round_shift, 2, 1)
+_round_shift_array = np.frompyfunc(round_shift, 2, 1)
 
 
 def _zeros(shape: tuple[int, ...]) -> np.ndarray:

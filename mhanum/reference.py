@@ -17,7 +17,12 @@ formed exactly from the rounded probabilities and rounded once.
 
 **Certified by doubling the precision.** The whole computation runs at ``p`` and at ``2p`` bits,
 starting from ``p = ceil(digits * log2(10)) + 32``, and is accepted only if every output component
-agrees: ``|r_p - r_2p| <= 10**-digits * |r_2p|`` (two exact zeros agree). Otherwise both precisions
+agrees: ``|r_p - r_2p| <= 10**-digits * |r_2p|``. Two zeros agree only where the exact value is
+provably 0 (every group of keys with equal logits has values summing to 0, which by the
+Lindemann-Weierstrass theorem is also necessary for attention; for MHA a sufficient test that
+also merges heads with equal probabilities), since probabilities that differ by less than
+``2**-2p`` round alike and their cancelling outputs are 0 at both ``p`` and ``2p``; an unproved
+zero keeps doubling (the value ``-4.7e-569`` is found at 3168 bits). Otherwise both precisions
 are doubled, while ``p <= max_prec``; then :class:`~mhanum.CertificationError` says how many digits
 were reached and where. This is the classical precision-doubling check, not an interval
 enclosure: it is sound when the error at ``2p`` is much smaller than the error at ``p``. That holds
@@ -44,7 +49,11 @@ bound is below ``10**-digits`` of its value. It certifies at most 26 digits (:fu
 and raises :class:`~mhanum.CertificationError` where it cannot certify. ``backend="auto"``
 (default) runs ``"dd"`` and recomputes just the rows it did not certify, with ``"arb"`` where
 python-flint is installed (faster) and ``"exact"`` otherwise; when ``digits > 26`` it runs
-``"exact"`` on everything. It always certifies ``digits``. ``backend="arb"`` uses python-flint's
+``"exact"`` on everything. For multi-head attention with python-flint, such rows are first
+*refined*: only their probabilities are recomputed, as Arb balls, and the output is formed
+exactly from them with a rigorous radius (``papers/reference.md``, Theorem 2), which costs a
+fraction of the layer instead of all key projections; the rows that still do not certify go to
+``"arb"``. It always certifies ``digits``. ``backend="arb"`` uses python-flint's
 rigorous balls (the optional extra ``arb``) with precision doubling until the radii certify.
 
 Sums that can cancel are never left to ``mpmath.fsum``/``fdot``: those drop a term more than
@@ -68,6 +77,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import mpmath
@@ -96,6 +106,8 @@ _ARGMAX_SCALE_BITS = 64
 # A backend's computation at one working precision: mpf outputs (zeros in undefined rows) and a
 # boolean array marking the rows (all axes but the last) that are undefined.
 _Compute = Callable[[mpmath.MPContext], tuple[np.ndarray, np.ndarray]]
+# Whether the exact output at an index (of a defined row) is provably 0.
+_ExactZero = Callable[[tuple[int, ...]], bool]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +223,7 @@ def attention(
     if options.backend == "mpmath":
         floating = _exact.Floating.from_float64
         compute = _bind_naive_attention(floating(q64), floating(k64), floating(v64), spec)
-        return _certified(compute, options)
+        return _certified(compute, options, _attention_zeros(q64, k64, v64, spec))
 
     def exact_rows(index: tuple[int, ...], rows: Any) -> np.ndarray:
         """Some rows of one batch element, certified by ``"arb"`` if installed, else ``"exact"``."""
@@ -222,12 +234,14 @@ def attention(
             return _arb_backend().attention(q_b[rows], k_b, v_b, sub, with_mpf)[1]
         dyadic = _exact.Dyadic.from_float64
         core = _exact_attention(dyadic(q_b[rows]), dyadic(k_b), dyadic(v_b), sub)
-        return _certify(_floating_outputs(core), options)
+        return _certify(
+            _floating_outputs(core), options, _attention_zeros(q_b[rows], k_b, v_b, sub)
+        )
 
     if options.backend == "exact" or not _fast_path_applies(options):
         dyadic = _exact.Dyadic.from_float64
         core = _exact_attention(dyadic(q64), dyadic(k64), dyadic(v64), spec)
-        return _certified(_floating_outputs(core), options)
+        return _certified(_floating_outputs(core), options, _attention_zeros(q64, k64, v64, spec))
     with np.errstate(all="ignore"):
         out, undefined = _fastref.attention(
             q64,
@@ -316,24 +330,30 @@ def multi_head_attention(
     if options.backend == "arb":
         return _arb_backend().multi_head_attention(xq64, xkv64, params64, num_heads, spec, options)
     if options.backend == "mpmath":
-        return _certified(_bind_naive_mha(xq64, xkv64, params64, num_heads, spec), options)
+        compute = _bind_naive_mha(xq64, xkv64, params64, num_heads, spec)
+        return _certified(compute, options, _mha_zeros(xq64, xkv64, params64, num_heads, spec))
 
     def exact_rows(index: tuple[int, ...], rows: Any) -> np.ndarray:
-        """Some rows of one batch element, certified by ``"arb"`` if installed, else ``"exact"``."""
+        """Some rows of one batch element: refined (Theorem 2) or recomputed by ``"arb"`` if
+        python-flint is installed, else recomputed by ``"exact"``."""
         xq_b, xkv_b = (_batch_element(x, batch, index) for x in (xq64, xkv64))
         sub = _sub_spec(spec, (*index, slice(None), rows))
         if _has_flint():
-            with_mpf = dataclasses.replace(options, return_mpf=True)
             arb = _arb_backend()
+            refined = arb.refine_mha_rows(xq_b[rows], xkv_b, params64, num_heads, sub, options)
+            if refined is not None:
+                return refined
+            with_mpf = dataclasses.replace(options, return_mpf=True)
             return arb.multi_head_attention(xq_b[rows], xkv_b, params64, num_heads, sub, with_mpf)[
                 1
             ]
         core = _exact_mha(xq_b[rows], xkv_b, params64, num_heads, sub)
-        return _certify(_floating_outputs(core), options)
+        zeros = _mha_zeros(xq_b[rows], xkv_b, params64, num_heads, sub)
+        return _certify(_floating_outputs(core), options, zeros)
 
     if options.backend == "exact" or not _fast_path_applies(options):
         compute = _floating_outputs(_exact_mha(xq64, xkv64, params64, num_heads, spec))
-        return _certified(compute, options)
+        return _certified(compute, options, _mha_zeros(xq64, xkv64, params64, num_heads, spec))
     weights = {f.name: getattr(params64, f.name) for f in dataclasses.fields(params64)}
     with np.errstate(all="ignore"):
         out, undefined = _fastref.multi_head_attention(
@@ -553,8 +573,8 @@ def _fast_certified(
     """The enclosed outputs where they certify ``digits``; elsewhere the exact rows (or raise).
 
     An undefined row is NaN. A row with a component the enclosure does not certify is
-    recomputed by ``exact_rows`` (``"auto"``: with ``"arb"`` where python-flint is installed,
-    else with ``"exact"``, both certified by doubling the precision); with ``"dd"`` that raises
+    recomputed by ``exact_rows`` (``"auto"``: refined or recomputed with ``"arb"`` where
+    python-flint is installed, else recomputed with ``"exact"``); with ``"dd"`` that raises
     :class:`~mhanum.CertificationError`.
     """
     good = _fastref.certified(out, options.digits) | undefined[..., None]
@@ -616,20 +636,27 @@ def _context(prec: int) -> mpmath.MPContext:
     return ctx
 
 
-def _certified(compute: _Compute, options: _Options) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+def _certified(
+    compute: _Compute, options: _Options, exact_zero: _ExactZero
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Run ``compute`` at ``p`` and ``2p`` until they agree; the float64 (and mpf) result."""
-    values = _certify(compute, options)
+    values = _certify(compute, options, exact_zero)
     floats = _to_float64(values)
     return (floats, values) if options.return_mpf else floats
 
 
-def _certify(compute: _Compute, options: _Options) -> np.ndarray:
+def _certify(compute: _Compute, options: _Options, exact_zero: _ExactZero) -> np.ndarray:
+    """Values at ``2p`` that agree with those at ``p``; a zero only where ``exact_zero`` proves it.
+
+    Two zeros do not agree by themselves: probabilities that differ by less than ``2**-2p`` round
+    to the same numbers at ``p`` and at ``2p`` bits, and values that cancel then give 0 at both.
+    """
     prec = _start_prec(options.digits)
     low = _with_nan(compute, _context(prec))
     while True:
         ctx = _context(2 * prec)
         high = _with_nan(compute, ctx)
-        worst = _worst_disagreement(ctx, low, high, options.digits)
+        worst = _worst_disagreement(ctx, low, high, options.digits, exact_zero)
         if worst is None:
             return high
         if 2 * prec > options.max_prec:
@@ -651,13 +678,21 @@ def _with_nan(compute: _Compute, ctx: mpmath.MPContext) -> np.ndarray:
 
 
 def _worst_disagreement(
-    ctx: mpmath.MPContext, low: np.ndarray, high: np.ndarray, digits: int
+    ctx: mpmath.MPContext, low: np.ndarray, high: np.ndarray, digits: int, exact_zero: _ExactZero
 ) -> tuple[tuple[int, ...], float] | None:
-    """``None`` if every component agrees to ``digits`` digits, else the worst index and digits."""
+    """``None`` if every component agrees to ``digits`` digits, else the worst index and digits.
+
+    Two zeros agree only where ``exact_zero`` proves the exact value 0.
+    """
     tolerance = ctx.mpf(10) ** -digits
     worst_index, worst_error = None, ctx.zero
     for index, hi in np.ndenumerate(high):
-        if ctx.isnan(hi) or abs(low[index] - hi) <= tolerance * abs(hi):
+        if ctx.isnan(hi):
+            continue
+        if not hi and not low[index]:
+            if exact_zero(index):
+                continue
+        elif abs(low[index] - hi) <= tolerance * abs(hi):
             continue
         error = abs(low[index] - hi) / abs(hi) if hi else ctx.inf
         if error > worst_error:
@@ -673,6 +708,142 @@ def _to_float64(values: np.ndarray) -> np.ndarray:
     out = np.empty(values.shape, dtype=np.float64)
     for index, value in np.ndenumerate(values):
         out[index] = math.nan if mpmath.isnan(value) else _exact.to_float64(*_exact.mpf_pair(value))
+    return out
+
+
+# --- provably exact zeros ----------------------------------------------------------------------
+#
+# A row's output is ``o = sum_g e**(l_g) W_g / Z`` over the groups ``g`` of included keys with equal
+# logits ``l_g`` (``W_g`` the sum of their values, rational; the logits algebraic, since the scale
+# is a float or ``1/sqrt(d_k)``). By the Lindemann-Weierstrass theorem the ``e**(l_g)`` of distinct
+# algebraic ``l_g`` are linearly independent over the algebraic numbers, so ``o = 0`` exactly iff
+# every ``W_g = 0``. Keys are grouped by their exact ``(q.k_j, b_j)``: equal pairs have equal
+# logits, and splitting a group only makes the test stricter. A zero is accepted only when so
+# proved; otherwise the precision keeps doubling.
+
+
+def _fraction(x: float) -> Fraction:
+    return Fraction(float(x))
+
+
+def _attention_zeros(q: np.ndarray, k: np.ndarray, v: np.ndarray, spec: _ScoreSpec) -> _ExactZero:
+    """Whether an output of attention is exactly 0: every group's values sum to 0."""
+    batch = spec.excluded.shape[:-2]
+    q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+    groups: dict[tuple[int, ...], list[list[int]]] = {}
+
+    def exact_zero(index: tuple[int, ...]) -> bool:
+        *b, i, c = index
+        row = (*b, i)
+        values = v[tuple(b)][:, c]
+        if not values.any():
+            return True
+        if row not in groups:
+            groups[row] = _logit_groups(q[row], k[tuple(b)], spec, row)
+        if groups[row] is None:
+            return True
+        return all(sum(_fraction(values[j]) for j in group) == 0 for group in groups[row])
+
+    return exact_zero
+
+
+def _logit_groups(
+    q_row: np.ndarray, keys: np.ndarray, spec: _ScoreSpec, row: tuple[int, ...]
+) -> Any:
+    """Keys of one row grouped by exact ``(q.k_j, b_j)``; ``None`` for an output that is 0.
+
+    A fully-masked row is 0 (``"zero"``, ``"nan"``) or uniform (one group of every key).
+    """
+    keep = np.flatnonzero(~spec.excluded[row])
+    if not keep.size:
+        return None if spec.fully_masked != "uniform" else [list(range(keys.shape[0]))]
+    by_logit: dict[tuple[Fraction, Fraction], list[int]] = {}
+    for j in keep:
+        dot = sum(
+            (_fraction(a) * _fraction(b) for a, b in zip(q_row, keys[j], strict=True)), Fraction(0)
+        )
+        bias = Fraction(0) if spec.bias is None else _fraction(spec.bias[(*row, j)])
+        by_logit.setdefault((dot, bias), []).append(int(j))
+    return list(by_logit.values())
+
+
+def _mha_zeros(
+    x_q: np.ndarray, x_kv: np.ndarray, params: MHAParams, num_heads: int, spec: _ScoreSpec
+) -> _ExactZero:
+    """Whether an output of multi-head attention is provably exactly 0.
+
+    ``y_c = bo_c + sum_h sum_j p_hj A_hjc`` with ``A_hj = v_hj wo_h`` exact. A head with a single
+    group of equal logits has ``p_hj = 1/n`` (rational); the other heads' terms are merged by
+    (the head's logits relative to their least pair, the key's relative pair), which identifies
+    equal probabilities across heads. ``y_c`` is 0 if the rational part cancels ``bo_c`` and every
+    merged sum is 0 (a sufficient test: other zeros are not proved).
+    """
+    batch = spec.excluded.shape[:-3]
+    x_q, x_kv = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (x_q, x_kv))
+    d_k, d_v = params.qk_width // num_heads, params.v_width // num_heads
+    cache: dict[tuple[int, ...], Any] = {}
+
+    def projections(b: tuple[int, ...]) -> Any:
+        if b not in cache:
+            q, k, v = (
+                _fraction_matrix(_exact_affine(x, w, bias))
+                for x, w, bias in (
+                    (x_q[b], params.wq, params.bq),
+                    (x_kv[b], params.wk, params.bk),
+                    (x_kv[b], params.wv, params.bv),
+                )
+            )
+            cache[b] = q, k, v
+        return cache[b]
+
+    def exact_zero(index: tuple[int, ...]) -> bool:
+        *b, i, c = index
+        if not params.wo[:, c].any():
+            return params.bo is None or params.bo[c] == 0
+        q, k, v = projections(tuple(b))
+        total = Fraction(0) if params.bo is None else _fraction(params.bo[c])
+        merged: dict[Any, Fraction] = {}
+        for h in range(num_heads):
+            row = (*b, h, i)
+            keys = slice(h * d_k, (h + 1) * d_k)
+            paths = [
+                sum(
+                    (v[j, h * d_v + t] * _fraction(params.wo[h * d_v + t, c]) for t in range(d_v)),
+                    Fraction(0),
+                )
+                for j in range(v.shape[0])
+            ]
+            keep = np.flatnonzero(~spec.excluded[row])
+            if not keep.size:
+                if spec.fully_masked == "uniform":
+                    total += sum(paths, Fraction(0)) / len(paths)
+                continue
+            pairs = {
+                int(j): (
+                    sum((a * e for a, e in zip(q[i, keys], k[j, keys], strict=True)), Fraction(0)),
+                    Fraction(0) if spec.bias is None else _fraction(spec.bias[(*row, j)]),
+                )
+                for j in keep
+            }
+            if len(set(pairs.values())) == 1:
+                total += sum((paths[j] for j in pairs), Fraction(0)) / len(pairs)
+                continue
+            least = min(pairs.values())
+            relative = {j: (s - least[0], t - least[1]) for j, (s, t) in pairs.items()}
+            signature = tuple(sorted(relative.values()))
+            for j, pair in relative.items():
+                merged[signature, pair] = merged.get((signature, pair), Fraction(0)) + paths[j]
+        return total == 0 and not any(merged.values())
+
+    return exact_zero
+
+
+def _fraction_matrix(x: _exact.Dyadic) -> np.ndarray:
+    """An exact ``Dyadic`` as an object array of ``Fraction``."""
+    unit = Fraction(2) ** x.exp
+    out = np.empty(x.shape, dtype=object)
+    for index, value in np.ndenumerate(x.ints):
+        out[index] = int(value) * unit
     return out
 
 

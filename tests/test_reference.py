@@ -52,10 +52,11 @@ def _certified_rounding(value, rel: Fraction) -> float | None:
     """:func:`_rounding` of an mpf, whose exponent may be far outside the float64 range."""
     man, exp = _exact.mpf_pair(value)
     top = exp + abs(man).bit_length()
+    sign = -1.0 if man < 0 else 1.0  # man may be too large for a float
     if top < -1100:
-        return math.copysign(0.0, man)
+        return math.copysign(0.0, sign)
     if top > 1100:
-        return math.copysign(math.inf, man)
+        return math.copysign(math.inf, sign)
     return _rounding(man * Fraction(2) ** exp, rel)
 
 

@@ -8,6 +8,7 @@ the whole attention), and its certified outputs against ``backend="mpmath"``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from fractions import Fraction
@@ -256,19 +257,42 @@ def test_backends_agree_with_mpmath_on_mha(backend, inputs, fully_masked):
     _assert_agree(values, naive, 2 * TOL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation of precision doubling (mpmath, exact): probabilities 1/2 -+ 5e-246 "
-    "round to 1/2 at p and 2p bits, so o = 5e-324 (p0 - p1) = -4.7e-569 is certified as 0",
-)
-def test_doubling_backends_resolve_probabilities_that_differ_below_the_working_precision():
+@pytest.mark.parametrize("backend", ["mpmath", "exact"])
+def test_doubling_backends_resolve_probabilities_that_differ_below_the_working_precision(backend):
+    # Probabilities 1/2 -+ 5e-246 round to 1/2 at p and 2p bits, so o = 5e-324 (p0 - p1) is 0 at
+    # both; that zero is not provably exact (the logits differ), so the precision keeps doubling.
     pytest.importorskip("flint")
     q, k = np.array([[1.88610288e-245]]), np.array([[0.0], [1.0]])
     v = np.array([[5e-324], [-5e-324]])
     _, arb = reference.attention(q, k, v, backend="arb", return_mpf=True)
-    _, naive = reference.attention(q, k, v, backend="mpmath", return_mpf=True)
+    floats, doubled = reference.attention(q, k, v, backend=backend, return_mpf=True)
     assert arb[0, 0] < 0
-    _assert_agree(arb, naive, 2 * TOL)
+    assert floats[0, 0] == 0.0
+    assert math.copysign(1.0, floats[0, 0]) == -1.0
+    _assert_agree(arb, doubled, 2 * TOL)
+
+
+@pytest.mark.parametrize("backend", ["mpmath", "exact"])
+def test_doubling_backends_accept_only_provable_zeros(backend):
+    # Equal logits: o = (v_0 + v_1) / 2 is exactly 0 in column 0 (and the MHA output column 1 is
+    # 1/2 - 1/2); with max_prec at the start
+    # precision a zero that is not provable (column 1: logits differ below 2**-p) is refused.
+    q, k = np.array([[0.0], [1.88610288e-245]]), np.array([[0.0], [1.0]])
+    v = np.array([[1.0, 5e-324], [-1.0, -5e-324]])
+    floats = reference.attention(q[:1], k, v, backend=backend)
+    np.testing.assert_array_equal(floats, [[0.0, 0.0]])
+    with pytest.raises(CertificationError, match="could not certify 20 digits"):
+        reference.attention(q[1:], k, v, backend=backend, max_prec=200)
+    _, mha_values = reference.multi_head_attention(
+        np.zeros((1, 2)),
+        np.array([[1.0, 0.0], [0.0, 1.0]]),
+        MHAParams(np.eye(2), np.eye(2), np.eye(2), np.array([[1.0, 1.0], [1.0, -1.0]])),
+        1,
+        backend=backend,
+        return_mpf=True,
+    )
+    assert mha_values[0, 0] == 1
+    assert mha_values[0, 1] == 0
 
 
 def test_auto_recomputes_only_what_the_enclosure_cannot_certify():
@@ -344,3 +368,49 @@ def test_arb_leaves_the_flint_precision_as_it_was():
     before = flint.ctx.prec
     reference.attention(np.zeros((1, 1)), np.zeros((2, 1)), np.ones((2, 1)), backend="arb")
     assert flint.ctx.prec == before
+
+
+def _cancelling_layer() -> tuple[np.ndarray, MHAParams]:
+    """A layer whose output column 0 is ``o_0 - o_1`` for value columns equal to ``2**-45``.
+
+    The enclosure's radius is about ``2**-95`` of ``|o|``, short of ``2**-67`` of ``2**-45 |o|``.
+    """
+    params = MHAParams.random(8, seed=5)
+    wv = params.wv.copy()
+    wv[:, 1] = wv[:, 0] * (1 + 2.0**-45)
+    bv = params.bv.copy()
+    bv[1] = bv[0] * (1 + 2.0**-45)
+    wo = params.wo.copy()
+    wo[:, 0] = 0.0
+    wo[0, 0], wo[1, 0] = 1.0, -1.0
+    bo = params.bo.copy()
+    bo[0] = 0.0
+    layer = dataclasses.replace(params, wv=wv, bv=bv, wo=wo, bo=bo)
+    return np.random.default_rng(5).standard_normal((3, 8)), layer
+
+
+@pytest.mark.parametrize("refine", [True, False])
+def test_auto_certifies_rows_the_enclosure_misses_by_refining_them(monkeypatch, refine):
+    pytest.importorskip("flint")
+    from mhanum import _arbref
+
+    x, params = _cancelling_layer()
+    with pytest.raises(CertificationError, match=r"backend 'dd' could not certify 20 digits"):
+        reference.multi_head_attention(x, x, params, 2, backend="dd")
+    refined = []
+    original = _arbref.refine_mha_rows
+
+    def spy(*args):
+        result = original(*args) if refine else None
+        refined.append(result is not None)
+        return result
+
+    monkeypatch.setattr(_arbref, "refine_mha_rows", spy)
+    floats, values = reference.multi_head_attention(x, x, params, 2, return_mpf=True)
+    naive_floats, naive = reference.multi_head_attention(
+        x, x, params, 2, backend="mpmath", return_mpf=True
+    )
+    assert refined == [refine]
+    assert 0 < abs(floats[0, 0]) < 2.0**-40
+    np.testing.assert_array_equal(floats, naive_floats)
+    _assert_agree(values, naive, 2 * TOL)

@@ -21,6 +21,10 @@ class Bound:
         source: the literature the theorem follows (a key of ``docs/references.md``), if any.
         probability: the probability with which the bound holds under a probabilistic model of
             the rounding errors (stated in ``assumptions``); 1 for a deterministic bound.
+        parts: finer breakdowns of some terms: ``parts[term][source]`` add up to ``terms[term]``
+            (the attention bounds split ``logits`` into the sources of the logit errors:
+            ``operands`` (input and operand rounding of q and k), ``qk_dot``, ``scale``,
+            ``bias``, ``mask_absorption``, apportioned by their share of each row's errors).
     """
 
     total: Any
@@ -29,6 +33,7 @@ class Bound:
     assumptions: tuple[str, ...] = ()
     source: str | None = None
     probability: float = 1.0
+    parts: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def dominant(self) -> str:
         """The name of the largest term (by its maximum over entries)."""
@@ -47,4 +52,5 @@ class Bound:
             "assumptions": list(self.assumptions),
             "source": self.source,
             "probability": self.probability,
+            "parts": {t: {k: plain(v) for k, v in p.items()} for t, p in self.parts.items()},
         }

@@ -279,8 +279,9 @@ def _head(
     given: tuple[Any, Any, Any] | None = None,
     lam: float | None = None,
     masked: np.ndarray | None = None,
-) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    """The terms of Theorem A.1 for one head, the float64 output ``o = p v`` and ``|o - o*|``.
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """The terms of Theorem A.1 for one head, the float64 output ``o = p v``, ``|o - o*|`` and
+    the logits term apportioned to the sources of the logit errors (``Bound.parts``).
 
     2-D inputs; ``keep`` marks the attended keys (the exact attention's), ``bias`` is finite
     where ``keep``. ``masked`` (only for a finite masking constant) marks the keys the mask
@@ -329,19 +330,27 @@ def _head(
     if np.max(scale * (q_abs @ k_abs.T), initial=0.0) > _LOGIT_LIMIT:
         msg = f"q: expected scale·|q|·|k| <= 2^12 for a float64 evaluation of A.1, got {np.max(scale * (q_abs @ k_abs.T)):.3g}"
         raise InvalidArgument(msg)
-    dot = e_q_op @ k_abs.T + q_abs @ e_k_op.T + e_q_op @ e_k_op.T
+    operands = e_q_op @ k_abs.T + q_abs @ e_k_op.T + e_q_op @ e_k_op.T
     f_qk, anchor = _unit_factor(num, d_k, lam, bits=bits_qk), _anchor(num)
-    dot += f_qk * (q_op @ k_op.T) + _unit_eta(num, d_k)
+    unit = f_qk * (q_op @ k_op.T) + _unit_eta(num, d_k)
     if anchor:
         sums = q_op.sum(axis=-1)[:, None] + k_op.sum(axis=-1)[None, :] + d_k * anchor
-        dot += f_qk * anchor * sums
-    delta = scale * (dot * (1 + theta) + theta * np.abs(t)) + (abs(c_hat) * (1 + u_s) + 2) * eta_s
+        unit = unit + f_qk * anchor * sums
+    # the sources of δ (they add up to it), to apportion the logits term: Bound.parts
+    sources = {
+        "operands": scale * operands * (1 + theta),
+        "qk_dot": scale * unit * (1 + theta),
+        "scale": scale * theta * np.abs(t) + (abs(c_hat) * (1 + u_s) + 2) * eta_s,
+    }
+    delta = sum(sources.values())
     s = scale * t
     if bias is not None:
         b0 = np.where(np.isfinite(bias), bias, 0.0)
         u_b, eta_b = _rounding(fmts["score"], b0[np.isfinite(bias)])
         s = s + b0
-        delta = (1 + u_s) * (delta + u_b * np.abs(b0) + eta_b) + u_s * np.abs(s) + eta_s
+        sources = {name: (1 + u_s) * x for name, x in sources.items()}
+        sources["bias"] = (1 + u_s) * (u_b * np.abs(b0) + eta_b) + u_s * np.abs(s) + eta_s
+        delta = sum(sources.values())
     # Step 3'. A finite masking constant M: the computed logits are those of the leaky problem
     # (the masked keys keep the logit M (fill) or s + M (add)); ``live`` marks its keys.
     live, exclude = keep, np.zeros_like(keep)
@@ -352,10 +361,14 @@ def _head(
             live = keep | masked
             s = np.where(masked, const, s)
             delta = np.where(masked, 0.0, delta)
+            sources = {name: np.where(masked, 0.0, x) for name, x in sources.items()}
         else:
             live = keep | (masked & open_bias)
             s_add = s + const
-            delta = np.where(masked, (1 + u_s) * delta + u_s * np.abs(s_add) + eta_s, delta)
+            absorbed = u_s * np.abs(s_add) + eta_s
+            delta = np.where(masked, (1 + u_s) * delta + absorbed, delta)
+            sources = {n: np.where(masked, (1 + u_s) * x, x) for n, x in sources.items()}
+            sources["mask_absorption"] = np.where(masked, absorbed, 0.0)
             limit = fmts["score"].max_finite
             with np.errstate(over="ignore"):
                 risky = live & masked & ((np.abs(s_add) + delta) * (1 + u_s) >= limit)
@@ -370,6 +383,16 @@ def _head(
     delta = np.where(live, delta, 0.0)
     s = np.where(live, s, -np.inf)
     terms, p = _softmax_pv(s, delta, v, v_abs, live, num, lam, bits_pv, anchor, (eps_e, u_div))
+    # The logits term apportioned to the sources of δ by their p-weighted share in each row.
+    row_delta = (p * delta).sum(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        shares = {
+            name: np.where(
+                row_delta > 0, (p * np.where(live, x, 0.0)).sum(-1, keepdims=True) / row_delta, 0.0
+            )
+            for name, x in sources.items()
+        }
+    parts = {name: share * terms["logits"] * (1 + _EVALUATION) for name, share in shares.items()}
     # The target: the exact attention over the attended keys; in a row with none, the leaky
     # problem itself (fill: uniform over the keys; add: the unmasked softmax).
     empty = ~keep.any(axis=-1, keepdims=True)
@@ -388,7 +411,7 @@ def _head(
         terms["evaluation"] = _given_error(q_abs, k_abs, v, p_t, target, scale, given)
         o_error = o_error + terms["evaluation"]
     terms = {name: value * (1 + _EVALUATION) for name, value in terms.items()}
-    return terms, o, o_error
+    return terms, o, o_error, parts
 
 
 def _softmax_pv(
@@ -483,7 +506,7 @@ def _softmax_pv(
     per_sum = np.exp(np.where(vacuous, 0.0, -log_s_lo)) / (1 - t_safe)
 
     y = x + math.log1p(u_div) - np.log1p(-t_safe)
-    soft = _times_expm1(log_pt_hi, y)
+    soft = np.where(vacuous, 0.0, _times_expm1(log_pt_hi, y))  # vacuous rows: the inf term
     soft += eta_m * (1 + u_div) * per_sum + eta_m
     p_hat_hi = p_tilde_hi + soft
     prob = u_p * p_hat_hi + (eta_p * per_sum + blocks * eta_m * per_sum if online else eta_p)
@@ -623,7 +646,7 @@ def attention_bound(
     qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
     fmt_in = num.format_of("input")
     errors = tuple(_rounding_error(x, fmt_in) for x in (qb, kb, vb))
-    per_head = [
+    heads = [
         _head(
             qb[i],
             kb[i],
@@ -636,30 +659,42 @@ def attention_bound(
             (errors[0][i], errors[1][i], errors[2][i]),
             lam=lam,
             masked=None if masked is None else masked[i],
-        )[0]
+        )
         for i in np.ndindex(*batch)
     ]
-    names = sorted({name for head in per_head for name in head})
     out_shape = (*batch, rows, v.shape[-1])
-    terms = {}
-    for name in names:
-        stacked = [head.get(name, np.zeros((rows, v.shape[-1]))) for head in per_head]
-        terms[name] = np.stack(stacked).reshape(out_shape)
+    terms = _stack([h[0] for h in heads], out_shape)
+    parts = {"logits": _stack([h[3] for h in heads], out_shape)}
     total = sum(terms.values())
     chains = math.prod(batch) * rows * keys * (q.shape[-1] + 1 + v.shape[-1])
-    return _result(total, terms, "A.1", num, lam, chains)
+    return _result(total, terms, "A.1", num, lam, chains, parts)
+
+
+def _stack(per_head: list[dict[str, np.ndarray]], shape: tuple[int, ...]) -> dict[str, Any]:
+    """Per-head dicts of ``(rows, d)`` arrays to one dict of ``shape`` arrays (0 where absent)."""
+    names = sorted({name for head in per_head for name in head})
+    zeros = np.zeros(shape[-2:])
+    return {n: np.stack([h.get(n, zeros) for h in per_head]).reshape(shape) for n in names}
 
 
 def _result(
-    total: Any, terms: dict[str, Any], theorem: str, num: Numerics, lam: float | None, chains: int
+    total: Any,
+    terms: dict[str, Any],
+    theorem: str,
+    num: Numerics,
+    lam: float | None,
+    chains: int,
+    parts: dict[str, dict[str, Any]] | None = None,
 ) -> Bound:
     """The :class:`Bound`; with ``lam``, the probability of the union of the ``chains`` events."""
+    parts = parts or {}
     if lam is None:
-        return Bound(total, terms, theorem, ASSUMPTIONS, "blanchard2021")
+        return Bound(total, terms, theorem, ASSUMPTIONS, "blanchard2021", parts=parts)
     u = max(num.format_of(r).u for r in ("accum", "softmax"))
     fail = chains * 2 * math.exp(-((lam * (1 - u)) ** 2) / 2)
     assumptions = (*ASSUMPTIONS, PROBABILISTIC)
-    return Bound(total, terms, theorem, assumptions, "higham2019", max(0.0, 1.0 - fail))
+    probability = max(0.0, 1.0 - fail)
+    return Bound(total, terms, theorem, assumptions, "higham2019", probability, parts)
 
 
 def _keep_and_bias(
@@ -926,10 +961,13 @@ def mha_bound(
 
     names = sorted({name for r in results.values() for name in r[0]})
     head_terms = {n: gather(lambda r, n=n: r[0].get(n, np.zeros_like(r[1]))) for n in names}
+    sources = sorted({name for r in results.values() for name in r[3]})
+    head_parts = {n: gather(lambda r, n=n: r[3].get(n, np.zeros_like(r[1]))) for n in sources}
     o, o_given = gather(lambda r: r[1]), gather(lambda r: r[2])
     out = _linear(o, o_given, w["wo"], w["bo"], num, num.format_of("output"), lam)
     terms = {f"attention.{n}": out.kappa * (t @ out.slope) for n, t in head_terms.items()}
     terms["output_projection"] = out.fixed
+    logits = {n: out.kappa * (t @ out.slope) for n, t in head_parts.items()}
     total = sum(terms.values())
     d_v = params.v_width // heads
     chains = math.prod(outer) * (
@@ -938,4 +976,4 @@ def mha_bound(
         + keys * (params.qk_width + params.v_width) * params.d_kv
         + rows * params.d_out * params.v_width
     )
-    return _result(total, terms, "A.2", num, lam, chains)
+    return _result(total, terms, "A.2", num, lam, chains, {"attention.logits": logits})

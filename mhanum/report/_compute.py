@@ -161,6 +161,11 @@ def _attention_bounds(
                 name: float(np.asarray(t, np.float64)[at]) for name, t in post.terms.items()
             },
             "terms_max": {name: float(np.max(t)) for name, t in post.terms.items()},
+            # the logits term split into the sources of the logit errors (Bound.parts)
+            "logits_parts_at_max": {
+                src: float(np.asarray(t, np.float64)[at])
+                for src, t in post.parts.get("logits", {}).items()
+            },
         }
     try:
         prob = bounds.attention_bound(q, k, v, mask, numerics=num, lam=lam)

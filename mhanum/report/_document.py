@@ -140,8 +140,10 @@ def _terms(attention: Mapping[str, Any]) -> list[Block]:
             "term_breakdown",
             _figures.term_breakdown(attention),
             "The terms of Theorem A.1 at the entry where the bound is largest, as shares of the "
-            "bound: logits (input rounding, Q Kᵀ, scale), softmax (exp, sum, division or "
-            "rescaling), probability rounding, operands, P V and the output rounding.",
+            "bound: logits, split into the sources of the logit errors (operands: the rounding "
+            "of q and k; qk_dot: the Q Kᵀ unit; scale: the scale and the score rounding; bias; "
+            "mask_absorption), softmax (exp, sum, division or rescaling), probability rounding, "
+            "operands (of P V), P V and the output rounding.",
         ),
         Table(
             ("preset", "mask", "L", *names),

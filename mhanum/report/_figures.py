@@ -105,14 +105,28 @@ def term_breakdown(attention: Mapping[str, Any]) -> bytes:
     """Stacked bars: each term's share of the A.1 bound at its largest entry, per preset and L."""
     groups = _by_preset(attention["points"])
     names = sorted({n for p in attention["points"] for n in p["terms_at_max"]})
+    sources = sorted({n for p in attention["points"] for n in p.get("logits_parts_at_max", {})})
+    # the logits term is drawn as its sources (they add up to it), the others as they are
+    segments: list[tuple[str, Any]] = []
+    for name in names:
+        if name == "logits" and sources:
+            segments += [
+                (
+                    f"logits: {src}",
+                    lambda p, src=src: p.get("logits_parts_at_max", {}).get(src, 0.0),
+                )
+                for src in sources
+            ]
+        else:
+            segments.append((name, lambda p, name=name: p["terms_at_max"].get(name, 0.0)))
     rows, cols = _grid(len(groups))
     fig = Figure(figsize=(5.2 * cols, 3.4 * rows), layout="constrained")
     axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
     for ax, (preset, points) in zip(axes, groups.items(), strict=False):
         labels = [f"L={p['length']}\n{p['mask']}" for p in points]
         bottom = np.zeros(len(points))
-        for i, name in enumerate(names):
-            values = np.array([p["terms_at_max"].get(name, 0.0) for p in points])
+        for i, (name, pick) in enumerate(segments):
+            values = np.array([pick(p) for p in points])
             totals = np.array([sum(p["terms_at_max"].values()) for p in points])
             share = np.divide(values, totals, out=np.zeros_like(values), where=totals > 0)
             ax.bar(labels, share, bottom=bottom, color=f"C{i}", label=name)
@@ -121,7 +135,7 @@ def term_breakdown(attention: Mapping[str, Any]) -> bytes:
         ax.set_title(f"{preset}: share of each term in the bound")
         ax.tick_params(axis="x", labelsize=7)
         ax.set_ylabel("fraction of the bound")
-        if names:
+        if segments:
             ax.legend(fontsize=6, loc="lower right")
     for ax in axes[len(groups) :]:
         ax.set_visible(False)

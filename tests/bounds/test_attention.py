@@ -51,7 +51,15 @@ def test_terms_add_up_and_name_the_dominant_source():
     # more than float32 accumulation does.
     assert b.dominant() == "logits"
     rounded = [mn.round_to(x, "bfloat16") for x in (q, k, v)]
-    assert attention_bound(*rounded, numerics="bf16-fp32acc").terms["operands"].max() == 0.0
+    exact_inputs = attention_bound(*rounded, numerics="bf16-fp32acc")
+    assert exact_inputs.terms["operands"].max() == 0.0
+    # Bound.parts splits the logits term into the sources of the logit errors; they add up to
+    # it. Rounding q and k into bfloat16 dominates it; with bfloat16 inputs that source is 0.
+    parts = b.parts["logits"]
+    np.testing.assert_allclose(sum(parts.values()), b.terms["logits"], rtol=1e-12)
+    assert max(parts, key=lambda name: parts[name].max()) == "operands"
+    assert exact_inputs.parts["logits"]["operands"].max() == 0.0
+    assert exact_inputs.parts["logits"]["scale"].max() > 0  # the bfloat16 score rounding
 
 
 def test_batched_bound_equals_per_slice_bounds():
