@@ -21,29 +21,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from mhanum import CertificationError, InvalidArgument, MHAParams, _dd, _exact, _fastref, reference
+from tests.test_reference import _assert_agree
 
 DIGITS = 20
 TOL = Fraction(1, 10**DIGITS)
 FAST = ("auto", "dd", "arb")
-
-
-def _fraction(value) -> Fraction:
-    man, exp = _exact.mpf_pair(value)
-    return man * Fraction(2) ** exp
-
-
-def _assert_agree(a, b, rel: Fraction) -> None:
-    """mpf arrays agree componentwise, ``|a - b| <= rel * max(|a|, |b|)``, and NaN where NaN."""
-    assert a.shape == b.shape
-    ctx = mpmath.MPContext()
-    ctx.prec = 4000
-    tolerance = ctx.mpf(rel.numerator) / rel.denominator
-    for index, x in np.ndenumerate(a):
-        y = b[index]
-        assert mpmath.isnan(x) == mpmath.isnan(y), index
-        if not mpmath.isnan(x):
-            x, y = ctx.mpf(x), ctx.mpf(y)
-            assert abs(x - y) <= tolerance * max(abs(x), abs(y)), (index, x, y)
 
 
 def _assert_encloses(ball: _dd.Ball, exact, slack: Fraction = Fraction(0)) -> None:

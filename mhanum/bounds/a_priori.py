@@ -26,13 +26,12 @@ from mhanum.bounds.attention import (
     _EVALUATION,
     ASSUMPTIONS,
     _anchor,
-    _chain,
+    _exp_and_sum_factors,
     _is_power_of_four,
     _linear,
     _operand_bits,
     _operand_error,
     _power_of_two,
-    _sum_factor,
     _unit_eta,
     _unit_factor,
 )
@@ -155,39 +154,17 @@ def _softmax_pv(
     ``delta`` bounds every logit error, ``reach`` every ``|s_ij|``; ``v_abs`` bounds ``|v_jl|``
     and ``v_bar`` the entries the ``P V`` unit reads.
     """
-    fmts = {r: num.format_of(r) for r in ("accum", "softmax", "prob", "output")}
-    u_a, u_m, u_p, u_o = (fmts[r].u for r in ("accum", "softmax", "prob", "output"))
-    eta_a, eta_m, eta_p, eta_o = (
-        fmts[r].smallest_normal for r in ("accum", "softmax", "prob", "output")
-    )
+    fmts = {r: num.format_of(r) for r in ("softmax", "prob", "output")}
+    u_m, u_p, u_o = (fmts[r].u for r in ("softmax", "prob", "output"))
+    eta_m, eta_p, eta_o = (fmts[r].smallest_normal for r in ("softmax", "prob", "output"))
     u_op, eta_op = _operand_error(num)
-    eps_e, u_div = 2 * num.exp_ulps * u_m, 2 * num.div_ulps * u_m
-    order, kind = num.summation, num.softmax_kind
+    u_div = 2 * num.div_ulps * u_m
+    kind = num.softmax_kind
     bits_pv = (_operand_bits(num, fmts["prob"]), _operand_bits(num, num.format_of("input")))
     online = kind == "online"
-    blocks = 0
     gap = 2 * reach + 2 * delta
-    if kind == "naive":
-        x = eta_m + math.log1p(eps_e)
-        log_s_lo = math.log(min_keys) - reach - delta
-    else:
-        x = u_m * gap + eta_m + math.log1p(eps_e)
-        log_s_lo = 0.0
-    if online:
-        assert num.softmax_block is not None
-        width = min(num.softmax_block, n)
-        blocks = -(-n // num.softmax_block)
-        x = (
-            u_m * gap
-            + blocks * (eta_m + math.log1p(eps_e))
-            + (blocks - 1) * (math.log1p(u_m) + 2 * math.log1p(u_a))
-        )
-        g_sum = _chain(width, order, u_m, None, products=False, extra=blocks)
-        g_pv = _unit_factor(num, width, None, bits=bits_pv, extra=blocks)
-        eta_pv = blocks * _unit_eta(num, width) + 2 * blocks * eta_a
-    else:
-        g_sum, g_pv = _sum_factor(n, order, u_m), _unit_factor(num, n, None, bits=bits_pv)
-        eta_pv = _unit_eta(num, n)
+    x, blocks, g_sum, g_pv, eta_pv = _exp_and_sum_factors(num, n, gap, None, bits_pv)
+    log_s_lo = math.log(min_keys) - reach - delta if kind == "naive" else 0.0
     inf = np.full_like(v_abs, np.inf)
     vacuous = {"vacuous": inf}
     if x > 700 or 2 * delta > 700 or -log_s_lo > 700:

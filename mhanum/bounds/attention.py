@@ -311,7 +311,6 @@ def _head(
     e_q_op, e_k_op = e_q + u_op * q_used + eta_op, e_k + u_op * k_used + eta_op
     q_op, k_op = q_abs + e_q_op, k_abs + e_k_op
     v_abs = (1 + u_op) * (np.abs(v) + e_v) + eta_op
-    eps_e = 2 * num.exp_ulps * u_m
     u_div = 2 * num.div_ulps * u_m
     # Step 2. The constant: the float64 value of 1/sqrt(d_k) (two float64 roundings unless
     # d_k = 4^m) or the given scale, rounded once into the score format; the product by it is
@@ -382,7 +381,7 @@ def _head(
         exclude = live & ~keep
     delta = np.where(live, delta, 0.0)
     s = np.where(live, s, -np.inf)
-    terms, p = _softmax_pv(s, delta, v, v_abs, live, num, lam, bits_pv, anchor, (eps_e, u_div))
+    terms, p = _softmax_pv(s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div)
     # The logits term apportioned to the sources of δ by their p-weighted share in each row.
     row_delta = (p * delta).sum(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -424,21 +423,17 @@ def _softmax_pv(
     lam: float | None,
     bits_pv: tuple[int, int],
     anchor: float,
-    accuracy: tuple[float, float],
+    u_div: float,
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Steps 4-7 of A.1 for logits ``s`` (``-inf`` where not live) off by at most ``delta``.
 
     Returns the terms (against the exact attention of these logits) and its probabilities.
     """
     n = s.shape[-1]
-    order = num.summation
-    fmts = {r: num.format_of(r) for r in ("accum", "softmax", "prob", "output")}
-    u_a, u_m, u_p, u_o = (fmts[r].u for r in ("accum", "softmax", "prob", "output"))
-    eta_a, eta_m, eta_p, eta_o = (
-        fmts[r].smallest_normal for r in ("accum", "softmax", "prob", "output")
-    )
+    fmts = {r: num.format_of(r) for r in ("softmax", "prob", "output")}
+    u_p, u_o = fmts["prob"].u, fmts["output"].u
+    eta_m, eta_p, eta_o = (fmts[r].smallest_normal for r in ("softmax", "prob", "output"))
     u_op, eta_op = _operand_error(num)
-    eps_e, u_div = accuracy
     # Step 4 (per key). p̃_j = p_j e^{δ_j} / Σ_l p_l e^{δ_l} lies in
     # [p_j e^{-δ̄_j}/E_hi, p_j e^{δ̄_j}/E_lo], E_lo = Σ p_l e^{-δ̄_l}, E_hi = Σ p_l e^{δ̄_l}.
     top = s.max(axis=-1, keepdims=True)
@@ -457,31 +452,13 @@ def _softmax_pv(
     hi = np.where(live, s + delta, -np.inf).max(axis=-1, keepdims=True)
     gap = np.where(live, np.maximum(hi - s + delta, np.abs(s + delta - lo)), 0.0)
     kind = num.softmax_kind
-    blocks = 0
     online = kind == "online"
+    x, blocks, g_sum, g_pv, eta_pv = _exp_and_sum_factors(num, n, gap, lam, bits_pv)
+    x = np.broadcast_to(x, s.shape)
     if kind == "naive":
-        x = np.full_like(s, eta_m + math.log1p(eps_e))
         log_s_lo = _logsumexp(s - delta)
     else:
-        x = u_m * gap + eta_m + math.log1p(eps_e)
         log_s_lo = np.maximum(0.0, _logsumexp(s - delta - hi))
-    if online:
-        # Step 5, online: a term's own exp and the rescalings of the later blocks have
-        # arguments that telescope to |ŝ_j - m_final| <= G_j; K exps, K - 1 rescalings.
-        assert num.softmax_block is not None
-        width = min(num.softmax_block, n)
-        blocks = -(-n // num.softmax_block)
-        x = (
-            u_m * gap
-            + blocks * (eta_m + math.log1p(eps_e))
-            + (blocks - 1) * (math.log1p(u_m) + 2 * math.log1p(u_a))
-        )
-        g_sum = _chain(width, order, u_m, lam, products=False, extra=blocks)
-        g_pv = _unit_factor(num, width, lam, bits=bits_pv, extra=blocks)
-        eta_pv = blocks * _unit_eta(num, width) + 2 * blocks * eta_a
-    else:
-        g_sum, g_pv = _sum_factor(n, order, u_m, lam), _unit_factor(num, n, lam, bits=bits_pv)
-        eta_pv = _unit_eta(num, n)
     # R_j = e^{x_j} - 1: the relative error of the computed (rescaled) exponential of key j.
     x = np.where(live, x, 0.0)
     log_r = _log_expm1_upper(np.maximum(x, 1e-300))
@@ -533,6 +510,34 @@ def _softmax_pv(
     if vacuous.any():
         terms["vacuous"] = np.where(vacuous, np.inf, 0.0) * np.ones_like(o)
     return terms, p
+
+
+def _exp_and_sum_factors(
+    num: Numerics, n: int, gap: Any, lam: float | None, bits_pv: tuple[int, int]
+) -> tuple[Any, int, float, float, float]:
+    """A.1 step 5: ``(x, K, g_sum, g_pv, eta_pv)`` for keys ``|ŝ_j - m| <= gap``.
+
+    ``e^x - 1`` bounds the relative error of a key's computed exponential (naive: the argument
+    is exact; online: its own exp and the rescalings of the ``K - 1`` later blocks, whose
+    arguments telescope to ``gap``), ``g_sum`` and ``g_pv`` are the factors of the softmax sum
+    and of ``P V`` (online: within a block, then ``K`` cross-block additions) and ``eta_pv`` the
+    absolute underflow of ``P V``. ``K = 0`` unless online.
+    """
+    fm, acc = num.format_of("softmax"), num.format_of("accum")
+    u_m, eta_m, u_a, eta_a = fm.u, fm.smallest_normal, acc.u, acc.smallest_normal
+    own = eta_m + math.log1p(2 * num.exp_ulps * u_m)
+    order = num.summation
+    if num.softmax_kind != "online":
+        x = own if num.softmax_kind == "naive" else u_m * gap + own
+        g_sum, g_pv = _sum_factor(n, order, u_m, lam), _unit_factor(num, n, lam, bits=bits_pv)
+        return x, 0, g_sum, g_pv, _unit_eta(num, n)
+    assert num.softmax_block is not None
+    width = min(num.softmax_block, n)
+    blocks = -(-n // num.softmax_block)
+    x = u_m * gap + blocks * own + (blocks - 1) * (math.log1p(u_m) + 2 * math.log1p(u_a))
+    g_sum = _chain(width, order, u_m, lam, products=False, extra=blocks)
+    g_pv = _unit_factor(num, width, lam, bits=bits_pv, extra=blocks)
+    return x, blocks, g_sum, g_pv, blocks * _unit_eta(num, width) + 2 * blocks * eta_a
 
 
 def _logsumexp(x: np.ndarray) -> np.ndarray:
