@@ -174,6 +174,7 @@ class Result:
     family_terms: dict[str, dict[str, float]] = field(default_factory=dict)
     refused: list[str] = field(default_factory=list)
     vacuous: list[str] = field(default_factory=list)
+    infinite_entries: int = 0
     non_finite: list[str] = field(default_factory=list)
 
 
@@ -295,6 +296,7 @@ def run_config(config: Config, cases: dict[str, list[Case]], problems: list[Prob
             finite = np.isfinite(total)
             if not finite.all():
                 res.vacuous.append(f"{family}[{c.index}]")
+                res.infinite_entries += int((~finite).sum())
             res.max_err = max(res.max_err, float(err.max()))
             res.max_bound = max(res.max_bound, float(total.max()))
             if finite.any():
@@ -306,8 +308,8 @@ def run_config(config: Config, cases: dict[str, list[Case]], problems: list[Prob
             for term, value in bound.terms.items():
                 value = np.asarray(value)
                 top = float(np.max(value[finite])) if finite.any() else 0.0
-                if term == "vacuous":
-                    top = math.inf if not finite.all() else 0.0
+                if term in ("vacuous", "overflow"):
+                    top = math.inf if np.isinf(value).any() else 0.0
                 res.term_max[term] = max(res.term_max.get(term, 0.0), top)
                 terms[term] = max(terms.get(term, 0.0), top)
             nonzero = err > 0
@@ -332,9 +334,10 @@ def fmt_ratio(x: float) -> str:
 
 def dominant(term_max: dict[str, float]) -> str:
     """The largest finite term (maximum over entries with a finite bound), else ``vacuous``."""
-    finite = {t: x for t, x in term_max.items() if t != "vacuous"}
+    finite = {t: x for t, x in term_max.items() if t not in ("vacuous", "overflow")}
     if not finite or max(finite.values()) == 0.0:
-        return "vacuous" if term_max.get("vacuous", 0.0) > 0 else "-"
+        infinite = [t for t in ("vacuous", "overflow") if term_max.get(t, 0.0) > 0]
+        return infinite[0] if infinite else "-"
     return max(finite, key=lambda t: finite[t])
 
 
@@ -430,7 +433,10 @@ def main() -> int:
     for name, res in named:
         notes = []
         if res.vacuous:
-            notes.append(f"vacuous (inf) on {len(res.vacuous)}: {' '.join(res.vacuous)}")
+            notes.append(
+                f"inf on {len(res.vacuous)} inputs ({res.infinite_entries} entries): "
+                + " ".join(res.vacuous)
+            )
         if res.non_finite:
             notes.append(f"non-finite output (skipped) on {' '.join(res.non_finite)}")
         if res.refused:

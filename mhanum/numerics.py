@@ -93,7 +93,11 @@ class Numerics:
             The scale constant is rounded to the format of the product it enters.
         exp_ulps: assumed accuracy of ``exp`` in ``softmax_format``, in units in the last place
             (used by the bounds; XLA's float32 ``exp`` is not correctly rounded).
-        div_ulps: assumed accuracy of division in ``softmax_format``, in ulps.
+        div_ulps: assumed accuracy of division in ``softmax_format``, in ulps: relative error
+            ``(1 + u)^(2·div_ulps) - 1`` (:func:`mhanum.bounds.softmax.division_error`). The
+            default 1 covers XLA, which divides by a broadcast row sum as a product with its
+            correctly rounded reciprocal (two roundings; ``1/2`` is a correctly rounded
+            quotient).
 
     Raises:
         InvalidArgument: for an unknown format, order or algorithm, or an inconsistent combination.
@@ -120,7 +124,7 @@ class Numerics:
     scale: str = "scores"
     scale_format: str | None = None
     exp_ulps: float = 2.0
-    div_ulps: float = 0.5
+    div_ulps: float = 1.0
 
     def __post_init__(self) -> None:
         canon = object.__setattr__
@@ -283,7 +287,15 @@ class Numerics:
             assert m is not None  # canonicalised in __post_init__
             factor = float(m.group(1)) if m.group(1) else 1.0
             value = -factor * fmt.max_finite
-        return float(round_to(value, fmt))
+        stored = float(round_to(value, fmt))
+        if math.isnan(stored):
+            msg = (
+                f"numerics.mask_value: expected a constant that {fmt.name} (the score format) "
+                f"represents or rounds to -inf, got {self.mask_value!r}, which becomes NaN there "
+                "(the format has no infinity)"
+            )
+            raise InvalidArgument(msg)
+        return stored
 
     # Construction -----------------------------------------------------------------------------
 

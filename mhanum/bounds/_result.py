@@ -25,6 +25,10 @@ class Bound:
             (the attention bounds split ``logits`` into the sources of the logit errors:
             ``operands`` (input and operand rounding of q and k), ``qk_dot``, ``scale``,
             ``bias``, ``mask_absorption``, apportioned by their share of each row's errors).
+        reasons: why the bound is infinite where it is, one sentence per cause (the stage, the
+            format and the value that may overflow, or the hypothesis that cannot be proved on
+            the given values); empty when the bound is finite everywhere. ``str(bound)`` shows
+            them, and so do the reports.
     """
 
     total: Any
@@ -34,6 +38,23 @@ class Bound:
     source: str | None = None
     probability: float = 1.0
     parts: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    reasons: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        total = np.asarray(self.total, np.float64)
+        finite = total[np.isfinite(total)]
+        lines = [
+            f"Bound (Theorem {self.theorem}): max {float(np.max(total, initial=0.0)):.3g}"
+            + (
+                f", {total.size - finite.size} of {total.size} entries inf"
+                if finite.size < total.size
+                else ""
+            )
+            + (f", probability >= {self.probability:.6g}" if self.probability < 1 else ""),
+            f"  dominant term: {self.dominant()}" if self.terms else "  no terms",
+        ]
+        lines += [f"  inf: {reason}" for reason in self.reasons]
+        return "\n".join(lines)
 
     def dominant(self) -> str:
         """The name of the largest term (by its maximum over entries)."""
@@ -53,4 +74,5 @@ class Bound:
             "source": self.source,
             "probability": self.probability,
             "parts": {t: {k: plain(v) for k, v in p.items()} for t, p in self.parts.items()},
+            "reasons": list(self.reasons),
         }

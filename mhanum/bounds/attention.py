@@ -25,7 +25,7 @@ import numpy as np
 from mhanum import _validate as V
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
-from mhanum.bounds.softmax import summation_gamma
+from mhanum.bounds.softmax import division_error, summation_gamma
 from mhanum.bounds.summation import probabilistic_gamma, split_constants, tree_height
 from mhanum.formats import Format, representable, round_to
 from mhanum.numerics import Numerics, resolve
@@ -34,7 +34,7 @@ from mhanum.params import MHAParams
 __all__ = ["attention_bound", "mha_bound"]
 
 _EVALUATION = 2.0**-40  # relative rounding of evaluating the bound in float64 (see A.1, step 0)
-_LOGIT_LIMIT = 2.0**12  # |scale|·|q|·|k| below this keeps that evaluation error under 2^-40
+_F64_DOT = 2.0**-52  # per-operation relative error of the float64 logits, with margin (step 0)
 
 ASSUMPTIONS = (
     "round-to-nearest; a rounding into F is x(1+δ)+η, |δ| <= u_F, |η| <= 2^emin_F (flush-to-zero)",
@@ -202,6 +202,22 @@ def _power_of_two(x: float) -> bool:
     return x != 0 and math.frexp(x)[0] in (0.5, -0.5)
 
 
+def _scale_rounding(f64: float, fmt: Format) -> tuple[float, float, float]:
+    """``(f̂, u_r, u_mul)`` of a scale factor rounded into ``fmt`` (steps 2 and 2').
+
+    ``f̂`` is ``f64`` rounded into ``fmt``; ``|f̂_used - f64| <= u_r|f64|`` for the factor the
+    computation uses, and a product by it is rounded with relative ``u_mul``. A factor that is
+    subnormal in ``fmt`` (or rounds to zero) may be read as zero (XLA treats denormals as zero),
+    so ``u_r = 1`` and its product, if not flushed, is rounded like any other (``u_mul = u``).
+    """
+    f_hat = float(round_to(f64, fmt))
+    if abs(f_hat) < fmt.smallest_normal:
+        return f_hat, 1.0, fmt.u
+    u_r = 0.0 if f_hat == f64 else fmt.u
+    u_mul = 0.0 if _power_of_two(f_hat) else fmt.u
+    return f_hat, u_r, u_mul
+
+
 def _scale_operands(
     q: np.ndarray,
     k: np.ndarray,
@@ -210,18 +226,23 @@ def _scale_operands(
     num: Numerics,
     scale: float,
     default_scale: bool,
+    ranges: _Ranges,
 ) -> tuple[np.ndarray, np.ndarray, tuple[Any, Any, Any], tuple[Any, Any, Any] | None]:
     """Step 2' (scale on ``q``, or ``sqrt(scale)`` on ``q`` and ``k``): the scaled operands.
 
     The factor ``f`` (``c`` or ``sqrt(c)``) is the float64 number ``f64`` (relative error ``u64``
     against the exact factor: the default scale's two float64 roundings, and the float64 square
-    root), rounded once into the scale format to ``f̂`` (relative ``u_r``), and the product
-    ``fl(x̂ f̂)`` is rounded in that format (``u_mul``, zero when ``f̂`` is a power of two). The
-    stand-in of the exact scaled operand is the float64 product ``f64·x``; the errors against
-    it, and of it against the exact ``f·x*`` (``given``), are those of papers/attention.md
-    step 2'.
+    root), rounded once into the scale format to ``f̂`` (relative ``u_r``; 1 when ``f̂`` is
+    subnormal, since it may be read as zero). The operand, stored in the storage format, is
+    first read into the scale format (relative ``u_t`` when that format is less precise, and
+    an absolute ``η`` for its range), and the product ``fl(x̃ f̂)`` is rounded in that format
+    (``u_mul``, zero when ``f̂`` is a normal power of two). The stand-in of the exact scaled
+    operand is the float64 product ``f64·x``; the errors against it, and of it against the
+    exact ``f·x*`` (``given``), are those of papers/attention.md step 2'. Operands whose
+    enclosure leaves the scale format's range are recorded in ``ranges``.
     """
     fmt = num.format_of("scale")
+    source = num.storage_format
     u64 = 0.0
     if default_scale and not _is_power_of_four(q.shape[-1]):
         u64 = (1 + 2.0**-53) / (1 - 2.0**-53) - 1
@@ -230,26 +251,93 @@ def _scale_operands(
         f64 = math.sqrt(scale)
         if fractions.Fraction(f64) ** 2 != fractions.Fraction(scale):
             u64 = (1 + u64) * (1 + 2.0**-53) - 1
-    f_hat = float(round_to(f64, fmt))
-    u_r = 0.0 if f_hat == f64 else fmt.u
-    u_mul = 0.0 if _power_of_two(f_hat) else fmt.u
-    theta = (1 + u_r) * (1 + u_mul) - 1
+    f_hat, u_r, u_mul = _scale_rounding(f64, fmt)
+    u_t = fmt.u if fmt.precision < source.precision else 0.0
+    theta = (1 + u_r) * (1 + u_t) * (1 + u_mul) - 1
     up = abs(f64) * (1 + 2.0**-52)
+    eta = fmt.smallest_normal * (1 + up * (1 + u_r))
     exact_product = _power_of_two(f64)
     g_prev = given if given is not None else (np.zeros_like(q), np.zeros_like(k), 0.0)
 
-    def scaled(x: np.ndarray, e: Any, g: Any) -> tuple[np.ndarray, Any, Any]:
+    def scaled(x: np.ndarray, e: Any, g: Any, name: str) -> tuple[np.ndarray, Any, Any]:
         xs = f64 * x
-        rounding = 0.0 if exact_product else 2.0**-53 * np.abs(xs)
-        e_new = up * (theta * np.abs(x) + (1 + theta) * e) + rounding + fmt.smallest_normal
+        # the float64 product may itself be subnormal: an absolute 2^-1074 at most
+        rounding = (0.0 if exact_product else 2.0**-53 * np.abs(xs)) + 2.0**-1074
+        stored = np.abs(x) + e
+        ranges.check(stored, fmt, f"{name} read into the scale format", rows=name)
+        ranges.check(
+            abs(f_hat) * stored * (1 + u_t) + fmt.smallest_normal,
+            fmt,
+            f"{name} times the scale factor {f_hat:.4g}",
+            rows=name,
+        )
+        e_new = up * (theta * np.abs(x) + (1 + theta) * e) + rounding + eta
         g_new = up * g / (1 - u64) + (u64 / (1 - u64)) * up * np.abs(x) + rounding
         return xs, e_new, g_new
 
-    q, e_q, g_q = scaled(q, errors[0], g_prev[0])
+    q, e_q, g_q = scaled(q, errors[0], g_prev[0], "q")
     e_k, g_k = errors[1], g_prev[1]
     if num.scale == "qk":
-        k, e_k, g_k = scaled(k, e_k, g_k)
+        k, e_k, g_k = scaled(k, e_k, g_k, "k")
     return q, k, (e_q, e_k, errors[2]), (g_q, g_k, g_prev[2])
+
+
+class _Ranges:
+    """Where one head's computation may leave a format's range, and why (papers/attention.md, R).
+
+    Every check takes an enclosure ``upper >= |value|`` of the exact value a stage rounds (so
+    that ``upper <= max_finite`` proves the rounding to nearest stays finite) and marks the
+    output entries the stage feeds: a query row's outputs (``rows="q"``, or a boolean per row),
+    every output of the head (``rows="k"``), a value column (``cols``), or single entries.
+    """
+
+    def __init__(self, rows: int, cols: int) -> None:
+        self.shape = (rows, cols)
+        self.where: dict[str, np.ndarray] = {}
+        self.reasons: list[str] = []
+
+    def check(
+        self,
+        upper: Any,
+        fmt: Format,
+        stage: str,
+        *,
+        rows: str | None = None,
+        cols: bool = False,
+        entries: bool = False,
+    ) -> None:
+        upper = np.atleast_2d(np.asarray(upper, np.float64))
+        bad = ~(upper <= fmt.max_finite)  # NaN counts as bad
+        if not bad.any():
+            return
+        if rows == "q":
+            hit = np.broadcast_to(bad.any(axis=-1)[:, None], self.shape)
+        elif rows == "k":
+            hit = np.ones(self.shape, bool)
+        elif cols:
+            hit = np.broadcast_to(bad.any(axis=0)[None, :], self.shape)
+        elif entries:
+            hit = np.broadcast_to(bad, self.shape)
+        else:  # a per-logit flag (rows × keys): the row's outputs
+            hit = np.broadcast_to(bad.any(axis=-1, keepdims=True), self.shape)
+        worst = float(np.max(np.where(np.isnan(upper), np.inf, upper)[bad]))
+        self.flag(
+            hit,
+            f"{stage}: values up to {worst:.4g} may overflow {fmt.name} "
+            f"(largest finite {fmt.max_finite:.6g})",
+        )
+
+    def flag(self, hit: Any, reason: str, term: str = "overflow") -> None:
+        """Mark the output entries ``hit`` infinite in ``term``, for ``reason``."""
+        hit = np.broadcast_to(np.asarray(hit, bool), self.shape)
+        if hit.any():
+            self.where[term] = self.where.get(term, np.zeros(self.shape, bool)) | hit
+            if reason not in self.reasons:
+                self.reasons.append(reason)
+
+    def terms(self) -> dict[str, np.ndarray]:
+        """``inf`` where flagged, per term (``overflow``, ``vacuous``)."""
+        return {name: np.where(hit, np.inf, 0.0) for name, hit in self.where.items()}
 
 
 def _log_expm1_upper(x: np.ndarray) -> np.ndarray:
@@ -266,6 +354,17 @@ def _times_expm1(log_a: np.ndarray, y: np.ndarray) -> np.ndarray:
         return np.where(y > 1.0, np.exp(log_a + y), direct)
 
 
+def _conversion_eta(num: Numerics, fmt: Format) -> float:
+    """``η`` of reading a value of ``fmt`` into the accumulation format (A.1, step 1).
+
+    The accumulation format is at least as precise as every operand (``Numerics`` checks it),
+    but its normal range may start higher (bfloat16 operands accumulated in float16): a value
+    below its smallest normal is then subnormal or flushed, an absolute error below ``2^emin``.
+    """
+    acc = num.format_of("accum")
+    return acc.smallest_normal if acc.smallest_normal > fmt.smallest_normal else 0.0
+
+
 def _head(
     q: np.ndarray,
     k: np.ndarray,
@@ -279,76 +378,117 @@ def _head(
     given: tuple[Any, Any, Any] | None = None,
     lam: float | None = None,
     masked: np.ndarray | None = None,
-) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-    """The terms of Theorem A.1 for one head, the float64 output ``o = p v``, ``|o - o*|`` and
-    the logits term apportioned to the sources of the logit errors (``Bound.parts``).
+    replaced: np.ndarray | None = None,
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray], _Ranges]:
+    """The terms of Theorem A.1 for one head, the float64 output ``o = p v``, ``|o - o*|``, the
+    logits term apportioned to the sources of the logit errors (``Bound.parts``) and the output
+    entries the range checks (papers/attention.md, R) cannot prove finite.
 
     2-D inputs; ``keep`` marks the attended keys (the exact attention's), ``bias`` is finite
     where ``keep``. ``masked`` (only for a finite masking constant) marks the keys the mask
     excludes: their computed logits are the constant (``fill``) or the logit plus the constant
-    (``add``), a leakage the term ``mask`` bounds (step 3'). ``errors`` bound ``|q_used - q|``
-    etc., the operands the dots read before any operand-format rounding (step 1). ``given``
-    bounds the errors of the float64 ``q, k, v`` themselves against the exact values the
-    reference uses (A.2: float64 projections; the scale on q and k); their effect on the exact
-    output is the term ``evaluation``.
+    (``add``), a leakage the term ``mask`` bounds (step 3'). ``replaced`` marks the logits the
+    mask replaces by a constant (their computed scores never reach the softmax). ``errors``
+    bound ``|q_used - q|`` etc., the operands the dots read before any operand-format rounding
+    (step 1). ``given`` bounds the errors of the float64 ``q, k, v`` themselves against the
+    exact values the reference uses (A.2: float64 projections; the scale on q and k); their
+    effect on the exact output is the term ``evaluation``. The float64 logits the bound is
+    evaluated on are off the exact ones by at most ``ε64`` (step 0); that is added to the
+    logits' errors and, as a perturbation of the target, to ``evaluation``.
     """
+    ranges = _Ranges(q.shape[-2], v.shape[-1])
+    store = num.storage_format
+    # R.1: the stored operands (the inputs rounded to the input format, or the projections)
+    for x, e, name, how in ((q, errors[0], "q", "q"), (k, errors[1], "k", "k")):
+        ranges.check(np.abs(x) + e, store, f"{name} in the input format", rows=how)
+    ranges.check(np.abs(v) + errors[2], store, "v in the input format", cols=True)
     if num.scale != "scores":
-        q, k, errors, given = _scale_operands(q, k, errors, given, num, scale, default_scale)
+        q, k, errors, given = _scale_operands(
+            q, k, errors, given, num, scale, default_scale, ranges
+        )
         scale, default_scale = 1.0, False
     d_k, n = q.shape[-1], k.shape[-2]
-    fmts = {r: num.format_of(r) for r in ("score", "softmax", "prob")}
-    u_s, u_m, eta_s = fmts["score"].u, fmts["softmax"].u, fmts["score"].smallest_normal
-    # Step 1. Operands: |q_used - q| <= e_q, then the rounding into the operand format (TF32).
+    fmts = {r: num.format_of(r) for r in ("score", "softmax", "prob", "accum")}
+    acc = fmts["accum"]
+    u_s, eta_s = fmts["score"].u, fmts["score"].smallest_normal
+    # Step 1. Operands: |q_used - q| <= e_q, then the rounding into the operand format (TF32)
+    # and the reading into the accumulation format.
     u_op, eta_op = _operand_error(num)
+    op = num.operand_rounding
     fin = num.format_of("input")
-    f_q = num.format_of("scale") if num.scale != "scores" else fin
-    f_k = num.format_of("scale") if num.scale == "qk" else fin
+    f_q = num.format_of("scale") if num.scale != "scores" else store
+    f_k = num.format_of("scale") if num.scale == "qk" else store
     bits_qk = (_operand_bits(num, f_q), _operand_bits(num, f_k))
     bits_pv = (_operand_bits(num, fmts["prob"]), _operand_bits(num, fin))
+    conv = {f: _conversion_eta(num, op or f) for f in (f_q, f_k, store)}
     e_q, e_k, e_v = errors
     q_abs, k_abs = np.abs(q), np.abs(k)
     q_used, k_used = q_abs + e_q, k_abs + e_k
-    e_q_op, e_k_op = e_q + u_op * q_used + eta_op, e_k + u_op * k_used + eta_op
+    e_q_op = e_q + u_op * q_used + eta_op + conv[f_q]
+    e_k_op = e_k + u_op * k_used + eta_op + conv[f_k]
     q_op, k_op = q_abs + e_q_op, k_abs + e_k_op
-    v_abs = (1 + u_op) * (np.abs(v) + e_v) + eta_op
-    u_div = 2 * num.div_ulps * u_m
+    v_abs = (1 + u_op) * (np.abs(v) + e_v) + eta_op + conv[store]
+    # R.2: the operands read into the operand and accumulation formats
+    for fmt, where in ((op, "the dot's operand format"), (acc, "the accumulation format")):
+        if fmt is not None:
+            ranges.check(q_op, fmt, f"q read into {where}", rows="q")
+            ranges.check(k_op, fmt, f"k read into {where}", rows="k")
+            ranges.check(v_abs, fmt, f"v read into {where}", cols=True)
+    u_div = division_error(num.div_ulps, fmts["softmax"].u)
     # Step 2. The constant: the float64 value of 1/sqrt(d_k) (two float64 roundings unless
     # d_k = 4^m) or the given scale, rounded once into the score format; the product by it is
-    # exact when it is a power of two.
-    c_hat = float(round_to(scale, fmts["score"]))
+    # exact when it is a normal power of two; a subnormal constant may be read as zero.
+    c_hat, u_c, u_mul = _scale_rounding(scale, fmts["score"])
     if default_scale and not _is_power_of_four(d_k):
         # irrational: fl(1/fl(sqrt(d))) = c(1+δ2)/(1+δ1) in float64, then rounded into F_score
-        u_c = (1 + 2.0**-53) / (1 - 2.0**-53) * (1 + u_s) - 1
-    else:
-        u_c = 0.0 if c_hat == scale else u_s
-    u_mul = 0.0 if math.frexp(c_hat)[0] == 0.5 else u_s
+        u_c = (1 + 2.0**-53) / (1 - 2.0**-53) * (1 + u_c) - 1
     theta = (1 + u_s) * (1 + u_c) * (1 + u_mul) - 1
 
     # Step 3. The logits' errors δ_ij.
     t = q @ k.T
-    if np.max(scale * (q_abs @ k_abs.T), initial=0.0) > _LOGIT_LIMIT:
-        msg = f"q: expected scale·|q|·|k| <= 2^12 for a float64 evaluation of A.1, got {np.max(scale * (q_abs @ k_abs.T)):.3g}"
-        raise InvalidArgument(msg)
+    qk_abs = q_abs @ k_abs.T
     operands = e_q_op @ k_abs.T + q_abs @ e_k_op.T + e_q_op @ e_k_op.T
     f_qk, anchor = _unit_factor(num, d_k, lam, bits=bits_qk), _anchor(num)
     unit = f_qk * (q_op @ k_op.T) + _unit_eta(num, d_k)
     if anchor:
         sums = q_op.sum(axis=-1)[:, None] + k_op.sum(axis=-1)[None, :] + d_k * anchor
         unit = unit + f_qk * anchor * sums
+    # Step 0. The float64 logits s = c·t (+ b) are off the exact ones by at most eps64.
+    eps64 = _F64_DOT * (d_k + 2) * abs(scale) * qk_abs
     # the sources of δ (they add up to it), to apportion the logits term: Bound.parts
     sources = {
         "operands": scale * operands * (1 + theta),
         "qk_dot": scale * unit * (1 + theta),
-        "scale": scale * theta * np.abs(t) + (abs(c_hat) * (1 + u_s) + 2) * eta_s,
+        "scale": scale * theta * np.abs(t) + (abs(c_hat) * (1 + u_s) + 2) * eta_s + eps64,
     }
+    # R.3: QKᵀ in the accumulation format, rounded to the score format, scaled there
+    used = np.ones_like(keep) if replaced is None else ~replaced
+    acc_upper = np.where(used, q_op @ k_op.T + unit, 0.0)
+    ranges.check(acc_upper, acc, "QKᵀ accumulated")
+    ranges.check(acc_upper, fmts["score"], "QKᵀ rounded to the score format")
+    s_upper = abs(c_hat) * ((1 + u_s) * acc_upper + eta_s) * (1 + u_s) + eta_s
+    if num.scale == "scores":
+        ranges.check(s_upper, fmts["score"], f"the scores times the scale {c_hat:.4g}")
     delta = sum(sources.values())
     s = scale * t
     if bias is not None:
         b0 = np.where(np.isfinite(bias), bias, 0.0)
         u_b, eta_b = _rounding(fmts["score"], b0[np.isfinite(bias)])
         s = s + b0
+        eps_b = 2.0**-53 * np.abs(s)
         sources = {name: (1 + u_s) * x for name, x in sources.items()}
         sources["bias"] = (1 + u_s) * (u_b * np.abs(b0) + eta_b) + u_s * np.abs(s) + eta_s
+        sources["scale"] = sources["scale"] + eps_b
+        eps64 = eps64 + eps_b
+        delta = sum(sources.values())
+        s_upper = s_upper + np.abs(b0) * (1 + u_b) + eta_b
+        ranges.check(np.where(used, s_upper, 0.0), fmts["score"], "the scores plus the bias")
+    # R.4: the scores read into the softmax format (and its smallest normal)
+    ranges.check(
+        np.where(used, s_upper, 0.0), fmts["softmax"], "the scores read into the softmax format"
+    )
+    if fmts["softmax"].smallest_normal > fmts["score"].smallest_normal:
+        sources["scale"] = sources["scale"] + fmts["softmax"].smallest_normal
         delta = sum(sources.values())
     # Step 3'. A finite masking constant M: the computed logits are those of the leaky problem
     # (the masked keys keep the logit M (fill) or s + M (add)); ``live`` marks its keys.
@@ -381,7 +521,7 @@ def _head(
         exclude = live & ~keep
     delta = np.where(live, delta, 0.0)
     s = np.where(live, s, -np.inf)
-    terms, p = _softmax_pv(s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div)
+    terms, p = _softmax_pv(s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges)
     # The logits term apportioned to the sources of δ by their p-weighted share in each row.
     row_delta = (p * delta).sum(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -405,12 +545,26 @@ def _head(
         spread = np.abs(v)[None, :, :] + np.abs(o)[:, None, :]
         floor = np.where(empty, 0.0, n * 2.0**-1022 * spread.max(axis=1))
         terms["mask"] = np.einsum("ij,ijl->il", leak, spread) + floor
-    o_error = _EVALUATION * (p_t @ np.abs(v))
+    # The float64 logits' own error eps64 moves the target (Theorem S.4).
+    big = np.max(np.where(target, eps64, 0.0), axis=-1, keepdims=True)
+    o_error = _EVALUATION * (p_t @ np.abs(v)) + np.expm1(2 * big) * (p_t @ np.abs(v))
+    evaluation = np.expm1(2 * big) * (p_t @ np.abs(v))
     if given is not None:
-        terms["evaluation"] = _given_error(q_abs, k_abs, v, p_t, target, scale, given)
-        o_error = o_error + terms["evaluation"]
+        given_error = _given_error(q_abs, k_abs, v, p_t, target, scale, given)
+        evaluation = evaluation + given_error
+        o_error = o_error + given_error
+    if given is not None or num.scale != "scores" or np.any(evaluation > 0):
+        terms["evaluation"] = evaluation
     terms = {name: value * (1 + _EVALUATION) for name, value in terms.items()}
-    return terms, o, o_error, parts
+    # R.6: the output, |o_hat| <= |o| + the bound, in the output format (online: and the
+    # softmax format it is divided in)
+    upper = np.abs(o) + sum(terms.values())
+    ranges.check(upper, num.format_of("output"), "the output", entries=True)
+    if num.softmax_kind == "online":
+        ranges.check(
+            upper, fmts["softmax"], "the output divided in the softmax format", entries=True
+        )
+    return terms, o, o_error, parts, ranges
 
 
 def _softmax_pv(
@@ -424,41 +578,51 @@ def _softmax_pv(
     bits_pv: tuple[int, int],
     anchor: float,
     u_div: float,
+    ranges: _Ranges,
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Steps 4-7 of A.1 for logits ``s`` (``-inf`` where not live) off by at most ``delta``.
 
-    Returns the terms (against the exact attention of these logits) and its probabilities.
+    Returns the terms (against the exact attention of these logits) and its probabilities; rows
+    whose softmax sum may be off by 100%, or (naive) may overflow or flush its reciprocal, and
+    sums that may overflow their format are recorded in ``ranges``. Everything is evaluated on
+    the logits shifted by the row maximum, so the float64 evaluation does not lose accuracy
+    with the logits' magnitude.
     """
     n = s.shape[-1]
-    fmts = {r: num.format_of(r) for r in ("softmax", "prob", "output")}
+    fmts = {r: num.format_of(r) for r in ("softmax", "prob", "output", "accum")}
     u_p, u_o = fmts["prob"].u, fmts["output"].u
     eta_m, eta_p, eta_o = (fmts[r].smallest_normal for r in ("softmax", "prob", "output"))
     u_op, eta_op = _operand_error(num)
-    # Step 4 (per key). p̃_j = p_j e^{δ_j} / Σ_l p_l e^{δ_l} lies in
-    # [p_j e^{-δ̄_j}/E_hi, p_j e^{δ̄_j}/E_lo], E_lo = Σ p_l e^{-δ̄_l}, E_hi = Σ p_l e^{δ̄_l}.
+    eta_op = eta_op + _conversion_eta(num, num.operand_rounding or fmts["prob"])
+    # Step 4 (per key, Lemma 4). p̃_j = p_j e^{ε_j} / Σ_l p_l e^{ε_l}, |ε_l| <= δ_l, grows
+    # with ε_j and falls with every other ε_l, so its extremes over the box are
+    # p_j e^{±δ_j} / (p_j e^{±δ_j} + Σ_{l≠j} p_l e^{∓δ_l}).
     top = s.max(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        lse = top + np.log(np.exp(s - top).sum(axis=-1, keepdims=True))
-        log_p = s - lse
-        log_e_lo = _logsumexp(log_p - delta)
-        log_e_hi = _logsumexp(log_p + delta)
+    with np.errstate(invalid="ignore"):
+        sc = np.where(live, s - np.where(np.isfinite(top), top, 0.0), -np.inf)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_p = sc - np.log(np.exp(sc).sum(axis=-1, keepdims=True))
+        a_lo, a_hi = log_p - delta, log_p + delta
+        log_pt_hi = a_hi - np.logaddexp(a_hi, _log_sum_excluding(a_lo))
+        log_pt_lo = a_lo - np.logaddexp(a_lo, _log_sum_excluding(a_hi))
+    log_pt_hi = np.where(live, np.minimum(log_pt_hi, 0.0), -np.inf)  # p̃_j <= 1
+    log_pt_lo = np.where(live, log_pt_lo, -np.inf)
     p = np.exp(log_p)
-    log_pt_hi = np.minimum(log_p + delta - log_e_lo, 0.0)  # p̃_j <= 1
     p_tilde_hi = np.exp(log_pt_hi)
-    p_tilde_lo = np.exp(log_p - delta - log_e_hi)
+    p_tilde_lo = np.exp(log_pt_lo)
     logits = np.maximum(p_tilde_hi - p, p - p_tilde_lo)
     # Step 5. |ŝ_j - m| <= G_j for the computed maximum m in [lo, hi] (safe, online).
-    lo = np.where(live, s - delta, -np.inf).max(axis=-1, keepdims=True)
-    hi = np.where(live, s + delta, -np.inf).max(axis=-1, keepdims=True)
-    gap = np.where(live, np.maximum(hi - s + delta, np.abs(s + delta - lo)), 0.0)
+    lo = np.where(live, sc - delta, -np.inf).max(axis=-1, keepdims=True)
+    hi = np.where(live, sc + delta, -np.inf).max(axis=-1, keepdims=True)
+    gap = np.where(live, np.maximum(hi - sc + delta, np.abs(sc + delta - lo)), 0.0)
     kind = num.softmax_kind
     online = kind == "online"
     x, blocks, g_sum, g_pv, eta_pv = _exp_and_sum_factors(num, n, gap, lam, bits_pv)
     x = np.broadcast_to(x, s.shape)
     if kind == "naive":
-        log_s_lo = _logsumexp(s - delta)
+        log_s_lo = top + _logsumexp(sc - delta)
     else:
-        log_s_lo = np.maximum(0.0, _logsumexp(s - delta - hi))
+        log_s_lo = np.maximum(0.0, _logsumexp(sc - delta - hi))
     # R_j = e^{x_j} - 1: the relative error of the computed (rescaled) exponential of key j.
     x = np.where(live, x, 0.0)
     log_r = _log_expm1_upper(np.maximum(x, 1e-300))
@@ -470,20 +634,38 @@ def _softmax_pv(
         underflow = n * eta_m * np.exp(-log_s_lo)
         t_sum = (1 + r_bar + underflow) * (1 + g_sum) - 1 + underflow
     vacuous = ~np.isfinite(t_sum) | (t_sum >= 1)
+    ranges.flag(
+        vacuous,
+        "softmax: the computed row sum may be off by 100% (its error factor T >= 1)",
+        "vacuous",
+    )
+    fm = fmts["softmax"]
     if kind == "naive":
-        # No shift: exp may overflow, and XLA divides by the row sum as a product with its
-        # reciprocal, which flushes to zero once the sum exceeds 2^-emin (papers/attention.md,
-        # step 5). Either makes the bound vacuous for the row.
-        fm = fmts["softmax"]
-        log_sum = _logsumexp(s + delta) + math.log(2)
+        # No shift: exp or the row sum may overflow F_m, and XLA divides by the row sum as a
+        # product with its reciprocal, which flushes to zero once the sum exceeds 2^-emin of
+        # its carrier (papers/attention.md, step 5). Each makes the row vacuous.
+        log_sum = top + _logsumexp(sc + delta) + math.log(2)
         carrier_emin = -1022 if fm.name == "float64" else -126  # the reciprocal's format
         flush = log_sum >= -carrier_emin * math.log(2) - 1
-        vacuous = vacuous | flush | (hi >= math.log(fm.max_finite) - 1)
+        over = (top + hi >= math.log(fm.max_finite) - 1) | (log_sum >= math.log(fm.max_finite))
+        ranges.flag(
+            over,
+            f"naive softmax: exp of an unshifted logit or the row sum may overflow {fm.name} "
+            f"(largest finite {fm.max_finite:.6g})",
+            "vacuous",
+        )
+        ranges.flag(
+            flush & ~over,
+            "naive softmax: the row sum may exceed 2^-emin of the reciprocal's format, which "
+            "then flushes to zero",
+            "vacuous",
+        )
+        vacuous = vacuous | flush | over
     t_safe = np.where(vacuous, 0.0, t_sum)
     per_sum = np.exp(np.where(vacuous, 0.0, -log_s_lo)) / (1 - t_safe)
 
     y = x + math.log1p(u_div) - np.log1p(-t_safe)
-    soft = np.where(vacuous, 0.0, _times_expm1(log_pt_hi, y))  # vacuous rows: the inf term
+    soft = np.where(vacuous, 0.0, _times_expm1(log_pt_hi, y))  # vacuous rows: flagged
     soft += eta_m * (1 + u_div) * per_sum + eta_m
     p_hat_hi = p_tilde_hi + soft
     prob = u_p * p_hat_hi + (eta_p * per_sum + blocks * eta_m * per_sum if online else eta_p)
@@ -494,7 +676,32 @@ def _softmax_pv(
         # the P·V unit reads p̂ (online: unnormalised weights <= 1, divided by the sum later)
         weights = n if online else p_hat_hi.sum(axis=-1, keepdims=True)
         eta_pv = eta_pv + g_pv * anchor * (weights + v_abs.sum(axis=0) + n * anchor)
-    o = p @ v
+    # R.5: the sums. Online: every rescaled exponential is at most (1 + ε_e)(1 + u_m) per
+    # block, so the running sum is below n·growth·(1 + g) and every partial P·V sum below
+    # growth·(1 + g_pv)·Σ_j |v_j|; safe and naive: the P·V partial sums stay below
+    # (1 + g_pv)·p̂|v| + η.
+    rows_live = live.any(axis=-1, keepdims=True)
+    if online:
+        eps_e = 2 * num.exp_ulps * fm.u
+        growth = ((1 + eps_e) * (1 + fm.u) * (1 + fmts["accum"].u) ** 2) ** (blocks + 1)
+        ranges.check(
+            np.where(rows_live, n * growth * (1 + g_sum) + n * blocks * eta_m, 0.0),
+            fm,
+            "online softmax: the running sum",
+        )
+        acc_upper = growth * (1 + u_p) * (1 + g_pv) * v_abs.sum(axis=0) + eta_pv
+        for fmt in (fmts["accum"], fm):
+            ranges.check(
+                np.where(rows_live, acc_upper[None, :], 0.0),
+                fmt,
+                "online softmax: the unnormalised P·V accumulator",
+                entries=True,
+            )
+    else:
+        pv_upper = (1 + g_pv) * np.where(vacuous, 0.0, p_hat_hi) @ v_abs + eta_pv
+        ranges.check(pv_upper, fmts["accum"], "P·V accumulated", entries=True)
+    with np.errstate(invalid="ignore"):
+        o = np.where(live, p, 0.0) @ v
 
     scale_out = (1 + u_o) * ((1 + u_div) if online else 1.0)
     terms = {
@@ -507,8 +714,6 @@ def _softmax_pv(
             u_o * np.abs(o) + eta_o + ((1 + u_o) * (u_div * np.abs(o) + eta_m) if online else 0.0)
         ),
     }
-    if vacuous.any():
-        terms["vacuous"] = np.where(vacuous, np.inf, 0.0) * np.ones_like(o)
     return terms, p
 
 
@@ -538,6 +743,23 @@ def _exp_and_sum_factors(
     g_sum = _chain(width, order, u_m, lam, products=False, extra=blocks)
     g_pv = _unit_factor(num, width, lam, bits=bits_pv, extra=blocks)
     return x, blocks, g_sum, g_pv, blocks * _unit_eta(num, width) + 2 * blocks * eta_a
+
+
+def _log_sum_excluding(a: np.ndarray) -> np.ndarray:
+    """``log Σ_{l≠j} e^{a_l}`` over the last axis, for every ``j`` (``-inf`` for a lone key).
+
+    ``log Σ - log(1 - share_j)`` loses no accuracy while ``share_j <= 1/2``; at most one key
+    per row has a larger share, and its sum is taken directly over the other keys.
+    """
+    total = _logsumexp(a)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(np.isfinite(a), np.exp(a - total), 0.0)
+        rest = total + np.log1p(-np.minimum(share, 0.5))
+        dominant = share > 0.5
+        if dominant.any():
+            others = _logsumexp(np.where(dominant, -np.inf, a))
+            rest = np.where(dominant, others, rest)
+    return rest
 
 
 def _logsumexp(x: np.ndarray) -> np.ndarray:
@@ -646,7 +868,7 @@ def attention_bound(
     rows, keys = q.shape[-2], k.shape[-2]
     extra = {n: np.shape(x)[:-2] for n, x in (("mask", mask), ("bias", bias)) if x is not None}
     batch = V.broadcast({"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2], **extra})
-    keep, masked, b = _keep_and_bias(mask, bias, (*batch, rows, keys), num)
+    keep, masked, b, replaced = _keep_and_bias(mask, bias, (*batch, rows, keys), num)
     c = V.scale_value(scale, q.shape[-1])
     qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
     fmt_in = num.format_of("input")
@@ -664,15 +886,22 @@ def attention_bound(
             (errors[0][i], errors[1][i], errors[2][i]),
             lam=lam,
             masked=None if masked is None else masked[i],
+            replaced=None if replaced is None else replaced[i],
         )
         for i in np.ndindex(*batch)
     ]
     out_shape = (*batch, rows, v.shape[-1])
-    terms = _stack([h[0] for h in heads], out_shape)
+    terms = _stack([{**h[0], **h[4].terms()} for h in heads], out_shape)
     parts = {"logits": _stack([h[3] for h in heads], out_shape)}
     total = sum(terms.values())
     chains = math.prod(batch) * rows * keys * (q.shape[-1] + 1 + v.shape[-1])
-    return _result(total, terms, "A.1", num, lam, chains, parts)
+    reasons = _reasons(h[4] for h in heads)
+    return _result(total, terms, "A.1", num, lam, chains, parts, reasons)
+
+
+def _reasons(per_head: Any) -> tuple[str, ...]:
+    """The heads' reasons for infinite entries, each once, in order of appearance."""
+    return tuple(dict.fromkeys(r for ranges in per_head for r in ranges.reasons))
 
 
 def _stack(per_head: list[dict[str, np.ndarray]], shape: tuple[int, ...]) -> dict[str, Any]:
@@ -690,23 +919,27 @@ def _result(
     lam: float | None,
     chains: int,
     parts: dict[str, dict[str, Any]] | None = None,
+    reasons: tuple[str, ...] = (),
 ) -> Bound:
     """The :class:`Bound`; with ``lam``, the probability of the union of the ``chains`` events."""
     parts = parts or {}
     if lam is None:
-        return Bound(total, terms, theorem, ASSUMPTIONS, "blanchard2021", parts=parts)
+        return Bound(
+            total, terms, theorem, ASSUMPTIONS, "blanchard2021", parts=parts, reasons=reasons
+        )
     u = max(num.format_of(r).u for r in ("accum", "softmax"))
     fail = chains * 2 * math.exp(-((lam * (1 - u)) ** 2) / 2)
     assumptions = (*ASSUMPTIONS, PROBABILISTIC)
     probability = max(0.0, 1.0 - fail)
-    return Bound(total, terms, theorem, assumptions, "higham2019", probability, parts)
+    return Bound(total, terms, theorem, assumptions, "higham2019", probability, parts, reasons)
 
 
 def _keep_and_bias(
     mask: Any, bias: Any, target: tuple[int, ...], num: Numerics
-) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """The attended keys (mask True, bias not ``-inf``), the masked keys when the masking
-    constant is finite (else ``None``), and the bias (``-inf`` entries kept).
+    constant is finite (else ``None``), the bias (``-inf`` entries kept), and the logits the
+    mask replaces by a constant (``fill`` mode; else ``None``), whose scores are never used.
 
     Raises:
         InvalidArgument: for a mask or bias that does not broadcast to ``target``, a bias that is
@@ -714,10 +947,12 @@ def _keep_and_bias(
             masking constant is ``-inf`` (its output is undefined: NaN).
     """
     keep = np.ones(target, bool)
-    masked = None
+    masked = replaced = None
     if mask is not None:
         m = np.asarray(V.bool_mask(mask, target), bool)
         keep = keep & m
+        if num.mask_mode == "fill":
+            replaced = ~np.broadcast_to(m, target)
         if num.mask_constant() != -math.inf:
             masked = ~np.broadcast_to(m, target)
     b = None
@@ -745,17 +980,17 @@ def _keep_and_bias(
                 "bias: expected at least one key per row whose logit is finite, got a row with none"
             )
             raise InvalidArgument(msg)
-    return keep, masked, b
+    return keep, masked, b, replaced
 
 
 def _check_bias_fits(b: np.ndarray, keep: np.ndarray, fmt: Format) -> None:
     """A finite bias that overflows the score format is a masking constant: outside A.1."""
-    overflow = keep & np.isinf(round_to(np.where(keep, b, 0.0), fmt))
+    overflow = keep & ~np.isfinite(round_to(np.where(keep, b, 0.0), fmt))
     if overflow.any():
         index = tuple(int(i) for i in np.argwhere(overflow)[0])
         msg = (
             f"bias: expected values finite in the score format {fmt.name}, got {b[index]} at "
-            f"index {index}, which overflows (see mhanum.bounds.analyze_mask)"
+            f"index {index}, which overflows to inf or NaN (see mhanum.bounds.analyze_mask)"
         )
         raise InvalidArgument(msg)
 
@@ -773,6 +1008,7 @@ class _Linear:
     fixed: np.ndarray
     slope: np.ndarray
     kappa: float
+    given_x: np.ndarray
 
     def error(self, e_x: np.ndarray) -> np.ndarray:
         return self.fixed + self.kappa * (e_x @ self.slope)
@@ -824,7 +1060,74 @@ def _linear(
     fixed = out.u * y_bar + (1 + out.u) * fixed + out.smallest_normal
     kappa *= 1 + out.u
     scale = 1 + _EVALUATION
-    return _Linear(y, y_given * scale, fixed * scale, slope, kappa * scale)
+    return _Linear(y, y_given * scale, fixed * scale, slope, kappa * scale, x_given)
+
+
+def _linear_overflow(
+    lin: _Linear,
+    x: np.ndarray,
+    e_x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None,
+    num: Numerics,
+    out: Format,
+    name: str,
+) -> tuple[np.ndarray, list[str]]:
+    """R.7: the entries of ``ŷ = fl_out(x̂ ŵ + b̂)`` that may overflow, and why.
+
+    With ``x̂`` off ``x`` by at most ``e_x``: the operands read into the operand and
+    accumulation formats, every partial sum of the dot (below ``(1 + g)·Σ|x̂||ŵ| + η``, and
+    with the bias), and the rounding into ``out`` (``|ŷ| <= |y| + given + error``).
+    """
+    fmt_in, acc = num.format_of("input"), num.format_of("accum")
+    op = num.operand_rounding
+    u_op, eta_op = _operand_error(num)
+    x_op = (1 + u_op) * (np.abs(x) + lin.given_x + e_x) + eta_op
+    d = x.shape[-1]
+    bits = _operand_bits(num, fmt_in)
+    g = _unit_factor(num, d, None, bits=(bits, bits))
+    bad = np.zeros(np.broadcast_shapes((*x.shape[:-1], 1), (w.shape[-1],)), bool)
+    reasons: list[str] = []
+
+    def check(upper: Any, fmt: Format, stage: str) -> None:
+        nonlocal bad
+        hit = ~(np.asarray(upper, np.float64) <= fmt.max_finite)
+        if hit.any():
+            bad = bad | np.broadcast_to(hit, bad.shape)
+            worst = float(np.max(np.where(np.isnan(upper), np.inf, upper)[hit]))
+            reason = (
+                f"{stage}: values up to {worst:.4g} may overflow {fmt.name} "
+                f"(largest finite {fmt.max_finite:.6g})"
+            )
+            if reason not in reasons:
+                reasons.append(reason)
+
+    w_upper = np.abs(w) + _rounding_error(w, fmt_in)
+    check(
+        np.broadcast_to(w_upper.max(axis=0), bad.shape),
+        fmt_in,
+        f"{name}: the weights in the input format",
+    )
+    for fmt, where in ((op, "the dot's operand format"), (acc, "the accumulation format")):
+        if fmt is not None:
+            check(x_op.max(axis=-1, keepdims=True), fmt, f"{name}: the operand read into {where}")
+            check(
+                np.broadcast_to(lin.slope.max(axis=0), bad.shape),
+                fmt,
+                f"{name}: the weights read into {where}",
+            )
+    dot = (1 + g) * (x_op @ lin.slope) + _unit_eta(num, d)
+    check(dot, acc, f"{name}: the product accumulated")
+    if b is not None:
+        check(
+            dot + (np.abs(b) + _rounding_error(b, fmt_in)) * (1 + acc.u) + acc.smallest_normal,
+            acc,
+            f"{name}: the product plus the bias",
+        )
+    check(
+        np.abs(lin.y) + lin.given + lin.error(e_x), out, f"{name}: the result rounded to {out.name}"
+    )
+    return bad, reasons
 
 
 def _split(x: np.ndarray, heads: int) -> np.ndarray:
@@ -918,7 +1221,7 @@ def mha_bound(
     _check_scope(num)
     outer = V.broadcast({"x_q": xs["x_q"].shape[:-2], "x_kv": xs["x_kv"].shape[:-2]})
     rows, keys = xs["x_q"].shape[-2], xs["x_kv"].shape[-2]
-    keep, masked, b = _keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)
+    keep, masked, b, replaced = _keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)
     w: dict[str, Any] = {
         f.name: None if getattr(params, f.name) is None else np.asarray(getattr(params, f.name))
         for f in dataclasses.fields(params)
@@ -926,6 +1229,10 @@ def mha_bound(
     w = {name: None if a is None else a.astype(np.float64) for name, a in w.items()}
     fmt_in, storage = num.format_of("input"), num.storage_format
     proj = {}
+    # R.7: rows of the output that an overflow may reach (a query row: that row; a key or
+    # value anywhere: every row of the batch element), and why
+    bad_rows = np.zeros((*outer, rows, 1), bool)
+    reasons: list[str] = []
     for name, x, wn, bn in (
         ("q", "x_q", "wq", "bq"),
         ("k", "x_kv", "wk", "bk"),
@@ -933,7 +1240,20 @@ def mha_bound(
     ):
         x64 = np.broadcast_to(xs[x], (*outer, *xs[x].shape[-2:]))
         lin = _linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage, lam)
-        used = lin.error(_rounding_error(x64, fmt_in))
+        e_in = _rounding_error(x64, fmt_in)
+        used = lin.error(e_in)
+        bad_in = np.asarray(~(np.abs(x64) + e_in <= fmt_in.max_finite))
+        bad, why = _linear_overflow(
+            lin, x64, e_in, w[wn], w[bn], num, storage, f"{name} projection"
+        )
+        if bad_in.any():
+            why = [f"{x}: values may overflow the input format {fmt_in.name}", *why]
+            bad = bad | bad_in.any(axis=-1, keepdims=True)
+        reasons += why
+        hit = np.asarray(np.asarray(bad).any(axis=-1, keepdims=True))
+        if name != "q":
+            hit = np.broadcast_to(hit.any(axis=-2, keepdims=True), bad_rows.shape)
+        bad_rows = bad_rows | hit
         proj[name] = (
             _split(lin.y, heads),
             _split(used + lin.given, heads),
@@ -956,6 +1276,7 @@ def mha_bound(
             (gq[i], gk[i], gv[i]),
             lam,
             None if masked is None else masked[i],
+            None if replaced is None else replaced[i],
         )
     shape = (*outer, heads, rows, params.v_width // heads)
 
@@ -970,8 +1291,26 @@ def mha_bound(
     head_parts = {n: gather(lambda r, n=n: r[3].get(n, np.zeros_like(r[1]))) for n in sources}
     o, o_given = gather(lambda r: r[1]), gather(lambda r: r[2])
     out = _linear(o, o_given, w["wo"], w["bo"], num, num.format_of("output"), lam)
+    head_bad = {
+        n: gather(lambda r, n=n: r[4].where.get(n, np.zeros(r[4].shape, bool)))
+        for n in ("overflow", "vacuous")
+    }
+    reasons += _reasons(r[4] for r in results.values())
+    o_err = np.sum(list(head_terms.values()), axis=0)
+    bad_out, why = _linear_overflow(
+        out, o, o_err, w["wo"], w["bo"], num, num.format_of("output"), "output projection"
+    )
+    reasons += why
     terms = {f"attention.{n}": out.kappa * (t @ out.slope) for n, t in head_terms.items()}
     terms["output_projection"] = out.fixed
+    full = terms["output_projection"].shape
+    overflow = (
+        np.broadcast_to(bad_rows | head_bad["overflow"].any(axis=-1, keepdims=True), full) | bad_out
+    )
+    vacuous = np.broadcast_to(head_bad["vacuous"].any(axis=-1, keepdims=True), full)
+    for n, hit in (("overflow", overflow), ("vacuous", vacuous)):
+        if hit.any():
+            terms[n] = np.where(hit, np.inf, 0.0)
     logits = {n: out.kappa * (t @ out.slope) for n, t in head_parts.items()}
     total = sum(terms.values())
     d_v = params.v_width // heads
@@ -981,4 +1320,7 @@ def mha_bound(
         + keys * (params.qk_width + params.v_width) * params.d_kv
         + rows * params.d_out * params.v_width
     )
-    return _result(total, terms, "A.2", num, lam, chains, {"attention.logits": logits})
+    reasons = list(dict.fromkeys(reasons))
+    return _result(
+        total, terms, "A.2", num, lam, chains, {"attention.logits": logits}, tuple(reasons)
+    )

@@ -376,7 +376,7 @@ def analyze_mask(
     n_keys: int | None = None,
     softmax: str = "safe",
     exp_ulps: float = 2.0,
-    div_ulps: float = 0.5,
+    div_ulps: float = 1.0,
 ) -> MaskAnalysis:
     """Analyse a masking constant: papers/masking.md Theorems M.1–M.6.
 
@@ -560,7 +560,9 @@ def _analyze(
                 den = _MP.zero
         else:
             den = _MP.one
-        per_key = _up(num / den * (1 + 2 * kd * u) + kd * alpha) if den > 0 else math.inf
+        per_key = (
+            _up(num / den * (1 + _MP.mpf(u)) ** (2 * kd) + kd * alpha) if den > 0 else math.inf
+        )
     leakage_bound = None if n is None else (0.0 if leak_zero else _up(_MP.mpf(per_key) * (n - 1)))
     if leak_zero:
         notes.append(
@@ -691,7 +693,7 @@ def safe_mask_range(
     softmax_format: Format | str | None = None,
     softmax: str = "safe",
     exp_ulps: float = 2.0,
-    div_ulps: float = 0.5,
+    div_ulps: float = 1.0,
 ) -> MaskRange:
     """The interval of safe masking constants: papers/masking.md Theorem M.7.
 
@@ -776,7 +778,7 @@ def recommend_mask_value(
     softmax_format: Format | str | None = None,
     softmax: str = "safe",
     exp_ulps: float = 2.0,
-    div_ulps: float = 0.5,
+    div_ulps: float = 1.0,
 ) -> MaskRecommendation:
     """A safe constant (papers/masking.md Theorem M.7): a negative power of two, exactly representable in every
     binary format, near the geometric middle of the safe range, so that it is as far (in ratio)
