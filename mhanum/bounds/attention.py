@@ -40,7 +40,10 @@ ASSUMPTIONS = (
     "round-to-nearest; a rounding into F is x(1+δ)+η, |δ| <= u_F, |η| <= 2^emin_F (flush-to-zero)",
     "exp in the softmax format within exp_ulps ulps, division within div_ulps ulps",
     "sums and dots in numerics.summation: tree orders γ_h, Kahan as Theorem R.4 (Theorem S.0)",
-    "no overflow",
+    (
+        "no overflow: proved on the given values stage by stage (papers/attention.md, R); where it "
+        "cannot be, the entries it reaches are inf (terms overflow, vacuous) with Bound.reasons"
+    ),
 )
 
 
@@ -824,8 +827,15 @@ def attention_bound(
 
     Assumptions: round-to-nearest with an absolute underflow term ``2^emin`` per rounding (so
     XLA's flush-to-zero is covered); ``exp`` within ``numerics.exp_ulps`` ulps and division within
-    ``numerics.div_ulps`` ulps of the softmax format; no overflow; ``n·u < 1``. Rows where the
-    computed softmax sum may be off by 100% get an infinite bound (term ``vacuous``).
+    ``numerics.div_ulps`` ulps of the softmax format (division: relative
+    ``(1 + u)^(2·div_ulps) - 1``); ``n·u < 1``. *No overflow* is not assumed but proved on the
+    given values, stage by stage (papers/attention.md, section R): the stored operands, their
+    reads into the operand and accumulation formats, ``Q Kᵀ``, the scale, the bias, the read
+    into the softmax format, the sums of the softmax and of ``P V`` and the output. Entries that
+    a stage which may overflow reaches get an infinite bound (term ``overflow``), as do rows
+    whose computed softmax sum may be off by 100% (term ``vacuous``); ``Bound.reasons`` says
+    why, one sentence per cause, and ``str(bound)`` shows it. Large logits are not refused: the
+    float64 evaluation's own error is part of the bound (step 0).
 
     Args:
         q, k, v: 2-D or batched inputs as for :func:`mhanum.attention` (float64 values; if they
@@ -842,13 +852,15 @@ def attention_bound(
             (union bound). Exp, division and single roundings stay deterministic.
 
     Returns:
-        A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape.
+        A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape, ``inf`` exactly
+        where ``Bound.reasons`` says.
 
     Raises:
         InvalidArgument: outside the theorem's scope (a score format wider than the softmax
             format, a fully-masked row under ``-inf``, an add-mode constant whose masked logits
-            may overflow the score format, a finite bias that overflows it), or for shapes,
-            dtypes or values that do not fit.
+            may overflow the score format, a finite bias that overflows it to inf or NaN, a
+            masking constant that becomes NaN in the score format), or for shapes, dtypes or
+            values that do not fit.
 
     References:
         blanchard2021; higham2002 (§3.1); papers/attention.md Theorem A.1.

@@ -443,7 +443,18 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
         rest = total_arr - sum(out.values())
     out["second_order"] = np.where(np.isfinite(rest), np.maximum(rest, 0.0), 0.0)
     label = {"naive": "S.1", "safe": "S.2", "online": "S.3"}[kind]
+    reasons: tuple[str, ...] = ()
+    if not np.isfinite(total_arr).all():
+        why = (
+            f"exp of an unshifted logit or the row sum may overflow {model.fmt.name}, or the sum "
+            "exceed 2^-emin of the reciprocal's format (flushed to zero), or the computed sum "
+            "be off by 100%"
+            if kind == "naive"
+            else "the computed row sum may be off by 100% (its error factor reaches 1)"
+        )
+        reasons = (f"{kind} softmax: {why}",)
     return Bound(
+        reasons=reasons,
         total=total_arr,
         terms=out,
         theorem=f"papers/softmax.md Theorem {label}",

@@ -231,3 +231,25 @@ def test_mha_projection_overflow_is_inf_with_a_reason():
     assert not finite.all()
     assert np.isfinite(out[finite]).all()
     assert any("projection" in r for r in bound.reasons), bound.reasons
+
+
+def test_softmax_bound_and_a1_agree_on_a_float16_naive_row_that_overflows():
+    from mhanum.bounds.softmax import softmax_bound
+
+    num = FP16.replace(softmax="naive")
+    logits = np.full((1, 64), 9.0)  # 64·e^9 = 5.2e5 > 65504: the row sum overflows
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = np.asarray(mn.softmax(logits, numerics=num), np.float64)
+    assert not np.allclose(out, 1 / 64)
+    alone = softmax_bound(logits, num)
+    composed = attention_bound(
+        np.full((1, 1), 3.0),
+        np.full((64, 1), 3.0),
+        np.ones((64, 1)),
+        numerics=num,
+        scale=1.0,
+    )
+    assert np.isinf(alone.total).all()
+    assert alone.reasons
+    assert np.isinf(composed.total).all()
+    assert composed.reasons
