@@ -113,11 +113,13 @@ ONLINE_BLOCK = 64
 """The key-block size assumed for cuDNN's flash attention (an assumption, recorded)."""
 BOUND_RTOL = 1e-9
 """A recomputed bound farther than this (relative) from the recorded one: "inconsistent"."""
-BOUND_REVISION = 2
+BOUND_REVISION = 3
 """The revision of Theorem A.1's evaluation that records are written with. A record of an
 earlier revision (no ``bound.revision``: 1) whose bound differs from today's is ``stale``, not
 ``inconsistent``: see :func:`check`. Revision 2: per-key logit errors (Lemma 4), weighted softmax
-sum errors and telescoped online rescalings (papers/attention.md)."""
+sum errors and telescoped online rescalings (papers/attention.md). Revision 3: exact per-key
+extremes (Lemma 4), the float64 evaluation error in the logits, range proved on the values
+(papers/attention.md, R), division modelled as a product with the reciprocal."""
 
 
 # Inputs -------------------------------------------------------------------------------------------

@@ -136,6 +136,7 @@ def _attention_bounds(
     lam = _lam(n * length * length * (2 * config.d_k + 1), config.probability, num)
     out: dict[str, Any] = {
         "bound_a_posteriori": None,
+        "bound_reasons": [],
         "bound_probabilistic": None,
         "probabilistic_lam": lam,
         "probabilistic_probability": None,
@@ -153,7 +154,10 @@ def _attention_bounds(
         at = np.unravel_index(int(np.argmax(total)), total.shape)
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(err == 0, 0.0, err / total)
+        for reason in post.reasons:  # where A.1 is infinite, and why (papers/attention.md, R)
+            _note(f"A.1 is inf where {reason}", refusals)
         out |= {
+            "bound_reasons": list(post.reasons),
             "bound_a_posteriori": [float(x) for x in _per_sample_max(total, n)],
             "ratio": [float(x) for x in _per_sample_max(ratio, n)],
             "dominant_term": post.dominant(),
