@@ -849,7 +849,11 @@ def attention_bound(
         lam: if given, the probabilistic variant: every sum and dot factor ``γ_h`` becomes
             Higham & Mary's ``γ̃_h(λ) = exp(λ√h·u + hu²/(1-u)) - 1`` (Theorem R.6), and
             ``Bound.probability`` is ``1 - N·2exp(-λ²(1-u)²/2)`` for the ``N`` product chains
-            (union bound). Exp, division and single roundings stay deterministic.
+            (union bound). Exp, division and single roundings stay deterministic. The
+            independence of the rounding errors is a model: on inputs whose roundings all go
+            one way (sums of equal values just above half an ulp) the error is ``~h·u`` and
+            exceeds this bound (papers/attention.md, A.3); use ``lam=None`` for adversarial or
+            structured data.
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape, ``inf`` exactly

@@ -369,3 +369,24 @@ def test_naive_softmax_with_a_huge_row_sum_is_vacuous():
     bound = attention_bound(q, k, v, numerics=num, scale=1.0).total
     assert np.all(np.abs(out - ref) <= bound)
     assert np.isinf(bound).all()
+
+
+def test_probabilistic_bound_fails_where_every_rounding_goes_one_way():
+    # Theorem A.3 assumes independent mean-zero rounding errors. Here every addition of the
+    # sequential dot adds t = 2^-24 + 2^-34 (just over half an ulp of the running sum near 1)
+    # and rounds up: the logit is off by ~1023·u, not ~λ·sqrt(1023)·u. The probabilistic bound
+    # at lam = 6 (stated probability 0.9999) is exceeded; the deterministic one holds.
+    d = 1024
+    q = np.full((1, d), 2.0**-24 + 2.0**-34)
+    q[0, 0] = 1.0
+    k = np.zeros((2, d))
+    k[0, :] = 1.0
+    k[1, 0] = 1.0
+    v = np.array([[1.0], [-1.0]])
+    num = Numerics(summation="sequential")
+    out = np.asarray(mn.attention(q, k, v, numerics=num, scale=1.0), np.float64)
+    err = np.abs(out - reference.attention(q, k, v, scale=1.0))
+    prob = attention_bound(q, k, v, numerics=num, scale=1.0, lam=6.0)
+    assert prob.probability > 0.999
+    assert np.all(err > prob.total)
+    assert np.all(err <= attention_bound(q, k, v, numerics=num, scale=1.0).total)
