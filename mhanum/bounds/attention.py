@@ -450,9 +450,10 @@ def _head(
     # Step 3. The logits' errors δ_ij.
     t = q @ k.T
     qk_abs = q_abs @ k_abs.T
-    operands = e_q_op @ k_abs.T + q_abs @ e_k_op.T + e_q_op @ e_k_op.T
+    operands = e_q_op @ k_op.T + q_abs @ e_k_op.T  # e_q|k| + |q|e_k + e_q e_k
     f_qk, anchor = _unit_factor(num, d_k, lam, bits=bits_qk), _anchor(num)
-    unit = f_qk * (q_op @ k_op.T) + _unit_eta(num, d_k)
+    qk_op = q_op @ k_op.T
+    unit = f_qk * qk_op + _unit_eta(num, d_k)
     if anchor:
         sums = q_op.sum(axis=-1)[:, None] + k_op.sum(axis=-1)[None, :] + d_k * anchor
         unit = unit + f_qk * anchor * sums
@@ -466,7 +467,7 @@ def _head(
     }
     # R.3: QKᵀ in the accumulation format, rounded to the score format, scaled there
     used = np.ones_like(keep) if replaced is None else ~replaced
-    acc_upper = np.where(used, q_op @ k_op.T + unit, 0.0)
+    acc_upper = np.where(used, qk_op + unit, 0.0)
     ranges.check(acc_upper, acc, "QKᵀ accumulated")
     ranges.check(acc_upper, fmts["score"], "QKᵀ rounded to the score format")
     s_upper = abs(c_hat) * ((1 + u_s) * acc_upper + eta_s) * (1 + u_s) + eta_s
@@ -550,8 +551,10 @@ def _head(
         terms["mask"] = np.einsum("ij,ijl->il", leak, spread) + floor
     # The float64 logits' own error eps64 moves the target (Theorem S.4).
     big = np.max(np.where(target, eps64, 0.0), axis=-1, keepdims=True)
-    o_error = _EVALUATION * (p_t @ np.abs(v)) + np.expm1(2 * big) * (p_t @ np.abs(v))
-    evaluation = np.expm1(2 * big) * (p_t @ np.abs(v))
+    pv_abs = p_t @ np.abs(v)
+    with np.errstate(over="ignore"):
+        evaluation = np.expm1(2 * big) * pv_abs
+    o_error = _EVALUATION * pv_abs + evaluation
     if given is not None:
         given_error = _given_error(q_abs, k_abs, v, p_t, target, scale, given)
         evaluation = evaluation + given_error
