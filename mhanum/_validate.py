@@ -102,14 +102,25 @@ def positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def scale_value(scale: Any, d_k: int) -> float:
-    """The softmax scale: ``1/sqrt(d_k)`` in float64 by default, else a positive finite number."""
+def scale_value(scale: Any, d_k: int, *, placement: str = "scores") -> float:
+    """The softmax scale: ``1/sqrt(d_k)`` in float64 by default, else a finite number.
+
+    Negative scales (PyTorch's SDPA tests use ``-1e4``) and zero are valid computations; with
+    the scale split over ``q`` and ``k`` (``placement="qk"``) it must be ``>= 0`` (its square
+    root is applied to both).
+    """
     if scale is None:
         return 1.0 / float(np.sqrt(d_k))
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
-        msg = f"scale: expected a positive finite number or None, got {scale!r}"
+        msg = f"scale: expected a finite number or None, got {scale!r}"
         raise InvalidArgument(msg)
-    if not np.isfinite(scale) or scale <= 0:
-        msg = f"scale: expected a positive finite number or None, got {scale!r}"
+    if not np.isfinite(scale):
+        msg = f"scale: expected a finite number or None, got {scale!r}"
+        raise InvalidArgument(msg)
+    if placement == "qk" and scale < 0:
+        msg = (
+            f"scale: expected a scale >= 0 with numerics.scale='qk' (sqrt(scale) is applied to q "
+            f"and k), got {scale!r}"
+        )
         raise InvalidArgument(msg)
     return float(scale)

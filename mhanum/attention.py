@@ -282,7 +282,7 @@ def attention(
         mask = V.bool_mask(mask, target)
     if bias is not None:
         bias = _bias_array(bias, target, num.format_of("score"))
-    factor = V.scale_value(scale, q.shape[-1])
+    factor = V.scale_value(scale, q.shape[-1], placement=num.scale)
     fmt = num.format_of("input")
     q, k, v = (_host_round(x, fmt) for x in (q, k, v))
     return _attention_jit(q, k, v, mask, bias, numerics=num, scale=factor)
@@ -413,7 +413,7 @@ def multi_head_attention(
         mask = V.bool_mask(mask, target)
     if bias is not None:
         bias = _bias_array(bias, target, num.format_of("score"))
-    factor = V.scale_value(scale, params.qk_width // heads)
+    factor = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
     fmt = num.format_of("input")
     x_q, x_kv = _host_round(x_q, fmt), _host_round(x_kv, fmt)
     params = jax.tree_util.tree_map(lambda w: _host_round(w, fmt), params)

@@ -8,12 +8,16 @@ are for planning and reports: the a posteriori bounds (A.1, A.2) are smaller on 
 
 Each step of A.1 is replaced by its worst case over the admissible inputs: ``|q_i|·|k_j| <=
 ‖q_i‖‖k_j‖`` (Cauchy–Schwarz), every logit error by one ``Δ``, the logit range by ``2c|q||k|``,
-``Σ_j p̃_j <= e^{2Δ}`` and ``Σ_j p_j |v_j| <= max |v|``.
+``Σ_j p̃_j <= e^{2Δ}`` and ``Σ_j p_j |v_j| <= max |v|``; the float64 evaluation error of A.1's
+logits (step 0) is included the same way, so A.4 is at least A.1 on every admissible input. The
+no-overflow hypothesis is proved from the same bounds, stage by stage (papers/attention.md, R);
+where it cannot be, every entry is infinite and ``Bound.reasons`` says why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 from typing import Any
 
@@ -24,18 +28,23 @@ from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.bounds.attention import (
     _EVALUATION,
+    _F64_DOT,
     ASSUMPTIONS,
     _anchor,
+    _conversion_eta,
     _exp_and_sum_factors,
     _is_power_of_four,
     _linear,
+    _linear_overflow,
     _operand_bits,
     _operand_error,
     _power_of_two,
+    _scale_rounding,
     _unit_eta,
     _unit_factor,
 )
-from mhanum.formats import round_to
+from mhanum.bounds.softmax import division_error
+from mhanum.formats import Format
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
 
@@ -47,144 +56,346 @@ A_PRIORI = (
 )
 
 
+class _Range:
+    """Stages that may overflow and softmax hypotheses that cannot be proved, from the norms.
+
+    A.4 is uniform over the admissible inputs, so a stage that may overflow makes every output
+    entry infinite (term ``overflow``; ``vacuous`` for the softmax), with one reason per cause:
+    per stage and format, with the largest value over the heads.
+    """
+
+    def __init__(self) -> None:
+        self.where: dict[str, bool] = {}
+        self.worst: dict[str, float] = {}  # reason template -> the largest value it reports
+
+    def check(self, upper: Any, fmt: Format, stage: str) -> None:
+        """Flag ``stage`` unless ``upper`` (an enclosure of what it rounds) fits ``fmt``."""
+        worst = float(np.max(upper))
+        if not worst <= fmt.max_finite:  # NaN counts as an overflow
+            reason = (
+                f"{stage}: values up to {{:.4g}} may overflow {fmt.name} "
+                f"(largest finite {fmt.max_finite:.6g})"
+            )
+            self.flag(reason, "overflow", worst)
+
+    def flag(self, reason: str, term: str = "overflow", value: float = math.nan) -> None:
+        """Mark every entry infinite in ``term`` for ``reason`` (``{:.4g}`` shows ``value``)."""
+        self.where[term] = True
+        seen = self.worst.get(reason, value)
+        self.worst[reason] = value if math.isnan(seen) or value > seen else seen
+
+    @property
+    def vacuous(self) -> bool:
+        return "vacuous" in self.where
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        return tuple(reason.format(value) for reason, value in self.worst.items())
+
+    def terms(self, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        return {name: np.full(shape, np.inf) for name in self.where}
+
+
 @dataclasses.dataclass(frozen=True)
 class _Operand:
-    """Bounds on a dot operand's rows: ``|x| <= size`` entrywise (a vector over the row) or, for
-    the norm form, ``‖x‖ <= norm``; its error ``|x_used - x| <= rel·|x| + err`` entrywise."""
+    """Bounds on a dot operand's rows, for the float64 stand-in ``x`` A.1 is evaluated on.
+
+    ``|x| <= B`` with ``B = size`` entrywise (a vector over the row) or, in the norm form,
+    ``‖x‖ <= norm``; the operand the computation uses is within ``rel·B + err`` of ``x`` and
+    the stand-in within ``grel·B + gerr`` of the exact operand (``given``: A.2's projections,
+    the float64 scale of step 2'), entrywise.
+    """
 
     size: np.ndarray | None
     norm: float
     rel: float
     err: np.ndarray
+    grel: float = 0.0
+    gerr: Any = 0.0
 
     def sums(self, d: int) -> float:
         """A bound on ``Σ_t |x_t|``."""
         return float(self.size.sum()) if self.size is not None else math.sqrt(d) * self.norm
+
+    def entry(self) -> float:
+        """A bound on ``max_t |x_t|``."""
+        return float(self.size.max()) if self.size is not None else self.norm
+
+    def stored(self) -> float:
+        """A bound on ``max_t |x_used,t|``: the stored operand (R.1)."""
+        return (1 + self.rel) * self.entry() + float(np.max(self.err))
+
+
+def _times(a: float, b: float) -> float:
+    """``a·b`` for bounds ``a, b >= 0``, with ``0·inf = 0`` (a zero bound stays zero)."""
+    return a * b if a and b else 0.0
 
 
 def _pair(a: _Operand, b: _Operand) -> float:
     """A bound on ``|a|·|b|`` (Cauchy–Schwarz in the norm form)."""
     if a.size is not None and b.size is not None:
         return float(a.size @ b.size)
-    return a.norm * b.norm
+    return _times(a.norm, b.norm)
 
 
-def _err_pair(ea: np.ndarray, b: _Operand, d: int) -> float:
+def _err_pair(ea: Any, b: _Operand, d: int) -> float:
     """A bound on ``e_a·|b|`` for an error vector ``ea`` (a scalar spread over ``d`` entries)."""
     if b.size is not None:
         return float(np.broadcast_to(ea, (d,)) @ b.size)
-    return float(np.linalg.norm(np.broadcast_to(ea, (d,)))) * b.norm
+    return _times(float(np.linalg.norm(np.broadcast_to(ea, (d,)))), b.norm)
+
+
+def _perturbed(a: _Operand, ra: float, ea: Any, b: _Operand, rb: float, eb: Any, d: int) -> float:
+    """A bound on ``e_a·|b| + |a|·e_b + e_a·e_b`` for ``e_a <= ra·A + ea``, ``e_b <= rb·B + eb``
+    (``A``, ``B`` the operands' bounds): ``(|a| + e_a)·(|b| + e_b) - |a|·|b|``."""
+    bb = float(np.broadcast_to(ea, (d,)) @ np.broadcast_to(eb, (d,)))
+    return (
+        _times(ra + rb + ra * rb, _pair(a, b))
+        + (1 + rb) * _err_pair(ea, b, d)
+        + (1 + ra) * _err_pair(eb, a, d)
+        + bb
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Logits:
+    """A.1 steps 0-3 at their worst: every logit error (``delta``), every float64 logit's
+    magnitude (``reach``), the float64 logits' own error (``eps64``, step 0) and the logit
+    error of the stand-ins against the exact operands (``moved``, A.2 (b), step 2')."""
+
+    delta: float
+    reach: float
+    eps64: float
+    moved: float
 
 
 def _logit_error(
-    qo: _Operand, ko: _Operand, d_k: int, num: Numerics, scale: float, default_scale: bool
-) -> tuple[float, float]:
-    """``(Δ, c·max|q||k|)``: A.1 step 3 at its worst over the admissible inputs (A.4)."""
-    fin = num.format_of("input")
-    f_q = num.format_of("scale") if num.scale != "scores" else fin
-    f_k = num.format_of("scale") if num.scale == "qk" else fin
+    qo: _Operand,
+    ko: _Operand,
+    d_k: int,
+    num: Numerics,
+    scale: float,
+    default_scale: bool,
+    rng: _Range,
+) -> _Logits:
+    """A.1 steps 0-3 at their worst over the admissible inputs (A.4), with R.1-R.4."""
+    store = num.storage_format
+    # R.1: the stored operands
+    rng.check(qo.stored(), store, "q in the input format")
+    rng.check(ko.stored(), store, "k in the input format")
     if num.scale != "scores":
-        qo, ko = _scaled_bounds(qo, ko, d_k, num, scale, default_scale)
+        qo, ko = _scaled_bounds(qo, ko, d_k, num, scale, default_scale, rng)
         scale, default_scale = 1.0, False
-    score = num.format_of("score")
+    score, soft, acc = (num.format_of(r) for r in ("score", "softmax", "accum"))
     u_s, eta_s = score.u, score.smallest_normal
+    f_q = num.format_of("scale") if num.scale != "scores" else store
+    f_k = num.format_of("scale") if num.scale == "qk" else store
+    # Step 1: e_op = e + u_op(|x| + e) + η_op + η_conv with e = rel·B + err
     u_op, eta_op = _operand_error(num)
-    pq = _pair(qo, ko)
-    # e_op = e + u_op(|x| + e) + η_op with e = rel|x| + err: relative part a, absolute part b
+    op = num.operand_rounding
     a_q, a_k = qo.rel + u_op * (1 + qo.rel), ko.rel + u_op * (1 + ko.rel)
-    b_q, b_k = (1 + u_op) * qo.err + eta_op, (1 + u_op) * ko.err + eta_op
-    cross = _err_pair(b_q, ko, d_k) + _err_pair(b_k, qo, d_k)
-    bb = float(np.broadcast_to(b_q, (d_k,)) @ np.broadcast_to(b_k, (d_k,)))
-    dot = (a_q + a_k + a_q * a_k) * pq + (1 + a_k) * _err_pair(b_q, ko, d_k)
-    dot += (1 + a_q) * _err_pair(b_k, qo, d_k) + bb
-    op_pair = (1 + a_q) * (1 + a_k) * pq + (1 + max(a_q, a_k)) * cross + bb
+    b_q = (1 + u_op) * qo.err + eta_op + _conversion_eta(num, op or f_q)
+    b_k = (1 + u_op) * ko.err + eta_op + _conversion_eta(num, op or f_k)
+    # R.2: the operands read into the operand and accumulation formats
+    q_op = (1 + a_q) * qo.entry() + float(np.max(b_q))
+    k_op = (1 + a_k) * ko.entry() + float(np.max(b_k))
+    for fmt, where in ((op, "the dot's operand format"), (acc, "the accumulation format")):
+        if fmt is not None:
+            rng.check(q_op, fmt, f"q read into {where}")
+            rng.check(k_op, fmt, f"k read into {where}")
+    pq = _pair(qo, ko)
+    operands = _perturbed(qo, a_q, b_q, ko, a_k, b_k, d_k)
+    op_pair = pq + operands  # >= |q_op|·|k_op|
     bits = (_operand_bits(num, f_q), _operand_bits(num, f_k))
     f_qk, anchor = _unit_factor(num, d_k, None, bits=bits), _anchor(num)
-    dot += f_qk * op_pair + _unit_eta(num, d_k)
+    unit = f_qk * op_pair + _unit_eta(num, d_k)
     if anchor:
         sums = (1 + a_q) * qo.sums(d_k) + (1 + a_k) * ko.sums(d_k)
         sums += float(np.sum(np.broadcast_to(b_q, (d_k,))) + np.sum(np.broadcast_to(b_k, (d_k,))))
-        dot += f_qk * anchor * (sums + d_k * anchor)
-    c_hat = float(round_to(scale, score))
+        unit += f_qk * anchor * (sums + d_k * anchor)
+    # Step 2: the constant (a subnormal one may be read as zero: u_c = 1)
+    c_hat, u_c, u_mul = _scale_rounding(scale, score)
     if default_scale and not _is_power_of_four(d_k):
-        u_c = (1 + 2.0**-53) / (1 - 2.0**-53) * (1 + u_s) - 1
-    else:
-        u_c = 0.0 if c_hat == scale else u_s
-    u_mul = 0.0 if _power_of_two(c_hat) else u_s
+        u_c = (1 + 2.0**-53) / (1 - 2.0**-53) * (1 + u_c) - 1
     theta = (1 + u_s) * (1 + u_c) * (1 + u_mul) - 1
-    delta = scale * (dot * (1 + theta) + theta * pq) + (abs(c_hat) * (1 + u_s) + 2) * eta_s
-    return delta, scale * pq
+    # Step 0: the float64 logits are off the stand-ins' exact logits by at most eps64
+    c = abs(scale)
+    eps64 = _F64_DOT * (d_k + 2) * c * pq
+    delta = c * ((operands + unit) * (1 + theta) + theta * pq)
+    delta += (abs(c_hat) * (1 + u_s) + 2) * eta_s + eps64
+    # R.3: QKᵀ accumulated, rounded to the score format, times the constant; R.4 its read
+    acc_upper = op_pair + unit
+    rng.check(acc_upper, acc, "QKᵀ accumulated")
+    rng.check(acc_upper, score, "QKᵀ rounded to the score format")
+    s_upper = abs(c_hat) * ((1 + u_s) * acc_upper + eta_s) * (1 + u_s) + eta_s
+    if num.scale == "scores":
+        rng.check(s_upper, score, f"the scores times the scale {c_hat:.4g}")
+    rng.check(s_upper, soft, "the scores read into the softmax format")
+    if soft.smallest_normal > score.smallest_normal:
+        delta += soft.smallest_normal
+    moved = c * _perturbed(qo, qo.grel, qo.gerr, ko, ko.grel, ko.gerr, d_k)
+    return _Logits(delta, c * pq + eps64, eps64, moved)
 
 
 def _scaled_bounds(
-    qo: _Operand, ko: _Operand, d_k: int, num: Numerics, scale: float, default_scale: bool
+    qo: _Operand,
+    ko: _Operand,
+    d_k: int,
+    num: Numerics,
+    scale: float,
+    default_scale: bool,
+    rng: _Range,
 ) -> tuple[_Operand, _Operand]:
-    """Step 2' at its worst: the scaled operands ``f·x`` and their errors (as in A.1)."""
+    """Step 2' at its worst: the scaled stand-ins ``fl64(f64·x)``, their errors (as in A.1) and
+    R.2 for the read into the scale format and the product there."""
     fmt = num.format_of("scale")
     u64 = 0.0
     if default_scale and not _is_power_of_four(d_k):
         u64 = (1 + 2.0**-53) / (1 - 2.0**-53) - 1
-    f64 = scale if num.scale == "q" else math.sqrt(scale)
+    f64 = scale
     if num.scale == "qk":
-        u64 = (1 + u64) * (1 + 2.0**-53) - 1
-    f_hat = float(round_to(f64, fmt))
-    u_r = 0.0 if f_hat == f64 else fmt.u
-    theta = (1 + u_r) * (1 + (0.0 if _power_of_two(f_hat) else fmt.u)) - 1
-    up = abs(f64) * (1 + 2.0**-52) / (1 - u64)
+        f64 = math.sqrt(scale)
+        if fractions.Fraction(f64) ** 2 != fractions.Fraction(scale):
+            u64 = (1 + u64) * (1 + 2.0**-53) - 1
+    f_hat, u_r, u_mul = _scale_rounding(f64, fmt)
+    # the operand is first read into the scale format (rounded if that is less precise)
+    u_t = fmt.u if fmt.precision < num.storage_format.precision else 0.0
+    theta = (1 + u_r) * (1 + u_t) * (1 + u_mul) - 1
+    up = abs(f64) * (1 + 2.0**-52)  # >= |fl64(f64·x)| / |x|
+    # the read's underflow, times f̂ and rounded in the product, then the product's own
+    eta = fmt.smallest_normal * (1 + up * (1 + u_r) * (1 + u_mul))
+    r64 = 0.0 if _power_of_two(f64) else 2.0**-53  # the float64 product's rounding
 
-    def scaled(x: _Operand) -> _Operand:
-        size = None if x.size is None else up * x.size
-        rel = theta + (1 + theta) * x.rel + 2.0**-53 + u64 / (1 - u64)
-        return _Operand(size, up * x.norm, rel, up * (1 + theta) * x.err + fmt.smallest_normal)
+    def scaled(x: _Operand, name: str) -> _Operand:
+        stored = x.stored()
+        rng.check(stored, fmt, f"{name} read into the scale format")
+        rng.check(
+            abs(f_hat) * stored * (1 + u_t) + fmt.smallest_normal,
+            fmt,
+            f"{name} times the scale factor {f_hat:.4g}",
+        )
+        return _Operand(
+            None if x.size is None else up * x.size,
+            up * x.norm,
+            theta + (1 + theta) * x.rel + r64,
+            up * (1 + theta) * x.err + 2.0**-1074 + eta,
+            (x.grel + u64) / (1 - u64) + r64,
+            up * np.asarray(x.gerr) / (1 - u64) + 2.0**-1074,
+        )
 
-    return scaled(qo), (scaled(ko) if num.scale == "qk" else ko)
+    return scaled(qo, "q"), (scaled(ko, "k") if num.scale == "qk" else ko)
+
+
+def _values(v_abs: np.ndarray, e_v: np.ndarray, num: Numerics, rng: _Range) -> np.ndarray:
+    """``v̄ >= |v_used|``, the values the ``P V`` unit reads (A.1 step 1), with R.1 and R.2."""
+    rng.check(v_abs + e_v, num.storage_format, "v in the input format")
+    u_op, eta_op = _operand_error(num)
+    op = num.operand_rounding
+    v_bar = (1 + u_op) * (v_abs + e_v) + eta_op + _conversion_eta(num, op or num.storage_format)
+    for fmt, where in (
+        (op, "the dot's operand format"),
+        (num.format_of("accum"), "the accumulation format"),
+    ):
+        if fmt is not None:
+            rng.check(v_bar, fmt, f"v read into {where}")
+    return v_bar
+
+
+def _expm1(x: float) -> float:
+    return math.expm1(x) if x < 700 else math.inf
 
 
 def _softmax_pv(
-    delta: float,
-    reach: float,
+    logits: _Logits,
     n: int,
     min_keys: int,
     v_abs: np.ndarray,
     v_bar: np.ndarray,
+    g_v: Any,
     num: Numerics,
+    rng: _Range,
 ) -> dict[str, np.ndarray]:
-    """A.1 steps 4-7 at their worst over the admissible inputs (A.4): vectors over ``d_v``.
+    """A.1 steps 4-7 at their worst over the admissible inputs (A.4), with R.4-R.6: vectors over
+    ``d_v``; only the finite terms (what cannot be bounded is flagged in ``rng``).
 
-    ``delta`` bounds every logit error, ``reach`` every ``|s_ij|``; ``v_abs`` bounds ``|v_jl|``
-    and ``v_bar`` the entries the ``P V`` unit reads.
+    ``v_abs`` bounds the stand-ins ``|v_jl|`` (and the exact values), ``v_bar`` the entries the
+    ``P V`` unit reads, ``g_v`` the stand-ins' error.
     """
-    fmts = {r: num.format_of(r) for r in ("softmax", "prob", "output")}
+    delta, reach = logits.delta, logits.reach
+    fmts = {r: num.format_of(r) for r in ("softmax", "prob", "output", "accum")}
+    fm = fmts["softmax"]
     u_m, u_p, u_o = (fmts[r].u for r in ("softmax", "prob", "output"))
     eta_m, eta_p, eta_o = (fmts[r].smallest_normal for r in ("softmax", "prob", "output"))
     u_op, eta_op = _operand_error(num)
-    u_div = 2 * num.div_ulps * u_m
+    eta_op += _conversion_eta(num, num.operand_rounding or fmts["prob"])
+    u_div = division_error(num.div_ulps, u_m)
     kind = num.softmax_kind
     bits_pv = (_operand_bits(num, fmts["prob"]), _operand_bits(num, num.format_of("input")))
     online = kind == "online"
+    # Step 0 and A.2 (b): the target moves with the float64 logits' error and the stand-ins'
+    eps64, moved = logits.eps64, logits.moved
+    if not 2 * max(eps64, moved) <= 700:
+        rng.flag(
+            "the float64 logits may be off the exact ones by {:.4g}: the target's perturbation "
+            "e^(2ε) is not finite",
+            "vacuous",
+            max(eps64, moved),
+        )
+        return {}
+    evaluation = (math.expm1(2 * eps64) + math.expm1(2 * moved)) * v_abs
+    evaluation = evaluation + math.exp(2 * moved) * np.asarray(g_v)
+    if not (2 * delta <= 700 and reach < math.inf):
+        rng.flag(
+            "the logit errors may reach Δ = {:.4g}: the softmax perturbation e^(2Δ) is not finite",
+            "vacuous",
+            delta,
+        )
+        return {"evaluation": evaluation}
     gap = 2 * reach + 2 * delta
     x, blocks, g_sum, g_pv, eta_pv = _exp_and_sum_factors(num, n, gap, None, bits_pv)
-    log_s_lo = math.log(min_keys) - reach - delta if kind == "naive" else 0.0
-    inf = np.full_like(v_abs, np.inf)
-    vacuous = {"vacuous": inf}
-    if x > 700 or 2 * delta > 700 or -log_s_lo > 700:
-        return vacuous
-    r = math.expm1(x)
+    log_s_lo = 0.0
+    if kind == "naive":
+        # R.4: no shift: exp of a logit up to ρ + Δ, the row sum up to 2n·e^(ρ+Δ) (T < 1),
+        # and the reciprocal of the row sum, flushed once it is below 2^emin of its carrier.
+        log_max = math.log(fm.max_finite)
+        top = reach + delta
+        log_sum = math.log(n) + top + math.log(2)
+        if top >= log_max - 1:
+            rng.flag(
+                "naive softmax: exp of an unshifted logit (up to ρ + Δ = {:.4g}) may overflow "
+                f"{fm.name} (largest finite {fm.max_finite:.6g})",
+                "vacuous",
+                top,
+            )
+        elif log_sum >= log_max:
+            rng.flag(
+                f"naive softmax: the row sum of n = {n} exponentials (up to 2n·e^(ρ+Δ) = "
+                f"e^{{:.4g}}) may overflow {fm.name} (largest finite {fm.max_finite:.6g})",
+                "vacuous",
+                log_sum,
+            )
+        carrier_emin = -1022 if fm.name == "float64" else -126
+        if log_sum >= -carrier_emin * math.log(2) - 1:
+            rng.flag(
+                "naive softmax: the row sum may exceed 2^-emin of the reciprocal's format, which "
+                "then flushes to zero",
+                "vacuous",
+            )
+        if rng.vacuous:
+            return {"evaluation": evaluation}
+        log_s_lo = math.log(min_keys) - top  # > -log(max F_m): its exp is finite
+    r = _expm1(x)
     underflow = n * eta_m * math.exp(-log_s_lo)
     t_sum = (1 + r + underflow) * (1 + g_sum) - 1 + underflow
-    if t_sum >= 1:
-        return vacuous
-    if kind == "naive":
-        fm = fmts["softmax"]
-        log_sum = math.log(n) + reach + delta + math.log(2)
-        carrier_emin = -1022 if fm.name == "float64" else -126
-        flush = log_sum >= -carrier_emin * math.log(2) - 1
-        if flush or reach + delta >= math.log(fm.max_finite) - 1:
-            return vacuous
+    if not t_sum < 1:
+        rng.flag(
+            "softmax: the computed row sum may be off by 100% (its error factor T >= 1)", "vacuous"
+        )
+        return {"evaluation": evaluation}
     per_sum = math.exp(-log_s_lo) / (1 - t_sum)
     mass = math.exp(2 * delta)  # Σ_j p̃_j <= Σ_j p_j e^{2Δ}
     y = x + math.log1p(u_div) - math.log1p(-t_sum)
-    soft = mass * math.expm1(y) + n * (eta_m * (1 + u_div) * per_sum + eta_m)
+    soft = mass * _expm1(y) + n * (eta_m * (1 + u_div) * per_sum + eta_m)
     p_hat = mass + soft
     prob = u_p * p_hat + n * (eta_p * per_sum + blocks * eta_m * per_sum if online else eta_p)
     p_hat += prob
@@ -196,14 +407,36 @@ def _softmax_pv(
         weights = n if online else p_hat
         pv_eta = eta_pv + g_pv * anchor * (weights + n * v_bar + n * anchor)
     scale_out = (1 + u_o) * ((1 + u_div) if online else 1.0)
-    return {
+    terms = {
         "logits": scale_out * math.expm1(2 * delta) * v_bar,
         "softmax": scale_out * soft * v_bar,
         "probability_rounding": scale_out * prob * v_bar,
         "operands": scale_out * (operand_p * v_bar + p_hat * (v_bar - v_abs)),
         "pv": scale_out * (g_pv * p_hat * v_bar + (pv_eta * per_sum if online else pv_eta)),
         "output": u_o * v_abs + eta_o + ((1 + u_o) * (u_div * v_abs + eta_m) if online else 0.0),
+        "evaluation": evaluation,
     }
+    if not all(np.isfinite(t).all() for t in terms.values()):
+        rng.flag("the softmax and P·V terms are not finite in float64", "vacuous")
+        return {"evaluation": evaluation}
+    # R.5: the sums of step 5 and 7
+    if online:
+        eps_e = 2 * num.exp_ulps * u_m
+        growth = ((1 + eps_e) * (1 + u_m) * (1 + fmts["accum"].u) ** 2) ** (blocks + 1)
+        rng.check(
+            n * growth * (1 + g_sum) + n * blocks * eta_m, fm, "online softmax: the running sum"
+        )
+        acc_upper = growth * (1 + u_p) * (1 + g_pv) * n * v_bar + pv_eta
+        for fmt in (fmts["accum"], fm):
+            rng.check(acc_upper, fmt, "online softmax: the unnormalised P·V accumulator")
+    else:
+        rng.check((1 + g_pv) * p_hat * v_bar + pv_eta, fmts["accum"], "P·V accumulated")
+    # R.6: the output, |ô| <= max|v*| + the bound (online: also where it is divided)
+    upper = v_abs + (1 + _EVALUATION) * sum(terms.values())
+    rng.check(upper, fmts["output"], "the output")
+    if online:
+        rng.check(upper, fm, "the output divided in the softmax format")
+    return terms
 
 
 def _check_a_priori_scope(num: Numerics) -> None:
@@ -230,10 +463,24 @@ def _nonnegative(x: Any, name: str) -> float:
     return float(x)
 
 
-def _total(terms: dict[str, np.ndarray], theorem: str) -> Bound:
+def _literal(reason: str) -> str:
+    """A finished sentence as a :meth:`_Range.flag` template."""
+    return reason.replace("{", "{{").replace("}", "}}")
+
+
+def _total(terms: dict[str, Any], theorem: str, rng: _Range, shape: tuple[int, ...]) -> Bound:
     terms = {name: np.asarray(t, np.float64) * (1 + _EVALUATION) for name, t in terms.items()}
-    total = sum(terms.values())
-    return Bound(total, terms, theorem, (*ASSUMPTIONS, A_PRIORI), "blanchard2021")
+    terms = {name: np.broadcast_to(t, shape).copy() for name, t in terms.items()}
+    terms.update(rng.terms(shape))
+    total = sum(terms.values()) if terms else np.zeros(shape)
+    return Bound(
+        total,
+        terms,
+        theorem,
+        (*ASSUMPTIONS, A_PRIORI),
+        "blanchard2021",
+        reasons=rng.reasons,
+    )
 
 
 def attention_bound_a_priori(
@@ -261,10 +508,21 @@ def attention_bound_a_priori(
         |\\hat o_{il} - o_{il}| \\le \\text{total}\\quad\\text{for every } i, l,
 
     where ``total`` is Theorem A.1 evaluated at its worst over those inputs: every logit error by
-    ``Δ = c(G_{d_k}(1+θ)+θ)·q_norm·k_norm + ...`` (A.1 step 3 with Cauchy–Schwarz), the logit
-    range by ``2c·q_norm·k_norm + 2Δ``, ``Σ_j p̃_j <= e^{2Δ}``, ``Σ_j p_j|v_jl| <= v_max``
-    (papers/attention.md, Theorem A.4). The bound does not depend on ``q_len``; on ``kv_len``
-    through the summation factors and underflow terms.
+    ``Δ = c(G_{d_k}(1+θ)+θ)·q_norm·k_norm + ... + ε64`` (A.1 step 3 with Cauchy–Schwarz, and
+    step 0's ``ε64 = 2^-52 (d_k+2) c·q_norm·k_norm``, the float64 logits' own error, whose
+    effect on the target is the term ``evaluation``), the logit range by
+    ``2c·q_norm·k_norm + 2Δ``, ``Σ_j p̃_j <= e^{2Δ}``, ``Σ_j p_j|v_jl| <= v_max``
+    (papers/attention.md, Theorem A.4). So on any admissible input it is at least A.1. The bound
+    does not depend on ``q_len``; on ``kv_len`` through the summation factors and underflow
+    terms.
+
+    *No overflow* is proved from the norms, stage by stage as A.1 does from the values
+    (papers/attention.md, R): the stored operands, their reads into the scale, operand and
+    accumulation formats, ``Q Kᵀ`` and the scores, the naive softmax's exponentials, row sum
+    and reciprocal, the online running sum and accumulator, ``P V`` and the output. Where a
+    stage may overflow, every entry is ``inf`` (term ``overflow``; ``vacuous`` where the
+    softmax cannot be bounded: the naive softmax's overflow or flushed reciprocal, or a row sum
+    that may be off by 100%), and ``Bound.reasons`` says which stage, format and value.
 
     Assumptions: those of Theorem A.1, no bias, masks with ``-inf`` (a finite masking constant is
     refused: its leakage depends on the logits, use :func:`~mhanum.bounds.attention_bound`).
@@ -280,11 +538,13 @@ def attention_bound_a_priori(
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has shape ``(d_v,)`` (the same bound for
-        every row); ``terms`` as for :func:`~mhanum.bounds.attention_bound`.
+        every row); ``terms`` as for :func:`~mhanum.bounds.attention_bound`. ``total`` is
+        ``inf`` (terms ``overflow``, ``vacuous``) exactly when ``Bound.reasons`` is not empty.
 
     Raises:
         InvalidArgument: for non-positive sizes, negative or non-finite norms, or numerics
-            outside the theorem's scope.
+            outside the theorem's scope. A possible overflow is not an error: it is an infinite
+            bound with its reason in ``Bound.reasons``.
 
     References:
         blanchard2021; higham2002 (§3.1); papers/attention.md Theorem A.4.
@@ -292,8 +552,8 @@ def attention_bound_a_priori(
     Examples:
         >>> b = attention_bound_a_priori(64, 64, 64, q_norm=8.0, k_norm=8.0, v_max=3.0,
         ...                              numerics="fp32")
-        >>> bool(b.total.max() < 1e-4)
-        True
+        >>> bool(b.total.max() < 1e-3), b.reasons
+        (True, ())
     """
     num = resolve(numerics)
     _check_a_priori_scope(num)
@@ -308,15 +568,17 @@ def attention_bound_a_priori(
     qn, kn = _nonnegative(q_norm, "q_norm"), _nonnegative(k_norm, "k_norm")
     vm = _nonnegative(v_max, "v_max")
     fin = num.format_of("input")
-    c = V.scale_value(scale, d_k)
+    c = V.scale_value(scale, d_k, placement=num.scale)
+    rng = _Range()
     # |x̃ - x| <= u_in|x| + η_in for unrounded inputs (A.1 step 1)
     qo = _Operand(None, qn, fin.u, np.full(d_k, fin.smallest_normal))
     ko = _Operand(None, kn, fin.u, np.full(d_k, fin.smallest_normal))
-    delta, reach = _logit_error(qo, ko, d_k, num, c, scale is None)
-    u_op, eta_op = _operand_error(num)
     v_abs = np.full(d_v, vm)
-    v_bar = (1 + u_op) * ((1 + fin.u) * v_abs + fin.smallest_normal) + eta_op
-    return _total(_softmax_pv(delta, reach, n, least, v_abs, v_bar, num), "A.4")
+    with np.errstate(over="ignore"):  # bounds beyond float64 are inf, and flagged
+        logits = _logit_error(qo, ko, d_k, num, c, scale is None, rng)
+        v_bar = _values(v_abs, fin.u * v_abs + fin.smallest_normal, num, rng)
+        terms = _softmax_pv(logits, n, least, v_abs, v_bar, 0.0, num, rng)
+    return _total(terms, "A.4", rng, (d_v,))
 
 
 def mha_bound_a_priori(
@@ -337,9 +599,16 @@ def mha_bound_a_priori(
     rounded into ``numerics.input``), the error of every output component of
     ``mhanum.multi_head_attention(x_q, x_kv, params, num_heads, mask=..., numerics=...)`` is at
     most ``total[l]``. The projections follow A.2 (a) evaluated at ``|x| = x_max``, ``|w|`` and
-    ``|b|`` (every term is nondecreasing in them), which bounds each projected entry and its
-    error coordinatewise; each head is then A.4 with ``|q_i|·|k_j| <= Σ_t Q_t K_t`` for those
-    coordinate bounds, and the output projection is A.2 (c) at ``|o_l| <= max |v_l|``.
+    ``|b|`` (every term is nondecreasing in them), which bounds each projected entry, its float64
+    stand-in's error and the computed entry's error coordinatewise; each head is then A.4 with
+    ``|q_i|·|k_j| <= Σ_t Q_t K_t`` for those coordinate bounds and the term ``evaluation`` of
+    A.2 (b), and the output projection is A.2 (c) at ``|o_l| <= max |v_l|``.
+
+    No overflow is proved from the same bounds: the inputs in the input format, every stage of
+    the projections (R.7: weights, operands, partial sums, bias, the result in the storage
+    format), every stage of each head (as :func:`attention_bound_a_priori`) and the output
+    projection (in the output format). Where a stage may overflow, every entry is ``inf``
+    (terms ``overflow``, ``vacuous``) and ``Bound.reasons`` says why.
 
     Args:
         params: the layer's weights.
@@ -349,7 +618,12 @@ def mha_bound_a_priori(
         numerics, scale, min_keys: as for :func:`attention_bound_a_priori`.
 
     Returns:
-        A :class:`~mhanum.bounds.Bound` whose ``total`` has shape ``(d_out,)``.
+        A :class:`~mhanum.bounds.Bound` whose ``total`` has shape ``(d_out,)``, ``inf`` exactly
+        when ``Bound.reasons`` is not empty.
+
+    Raises:
+        InvalidArgument: for non-positive sizes, negative or non-finite bounds, parameters that
+            do not fit ``num_heads``, or numerics outside the theorem's scope.
 
     References:
         papers/attention.md Theorems A.2 and A.4.
@@ -364,38 +638,86 @@ def mha_bound_a_priori(
     V.positive_int(q_len, "q_len")
     n = V.positive_int(kv_len, "kv_len")
     least = n if min_keys is None else V.positive_int(min_keys, "min_keys")
+    if least > n:
+        msg = f"min_keys: expected at most kv_len = {n}, got {least}"
+        raise InvalidArgument(msg)
     xq = _nonnegative(x_max, "x_max")
     xkv = xq if x_kv_max is None else _nonnegative(x_kv_max, "x_kv_max")
-    fin, storage = num.format_of("input"), num.storage_format
+    with np.errstate(over="ignore"):  # bounds beyond float64 are inf, and flagged
+        return _mha(params, heads, n, least, xq, xkv, num, scale)
+
+
+def _mha(
+    params: MHAParams,
+    heads: int,
+    n: int,
+    least: int,
+    xq: float,
+    xkv: float,
+    num: Numerics,
+    scale: float | None,
+) -> Bound:
+    """:func:`mha_bound_a_priori` after its arguments are checked."""
+    fin, storage, out_fmt = num.format_of("input"), num.storage_format, num.format_of("output")
     w: dict[str, Any] = {
         f.name: None if getattr(params, f.name) is None else np.abs(getattr(params, f.name))
         for f in dataclasses.fields(params)
     }
     w = {k: None if a is None else np.asarray(a, np.float64) for k, a in w.items()}
+    shape = (params.d_out,)
+    rng = _Range()
     bounds = {}
-    for name, x, width in (("q", xq, params.d_q), ("k", xkv, params.d_kv), ("v", xkv, params.d_kv)):
+    for name, xname, x, width in (
+        ("q", "x_q", xq, params.d_q),
+        ("k", "x_kv", xkv, params.d_kv),
+        ("v", "x_kv", xkv, params.d_kv),
+    ):
         x64 = np.full((1, width), x)
-        lin = _linear(x64, np.zeros_like(x64), w[f"w{name}"], w[f"b{name}"], num, storage)
-        err = lin.error(fin.u * x64 + fin.smallest_normal)[0]
-        bounds[name] = (lin.y[0], err)
+        e_in = fin.u * x64 + fin.smallest_normal
+        rng.check(x64 + e_in, fin, f"{xname} in the input format")
+        wn, bn = f"w{name}", f"b{name}"
+        lin = _linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage)
+        _, why = _linear_overflow(lin, x64, e_in, w[wn], w[bn], num, storage, f"{name} projection")
+        for reason in why:
+            rng.flag(_literal(reason))
+        given = lin.given[0]
+        # |y*| <= lin.y + given at x_max; the stand-in of an admissible input is within given
+        # of its y*; the computed entry within used + given of the stand-in (A.2 (b))
+        bounds[name] = (lin.y[0] + 2 * given, lin.error(e_in)[0] + given, given)
+    if not all(np.isfinite(np.concatenate(b)).all() for b in bounds.values()):
+        rng.flag("the projections' bounds are not finite in float64")
+        return _total({}, "A.4", rng, shape)
     d_k, d_v = params.qk_width // heads, params.v_width // heads
-    c = V.scale_value(scale, d_k)
-    u_op, eta_op = _operand_error(num)
+    c = V.scale_value(scale, d_k, placement=num.scale)
     per_head = []
     for h in range(heads):
         qs, ks, vs = (slice(h * d, (h + 1) * d) for d in (d_k, d_k, d_v))
-        qo = _Operand(bounds["q"][0][qs], 0.0, 0.0, bounds["q"][1][qs])
-        ko = _Operand(bounds["k"][0][ks], 0.0, 0.0, bounds["k"][1][ks])
-        delta, reach = _logit_error(qo, ko, d_k, num, c, scale is None)
-        v_abs = bounds["v"][0][vs]
-        v_bar = (1 + u_op) * (v_abs + bounds["v"][1][vs]) + eta_op
-        per_head.append(_softmax_pv(delta, reach, n, least, v_abs, v_bar, num))
+        (q_size, e_q, g_q), (k_size, e_k, g_k) = (
+            tuple(a[s] for a in bounds[name]) for name, s in (("q", qs), ("k", ks))
+        )
+        qo = _Operand(q_size, 0.0, 0.0, e_q, 0.0, g_q)
+        ko = _Operand(k_size, 0.0, 0.0, e_k, 0.0, g_k)
+        logits = _logit_error(qo, ko, d_k, num, c, scale is None, rng)
+        v_abs, e_v, g_v = (a[vs] for a in bounds["v"])
+        v_bar = _values(v_abs, e_v, num, rng)
+        per_head.append(_softmax_pv(logits, n, least, v_abs, v_bar, g_v, num, rng))
     names = sorted({name for t in per_head for name in t})
     merged = {
-        name: np.concatenate([t.get(name, np.zeros(d_v)) for t in per_head]) for name in names
+        name: np.concatenate([np.broadcast_to(t.get(name, 0.0), (d_v,)) for t in per_head])
+        for name in names
     }
+    merged = {name: t * (1 + _EVALUATION) for name, t in merged.items()}
+    # A.2 (c): the heads' outputs within |v| of zero, their stand-ins within the evaluation
+    # error of the exact ones, and the computed ones within the heads' totals
     o_abs = bounds["v"][0][None, :]
-    out = _linear(o_abs, np.zeros_like(o_abs), w["wo"], w["bo"], num, num.format_of("output"))
+    o_given = _EVALUATION * o_abs + merged.get("evaluation", np.zeros(params.v_width))[None, :]
+    out = _linear(o_abs, o_given, w["wo"], w["bo"], num, out_fmt)
+    o_err = sum(merged.values(), np.zeros(params.v_width))[None, :]
+    _, why = _linear_overflow(
+        out, o_abs, o_err, w["wo"], w["bo"], num, out_fmt, "output projection"
+    )
+    for reason in why:
+        rng.flag(_literal(reason))
     terms = {f"attention.{name}": out.kappa * (t @ out.slope) for name, t in merged.items()}
     terms["output_projection"] = out.fixed[0]
-    return _total(terms, "A.4")
+    return _total(terms, "A.4", rng, shape)

@@ -214,7 +214,7 @@ def _scale_rounding(f64: float, fmt: Format) -> tuple[float, float, float]:
     so ``u_r = 1`` and its product, if not flushed, is rounded like any other (``u_mul = u``).
     """
     f_hat = float(round_to(f64, fmt))
-    if abs(f_hat) < fmt.smallest_normal:
+    if min(abs(f_hat), abs(f64)) < fmt.smallest_normal:  # subnormal, or rounded up to 2^emin
         return f_hat, 1.0, fmt.u
     u_r = 0.0 if f_hat == f64 else fmt.u
     u_mul = 0.0 if _power_of_two(f_hat) else fmt.u
@@ -258,7 +258,7 @@ def _scale_operands(
     u_t = fmt.u if fmt.precision < source.precision else 0.0
     theta = (1 + u_r) * (1 + u_t) * (1 + u_mul) - 1
     up = abs(f64) * (1 + 2.0**-52)
-    eta = fmt.smallest_normal * (1 + up * (1 + u_r))
+    eta = fmt.smallest_normal * (1 + up * (1 + u_r) * (1 + u_mul))
     exact_product = _power_of_two(f64)
     g_prev = given if given is not None else (np.zeros_like(q), np.zeros_like(k), 0.0)
 
@@ -461,9 +461,9 @@ def _head(
     eps64 = _F64_DOT * (d_k + 2) * abs(scale) * qk_abs
     # the sources of δ (they add up to it), to apportion the logits term: Bound.parts
     sources = {
-        "operands": scale * operands * (1 + theta),
-        "qk_dot": scale * unit * (1 + theta),
-        "scale": scale * theta * np.abs(t) + (abs(c_hat) * (1 + u_s) + 2) * eta_s + eps64,
+        "operands": abs(scale) * operands * (1 + theta),
+        "qk_dot": abs(scale) * unit * (1 + theta),
+        "scale": abs(scale) * theta * np.abs(t) + (abs(c_hat) * (1 + u_s) + 2) * eta_s + eps64,
     }
     # R.3: QKᵀ in the accumulation format, rounded to the score format, scaled there
     used = np.ones_like(keep) if replaced is None else ~replaced
@@ -710,14 +710,32 @@ def _softmax_pv(
         o = np.where(live, p, 0.0) @ v
 
     scale_out = (1 + u_o) * ((1 + u_div) if online else 1.0)
+    u_last: Any = u_div  # the online softmax's final division
+    if kind != "naive":
+        # A row with one live key: ŝ_j - m = 0 exactly, exp(0) = 1 (assumption E of M.5), the
+        # sum is 1 and 1/1 = 1, so p̂_j = 1, and P·V sums the one exact product 1·v_j with
+        # zeros (a split dot still drops v_j's last piece: its factor stays).
+        single = live.sum(axis=-1, keepdims=True) == 1
+        logits, soft, prob, operand_p = (
+            np.where(single, 0.0, x) for x in (logits, soft, prob, operand_p)
+        )
+        p_hat_hi = np.where(single, np.where(live, 1.0, 0.0), p_hat_hi)
+        u_last = np.where(single, 0.0, u_div)  # acc / 1
+        if num.dot_kind != "split":
+            eta_pv = np.where(single, 0.0, eta_pv)  # type: ignore[assignment]
+            g_row: Any = np.where(single, 0.0, g_pv)
+        else:
+            g_row = g_pv
+    else:
+        g_row = g_pv
     terms = {
         "logits": scale_out * (logits @ v_abs),
         "softmax": scale_out * (soft @ v_abs),
         "probability_rounding": scale_out * (prob @ v_abs),
         "operands": scale_out * (operand_p @ v_abs + p_hat_hi @ (v_abs - np.abs(v))),
-        "pv": scale_out * (g_pv * (p_hat_hi @ v_abs) + (eta_pv * per_sum if online else eta_pv)),
+        "pv": scale_out * (g_row * (p_hat_hi @ v_abs) + (eta_pv * per_sum if online else eta_pv)),
         "output": (
-            u_o * np.abs(o) + eta_o + ((1 + u_o) * (u_div * np.abs(o) + eta_m) if online else 0.0)
+            u_o * np.abs(o) + eta_o + ((1 + u_o) * (u_last * np.abs(o) + eta_m) if online else 0.0)
         ),
     }
     return terms, p
@@ -787,7 +805,7 @@ def _given_error(
 ) -> np.ndarray:
     """``|p v - p* v*|`` for inputs off the exact ones by ``given`` (Theorem S.4 for ``p``)."""
     g_q, g_k, g_v = given
-    moved = scale * (g_q @ k_abs.T + q_abs @ np.asarray(g_k).T + g_q @ np.asarray(g_k).T)
+    moved = abs(scale) * (g_q @ k_abs.T + q_abs @ np.asarray(g_k).T + g_q @ np.asarray(g_k).T)
     big = np.max(np.where(keep, moved, 0.0), axis=-1, keepdims=True)
     return np.expm1(2 * big) * (p @ np.abs(v)) + np.exp(2 * big) * (p @ (g_v * np.ones_like(v)))
 
@@ -888,7 +906,9 @@ def attention_bound(
     extra = {n: np.shape(x)[:-2] for n, x in (("mask", mask), ("bias", bias)) if x is not None}
     batch = V.broadcast({"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2], **extra})
     keep, masked, b, replaced = _keep_and_bias(mask, bias, (*batch, rows, keys), num)
-    c = V.scale_value(scale, q.shape[-1])
+    dead = _dead_rows(keep, masked)
+    keep = keep | dead  # evaluated as unmasked, then infinite with the reason
+    c = V.scale_value(scale, q.shape[-1], placement=num.scale)
     qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
     fmt_in = num.format_of("input")
     errors = tuple(_rounding_error(x, fmt_in) for x in (qb, kb, vb))
@@ -912,9 +932,12 @@ def attention_bound(
     out_shape = (*batch, rows, v.shape[-1])
     terms = _stack([{**h[0], **h[4].terms()} for h in heads], out_shape)
     parts = {"logits": _stack([h[3] for h in heads], out_shape)}
+    reasons = _reasons(h[4] for h in heads)
+    if dead.any():
+        terms["fully_masked"] = np.broadcast_to(np.where(dead, np.inf, 0.0), out_shape)
+        reasons = (*reasons, _DEAD)
     total = sum(terms.values())
     chains = math.prod(batch) * rows * keys * (q.shape[-1] + 1 + v.shape[-1])
-    reasons = _reasons(h[4] for h in heads)
     return _result(total, terms, "A.1", num, lam, chains, parts, reasons)
 
 
@@ -982,12 +1005,6 @@ def _keep_and_bias(
         b = np.broadcast_to(np.asarray(arr, np.float64), target)
         keep = keep & ~np.isneginf(b)
         _check_bias_fits(b, ~np.isneginf(b), num.format_of("score"))
-    if masked is None and not keep.any(axis=-1).all():
-        msg = (
-            "mask: Theorem A.1 needs at least one attended key per row when masked logits are "
-            "-inf (the row's output is NaN), got a fully-masked row"
-        )
-        raise InvalidArgument(msg)
     if masked is not None:
         live = (
             keep | masked
@@ -1000,6 +1017,21 @@ def _keep_and_bias(
             )
             raise InvalidArgument(msg)
     return keep, masked, b, replaced
+
+
+def _dead_rows(keep: np.ndarray, masked: np.ndarray | None) -> np.ndarray:
+    """Rows that attend no key while masked logits are ``-inf`` (keepdims): their output is the
+    path's fully-masked convention (NaN in ``mhanum.attention``), not a rounding of the exact
+    attention, which is undefined there."""
+    if masked is not None:
+        return np.zeros((*keep.shape[:-1], 1), bool)
+    return np.asarray(~keep.any(axis=-1, keepdims=True))
+
+
+_DEAD = (
+    "fully-masked rows: a row that attends no key under -inf masking has no exact attention "
+    "(its output is the path's convention: NaN in mhanum.attention, 0 in some kernels)"
+)
 
 
 def _check_bias_fits(b: np.ndarray, keep: np.ndarray, fmt: Format) -> None:
@@ -1241,6 +1273,8 @@ def mha_bound(
     outer = V.broadcast({"x_q": xs["x_q"].shape[:-2], "x_kv": xs["x_kv"].shape[:-2]})
     rows, keys = xs["x_q"].shape[-2], xs["x_kv"].shape[-2]
     keep, masked, b, replaced = _keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)
+    dead = _dead_rows(keep, masked)
+    keep = keep | dead
     w: dict[str, Any] = {
         f.name: None if getattr(params, f.name) is None else np.asarray(getattr(params, f.name))
         for f in dataclasses.fields(params)
@@ -1278,7 +1312,7 @@ def mha_bound(
             _split(used + lin.given, heads),
             _split(lin.given, heads),
         )
-    c = V.scale_value(scale, params.qk_width // heads)
+    c = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
     results = {}
     for i in np.ndindex(*outer, heads):
         (q, eq, gq), (k, ek, gk), (v, ev, gv) = (proj[n] for n in "qkv")
@@ -1327,7 +1361,10 @@ def mha_bound(
         np.broadcast_to(bad_rows | head_bad["overflow"].any(axis=-1, keepdims=True), full) | bad_out
     )
     vacuous = np.broadcast_to(head_bad["vacuous"].any(axis=-1, keepdims=True), full)
-    for n, hit in (("overflow", overflow), ("vacuous", vacuous)):
+    dead_rows = np.broadcast_to(dead.any(axis=-3), full)  # any head's row reaches the output row
+    if dead_rows.any():
+        reasons.append(_DEAD)
+    for n, hit in (("overflow", overflow), ("vacuous", vacuous), ("fully_masked", dead_rows)):
         if hit.any():
             terms[n] = np.where(hit, np.inf, 0.0)
     logits = {n: out.kappa * (t @ out.slope) for n, t in head_parts.items()}

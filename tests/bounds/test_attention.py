@@ -106,8 +106,6 @@ Q = np.zeros((2, 4))
             },
             "numerics.score_format",
         ),
-        ({"mask": np.array([[True, True], [False, False]])}, "mask: Theorem A.1 needs"),
-        ({"bias": np.array([[0.0, -np.inf], [-np.inf, -np.inf]])}, "mask: Theorem A.1 needs"),
         ({"numerics": Numerics(softmax="online(2)", softmax_format="bfloat16")}, "softmax_format"),
         ({"bias": np.array([[np.nan, 0.0]])}, "bias: expected finite values or -inf"),
         ({"numerics": 3}, "numerics: expected a Numerics"),
@@ -390,3 +388,58 @@ def test_probabilistic_bound_fails_where_every_rounding_goes_one_way():
     assert prob.probability > 0.999
     assert np.all(err > prob.total)
     assert np.all(err <= attention_bound(q, k, v, numerics=num, scale=1.0).total)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"mask": np.array([[True, True], [False, False]])},
+        {"bias": np.array([[0.0, -np.inf], [-np.inf, -np.inf]])},
+    ],
+)
+def test_fully_masked_rows_under_minus_inf_are_bounded_row_by_row(kwargs):
+    # The NaN row gets an infinite bound with its reason; the other row is bounded as usual.
+    q = k = v = np.random.default_rng(2).standard_normal((2, 2))
+    bound = attention_bound(q, k, v, **kwargs)
+    assert np.isinf(bound.total[1]).all()
+    assert np.isfinite(bound.total[0]).all()
+    assert any("fully-masked rows" in r for r in bound.reasons)
+    mask = kwargs.get("mask")
+    out = np.asarray(mn.attention(q, k, v, mask, bias=kwargs.get("bias")), np.float64)
+    ref = reference.attention(q, k, v, mask=mask, bias=kwargs.get("bias"))
+    assert np.isnan(out[1]).all()
+    assert np.all(np.abs(out[0] - ref[0]) <= bound.total[0])
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-fp32acc", "fp16", "tf32"])
+@pytest.mark.parametrize("softmax", ["safe", "online(2)"])
+def test_a_row_with_one_key_is_charged_only_the_rounding_of_v_and_the_output(preset, softmax):
+    # Its probability is exactly 1 (exp(0) = 1, 1/1 = 1): the output is v_j rounded twice.
+    num = configured(preset, softmax=softmax)
+    mask = np.eye(4, 5, dtype=bool)
+    rng = np.random.default_rng(4)
+    q, k, v = (
+        rng.standard_normal((4, 3)) * 4,
+        rng.standard_normal((5, 3)) * 4,
+        rng.standard_normal((5, 2)),
+    )
+    bound = attention_bound(q, k, v, mask, numerics=num)
+    out = np.asarray(mn.attention(q, k, v, mask, numerics=num), np.float64)
+    fin, fout, op = num.format_of("input"), num.format_of("output"), num.operand_rounding
+    u_op = op.u if op is not None else 0.0
+    rel = (1 + fin.u) * (1 + u_op) * (1 + fout.u) - 1  # v rounded to the input, operand, output
+    step = rel * np.abs(v[:4]) + 2 * fin.smallest_normal + fout.smallest_normal
+    assert np.all(np.abs(out - v[:4]) <= bound.total)
+    assert bound.terms["logits"].max() == 0.0
+    assert bound.terms["softmax"].max() == 0.0
+    assert np.all(bound.total <= 1.01 * step + 1e-30)
+
+
+def test_a_negative_scale_is_bounded():
+    # PyTorch's SDPA tests use scale = -1e4: logits of 1e4·|q·k|, one key per row dominates.
+    x = np.random.default_rng(3).standard_normal((6, 8))
+    for scale in (-1e4, -0.125, 0.0):
+        bound = attention_bound(x, x, x, scale=scale, numerics="bf16-fp32acc")
+        out = np.asarray(mn.attention(x, x, x, scale=scale, numerics="bf16-fp32acc"), np.float64)
+        assert np.isfinite(bound.total).all()
+        assert np.all(np.abs(out - reference.attention(x, x, x, scale=scale)) <= bound.total)
