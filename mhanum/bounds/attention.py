@@ -179,22 +179,18 @@ def _check_scope(num: Numerics) -> None:
         raise InvalidArgument(msg)
 
 
-def _rounding(fmt: Format, x: np.ndarray) -> tuple[float, float]:
-    """(u, η) of rounding ``x`` into ``fmt`` and reading it back (A.1, step 1).
-
-    ``(0, 0)`` when every value is a normal number of ``fmt`` or zero. A subnormal value, even one
-    ``fmt`` represents, may be read as zero (XLA's CPU backend treats float32 denormals as zero),
-    an absolute error below ``2^emin``.
-    """
-    exact = bool(np.all(representable(x, fmt)))
-    tiny = bool(np.any((x != 0) & (np.abs(x) < fmt.smallest_normal)))
-    return (0.0 if exact else fmt.u), (0.0 if exact and not tiny else fmt.smallest_normal)
-
-
 def _rounding_error(x: np.ndarray, fmt: Format) -> np.ndarray:
-    """A componentwise bound on ``|fl(x) - x|`` for the rounding of ``x`` into ``fmt`` (step 1)."""
-    u, eta = _rounding(fmt, x)
-    return u * np.abs(x) + eta
+    """A componentwise bound on ``|fl(x) - x|`` for the rounding of ``x`` into ``fmt`` (step 1).
+
+    ``0`` for a normal value of ``fmt`` or zero; ``u|x|`` for a value that rounds to a normal
+    number; ``2^emin`` more for a value below ``2^emin``, even one ``fmt`` represents, since a
+    subnormal may be read as zero (XLA's CPU backend treats float32 denormals as zero). Entry by
+    entry: one subnormal input charges its own entry, not every entry.
+    """
+    x = np.asarray(x, np.float64)
+    exact = representable(x, fmt)
+    tiny = (x != 0) & (np.abs(x) < fmt.smallest_normal)
+    return np.where(exact, 0.0, fmt.u * np.abs(x)) + np.where(tiny, fmt.smallest_normal, 0.0)
 
 
 def _is_power_of_four(d: int) -> bool:
@@ -477,15 +473,15 @@ def _head(
     s = scale * t
     if bias is not None:
         b0 = np.where(np.isfinite(bias), bias, 0.0)
-        u_b, eta_b = _rounding(fmts["score"], b0[np.isfinite(bias)])
+        e_b = _rounding_error(b0, fmts["score"])
         s = s + b0
         eps_b = 2.0**-53 * np.abs(s)
         sources = {name: (1 + u_s) * x for name, x in sources.items()}
-        sources["bias"] = (1 + u_s) * (u_b * np.abs(b0) + eta_b) + u_s * np.abs(s) + eta_s
+        sources["bias"] = (1 + u_s) * e_b + u_s * np.abs(s) + eta_s
         sources["scale"] = sources["scale"] + eps_b
         eps64 = eps64 + eps_b
         delta = sum(sources.values())
-        s_upper = s_upper + np.abs(b0) * (1 + u_b) + eta_b
+        s_upper = s_upper + np.abs(b0) + e_b
         ranges.check(np.where(used, s_upper, 0.0), fmts["score"], "the scores plus the bias")
     # R.4: the scores read into the softmax format (and its smallest normal)
     ranges.check(

@@ -253,3 +253,21 @@ def test_softmax_bound_and_a1_agree_on_a_float16_naive_row_that_overflows():
     assert alone.reasons
     assert np.isinf(composed.total).all()
     assert composed.reasons
+
+
+def test_one_subnormal_input_charges_only_the_entries_it_reaches():
+    # v[2, 1] = 1e-6 is subnormal in float16: only output column 1 may change by its flush.
+    rng = np.random.default_rng(7)
+    q, k, v = (
+        np.asarray(rng.standard_normal(s), np.float16).astype(float)
+        for s in ((4, 8), (6, 8), (6, 3))
+    )
+    v[2, 1] = 0.0
+    plain = attention_bound(q, k, v, numerics="fp16").total
+    v_sub = v.copy()
+    v_sub[2, 1] = 1e-6
+    bound = attention_bound(q, k, v_sub, numerics="fp16").total
+    out = np.asarray(mn.attention(q, k, v_sub, numerics="fp16"), np.float64)
+    assert np.all(np.abs(out - reference.attention(q, k, v_sub)) <= bound)
+    np.testing.assert_array_equal(bound[:, [0, 2]], plain[:, [0, 2]])
+    assert np.all(bound[:, 1] > plain[:, 1])
