@@ -9,7 +9,9 @@ is wrong). It runs in three stages:
 1. **targeted search**: Hypothesis draws inputs from :func:`mhanum.strategies.attention_inputs`
    and is steered with ``hypothesis.target`` on the objective. The budget is split into stages,
    one per structure family (plain inputs, then each of :data:`mhanum.strategies.STRUCTURES` alone
-   or paired with another), so that every family is explored; within a stage the objective is
+   or paired with another; with ``structure="range"`` or ``"all"`` also each of
+   :data:`RANGE_FAMILIES`, the range structures that aim at the formats' limits), so that every
+   family is explored; within a stage the objective is
    targeted under the stage's label and under one label per dominant bound term (so that inputs
    where, say, the ``pv`` term dominates are climbed separately from those where ``logits``
    does);
@@ -18,6 +20,10 @@ is wrong). It runs in three stages:
    input format), restarted with a wider simplex while budget remains;
 3. **confirmation**: the best input is re-measured against the certified reference
    (:func:`mhanum.reference.attention`).
+
+Where the bound is infinite at some entries (a stage may overflow: ``Bound.reasons``) the ratio
+is taken over the others, and a NaN or infinite output at an entry with a finite bound counts as
+a violation of infinite ratio.
 
 During stages 1 and 2 the objective is *cheap*: the error is measured against mhanum's own
 float64 attention (preset ``fp64``), whose distance to the exact output is itself bounded by
@@ -42,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -70,6 +76,11 @@ __all__ = [
 
 OBJECTIVES = ("error", "error/bound")
 """The objectives :func:`worst_case` maximises."""
+
+RANGE_FAMILIES = ("near_max", "near_sqrt_max", "near_min_normal", "subnormal", "softmax_sum")
+"""The range structures (:data:`mhanum.strategies.RANGE_STRUCTURES`) the search hunts with
+``structure="range"`` or ``"all"``, one stage each: those that need no scale or bias (a case
+holds ``q``, ``k``, ``v`` and a mask; ``softmax_sum`` sets its logits through q and k)."""
 
 SLACK_LIMIT = 1e-6
 """Largest cheap-objective slack (``max B64/B``) accepted before falling back to the reference."""
@@ -203,38 +214,50 @@ class Objective:
         *,
         certified: bool | None = None,
     ) -> Evaluation | None:
-        """The evaluation, or ``None`` outside the bound's scope (refused, overflow, vacuous)."""
+        """The evaluation, or ``None`` outside the bound's scope.
+
+        The bound is refused (``InvalidArgument``) or infinite everywhere: ``None``. Where it is
+        infinite at some entries (a stage may overflow, ``Bound.reasons``), the ratio is taken
+        over the others; a non-finite output at an entry with a finite bound is a violation of
+        infinite ratio.
+        """
         self.calls += 1
         try:
-            b = self.bound(q, k, v, mask, numerics=self.numerics)
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                b = self.bound(q, k, v, mask, numerics=self.numerics)
         except InvalidArgument:
             self.out_of_scope += 1
             return None
         total = np.asarray(b.total, np.float64)
-        out = np.asarray(attention(q, k, v, mask, numerics=self.numerics), np.float64)
-        if not (np.all(np.isfinite(out)) and np.all(np.isfinite(total))):
+        finite = np.isfinite(total)
+        if not finite.any():
             self.out_of_scope += 1
             return None
+        out = np.asarray(attention(q, k, v, mask, numerics=self.numerics), np.float64)
         exact = self.certified if certified is None else certified
         slack = 0.0
         if not exact:
             try:
-                b64 = np.asarray(attention_bound(q, k, v, mask, numerics=self.fp64).total)
+                with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                    b64 = np.asarray(attention_bound(q, k, v, mask, numerics=self.fp64).total)
             except InvalidArgument:  # outside Lemma W.1's hypotheses: measure exactly
                 b64 = np.full_like(total, np.inf)
-            slack = _max_ratio(b64, total)
+            slack = _max_ratio(np.where(finite, b64, 0.0), total)
             exact = not slack <= SLACK_LIMIT
             if not exact:
                 ref = np.asarray(attention(q, k, v, mask, numerics=self.fp64), np.float64)
+                exact = not bool(np.all(np.isfinite(ref[finite])))
         if exact:
             ref = np.asarray(reference.attention(q, k, v, mask=mask), np.float64)
             slack = 0.0
-        err = np.abs(out - ref)
+        with np.errstate(invalid="ignore", over="ignore"):
+            err = np.where(finite, np.abs(out - ref), 0.0)
+        err = np.where(finite & ~np.isfinite(err), np.inf, err)  # NaN or inf under a finite bound
         with np.errstate(divide="ignore", invalid="ignore"):
             ratios = np.where(err > 0, err / total, 0.0)
-        flat = int(np.argmax(ratios))
+        flat = int(np.argmax(np.where(finite, ratios, -1.0)))  # an entry with a finite bound
         index = tuple(int(i) for i in np.unravel_index(flat, ratios.shape))
-        scale = float(np.max(np.abs(ref), initial=0.0))
+        scale = float(np.max(np.abs(np.where(finite, ref, 0.0)), initial=0.0))
         normwise = float(err.max(initial=0.0)) / scale if scale > 0 else 0.0
         ratio = float(ratios.flat[flat])
         terms = {name: float(np.broadcast_to(t, total.shape)[index]) for name, t in b.terms.items()}
@@ -445,8 +468,13 @@ def worst_case(
         budget: the number of objective evaluations (targeted search and refinement together).
         seed: seed of the Hypothesis search (the same seed repeats the search).
         refine: the fraction of the budget given to the Nelder–Mead refinement.
-        structure: the ``structure`` argument of :func:`mhanum.strategies.attention_inputs`
-            (default: structures mixed in at random).
+        structure: ``None`` (default): one stage per structure family of
+            :data:`mhanum.strategies.STRUCTURES`; ``"range"``: one stage per range family
+            (:data:`RANGE_FAMILIES`, each alone or paired with another, aimed at ``numerics``'s
+            formats); ``"all"``: both; otherwise the ``structure`` argument of
+            :func:`mhanum.strategies.attention_inputs` for a single stage (structures that
+            draw a scale or a bias, ``scale_range`` and ``bias_range``, are refused: a case
+            holds q, k, v and a mask).
         mask: a mask kind of :func:`mhanum.strategies.masks` (``"padding"``, ``"causal"``,
             ``"random"``; every row attends some key), searched together with the inputs;
             ``None`` or ``"none"`` for no mask.
@@ -485,12 +513,27 @@ def worst_case(
 
 def _families(structure: Any) -> list[tuple[str, Any]]:
     """The stages of the targeted search: one per structure family (or the user's structure)."""
-    if structure is not None:
+    if structure is not None and not (isinstance(structure, str) and structure in ("range", "all")):
+        names = (structure,) if isinstance(structure, str) else structure
+        if not isinstance(names, st.SearchStrategy) and isinstance(names, Iterable):
+            drawn = sorted({"scale_range", "bias_range"} & set(names))
+            if drawn:
+                msg = (
+                    f"structure: expected structures without a scale or a bias (a case holds q, "
+                    f"k, v and a mask), got {drawn}"
+                )
+                raise InvalidArgument(msg)
         return [("custom", structure)]
-    mixes = strategies.default_mixes()
-    families: list[tuple[str, Any]] = [("plain", "plain")]
-    for name in strategies.STRUCTURES:
-        families.append((name, st.sampled_from([m for m in mixes if name in m])))
+    families: list[tuple[str, Any]] = []
+    if structure in (None, "all"):
+        mixes = strategies.default_mixes()
+        families.append(("plain", "plain"))
+        for name in strategies.STRUCTURES:
+            families.append((name, st.sampled_from([m for m in mixes if name in m])))
+    if structure in ("range", "all"):
+        ranged = [m for m in strategies.range_mixes() if m <= set(RANGE_FAMILIES)]
+        for name in RANGE_FAMILIES:
+            families.append((f"range:{name}", st.sampled_from([m for m in ranged if name in m])))
     return families
 
 
@@ -536,10 +579,10 @@ def _stage(
         d_v=shape.d_v,
         batch=shape.batch,
         heads=shape.heads,
-        fmt=num.input,
         accum=num.accum,
         structure=structure,
-    )
+        numerics=num,
+    ).filter(lambda x: x.bias is None and x.scale is None)
     masks: st.SearchStrategy[np.ndarray | None] = st.none()
     if mask is not None:
         masks = strategies.masks(

@@ -6,9 +6,12 @@ strategies for its arguments, and rejects a bad value with
 argument raises the same error when it is drawn).
 
 * :func:`formats` — :class:`~mhanum.formats.Format` objects;
-* :func:`numerics` — :class:`~mhanum.Numerics`, presets and free combinations;
+* :func:`numerics` — :class:`~mhanum.Numerics`, presets, free combinations and (on request)
+  custom numerics that set every field;
 * :func:`attention_inputs` — :class:`AttentionInputs` ``(q, k, v)`` whose values lie in a format,
-  with error-provoking structure (:data:`STRUCTURES`) on request and mixed in by default;
+  with error-provoking structure (:data:`STRUCTURES`) on request and mixed in by default, and
+  structures at the edges of every format's range (:data:`RANGE_STRUCTURES`, with a scale and a
+  bias) on request;
 * :func:`masks` — boolean masks (True = attend): padding, causal, random, fully-masked rows on
   request;
 * :func:`mha_params` — :class:`~mhanum.MHAParams` with values in a format.
@@ -33,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import sys
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
@@ -44,9 +48,11 @@ from mhanum._errors import InvalidArgument as _MhanumInvalid
 from mhanum.formats import FORMATS, Format, get_format, round_to
 from mhanum.numerics import PRESETS, Numerics
 from mhanum.params import MHAParams
+from mhanum.tensorcore import MODELS
 
 __all__ = [
     "MASK_KINDS",
+    "RANGE_STRUCTURES",
     "STRUCTURES",
     "AttentionInputs",
     "attention_inputs",
@@ -97,6 +103,52 @@ def default_mixes() -> tuple[frozenset[str], ...]:
     return _MIXES
 
 
+RANGE_STRUCTURES = (
+    "near_max",
+    "near_sqrt_max",
+    "near_min_normal",
+    "subnormal",
+    "scale_range",
+    "bias_range",
+    "softmax_sum",
+)
+"""Structures at the edges of the formats' ranges, on request only (``structure="range"`` draws
+one of them or a pair). They aim at the formats of the numerics passed to
+:func:`attention_inputs` (input, accumulation, score, softmax, scale, probability, output and
+operand formats; without ``numerics``: ``fmt`` and ``accum``):
+
+* ``near_max``: q, k or v (or several) scaled to within a few binades of the largest finite value
+  of one of those formats no larger than ``fmt``'s, sometimes with one entry exactly there;
+* ``near_sqrt_max``: q and k scaled so that ``max |q|·|k|`` (or the scaled logits) reaches about
+  the largest finite value of one of the formats, and/or v so that its column sums ``Σ_j |v_j|``
+  (the unnormalised ``P V`` sums) do;
+* ``near_min_normal``: q, k or v (or the products ``|q|·|k|``) scaled to within a few binades of
+  the smallest normal number of one of the formats;
+* ``subnormal``: a fraction of the entries of q, k or v replaced by subnormal numbers of ``fmt``;
+* ``scale_range``: a scale ``±m·2^e`` (or zero) with ``e`` anywhere in the exponent range of the
+  format it is rounded into (the score format, or the scale format with the scale on q or q and
+  k; on q and k the scale is ``(m·2^e)^2``, never negative), subnormal and overflowing ones
+  included; sometimes q and k are rescaled so that ``|scale|·|q|·|k|`` hits a drawn ``2^t`` (a
+  tiny scale then comes with large ``q·k``);
+* ``bias_range``: an additive bias with entries across the score format's exponent range, near its
+  largest finite value, one large constant, or large negative entries (a finite mask);
+* ``softmax_sum``: ``m`` keys of every row share the logit ``log(L/m) + δ`` (through q and k, or a
+  bias with zero queries), the others lie below, so that ``Σ exp`` of a naive softmax approaches
+  ``L``: the softmax format's largest finite value, or ``2^126`` (``2^1022`` for float64) where
+  the reciprocal of the row sum flushes to zero.
+"""
+
+_RANGE_MIXES = (
+    *(frozenset({a}) for a in RANGE_STRUCTURES),
+    *(frozenset(pair) for pair in itertools.combinations(RANGE_STRUCTURES, 2)),
+)
+
+
+def range_mixes() -> tuple[frozenset[str], ...]:
+    """The structure sets ``structure="range"`` draws from: each range structure, and each pair."""
+    return _RANGE_MIXES
+
+
 MASK_KINDS = ("none", "padding", "causal", "random")
 """Kinds of :func:`masks`."""
 
@@ -114,7 +166,14 @@ class AttentionInputs:
         k: ``(batch, heads, kv_len, d_k)``, likewise.
         v: ``(batch, heads, kv_len, d_v)``, likewise.
         fmt: name of the format the values lie in.
-        structure: the structures applied (a subset of :data:`STRUCTURES`).
+        structure: the structures applied (a subset of :data:`STRUCTURES` and
+            :data:`RANGE_STRUCTURES`).
+        scale: the logit scale to pass to the attention (``scale_range``: any sign, or zero; or
+            the ``scale`` asked for), or ``None`` for the default ``1/sqrt(d_k)``.
+        bias: an additive bias ``(batch, heads, q_len, kv_len)`` to pass with the inputs
+            (``bias_range``, ``softmax_sum``), or ``None``.
+        numerics: the numerics the range structures aimed at (the ``numerics`` argument, drawn
+            if it was a strategy), or ``None``.
     """
 
     q: np.ndarray
@@ -122,6 +181,9 @@ class AttentionInputs:
     v: np.ndarray
     fmt: str
     structure: frozenset[str]
+    scale: float | None = None
+    bias: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    numerics: Numerics | None = None
 
     @property
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -150,16 +212,20 @@ def _check_format(value: Any, name: str) -> Format:
         raise InvalidArgument(str(exc)) from None
 
 
+_KNOWN = (*STRUCTURES, *RANGE_STRUCTURES)
+
+
 def _check_structure(value: Any) -> frozenset[str] | None:
+    """The named structures (``"range"`` kept as a marker for a drawn range mix), or ``None``."""
     if value is None:
         return None
     names = (value,) if isinstance(value, str) else value
     if not isinstance(names, Iterable):
-        _fail("structure", f"None, a name or names from {STRUCTURES}", value)
+        _fail("structure", f"None, a name or names from {_KNOWN}", value)
     names = tuple(names)
-    unknown = [n for n in names if n not in STRUCTURES and n != "plain"]
+    unknown = [n for n in names if n not in _KNOWN and n not in ("plain", "range")]
     if unknown:
-        _fail("structure", f"names from {STRUCTURES} (or 'plain')", unknown)
+        _fail("structure", f"names from {_KNOWN} (or 'plain', 'range')", unknown)
     return frozenset(n for n in names if n != "plain")
 
 
@@ -211,23 +277,36 @@ def numerics(
     summation: Any = None,
     softmax: Any = None,
     bounded: bool = False,
+    custom: bool = False,
+    scale: Any = None,
 ) -> st.SearchStrategy[Numerics]:
-    """:class:`~mhanum.Numerics`: named presets and free combinations of formats and orders.
+    """:class:`~mhanum.Numerics`: named presets, free combinations and custom numerics.
 
     Args:
         presets: ``True`` for every preset of :data:`mhanum.PRESETS`, a list of names, or
             ``False`` for none.
         free: whether to draw free combinations of ``input``, ``accum``, ``summation`` and
             ``softmax`` as well.
-        input, accum, summation, softmax: values or strategies for the free combinations (default:
-            every format, order and algorithm; an ``accum`` less precise than ``input`` is
-            replaced by the least precise accumulation format at least as precise).
-        bounded: keep only numerics that :func:`mhanum.bounds.attention_bound` covers (scale on the
-            scores, ``-inf`` masking, score format no wider than the softmax format).
+        input, accum, summation, softmax: values or strategies for the free and custom
+            combinations (default: every format, order and algorithm; an ``accum`` less precise
+            than ``input`` is replaced by the least precise accumulation format at least as
+            precise).
+        bounded: keep only numerics in the scope of :func:`mhanum.bounds.attention_bound` (a
+            score format no wider than the softmax format; for the online softmax, an
+            accumulation format no wider than the softmax format). Custom numerics are drawn
+            within it rather than filtered.
+        custom: whether to draw custom numerics as well: every field drawn, fp8 and tf32 formats
+            included, stage formats narrower than the one before them (a float16 score format
+            after float32 accumulation, a bfloat16 scale format with float32 inputs, bfloat16
+            inputs accumulated in float16, fp8 score or output formats), every dot unit and
+            tensor-core model, every scale placement, ``fill`` and ``add`` masks with infinite or
+            finite constants (one the score format represents or rounds to ``-inf``).
+        scale: the scale placement of custom numerics (``"scores"``, ``"q"``, ``"qk"``, or a
+            strategy; default: all three).
 
     Raises:
-        InvalidArgument: for an unknown preset, neither presets nor free combinations, or a field
-            value ``Numerics`` rejects.
+        InvalidArgument: for an unknown preset, neither presets nor free nor custom combinations,
+            or a field value ``Numerics`` rejects.
     """
     if presets is True:
         names: tuple[str, ...] = tuple(PRESETS)
@@ -240,12 +319,16 @@ def numerics(
         unknown = [n for n in names if n not in PRESETS]
         if unknown:
             _fail("presets", f"names from {tuple(PRESETS)}", unknown)
-    if not names and not free:
-        _fail("presets/free", "presets or free combinations", (presets, free))
+    for flag, name in ((free, "free"), (bounded, "bounded"), (custom, "custom")):
+        if not isinstance(flag, bool):
+            _fail(name, "a bool", flag)
+    if not names and not free and not custom:
+        _fail("presets/free/custom", "presets, free or custom combinations",
+              (presets, free, custom))  # fmt: skip
     for value, name in ((input, "input"), (accum, "accum")):
         if value is not None and not isinstance(value, st.SearchStrategy):
             _check_format(value, name)
-    for value, name in ((summation, "summation"), (softmax, "softmax")):
+    for value, name in ((summation, "summation"), (softmax, "softmax"), (scale, "scale")):
         if value is not None and not isinstance(value, st.SearchStrategy):
             try:
                 Numerics(**{name: value})
@@ -263,6 +346,10 @@ def numerics(
                 _field(softmax, _SOFTMAXES),
             )
         )
+    if custom:
+        fields = {"input": input, "accum": accum, "summation": summation, "softmax": softmax,
+                  "scale": scale}  # fmt: skip
+        choices.append(_custom_numerics(fields, bounded))
     strategy = st.one_of(*choices)
     return strategy.filter(_bounded) if bounded else strategy
 
@@ -287,10 +374,87 @@ def _free_numerics(
         raise InvalidArgument(str(exc)) from None
 
 
+_CUSTOM_FORMATS = ("float64", "float32", "tf32", "bfloat16", "float16", "float8_e4m3fn",
+                   "float8_e5m2")  # fmt: skip
+_CUSTOM_SUMMATIONS = (*_SUMMATIONS, "blocked(3)")
+_CUSTOM_SOFTMAXES = ("naive", "safe", "online(1)", "online(3)", "online(8)", "online(32)")
+_OPERAND_FORMATS = ("tf32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+_DOTS = ("bf16x1", "bf16x3", "bf16x6", *(f"tensor-core({m})" for m in MODELS))
+_MASK_VALUES: tuple[float | str, ...] = (-math.inf, "finfo.min", "0.7*finfo.min", -1e9, -1e4,
+                                          -30.0, 0.0)  # fmt: skip
+
+
+def _least_accum(*needs: Format) -> str:
+    """The least precise accumulation format at least as precise as every one of ``needs``."""
+    p = max(f.precision for f in needs)
+    return min((get_format(a) for a in _ACCUMS if get_format(a).precision >= p),
+               key=lambda f: f.precision).name  # fmt: skip
+
+
+@st.composite
+def _custom_numerics(draw: Any, fields: dict[str, Any], bounded: bool) -> Numerics:
+    def pick(name: str, choices: tuple[Any, ...]) -> Any:
+        value = fields.get(name)
+        if value is None:
+            return draw(st.sampled_from(choices))
+        return draw(value) if isinstance(value, st.SearchStrategy) else value
+
+    def maybe(choices: tuple[str, ...]) -> str | None:
+        return draw(st.one_of(st.none(), st.sampled_from(choices)))
+
+    fin = _check_format(pick("input", _CUSTOM_FORMATS), "input")
+    dot = draw(st.sampled_from(_DOTS)) if draw(st.integers(0, 3)) == 0 else "ieee"
+    if fin.precision > 24:
+        dot = "ieee"
+    operand = maybe(_OPERAND_FORMATS) if dot == "ieee" else None
+    acc = _check_format(pick("accum", _ACCUMS), "accum")
+    needs = [fin] + ([get_format(operand)] if operand else [])
+    if dot != "ieee":
+        acc = get_format("float32")
+    elif acc.precision < max(f.precision for f in needs):
+        acc = get_format(_least_accum(*needs))
+    summation = pick("summation", _CUSTOM_SUMMATIONS)
+    if dot.startswith("tensor-core") and summation not in ("native", "sequential"):
+        summation = draw(st.sampled_from(("native", "sequential")))
+    kw: dict[str, Any] = {
+        "input": fin.name,
+        "accum": acc.name,
+        "summation": summation,
+        "softmax": pick("softmax", _CUSTOM_SOFTMAXES),
+        "softmax_format": maybe(_ACCUMS),
+        "score_format": maybe(_CUSTOM_FORMATS),
+        "prob_format": maybe(_CUSTOM_FORMATS),
+        "output_format": maybe(_CUSTOM_FORMATS),
+        "operand_format": operand,
+        "dot": dot,
+        "scale": pick("scale", ("scores", "q", "qk")),
+        "scale_format": maybe(_CUSTOM_FORMATS),
+        "mask_mode": draw(st.sampled_from(("fill", "add"))),
+        "mask_value": draw(st.sampled_from(_MASK_VALUES)),
+    }
+    try:
+        num = Numerics(**kw)
+        if bounded:
+            soft = num.format_of("softmax")
+            if num.softmax_kind == "online" and acc.precision > soft.precision:
+                num = num.replace(softmax_format=None)  # the softmax in accum
+                soft = num.format_of("softmax")
+            if num.format_of("score").precision > soft.precision:
+                narrow = [f for f in _CUSTOM_FORMATS if get_format(f).precision <= soft.precision]
+                num = num.replace(score_format=draw(st.sampled_from(narrow)))
+        try:
+            num.mask_constant()
+        except _MhanumInvalid:  # NaN in a format without infinity: its finfo.min instead
+            num = num.replace(mask_value="finfo.min")
+        return num
+    except _MhanumInvalid as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
 def _bounded(num: Numerics) -> bool:
     score, soft, acc = (num.format_of(r).precision for r in ("score", "softmax", "accum"))
     online_ok = num.softmax_kind != "online" or acc <= soft
-    return num.scale == "scores" and num.mask_value == -math.inf and score <= soft and online_ok
+    return score <= soft and online_ok
 
 
 # attention inputs --------------------------------------------------------------------------------
@@ -309,33 +473,41 @@ def attention_inputs(
     d_v: Any = None,
     batch: Any = 1,
     heads: Any = 1,
-    fmt: Any = "float32",
+    fmt: Any = None,
     structure: Any = None,
     accum: Any = None,
     scale: float | None = None,
+    numerics: Any = None,
 ) -> st.SearchStrategy[AttentionInputs]:
     """Queries, keys and values of shape ``(batch, heads, length, width)`` with values in ``fmt``.
 
     The base values are standard normal times ``2^j`` (``j`` drawn in ``[-3, 3]`` per array,
-    rounded into ``fmt``); the structures of
-    :data:`STRUCTURES` are applied on top. Every value is finite and a value of ``fmt``, and
-    ``scale·|q|·|k| <= 2^12`` (the range :func:`mhanum.bounds.attention_bound` evaluates).
+    rounded into ``fmt``); the structures of :data:`STRUCTURES` and, on request,
+    :data:`RANGE_STRUCTURES` are applied on top. Every value is finite and a value of ``fmt``.
+    The logits are not limited: ``outliers`` and the range structures may make
+    ``scale·|q|·|k|`` as large as the format allows, and the range structures aim at overflow on
+    purpose (:func:`mhanum.bounds.attention_bound` answers ``inf`` with its reasons there).
 
     Args:
         q_len, kv_len, d_k: query length, key length and query/key width (values or strategies).
         d_v: value width (default ``d_k``).
         batch, heads: leading dimensions (default 1 each).
         fmt: the format of the values (a name, a :class:`~mhanum.formats.Format`, or a strategy
-            such as :func:`formats`).
+            such as :func:`formats`; default: ``numerics``'s input format, else ``float32``).
         structure: ``None`` (default) mixes in no structure, one, or a pair of
-            :data:`STRUCTURES`, uniformly; ``"plain"`` or ``()`` for none; a name or names for exactly those; or a
-            strategy of these.
+            :data:`STRUCTURES`, uniformly; ``"plain"`` or ``()`` for none; ``"range"`` for one
+            or a pair of :data:`RANGE_STRUCTURES`; a name or names for exactly those (``"range"``
+            among them adds a drawn range mix); or a strategy of these.
         accum: the accumulation format, where ``absorption`` places its small addends (default:
-            ``fmt``).
-        scale: the logit scale the ``large_logits`` structure aims at (default ``1/sqrt(d_k)``).
+            ``numerics``'s, else ``fmt``).
+        scale: the logit scale the structures aim at (default ``1/sqrt(d_k)``); reported as
+            :attr:`AttentionInputs.scale` (``scale_range`` draws its own).
+        numerics: the :class:`~mhanum.Numerics` (or preset name, or a strategy such as
+            :func:`numerics`) whose formats the range structures aim at; reported as
+            :attr:`AttentionInputs.numerics`.
 
     Raises:
-        InvalidArgument: for a non-positive size, an unknown format or structure name.
+        InvalidArgument: for a non-positive size, an unknown format, structure name or preset.
     """
     sizes = {"q_len": q_len, "kv_len": kv_len, "d_k": d_k, "batch": batch, "heads": heads}
     if d_v is not None:
@@ -348,27 +520,52 @@ def attention_inputs(
             _check_format(value, name)
     if not isinstance(structure, st.SearchStrategy):
         _check_structure(structure)
-    if scale is not None and (not isinstance(scale, (int, float)) or not scale > 0):
-        _fail("scale", "a positive number or None", scale)
-    return _attention_inputs(sizes, fmt, structure, accum, scale)
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf
+    ):
+        _fail("scale", "a positive finite number or None", scale)
+    if numerics is not None and not isinstance(numerics, st.SearchStrategy):
+        _check_numerics(numerics)
+    return _attention_inputs(sizes, fmt, structure, accum, scale, numerics)
+
+
+def _check_numerics(value: Any) -> Numerics:
+    if isinstance(value, str):
+        if value not in PRESETS:
+            _fail("numerics", f"a Numerics or a preset name from {tuple(PRESETS)}", value)
+        return PRESETS[value]
+    if not isinstance(value, Numerics):
+        _fail("numerics", "a Numerics, a preset name or a strategy of them", value)
+    return value
 
 
 @st.composite
 def _attention_inputs(
-    draw: Any, sizes: dict[str, Any], fmt: Any, structure: Any, accum: Any, scale: float | None
+    draw: Any,
+    sizes: dict[str, Any],
+    fmt: Any,
+    structure: Any,
+    accum: Any,
+    scale: float | None,
+    numerics: Any,
 ) -> AttentionInputs:
-    n = {name: _resolve_int(draw, value, name) for name, value in sizes.items()}
+    def value(x: Any) -> Any:
+        return draw(x) if isinstance(x, st.SearchStrategy) else x
+
+    num = None if numerics is None else _check_numerics(value(numerics))
+    n = {name: _resolve_int(draw, size, name) for name, size in sizes.items()}
     n.setdefault("d_v", n["d_k"])
-    f = _check_format(draw(fmt) if isinstance(fmt, st.SearchStrategy) else fmt, "fmt")
-    a = (
-        f
-        if accum is None
-        else _check_format(draw(accum) if isinstance(accum, st.SearchStrategy) else accum, "accum")
-    )
-    chosen = _check_structure(draw(structure) if isinstance(structure, st.SearchStrategy)
-                              else structure)  # fmt: skip
+    if fmt is None:
+        fmt = "float32" if num is None else num.input
+    f = _check_format(value(fmt), "fmt")
+    if accum is None and num is not None:
+        accum = num.accum
+    a = f if accum is None else _check_format(value(accum), "accum")
+    chosen = _check_structure(value(structure))
     if chosen is None:
         chosen = draw(st.sampled_from(_MIXES))
+    if "range" in chosen:
+        chosen = (chosen - {"range"}) | draw(st.sampled_from(_RANGE_MIXES))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     lead = (n["batch"], n["heads"])
     q, k, v = (
@@ -381,7 +578,10 @@ def _attention_inputs(
     )
     c = 1.0 / math.sqrt(n["d_k"]) if scale is None else float(scale)
     q, k, v = _structured(draw, chosen, q, k, v, f, a, c)
-    return AttentionInputs(q, k, v, f.name, chosen)
+    x = AttentionInputs(q, k, v, f.name, chosen, scale=scale, numerics=num)
+    if chosen & set(RANGE_STRUCTURES):
+        x = _ranged(draw, x, _Limits.of(num, f, a), c)
+    return x
 
 
 def _structured(
@@ -449,11 +649,234 @@ def _structured(
     if "underflow" in chosen:
         top = float(np.max(np.abs(v), initial=0.0)) or 1.0
         v = np.ldexp(v, f.emin - math.frexp(top)[1] + draw(st.integers(-3, 8)))
-    top = c * float(np.max(np.abs(q) @ np.swapaxes(np.abs(k), -1, -2), initial=0.0))
-    if top > 2.0**11:  # keep within the range attention_bound evaluates (2^12), with a margin
-        shrink = 2.0 ** -math.ceil(math.log2(top / 2.0**11) / 2)
-        q, k = q * shrink, k * shrink
     return tuple(_into(x, f) for x in (q, k, v))  # type: ignore[return-value]
+
+
+# range structures --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Limits:
+    """The formats the range structures aim at."""
+
+    value: Format  # the values' format (fmt)
+    accum: Format
+    score: Format
+    softmax: Format
+    scale: Format  # the format the scale constant is rounded into
+    placement: str
+    others: tuple[Format, ...]  # probabilities, output, dot operands
+
+    @classmethod
+    def of(cls, num: Numerics | None, f: Format, a: Format) -> _Limits:
+        if num is None:
+            store = get_format(f.storage)
+            return cls(f, a, store, a, store, "scores", ())
+        extra = (num.format_of("prob"), num.format_of("output"), num.operand_rounding)
+        placement = num.scale
+        scale = num.format_of("score" if placement == "scores" else "scale")
+        return cls(f, num.format_of("accum"), num.format_of("score"), num.format_of("softmax"),
+                   scale, placement, tuple(x for x in extra if x is not None))  # fmt: skip
+
+    @property
+    def all(self) -> tuple[Format, ...]:
+        return (self.value, self.accum, self.score, self.softmax, self.scale, *self.others)
+
+
+def _max_dot(q: np.ndarray, k: np.ndarray) -> float:
+    """``max |q|·|k|ᵀ`` (inf if it overflows float64)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        top = float(np.max(np.abs(q) @ np.swapaxes(np.abs(k), -1, -2), initial=0.0))
+    return top if not math.isnan(top) else math.inf
+
+
+def _rescale_to(x: np.ndarray, target: float, exact: bool = False) -> np.ndarray:
+    """``x`` scaled so that ``max |x| = target`` (ones if ``x`` is zero); with ``exact`` its
+    largest entry set to exactly ``±target``."""
+    top = float(np.max(np.abs(x), initial=0.0))
+    y = np.full_like(x, target) if top == 0 or not math.isfinite(top) else x / top * target
+    if exact:
+        i = np.unravel_index(int(np.argmax(np.abs(y))), y.shape)
+        y[i] = math.copysign(target, y[i])
+    return y
+
+
+def _dots_to(q: np.ndarray, k: np.ndarray, target: float) -> tuple[np.ndarray, np.ndarray]:
+    """``q`` and ``k`` scaled alike so that ``max |q|·|k|ᵀ`` is about ``target``."""
+    top = _max_dot(q, k)
+    if not 0 < top < math.inf:
+        return q, k
+    factor = math.sqrt(target) / math.sqrt(top)
+    return (q * factor, k * factor) if math.isfinite(factor) else (q, k)
+
+
+def _edges(lo: int, hi: int, *inner: int) -> st.SearchStrategy[int]:
+    """An exponent in ``[lo, hi]``: the edges named (and the ends) often, any one otherwise."""
+    named = sorted({min(max(e, lo), hi) for e in (lo, hi, *inner)})
+    return st.one_of(st.sampled_from(named), st.integers(lo, hi))
+
+
+def _ranged(draw: Any, x: AttentionInputs, lim: _Limits, c: float) -> AttentionInputs:
+    """Apply the chosen range structures: values first, then the scale, the logits, the bias.
+
+    Values that leave float64 on the way are clipped into the format (NaN, from ``0·inf``,
+    becomes 0).
+    """
+    with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+        return _ranged_unchecked(draw, x, lim, c)
+
+
+def _finite_into(x: np.ndarray, f: Format) -> np.ndarray:
+    return _into(np.nan_to_num(x, nan=0.0, posinf=f.max_finite, neginf=-f.max_finite), f)
+
+
+def _ranged_unchecked(draw: Any, x: AttentionInputs, lim: _Limits, c: float) -> AttentionInputs:
+    chosen, f = x.structure, lim.value
+    q, k, v = (np.array(a, np.float64) for a in x.arrays)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    arrays = {"q": q, "k": k, "v": v}
+    scale, bias = x.scale, None
+    if "near_max" in chosen:
+        top = draw(
+            st.sampled_from(sorted({g.max_finite for g in lim.all if g.max_finite <= f.max_finite}))
+        )
+        which = draw(st.sampled_from(("q", "k", "v", "qk", "qkv")))
+        j, exact = draw(st.integers(0, 3)), draw(st.booleans())
+        for name in which:
+            arrays[name] = _rescale_to(arrays[name], top * 2.0**-j, exact)
+    if "near_sqrt_max" in chosen:
+        top = draw(st.sampled_from(sorted({g.max_finite for g in lim.all})))
+        part = draw(st.sampled_from(("qk", "v", "qkv")))
+        target = top * 2.0 ** -draw(st.integers(-1, 3))
+        if "qk" in part:
+            logits = draw(st.booleans())  # aim the scaled logits rather than the raw products
+            aim = target / c if logits else target
+            arrays["q"], arrays["k"] = _dots_to(arrays["q"], arrays["k"], aim)
+        if "v" in part:
+            col = float(np.max(np.abs(arrays["v"]).sum(axis=-2), initial=0.0))
+            if 0 < col < math.inf:
+                arrays["v"] = arrays["v"] * (target / col)
+    if "near_min_normal" in chosen:
+        tiny = draw(st.sampled_from(sorted({g.smallest_normal for g in lim.all
+                                            if g.smallest_normal >= f.smallest_subnormal})))  # fmt: skip
+        part = draw(st.sampled_from(("q", "k", "v", "qk", "qkv", "products")))
+        target = tiny * 2.0 ** draw(st.integers(-3, 6))
+        if part == "products":
+            arrays["q"], arrays["k"] = _dots_to(arrays["q"], arrays["k"], target)
+        else:
+            for name in part:
+                arrays[name] = _rescale_to(arrays[name], target)
+    if "subnormal" in chosen:
+        part = draw(st.sampled_from(("q", "k", "v", "qkv")))
+        share = draw(st.sampled_from((0.25, 0.5, 1.0)))
+        steps = 2 ** (f.precision - 1)
+        for name in part:
+            a = arrays[name]
+            sub = rng.integers(1, steps, a.shape) * f.smallest_subnormal
+            sub *= np.where(rng.random(a.shape) < 0.5, -1.0, 1.0)
+            chosen_entries = rng.random(a.shape) < share
+            chosen_entries.flat[int(rng.integers(a.size))] = True  # at least one
+            arrays[name] = np.where(chosen_entries, sub, a)
+    q, k, v = (_finite_into(arrays[name], f) for name in "qkv")
+    if "scale_range" in chosen:
+        scale, q, k = _scale_range(draw, lim, q, k)
+        c = scale
+    if "softmax_sum" in chosen:
+        q, k, bias = _softmax_sum(draw, rng, lim, q, k, c)
+    if "bias_range" in chosen:
+        bias = _bias_range(draw, rng, lim, (*q.shape[:-1], k.shape[-2]), bias)
+    q, k, v = (_finite_into(a, f) for a in (q, k, v))
+    return dataclasses.replace(x, q=q, k=k, v=v, scale=scale, bias=bias)
+
+
+def _scale_range(
+    draw: Any, lim: _Limits, q: np.ndarray, k: np.ndarray
+) -> tuple[float, np.ndarray, np.ndarray]:
+    """A scale across the exponent range of the format it is rounded into; q, k sometimes
+    rescaled so that the logits hit a drawn power of two."""
+    g = lim.scale
+    p = g.precision
+    # from below the smallest subnormal to above the largest finite value of the format
+    e = draw(_edges(max(g.emin - p, -1074), min(g.emax + 1, 1023), g.emin - p + 1, g.emin - 1,
+                    g.emin, 0, g.emax))  # fmt: skip
+    mant = draw(st.sampled_from((1.0, 1.5, 1 + 2.0**-p, 2 - 2.0**-p, 2 - 2.0 ** (1 - p), 1.2345)))
+    try:
+        factor = math.ldexp(mant, e)
+    except OverflowError:  # 2 - 2^-53 is 2 in float64
+        factor = math.inf
+    # with the scale on q and k, sqrt(scale) is what is rounded into the format
+    scale = factor * factor if lim.placement == "qk" else factor
+    if not 0 < scale < math.inf:
+        scale = 2.0**-1074 if scale == 0 else sys.float_info.max
+    if lim.placement != "qk":  # negative and zero scales (sqrt(scale) needs scale >= 0)
+        scale *= draw(st.sampled_from((1.0, 1.0, 1.0, -1.0, 0.0)))
+    if draw(st.booleans()):
+        target = 2.0 ** draw(st.integers(-8, 12))
+        top = _max_dot(q, k)
+        if 0 < top < math.inf and scale != 0:
+            ratio = target / top / abs(scale)
+            if 0 < ratio < math.inf:
+                factor = math.sqrt(ratio)
+                q, k = q * factor, k * factor
+    return scale, q, k
+
+
+def _softmax_sum(
+    draw: Any, rng: np.random.Generator, lim: _Limits, q: np.ndarray, k: np.ndarray, c: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``m`` keys per row at the logit ``log(L/m) + δ``, the others below (see
+    :data:`RANGE_STRUCTURES`), through q and k along one channel, or a bias with zero queries."""
+    m_fmt, f = lim.softmax, lim.value
+    n = k.shape[-2]
+    ties = draw(st.integers(1, n))
+    if draw(st.booleans()):
+        limit = m_fmt.max_finite
+    else:  # where the reciprocal of the row sum flushes to zero in its carrier
+        limit = 2.0**1022 if m_fmt.name == "float64" else 2.0**126
+    offset = draw(st.sampled_from((-1.0, -0.1, -0.01, -0.001, 0.0, 0.001, 0.01, 0.1, 1.0)))
+    top = math.log(limit / ties) + offset
+    logits = np.full(n, top)
+    logits[ties:] = top - 2.0 ** rng.uniform(-2, 6, n - ties)
+    rng.shuffle(logits)
+    if draw(st.booleans()) or c == 0:  # through a bias (the only way with a zero scale)
+        bias = np.broadcast_to(logits, (*q.shape[:-1], n)).copy()
+        return np.zeros_like(q), k, bias
+    q, k = np.zeros_like(q), np.zeros_like(k)
+    a = min(math.sqrt(abs(top) / abs(c)) if abs(top) > 0 else 1.0, f.max_finite / 2)
+    q[..., 0] = a
+    k[..., 0] = logits / (c * a)  # c·q·k = the logits, whatever the sign of c
+    return q, k, None
+
+
+def _bias_range(
+    draw: Any,
+    rng: np.random.Generator,
+    lim: _Limits,
+    shape: tuple[int, ...],
+    bias: np.ndarray | None,
+) -> np.ndarray:
+    """A bias across the score format's exponent range (added to ``bias``), within its range."""
+    g = lim.score
+    lo = max(g.emin - g.precision, -1074)
+    kind = draw(st.sampled_from(("spread", "near_max", "constant", "negative")))
+    signs = np.where(rng.random(shape) < 0.5, -1.0, 1.0)
+    if kind == "spread":
+        top = draw(_edges(lo, g.emax, g.emin, 0, g.emax - 1))
+        exps = rng.integers(lo, top + 1, shape)
+        new = signs * np.ldexp(1 + rng.random(shape), exps)
+    elif kind == "near_max":
+        near = g.max_finite * (1 - rng.random(shape) * 2.0 ** -draw(st.integers(0, g.precision)))
+        new = np.where(rng.random(shape) < draw(st.sampled_from((0.1, 0.5, 1.0))), signs * near,
+                       rng.standard_normal(shape))  # fmt: skip
+        if draw(st.booleans()):
+            new.flat[0] = math.copysign(g.max_finite, new.flat[0])
+    elif kind == "constant":
+        new = np.full(shape, signs.flat[0] * g.max_finite * 2.0 ** -draw(_edges(0, g.emax, 1)))
+    else:  # large negative entries: a finite mask through the bias
+        share = draw(st.sampled_from((0.25, 0.5, 0.9)))
+        new = np.where(rng.random(shape) < share, -g.max_finite * rng.uniform(0.5, 1, shape), 0.0)
+    total = new if bias is None else bias + new
+    return np.clip(np.nan_to_num(total, nan=0.0), -g.max_finite, g.max_finite)
 
 
 def _into(x: np.ndarray, f: Format) -> np.ndarray:

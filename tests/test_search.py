@@ -10,6 +10,7 @@ import pytest
 
 from mhanum import InvalidArgument, Numerics, cli
 from mhanum import search as ms
+from mhanum import strategies as mst
 from mhanum.bounds import attention_bound
 from mhanum.bounds._result import Bound
 from mhanum.bounds.summation import gamma
@@ -33,7 +34,9 @@ def test_search_finds_the_planted_sequential_summation_worst_case_random_does_no
     o = abs(case.output[case.index])
     assert case.error >= 0.9 * gamma(SMALL.kv_len - 1, 2.0**-24) * o
     assert case.ratio >= 0.3
-    assert case.ratio >= 3 * baseline.ratio
+    # Theorem A.1's per-key logits term (Lemma 4) is tight enough that random inputs reach
+    # 0.08-0.17 of it here (seeds 0-4); the planted case stays above twice that
+    assert case.ratio >= 2 * baseline.ratio
     assert not case.violation
     assert case.evaluations <= budget
     assert baseline.evaluations == budget
@@ -202,10 +205,71 @@ def test_cli_search_exits_non_zero_on_a_violation_and_saves_it(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["fp32", "bf16"])
-def test_targeted_search_beats_random_threefold_where_random_stays_low(preset):
+@pytest.mark.parametrize(("preset", "factor"), [("fp32", 1.5), ("bf16", 3.0)])
+def test_targeted_search_beats_random_where_random_stays_low(preset, factor):
+    # with the per-key logits and P·V terms of Theorem A.1 the float32 worst case found at this
+    # budget uses 12-15% of the bound and random inputs 7% (bf16: 13% and 2%)
     shape = ms.Shape(q_len=4, kv_len=32, d_k=16)
     case = ms.worst_case(preset, shape, budget=200, seed=0)
     baseline = ms.random_search(preset, shape, budget=200, seed=0)
-    assert case.ratio >= 3 * baseline.ratio
+    assert case.ratio >= factor * baseline.ratio
     assert not case.violation
+
+
+def test_range_families_are_one_labelled_stage_each():
+    default = ms._families(None)
+    ranged = ms._families("range")
+    assert [name for name, _ in default] == ["plain", *mst.STRUCTURES]
+    assert [name for name, _ in ranged] == [f"range:{n}" for n in ms.RANGE_FAMILIES]
+    assert [name for name, _ in ms._families("all")] == [n for n, _ in default + ranged]
+    assert set(ms.RANGE_FAMILIES) <= set(mst.RANGE_STRUCTURES)
+
+
+@pytest.mark.parametrize("preset", ["fp16", "bf16-fp32acc", "fp8-e4m3-fp32acc"])
+def test_range_search_stays_within_the_bound_near_the_limits(preset):
+    shape = {"q_len": 2, "kv_len": 8, "d_k": 4, "d_v": 2}
+    case = ms.worst_case(preset, shape, budget=15, seed=0, structure="range")
+    assert not case.violation
+    assert 0 <= case.ratio <= 1
+    assert set(case.structure) <= set(ms.RANGE_FAMILIES)
+    assert np.isfinite(case.bound)
+
+
+@pytest.mark.parametrize("structure", ["scale_range", ("bias_range", "near_max")])
+def test_structures_that_draw_a_scale_or_a_bias_are_refused(structure):
+    with pytest.raises(InvalidArgument, match="scale or a bias"):
+        ms.worst_case("fp32", {"q_len": 2, "kv_len": 2, "d_k": 2}, budget=2, structure=structure)
+
+
+def test_entries_with_an_infinite_bound_are_left_out_of_the_ratio():
+    # v's second column is near float16's largest value: P·V may overflow there (inf, with a
+    # reason), the first column is bounded as usual
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((2, 3, 2))
+    v = np.stack([rng.standard_normal(3), np.full(3, 65000.0)], axis=-1)
+    bound = attention_bound(q, k, v, numerics="fp16")
+    assert np.isinf(bound.total[:, 1]).all()
+    assert np.isfinite(bound.total[:, 0]).all()
+    ev = ms.Objective(Numerics.preset("fp16"))(q, k, v)
+    assert ev is not None
+    assert ev.index[-1] == 0
+    assert np.isfinite(ev.bound)
+    assert 0 <= ev.ratio <= 1
+    everywhere = np.full((2, 3, 2), 65000.0)
+    assert ms.Objective(Numerics.preset("fp16"))(q, k, everywhere) is None
+
+
+def _finite_bound(*args, **kwargs) -> Bound:
+    """A deliberately wrong bound, for the tests only: 1 wherever Theorem A.1 is inf."""
+    b = attention_bound(*args, **kwargs)
+    total = np.where(np.isfinite(b.total), b.total, 1.0)
+    return Bound(total, {"total": total}, "test-only")
+
+
+def test_a_non_finite_output_under_a_finite_bound_is_an_infinite_violation():
+    q = k = np.full((1, 2, 2), 300.0)  # q·k = 180000 overflows float16: the logits are inf
+    v = np.ones((1, 2, 2))
+    ev = ms.Objective(Numerics.preset("fp16"), bound=_finite_bound)(q, k, v)
+    assert ev is not None
+    assert ev.ratio == float("inf")
+    assert not np.isfinite(ev.output).all()

@@ -5,8 +5,9 @@ terms (logits, softmax, probability rounding, operand rounding, ``P V``, output,
 for the leakage of a finite masking constant), so that a user sees which source dominates. It
 covers the configurations the theorem covers and refuses the others with
 :class:`~mhanum.InvalidArgument` rather than answer outside its hypotheses: masks applied with
-``-inf`` (no fully-masked row) or a finite constant (``fill`` or ``add``; a fully-masked row is
-then compared with the leaky problem's own value), a bias that stays finite in the score format,
+``-inf`` (a fully-masked row gets an infinite bound, with the reason) or a finite constant
+(``fill`` or ``add``; a fully-masked row is then compared with the leaky problem's own value, and
+a masked logit that overflows to ``-inf`` drops its key where that is certain), a bias that stays finite in the score format,
 a score format no wider than the softmax format, and for the online softmax an accumulation
 format no wider than the softmax format. The scale may sit on the scores, on ``q`` or on ``q``
 and ``k``. Every sum and dot enters through the factor of its summation order (Theorem S.0: the
@@ -491,33 +492,56 @@ def _head(
         sources["scale"] = sources["scale"] + fmts["softmax"].smallest_normal
         delta = sum(sources.values())
     # Step 3'. A finite masking constant M: the computed logits are those of the leaky problem
-    # (the masked keys keep the logit M (fill) or s + M (add)); ``live`` marks its keys.
+    # (the masked keys keep the logit M (fill) or s + M (add)); ``live`` marks its keys. R.4':
+    # a masked logit the score or softmax format cannot hold is read as -inf: the key drops out
+    # (p = 0 exactly, as under -inf masking) where that is certain, and the row's outputs are
+    # infinite where it is not, or where it leaves a row that attends no key without a finite
+    # logit (NaN) or without the leaky problem's value.
     live, exclude = keep, np.zeros_like(keep)
     if masked is not None:
         const = num.mask_constant()
         open_bias = np.ones_like(keep) if bias is None else ~np.isneginf(bias)
+        narrow = min((fmts["score"], fmts["softmax"]), key=lambda f: f.max_finite)
+        empty_row = ~keep.any(axis=-1, keepdims=True)
         if num.mask_mode == "fill":
-            live = keep | masked
-            s = np.where(masked, const, s)
+            # M is exact in the score format and the softmax format is at least as precise:
+            # its read is M or, past the softmax format's range, -inf
+            read = float(round_to(const, fmts["softmax"]))
+            leaky, candidates = np.full_like(s, read), masked
+            dropped = masked & bool(read == -math.inf)
             delta = np.where(masked, 0.0, delta)
             sources = {name: np.where(masked, 0.0, x) for name, x in sources.items()}
+            unsure = np.zeros_like(keep)
+            if dropped.any():
+                leaky = np.full_like(s, const)  # evaluated where flagged
         else:
-            live = keep | (masked & open_bias)
             s_add = s + const
+            with np.errstate(over="ignore", invalid="ignore"):
+                finite = (np.abs(s_add) + delta) * (1 + u_s) <= narrow.max_finite
+                gone = (np.abs(s_add) - delta) * (1 - u_s) >= narrow.max_finite * (1 + narrow.u)
+            candidates, leaky = masked & open_bias, s_add
+            dropped = candidates & gone
+            unsure = candidates & ~finite & ~gone
             absorbed = u_s * np.abs(s_add) + eta_s
             delta = np.where(masked, (1 + u_s) * delta + absorbed, delta)
             sources = {n: np.where(masked, (1 + u_s) * x, x) for n, x in sources.items()}
             sources["mask_absorption"] = np.where(masked, absorbed, 0.0)
-            limit = fmts["score"].max_finite
-            with np.errstate(over="ignore"):
-                risky = live & masked & ((np.abs(s_add) + delta) * (1 + u_s) >= limit)
-            if risky.any():
-                msg = (
-                    f"numerics.mask_value: the masked logits s + {const:g} may overflow the score "
-                    f"format {fmts['score'].name} (see mhanum.bounds.analyze_mask)"
-                )
-                raise InvalidArgument(msg)
-            s = np.where(masked, s_add, s)
+        out = dropped | unsure
+        # a row left without a live key is flagged below; it is evaluated on the leaky logits
+        none = ~(keep | (candidates & ~out)).any(axis=-1, keepdims=True)
+        out = out & ~none
+        live = keep | (candidates & ~out)
+        s = np.where(masked, np.where(out, -np.inf, leaky), s)
+        ranges.flag(
+            unsure.any(axis=-1, keepdims=True),
+            f"the masked logits s + {const:g}: may or may not overflow {narrow.name} "
+            "(a key that drops out of the softmax is not charged)",
+        )
+        ranges.flag(
+            empty_row & dropped.any(axis=-1, keepdims=True),
+            f"a row that attends no key: masked logits overflow {narrow.name} and are read as "
+            "-inf, so the output is not the leaky problem's (NaN where every logit is -inf)",
+        )
         exclude = live & ~keep
     delta = np.where(live, delta, 0.0)
     s = np.where(live, s, -np.inf)
@@ -878,10 +902,10 @@ def attention_bound(
 
     Raises:
         InvalidArgument: outside the theorem's scope (a score format wider than the softmax
-            format, a fully-masked row under ``-inf``, an add-mode constant whose masked logits
-            may overflow the score format, a finite bias that overflows it to inf or NaN, a
-            masking constant that becomes NaN in the score format), or for shapes, dtypes or
-            values that do not fit.
+            format, a finite bias that overflows it to inf or NaN, a masking constant that
+            becomes NaN in the score format), or for shapes, dtypes or values that do not fit.
+            A fully-masked row under ``-inf`` and masked logits that may overflow the score or
+            softmax format are not refused: the rows they reach are infinite, with the reason.
 
     References:
         blanchard2021; higham2002 (§3.1); papers/attention.md Theorem A.1.
@@ -908,23 +932,24 @@ def attention_bound(
     qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
     fmt_in = num.format_of("input")
     errors = tuple(_rounding_error(x, fmt_in) for x in (qb, kb, vb))
-    heads = [
-        _head(
-            qb[i],
-            kb[i],
-            vb[i],
-            keep[i],
-            None if b is None else b[i],
-            num,
-            c,
-            scale is None,
-            (errors[0][i], errors[1][i], errors[2][i]),
-            lam=lam,
-            masked=None if masked is None else masked[i],
-            replaced=None if replaced is None else replaced[i],
-        )
-        for i in np.ndindex(*batch)
-    ]
+    with _quiet():  # overflow in the float64 evaluation is caught by the range checks
+        heads = [
+            _head(
+                qb[i],
+                kb[i],
+                vb[i],
+                keep[i],
+                None if b is None else b[i],
+                num,
+                c,
+                scale is None,
+                (errors[0][i], errors[1][i], errors[2][i]),
+                lam=lam,
+                masked=None if masked is None else masked[i],
+                replaced=None if replaced is None else replaced[i],
+            )
+            for i in np.ndindex(*batch)
+        ]
     out_shape = (*batch, rows, v.shape[-1])
     terms = _stack([{**h[0], **h[4].terms()} for h in heads], out_shape)
     parts = {"logits": _stack([h[3] for h in heads], out_shape)}
@@ -935,6 +960,14 @@ def attention_bound(
     total = sum(terms.values())
     chains = math.prod(batch) * rows * keys * (q.shape[-1] + 1 + v.shape[-1])
     return _result(total, terms, "A.1", num, lam, chains, parts, reasons)
+
+
+def _quiet() -> Any:
+    """Floating-point warnings off: the range checks catch what overflows in float64."""
+    return np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore")
+
+
+_NAN = "the float64 evaluation of the bound overflowed (NaN): nothing is proved for these entries"
 
 
 def _reasons(per_head: Any) -> tuple[str, ...]:
@@ -959,8 +992,24 @@ def _result(
     parts: dict[str, dict[str, Any]] | None = None,
     reasons: tuple[str, ...] = (),
 ) -> Bound:
-    """The :class:`Bound`; with ``lam``, the probability of the union of the ``chains`` events."""
+    """The :class:`Bound`; with ``lam``, the probability of the union of the ``chains`` events.
+
+    A NaN that the float64 evaluation produced (inf - inf, 0·inf where a range check already
+    made an entry infinite, or an overflow no check caught) is an infinite bound: nothing is
+    proved there, and an entry no other reason covers gets its own.
+    """
     parts = parts or {}
+    total = np.asarray(total, np.float64)
+    nan = np.isnan(total)
+    if nan.any():
+        covered = np.zeros_like(nan)
+        for t in terms.values():
+            covered |= np.broadcast_to(np.isinf(t), nan.shape)
+        terms = {n: np.where(np.isnan(t), np.inf, t) for n, t in terms.items()}
+        if (nan & ~covered).any():
+            terms["vacuous"] = np.where(nan & ~covered, np.inf, terms.get("vacuous", 0.0))
+            reasons = (*reasons, _NAN)
+        total = np.where(nan, np.inf, total)
     if lam is None:
         return Bound(
             total, terms, theorem, ASSUMPTIONS, "blanchard2021", parts=parts, reasons=reasons
@@ -1312,21 +1361,22 @@ def mha_bound(
     results = {}
     for i in np.ndindex(*outer, heads):
         (q, eq, gq), (k, ek, gk), (v, ev, gv) = (proj[n] for n in "qkv")
-        results[i] = _head(
-            q[i],
-            k[i],
-            v[i],
-            keep[i],
-            None if b is None else b[i],
-            num,
-            c,
-            scale is None,
-            (eq[i], ek[i], ev[i]),
-            (gq[i], gk[i], gv[i]),
-            lam,
-            None if masked is None else masked[i],
-            None if replaced is None else replaced[i],
-        )
+        with _quiet():
+            results[i] = _head(
+                q[i],
+                k[i],
+                v[i],
+                keep[i],
+                None if b is None else b[i],
+                num,
+                c,
+                scale is None,
+                (eq[i], ek[i], ev[i]),
+                (gq[i], gk[i], gv[i]),
+                lam,
+                None if masked is None else masked[i],
+                None if replaced is None else replaced[i],
+            )
     shape = (*outer, heads, rows, params.v_width // heads)
 
     def gather(pick: Any) -> np.ndarray:
