@@ -1,16 +1,37 @@
-"""Every ```python block of every docs page runs, in order, one namespace per page.
+"""Every ```python block of every docs page runs, in order, one namespace per page, and prints what
+the page says it prints.
 
 A page that begins with ``<!-- requires: mod1 mod2 -->`` is skipped when one of those modules
 is not importable (framework tutorials); a page holding ``<!-- slow -->`` is marked slow (as are
 the pages in ``SLOW``, which build reports or measure). Pages run with the working directory set to a fresh
 temporary directory holding a link to ``papers/``, so examples may read the committed
 measurements and write files without touching the repository.
+
+Printed output is checked where a page shows it, in a ```text block that follows, with nothing
+but blank lines between:
+
+* a ```python block: the text block is what the block prints (its standard output);
+* a ```bash block holding one ``mhanum ...`` command: what the command prints (run in-process,
+  with ``mhanum.cli.main``);
+* a line ``<!-- output of: mhanum ... -->`` right before the text block: what that command prints
+  (for output shown apart from its command, as in the README's set-up).
+
+The text must match line by line, with runs of spaces counted as one, except for the figures:
+a figure printed with a decimal point or an exponent matches within one unit in its last printed
+digit (so a figure is checked exactly as far as the page prints it, and a value on the rounding
+boundary of its last digit still matches); an integer matches exactly; a figure followed by
+``s`` (seconds) is a duration and matches any number. A line ``...`` matches any number of lines.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
+import io
+import math
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -21,6 +42,173 @@ PAGES = sorted(p for p in DOCS.rglob("*.md") if "_hooks" not in p.parts)
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 REQUIRES = re.compile(r"\A<!--\s*requires:\s*([\w.\s]+?)\s*-->")
 SLOW = {"getting-started.md", "report.md", "tutorials/devices.md"}  # build reports / measure
+
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+OUTPUT_OF = re.compile(r"<!--\s*output of:\s*(mhanum\b[^\n]*?)\s*-->\s*\Z")
+FIGURE = re.compile(r"(?<![\w.])[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?(?![\w.])")
+DURATION = re.compile(r"\s?s\b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """A runnable block of a page: Python source, or a ``mhanum`` command line; and the output
+    the page shows for it (None when it shows none)."""
+
+    kind: str  # "python" or "command"
+    source: str
+    line: int  # the first line of the source in the page (1-based)
+    expected: str | None
+
+
+def examples(text: str) -> list[Example]:
+    """The page's Python blocks and shown commands, in order, each with its shown output."""
+    fences = [
+        (m.group(1), m.group(2), text.count("\n", 0, m.start()) + 2, m.start(), m.end())
+        for m in FENCE.finditer(text)
+    ]
+    found: list[Example] = []
+    for i, (lang, body, line, start, _) in enumerate(fences):
+        following = fences[i + 1] if i + 1 < len(fences) else None
+        shown = None
+        if following and following[0] == "text" and not text[fences[i][4] : following[3]].strip():
+            shown = following[1]
+        if lang == "python":
+            found.append(Example("python", body, line, shown))
+        elif lang in ("bash", "sh", "") and shown is not None:
+            commands = [c for c in body.splitlines() if c.strip() and not c.startswith("#")]
+            if len(commands) == 1 and commands[0].startswith("mhanum "):
+                found.append(Example("command", commands[0].split("#")[0].strip(), line, shown))
+        elif lang == "text":
+            before = text[fences[i - 1][4] if i else 0 : start]
+            comment = OUTPUT_OF.search(before)
+            if comment:
+                found.append(Example("command", comment.group(1), line, body))
+    return found
+
+
+def _figure_matches(expected: str, actual: str) -> bool:
+    if expected == actual:
+        return True
+    mantissa = re.split(r"[eE]", expected.lstrip("+-"))[0]
+    if "." not in mantissa and not re.search(r"[eE]", expected):
+        return False  # an integer is exact
+    decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+    exponent = int(re.split(r"[eE]", expected)[1]) if re.search(r"[eE]", expected) else 0
+    unit = 10.0 ** (exponent - decimals)
+    return math.isclose(float(actual), float(expected), rel_tol=0, abs_tol=unit * (1 + 1e-9))
+
+
+def _line_matches(expected: str, actual: str) -> bool:
+    exp_figs, act_figs = FIGURE.findall(expected), FIGURE.findall(actual)
+    if len(exp_figs) != len(act_figs):
+        return False
+    exp_text, act_text = FIGURE.split(expected), FIGURE.split(actual)
+    if [" ".join(t.split()) for t in exp_text] != [" ".join(t.split()) for t in act_text]:
+        return False
+    for k, (e, a) in enumerate(zip(exp_figs, act_figs, strict=True)):
+        if DURATION.match(exp_text[k + 1]):
+            continue  # seconds: a duration is not reproducible
+        if not _figure_matches(e, a):
+            return False
+    return True
+
+
+def _lines(text: str) -> list[str]:
+    return [line.rstrip() for line in text.strip("\n").splitlines()]
+
+
+def output_matches(expected: str, actual: str) -> bool:
+    """Whether ``actual`` is what ``expected`` shows (module docstring)."""
+    exp, act = _lines(expected), _lines(actual)
+
+    def match(i: int, j: int) -> bool:
+        if i == len(exp):
+            return j == len(act)
+        if exp[i] == "...":
+            return any(match(i + 1, k) for k in range(j, len(act) + 1))
+        return j < len(act) and _line_matches(exp[i], act[j]) and match(i + 1, j + 1)
+
+    return match(0, 0)
+
+
+def check_output(expected: str, actual: str, where: str) -> None:
+    """Assert that ``actual`` is what the page shows, printing both when it is not."""
+    if output_matches(expected, actual):
+        return
+    exp, act = _lines(expected), _lines(actual)
+    first = next(
+        (f"\n  shows:  {e}\n  prints: {a}" for e, a in zip(exp, act, strict=False)
+         if e != "..." and not _line_matches(e, a)),
+        f"\n  {len(exp)} lines shown, {len(act)} printed",
+    )  # fmt: skip
+    msg = f"{where}: the page shows\n{expected}\nbut the code prints\n{actual}\nfirst difference:{first}"
+    raise AssertionError(msg)
+
+
+PROSE_FIGURE = re.compile(r"(?<![\w.])(\d+\.\d+(?:e[-+]?\d+)?%?|\d+%)(?![\w.])")
+
+
+def unprinted_prose_figures(text: str) -> list[tuple[int, str]]:
+    """Figures quoted in the prose right after a shown output that the output does not print.
+
+    The prose after a shown output, up to the next code block or heading, reads that output: a
+    figure there with a decimal point or a percent sign must be one it prints, unless it follows
+    "about" (an order of magnitude) or is code (in backticks). Returns ``(line, figure)`` pairs.
+    """
+    fences = list(FENCE.finditer(text))
+    shown = {e.expected for e in examples(text) if e.expected is not None}
+    found: list[tuple[int, str]] = []
+    for i, fence in enumerate(fences):
+        if fence.group(1) != "text" or fence.group(2) not in shown:
+            continue
+        end = fences[i + 1].start() if i + 1 < len(fences) else len(text)
+        prose = text[fence.end() : end]
+        heading = re.search(r"^#", prose, re.MULTILINE)
+        prose = prose[: heading.start()] if heading else prose
+        prose = re.sub(
+            r"`[^`\n]*`|<!--.*?-->", lambda m: " " * len(m.group()), prose, flags=re.DOTALL
+        )
+        printed = set(FIGURE.findall(fence.group(2)))
+        for m in PROSE_FIGURE.finditer(prose):
+            figure = m.group(1)
+            if prose[: m.start()].rstrip().endswith(("about", "≈", "~")):
+                continue
+            quoted = figure in fence.group(2) if figure.endswith("%") else figure in printed
+            if quoted:
+                continue
+            line = text.count("\n", 0, fence.end() + m.start()) + 1
+            found.append((line, figure))
+    return found
+
+
+def run_command(command: str) -> str:
+    """What ``mhanum ...`` prints (``mhanum.cli.main`` in this process)."""
+    from mhanum.cli import main
+
+    argv = shlex.split(command)
+    assert argv[0] == "mhanum", command
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(argv[1:])
+    assert status == 0, f"{command}: exit status {status}"
+    return out.getvalue()
+
+
+def run_examples(path: Path, found: list[Example], namespace: dict[str, object]) -> None:
+    """Run every example in order in one namespace, checking the output each one shows."""
+    for example in found:
+        where = f"{path.name}:{example.line}"
+        out = io.StringIO()
+        if example.kind == "python":
+            # Blank lines keep tracebacks pointing at the page's own line numbers.
+            code = compile("\n" * (example.line - 1) + example.source, str(path), "exec")
+            with contextlib.redirect_stdout(out):
+                exec(code, namespace)  # noqa: S102
+            printed = out.getvalue()
+        else:
+            printed = run_command(example.source)
+        if example.expected is not None:
+            check_output(example.expected, printed, where)
 
 
 def _blocks(page: Path) -> list[tuple[int, str]]:
@@ -43,13 +231,91 @@ def test_python_blocks_run(page, tmp_path, monkeypatch):
             pytest.skip(f"{page.name} requires {', '.join(missing)}")
     (tmp_path / "papers").symlink_to(ROOT / "papers")
     monkeypatch.chdir(tmp_path)
-    namespace: dict[str, object] = {"__name__": "__main__"}
-    for line, source in _blocks(page):
-        # Blank lines keep tracebacks pointing at the page's own line numbers.
-        code = compile("\n" * (line - 1) + source, str(page), "exec")
-        exec(code, namespace)  # noqa: S102
+    run_examples(page, examples(page.read_text()), {"__name__": "__main__"})
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(DOCS).as_posix() for p in PAGES])
+def test_prose_quotes_only_figures_its_output_prints(page):
+    assert unprinted_prose_figures(page.read_text()) == []
 
 
 def test_the_pages_with_examples_are_found():
     names = {p.relative_to(DOCS).as_posix() for p in PAGES if _blocks(p)}
     assert {"tutorials/heads.md", "tutorials/mask-constants.md", "getting-started.md"} <= names
+
+
+def test_the_pages_show_what_their_examples_print():
+    """The pages whose prose quotes figures show the output those figures come from."""
+    shown = {
+        p.relative_to(DOCS).as_posix()
+        for p in PAGES
+        if any(e.expected is not None for e in examples(p.read_text()))
+    }
+    assert {
+        "tutorials/heads.md",
+        "tutorials/mask-constants.md",
+        "tutorials/pytorch-vs-tensorflow.md",
+        "tutorials/devices.md",
+        "frameworks.md",
+        "numerics.md",
+        "search.md",
+    } <= shown
+
+
+# The checker itself -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expected", "actual", "ok"),
+    [
+        ("weights 1.44 0 1.44", "weights    1.44   0   1.44", True),  # spacing is free
+        ("masking constant 0.745", "masking constant 0.746", True),  # one unit in the last digit
+        ("masking constant 0.745", "masking constant 0.747", False),
+        ("error 9.59e-07", "error 9.6e-07", True),
+        ("error 9.59e-07", "error 1.02e-06", False),
+        ("4096 of 4096 pairs", "4095 of 4096 pairs", False),  # integers are exact
+        ("size 0", "size 3e-07", False),
+        ("certified (2.4 s)", "certified (31.7 s)", True),  # durations are free
+        ("a: nan, b: uniform", "a: nan, b: zero", False),
+        ("-1e+09 added", "-1e+09 added", True),
+        ("74%: ulp(1e9) = 64", "75%: ulp(1e9) = 64", False),
+        ("float32 7.10e-04", "float32 7.11e-04", True),
+        ("float32 7.10e-04", "float16 7.10e-04", False),
+    ],
+)
+def test_output_matching(expected, actual, ok):
+    assert output_matches(expected, actual) is ok
+
+
+def test_output_matching_by_lines():
+    assert output_matches("a 1\n...\nz 2", "a 1\nb\nc\nz 2")
+    assert output_matches("a 1\n...\nz 2", "a 1\nz 2")
+    assert not output_matches("a 1\nz 2", "a 1\nb\nz 2")
+    assert not output_matches("a 1", "a 1\nb")
+    assert output_matches("\na 1\n\n", "a 1\n")
+
+
+def test_prose_figures_are_checked_against_the_output_before_them():
+    text = (
+        "```python\nprint(0.745)\n```\n\n```text\n0.745 74%\n```\n\n"
+        "It leaves 0.745 (74%), about 1e-6 and 0.75 of `0.5` here.\n\n## Next\n\n1.5 is later.\n"
+    )
+    assert unprinted_prose_figures(text) == [(9, "0.75")]
+
+
+def test_examples_pair_code_with_its_output():
+    text = (
+        "```python\nprint(1)\n```\n\n```text\n1\n```\n\n"
+        "```bash\nmhanum demo   # the demo\n```\n```text\ndemo\n```\n\n"
+        "```bash\npip install x && mhanum demo\n```\n\n```text\nnot run\n```\n\n"
+        "```python\nx = 2\n```\n\nprose\n\n```text\nnot its output\n```\n\n"
+        "<!-- output of: mhanum compare --seed-example -->\n```text\ntable\n```\n"
+    )
+    found = examples(text)
+    assert [(e.kind, e.source.strip(), e.expected) for e in found] == [
+        ("python", "print(1)", "1\n"),
+        ("command", "mhanum demo", "demo\n"),
+        ("python", "x = 2", None),
+        ("command", "mhanum compare --seed-example", "table\n"),
+    ]
+    assert found[0].line == 2

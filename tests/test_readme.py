@@ -1,17 +1,36 @@
-"""The README's Python example runs as written."""
+"""The README's Python example runs as written, and the output it shows is what the code prints
+(the conventions of ``tests/test_docs_examples.py``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
-import re
+
+import pytest
+
+from tests.test_docs_examples import examples, run_examples, unprinted_prose_figures
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+FRAMEWORKS = ("torch", "tensorflow", "keras")
 
 
 def test_readme_python_blocks_run():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-    assert blocks
+    found = [e for e in examples(README.read_text()) if e.kind == "python"]
+    assert found
     namespace: dict[str, object] = {}  # one namespace: later blocks use earlier names
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
+    run_examples(README, found, namespace)
     assert namespace["y"].shape == namespace["y_ref"].shape == (64, 512)
+
+
+@pytest.mark.slow
+def test_readme_shows_what_its_commands_print():
+    found = [e for e in examples(README.read_text()) if e.kind == "command"]
+    shown = {e.source for e in found}
+    assert {"mhanum demo", "mhanum compare --seed-example"} <= shown
+    if any(importlib.util.find_spec(m) is None for m in FRAMEWORKS):
+        found = [e for e in found if "compare" not in e.source]  # needs torch and keras
+    run_examples(README, found, {})
+
+
+def test_readme_prose_quotes_only_figures_its_output_prints():
+    assert unprinted_prose_figures(README.read_text()) == []

@@ -10,6 +10,10 @@ import numpy as np
 from mhanum.params import MHAParams
 
 MASKS = ("none", "causal", "padding")
+# Default sizes; --seed-example defaults to those of the PyTorch-vs-TensorFlow tutorial, so that
+# `mhanum compare --seed-example` prints the tutorial's (and the README's) report.
+SIZES = {"d_model": 32, "heads": 4, "length": 16, "batch": 2}
+SEED_EXAMPLE_SIZES = {"d_model": 512, "heads": 8, "length": 64, "batch": 1}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,10 +23,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated adapters (default: every installed one)",
     )
-    parser.add_argument("--d-model", type=int, default=32, help="model width (32)")
-    parser.add_argument("--heads", type=int, default=4, help="number of heads (4)")
-    parser.add_argument("--length", type=int, default=16, help="sequence length (16)")
-    parser.add_argument("--batch", type=int, default=2, help="batch size (2)")
+    for flag, help_text in (
+        ("--d-model", "model width"),
+        ("--heads", "number of heads"),
+        ("--length", "sequence length"),
+        ("--batch", "batch size"),
+    ):
+        dest = flag[2:].replace("-", "_")
+        small, seed_example = SIZES[dest], SEED_EXAMPLE_SIZES[dest]
+        parser.add_argument(
+            flag,
+            type=int,
+            default=None,
+            help=f"{help_text} ({small}; {seed_example} with --seed-example)",
+        )
     parser.add_argument("--seed", type=int, default=0, help="seed of inputs and weights (0)")
     parser.add_argument("--mask", choices=MASKS, default="none", help="mask (none)")
     parser.add_argument(
@@ -49,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the classic report: torch/explicit vs keras/additive given mask = ones, "
         "separately initialised (same as --attribute torch/explicit keras/additive "
-        "--independent --raw-mask-b ones)",
+        "--independent --raw-mask-b ones), at the tutorial's sizes unless given",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -74,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
     from mhanum import adapters
     from mhanum.adapters import compare as cmp
 
+    sizes = SEED_EXAMPLE_SIZES if args.seed_example else SIZES
+    for name, default in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal((args.batch, args.length, args.d_model)).astype(np.float32)
     params = MHAParams.random(args.d_model, seed=args.seed)

@@ -51,11 +51,22 @@ class Measurement:
         framework, path, version: what ran.
         model: the :class:`~mhanum.adapters.PathModel` of the path.
         errors: the output's :class:`~mhanum.measure.Errors` against the reference.
-        bound: the largest entry of mhanum's bound (Theorem A.2) for the path's numerics, or
-            None where the bound does not apply (``bound_note`` says why).
-        ratio: ``max |error| / bound`` over the entries (<= 1 means within the bound).
+        bound: the largest entry of mhanum's bound (Theorem A.2) for the path's numerics over
+            the rows it bounds, or None where it bounds none (``bound_note`` says why).
+        ratio: ``max |error| / bound`` over the entries of those rows (<= 1: within the bound).
         model_difference: ``max |output - mhanum's prediction|``: how well the model predicts.
         seconds: the framework's run time (first call, including tracing).
+        convention_rows: the fully-masked rows (no attended key) answered by the path's
+            convention (``model.fully_masked``) rather than bounded: under ``-inf`` masking there
+            is no exact attention to bound them against, and where the path's answer is not the
+            one the bound's numerics compute (a zero row after a finite constant) the theorem
+            does not describe it. A fully-masked row whose convention is what the numerics
+            compute (the mean of the values after a replaced finite constant, the unmasked
+            attention after an added one) is bounded like any other row.
+        follows_convention: whether every one of those rows is the convention's answer exactly
+            (NaN, or the output bias for ``zero``); None without such rows, or where the
+            convention (``uniform``, ``unmasked`` under ``-inf``) has no exact answer to check.
+        rows_note: one line on the fully-masked rows, empty without them.
     """
 
     framework: str
@@ -68,11 +79,17 @@ class Measurement:
     bound_note: str
     model_difference: float
     seconds: float
+    convention_rows: int = 0
+    follows_convention: bool | None = None
+    rows_note: str = ""
 
     @property
     def within(self) -> bool | None:
-        """Whether every error is within its bound (None without a bound)."""
-        return None if self.ratio is None else self.ratio <= 1.0
+        """Whether every bounded error is within its bound and every fully-masked row answered
+        by convention follows it (None without a bound)."""
+        if self.ratio is None:
+            return None
+        return self.ratio <= 1.0 and self.follows_convention is not False
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready."""
@@ -88,6 +105,9 @@ class Measurement:
             "bound_note": self.bound_note,
             "model_difference": self.model_difference,
             "seconds": self.seconds,
+            "convention_rows": self.convention_rows,
+            "follows_convention": self.follows_convention,
+            "rows_note": self.rows_note,
         }
 
 
@@ -105,10 +125,12 @@ class Comparison:
     def render(self) -> str:
         """A text table."""
         c = self.config
+        kv = c.get("kv_length", c["length"])
+        length = f"L {c['length']}" if kv == c["length"] else f"Lq {c['length']}, Lk {kv}"
         lines = [
             (
                 f"mhanum compare: {c['num_heads']} heads, d_model {c['d_model']}, "
-                f"batch {c['batch']}, L {c['length']}, mask {c['mask']}, seed {c['seed']}"
+                f"batch {c['batch']}, {length}, mask {c['mask']}, seed {c['seed']}"
             ),
             "",
             (
@@ -118,7 +140,7 @@ class Comparison:
         ]
         for m in self.measurements:
             bound = "-" if m.bound is None else f"{m.bound:.2e}"
-            ratio = "-" if m.ratio is None else f"{m.ratio:.3f}"
+            ratio = "-" if m.ratio is None else f"{m.ratio:.3g}"
             n = m.model.numerics
             value = n.mask_value if isinstance(n.mask_value, str) else f"{n.mask_value:.4g}"
             desc = f"scale={n.scale} mask={n.mask_mode}:{value} rows={m.model.fully_masked}"
@@ -131,6 +153,10 @@ class Comparison:
                         if m.bound_note})  # fmt: skip
         if notes:
             lines += ["", "no bound:", *(f"  {note}" for note in notes)]
+        rows = [f"  {m.framework}/{m.path}: {m.rows_note}" for m in self.measurements
+                if m.rows_note]  # fmt: skip
+        if rows:
+            lines += ["", f"fully-masked rows ({c.get('fully_masked_rows', '?')}):", *rows]
         lines += [
             "",
             (
@@ -152,7 +178,37 @@ def _model_of(adapter: Any, layer: Any, path: str) -> C.PathModel:
     return adapter.model(path)
 
 
-def _bound_ratio(
+@dataclasses.dataclass(frozen=True)
+class _Judged:
+    """What :func:`_judge` finds: the bound over the bounded rows and the convention's rows."""
+
+    bound: float | None
+    ratio: float | None
+    note: str
+    convention_rows: int = 0
+    follows: bool | None = None
+    rows_note: str = ""
+
+
+def _bounded_target(numerics: Any) -> str | None:
+    """What Theorem A.2 bounds a fully-masked row against under ``numerics``: nothing under
+    ``-inf`` (no exact attention: the bound is ``inf`` there, term ``fully_masked``), the mean of
+    the values when a finite constant replaces the logits (``uniform``), the unmasked attention
+    when one is added to them (``unmasked``)."""
+    if not math.isfinite(numerics.mask_constant()):
+        return None
+    return "uniform" if numerics.mask_mode == "fill" else "unmasked"
+
+
+_ANSWER = {
+    "nan": "NaN",
+    "zero": "the output bias",
+    "uniform": "the mean of the values",
+    "unmasked": "the unmasked attention",
+}
+
+
+def _judge(
     out: np.ndarray,
     ref: np.ndarray,
     params: MHAParams,
@@ -161,12 +217,32 @@ def _bound_ratio(
     num_heads: int,
     mask: np.ndarray | None,
     model: C.PathModel,
-) -> tuple[float | None, float | None, str]:
+) -> _Judged:
+    """The path's bound (Theorem A.2) row by row: fully-masked rows whose convention the bound
+    does not describe are checked against the convention instead (``ref`` is the reference
+    under the path's convention)."""
     from mhanum.bounds import mha_bound
 
     rows = C.fully_masked_rows(mask)
-    if rows is not None and rows.any():
-        return None, None, "a fully-masked row (Theorem A.2 assumes an attended key per row)"
+    dead = np.zeros(out.shape[:-1], bool) if rows is None else rows
+    policy, target = model.fully_masked, _bounded_target(model.numerics)
+    by_convention = dead if policy != target else np.zeros_like(dead)
+    n_rows = int(by_convention.sum())
+    out64 = np.asarray(out, np.float64)
+    follows: bool | None = None
+    rows_note = ""
+    if n_rows:
+        got, want = out64[by_convention], ref[by_convention]
+        if policy in ("nan", "zero"):
+            follows = bool(np.array_equal(got, want, equal_nan=True))
+        verdict = {True: "as its convention says", False: "NOT its convention's answer",
+                   None: "not checked: the convention has no exact answer"}[follows]  # fmt: skip
+        why = ("no exact attention under -inf" if target is None
+               else f"its numerics give {_ANSWER[target]} there")  # fmt: skip
+        plural = "s" if n_rows > 1 else ""
+        rows_note = f"{_ANSWER[policy]} in {n_rows} row{plural} ({verdict}); not bounded: {why}"
+    elif dead.any():
+        rows_note = f"{_ANSWER[policy]}, bounded by Theorem A.2 like every row"
     m4 = None if mask is None else mask[:, None]
     try:
         bound = mha_bound(
@@ -178,12 +254,25 @@ def _bound_ratio(
             numerics=model.numerics,
         )
     except InvalidArgument as exc:
-        return None, None, str(exc)
-    total = np.asarray(bound.total, np.float64)
-    err = np.abs(out.astype(np.float64) - ref)
+        return _Judged(None, None, str(exc), n_rows, follows, rows_note)
+    bounded = ~by_convention
+    if not bounded.any():
+        note = "every row is fully masked and answered by the path's convention"
+        return _Judged(None, None, note, n_rows, follows, rows_note)
+    total = np.asarray(bound.total, np.float64)[bounded]
+    got, want = out64[bounded], ref[bounded]
     with np.errstate(divide="ignore", invalid="ignore"):
+        err = np.abs(got - want)
         ratio = np.where(err == 0, 0.0, err / total)
-    return float(np.max(total)), float(np.nanmax(ratio)), ""
+    ratio = np.where(np.isfinite(got), ratio, np.inf)  # a NaN or inf where a number is due
+    return _Judged(
+        float(np.max(total)),
+        float(np.max(ratio, initial=0.0)),
+        "",
+        n_rows,
+        follows,
+        rows_note,
+    )
 
 
 def compare(
@@ -200,7 +289,11 @@ def compare(
     """Run every installed framework path on the same input and weights, and measure each.
 
     The inputs and weights are rounded to float32 first (what the frameworks hold), and the
-    reference is that of the rounded values, so every error is the framework's own.
+    reference is that of the rounded values, so every error is the framework's own. Each path
+    is measured against the reference under its own fully-masked-row convention, and bounded
+    row by row: a row that attends no key is bounded like the others where the path's answer
+    is what its numerics compute (a finite constant), and otherwise checked against the
+    convention (NaN, or the output bias) and reported as such (:class:`Measurement`).
 
     Args:
         x_q: ``(B, Lq, d_model)`` or ``(Lq, d_model)``.
@@ -242,7 +335,7 @@ def compare(
             out = np.asarray(adapter.run(layer, q, kv, m, path=path))
             seconds = time.perf_counter() - start
             pred = C.predict(model, p32, q, kv, num_heads, m)
-            bound, ratio, note = _bound_ratio(out, ref, p32, q, kv, num_heads, m, model)
+            judged = _judge(out, ref, p32, q, kv, num_heads, m, model)
             rows.append(
                 Measurement(
                     name,
@@ -250,11 +343,14 @@ def compare(
                     adapter.version(),
                     model,
                     errors(out, ref, fmt="float32"),
-                    bound,
-                    ratio,
-                    note,
+                    judged.bound,
+                    judged.ratio,
+                    judged.note,
                     _max_difference(out, pred),
                     seconds,
+                    judged.convention_rows,
+                    judged.follows,
+                    judged.rows_note,
                 )
             )
     base = {
@@ -262,9 +358,13 @@ def compare(
         "d_model": p32.d_q,
         "batch": q.shape[0],
         "length": q.shape[1],
+        "kv_length": kv.shape[1],
         "mask": "none" if m is None else f"{int(m.sum())}/{m.size} attended",
         "seed": None,
     }
+    dead = C.fully_masked_rows(m)
+    if dead is not None and dead.any():
+        base["fully_masked_rows"] = f"{int(dead.sum())} of {dead.size} rows attend no key"
     return Comparison(base | (config or {}), tuple(rows))
 
 
@@ -331,8 +431,10 @@ class Attribution:
     Attributes:
         difference: normwise ``max|o_a - o_b| / max|reference|`` of the outputs as given.
         causes: one :class:`Cause` per source, sorted by size.
-        errors_a, errors_b: each side's normwise error against the intended reference, with
-            side a's weights.
+        errors_a, errors_b: each side's normwise error against the reference of the intended
+            mask, with side a's weights, each under its own side's fully-masked-row convention
+            (so a fully-masked row that a side answers with NaN, as its convention says, is no
+            error of that side, whatever the other side answers).
     """
 
     difference: float
@@ -371,8 +473,8 @@ class Attribution:
                 "(normwise, max|a - b| / max|reference|)"
             ),
             (
-                f"with a's weights, error against the reference: a {self.errors_a:.3g}, "
-                f"b {self.errors_b:.3g}"
+                "with a's weights, error against the reference (each side under its own "
+                f"fully-masked-row convention): a {self.errors_a:.3g}, b {self.errors_b:.3g}"
             ),
             "",
             f"{'cause':<19}{'size':>10}{'a':>10}{'b':>10}  detail",
@@ -622,6 +724,6 @@ def attribute(
         _size(_diff(out_a, out_b_given), scale),
         tuple(causes),
         _size(_diff(ta.out, ref_a), scale),
-        _size(_diff(tb.out, ref_a), scale),
+        _size(_diff(tb.out, ref_b), scale),  # each side under its own fully-masked convention
         (f"{a.framework}/{path_a}", f"{b.framework}/{path_b}"),
     )

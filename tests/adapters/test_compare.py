@@ -95,14 +95,48 @@ def test_compare_measures_every_path_within_its_bound():
     json.dumps(result.as_dict())
 
 
-def test_compare_reports_no_bound_for_a_fully_masked_row():
+def test_compare_bounds_a_fully_masked_row_that_its_numerics_describe():
+    """jax.nn replaces masked logits by a finite constant: the row is the mean of the values,
+    which Theorem A.2 bounds like any other row."""
     x, params = _check.inputs()
     result = compare(x, x, params, _check.HEADS, mask=_check.mask_of("empty-row"),
                      frameworks=("jax",))  # fmt: skip
     (m,) = result.measurements
-    assert m.bound is None
-    assert m.within is None
-    assert "fully-masked" in m.bound_note
+    assert m.within is True
+    assert m.bound is not None
+    assert np.isfinite(m.bound)
+    assert m.convention_rows == 0
+    assert m.follows_convention is None
+    assert "bounded by Theorem A.2" in m.rows_note
+
+
+def test_compare_keeps_the_bound_of_the_other_rows_under_minus_inf():
+    """-inf masking: the fully-masked row is NaN by convention (no error, no bound); every other
+    row keeps its bound."""
+    x, params = _check.inputs()
+    mask = _check.mask_of("empty-row")
+    result = compare(x, x, params, _check.HEADS, mask=mask, frameworks=("model",))
+    (m,) = result.measurements
+    assert m.within is True
+    assert m.bound is not None
+    assert np.isfinite(m.bound)
+    assert m.convention_rows == 1
+    assert m.follows_convention is True
+    assert m.errors.n_undefined == x.shape[-1]  # the NaN row is excluded, not an error
+    assert np.isfinite(m.errors.max_abs)
+    text = result.render()
+    assert "fully-masked rows (1 of 12 rows attend no key)" in text
+    assert "model/model: NaN in 1 row (as its convention says)" in text
+
+
+def test_compare_prints_the_ratio_with_three_significant_digits():
+    x, params = _check.inputs()
+    result = compare(x, x, params, _check.HEADS, frameworks=("jax",))
+    (m,) = result.measurements
+    assert 0 < m.ratio < 1e-2
+    row = result.render().splitlines()[3]
+    assert f"{m.ratio:.3g}" in row.split()
+    assert "0.000" not in row
 
 
 @pytest.mark.parametrize(
