@@ -758,6 +758,25 @@ def _softmax_pv(
             u_o * np.abs(o) + eta_o + ((1 + u_o) * (u_last * np.abs(o) + eta_m) if online else 0.0)
         ),
     }
+    # Step 7'. The last rounding is to nearest: the computed x (|x - o*| <= E, the other terms)
+    # rounds to a value at least as close to x as any value r of the format (plus η for a
+    # flush to zero), and r = fl(o) is within |fl(o) - o| + ε + E of x (ε: o's own float64
+    # error). Where o is (nearly) a value of the format and E is below half its spacing, this
+    # is far below u|o| (papers/attention.md, step 7').
+    e_other = sum(terms[n] for n in terms if n != "output")
+    ev = _EVALUATION * (np.where(live, p, 0.0) @ np.abs(v))
+    off_o = np.abs(round_to(o, fmts["output"]) - o) + ev
+    # a flush to zero departs from the nearest value only below the smallest normal number
+    low = np.abs(o) - ev - e_other  # <= |x|
+    if online:  # y = fl_m(x), x = acc/l, then z = fl_o(y)
+        off_m = np.abs(round_to(o, fm) - o) + ev
+        flush_m = np.where(low < eta_m, eta_m, 0.0)
+        y_off = off_m + 2 * e_other + flush_m  # >= |y - o*|
+        flush_o = np.where(np.abs(o) - ev - y_off < eta_o, eta_o, 0.0)
+        nearest = off_o + 2 * y_off - e_other + flush_o
+    else:
+        nearest = off_o + e_other + np.where(low < eta_o, eta_o, 0.0)
+    terms["output"] = np.fmin(terms["output"], nearest)
     return terms, p
 
 
