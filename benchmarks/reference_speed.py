@@ -29,7 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mhanum import MHAParams, _fastref, reference
+from mhanum import MHAParams, reference
+from mhanum.reference import _fastref
 
 DIGITS = 20
 

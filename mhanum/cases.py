@@ -48,7 +48,7 @@ def _number(x: float) -> float | str:
 
 def metadata(case: WorstCase) -> dict[str, Any]:
     """The JSON metadata of a case (see the module docstring; non-finite numbers as strings)."""
-    from mhanum import __version__
+    from mhanum._version import __version__
 
     return {
         "mhanum_version": __version__,

@@ -31,9 +31,9 @@ from typing import Any
 import mpmath
 import numpy as np
 
-from mhanum import _exact
 from mhanum._errors import InvalidArgument
 from mhanum.formats import Format, get_format, ulp
+from mhanum.reference import nearest_float64
 
 __all__ = ["Errors", "errors"]
 
@@ -90,7 +90,7 @@ def _exact_differences(computed: np.ndarray, reference: np.ndarray) -> np.ndarra
             out.flat[index] = math.nan
         else:
             difference = ctx.fsub(ctx.mpf(float(c)), r, exact=True)
-            out.flat[index] = abs(_exact.to_float64(*_exact.mpf_pair(difference)))
+            out.flat[index] = abs(nearest_float64(difference))
     return out
 
 

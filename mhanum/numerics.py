@@ -31,17 +31,20 @@ from typing import Any
 
 from mhanum._errors import InvalidArgument
 from mhanum.formats import Format, get_format
+from mhanum.units import (
+    ACCUM_FORMATS,
+    DotUnit,
+    SoftmaxAlgorithm,
+    SummationOrder,
+    dot_unit,
+    mask_mode,
+    softmax_algorithm,
+    summation_order,
+)
 
 __all__ = ["PRESETS", "Numerics", "resolve"]
 
-_ACCUM_FORMATS = ("float64", "float32", "bfloat16", "float16")
-_SUMMATIONS = ("native", "sequential", "pairwise", "kahan")
 _SCALES = ("scores", "q", "qk")
-_MASK_MODES = ("fill", "add")
-_BLOCKED = re.compile(r"^blocked\((\d+)\)$")
-_ONLINE = re.compile(r"^online\((\d+)\)$")
-_TENSOR_CORE = re.compile(r"^tensor-core\(([a-z0-9_-]+)\)$")
-_SPLITS = {"bf16x1": 1, "bf16x3": 3, "bf16x6": 6}
 _FINFO = re.compile(r"^(?:(\d*\.?\d+)\s*\*\s*)?finfo\.min$")
 
 
@@ -80,7 +83,7 @@ class Numerics:
             three bfloat16 pieces and multiplied in 1, 3 or 6 passes of exact products summed in
             float32 (XLA's ``BF16_BF16_F32[_X3|_X6]`` dot algorithms and the TPU passes of
             Henry, Tang & Heinecke 2019); ``"tensor-core(<model>)"``: the inner product of an
-            NVIDIA tensor core (:mod:`mhanum.tensorcore`; operands rounded to the model's input
+            NVIDIA tensor core (:mod:`mhanum.units.tensorcore`; operands rounded to the model's input
             format, groups of exact products fused into a float32 accumulator). The last two
             need ``accum="float32"``; ``operand_format`` must then be unset.
         mask_mode: ``"fill"`` replaces masked logits by ``mask_value``; ``"add"`` adds it.
@@ -135,10 +138,10 @@ class Numerics:
             value = getattr(self, field)
             if value is not None:
                 canon(self, field, get_format(value, argname=f"numerics.{field}").name)
-        if self.accum not in _ACCUM_FORMATS:
-            raise _bad("accum", f"one of {_ACCUM_FORMATS}", self.accum)
-        if self.softmax_format is not None and self.softmax_format not in _ACCUM_FORMATS:
-            raise _bad("softmax_format", f"one of {_ACCUM_FORMATS}", self.softmax_format)
+        if self.accum not in ACCUM_FORMATS:
+            raise _bad("accum", f"one of {ACCUM_FORMATS}", self.accum)
+        if self.softmax_format is not None and self.softmax_format not in ACCUM_FORMATS:
+            raise _bad("softmax_format", f"one of {ACCUM_FORMATS}", self.softmax_format)
         acc = get_format(self.accum)
         for field in ("input", "operand_format"):
             value = getattr(self, field)
@@ -149,12 +152,11 @@ class Numerics:
                     f"(p={acc.precision})"
                 )
                 raise InvalidArgument(msg)
-        canon(self, "summation", _canonical_order(self.summation))
-        canon(self, "dot", _canonical_dot(self.dot))
+        canon(self, "summation", summation_order(self.summation, "numerics.summation"))
+        canon(self, "dot", dot_unit(self.dot, "numerics.dot"))
         self._check_dot()
-        canon(self, "softmax", _canonical_softmax(self.softmax))
-        if self.mask_mode not in _MASK_MODES:
-            raise _bad("mask_mode", f"one of {_MASK_MODES}", self.mask_mode)
+        canon(self, "softmax", softmax_algorithm(self.softmax, "numerics.softmax"))
+        canon(self, "mask_mode", mask_mode(self.mask_mode, "numerics.mask_mode"))
         canon(self, "mask_value", _canonical_mask_value(self.mask_value))
         if self.scale not in _SCALES:
             raise _bad("scale", f"one of {_SCALES}", self.scale)
@@ -212,13 +214,7 @@ class Numerics:
         return get_format(value)
 
     def _dot_operand(self) -> str | None:
-        if self.dot == "bf16x1":
-            return "bfloat16"
-        if self.dot_kind == "tensor-core":
-            from mhanum.tensorcore import get_model
-
-            return get_model(self.dot_model or "").input_format
-        return None
+        return self.dot_unit.operand_format
 
     @property
     def operand_rounding(self) -> Format | None:
@@ -230,23 +226,37 @@ class Numerics:
         name = self.operand_format or self._dot_operand()
         return None if name is None else get_format(name)
 
+    # Typed views of the parsed choices (each field holds its unit, a str of today's spelling) ----
+
+    @property
+    def order(self) -> SummationOrder:
+        """:attr:`summation` as its typed unit (:mod:`mhanum.units`)."""
+        return summation_order(self.summation)
+
+    @property
+    def softmax_algorithm(self) -> SoftmaxAlgorithm:
+        """:attr:`softmax` as its typed unit (:mod:`mhanum.units`)."""
+        return softmax_algorithm(self.softmax)
+
+    @property
+    def dot_unit(self) -> DotUnit:
+        """:attr:`dot` as its typed unit (:mod:`mhanum.units`)."""
+        return dot_unit(self.dot)
+
     @property
     def dot_kind(self) -> str:
         """``ieee``, ``split`` (``bf16xN``, N > 1) or ``tensor-core``; ``bf16x1`` is ``ieee``."""
-        if self.dot.startswith("tensor-core"):
-            return "tensor-core"
-        return "split" if self.dot in ("bf16x3", "bf16x6") else "ieee"
+        return self.dot_unit.kind
 
     @property
     def dot_passes(self) -> int:
         """Number of bf16 passes of a split dot (1 for every other unit)."""
-        return _SPLITS.get(self.dot, 1)
+        return self.dot_unit.passes
 
     @property
     def dot_model(self) -> str | None:
         """The tensor-core model name of ``dot="tensor-core(<model>)"``, else ``None``."""
-        m = _TENSOR_CORE.match(self.dot)
-        return m.group(1) if m else None
+        return self.dot_unit.model
 
     @property
     def needs_x64(self) -> bool:
@@ -257,24 +267,22 @@ class Numerics:
     @property
     def summation_kind(self) -> str:
         """``native``, ``sequential``, ``pairwise``, ``blocked`` or ``kahan``."""
-        return "blocked" if self.summation.startswith("blocked") else self.summation
+        return self.order.kind
 
     @property
     def summation_block(self) -> int | None:
         """The block size of ``blocked(b)``, else ``None``."""
-        m = _BLOCKED.match(self.summation)
-        return int(m.group(1)) if m else None
+        return self.order.block
 
     @property
     def softmax_kind(self) -> str:
         """``naive``, ``safe`` or ``online``."""
-        return "online" if self.softmax.startswith("online") else self.softmax
+        return self.softmax_algorithm.kind
 
     @property
     def softmax_block(self) -> int | None:
         """The key-block size of ``online(B)``, else ``None``."""
-        m = _ONLINE.match(self.softmax)
-        return int(m.group(1)) if m else None
+        return self.softmax_algorithm.block
 
     def mask_constant(self) -> float:
         """The masking constant as stored in ``score_format`` (may be ``-inf`` after overflow)."""
@@ -329,44 +337,6 @@ class Numerics:
             if f.name in ("input", "accum") or getattr(self, f.name) != getattr(default, f.name)
         ]
         return "Numerics(" + ", ".join(parts) + ")"
-
-
-def _canonical_order(value: Any) -> str:
-    if isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        if text in _SUMMATIONS:
-            return text
-        m = _BLOCKED.match(text)
-        if m and int(m.group(1)) >= 1:
-            return f"blocked({int(m.group(1))})"
-    raise _bad(
-        "summation", "'native', 'sequential', 'pairwise', 'kahan' or 'blocked(b)', b >= 1", value
-    )
-
-
-def _canonical_dot(value: Any) -> str:
-    if isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        if text == "ieee" or text in _SPLITS:
-            return text
-        m = _TENSOR_CORE.match(text)
-        if m:
-            from mhanum.tensorcore import get_model
-
-            get_model(m.group(1))  # raises InvalidArgument for an unknown model
-            return text
-    raise _bad("dot", "'ieee', 'bf16x1', 'bf16x3', 'bf16x6' or 'tensor-core(<model>)'", value)
-
-
-def _canonical_softmax(value: Any) -> str:
-    if isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        if text in ("naive", "safe"):
-            return text
-        m = _ONLINE.match(text)
-        if m and int(m.group(1)) >= 1:
-            return f"online({int(m.group(1))})"
-    raise _bad("softmax", "'naive', 'safe' or 'online(B)', B >= 1", value)
 
 
 def _canonical_mask_value(value: Any) -> float | str:
@@ -432,7 +402,7 @@ PRESETS: Mapping[str, Numerics] = {
   runs as 1, 3 or 6 passes of bfloat16 pieces (JAX's ``DEFAULT``, ``HIGH`` and ``HIGHEST``
   precision on TPU; ``dot="bf16xN"``).
 * ``tensor-core-fp16``, ``tensor-core-bf16``: half-precision tensors whose dots run on the H100
-  tensor-core model of :mod:`mhanum.tensorcore` (groups of 16 exact products aligned to the
+  tensor-core model of :mod:`mhanum.units.tensorcore` (groups of 16 exact products aligned to the
   largest with 2 extra bits, truncated into a float32 accumulator; Fasi et al. 2021, Khattak &
   Mikaitis 2025; checked bit for bit on an H100), softmax in float32, results rounded back.
 * ``fp8-e4m3-fp32acc``, ``fp8-e5m2-fp32acc``: fp8 q, k, v (and probabilities, rounded to the same

@@ -59,8 +59,7 @@ from hypothesis import strategies as st
 from mhanum import reference, strategies
 from mhanum._errors import InvalidArgument
 from mhanum.attention import attention
-from mhanum.bounds import attention_bound
-from mhanum.bounds._result import Bound
+from mhanum.bounds import Bound, attention_bound
 from mhanum.formats import get_format, round_to
 from mhanum.numerics import PRESETS, Numerics, resolve
 

@@ -48,7 +48,20 @@ from mhanum._errors import InvalidArgument as _MhanumInvalid
 from mhanum.formats import FORMATS, Format, get_format, round_to
 from mhanum.numerics import PRESETS, Numerics
 from mhanum.params import MHAParams
-from mhanum.tensorcore import MODELS
+from mhanum.units import (
+    ACCUM_FORMATS,
+    Blocked,
+    Kahan,
+    Naive,
+    Native,
+    Online,
+    Pairwise,
+    Safe,
+    Sequential,
+    SplitBF16,
+    TensorCoreDot,
+)
+from mhanum.units.tensorcore import MODELS
 
 __all__ = [
     "MASK_KINDS",
@@ -152,9 +165,9 @@ def range_mixes() -> tuple[frozenset[str], ...]:
 MASK_KINDS = ("none", "padding", "causal", "random")
 """Kinds of :func:`masks`."""
 
-_SUMMATIONS = ("native", "sequential", "pairwise", "kahan", "blocked(8)", "blocked(32)")
-_SOFTMAXES = ("naive", "safe", "online(8)", "online(32)")
-_ACCUMS = ("float64", "float32", "bfloat16", "float16")
+_SUMMATIONS = (Native(), Sequential(), Pairwise(), Kahan(), Blocked(8), Blocked(32))
+_SOFTMAXES = (Naive(), Safe(), Online(8), Online(32))
+_ACCUMS = ACCUM_FORMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,7 +353,7 @@ def numerics(
     if free:
         choices.append(
             _free_numerics(
-                _field(input, ("float64", "float32", "bfloat16", "float16")),
+                _field(input, ACCUM_FORMATS),
                 _field(accum, _ACCUMS),
                 _field(summation, _SUMMATIONS),
                 _field(softmax, _SOFTMAXES),
@@ -376,10 +389,10 @@ def _free_numerics(
 
 _CUSTOM_FORMATS = ("float64", "float32", "tf32", "bfloat16", "float16", "float8_e4m3fn",
                    "float8_e5m2")  # fmt: skip
-_CUSTOM_SUMMATIONS = (*_SUMMATIONS, "blocked(3)")
-_CUSTOM_SOFTMAXES = ("naive", "safe", "online(1)", "online(3)", "online(8)", "online(32)")
+_CUSTOM_SUMMATIONS = (*_SUMMATIONS, Blocked(3))
+_CUSTOM_SOFTMAXES = (Naive(), Safe(), Online(1), Online(3), Online(8), Online(32))
 _OPERAND_FORMATS = ("tf32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
-_DOTS = ("bf16x1", "bf16x3", "bf16x6", *(f"tensor-core({m})" for m in MODELS))
+_DOTS = (SplitBF16(1), SplitBF16(3), SplitBF16(6), *(TensorCoreDot(m) for m in MODELS))
 _MASK_VALUES: tuple[float | str, ...] = (-math.inf, "finfo.min", "0.7*finfo.min", -1e9, -1e4,
                                           -30.0, 0.0)  # fmt: skip
 

@@ -44,7 +44,7 @@ class ModelLayer:
 
 def version() -> str:
     """mhanum's version."""
-    from mhanum import __version__
+    from mhanum._version import __version__
 
     return __version__
 

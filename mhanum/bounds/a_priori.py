@@ -26,22 +26,22 @@ import numpy as np
 from mhanum import _validate as V
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
-from mhanum.bounds.attention import (
-    _EVALUATION,
-    _F64_DOT,
-    ASSUMPTIONS,
-    _anchor,
-    _conversion_eta,
-    _exp_and_sum_factors,
-    _is_power_of_four,
-    _linear,
-    _linear_overflow,
-    _operand_bits,
-    _operand_error,
-    _power_of_two,
-    _scale_rounding,
-    _unit_eta,
-    _unit_factor,
+from mhanum.bounds.attention import ASSUMPTIONS
+from mhanum.bounds.factors import (
+    EVALUATION,
+    F64_DOT,
+    conversion_eta,
+    exp_and_sum_factors,
+    is_power_of_four,
+    linear,
+    linear_overflow,
+    operand_bits,
+    operand_error,
+    power_of_two,
+    scale_rounding,
+    tensor_core_anchor,
+    unit_eta,
+    unit_factor,
 )
 from mhanum.bounds.softmax import division_error
 from mhanum.formats import Format
@@ -191,11 +191,11 @@ def _logit_error(
     f_q = num.format_of("scale") if num.scale != "scores" else store
     f_k = num.format_of("scale") if num.scale == "qk" else store
     # Step 1: e_op = e + u_op(|x| + e) + η_op + η_conv with e = rel·B + err
-    u_op, eta_op = _operand_error(num)
+    u_op, eta_op = operand_error(num)
     op = num.operand_rounding
     a_q, a_k = qo.rel + u_op * (1 + qo.rel), ko.rel + u_op * (1 + ko.rel)
-    b_q = (1 + u_op) * qo.err + eta_op + _conversion_eta(num, op or f_q)
-    b_k = (1 + u_op) * ko.err + eta_op + _conversion_eta(num, op or f_k)
+    b_q = (1 + u_op) * qo.err + eta_op + conversion_eta(num, op or f_q)
+    b_k = (1 + u_op) * ko.err + eta_op + conversion_eta(num, op or f_k)
     # R.2: the operands read into the operand and accumulation formats
     q_op = (1 + a_q) * qo.entry() + float(np.max(b_q))
     k_op = (1 + a_k) * ko.entry() + float(np.max(b_k))
@@ -206,21 +206,21 @@ def _logit_error(
     pq = _pair(qo, ko)
     operands = _perturbed(qo, a_q, b_q, ko, a_k, b_k, d_k)
     op_pair = pq + operands  # >= |q_op|·|k_op|
-    bits = (_operand_bits(num, f_q), _operand_bits(num, f_k))
-    f_qk, anchor = _unit_factor(num, d_k, None, bits=bits), _anchor(num)
-    unit = f_qk * op_pair + _unit_eta(num, d_k)
+    bits = (operand_bits(num, f_q), operand_bits(num, f_k))
+    f_qk, anchor = unit_factor(num, d_k, None, bits=bits), tensor_core_anchor(num)
+    unit = f_qk * op_pair + unit_eta(num, d_k)
     if anchor:
         sums = (1 + a_q) * qo.sums(d_k) + (1 + a_k) * ko.sums(d_k)
         sums += float(np.sum(np.broadcast_to(b_q, (d_k,))) + np.sum(np.broadcast_to(b_k, (d_k,))))
         unit += f_qk * anchor * (sums + d_k * anchor)
     # Step 2: the constant (a subnormal one may be read as zero: u_c = 1)
-    c_hat, u_c, u_mul = _scale_rounding(scale, score)
-    if default_scale and not _is_power_of_four(d_k):
+    c_hat, u_c, u_mul = scale_rounding(scale, score)
+    if default_scale and not is_power_of_four(d_k):
         u_c = (1 + 2.0**-53) / (1 - 2.0**-53) * (1 + u_c) - 1
     theta = (1 + u_s) * (1 + u_c) * (1 + u_mul) - 1
     # Step 0: the float64 logits are off the stand-ins' exact logits by at most eps64
     c = abs(scale)
-    eps64 = _F64_DOT * (d_k + 2) * c * pq
+    eps64 = F64_DOT * (d_k + 2) * c * pq
     delta = c * ((operands + unit) * (1 + theta) + theta * pq)
     delta += (abs(c_hat) * (1 + u_s) + 2) * eta_s + eps64
     # R.3: QKᵀ accumulated, rounded to the score format, times the constant; R.4 its read
@@ -250,21 +250,21 @@ def _scaled_bounds(
     R.2 for the read into the scale format and the product there."""
     fmt = num.format_of("scale")
     u64 = 0.0
-    if default_scale and not _is_power_of_four(d_k):
+    if default_scale and not is_power_of_four(d_k):
         u64 = (1 + 2.0**-53) / (1 - 2.0**-53) - 1
     f64 = scale
     if num.scale == "qk":
         f64 = math.sqrt(scale)
         if fractions.Fraction(f64) ** 2 != fractions.Fraction(scale):
             u64 = (1 + u64) * (1 + 2.0**-53) - 1
-    f_hat, u_r, u_mul = _scale_rounding(f64, fmt)
+    f_hat, u_r, u_mul = scale_rounding(f64, fmt)
     # the operand is first read into the scale format (rounded if that is less precise)
     u_t = fmt.u if fmt.precision < num.storage_format.precision else 0.0
     theta = (1 + u_r) * (1 + u_t) * (1 + u_mul) - 1
     up = abs(f64) * (1 + 2.0**-52)  # >= |fl64(f64·x)| / |x|
     # the read's underflow, times f̂ and rounded in the product, then the product's own
     eta = fmt.smallest_normal * (1 + up * (1 + u_r) * (1 + u_mul))
-    r64 = 0.0 if _power_of_two(f64) else 2.0**-53  # the float64 product's rounding
+    r64 = 0.0 if power_of_two(f64) else 2.0**-53  # the float64 product's rounding
 
     def scaled(x: _Operand, name: str) -> _Operand:
         stored = x.stored()
@@ -289,9 +289,9 @@ def _scaled_bounds(
 def _values(v_abs: np.ndarray, e_v: np.ndarray, num: Numerics, rng: _Range) -> np.ndarray:
     """``v̄ >= |v_used|``, the values the ``P V`` unit reads (A.1 step 1), with R.1 and R.2."""
     rng.check(v_abs + e_v, num.storage_format, "v in the input format")
-    u_op, eta_op = _operand_error(num)
+    u_op, eta_op = operand_error(num)
     op = num.operand_rounding
-    v_bar = (1 + u_op) * (v_abs + e_v) + eta_op + _conversion_eta(num, op or num.storage_format)
+    v_bar = (1 + u_op) * (v_abs + e_v) + eta_op + conversion_eta(num, op or num.storage_format)
     for fmt, where in (
         (op, "the dot's operand format"),
         (num.format_of("accum"), "the accumulation format"),
@@ -326,11 +326,11 @@ def _softmax_pv(
     fm = fmts["softmax"]
     u_m, u_p, u_o = (fmts[r].u for r in ("softmax", "prob", "output"))
     eta_m, eta_p, eta_o = (fmts[r].smallest_normal for r in ("softmax", "prob", "output"))
-    u_op, eta_op = _operand_error(num)
-    eta_op += _conversion_eta(num, num.operand_rounding or fmts["prob"])
+    u_op, eta_op = operand_error(num)
+    eta_op += conversion_eta(num, num.operand_rounding or fmts["prob"])
     u_div = division_error(num.div_ulps, u_m)
     kind = num.softmax_kind
-    bits_pv = (_operand_bits(num, fmts["prob"]), _operand_bits(num, num.format_of("input")))
+    bits_pv = (operand_bits(num, fmts["prob"]), operand_bits(num, num.format_of("input")))
     online = kind == "online"
     # Step 0 and A.2 (b): the target moves with the float64 logits' error and the stand-ins'
     eps64, moved = logits.eps64, logits.moved
@@ -352,7 +352,7 @@ def _softmax_pv(
         )
         return {"evaluation": evaluation}
     gap = 2 * reach + 2 * delta
-    x, blocks, g_sum, g_pv, eta_pv = _exp_and_sum_factors(num, n, gap, None, bits_pv)
+    x, blocks, g_sum, g_pv, eta_pv = exp_and_sum_factors(num, n, gap, None, bits_pv)
     log_s_lo = 0.0
     if kind == "naive":
         # R.4: no shift: exp of a logit up to ρ + Δ, the row sum up to 2n·e^(ρ+Δ) (T < 1),
@@ -401,7 +401,7 @@ def _softmax_pv(
     p_hat += prob
     operand_p = u_op * p_hat + n * eta_op
     p_hat += operand_p
-    anchor = _anchor(num)
+    anchor = tensor_core_anchor(num)
     pv_eta: Any = eta_pv
     if anchor:
         weights = n if online else p_hat
@@ -432,7 +432,7 @@ def _softmax_pv(
     else:
         rng.check((1 + g_pv) * p_hat * v_bar + pv_eta, fmts["accum"], "P·V accumulated")
     # R.6: the output, |ô| <= max|v*| + the bound (online: also where it is divided)
-    upper = v_abs + (1 + _EVALUATION) * sum(terms.values())
+    upper = v_abs + (1 + EVALUATION) * sum(terms.values())
     rng.check(upper, fmts["output"], "the output")
     if online:
         rng.check(upper, fm, "the output divided in the softmax format")
@@ -469,7 +469,7 @@ def _literal(reason: str) -> str:
 
 
 def _total(terms: dict[str, Any], theorem: str, rng: _Range, shape: tuple[int, ...]) -> Bound:
-    terms = {name: np.asarray(t, np.float64) * (1 + _EVALUATION) for name, t in terms.items()}
+    terms = {name: np.asarray(t, np.float64) * (1 + EVALUATION) for name, t in terms.items()}
     terms = {name: np.broadcast_to(t, shape).copy() for name, t in terms.items()}
     terms.update(rng.terms(shape))
     total = sum(terms.values()) if terms else np.zeros(shape)
@@ -676,8 +676,8 @@ def _mha(
         e_in = fin.u * x64 + fin.smallest_normal
         rng.check(x64 + e_in, fin, f"{xname} in the input format")
         wn, bn = f"w{name}", f"b{name}"
-        lin = _linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage)
-        _, why = _linear_overflow(lin, x64, e_in, w[wn], w[bn], num, storage, f"{name} projection")
+        lin = linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage)
+        _, why = linear_overflow(lin, x64, e_in, w[wn], w[bn], num, storage, f"{name} projection")
         for reason in why:
             rng.flag(_literal(reason))
         given = lin.given[0]
@@ -706,16 +706,14 @@ def _mha(
         name: np.concatenate([np.broadcast_to(t.get(name, 0.0), (d_v,)) for t in per_head])
         for name in names
     }
-    merged = {name: t * (1 + _EVALUATION) for name, t in merged.items()}
+    merged = {name: t * (1 + EVALUATION) for name, t in merged.items()}
     # A.2 (c): the heads' outputs within |v| of zero, their stand-ins within the evaluation
     # error of the exact ones, and the computed ones within the heads' totals
     o_abs = bounds["v"][0][None, :]
-    o_given = _EVALUATION * o_abs + merged.get("evaluation", np.zeros(params.v_width))[None, :]
-    out = _linear(o_abs, o_given, w["wo"], w["bo"], num, out_fmt)
+    o_given = EVALUATION * o_abs + merged.get("evaluation", np.zeros(params.v_width))[None, :]
+    out = linear(o_abs, o_given, w["wo"], w["bo"], num, out_fmt)
     o_err = sum(merged.values(), np.zeros(params.v_width))[None, :]
-    _, why = _linear_overflow(
-        out, o_abs, o_err, w["wo"], w["bo"], num, out_fmt, "output projection"
-    )
+    _, why = linear_overflow(out, o_abs, o_err, w["wo"], w["bo"], num, out_fmt, "output projection")
     for reason in why:
         rng.flag(_literal(reason))
     terms = {f"attention.{name}": out.kappa * (t @ out.slope) for name, t in merged.items()}

@@ -26,16 +26,29 @@ import numpy as np
 from mhanum import _validate as V
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
-from mhanum.bounds.softmax import division_error, summation_gamma
-from mhanum.bounds.summation import probabilistic_gamma, split_constants, tree_height
-from mhanum.formats import Format, representable, round_to
+from mhanum.bounds.factors import (
+    EVALUATION,
+    F64_DOT,
+    conversion_eta,
+    exp_and_sum_factors,
+    is_power_of_four,
+    linear,
+    linear_overflow,
+    operand_bits,
+    operand_error,
+    power_of_two,
+    rounding_error,
+    scale_rounding,
+    tensor_core_anchor,
+    unit_eta,
+    unit_factor,
+)
+from mhanum.bounds.softmax import division_error
+from mhanum.formats import Format, round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
 
 __all__ = ["attention_bound", "mha_bound"]
-
-_EVALUATION = 2.0**-40  # relative rounding of evaluating the bound in float64 (see A.1, step 0)
-_F64_DOT = 2.0**-52  # per-operation relative error of the float64 logits, with margin (step 0)
 
 ASSUMPTIONS = (
     "round-to-nearest; a rounding into F is x(1+δ)+η, |δ| <= u_F, |η| <= 2^emin_F (flush-to-zero)",
@@ -55,113 +68,6 @@ PROBABILISTIC = (
 )
 
 
-def _sum_factor(n: int, order: str, u: float, lam: float | None = None) -> float:
-    """Relative error of a sum of ``n`` terms in ``order`` (Theorem S.0); refuses ``nu >= 1``.
-
-    With ``lam``, the probabilistic factor ``γ̃_h(λ)`` of Theorem R.6 for a tree of height ``h``
-    (Kahan's sum keeps its deterministic constant).
-    """
-    return _chain(n, order, u, lam, products=False)
-
-
-def _dot_factor(n: int, order: str, u: float, lam: float | None = None) -> float:
-    """Relative error of a dot of length ``n``: each product rounded, then summed in ``order``."""
-    return _chain(n, order, u, lam, products=True)
-
-
-def _chain(
-    n: int, order: str, u: float, lam: float | None, *, products: bool, extra: int = 0
-) -> float:
-    """The factor of a sum (or dot) of ``n`` terms followed by ``extra`` further roundings."""
-    n = max(n, 1)
-    kind = Numerics(summation=order).summation_kind
-    g_det = summation_gamma(n, order, u)
-    g = (1 + g_det) * (1 + u) ** (extra + int(products)) - 1
-    if lam is not None and kind != "kahan":
-        length = tree_height(n, order) + extra + int(products)
-        if kind == "native" and u > 2.0**-24:
-            length *= 2  # partial sums may be rounded to float32 first, then to the format
-        # the deterministic factor holds always, so the event |θ| <= min(both) has the
-        # probability of |θ| <= γ̃ (Theorem A.3): short chains keep γ, long ones get γ̃
-        g_prob = probabilistic_gamma(length, u, lam)[0]
-        g = g_prob if not (math.isfinite(g) and 0 <= g < 1) else min(g, g_prob)
-    if not math.isfinite(g) or g >= 1:
-        msg = f"numerics: expected n·u < 1 for a finite bound, got n = {n} with u = {u}"
-        raise InvalidArgument(msg)
-    return g
-
-
-_SPLIT_FLUSH = 2.0**-125  # a bf16 piece below 2^-126 may be flushed: |a - Σ pieces| gains < 2^-125
-
-
-def _operand_error(num: Numerics) -> tuple[float, float]:
-    """``(u_op, η_op)``: ``|a_used - a| <= u_op|a| + η_op`` for a dot operand (A.1, step 1)."""
-    if num.dot_kind == "split":
-        return 0.0, _SPLIT_FLUSH
-    op = num.operand_rounding
-    return (op.u, op.smallest_normal) if op is not None else (0.0, 0.0)
-
-
-def _operand_bits(num: Numerics, fmt: Format) -> int:
-    """Significant bits of a dot operand stored in ``fmt`` after the operand rounding."""
-    op = num.operand_rounding
-    return min(fmt.precision, op.precision) if op is not None else fmt.precision
-
-
-def _unit_factor(
-    num: Numerics, n: int, lam: float | None, *, bits: tuple[int, int], extra: int = 0
-) -> float:
-    """Relative error of a dot of length ``n`` on ``num``'s dot unit, then ``extra`` roundings.
-
-    ``|computed - Σ a_k b_k| <= factor · Σ |a_k||b_k|`` (plus the underflow terms of
-    :func:`_unit_eta`) for the operands ``a, b`` the unit reads. ``bits`` are the operands'
-    significant bits: products are exact when they sum to at most the accumulation precision
-    (Theorem R.5). A split dot (Theorem R.7) sums ``P`` passes of exact products: the tree of
-    each pass and ``P - 1`` additions of passes, times ``c_P``, plus the dropped pieces ``τ_P``.
-    """
-    order, acc = num.summation, num.format_of("accum")
-    kind = num.dot_kind
-    if kind == "ieee":
-        exact = sum(bits) <= acc.precision
-        return _chain(n, order, acc.u, lam, products=not exact, extra=extra)
-    if kind == "split":
-        c, tau = split_constants(num.dot_passes)
-        g = _chain(n, order, acc.u, lam, products=False, extra=num.dot_passes - 1)
-        return (1 + g * c + tau) * (1 + acc.u) ** extra - 1
-    from mhanum import tensorcore
-
-    if lam is not None:
-        msg = "lam: the probabilistic bound (Theorem A.3) does not cover tensor-core dot units"
-        raise InvalidArgument(msg)
-    model = tensorcore.get_model(num.dot_model or "")
-    f = tensorcore.dot_error_factor(model, max(n, 1), order=num.summation)
-    return (1 + f) * (1 + acc.u) ** extra - 1
-
-
-def _anchor(num: Numerics) -> float:
-    """``2^emin`` of a tensor core's input format, else 0 (Theorem A.1, step 3, tensor cores).
-
-    Theorem T.2 assumes normal inputs. A product with a subnormal factor ``b`` is aligned as if
-    ``|b|`` were ``2^emin``, so it can raise a step's alignment exponent to at most
-    ``2^emin·|a|``: counting ``2^emin (|a_k| + |b_k| + 2^emin)`` as an extra addend of every
-    product keeps T.2's proof valid. The dot's error gains
-    ``factor · 2^emin · Σ_k (|a_k| + |b_k| + 2^emin)``.
-    """
-    op = num.operand_rounding
-    return op.smallest_normal if num.dot_kind == "tensor-core" and op is not None else 0.0
-
-
-def _unit_eta(num: Numerics, n: int) -> float:
-    """Absolute underflow allowance of one dot of length ``n`` (flushed products and sums)."""
-    eta_a = num.format_of("accum").smallest_normal
-    if num.dot_kind == "tensor-core":
-        from mhanum import tensorcore
-
-        model = tensorcore.get_model(num.dot_model or "")
-        return tensorcore.dot_error_eta(model, max(n, 1), order=num.summation)
-    return 2 * n * num.dot_passes * eta_a
-
-
 def _check_scope(num: Numerics) -> None:
     if num.softmax_kind == "online" and (
         num.format_of("accum").precision > num.format_of("softmax").precision
@@ -178,44 +84,6 @@ def _check_scope(num: Numerics) -> None:
             f"format, got {num.format_of('score').name} and {num.format_of('softmax').name}"
         )
         raise InvalidArgument(msg)
-
-
-def _rounding_error(x: np.ndarray, fmt: Format) -> np.ndarray:
-    """A componentwise bound on ``|fl(x) - x|`` for the rounding of ``x`` into ``fmt`` (step 1).
-
-    ``0`` for a normal value of ``fmt`` or zero; ``u|x|`` for a value that rounds to a normal
-    number; ``2^emin`` more for a value below ``2^emin``, even one ``fmt`` represents, since a
-    subnormal may be read as zero (XLA's CPU backend treats float32 denormals as zero). Entry by
-    entry: one subnormal input charges its own entry, not every entry.
-    """
-    x = np.asarray(x, np.float64)
-    exact = representable(x, fmt)
-    tiny = (x != 0) & (np.abs(x) < fmt.smallest_normal)
-    return np.where(exact, 0.0, fmt.u * np.abs(x)) + np.where(tiny, fmt.smallest_normal, 0.0)
-
-
-def _is_power_of_four(d: int) -> bool:
-    return d & (d - 1) == 0 and (d.bit_length() - 1) % 2 == 0
-
-
-def _power_of_two(x: float) -> bool:
-    return x != 0 and math.frexp(x)[0] in (0.5, -0.5)
-
-
-def _scale_rounding(f64: float, fmt: Format) -> tuple[float, float, float]:
-    """``(f̂, u_r, u_mul)`` of a scale factor rounded into ``fmt`` (steps 2 and 2').
-
-    ``f̂`` is ``f64`` rounded into ``fmt``; ``|f̂_used - f64| <= u_r|f64|`` for the factor the
-    computation uses, and a product by it is rounded with relative ``u_mul``. A factor that is
-    subnormal in ``fmt`` (or rounds to zero) may be read as zero (XLA treats denormals as zero),
-    so ``u_r = 1`` and its product, if not flushed, is rounded like any other (``u_mul = u``).
-    """
-    f_hat = float(round_to(f64, fmt))
-    if min(abs(f_hat), abs(f64)) < fmt.smallest_normal:  # subnormal, or rounded up to 2^emin
-        return f_hat, 1.0, fmt.u
-    u_r = 0.0 if f_hat == f64 else fmt.u
-    u_mul = 0.0 if _power_of_two(f_hat) else fmt.u
-    return f_hat, u_r, u_mul
 
 
 def _scale_operands(
@@ -244,19 +112,19 @@ def _scale_operands(
     fmt = num.format_of("scale")
     source = num.storage_format
     u64 = 0.0
-    if default_scale and not _is_power_of_four(q.shape[-1]):
+    if default_scale and not is_power_of_four(q.shape[-1]):
         u64 = (1 + 2.0**-53) / (1 - 2.0**-53) - 1
     f64 = scale
     if num.scale == "qk":
         f64 = math.sqrt(scale)
         if fractions.Fraction(f64) ** 2 != fractions.Fraction(scale):
             u64 = (1 + u64) * (1 + 2.0**-53) - 1
-    f_hat, u_r, u_mul = _scale_rounding(f64, fmt)
+    f_hat, u_r, u_mul = scale_rounding(f64, fmt)
     u_t = fmt.u if fmt.precision < source.precision else 0.0
     theta = (1 + u_r) * (1 + u_t) * (1 + u_mul) - 1
     up = abs(f64) * (1 + 2.0**-52)
     eta = fmt.smallest_normal * (1 + up * (1 + u_r) * (1 + u_mul))
-    exact_product = _power_of_two(f64)
+    exact_product = power_of_two(f64)
     g_prev = given if given is not None else (np.zeros_like(q), np.zeros_like(k), 0.0)
 
     def scaled(x: np.ndarray, e: Any, g: Any, name: str) -> tuple[np.ndarray, Any, Any]:
@@ -354,17 +222,6 @@ def _times_expm1(log_a: np.ndarray, y: np.ndarray) -> np.ndarray:
         return np.where(y > 1.0, np.exp(log_a + y), direct)
 
 
-def _conversion_eta(num: Numerics, fmt: Format) -> float:
-    """``η`` of reading a value of ``fmt`` into the accumulation format (A.1, step 1).
-
-    The accumulation format is at least as precise as every operand (``Numerics`` checks it),
-    but its normal range may start higher (bfloat16 operands accumulated in float16): a value
-    below its smallest normal is then subnormal or flushed, an absolute error below ``2^emin``.
-    """
-    acc = num.format_of("accum")
-    return acc.smallest_normal if acc.smallest_normal > fmt.smallest_normal else 0.0
-
-
 def _head(
     q: np.ndarray,
     k: np.ndarray,
@@ -413,14 +270,14 @@ def _head(
     u_s, eta_s = fmts["score"].u, fmts["score"].smallest_normal
     # Step 1. Operands: |q_used - q| <= e_q, then the rounding into the operand format (TF32)
     # and the reading into the accumulation format.
-    u_op, eta_op = _operand_error(num)
+    u_op, eta_op = operand_error(num)
     op = num.operand_rounding
     fin = num.format_of("input")
     f_q = num.format_of("scale") if num.scale != "scores" else store
     f_k = num.format_of("scale") if num.scale == "qk" else store
-    bits_qk = (_operand_bits(num, f_q), _operand_bits(num, f_k))
-    bits_pv = (_operand_bits(num, fmts["prob"]), _operand_bits(num, fin))
-    conv = {f: _conversion_eta(num, op or f) for f in (f_q, f_k, store)}
+    bits_qk = (operand_bits(num, f_q), operand_bits(num, f_k))
+    bits_pv = (operand_bits(num, fmts["prob"]), operand_bits(num, fin))
+    conv = {f: conversion_eta(num, op or f) for f in (f_q, f_k, store)}
     e_q, e_k, e_v = errors
     q_abs, k_abs = np.abs(q), np.abs(k)
     q_used, k_used = q_abs + e_q, k_abs + e_k
@@ -438,8 +295,8 @@ def _head(
     # Step 2. The constant: the float64 value of 1/sqrt(d_k) (two float64 roundings unless
     # d_k = 4^m) or the given scale, rounded once into the score format; the product by it is
     # exact when it is a normal power of two; a subnormal constant may be read as zero.
-    c_hat, u_c, u_mul = _scale_rounding(scale, fmts["score"])
-    if default_scale and not _is_power_of_four(d_k):
+    c_hat, u_c, u_mul = scale_rounding(scale, fmts["score"])
+    if default_scale and not is_power_of_four(d_k):
         # irrational: fl(1/fl(sqrt(d))) = c(1+δ2)/(1+δ1) in float64, then rounded into F_score
         u_c = (1 + 2.0**-53) / (1 - 2.0**-53) * (1 + u_c) - 1
     theta = (1 + u_s) * (1 + u_c) * (1 + u_mul) - 1
@@ -448,14 +305,14 @@ def _head(
     t = q @ k.T
     qk_abs = q_abs @ k_abs.T
     operands = e_q_op @ k_op.T + q_abs @ e_k_op.T  # e_q|k| + |q|e_k + e_q e_k
-    f_qk, anchor = _unit_factor(num, d_k, lam, bits=bits_qk), _anchor(num)
+    f_qk, anchor = unit_factor(num, d_k, lam, bits=bits_qk), tensor_core_anchor(num)
     qk_op = q_op @ k_op.T
-    unit = f_qk * qk_op + _unit_eta(num, d_k)
+    unit = f_qk * qk_op + unit_eta(num, d_k)
     if anchor:
         sums = q_op.sum(axis=-1)[:, None] + k_op.sum(axis=-1)[None, :] + d_k * anchor
         unit = unit + f_qk * anchor * sums
     # Step 0. The float64 logits s = c·t (+ b) are off the exact ones by at most eps64.
-    eps64 = _F64_DOT * (d_k + 2) * abs(scale) * qk_abs
+    eps64 = F64_DOT * (d_k + 2) * abs(scale) * qk_abs
     # the sources of δ (they add up to it), to apportion the logits term: Bound.parts
     sources = {
         "operands": abs(scale) * operands * (1 + theta),
@@ -474,7 +331,7 @@ def _head(
     s = scale * t
     if bias is not None:
         b0 = np.where(np.isfinite(bias), bias, 0.0)
-        e_b = _rounding_error(b0, fmts["score"])
+        e_b = rounding_error(b0, fmts["score"])
         s = s + b0
         eps_b = 2.0**-53 * np.abs(s)
         sources = {name: (1 + u_s) * x for name, x in sources.items()}
@@ -555,7 +412,7 @@ def _head(
             )
             for name, x in sources.items()
         }
-    parts = {name: share * terms["logits"] * (1 + _EVALUATION) for name, share in shares.items()}
+    parts = {name: share * terms["logits"] * (1 + EVALUATION) for name, share in shares.items()}
     # The target: the exact attention over the attended keys; in a row with none, the leaky
     # problem itself (fill: uniform over the keys; add: the unmasked softmax).
     empty = ~keep.any(axis=-1, keepdims=True)
@@ -574,14 +431,14 @@ def _head(
     pv_abs = p_t @ np.abs(v)
     with np.errstate(over="ignore"):
         evaluation = np.expm1(2 * big) * pv_abs
-    o_error = _EVALUATION * pv_abs + evaluation
+    o_error = EVALUATION * pv_abs + evaluation
     if given is not None:
         given_error = _given_error(q_abs, k_abs, v, p_t, target, scale, given)
         evaluation = evaluation + given_error
         o_error = o_error + given_error
     if given is not None or num.scale != "scores" or np.any(evaluation > 0):
         terms["evaluation"] = evaluation
-    terms = {name: value * (1 + _EVALUATION) for name, value in terms.items()}
+    terms = {name: value * (1 + EVALUATION) for name, value in terms.items()}
     # R.6: the output, |o_hat| <= |o| + the bound, in the output format (online: and the
     # softmax format it is divided in)
     upper = np.abs(o) + sum(terms.values())
@@ -618,8 +475,8 @@ def _softmax_pv(
     fmts = {r: num.format_of(r) for r in ("softmax", "prob", "output", "accum")}
     u_p, u_o = fmts["prob"].u, fmts["output"].u
     eta_m, eta_p, eta_o = (fmts[r].smallest_normal for r in ("softmax", "prob", "output"))
-    u_op, eta_op = _operand_error(num)
-    eta_op = eta_op + _conversion_eta(num, num.operand_rounding or fmts["prob"])
+    u_op, eta_op = operand_error(num)
+    eta_op = eta_op + conversion_eta(num, num.operand_rounding or fmts["prob"])
     # Step 4 (per key, Lemma 4). p̃_j = p_j e^{ε_j} / Σ_l p_l e^{ε_l}, |ε_l| <= δ_l, grows
     # with ε_j and falls with every other ε_l, so its extremes over the box are
     # p_j e^{±δ_j} / (p_j e^{±δ_j} + Σ_{l≠j} p_l e^{∓δ_l}).
@@ -643,7 +500,7 @@ def _softmax_pv(
     gap = np.where(live, np.maximum(hi - sc + delta, np.abs(sc + delta - lo)), 0.0)
     kind = num.softmax_kind
     online = kind == "online"
-    x, blocks, g_sum, g_pv, eta_pv = _exp_and_sum_factors(num, n, gap, lam, bits_pv)
+    x, blocks, g_sum, g_pv, eta_pv = exp_and_sum_factors(num, n, gap, lam, bits_pv)
     x = np.broadcast_to(x, s.shape)
     if kind == "naive":
         log_s_lo = top + _logsumexp(sc - delta)
@@ -764,7 +621,7 @@ def _softmax_pv(
     # error). Where o is (nearly) a value of the format and E is below half its spacing, this
     # is far below u|o| (papers/attention.md, step 7').
     e_other = sum(terms[n] for n in terms if n != "output")
-    ev = _EVALUATION * (np.where(live, p, 0.0) @ np.abs(v))
+    ev = EVALUATION * (np.where(live, p, 0.0) @ np.abs(v))
     off_o = np.abs(round_to(o, fmts["output"]) - o) + ev
     # a flush to zero departs from the nearest value only below the smallest normal number
     low = np.abs(o) - ev - e_other  # <= |x|
@@ -778,34 +635,6 @@ def _softmax_pv(
         nearest = off_o + e_other + np.where(low < eta_o, eta_o, 0.0)
     terms["output"] = np.fmin(terms["output"], nearest)
     return terms, p
-
-
-def _exp_and_sum_factors(
-    num: Numerics, n: int, gap: Any, lam: float | None, bits_pv: tuple[int, int]
-) -> tuple[Any, int, float, float, float]:
-    """A.1 step 5: ``(x, K, g_sum, g_pv, eta_pv)`` for keys ``|ŝ_j - m| <= gap``.
-
-    ``e^x - 1`` bounds the relative error of a key's computed exponential (naive: the argument
-    is exact; online: its own exp and the rescalings of the ``K - 1`` later blocks, whose
-    arguments telescope to ``gap``), ``g_sum`` and ``g_pv`` are the factors of the softmax sum
-    and of ``P V`` (online: within a block, then ``K`` cross-block additions) and ``eta_pv`` the
-    absolute underflow of ``P V``. ``K = 0`` unless online.
-    """
-    fm, acc = num.format_of("softmax"), num.format_of("accum")
-    u_m, eta_m, u_a, eta_a = fm.u, fm.smallest_normal, acc.u, acc.smallest_normal
-    own = eta_m + math.log1p(2 * num.exp_ulps * u_m)
-    order = num.summation
-    if num.softmax_kind != "online":
-        x = own if num.softmax_kind == "naive" else u_m * gap + own
-        g_sum, g_pv = _sum_factor(n, order, u_m, lam), _unit_factor(num, n, lam, bits=bits_pv)
-        return x, 0, g_sum, g_pv, _unit_eta(num, n)
-    assert num.softmax_block is not None
-    width = min(num.softmax_block, n)
-    blocks = -(-n // num.softmax_block)
-    x = u_m * gap + blocks * own + (blocks - 1) * (math.log1p(u_m) + 2 * math.log1p(u_a))
-    g_sum = _chain(width, order, u_m, lam, products=False, extra=blocks)
-    g_pv = _unit_factor(num, width, lam, bits=bits_pv, extra=blocks)
-    return x, blocks, g_sum, g_pv, blocks * _unit_eta(num, width) + 2 * blocks * eta_a
 
 
 def _log_sum_excluding(a: np.ndarray) -> np.ndarray:
@@ -950,7 +779,7 @@ def attention_bound(
     c = V.scale_value(scale, q.shape[-1], placement=num.scale)
     qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
     fmt_in = num.format_of("input")
-    errors = tuple(_rounding_error(x, fmt_in) for x in (qb, kb, vb))
+    errors = tuple(rounding_error(x, fmt_in) for x in (qb, kb, vb))
     with _quiet():  # overflow in the float64 evaluation is caught by the range checks
         heads = [
             _head(
@@ -1110,141 +939,6 @@ def _check_bias_fits(b: np.ndarray, keep: np.ndarray, fmt: Format) -> None:
         raise InvalidArgument(msg)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Linear:
-    """Theorem A.2 (a): ``y = x w + b`` in float64 and the bounds of the computed ``ŷ``.
-
-    ``|y - y*| <= given`` (float64 evaluation); ``|ŷ - y*| <= fixed + kappa·(e_x @ slope)`` for
-    an operand read with ``|x̂ - x*| <= e_x``.
-    """
-
-    y: np.ndarray
-    given: np.ndarray
-    fixed: np.ndarray
-    slope: np.ndarray
-    kappa: float
-    given_x: np.ndarray
-
-    def error(self, e_x: np.ndarray) -> np.ndarray:
-        return self.fixed + self.kappa * (e_x @ self.slope)
-
-
-def _linear(
-    x: np.ndarray,
-    x_given: np.ndarray,
-    w: np.ndarray,
-    b: np.ndarray | None,
-    num: Numerics,
-    out: Format,
-    lam: float | None = None,
-) -> _Linear:
-    """A.2 (a) for ``fl_out(fl_a(fl_a(op(x̂) op(ŵ)) + b̂))``, ``w`` and ``b`` rounded to the input format.
-
-    ``x`` stands in for the exact operand ``x*`` with ``|x - x*| <= x_given``.
-    """
-    fmt_in, acc = num.format_of("input"), num.format_of("accum")
-    u_op, eta_op = _operand_error(num)
-    d = x.shape[-1]
-    bits = _operand_bits(num, fmt_in)
-    g = _unit_factor(num, d, lam, bits=(bits, bits))
-    x_bar = np.abs(x) + x_given
-    e_w = _rounding_error(w, fmt_in)
-    e_w_op = e_w + u_op * (np.abs(w) + e_w) + eta_op
-    slope = np.abs(w) + e_w_op
-    # x̂ = x* + e: its operand rounding adds u_op|x̂| + η_op, |x̂| <= x_bar + e_x
-    e0 = u_op * x_bar + eta_op
-    fixed = e0 @ np.abs(w) + x_bar @ e_w_op + e0 @ e_w_op
-    fixed = fixed + g * ((x_bar + e0) @ slope) + _unit_eta(num, d)
-    anchor = _anchor(num)
-    if anchor:
-        fixed = fixed + g * anchor * (
-            (x_bar + e0).sum(axis=-1, keepdims=True) + slope.sum(axis=0) + d * anchor
-        )
-    kappa = (1 + u_op) * (1 + g)
-    f64 = _dot_factor(d + 1, "sequential", 2.0**-53)
-    y = x @ w
-    y_given = x_given @ np.abs(w) + f64 * (np.abs(x) @ np.abs(w))
-    if b is not None:
-        y = y + b
-        y_given = y_given + f64 * np.abs(b)
-        e_b = _rounding_error(b, fmt_in)
-        y_bar = np.abs(y) + y_given
-        fixed = (1 + acc.u) * (fixed + e_b) + acc.u * y_bar + acc.smallest_normal
-        kappa *= 1 + acc.u
-    y_bar = np.abs(y) + y_given
-    fixed = out.u * y_bar + (1 + out.u) * fixed + out.smallest_normal
-    kappa *= 1 + out.u
-    scale = 1 + _EVALUATION
-    return _Linear(y, y_given * scale, fixed * scale, slope, kappa * scale, x_given)
-
-
-def _linear_overflow(
-    lin: _Linear,
-    x: np.ndarray,
-    e_x: np.ndarray,
-    w: np.ndarray,
-    b: np.ndarray | None,
-    num: Numerics,
-    out: Format,
-    name: str,
-) -> tuple[np.ndarray, list[str]]:
-    """R.7: the entries of ``ŷ = fl_out(x̂ ŵ + b̂)`` that may overflow, and why.
-
-    With ``x̂`` off ``x`` by at most ``e_x``: the operands read into the operand and
-    accumulation formats, every partial sum of the dot (below ``(1 + g)·Σ|x̂||ŵ| + η``, and
-    with the bias), and the rounding into ``out`` (``|ŷ| <= |y| + given + error``).
-    """
-    fmt_in, acc = num.format_of("input"), num.format_of("accum")
-    op = num.operand_rounding
-    u_op, eta_op = _operand_error(num)
-    x_op = (1 + u_op) * (np.abs(x) + lin.given_x + e_x) + eta_op
-    d = x.shape[-1]
-    bits = _operand_bits(num, fmt_in)
-    g = _unit_factor(num, d, None, bits=(bits, bits))
-    bad = np.zeros(np.broadcast_shapes((*x.shape[:-1], 1), (w.shape[-1],)), bool)
-    reasons: list[str] = []
-
-    def check(upper: Any, fmt: Format, stage: str) -> None:
-        nonlocal bad
-        hit = ~(np.asarray(upper, np.float64) <= fmt.max_finite)
-        if hit.any():
-            bad = bad | np.broadcast_to(hit, bad.shape)
-            worst = float(np.max(np.where(np.isnan(upper), np.inf, upper)[hit]))
-            reason = (
-                f"{stage}: values up to {worst:.4g} may overflow {fmt.name} "
-                f"(largest finite {fmt.max_finite:.6g})"
-            )
-            if reason not in reasons:
-                reasons.append(reason)
-
-    w_upper = np.abs(w) + _rounding_error(w, fmt_in)
-    check(
-        np.broadcast_to(w_upper.max(axis=0), bad.shape),
-        fmt_in,
-        f"{name}: the weights in the input format",
-    )
-    for fmt, where in ((op, "the dot's operand format"), (acc, "the accumulation format")):
-        if fmt is not None:
-            check(x_op.max(axis=-1, keepdims=True), fmt, f"{name}: the operand read into {where}")
-            check(
-                np.broadcast_to(lin.slope.max(axis=0), bad.shape),
-                fmt,
-                f"{name}: the weights read into {where}",
-            )
-    dot = (1 + g) * (x_op @ lin.slope) + _unit_eta(num, d)
-    check(dot, acc, f"{name}: the product accumulated")
-    if b is not None:
-        check(
-            dot + (np.abs(b) + _rounding_error(b, fmt_in)) * (1 + acc.u) + acc.smallest_normal,
-            acc,
-            f"{name}: the product plus the bias",
-        )
-    check(
-        np.abs(lin.y) + lin.given + lin.error(e_x), out, f"{name}: the result rounded to {out.name}"
-    )
-    return bad, reasons
-
-
 def _split(x: np.ndarray, heads: int) -> np.ndarray:
     """``(..., L, H·d)`` to ``(..., H, L, d)``."""
     return np.swapaxes(x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads), -2, -3)
@@ -1356,13 +1050,11 @@ def mha_bound(
         ("v", "x_kv", "wv", "bv"),
     ):
         x64 = np.broadcast_to(xs[x], (*outer, *xs[x].shape[-2:]))
-        lin = _linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage, lam)
-        e_in = _rounding_error(x64, fmt_in)
+        lin = linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage, lam)
+        e_in = rounding_error(x64, fmt_in)
         used = lin.error(e_in)
         bad_in = np.asarray(~(np.abs(x64) + e_in <= fmt_in.max_finite))
-        bad, why = _linear_overflow(
-            lin, x64, e_in, w[wn], w[bn], num, storage, f"{name} projection"
-        )
+        bad, why = linear_overflow(lin, x64, e_in, w[wn], w[bn], num, storage, f"{name} projection")
         if bad_in.any():
             why = [f"{x}: values may overflow the input format {fmt_in.name}", *why]
             bad = bad | bad_in.any(axis=-1, keepdims=True)
@@ -1408,14 +1100,14 @@ def mha_bound(
     sources = sorted({name for r in results.values() for name in r[3]})
     head_parts = {n: gather(lambda r, n=n: r[3].get(n, np.zeros_like(r[1]))) for n in sources}
     o, o_given = gather(lambda r: r[1]), gather(lambda r: r[2])
-    out = _linear(o, o_given, w["wo"], w["bo"], num, num.format_of("output"), lam)
+    out = linear(o, o_given, w["wo"], w["bo"], num, num.format_of("output"), lam)
     head_bad = {
         n: gather(lambda r, n=n: r[4].where.get(n, np.zeros(r[4].shape, bool)))
         for n in ("overflow", "vacuous")
     }
     reasons += _reasons(r[4] for r in results.values())
     o_err = np.sum(list(head_terms.values()), axis=0)
-    bad_out, why = _linear_overflow(
+    bad_out, why = linear_overflow(
         out, o, o_err, w["wo"], w["bo"], num, num.format_of("output"), "output projection"
     )
     reasons += why

@@ -30,6 +30,7 @@ import numpy as np
 from mhanum import reference
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
+from mhanum.bounds.factors import gamma
 from mhanum.formats import Format, get_format, round_to
 from mhanum.params import MHAParams
 
@@ -51,10 +52,12 @@ def _positive_int(value: Any, name: str) -> int:
 
 
 def _gamma(n: int, u: float) -> float:
-    if n * u >= 1:
+    """:func:`mhanum.bounds.factors.gamma`, refusing ``n·u >= 1`` (no finite factor)."""
+    g = gamma(n, u)
+    if math.isinf(g):
         msg = f"n: expected n·u < 1 for a finite γ_n, got n = {n} with u = {u}"
         raise InvalidArgument(msg)
-    return n * u / (1 - n * u)
+    return g
 
 
 @dataclasses.dataclass(frozen=True)

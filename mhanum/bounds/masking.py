@@ -31,6 +31,7 @@ from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.formats import Format, get_format, round_to, ulp
 from mhanum.numerics import Numerics
+from mhanum.units import ACCUM_FORMATS, mask_mode, softmax_algorithm
 
 __all__ = [
     "MaskAnalysis",
@@ -42,9 +43,6 @@ __all__ = [
     "safe_mask_range",
 ]
 
-_MODES = ("fill", "add")
-_SOFTMAX_FORMATS = ("float64", "float32", "bfloat16", "float16")
-_ONLINE = re.compile(r"^online(\(\d+\))?$")
 # Assumption (U) of papers/masking.md: exp returns 0 below this fraction of half the smallest
 # subnormal (a relative margin for the carrier's own exp error).
 _UNDERFLOW_MARGIN = 1.0 - 2.0**-8
@@ -220,29 +218,26 @@ def _score_bound(value: Any) -> float:
 
 
 def _mode(value: Any) -> str:
-    if value not in _MODES:
-        msg = f"mode: expected one of {_MODES}, got {value!r}"
-        raise InvalidArgument(msg)
-    return str(value)
+    return mask_mode(value, "mode")
 
 
 def _softmax_kind(value: Any) -> str:
-    if isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        if text in ("naive", "safe"):
-            return text
-        if _ONLINE.match(text):
-            return "online"
-    msg = f"softmax: expected 'naive', 'safe', 'online' or 'online(B)', got {value!r}"
-    raise InvalidArgument(msg)
+    """The kind of a softmax algorithm; a bare ``"online"`` (any block size) is accepted here."""
+    if isinstance(value, str) and value.strip().lower() == "online":
+        return "online"
+    try:
+        return softmax_algorithm(value).kind
+    except InvalidArgument as err:
+        msg = f"softmax: expected 'naive', 'safe', 'online' or 'online(B)', got {value!r}"
+        raise InvalidArgument(msg) from err
 
 
 def _softmax_format(value: Any, fmt: Format) -> Format:
     if value is None:
-        return get_format(fmt.name if fmt.name in _SOFTMAX_FORMATS else "float32")
+        return get_format(fmt.name if fmt.name in ACCUM_FORMATS else "float32")
     f = get_format(value, argname="softmax_format")
-    if f.name not in _SOFTMAX_FORMATS:
-        msg = f"softmax_format: expected one of {_SOFTMAX_FORMATS}, got {value!r}"
+    if f.name not in ACCUM_FORMATS:
+        msg = f"softmax_format: expected one of {ACCUM_FORMATS}, got {value!r}"
         raise InvalidArgument(msg)
     return f
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
-from mhanum.bounds.summation import sum_factor
+from mhanum.bounds.factors import division_error, summation_gamma
 from mhanum.formats import Format, representable, round_to
 from mhanum.numerics import Numerics, resolve
 
@@ -51,55 +51,6 @@ _ASSUMPTIONS = (
 _FLUSHING = ("float32", "bfloat16", "float64")
 # Slack for evaluating the bound itself in float64 from a long-double softmax.
 _EVAL_SLACK = 1.0 + 2.0**-40
-
-
-def division_error(div_ulps: float, u: float) -> float:
-    """``ε_div = (1 + u)^(2·div_ulps) - 1``: the relative error of a division within ``div_ulps``.
-
-    ``div_ulps = 1/2`` is a correctly rounded quotient (``u``); ``div_ulps = 1`` is a product
-    with a correctly rounded reciprocal, ``fl(a·fl(1/b)) = (a/b)(1 + δ1)(1 + δ2)``, which is
-    what XLA computes for a division by a broadcast row sum (measured on the CPU: up to
-    ``1.95u`` relative). The form is at least ``2·div_ulps·u``, the error of ``div_ulps`` ulps.
-
-    Examples:
-        >>> division_error(1.0, 2.0**-24) == (1 + 2.0**-24) ** 2 - 1
-        True
-    """
-    return math.expm1(2 * div_ulps * math.log1p(u))
-
-
-def _gamma(k: float, u: float) -> float:
-    return math.inf if k * u >= 1 else k * u / (1 - k * u)
-
-
-def summation_gamma(n: int, order: str, u: float) -> float:
-    """The relative error bound of a sum of ``n`` terms in ``order`` (Theorem S.0).
-
-    Delegates to :func:`mhanum.bounds.summation.sum_factor` (papers/summation.md, R.3-R.4):
-
-    .. math::
-
-        |\\hat s - s| \\le \\gamma \\sum_j |a_j|, \\qquad \\gamma = \\gamma_h = \\frac{hu}{1-hu}
-
-    with ``h`` the height of the summation tree: ``n - 1`` (sequential; native, any order, with
-    ``u`` replaced by ``u + 2^-24 + 2^-24·u`` for formats narrower than float32, which XLA may
-    carry in float32), ``⌈log2 n⌉`` (pairwise), ``(min(b, n) - 1) + (⌈n/b⌉ - 1)`` (blocked(b));
-    Kahan's compensated sum the constant of Theorem R.4, ``3u + 4nu^2 + O(u^2)``, valid while
-    ``nuβ < 1 - 2u - u²`` (``β = 2u + u²``). ``inf`` where no finite bound follows.
-
-    Args:
-        n: number of terms (``>= 1``).
-        order: a summation order as in :attr:`mhanum.Numerics.summation`.
-        u: unit roundoff of the accumulation format.
-
-    Raises:
-        InvalidArgument: for ``n < 1`` or an unknown order.
-
-    References:
-        Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., 2002, §4.2-4.3;
-        papers/summation.md.
-    """
-    return sum_factor(n, order, u)
 
 
 def _summation_ops(n: int, kind: str) -> int:

@@ -39,8 +39,22 @@ import numpy as np
 
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
+from mhanum.bounds.factors import (
+    check_count,
+    check_lam,
+    gamma,
+    kahan_constants,
+    kahan_factor,
+    native_unit,
+    parse_order,
+    probabilistic_gamma,
+    split_constants,
+    sum_factor,
+    tensor_core_factor,
+    tree_height,
+)
 from mhanum.formats import Format, get_format, round_to
-from mhanum.numerics import Numerics
+from mhanum.units import ACCUM_FORMATS, dot_unit
 
 __all__ = [
     "dot_bound",
@@ -56,12 +70,9 @@ __all__ = [
 ]
 
 _PAPER = "papers/summation.md Theorem"
-_ACCUMS = ("float64", "float32", "bfloat16", "float16")
 _FLUSHING = ("float64", "float32", "bfloat16")
-_U_CARRIER = 2.0**-24  # float32, which carries every accumulation format narrower than it
 _U64 = 2.0**-53
 _SLACK = 1.0 + 2.0**-40  # evaluating a bound in float64 (each total is multiplied by it)
-_ORDERS = "'native', 'sequential', 'pairwise', 'kahan' or 'blocked(b)' with b >= 1"
 _MODEL = (
     "round to nearest in the accumulation format (narrow formats via float32, innocuously)",
     (
@@ -77,47 +88,12 @@ _MODEL = (
 # Arguments -------------------------------------------------------------------------------------
 
 
-def _count(n: Any, name: str = "n", minimum: int = 1) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < minimum:
-        msg = f"{name}: expected an integer >= {minimum}, got {n!r}"
-        raise InvalidArgument(msg)
-    return int(n)
-
-
-def _unit(u: Any) -> float:
-    ok = isinstance(u, (int, float, np.floating)) and not isinstance(u, bool)
-    if not ok or not (0 < float(u) <= 0.25):
-        msg = f"u: expected a unit roundoff in (0, 1/4], got {u!r}"
-        raise InvalidArgument(msg)
-    return float(u)
-
-
-def _order(order: Any) -> tuple[str, int | None]:
-    """``(kind, block)`` of a summation order written as in :attr:`mhanum.Numerics.summation`."""
-    try:
-        num = Numerics(summation=order)
-    except InvalidArgument as err:
-        msg = (
-            f"order: expected a summation order as in numerics.summation ({_ORDERS}), got {order!r}"
-        )
-        raise InvalidArgument(msg) from err
-    return num.summation_kind, num.summation_block
-
-
 def _accum(accum: Any) -> Format:
     fmt = get_format(accum, argname="accum")
-    if fmt.name not in _ACCUMS:
-        msg = f"accum: expected one of {', '.join(_ACCUMS)}, got {fmt.name}"
+    if fmt.name not in ACCUM_FORMATS:
+        msg = f"accum: expected one of {', '.join(ACCUM_FORMATS)}, got {fmt.name}"
         raise InvalidArgument(msg)
     return fmt
-
-
-def _lam(lam: Any) -> float:
-    ok = isinstance(lam, (int, float, np.floating)) and not isinstance(lam, bool)
-    if not ok or not (math.isfinite(lam) and lam > 0):
-        msg = f"probabilistic: expected a finite λ > 0 (or None), got {lam!r}"
-        raise InvalidArgument(msg)
-    return float(lam)
 
 
 def _array(x: Any, name: str, min_ndim: int) -> np.ndarray:
@@ -141,151 +117,6 @@ def _array(x: Any, name: str, min_ndim: int) -> np.ndarray:
 
 
 # Constants -------------------------------------------------------------------------------------
-
-
-def gamma(n: int, u: float) -> float:
-    """``γ_n = nu/(1 - nu)`` (Theorem R.1; Higham 2002, Lemma 3.1), ``inf`` when ``nu >= 1``.
-
-    If ``|δ_i| <= u`` and ``ρ_i = ±1`` then ``Π_{i<=n} (1 + δ_i)^{ρ_i} = 1 + θ_n`` with
-    ``|θ_n| <= γ_n`` whenever ``nu < 1``. For ``nu >= 1`` no finite bound follows and ``inf``
-    is returned (every bound built on it is then ``inf``, not an error).
-
-    Args:
-        n: number of factors, ``>= 0``.
-        u: unit roundoff, ``0 < u <= 1/4``.
-
-    Raises:
-        InvalidArgument: for ``n < 0`` or a ``u`` outside ``(0, 1/4]``.
-
-    Examples:
-        >>> gamma(2, 0.5**24) == 2 * 2.0**-24 / (1 - 2 * 2.0**-24)
-        True
-        >>> gamma(256, 2.0**-8)
-        inf
-    """
-    k, uu = _count(n, "n", 0), _unit(u)
-    return math.inf if k * uu >= 1 else k * uu / (1 - k * uu)
-
-
-def tree_height(n: int, order: str) -> int:
-    """The largest number of additions on a term's path to the result (Theorem R.2).
-
-    Additions of an exact zero (the implementation starts each running sum from 0 and pads
-    incomplete blocks with zeros) are exact and are not counted.
-
-    ============  ===========================================
-    order         height ``h``
-    ============  ===========================================
-    native        ``n - 1`` (any tree with ``n`` leaves)
-    sequential    ``n - 1``
-    pairwise      ``⌈log2 n⌉``
-    blocked(b)    ``(min(b, n) - 1) + (⌈n/b⌉ - 1)``
-    ============  ===========================================
-
-    Args:
-        n: number of terms, ``>= 1``.
-        order: a summation order as in :attr:`mhanum.Numerics.summation`, not ``"kahan"``
-            (compensated summation is no tree; see :func:`kahan_factor`).
-
-    Raises:
-        InvalidArgument: for ``n < 1``, an unknown order or ``"kahan"``.
-
-    Examples:
-        >>> [tree_height(n, "pairwise") for n in (1, 2, 3, 4, 5, 8, 9)]
-        [0, 1, 2, 2, 3, 3, 4]
-    """
-    n = _count(n)
-    kind, block = _order(order)
-    if kind in ("native", "sequential"):
-        return n - 1
-    if kind == "pairwise":
-        return (n - 1).bit_length()  # ⌈log2 n⌉, exactly, for n >= 1
-    if kind == "blocked":
-        assert block is not None
-        return (min(block, n) - 1) + (-(-n // block) - 1)
-    msg = f"order: expected a summation tree order (not 'kahan'; see kahan_factor), got {order!r}"
-    raise InvalidArgument(msg)
-
-
-def _native_unit(u: float) -> float:
-    """``u'`` of a native addition: formats narrower than float32 may be carried in float32."""
-    return u + _U_CARRIER + _U_CARRIER * u if u > _U_CARRIER else u
-
-
-def _kahan_constants(n: int, u: float) -> tuple[float, float, float, float]:
-    """``(K, K', S, S')`` of Theorem R.4.
-
-    The error is at most ``K·X + K'·η`` and every running sum at most ``S·X + S'·η`` in
-    magnitude, for terms of absolute sum ``X`` and an underflow error ``η`` per operation.
-    """
-    if n == 1:
-        return 0.0, 1.0, 1.0, 1.0
-    beta = 2 * u + u * u
-    den = 1 - 2 * u - u * u - n * u * beta
-    if den <= 0:
-        return math.inf, math.inf, math.inf, math.inf
-    kappa = u * (2 + beta + u) / den
-    kappa_eta = 3 * (1 + n * u) / den
-    ell = u * (n * beta + 1) + beta * (n - 1)
-    k_x = u * (1 + beta) + beta + kappa * ell
-    k_eta = 1 + 3 * n * (1 + u) + kappa_eta * ell
-    s_x = 1 + beta + (n * beta + 1) * kappa
-    s_eta = 3 * n + (n * beta + 1) * kappa_eta
-    return k_x, k_eta, s_x, s_eta
-
-
-def kahan_factor(n: int, u: float) -> float:
-    """Theorem R.4: the relative constant of Kahan's compensated sum of ``n`` terms.
-
-    For ``s = Σ x_i`` computed by ``y = x_k - c; t = s + y; c = (t - s) - y; s = t`` (from
-    ``s = c = 0``) in a binary format with round to nearest and no underflow,
-
-    .. math::
-
-        |\\hat s - s| \\le K_n \\sum_i |x_i|, \\qquad
-        K_n = u(1+\\beta) + \\beta + \\kappa\\,(u(n\\beta + 1) + \\beta(n - 1))
-            = 3u + 4nu^2 + O(u^2 + n^2u^3),
-
-    with ``β = 2u + u²``, ``κ = u(2 + β + u)/(1 - 2u - u² - nuβ)``, valid while the denominator
-    is positive (``nu·β < 1 - 2u - u²``, about ``n < 1/(2u²)``); ``K_1 = 0``. Otherwise ``inf``.
-    The proof (papers/summation.md §R.4) rests on the identity ``ŝ - s = b_n + Σ_k a_k -
-    Σ_{k<n} d_k`` (errors of ``s``, ``y`` and ``t``), Dekker's exactness of ``c`` when
-    ``|s| >= |y|`` and ``|d_k| <= u|y_k|`` otherwise. Its leading constant is ``3u``; Knuth and
-    Higham (2002, §4.3, eq. (4.8)) give ``2u + O(nu²)`` without an explicit second-order term.
-    Underflow adds ``K'_n η`` (see :func:`sum_bound`).
-
-    Raises:
-        InvalidArgument: for ``n < 1`` or a ``u`` outside ``(0, 1/4]``.
-
-    Examples:
-        >>> round(kahan_factor(100, 2.0**-24) / 2.0**-24, 4)
-        3.0
-    """
-    return _kahan_constants(_count(n), _unit(u))[0]
-
-
-def sum_factor(n: int, order: str, u: float) -> float:
-    """The relative constant of a sum of ``n`` terms in ``order`` (Theorems R.3, R.4).
-
-    ``|ŝ - Σ x_i| <= sum_factor(n, order, u) · Σ|x_i|`` without underflow, for terms that are
-    values of the accumulation format with unit roundoff ``u``: ``γ_h`` with ``h``
-    :func:`tree_height` for the tree orders, ``γ_{n-1}(u')`` for ``native`` (``u' = u + 2^-24 +
-    2^-24·u`` when ``u > 2^-24``: the format may be carried in float32), :func:`kahan_factor`
-    for ``kahan``. ``inf`` when no finite bound follows (``hu >= 1``).
-
-    Raises:
-        InvalidArgument: for ``n < 1``, an unknown order or a bad ``u``.
-
-    Examples:
-        >>> sum_factor(256, "pairwise", 2.0**-24) == gamma(8, 2.0**-24)
-        True
-    """
-    n, uu = _count(n), _unit(u)
-    kind, _ = _order(order)
-    if kind == "kahan":
-        return _kahan_constants(n, uu)[0]
-    unit = _native_unit(uu) if kind == "native" else uu
-    return gamma(tree_height(n, order), unit)
 
 
 def _subset(inner: Format, outer: Format) -> bool:
@@ -327,7 +158,7 @@ def dot_factor(
     ``"bf16x1"`` is the above with ``operand="bfloat16"``; ``"bf16x3"``/``"bf16x6"`` (Theorem
     R.7) give ``((1 + φ_h)(1 + u)^{P-1} - 1)·c_P + τ_P`` with ``P`` passes of exact products
     (:func:`split_constants`); ``"tensor-core(<model>)"`` gives
-    :func:`mhanum.tensorcore.dot_error_factor` (Theorem T.2, normal inputs), with the rounding of
+    :func:`mhanum.bounds.factors.tensor_core_factor` (Theorem T.2, normal inputs), with the rounding of
     ``input`` values to the model's input format as for ``operand``. Underflow terms
     are not included.
 
@@ -341,27 +172,28 @@ def dot_factor(
         >>> dot_factor(64, "sequential", "float32") == gamma(64, 2.0**-24)
         True
     """
-    n = _count(n)
-    kind, _ = _order(order)
+    n = check_count(n)
+    kind, _ = parse_order(order)
     acc = _accum(accum)
-    if dot != "ieee":
-        from mhanum.numerics import Numerics
-
-        num = Numerics(input=acc.name, accum=acc.name, summation=order, dot=dot)
-        if num.dot_kind == "tensor-core":
-            from mhanum import tensorcore
-
-            f = tensorcore.dot_error_factor(num.dot_model or "", n, order=order)
-            unit_in = num.operand_rounding
-            assert unit_in is not None
+    dunit = dot_unit(dot)
+    if dunit.kind in ("split", "tensor-core") and acc.name != "float32":
+        msg = f"accum: expected 'float32' with dot={str(dunit)!r}, got {acc.name!r}"
+        raise InvalidArgument(msg)
+    if dunit.kind == "tensor-core" and kind not in ("native", "sequential"):
+        msg = f"order: expected 'native' or 'sequential' with dot={str(dunit)!r}, got {order!r}"
+        raise InvalidArgument(msg)
+    if dunit != "ieee":
+        if dunit.kind == "tensor-core":
+            f = tensor_core_factor(dunit.model or "", n, order=order)
+            unit_in = get_format(dunit.operand_format or "")
             given = acc if input is None else get_format(input, argname="input")
             return f if _subset(given, unit_in) else (1 + f) * (1 + unit_in.u) ** 2 - 1
-        if num.dot_kind == "ieee":  # bf16x1
+        if dunit.kind == "ieee":  # bf16x1
             return dot_factor(n, order, acc, input=input, operand="bfloat16")
-        passes = num.dot_passes
-        unit = _native_unit(acc.u) if kind == "native" else acc.u
+        passes = dunit.passes
+        unit = native_unit(acc.u) if kind == "native" else acc.u
         base = (
-            _kahan_constants(n, acc.u)[0] if kind == "kahan" else gamma(tree_height(n, order), unit)
+            kahan_constants(n, acc.u)[0] if kind == "kahan" else gamma(tree_height(n, order), unit)
         )
         c, tau = split_constants(passes)
         return ((1 + base) * (1 + acc.u) ** (passes - 1) - 1) * c + tau
@@ -374,88 +206,12 @@ def dot_factor(
         u_op = fop.u
     if kind == "kahan":
         u_mul = 0.0 if exact else acc.u
-        k_x = _kahan_constants(n, acc.u)[0]
+        k_x = kahan_constants(n, acc.u)[0]
         phi = u_mul + k_x * (1 + u_mul)
     else:
-        unit = _native_unit(acc.u) if kind == "native" else acc.u
+        unit = native_unit(acc.u) if kind == "native" else acc.u
         phi = gamma(tree_height(n, order) + (0 if exact else 1), unit)
     return phi if u_op == 0 else (1 + phi) * (1 + u_op) ** 2 - 1
-
-
-_BF16_HEAD = 1 + 2.0**-8  # |piece_1| <= (1 + 2^-8)|a|: a truncated or a rounded leading piece
-_BF16_REST = 2.0**-7  # |a - (piece_1 + ... + piece_i)| <= (2^-7)^i |a|, truncated or rounded
-_SPLIT_PASSES = {1: ((0, 0),), 3: ((0, 0), (0, 1), (1, 0)),
-                 6: ((0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (2, 0))}  # fmt: skip
-
-
-def split_constants(passes: int) -> tuple[float, float]:
-    """``(c_P, τ_P)`` of a float32 dot run as ``passes`` bfloat16 passes (Theorem R.7).
-
-    Each float32 ``a`` is split into ``m`` bfloat16 pieces (``m = 1, 2, 3`` for 1, 3, 6 passes),
-    each piece the remainder truncated (XLA) or rounded (Henry et al.) to 8 bits, so that
-    ``|a_1| <= (1 + 2^-8)|a|``, ``|a_i| <= (1 + 2^-8) β^{i-1} |a|`` and the remainder after ``m``
-    pieces ``|ρ_m| <= β^m |a|`` with ``β = 2^-7`` (``ρ_3 = 0``: three pieces hold 24 bits).
-    The passes are the products ``a_i b_j`` with ``(i, j)`` in the pass set ``P``, and
-
-    .. math::
-
-        \\sum_{(i,j) \\in P} |a_i||b_j| \\le c_P |a||b|, \\qquad
-        \\Bigl|ab - \\sum_{(i,j) \\in P} a_i b_j\\Bigr| \\le \\tau_P |a||b|,
-
-    ``c_P = Σ_P κ_i κ_j`` and ``τ_P = Σ_{(i,j) ∉ P, i,j <= m} κ_i κ_j + 2ρ(1 + ρ) + ρ²`` with
-    ``κ_i = (1 + 2^-8)β^{i-1}`` and ``ρ = β^m`` (0 for ``m = 3``). Away from underflow.
-
-    Raises:
-        InvalidArgument: for ``passes`` other than 1, 3 or 6.
-
-    Examples:
-        >>> c, tau = split_constants(6)
-        >>> tau < 2**-19
-        True
-    """
-    if passes not in _SPLIT_PASSES:
-        msg = f"passes: expected 1, 3 or 6, got {passes!r}"
-        raise InvalidArgument(msg)
-    pieces = {1: 1, 3: 2, 6: 3}[passes]
-    kappa = [_BF16_HEAD * _BF16_REST**i for i in range(pieces)]
-    used = _SPLIT_PASSES[passes]
-    c = sum(kappa[i] * kappa[j] for i, j in used)
-    dropped = sum(
-        kappa[i] * kappa[j] for i in range(pieces) for j in range(pieces) if (i, j) not in used
-    )
-    rho = 0.0 if pieces == 3 else _BF16_REST**pieces
-    return c, dropped + 2 * rho * (1 + rho) + rho * rho
-
-
-def probabilistic_gamma(n: int, u: float, lam: float) -> tuple[float, float]:
-    """Theorem R.6 (Higham & Mary 2019, Theorem 2.4): ``(γ̃_n(λ), P(λ))``.
-
-    If ``δ_1, ..., δ_n`` are independent random variables of mean zero with ``|δ_i| <= u`` and
-    ``ρ_i = ±1``, then ``Π (1 + δ_i)^{ρ_i} = 1 + θ_n`` with
-
-    .. math::
-
-        |\\theta_n| \\le \\tilde\\gamma_n(\\lambda) = \\exp\\Big(\\lambda\\sqrt{n}\\,u
-            + \\frac{nu^2}{1-u}\\Big) - 1 \\quad\\text{with probability at least}\\quad
-        P(\\lambda) = 1 - 2\\exp\\big(-\\lambda^2(1-u)^2/2\\big)
-
-    (returned clamped to ``>= 0``). This is a statement about a *probabilistic model*: it holds
-    for stochastic rounding and is only a model of round to nearest, whose errors are
-    deterministic functions of the data. Proof via Hoeffding's inequality in
-    papers/summation.md §R.6.
-
-    Raises:
-        InvalidArgument: for ``n < 0``, a bad ``u`` or ``λ <= 0``.
-
-    Examples:
-        >>> g, p = probabilistic_gamma(10**6, 2.0**-24, 4.0)
-        >>> g < gamma(10**6, 2.0**-24) / 200, round(p, 6)
-        (True, 0.999329)
-    """
-    k, uu, lm = _count(n, "n", 0), _unit(u), _lam(lam)
-    g = math.expm1(lm * math.sqrt(k) * uu + k * uu * uu / (1 - uu))
-    p = 1 - 2 * math.exp(-((lm * (1 - uu)) ** 2) / 2)
-    return g, max(p, 0.0)
 
 
 # Evaluation helpers ----------------------------------------------------------------------------
@@ -500,12 +256,12 @@ class _Model:
 
     def __init__(self, n: int, order: str, fmt: Format, lam: float | None) -> None:
         self.n = n
-        self.kind, _ = _order(order)
+        self.kind, _ = parse_order(order)
         self.fmt = fmt
         self.eta = _eta(fmt)
         self.lam = lam
-        self.unit = _native_unit(fmt.u) if self.kind == "native" else fmt.u
-        self.kahan = _kahan_constants(n, fmt.u) if self.kind == "kahan" else None
+        self.unit = native_unit(fmt.u) if self.kind == "native" else fmt.u
+        self.kahan = kahan_constants(n, fmt.u) if self.kind == "kahan" else None
         self.height: int | None = None if self.kahan else tree_height(n, order)
 
     def relative(self, extra: int) -> tuple[float, float, float]:
@@ -627,7 +383,7 @@ def sum_bound(
         §4.2 (summation trees), §4.3 (compensated summation); papers/summation.md.
     """
     fmt = _accum(accum)
-    lam = None if probabilistic is None else _lam(probabilistic)
+    lam = None if probabilistic is None else check_lam(probabilistic)
     arr = _array(x, "x", 1)
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
         msg = f"axis: expected an integer, got {axis!r}"
@@ -736,7 +492,7 @@ def matmul_bound(
     """
     fmt = _accum(accum)
     op = None if operand is None else get_format(operand, argname="operand")
-    lam = None if probabilistic is None else _lam(probabilistic)
+    lam = None if probabilistic is None else check_lam(probabilistic)
     av, bv = _array(a, "a", 2), _array(b, "b", 2)
     if av.shape[-1] != bv.shape[-2]:
         msg = f"b: expected shape (..., {av.shape[-1]}, N) to multiply a {av.shape}, got {bv.shape}"

@@ -99,7 +99,7 @@ def _versions() -> dict[str, str]:
     import mpmath
     import numpy
 
-    from mhanum import __version__
+    from mhanum._version import __version__
 
     return {
         "mhanum": __version__,

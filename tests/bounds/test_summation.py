@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mhanum import InvalidArgument, get_format, round_to
-from mhanum import summation as impl
 from mhanum.bounds import softmax
 from mhanum.bounds import summation as bs
+from mhanum.emulate import summation as impl
 
 FORMATS = ["float32", "bfloat16", "float16", "float64"]
 ORDERS = ["native", "sequential", "pairwise", "blocked(1)", "blocked(3)", "blocked(8)", "kahan"]
@@ -216,7 +216,7 @@ def test_tree_height_table(n, order, height):
 
 
 class _Depth:
-    """A stand-in for mhanum._arith.Arith: ``add`` returns 1 + the depth of its result.
+    """A stand-in for mhanum.emulate._arith.Arith: ``add`` returns 1 + the depth of its result.
 
     Leaves are 1 (depth 0); an exact zero (the running sums start from 0, blocks are padded with
     0) leaves the other operand unchanged, as adding an exact zero does.

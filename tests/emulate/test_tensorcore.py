@@ -1,4 +1,4 @@
-"""Tests for mhanum.tensorcore: probes of Fasi et al. (2021), JAX emulation, error bound."""
+"""Tests for the tensor-core models (mhanum.units.tensorcore, .emulate.tensorcore, .devices.probes): probes of Fasi et al. (2021), JAX emulation, error bound."""
 
 from __future__ import annotations
 
@@ -11,18 +11,12 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from mhanum import InvalidArgument
+from mhanum.bounds.factors import tensor_core_eta as dot_error_eta
+from mhanum.bounds.factors import tensor_core_factor as dot_error_factor
+from mhanum.devices.probes import PROBES, matching_models, probe_vectors
+from mhanum.emulate.tensorcore import matmul
 from mhanum.formats import get_format, round_to
-from mhanum.tensorcore import (
-    MODELS,
-    PROBES,
-    TensorCoreModel,
-    dot_error_eta,
-    dot_error_factor,
-    get_model,
-    matching_models,
-    matmul,
-    probe_vectors,
-)
+from mhanum.units.tensorcore import MODELS, TensorCoreModel, get_model
 
 REPORTED = [(p, name, value) for p in PROBES for name, value in p.reported.items()]
 

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mhanum import InvalidArgument, round_to, summation
+from mhanum import InvalidArgument, round_to
+from mhanum.emulate import summation
 
 E = 2.0**-24  # half an ulp of 1 in float32: 1 + E ties back to 1
 
@@ -118,7 +119,7 @@ def test_tf32_operands_are_rounded_before_the_product():
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: summation.sum(np.ones(3), order="random"), "numerics.summation"),
+        (lambda: summation.sum(np.ones(3), order="random"), "order: expected"),
         (lambda: summation.sum(np.ones(3), accum="tf32"), "accum: expected float64"),
         (
             lambda: summation.matmul(np.ones((2, 3)), np.ones((2, 3))),

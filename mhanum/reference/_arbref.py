@@ -1,7 +1,7 @@
 """The ``backend="arb"`` reference: python-flint ball arithmetic, certified by its radii.
 
-Imported only when that backend is asked for; python-flint is the optional extra ``arb``
-(``pip install "mhanum[arb]"``). Every input float converts to an exact ``arb``; products, ``exp``,
+Imported only when that backend is asked for; python-flint, which provides it,
+is a dependency of mhanum. Every input float converts to an exact ``arb``; products, ``exp``,
 sums and quotients are Arb's rigorous balls at a working precision ``p``, so each output ball
 contains the exact result. An output is certified when its radius is at most
 ``2**-ceil(digits log2 10) / 2`` of its midpoint (which implies ``10**-digits`` relative, as for
@@ -18,8 +18,8 @@ from typing import Any
 import mpmath
 import numpy as np
 
-from mhanum import _dd, _exact
 from mhanum._errors import CertificationError
+from mhanum.reference import _dd, _exact
 
 __all__ = ["attention", "multi_head_attention", "refine_mha_rows"]
 
@@ -30,7 +30,7 @@ def _flint() -> Any:
     try:
         import flint
     except ImportError as error:
-        msg = 'backend="arb" needs python-flint; install it with pip install "mhanum[arb]"'
+        msg = 'backend="arb" needs python-flint; install it with pip install python-flint'
         raise ImportError(msg) from error
     return flint
 

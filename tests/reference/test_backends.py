@@ -1,6 +1,6 @@
 """mhanum.reference backends: every backend agrees with the naive mpmath path to its digits.
 
-The fast path (``"dd"``, ``mhanum._dd`` and ``mhanum._fastref``) is tested twice: its enclosures
+The fast path (``"dd"``, ``mhanum.reference._dd`` and ``mhanum.reference._fastref``) is tested twice: its enclosures
 ``|exact - (hi + lo)| <= rad`` against references certified to 40 digits (so the slack of the
 reference, ``10**-40`` relative, is far below any radius), stage by stage (``exp``, ``matmul``,
 the whole attention), and its certified outputs against ``backend="mpmath"``.
@@ -20,8 +20,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from mhanum import CertificationError, InvalidArgument, MHAParams, _dd, _exact, _fastref, reference
-from tests.test_reference import _assert_agree
+from mhanum import CertificationError, InvalidArgument, MHAParams, reference
+from mhanum.reference import _dd, _exact, _fastref
+from tests.reference.test_reference import _assert_agree
 
 DIGITS = 20
 TOL = Fraction(1, 10**DIGITS)
@@ -339,9 +340,9 @@ def test_arb_refuses_what_max_prec_cannot_certify():
     assert value[0, 0] == reference.attention(q, k, v, scale=1.0, digits=30, max_prec=300)[0, 0]
 
 
-def test_arb_without_python_flint_names_the_extra(monkeypatch):
+def test_arb_without_python_flint_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "flint", None)
-    with pytest.raises(ImportError, match=r'pip install "mhanum\[arb\]"'):
+    with pytest.raises(ImportError, match=r"pip install python-flint"):
         reference.attention(np.zeros((1, 1)), np.zeros((1, 1)), np.ones((1, 1)), backend="arb")
 
 
@@ -374,7 +375,7 @@ def _cancelling_layer() -> tuple[np.ndarray, MHAParams]:
 @pytest.mark.parametrize("refine", [True, False])
 def test_auto_certifies_rows_the_enclosure_misses_by_refining_them(monkeypatch, refine):
     pytest.importorskip("flint")
-    from mhanum import _arbref
+    from mhanum.reference import _arbref
 
     x, params = _cancelling_layer()
     with pytest.raises(CertificationError, match=r"backend 'dd' could not certify 20 digits"):

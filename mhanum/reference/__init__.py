@@ -83,13 +83,13 @@ from typing import Any
 import mpmath
 import numpy as np
 
-from mhanum import _dd, _exact, _fastref
 from mhanum import _validate as V
-from mhanum._dd import Ball
 from mhanum._errors import CertificationError, InvalidArgument
 from mhanum.params import MHAParams
+from mhanum.reference import _dd, _exact, _fastref
+from mhanum.reference._dd import Ball
 
-__all__ = ["BACKENDS", "attention", "max_digits", "multi_head_attention"]
+__all__ = ["BACKENDS", "attention", "max_digits", "multi_head_attention", "nearest_float64"]
 
 _FULLY_MASKED = ("nan", "zero", "uniform")
 BACKENDS = ("auto", "dd", "exact", "mpmath", "arb")
@@ -193,7 +193,7 @@ def attention(
             or ``+inf`` bias, or an out-of-range option; the message names the argument.
         CertificationError: if ``digits`` digits are not reached by ``max_prec`` bits; with
             ``backend="dd"``, if ``digits > max_digits("dd")`` or a component is not certified.
-        ImportError: for ``backend="arb"`` without python-flint (``pip install "mhanum[arb]"``).
+        ImportError: for ``backend="arb"`` without python-flint (a dependency of mhanum: ``pip install python-flint``).
 
     Examples:
         Equal scores average the values:
@@ -508,6 +508,19 @@ def _params_float64(params: MHAParams) -> MHAParams:
 _ExactRows = Callable[[tuple[int, ...], Any], np.ndarray]
 
 
+def nearest_float64(x: Any) -> float:
+    """A finite mpf correctly rounded to float64 (nearest, ties to even; ``inf`` past the range).
+
+    ``float(mpf)`` rounds to 53 bits first and so rounds twice in the subnormal range; this rounds
+    once, subnormals included.
+
+    >>> import mpmath
+    >>> nearest_float64(mpmath.mpf(2) ** -1074 * mpmath.mpf("1.5"))
+    1e-323
+    """
+    return _exact.to_float64(*_exact.mpf_pair(x))
+
+
 def max_digits(backend: str) -> int:
     """The most significant digits ``backend`` certifies; asking for more raises or falls back.
 
@@ -611,7 +624,7 @@ def _dd_to_mpf(hi: np.ndarray, lo: np.ndarray, undefined: np.ndarray) -> np.ndar
 
 
 def _has_flint() -> bool:
-    """Whether python-flint (the ``arb`` extra) can be imported."""
+    """Whether python-flint (a dependency of mhanum) can be imported."""
     try:
         import flint  # noqa: F401
     except ImportError:
@@ -621,7 +634,7 @@ def _has_flint() -> bool:
 
 def _arb_backend() -> Any:
     """The python-flint backend, imported on first use."""
-    from mhanum import _arbref
+    from mhanum.reference import _arbref
 
     return _arbref
 

@@ -21,8 +21,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from mhanum import _dd
-from mhanum._dd import Ball
+from mhanum.reference import _dd
+from mhanum.reference._dd import Ball
 
 __all__ = [
     "MAX_DIGITS",

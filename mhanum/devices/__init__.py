@@ -507,7 +507,7 @@ def _device(backend: str | None) -> jax.Device:
 def _environment(device: jax.Device) -> dict[str, Any]:
     import jaxlib
 
-    from mhanum import __version__
+    from mhanum._version import __version__
 
     return {
         "device": {

@@ -247,25 +247,26 @@ def _parser() -> argparse.ArgumentParser:
 
     # -- compare subcommand --
     def _compare(args: argparse.Namespace) -> int:
-        from mhanum.adapters import _cli
+        from mhanum.cli import compare as compare_cli
 
-        return _cli.run(args)
+        return compare_cli.run(args)
 
     compare = commands.add_parser(
         "compare",
         help="run every installed framework on one input against the reference and bounds, "
         "or attribute the difference of two layers to its causes",
     )
-    from mhanum.adapters import _cli as compare_cli
+    from mhanum.cli import compare as compare_cli
 
     compare_cli.add_arguments(compare)
     compare.set_defaults(func=_compare)
 
     # -- report subcommand --
     def _report(args: argparse.Namespace) -> int:
-        from mhanum.report import _command  # imports matplotlib: only when a report is asked for
+        # imports matplotlib: only when a report is asked for
+        from mhanum.cli import report as report_cli
 
-        return _command.run(args)
+        return report_cli.run(args)
 
     report = commands.add_parser(
         "report", help="error-bound report (HTML, Markdown, JSON with figures) for a grid"
@@ -300,7 +301,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidArgument as exc:
         print(f"mhanum {args.command}: {exc}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

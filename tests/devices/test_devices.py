@@ -310,7 +310,7 @@ def test_committed_h100_records_hold_when_rechecked_here():
     # each model; `mhanum check` on the whole file is the same check).
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "papers" / "measurements" / "h100-records.jsonl"
+    path = Path(__file__).resolve().parents[2] / "papers" / "measurements" / "h100-records.jsonl"
     records = devices.read_records(path)
     seen: set[tuple[str, str]] = set()
     sample = []

@@ -1,0 +1,7 @@
+"""``python -m mhanum``: the ``mhanum`` console script."""
+
+import sys
+
+from mhanum.cli import main
+
+sys.exit(main())

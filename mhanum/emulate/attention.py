@@ -1,0 +1,420 @@
+"""Attention and multi-head attention in JAX whose every rounding is the one ``Numerics`` names.
+
+``attention(q, k, v, mask, numerics=...)`` computes ``softmax(scale · q kᵀ + bias, masked) v`` with
+the stages, formats, orders and algorithms of :class:`mhanum.Numerics` (its module docstring lists
+the stages). The computation is jit-compiled once per ``Numerics`` and shape; it can itself be
+wrapped in ``jax.jit`` with ``numerics`` static.
+
+**Mask convention: True means attend.** This is the convention of ``jax.nn``, Flax, Keras and
+``torch.nn.functional.scaled_dot_product_attention``, and the *opposite* of the boolean
+``attn_mask`` of ``torch.nn.MultiheadAttention`` (where True means masked out). An additive float
+mask is passed as ``bias=``.
+
+A fully-masked row (every key masked) is NaN when the masking constant is ``-inf`` (the softmax of
+an empty set is undefined: ``-inf - (-inf)`` in the safe softmax, ``0/0`` in the naive and online
+ones). When masked logits are replaced by a finite constant the row is uniform over the keys with
+the safe and online softmax; the naive softmax (no shift) underflows every ``exp`` to 0 for a
+constant such as ``finfo.min`` or ``-1e9`` and gives ``0/0 = NaN``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mhanum import _validate as V
+from mhanum._errors import InvalidArgument
+from mhanum.emulate._arith import Arith, runtime_zero, to_format
+from mhanum.emulate.summation import matmul_with, sum_with
+from mhanum.formats import Format, round_to
+from mhanum.numerics import Numerics, resolve
+from mhanum.params import MHAParams
+
+__all__ = ["attention", "multi_head_attention", "softmax"]
+
+
+def _check_x64(num: Numerics) -> None:
+    if num.needs_x64 and not jax.config.read("jax_enable_x64"):
+        msg = (
+            "numerics: uses float64, which needs JAX's 64-bit mode; call "
+            "jax.config.update('jax_enable_x64', True) at start-up"
+        )
+        raise InvalidArgument(msg)
+
+
+def _host_round(x: Any, fmt: Format) -> Any:
+    """Round a concrete numpy input into ``fmt`` once, from float64 (JAX arrays round in the jit)."""
+    if isinstance(x, jax.Array):
+        return x
+    rounded = round_to(x, fmt)
+    carrier = np.float64 if fmt.name == "float64" else np.float32
+    return jnp.asarray(rounded.astype(carrier))
+
+
+def _bias_array(bias: Any, target: tuple[int, ...], fmt: Format) -> Any:
+    """A checked additive bias, rounded once into the score format (``-inf`` entries allowed)."""
+    arr = V.float_array(bias, "bias")
+    V.check_finite(arr, "bias", allow_neg_inf=True)
+    V.check_broadcastable_to(arr, "bias", target)
+    return _host_round(arr, fmt)
+
+
+class _Stages:
+    """The arithmetic of each stage of one run, sharing one runtime zero."""
+
+    def __init__(self, num: Numerics, guard: jax.Array) -> None:
+        self.num = num
+        self.acc = Arith(num.format_of("accum"), guard)
+        self.score = Arith(num.format_of("score"), guard)
+        self.soft = Arith(num.format_of("softmax"), guard)
+        self.scaled = Arith(num.format_of("scale"), guard)
+        self.input = num.format_of("input")
+        self.storage = num.storage_format
+        self.prob = num.format_of("prob")
+        self.output = num.format_of("output")
+        self.operand = num.operand_rounding
+
+    def dot(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        return matmul_with(self.acc, a, b, self.num.summation, self.operand, self.num.dot)
+
+    def sum(self, x: jax.Array) -> jax.Array:
+        return sum_with(self.soft, x, self.num.summation, keepdims=True)
+
+
+def _constant(ar: Arith, value: float) -> jax.Array:
+    """A Python float rounded once into ``ar``'s format (on the host, from its float64 value)."""
+    return jnp.asarray(float(round_to(value, ar.fmt)), ar.dtype)
+
+
+def _scaled(st: _Stages, x: jax.Array, factor: float) -> jax.Array:
+    ar = st.scaled
+    return ar.mul(ar.take(x), _constant(ar, factor))
+
+
+def _logits(st: _Stages, q: jax.Array, k: jax.Array, mask: Any, bias: Any, scale: float) -> Any:
+    num = st.num
+    if num.scale == "q":
+        q = _scaled(st, q, scale)
+    elif num.scale == "qk":
+        q, k = _scaled(st, q, math.sqrt(scale)), _scaled(st, k, math.sqrt(scale))
+    sc = st.score
+    s = sc.take(st.dot(q, jnp.swapaxes(k, -1, -2)))
+    if num.scale == "scores":
+        s = sc.mul(s, _constant(sc, scale))
+    if bias is not None:
+        s = sc.add(s, sc.take(bias))
+    if mask is not None:
+        constant = jnp.asarray(num.mask_constant(), sc.dtype)
+        masked = constant if num.mask_mode == "fill" else sc.add(s, constant)
+        s = jnp.where(mask, s, masked)
+    return s
+
+
+def _softmax_then_pv(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
+    return st.dot(to_format(_probabilities(st, s), st.prob), v)
+
+
+def _online_normaliser(st: _Stages, s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Running maximum and rescaled sum over key blocks (Milakov & Gimelshein 2018, Alg. 3)."""
+    sm = st.soft
+    block = st.num.softmax_block
+    assert block is not None
+    n_blocks = -(-s.shape[-1] // block)
+    pad = n_blocks * block - s.shape[-1]
+    s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    s_blocks = jnp.moveaxis(s.reshape(*s.shape[:-1], n_blocks, block), -2, 0)
+
+    def step(carry: tuple[jax.Array, jax.Array], sb: jax.Array) -> Any:
+        m, d = carry
+        m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
+        shift = jnp.where(jnp.isneginf(m_new), jnp.zeros_like(m_new), m_new)
+        c = sm.exp(sm.sub(m, shift))
+        d = sm.add(sm.mul(d, c), st.sum(sm.exp(sm.sub(sb, shift))))
+        return (m_new, d), None
+
+    init = (
+        jnp.full((*s.shape[:-1], 1), -jnp.inf, sm.dtype),
+        jnp.zeros((*s.shape[:-1], 1), sm.dtype),
+    )
+    return lax.scan(step, init, s_blocks)[0]
+
+
+def _probabilities(st: _Stages, s: jax.Array) -> jax.Array:
+    """The softmax of the logits ``s`` in the softmax format, by the numerics' algorithm."""
+    sm = st.soft
+    x = sm.take(s)
+    kind = st.num.softmax_kind
+    if kind == "online":
+        m, d = _online_normaliser(st, x)
+        shift = jnp.where(jnp.isneginf(m), jnp.zeros_like(m), m)
+        return sm.div(sm.exp(sm.sub(x, shift)), d)
+    if kind == "safe":
+        x = sm.sub(x, jnp.max(x, axis=-1, keepdims=True))
+    e = sm.exp(x)
+    return sm.div(e, st.sum(e))
+
+
+def _online(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
+    """FlashAttention-style streaming over key blocks: running max, rescaled sum and accumulator.
+
+    For each block: ``m' = max(m, max(s_blk))``; ``c = exp(m - m')``; ``e = exp(s_blk - m')``;
+    ``d = d·c + Σ e``; ``acc = acc·c + round(e, prob) @ v_blk``; at the end ``o = acc / d``.
+    While every logit seen is ``-inf`` the shift is 0 (as FlashAttention guards it), so an early
+    fully-masked block does not poison the row.
+    """
+    sm, acc_ar = st.soft, st.acc
+    block = st.num.softmax_block
+    assert block is not None
+    n_keys = s.shape[-1]
+    n_blocks = -(-n_keys // block)
+    pad = n_blocks * block - n_keys
+    s = jnp.pad(sm.take(s), [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    v = jnp.pad(v, [(0, 0)] * (v.ndim - 2) + [(0, pad), (0, 0)])
+    s_blocks = jnp.moveaxis(s.reshape(*s.shape[:-1], n_blocks, block), -2, 0)
+    v_blocks = jnp.moveaxis(v.reshape(*v.shape[:-2], n_blocks, block, v.shape[-1]), -3, 0)
+
+    rows = s.shape[:-1]
+    batch = jnp.broadcast_shapes(rows[:-1], v.shape[:-2])
+    init = (
+        jnp.full((*rows, 1), -jnp.inf, sm.dtype),
+        jnp.zeros((*rows, 1), sm.dtype),
+        jnp.zeros((*batch, rows[-1], v.shape[-1]), acc_ar.dtype),
+    )
+
+    def step(carry: tuple[jax.Array, ...], blk: tuple[jax.Array, jax.Array]) -> Any:
+        m, d, acc = carry
+        sb, vb = blk
+        m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
+        shift = jnp.where(jnp.isneginf(m_new), jnp.zeros_like(m_new), m_new)
+        c = sm.exp(sm.sub(m, shift))
+        e = sm.exp(sm.sub(sb, shift))
+        d = sm.add(sm.mul(d, c), st.sum(e))
+        pv = st.dot(to_format(e, st.prob), vb)
+        acc = acc_ar.add(acc_ar.mul(acc, acc_ar.take(c)), pv)
+        return (m_new, d, acc), None
+
+    _, d, acc = lax.scan(step, init, (s_blocks, v_blocks))[0]
+    return sm.div(sm.take(acc), d)
+
+
+def _attend(st: _Stages, q: Any, k: Any, v: Any, mask: Any, bias: Any, scale: float) -> jax.Array:
+    s = _logits(st, q, k, mask, bias, scale)
+    if st.num.softmax_kind == "online":
+        return to_format(_online(st, s, v), st.output)
+    return to_format(_softmax_then_pv(st, s, v), st.output)
+
+
+@functools.partial(jax.jit, static_argnames=("numerics", "scale"))
+def _attention_jit(
+    q: Any, k: Any, v: Any, mask: Any, bias: Any, *, numerics: Numerics, scale: float
+) -> jax.Array:
+    st = _Stages(numerics, runtime_zero(q))
+    q, k, v = (to_format(x, st.input) for x in (q, k, v))
+    return _attend(st, q, k, v, mask, bias, scale).astype(st.output.jax_dtype)
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any = None,
+    *,
+    bias: Any = None,
+    scale: float | None = None,
+    numerics: Numerics | str | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention with explicit numerics.
+
+    .. math::
+
+        O = \\mathrm{softmax}\\big(\\mathrm{scale}\\cdot Q K^\\top + B,\\ \\text{masked}\\big)\\, V
+
+    Args:
+        q: queries ``(..., Lq, d_k)``.
+        k: keys ``(..., Lk, d_k)``.
+        v: values ``(..., Lk, d_v)``. The batch dimensions of q, k and v broadcast together.
+        mask: optional boolean array broadcastable to ``(..., Lq, Lk)``; **True means attend**.
+            Masked logits are replaced by (``fill``) or added to (``add``) the masking constant of
+            ``numerics``.
+        bias: optional additive float array broadcastable to ``(..., Lq, Lk)``, rounded to the score
+            format and added to the scaled scores; ``-inf`` entries are allowed.
+        scale: the logit scale; default ``1/sqrt(d_k)`` (float64, then rounded into the format of
+            the product it enters).
+        numerics: a :class:`Numerics` or a preset name (default: float32, XLA's order).
+
+    Returns:
+        ``(..., Lq, d_v)`` in the dtype that stores ``numerics.output_format``.
+
+    Raises:
+        InvalidArgument: for shapes that do not fit, non-float inputs, NaN/Inf in concrete inputs,
+            a non-boolean mask, or float64 numerics without JAX's 64-bit mode.
+
+    Examples:
+        >>> import numpy as np
+        >>> q = k = v = np.eye(2)
+        >>> out = attention(q, k, v, numerics="fp32")
+        >>> out.shape
+        (2, 2)
+    """
+    num = resolve(numerics)
+    _check_x64(num)
+    q, k, v = (V.float_array(x, name, min_ndim=2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    if k.shape[-1] != q.shape[-1]:
+        msg = f"k: expected last dimension d_k = {q.shape[-1]} (from q), got shape {k.shape}"
+        raise InvalidArgument(msg)
+    if v.shape[-2] != k.shape[-2]:
+        msg = f"v: expected {k.shape[-2]} keys (Lk, from k) in dimension -2, got shape {v.shape}"
+        raise InvalidArgument(msg)
+    if q.shape[-2] < 1 or k.shape[-2] < 1:
+        msg = f"k: expected at least one query and one key, got q {q.shape} and k {k.shape}"
+        raise InvalidArgument(msg)
+    batch = V.broadcast({"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2]})
+    target = (*batch, q.shape[-2], k.shape[-2])
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        V.check_finite(x, name)
+    if mask is not None:
+        mask = V.bool_mask(mask, target)
+    if bias is not None:
+        bias = _bias_array(bias, target, num.format_of("score"))
+    factor = V.scale_value(scale, q.shape[-1], placement=num.scale)
+    fmt = num.format_of("input")
+    q, k, v = (_host_round(x, fmt) for x in (q, k, v))
+    return _attention_jit(q, k, v, mask, bias, numerics=num, scale=factor)
+
+
+@functools.partial(jax.jit, static_argnames=("numerics",))
+def _softmax_jit(x: Any, mask: Any, *, numerics: Numerics) -> jax.Array:
+    st = _Stages(numerics, runtime_zero(x))
+    s = st.score.take(x)
+    if mask is not None:
+        constant = jnp.asarray(numerics.mask_constant(), st.score.dtype)
+        s = jnp.where(
+            mask, s, constant if numerics.mask_mode == "fill" else st.score.add(s, constant)
+        )
+    return _probabilities(st, s).astype(st.soft.fmt.jax_dtype)
+
+
+def softmax(x: Any, mask: Any = None, *, numerics: Numerics | str | None = None) -> jax.Array:
+    """The softmax stage of :func:`attention` alone, over the last axis of the logits ``x``.
+
+    ``x`` is rounded to ``numerics.score_format`` and masked as in :func:`attention` (True means
+    keep), then the softmax runs in ``numerics.softmax_format`` by ``numerics.softmax``: ``naive``
+    ``exp(x)/Σ exp(x)``; ``safe`` ``exp(x - max)/Σ``; ``online(B)`` the running maximum ``m`` and
+    sum ``d`` over blocks of ``B`` (Milakov & Gimelshein 2018), then ``exp(x - m)/d``. Every sum is
+    in ``numerics.summation`` order. The result is in the softmax format (not yet rounded to
+    ``prob_format``).
+
+    Raises:
+        InvalidArgument: for a non-float or non-finite ``x`` (``-inf`` is allowed), or a bad mask.
+    """
+    num = resolve(numerics)
+    _check_x64(num)
+    x = V.float_array(x, "x", min_ndim=1)
+    V.check_finite(x, "x", allow_neg_inf=True)
+    if mask is not None:
+        mask = V.bool_mask(mask, tuple(x.shape))
+    return _softmax_jit(_host_round(x, num.format_of("score")), mask, numerics=num)
+
+
+def _project(st: _Stages, x: jax.Array, w: jax.Array, b: Any, fmt: Format) -> jax.Array:
+    """``x @ w + b`` accumulated in ``accum`` (bias included), then rounded to ``fmt``."""
+    y = st.dot(x, w)
+    if b is not None:
+        y = st.acc.add(y, st.acc.take(b))
+    return to_format(y, fmt)
+
+
+def _split_heads(x: jax.Array, heads: int) -> jax.Array:
+    return jnp.swapaxes(x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads), -2, -3)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "numerics", "scale"))
+def _mha_jit(
+    x_q: Any,
+    x_kv: Any,
+    params: MHAParams,
+    mask: Any,
+    bias: Any,
+    *,
+    num_heads: int,
+    numerics: Numerics,
+    scale: float,
+) -> jax.Array:
+    st = _Stages(numerics, runtime_zero(x_q))
+    x_q, x_kv = to_format(x_q, st.input), to_format(x_kv, st.input)
+    p = jax.tree_util.tree_map(lambda w: to_format(w, st.input), params)
+    q = _split_heads(_project(st, x_q, p.wq, p.bq, st.storage), num_heads)
+    k = _split_heads(_project(st, x_kv, p.wk, p.bk, st.storage), num_heads)
+    v = _split_heads(_project(st, x_kv, p.wv, p.bv, st.storage), num_heads)
+    o = _attend(st, q, k, v, mask, bias, scale)
+    o = jnp.swapaxes(o, -2, -3)
+    o = o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])
+    return _project(st, o, p.wo, p.bo, st.output).astype(st.output.jax_dtype)
+
+
+def multi_head_attention(
+    x_q: Any,
+    x_kv: Any,
+    params: MHAParams,
+    num_heads: int,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    numerics: Numerics | str | None = None,
+) -> jax.Array:
+    """Multi-head attention ``concat_h(attention(x_q Wq_h + bq_h, ...)) Wo + bo`` with explicit numerics.
+
+    Head ``h`` uses columns ``[h·d_k, (h+1)·d_k)`` of the projections (see :class:`MHAParams`).
+    Projections accumulate in ``numerics.accum`` with the bias added there, and are rounded to the
+    storage format; the output projection is rounded to ``numerics.output_format``.
+
+    Args:
+        x_q: query input ``(..., Lq, d_q)``.
+        x_kv: key/value input ``(..., Lk, d_kv)``.
+        params: the weights; rounded into ``numerics.input`` like the inputs.
+        num_heads: number of heads ``H``; must divide ``H·d_k`` and ``H·d_v``.
+        mask: optional boolean array broadcastable to ``(..., H, Lq, Lk)``, **True means attend**
+            (a per-batch mask has shape ``(B, 1, Lq, Lk)``).
+        bias: optional additive float array broadcastable to ``(..., H, Lq, Lk)``.
+        scale: logit scale; default ``1/sqrt(d_k)``.
+        numerics: a :class:`Numerics` or a preset name.
+
+    Returns:
+        ``(..., Lq, d_out)`` in the dtype that stores ``numerics.output_format``.
+
+    Raises:
+        InvalidArgument: as :func:`attention`, and for parameters that do not fit the inputs or a
+            ``num_heads`` that does not divide the projected widths.
+    """
+    num = resolve(numerics)
+    _check_x64(num)
+    if not isinstance(params, MHAParams):
+        msg = f"params: expected an MHAParams, got {type(params).__name__}"
+        raise InvalidArgument(msg)
+    heads = V.positive_int(num_heads, "num_heads")
+    params.validate(heads)
+    x_q = V.float_array(x_q, "x_q", min_ndim=2)
+    x_kv = V.float_array(x_kv, "x_kv", min_ndim=2)
+    for x, name, width in ((x_q, "x_q", params.d_q), (x_kv, "x_kv", params.d_kv)):
+        if x.shape[-1] != width:
+            msg = f"{name}: expected last dimension {width} (from params), got shape {x.shape}"
+            raise InvalidArgument(msg)
+        V.check_finite(x, name)
+    batch = V.broadcast({"x_q": x_q.shape[:-2], "x_kv": x_kv.shape[:-2]})
+    target = (*batch, heads, x_q.shape[-2], x_kv.shape[-2])
+    if mask is not None:
+        mask = V.bool_mask(mask, target)
+    if bias is not None:
+        bias = _bias_array(bias, target, num.format_of("score"))
+    factor = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
+    fmt = num.format_of("input")
+    x_q, x_kv = _host_round(x_q, fmt), _host_round(x_kv, fmt)
+    params = jax.tree_util.tree_map(lambda w: _host_round(w, fmt), params)
+    return _mha_jit(x_q, x_kv, params, mask, bias, num_heads=heads, numerics=num, scale=factor)
