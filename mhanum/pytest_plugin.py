@@ -1,0 +1,96 @@
+"""The pytest plugin of :mod:`mhanum.testing` (registered through the ``pytest11`` entry point).
+
+It adds the marker ``mhanum_kernel(name)`` and the fixture ``attention_oracle``, so that a kernel
+author writes one property test::
+
+    import pytest
+    from hypothesis import given
+    from mhanum.testing import attention_inputs
+
+    @pytest.mark.mhanum_kernel("torch-sdpa-math")
+    @given(case=attention_inputs(dtype="bfloat16"))
+    def test_my_kernel(attention_oracle, case):
+        out = my_kernel(case["q"], case["k"], case["v"], case["mask"])
+        attention_oracle.assert_close(out, case["q"], case["k"], case["v"], mask=case["mask"])
+
+Loading the plugin imports nothing of mhanum (nor JAX): the fixture imports it when a test asks
+for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+__all__ = ["KernelOracle", "attention_oracle"]
+
+_MARKER = "mhanum_kernel"
+_CURRENT: dict[str, Any] = {"kernel": None}  # the running test's marker (one test at a time)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{_MARKER}(name): the mhanum kernel descriptor (mhanum.testing.KERNELS) that the "
+        "attention_oracle fixture checks outputs against",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker(_MARKER)
+    _CURRENT["kernel"] = marker.args[0] if marker is not None and marker.args else None
+
+
+class KernelOracle:
+    """The fixture's value: :mod:`mhanum.testing`'s functions bound to one kernel descriptor
+    (``kernel``, or else the running test's ``mhanum_kernel`` marker)."""
+
+    def __init__(self, kernel: Any = None) -> None:
+        self.kernel = kernel
+
+    def _kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if "kernel" not in kwargs:
+            kernel = self.kernel if self.kernel is not None else _CURRENT["kernel"]
+            if kernel is None:
+                msg = (
+                    "kernel: expected @pytest.mark.mhanum_kernel(name) on the test or a "
+                    "kernel= argument, got neither"
+                )
+                raise TypeError(msg)
+            kwargs["kernel"] = kernel
+        return kwargs
+
+    def oracle(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        """:func:`mhanum.testing.attention_oracle` with this kernel."""
+        from mhanum import testing
+
+        return testing.attention_oracle(q, k, v, **self._kwargs(kwargs))
+
+    def tolerance(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        """:func:`mhanum.testing.attention_tolerance` with this kernel."""
+        return self.oracle(q, k, v, **kwargs).tolerance
+
+    def assert_close(self, actual: Any, q: Any, k: Any, v: Any, **kwargs: Any) -> None:
+        """:func:`mhanum.testing.assert_attention_close` with this kernel."""
+        __tracebackhide__ = True
+        self.oracle(q, k, v, **kwargs).assert_close(actual)
+
+    def assert_mha_close(
+        self, actual: Any, x_q: Any, x_kv: Any, params: Any, num_heads: int, **kwargs: Any
+    ) -> None:
+        """:func:`mhanum.testing.assert_mha_close` with this kernel."""
+        __tracebackhide__ = True
+        from mhanum import testing
+
+        testing.assert_mha_close(actual, x_q, x_kv, params, num_heads, **self._kwargs(kwargs))
+
+
+@pytest.fixture(scope="session")
+def attention_oracle() -> KernelOracle:
+    """Certified tolerances for the kernel named by the running test's ``mhanum_kernel`` marker.
+
+    Session-scoped (it holds no state), so Hypothesis's ``@given`` tests take it as it is.
+    """
+    return KernelOracle()

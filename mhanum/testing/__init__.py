@@ -1,0 +1,414 @@
+"""Certified tolerances for other people's attention kernels: "is this difference a bug, or rounding?"
+
+:func:`attention_tolerance` gives, element by element, how far a kernel's output may lie from the
+exact attention of its inputs: the bound of Theorem A.1 under every candidate numerics of the
+kernel's descriptor (:mod:`mhanum.testing.kernels`), the largest of them, plus the float64 rounding
+of the certified reference. :func:`assert_attention_close` checks a kernel's output against it and,
+when it fails, says how many elements fail, the worst one (index, actual, exact, tolerance and
+their ratio) and which term of the bound governs it. The ``mha`` variants do the same for a whole
+multi-head attention layer (Theorem A.2).
+
+A kernel that meets its tolerance is within rounding of the exact answer *as its numerics model
+says it rounds*; one that does not computes something else (a wrong scale, a dropped block, a
+stale maximum), or rounds differently from its descriptor, which is a finding too.
+
+>>> import numpy as np
+>>> rng = np.random.default_rng(0)
+>>> q, k, v = (rng.standard_normal((4, 16)).astype(np.float32) for _ in range(3))
+>>> import jax
+>>> out = np.asarray(jax.nn.dot_product_attention(q[:, None], k[:, None], v[:, None]))[:, 0]
+>>> assert_attention_close(out, q, k, v, kernel="jax-xla")
+>>> wrong = out.copy(); wrong[2, 5] += 1e-3
+>>> assert_attention_close(wrong, q, k, v, kernel="jax-xla")  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+    ...
+mhanum.testing.AttentionMismatch: 1 of 64 elements outside the certified tolerance of kernel 'jax-xla'...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from mhanum._errors import InvalidArgument
+from mhanum.testing.kernels import FULLY_MASKED, KERNELS, NOT_MODELLED, Kernel, get_kernel
+
+__all__ = [
+    "FULLY_MASKED",
+    "KERNELS",
+    "NOT_MODELLED",
+    "AttentionMismatch",
+    "Kernel",
+    "Oracle",
+    "assert_attention_close",
+    "assert_mha_close",
+    "attention_inputs",
+    "attention_oracle",
+    "attention_tolerance",
+    "get_kernel",
+    "mha_oracle",
+    "mha_tolerance",
+]
+
+_LAYOUTS = ("bhld", "blhd")
+_F64_ROUNDING = 2.0**-52  # the certified reference's float64 rounding, relative (with margin)
+_FORMATS = {"float64": "float32", "float32": "float32", "bfloat16": "bfloat16",
+            "float16": "float16"}  # fmt: skip
+
+
+class AttentionMismatch(AssertionError):
+    """A kernel's output lies outside its certified tolerance (an ``AssertionError``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Oracle:
+    """The exact answer and its certified tolerance, element by element.
+
+    Attributes:
+        exact: the certified reference (float64) under the kernel's fully-masked-row convention.
+        tolerance: ``|actual - exact| <= tolerance`` for every output the kernel may compute
+            under one of its candidate numerics; 0 where the convention fixes the answer exactly
+            (a row that attends no key under ``-inf`` masking: NaN or zeros).
+        term: the name of the bound term that governs each element's tolerance.
+        kernel: the kernel descriptor.
+        dtype: the input format the tolerance was computed for.
+    """
+
+    exact: np.ndarray
+    tolerance: np.ndarray
+    term: np.ndarray
+    kernel: Kernel
+    dtype: str
+
+    def check(self, actual: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(failing, ratio)``: a boolean array of the elements outside the tolerance, and
+        ``|actual - exact| / tolerance`` (``inf`` where a number is due and NaN or inf came).
+
+        Raises:
+            InvalidArgument: for an ``actual`` of another shape.
+        """
+        got = _as_float64(actual, "actual")
+        if got.shape != self.exact.shape:
+            msg = f"actual: expected shape {self.exact.shape}, got {got.shape}"
+            raise InvalidArgument(msg)
+        exact_nan = np.isnan(self.exact)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            err = np.abs(got - self.exact)
+            ratio = np.where(err == 0, 0.0, err / self.tolerance)
+        both_nan = exact_nan & np.isnan(got)
+        ratio = np.where(both_nan, 0.0, ratio)
+        ratio = np.where(~both_nan & (np.isnan(got) | exact_nan), np.inf, ratio)
+        ratio = np.where(~np.isfinite(got) & ~both_nan, np.inf, ratio)
+        return ratio > 1, ratio
+
+    def message(self, actual: Any) -> str | None:
+        """The failure report for ``actual``, or None when every element is within tolerance."""
+        failing, ratio = self.check(actual)
+        n = int(failing.sum())
+        if not n:
+            return None
+        got = _as_float64(actual, "actual")
+        worst = np.unravel_index(int(np.argmax(np.where(failing, ratio, -1.0))), ratio.shape)
+        index = tuple(int(i) for i in worst)
+        return (
+            f"{n} of {failing.size} elements outside the certified tolerance of kernel "
+            f"{self.kernel.name!r} ({self.dtype} inputs); worst at index {index}: "
+            f"actual {float(got[worst])!r}, exact {float(self.exact[worst])!r}, "
+            f"|actual - exact| {abs(got[worst] - self.exact[worst]):.3g}, "
+            f"tolerance {self.tolerance[worst]:.3g}, ratio {ratio[worst]:.3g}; "
+            f"the tolerance there is governed by the bound's {self.term[worst]!r} term"
+        )
+
+    def assert_close(self, actual: Any) -> None:
+        """Raise :class:`AttentionMismatch` with :meth:`message` when an element fails."""
+        text = self.message(actual)
+        if text is not None:
+            raise AttentionMismatch(text)
+
+
+def _as_float64(x: Any, name: str) -> np.ndarray:
+    """Any array (numpy, ml_dtypes, JAX, PyTorch, TensorFlow) as float64, exactly."""
+    if hasattr(x, "detach"):  # a torch tensor (bfloat16 has no numpy dtype in torch)
+        x = x.detach().cpu().double().numpy()
+    try:
+        arr = np.asarray(x)
+    except (TypeError, ValueError) as err:
+        msg = f"{name}: expected a real array, got {type(x).__name__}"
+        raise InvalidArgument(msg) from err
+    if arr.dtype == np.bool_ or not (
+        arr.dtype.kind == "f" or str(arr.dtype) in ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+    ):
+        msg = f"{name}: expected a floating-point array, got dtype {arr.dtype}"
+        raise InvalidArgument(msg)
+    return arr.astype(np.float64)
+
+
+def _format_of(x: Any, dtype: str | None) -> str:
+    if dtype is not None:
+        if dtype not in _FORMATS:
+            msg = f"dtype: expected one of {tuple(_FORMATS)}, got {dtype!r}"
+            raise InvalidArgument(msg)
+        return _FORMATS[dtype]
+    name = str(getattr(x, "dtype", "float64")).removeprefix("torch.")
+    if name not in _FORMATS:
+        msg = f"q: expected a float16, bfloat16, float32 or float64 array, got dtype {name}"
+        raise InvalidArgument(msg)
+    return _FORMATS[name]
+
+
+def _causal(lq: int, lk: int) -> np.ndarray:
+    """The causal mask of ``torch``'s and ``jax.nn``'s ``is_causal``: query i attends keys
+    ``j <= i`` (aligned at the upper left)."""
+    return np.tril(np.ones((lq, lk), bool))
+
+
+def _mask(mask: Any, is_causal: bool, lq: int, lk: int) -> np.ndarray | None:
+    if mask is not None:
+        if hasattr(mask, "detach"):
+            mask = mask.detach().cpu().numpy()
+        m = np.asarray(mask)
+        if m.dtype != np.bool_:
+            msg = f"mask: expected a boolean mask (True = attend), got dtype {m.dtype}; "
+            msg += "pass an additive float mask as bias="
+            raise InvalidArgument(msg)
+    else:
+        m = None
+    if is_causal:
+        c = _causal(lq, lk)
+        m = c if m is None else m & c
+    return m
+
+
+def _fold(
+    exact: np.ndarray,
+    bounds: Sequence[Any],
+    dead: np.ndarray | None,
+    kernel: Kernel,
+    fmt: str,
+) -> Oracle:
+    """The tolerance from the candidates' bounds: the largest, per element, with its term."""
+    totals = np.stack([np.asarray(b.total, np.float64) for b in bounds])
+    which = np.argmax(totals, axis=0)
+    tol = np.take_along_axis(totals, which[None], axis=0)[0]
+    names = np.empty(tol.shape, dtype=object)
+    for c, b in enumerate(bounds):
+        terms = {
+            n: np.broadcast_to(np.asarray(t, np.float64), tol.shape) for n, t in b.terms.items()
+        }
+        stack = np.stack(list(terms.values()))
+        top = np.asarray(list(terms))[np.argmax(stack, axis=0)]
+        names = np.where(which == c, top, names)
+    with np.errstate(invalid="ignore"):
+        tol = tol + _F64_ROUNDING * np.where(np.isfinite(exact), np.abs(exact), 0.0)
+    if dead is not None and dead.any() and kernel.fully_masked in ("nan", "zero"):
+        rows = np.broadcast_to(dead[..., None], tol.shape)
+        tol = np.where(rows, 0.0, tol)
+        names = np.where(rows, "fully_masked (the convention's exact answer)", names)
+    return Oracle(exact, tol, names, kernel, fmt)
+
+
+def attention_oracle(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    kernel: Kernel | str = "jax-xla",
+    dtype: str | None = None,
+    layout: str = "bhld",
+) -> Oracle:
+    """The certified reference of ``attention(q, k, v)`` and the kernel's tolerance around it.
+
+    Args:
+        q, k, v: ``(..., Lq, d)``, ``(..., Lk, d)``, ``(..., Lk, dv)``, the kernel's inputs as
+            it received them (any array type; their values are used exactly).
+        mask: boolean, **True = attend**, broadcastable to ``(..., Lq, Lk)``.
+        bias: an additive float mask (``-inf`` excludes a key), broadcastable likewise.
+        scale: the logit scale (default ``1/sqrt(d)``).
+        is_causal: query ``i`` attends keys ``j <= i`` (torch's and jax.nn's ``is_causal``).
+        kernel: a name in :data:`KERNELS` or a :class:`Kernel`.
+        dtype: the input format (default: ``q``'s dtype).
+        layout: ``"bhld"`` (``(..., L, d)``: torch's SDPA, mhanum) or ``"blhd"`` (``(B, L, H, d)``:
+            ``jax.nn.dot_product_attention``, FlashAttention): the layout of q, k, v and of
+            the output (``exact`` and ``tolerance`` come back in it); masks and biases are
+            ``(..., H, Lq, Lk)`` in both.
+
+    Returns:
+        An :class:`Oracle`.
+
+    Raises:
+        InvalidArgument: for an unknown kernel, a format it does not take, or bad inputs.
+    """
+    from mhanum import reference
+    from mhanum.bounds import attention_bound
+
+    kern = get_kernel(kernel)
+    fmt = _format_of(q, dtype)
+    candidates = kern.candidates(fmt)
+    if layout not in _LAYOUTS:
+        msg = f"layout: expected one of {_LAYOUTS}, got {layout!r}"
+        raise InvalidArgument(msg)
+    q64, k64, v64 = (_as_float64(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    if layout == "blhd":
+        if min(q64.ndim, k64.ndim, v64.ndim) < 3:
+            msg = f"q: expected (B, L, H, d) arrays with layout='blhd', got {q64.shape}"
+            raise InvalidArgument(msg)
+        q64, k64, v64 = (np.swapaxes(a, -3, -2) for a in (q64, k64, v64))
+    b64 = None if bias is None else _as_float64(bias, "bias")
+    if q64.ndim < 2 or k64.ndim < 2 or v64.ndim < 2:
+        msg = f"q: expected arrays of at least 2 dimensions, got {q64.shape}"
+        raise InvalidArgument(msg)
+    m = _mask(mask, is_causal, q64.shape[-2], k64.shape[-2])
+    policy, dead = kern.fully_masked, None
+    ref_mask = m
+    if m is not None:
+        lead = np.broadcast_shapes(q64.shape[:-2], k64.shape[:-2], np.shape(m)[:-2])
+        full = np.broadcast_to(m, (*lead, q64.shape[-2], k64.shape[-2]))
+        dead = np.asarray(~full.any(axis=-1), bool)
+        if policy == "unmasked" and dead.any():
+            ref_mask = np.where(dead[..., None], True, full)
+    exact = np.asarray(
+        reference.attention(
+            q64, k64, v64, mask=ref_mask, bias=b64, scale=scale,
+            fully_masked="nan" if policy == "unmasked" else policy,
+        ),
+        np.float64,
+    )  # fmt: skip
+    bounds = [
+        attention_bound(q64, k64, v64, m, bias=b64, numerics=n, scale=scale) for n in candidates
+    ]
+    oracle = _fold(exact, bounds, dead, kern, fmt)
+    if layout == "bhld":
+        return oracle
+    exact, tol, term = (
+        np.swapaxes(a, -3, -2) for a in (oracle.exact, oracle.tolerance, oracle.term)
+    )
+    return dataclasses.replace(oracle, exact=exact, tolerance=tol, term=term)
+
+
+def attention_tolerance(q: Any, k: Any, v: Any, **kwargs: Any) -> np.ndarray:
+    """The per-element certified tolerance of ``kernel`` on these inputs (see
+    :func:`attention_oracle` for the arguments): ``|actual - exact| <= tolerance`` whenever the
+    kernel computes as one of its candidate numerics."""
+    return attention_oracle(q, k, v, **kwargs).tolerance
+
+
+def assert_attention_close(actual: Any, q: Any, k: Any, v: Any, **kwargs: Any) -> None:
+    """Assert that a kernel's output lies within its certified tolerance of the exact attention.
+
+    Takes the arguments of :func:`attention_oracle` after ``actual``.
+
+    Raises:
+        AttentionMismatch: naming how many elements fail, the worst one (index, actual, exact,
+            tolerance, ratio) and the bound term that governs its tolerance.
+    """
+    attention_oracle(q, k, v, **kwargs).assert_close(actual)
+
+
+def mha_oracle(
+    x_q: Any,
+    x_kv: Any,
+    params: Any,
+    num_heads: int,
+    *,
+    mask: Any = None,
+    kernel: Kernel | str = "jax-xla",
+    dtype: str | None = None,
+) -> Oracle:
+    """:func:`attention_oracle` for a multi-head attention layer (Theorem A.2).
+
+    Args:
+        x_q, x_kv: ``(..., Lq, d_model)``, ``(..., Lk, d_model)``.
+        params: a :class:`mhanum.MHAParams` (``y = x W + b``).
+        num_heads: the number of heads.
+        mask: boolean, True = attend, broadcastable to ``(..., heads, Lq, Lk)``.
+        kernel, dtype: as in :func:`attention_oracle`.
+    """
+    from mhanum import reference
+    from mhanum.bounds import mha_bound
+
+    kern = get_kernel(kernel)
+    fmt = _format_of(x_q, dtype)
+    xq, xkv = _as_float64(x_q, "x_q"), _as_float64(x_kv, "x_kv")
+    m = None if mask is None else _mask(mask, False, xq.shape[-2], xkv.shape[-2])
+    policy = kern.fully_masked
+    if m is not None and (~np.asarray(m).any(axis=-1)).any():
+        msg = "mask: a row that attends no key is not supported by mha_oracle yet"
+        raise InvalidArgument(msg)
+    exact = np.asarray(
+        reference.multi_head_attention(
+            xq, xkv, params, num_heads, mask=m,
+            fully_masked="nan" if policy == "unmasked" else policy,
+        ),
+        np.float64,
+    )  # fmt: skip
+    bounds = [
+        mha_bound(xq, xkv, params, num_heads, mask=m, numerics=n) for n in kern.candidates(fmt)
+    ]
+    return _fold(exact, bounds, None, kern, fmt)
+
+
+def mha_tolerance(x_q: Any, x_kv: Any, params: Any, num_heads: int, **kwargs: Any) -> np.ndarray:
+    """The per-element certified tolerance of a multi-head attention layer (see :func:`mha_oracle`)."""
+    return mha_oracle(x_q, x_kv, params, num_heads, **kwargs).tolerance
+
+
+def assert_mha_close(
+    actual: Any, x_q: Any, x_kv: Any, params: Any, num_heads: int, **kwargs: Any
+) -> None:
+    """:func:`assert_attention_close` for a multi-head attention layer (see :func:`mha_oracle`)."""
+    mha_oracle(x_q, x_kv, params, num_heads, **kwargs).assert_close(actual)
+
+
+def attention_inputs(
+    *,
+    dtype: str = "float32",
+    lengths: Sequence[int] = (1, 7, 16, 64),
+    head_dims: Sequence[int] = (8, 64),
+    masks: bool = True,
+) -> Any:
+    """A Hypothesis strategy of ``dict(q=..., k=..., v=..., mask=...)`` for a kernel's property
+    test: numpy arrays of ``dtype`` (``"float32"``, ``"bfloat16"`` or ``"float16"``), lengths and
+    head dimensions drawn from small fixed sets (so compiled kernels are reused), entries of
+    both signs across a wide range, and (``masks=True``) boolean masks, True = attend, that keep
+    at least one key per row.
+
+    >>> from hypothesis import given, settings
+    >>> @settings(max_examples=3, derandomize=True)
+    ... @given(attention_inputs(dtype="bfloat16", lengths=(3,), head_dims=(8,)))
+    ... def test(case):
+    ...     assert case["q"].dtype.name == "bfloat16" and case["q"].shape == (3, 8)
+    >>> test()
+    """
+    import ml_dtypes
+    from hypothesis import strategies as st
+    from hypothesis.extra.numpy import arrays
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        msg = f"dtype: expected 'float32', 'bfloat16' or 'float16', got {dtype!r}"
+        raise InvalidArgument(msg)
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    elements = st.floats(-8.0, 8.0, width=32, allow_subnormal=False)
+
+    @st.composite
+    def cases(draw: Any) -> dict[str, Any]:
+        lq, lk = draw(st.sampled_from(lengths)), draw(st.sampled_from(lengths))
+        d, dv = draw(st.sampled_from(head_dims)), draw(st.sampled_from(head_dims))
+        out = {
+            name: draw(arrays(np.float32, shape, elements=elements)).astype(np_dtype)
+            for name, shape in (("q", (lq, d)), ("k", (lk, d)), ("v", (lk, dv)))
+        }
+        mask = None
+        if masks and draw(st.booleans()):
+            mask = draw(arrays(np.bool_, (lq, lk)))
+            mask[np.arange(lq), draw(st.integers(0, lk - 1))] = True
+        out["mask"] = mask
+        return out
+
+    return cases()

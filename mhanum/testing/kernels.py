@@ -1,0 +1,247 @@
+"""Kernel descriptors: named numerics models of other people's attention kernels, with evidence.
+
+A :class:`Kernel` says, for each input format it accepts, which :class:`~mhanum.Numerics` the
+kernel may compute with, and what it returns for a query row that attends no key. Where the
+numerics cannot be pinned down exactly (a library may or may not upcast, may choose its block size
+at run time), the descriptor lists every candidate: :func:`mhanum.testing.attention_tolerance` takes
+the largest of their bounds, element by element, so the tolerance holds whichever the kernel runs.
+
+Every candidate is a model that mhanum's emulation runs exactly and Theorem A.1 bounds; the
+``evidence`` names the source files (and versions) the model was read from and the measurements
+that confirmed it. A kernel whose arithmetic mhanum cannot model yet is not listed (see
+:data:`NOT_MODELLED`), rather than listed with a tolerance that might not hold.
+
+>>> k = get_kernel("torch-sdpa-math")
+>>> [n.describe() for n in k.candidates("float32")]
+["Numerics(input='float32', accum='float32', mask_mode='add', scale='qk', div_ulps=2.0)"]
+>>> k.fully_masked
+'zero'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from mhanum._errors import InvalidArgument
+from mhanum.numerics import Numerics
+
+__all__ = ["FULLY_MASKED", "KERNELS", "NOT_MODELLED", "Kernel", "get_kernel"]
+
+FULLY_MASKED = ("nan", "zero", "uniform", "unmasked")
+"""What a kernel returns for a row that attends no key: NaN, zeros, the mean of the values, or the
+unmasked attention (a finite constant added to every logit of the row cancels)."""
+
+_HALF = ("bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A named numerics model of an attention kernel.
+
+    Attributes:
+        name: the registry name (``"torch-sdpa-math"``, ``"jax-xla"``, ...).
+        models: input format name -> the candidate numerics for inputs of that format.
+        fully_masked: one of :data:`FULLY_MASKED`.
+        evidence: where each modelling choice was read or measured (files, functions, versions).
+        notes: what the model leaves out or assumes.
+    """
+
+    name: str
+    models: Mapping[str, tuple[Numerics, ...]]
+    fully_masked: str
+    evidence: tuple[str, ...]
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if self.fully_masked not in FULLY_MASKED:
+            msg = f"fully_masked: expected one of {FULLY_MASKED}, got {self.fully_masked!r}"
+            raise InvalidArgument(msg)
+        if not self.models or not all(self.models.values()):
+            msg = "models: expected at least one candidate numerics for each input format"
+            raise InvalidArgument(msg)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The input formats the kernel accepts."""
+        return tuple(self.models)
+
+    def candidates(self, fmt: str) -> tuple[Numerics, ...]:
+        """The candidate numerics for inputs of format ``fmt``.
+
+        Raises:
+            InvalidArgument: for a format the kernel does not take.
+        """
+        if fmt not in self.models:
+            msg = f"dtype: expected one of {self.formats} for kernel {self.name!r}, got {fmt!r}"
+            raise InvalidArgument(msg)
+        return self.models[fmt]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready description."""
+        return {
+            "name": self.name,
+            "models": {f: [n.describe() for n in c] for f, c in self.models.items()},
+            "fully_masked": self.fully_masked,
+            "evidence": list(self.evidence),
+            "notes": self.notes,
+        }
+
+
+def _half_variants(base: Numerics, fmt: str, **stored: str) -> tuple[Numerics, ...]:
+    """Half-precision inputs under a float32 model: upcast throughout, or stored in ``fmt``.
+
+    The first candidate upcasts q, k, v to float32 and rounds only the output back; the second
+    keeps the kernel's stored intermediates in ``fmt`` (scores, scaled operands and
+    probabilities, unless ``stored`` names another format for one of them), with float32
+    accumulation and a float32 softmax. Both accumulate dots in float32 (measured on the CPU: a
+    bfloat16 dot of 1,024 ones is 1024 in jax and torch, not the 256 of a bfloat16 sum).
+    """
+    upcast = base.replace(
+        input=fmt, score_format="float32", scale_format="float32", prob_format="float32",
+        output_format=fmt,
+    )  # fmt: skip
+    fields = {"score_format": fmt, "scale_format": fmt, "prob_format": fmt, **stored}
+    kept = base.replace(input=fmt, softmax_format="float32", output_format=fmt, **fields)
+    return (upcast, kept)
+
+
+def _torch_sdpa_math() -> Kernel:
+    base = Numerics(
+        input="float32", accum="float32", scale="qk", mask_mode="add",
+        mask_value=-math.inf, div_ulps=2.0,
+    )  # fmt: skip
+    models = {"float32": (base,), **{f: _half_variants(base, f) for f in _HALF}}
+    return Kernel(
+        "torch-sdpa-math",
+        models,
+        "zero",
+        (
+            (
+                "aten/src/ATen/native/transformers/attention.cpp: _scaled_dot_product_attention_math "
+                "(torch 2.13): q and k each times sqrt(scale), a boolean mask as 0/-inf added, "
+                "_safe_softmax (a row that attends no key is 0), then P @ V"
+            ),
+            (
+                "half inputs: both an upcast to float32 and float32 accumulation of half-stored "
+                "scores and probabilities are covered"
+            ),
+        ),
+        "softmax as exp(x - max) / sum with a reciprocal (div_ulps = 2)",
+    )
+
+
+def _torch_sdpa_flash_cpu() -> Kernel:
+    base = Numerics(
+        input="float32", accum="float32", scale="scores", softmax="online(512)",
+        mask_mode="add", mask_value=-math.inf, div_ulps=2.0, exp_ulps=20.0,
+    )  # fmt: skip
+    half = {
+        f: (base.replace(input=f, score_format="float32", scale_format="float32",
+                         softmax_format="float32", prob_format=f, output_format=f),)
+        for f in _HALF
+    }  # fmt: skip
+    return Kernel(
+        "torch-sdpa-flash-cpu",
+        {"float32": (base,), **half},
+        "zero",
+        (
+            (
+                "aten/src/ATen/native/cpu/FlashAttentionKernel.cpp (torch 2.13): key blocks of "
+                "min(kv_split_size, L) = min(512, L), a running maximum and sum in accum_t (float), "
+                "exp by the vectorised exp_u20 (<= 20 ulps), the output divided once at the end"
+            ),
+            (
+                "half inputs: scores, maximum and sum in float, the probabilities converted to the "
+                "input type (qk_reduced) for the P V product, accumulated in float"
+            ),
+        ),
+        "the same model as mhanum.adapters.torch.sdpa_model('flash')",
+    )
+
+
+def _jax_xla() -> Kernel:
+    base = Numerics(
+        input="float32", accum="float32", scale="scores", mask_mode="fill",
+        mask_value="0.7*finfo.min",
+    )  # fmt: skip
+    models = {"float32": (base,), **{f: _half_variants(base, f) for f in _HALF}}
+    return Kernel(
+        "jax-xla",
+        models,
+        "uniform",
+        (
+            (
+                "jax/_src/nn/functions.py: _dot_product_attention_xla / _dot_product_attention_core "
+                "(jax 0.10): logits = einsum in the input dtype, scaled, masked by "
+                "where(mask, logits, 0.7 * finfo(float32).min), softmax in float32, probabilities "
+                "cast back to the input dtype, einsum with v"
+            ),
+        ),
+        "on a GPU, jax's default float32 matmul precision is TF32: use 'jax-xla-tf32' there",
+    )
+
+
+def _jax_xla_tf32() -> Kernel:
+    base = _jax_xla().models["float32"][0].replace(operand_format="tf32")
+    return Kernel(
+        "jax-xla-tf32",
+        {"float32": (base,)},
+        "uniform",
+        (*_jax_xla().evidence, "JAX's default float32 matmul precision on Ampere+ GPUs is TF32"),
+    )
+
+
+def _torch_sdpa_math_tf32() -> Kernel:
+    k = _torch_sdpa_math()
+    base = k.models["float32"][0].replace(operand_format="tf32")
+    return Kernel(
+        "torch-sdpa-math-tf32",
+        {"float32": (base,)},
+        "zero",
+        (*k.evidence, "torch.backends.cuda.matmul.allow_tf32 = True (off by default)"),
+    )
+
+
+KERNELS: Mapping[str, Kernel] = {
+    k.name: k
+    for k in (
+        _torch_sdpa_math(),
+        _torch_sdpa_math_tf32(),
+        _torch_sdpa_flash_cpu(),
+        _jax_xla(),
+        _jax_xla_tf32(),
+    )
+}
+"""The registered kernels, by name."""
+
+NOT_MODELLED: Mapping[str, str] = {
+    "flash-attention-2": "exp2 of an FMA with log2(e) folded into the scale: the argument's "
+    "error grows with the row maximum, which Theorem A.1 does not charge yet",
+    "flash-attention-3": "as flash-attention-2, and fp8 with per-tensor scales",
+    "torch-sdpa-flash-cuda": "FlashAttention-2's arithmetic (see flash-attention-2)",
+    "torch-sdpa-efficient": "xFormers' kernel: exp2 with a folded scale, as flash-attention-2",
+    "torch-sdpa-cudnn": "cuDNN's fused kernel: not documented to the rounding",
+    "jax-cudnn": "cuDNN's fused kernel: not documented to the rounding",
+    "triton-tutorial": "exp2 with a folded scale, as flash-attention-2",
+    "flex-attention": "a generated Triton kernel: exp2 with a folded scale",
+}
+"""Kernels without a descriptor yet, and why (their tolerance could not be stated as a theorem)."""
+
+
+def get_kernel(kernel: Kernel | str) -> Kernel:
+    """A kernel descriptor by name (or the descriptor itself).
+
+    Raises:
+        InvalidArgument: for an unknown name (naming the kernels that exist, and why a known but
+            unmodelled one has no descriptor).
+    """
+    if isinstance(kernel, Kernel):
+        return kernel
+    if isinstance(kernel, str) and kernel in KERNELS:
+        return KERNELS[kernel]
+    why = f" ({kernel} is not modelled: {NOT_MODELLED[kernel]})" if kernel in NOT_MODELLED else ""
+    msg = f"kernel: expected one of {', '.join(KERNELS)} or a Kernel, got {kernel!r}{why}"
+    raise InvalidArgument(msg)

@@ -1,0 +1,196 @@
+"""mhanum.testing against real kernels (torch SDPA on the CPU, jax.nn): no false alarms, and a
+planted bug that moves the output beyond rounding is caught, with a message that locates it."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mhanum import InvalidArgument
+from mhanum.testing import (
+    KERNELS,
+    AttentionMismatch,
+    assert_attention_close,
+    attention_oracle,
+    attention_tolerance,
+    get_kernel,
+)
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+DTYPES = {"float32": (np.float32, torch.float32), "bfloat16": (ml_dtypes.bfloat16, torch.bfloat16),
+          "float16": (np.float16, torch.float16)}  # fmt: skip
+SHAPES = [(1, 1, 8), (5, 7, 16), (16, 16, 64)]  # (Lq, Lk, d)
+
+
+def _inputs(seed, lq, lk, d, dtype, spread=1.0):
+    rng = np.random.default_rng(seed)
+    np_dtype = DTYPES[dtype][0]
+    return tuple(
+        (spread * rng.standard_normal(s)).astype(np.float32).astype(np_dtype)
+        for s in ((lq, d), (lk, d), (lk, d))
+    )
+
+
+def _torch(q, k, v, mask=None, *, backend, is_causal=False, scale=None):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tdtype = DTYPES[str(q.dtype)][1]
+    tq, tk, tv = (
+        torch.from_numpy(np.asarray(a, np.float32)).to(tdtype)[None, None] for a in (q, k, v)
+    )
+    tm = None if mask is None else torch.from_numpy(np.asarray(mask))[None, None]
+    chosen = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    with torch.no_grad(), sdpa_kernel([chosen]):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            tq, tk, tv, attn_mask=tm, is_causal=is_causal, scale=scale
+        )
+    return out[0, 0]
+
+
+def _jax(q, k, v, mask=None, *, is_causal=False):
+    m = None if mask is None else jnp.asarray(mask)[None, None]
+    out = jax.nn.dot_product_attention(
+        jnp.asarray(q)[None, :, None], jnp.asarray(k)[None, :, None], jnp.asarray(v)[None, :, None],
+        mask=m, is_causal=is_causal,
+    )  # fmt: skip
+    return np.asarray(out)[0, :, 0]
+
+
+RUNS = {
+    "torch-sdpa-math": lambda *a, **kw: _torch(*a, backend="math", **kw),
+    "torch-sdpa-flash-cpu": lambda *a, **kw: _torch(*a, backend="flash", **kw),
+    "jax-xla": _jax,
+}
+
+
+@pytest.mark.parametrize("kernel", list(RUNS))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_real_kernels_lie_within_their_tolerance(kernel, dtype, shape):
+    for seed, spread, causal in ((0, 1.0, False), (1, 4.0, True)):
+        q, k, v = _inputs(seed, *shape, dtype, spread)
+        causal = causal and shape[0] == shape[1]
+        out = RUNS[kernel](q, k, v, is_causal=causal)
+        assert_attention_close(out, q, k, v, kernel=kernel, is_causal=causal)
+
+
+@pytest.mark.parametrize("kernel", list(RUNS))
+def test_masked_rows_and_fully_masked_rows_follow_the_convention(kernel):
+    q, k, v = _inputs(3, 6, 9, 16, "float32")
+    mask = np.random.default_rng(4).random((6, 9)) < 0.5
+    mask[2] = False  # a row that attends no key
+    mask[4, 0] = True
+    out = RUNS[kernel](q, k, v, mask)
+    oracle = attention_oracle(q, k, v, mask=mask, kernel=kernel)
+    if get_kernel(kernel).fully_masked == "zero":
+        assert np.all(oracle.tolerance[2] == 0)  # the convention fixes the answer: exactly 0
+        assert np.all(oracle.exact[2] == 0)
+    oracle.assert_close(out)
+
+
+# -- planted bugs -----------------------------------------------------------------------------
+
+
+def _reference_kernel(q, k, v, mask=None, *, bug=None):
+    """A small float32 safe-softmax kernel (the jax-xla model), with optional planted bugs."""
+    q32, k32, v32 = (np.asarray(a, np.float32) for a in (q, k, v))
+    scale = np.float32(1 / math.sqrt(q32.shape[-1]))
+    if bug == "scale":
+        scale = np.float32(scale * 1.01)
+    s = (q32 @ k32.T) * scale
+    if bug == "causal-off-by-one":
+        mask = np.tril(np.ones(s.shape, bool), k=1)
+    if mask is not None:
+        s = np.where(mask, s, np.float32(-0.7 * np.finfo(np.float32).max))
+    if bug == "drop-block":
+        s[:, :4] = np.float32(-0.7 * np.finfo(np.float32).max)
+    m = s.max(axis=-1, keepdims=True)
+    if bug == "stale-max":  # two key blocks; the first is not rescaled when the maximum grows
+        m1 = s[:, :6].max(axis=-1, keepdims=True)
+        e1, e2 = np.exp(s[:, :6] - m1), np.exp(s[:, 6:] - m)
+        return (e1 @ v32[:6] + e2 @ v32[6:]) / (
+            e1.sum(-1, keepdims=True) + e2.sum(-1, keepdims=True)
+        )
+    e = np.exp(s - m)
+    p = e / e.sum(axis=-1, keepdims=True)
+    if bug == "bf16-probs":
+        p = p.astype(ml_dtypes.bfloat16).astype(np.float32)
+    out = p @ v32
+    if bug == "missing-rescale":
+        out = e @ v32
+    return out
+
+
+@pytest.mark.parametrize(
+    "bug", ["scale", "drop-block", "stale-max", "bf16-probs", "missing-rescale",
+            "causal-off-by-one"],
+)  # fmt: skip
+def test_planted_bugs_are_caught_with_a_message_that_locates_them(bug):
+    q, k, v = _inputs(7, 12, 12, 32, "float32", spread=2.0)
+    causal = bug == "causal-off-by-one"
+    mask = np.tril(np.ones((12, 12), bool)) if causal else None
+    assert_attention_close(_reference_kernel(q, k, v, mask), q, k, v, mask=mask, kernel="jax-xla")
+    with pytest.raises(AttentionMismatch) as info:
+        assert_attention_close(
+            _reference_kernel(q, k, v, mask, bug=bug), q, k, v, mask=mask, kernel="jax-xla"
+        )
+    text = str(info.value)
+    assert "elements outside the certified tolerance of kernel 'jax-xla'" in text
+    assert "worst at index (" in text
+    assert "governed by the bound's" in text
+
+
+def test_a_nan_where_a_number_is_due_fails():
+    q, k, v = _inputs(8, 4, 4, 8, "float32")
+    out = np.array(_jax(q, k, v))
+    out[1, 1] = np.nan
+    with pytest.raises(AttentionMismatch, match=r"1 of 32 elements .* index \(1, 1\)"):
+        assert_attention_close(out, q, k, v, kernel="jax-xla")
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+def test_bad_input_names_the_argument():
+    q, k, v = _inputs(9, 3, 3, 8, "float32")
+    with pytest.raises(InvalidArgument, match=r"^kernel: .*flash-attention-2 is not modelled"):
+        attention_tolerance(q, k, v, kernel="flash-attention-2")
+    with pytest.raises(InvalidArgument, match=r"^kernel: expected one of"):
+        attention_tolerance(q, k, v, kernel="nope")
+    with pytest.raises(InvalidArgument, match=r"^dtype: expected one of \('float32',\) for kernel"):
+        attention_tolerance(q, k, v, kernel="jax-xla-tf32", dtype="bfloat16")
+    with pytest.raises(InvalidArgument, match=r"^mask: expected a boolean mask"):
+        attention_tolerance(q, k, v, mask=np.zeros((3, 3)), kernel="jax-xla")
+    out = _jax(q, k, v)
+    with pytest.raises(InvalidArgument, match=r"^actual: expected shape \(3, 8\)"):
+        assert_attention_close(out[:2], q, k, v, kernel="jax-xla")
+
+
+def test_every_descriptor_states_its_evidence_and_models():
+    for kern in KERNELS.values():
+        assert kern.evidence
+        assert all(len(e) > 20 for e in kern.evidence)
+        assert "float32" in kern.formats
+        assert kern.as_dict()["models"]["float32"]
+
+
+def test_jax_layout_with_batches_heads_and_a_per_head_mask():
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((2, 6, 3, 8)).astype(np.float32) for _ in range(3))
+    mask = rng.random((2, 3, 6, 6)) < 0.6
+    mask[..., 0] = True
+    out = np.asarray(jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(mask)))
+    assert_attention_close(out, q, k, v, mask=mask, kernel="jax-xla", layout="blhd")
+    with pytest.raises(AttentionMismatch):  # the same output read in the other layout is wrong
+        assert_attention_close(
+            np.swapaxes(out, 1, 2), np.swapaxes(q, 1, 2), np.swapaxes(k, 1, 2),
+            np.swapaxes(v, 1, 2), mask=mask[:, :, ::-1], kernel="jax-xla",
+        )  # fmt: skip
+    with pytest.raises(InvalidArgument, match=r"^layout: expected one of"):
+        attention_tolerance(q, k, v, kernel="jax-xla", layout="bshd")
