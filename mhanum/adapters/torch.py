@@ -298,38 +298,51 @@ def sdpa(
     *,
     backend: str = "flash",
     scale: float | None = None,
+    dtype: str = "float32",
+    is_causal: bool = False,
+    enable_gqa: bool = False,
 ) -> np.ndarray:
-    """``F.scaled_dot_product_attention`` on float32 numpy inputs with one chosen CPU backend.
+    """``F.scaled_dot_product_attention`` on numpy inputs with one chosen CPU backend.
 
     Args:
-        q: ``(..., Lq, D)``; k: ``(..., Lk, D)``; v: ``(..., Lk, Dv)`` (rounded to float32).
+        q: ``(..., Lq, D)``; k: ``(..., Lk, D)``; v: ``(..., Lk, Dv)`` (rounded to ``dtype``).
         mask: boolean, **True = attend** (SDPA's own convention: passed as it is).
         backend: ``"flash"`` or ``"math"`` (forced with ``torch.nn.attention.sdpa_kernel``).
         scale: the logit scale (default ``1/sqrt(D)``).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the tensors' dtype.
+        is_causal: SDPA's ``is_causal`` (query ``i`` attends keys ``j <= i``).
+        enable_gqa: SDPA's ``enable_gqa`` (k and v with fewer heads than q, axis -3).
 
     Returns:
-        ``(..., Lq, Dv)`` float32; a fully-masked row is 0.
+        ``(..., Lq, Dv)`` float32 holding the ``dtype`` outputs exactly; a fully-masked row is 0.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     C.check_path(backend, SDPA_BACKENDS, "backend")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        msg = f"dtype: expected one of {tuple(dtypes)}, got {dtype!r}"
+        raise InvalidArgument(msg)
     chosen = SDPBackend.FLASH_ATTENTION if backend == "flash" else SDPBackend.MATH
     arrays = [np.asarray(a, np.float32) for a in (q, k, v)]
-    shape = np.broadcast_shapes(*(a.shape[:-2] for a in arrays))
+    if enable_gqa:
+        shape = np.broadcast_shapes(*(a.shape[:-3] for a in arrays))
+        full = [np.broadcast_to(a, (*shape, *a.shape[-3:])) for a in arrays]
+    else:
+        shape = np.broadcast_shapes(*(a.shape[:-2] for a in arrays))
+        full = [np.broadcast_to(a, (*shape, *a.shape[-2:])) for a in arrays]
     # The fused kernels take (B, H, L, D) only: batch dimensions become a 4-D layout.
-    tq, tk, tv = (
-        torch.from_numpy(np.array(_four_d(np.broadcast_to(a, (*shape, *a.shape[-2:])))))
-        for a in arrays
-    )
+    tq, tk, tv = (torch.from_numpy(np.array(_four_d(a))).to(dtypes[dtype]) for a in full)
     tm = None
     if mask is not None:
-        m = np.broadcast_to(np.asarray(mask, bool), (*shape, tq.shape[-2], tk.shape[-2]))
+        lead = full[0].shape[:-2]
+        m = np.broadcast_to(np.asarray(mask, bool), (*lead, tq.shape[-2], tk.shape[-2]))
         tm = torch.from_numpy(np.array(_four_d(m)))
     with torch.no_grad(), sdpa_kernel([chosen]):
         out = torch.nn.functional.scaled_dot_product_attention(
-            tq, tk, tv, attn_mask=tm, scale=scale
+            tq, tk, tv, attn_mask=tm, scale=scale, is_causal=is_causal, enable_gqa=enable_gqa
         )
-    return out.numpy().reshape(*shape, *out.shape[-2:])
+    return out.float().numpy().reshape(*full[0].shape[:-2], *out.shape[-2:])
 
 
 def _four_d(a: np.ndarray) -> np.ndarray:

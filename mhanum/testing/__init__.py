@@ -222,6 +222,7 @@ def attention_oracle(
     kernel: Kernel | str = "jax-xla",
     dtype: str | None = None,
     layout: str = "bhld",
+    enable_gqa: bool = False,
 ) -> Oracle:
     """The certified reference of ``attention(q, k, v)`` and the kernel's tolerance around it.
 
@@ -238,6 +239,9 @@ def attention_oracle(
             ``jax.nn.dot_product_attention``, FlashAttention): the layout of q, k, v and of
             the output (``exact`` and ``tolerance`` come back in it); masks and biases are
             ``(..., H, Lq, Lk)`` in both.
+        enable_gqa: grouped-query attention (torch's ``enable_gqa``): k and v carry ``H_kv``
+            heads, a divisor of q's ``H``; query head ``h`` reads key head ``h // (H / H_kv)``
+            (k and v repeated head by head, as ``repeat_interleave`` does).
 
     Returns:
         An :class:`Oracle`.
@@ -264,6 +268,8 @@ def attention_oracle(
     if q64.ndim < 2 or k64.ndim < 2 or v64.ndim < 2:
         msg = f"q: expected arrays of at least 2 dimensions, got {q64.shape}"
         raise InvalidArgument(msg)
+    if enable_gqa:
+        k64, v64 = _grouped(q64, k64, v64)
     m = _mask(mask, is_causal, q64.shape[-2], k64.shape[-2])
     policy, dead = kern.fully_masked, None
     ref_mask = m
@@ -290,6 +296,22 @@ def attention_oracle(
         np.swapaxes(a, -3, -2) for a in (oracle.exact, oracle.tolerance, oracle.term)
     )
     return dataclasses.replace(oracle, exact=exact, tolerance=tol, term=term)
+
+
+def _grouped(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """k and v repeated head by head to q's number of heads (grouped-query attention)."""
+    if min(q.ndim, k.ndim, v.ndim) < 3:
+        msg = f"k: expected (..., H_kv, L, d) arrays with enable_gqa=True, got {k.shape}"
+        raise InvalidArgument(msg)
+    h, h_kv = q.shape[-3], k.shape[-3]
+    if v.shape[-3] != h_kv or h_kv == 0 or h % h_kv:
+        msg = (
+            f"k: expected a number of key/value heads dividing q's {h}, the same for k and v, "
+            f"got {h_kv} and {v.shape[-3]}"
+        )
+        raise InvalidArgument(msg)
+    group = h // h_kv
+    return np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
 
 
 def attention_tolerance(q: Any, k: Any, v: Any, **kwargs: Any) -> np.ndarray:

@@ -143,3 +143,30 @@ def test_generated_inputs_and_masks_stay_within_the_bound(layer, seed, mask, pat
     _, params = _check.inputs()
     x = np.random.default_rng(seed).standard_normal((_check.BATCH, _check.LENGTH, _check.D_MODEL))
     _check.check_output(adapter, layer, params, path, x.astype(np.float32), mask)
+
+
+@pytest.mark.parametrize("backend", ["math", "flash"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_sdpa_in_half_precision_causal_and_grouped_lies_within_its_certified_tolerance(
+    backend, dtype
+):
+    from mhanum.testing import assert_attention_close
+
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((2, 4, 9, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 9, 16)).astype(np.float32) for _ in range(2))
+    out = adapter.sdpa(q, k, v, backend=backend, dtype=dtype, is_causal=True, enable_gqa=True)
+    # the kernel read the inputs rounded to dtype: the oracle is given exactly those values
+    rounded = [torch.from_numpy(a).to(getattr(torch, dtype)) for a in (q, k, v)]
+    kernel = {"math": "torch-sdpa-math", "flash": "torch-sdpa-flash-cpu"}[backend]
+    assert_attention_close(out, *rounded, is_causal=True, enable_gqa=True, kernel=kernel)
+
+
+def test_the_sdpa_kernel_descriptors_agree_with_the_adapter_models_in_float32():
+    from mhanum.testing import KERNELS
+
+    assert KERNELS["torch-sdpa-math"].models["float32"] == (adapter.sdpa_model("math").numerics,)
+    assert KERNELS["torch-sdpa-flash-cpu"].models["float32"] == (
+        adapter.sdpa_model("flash").numerics,
+    )
+    assert KERNELS["torch-sdpa-math"].fully_masked == adapter.sdpa_model("math").fully_masked

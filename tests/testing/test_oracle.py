@@ -194,3 +194,27 @@ def test_jax_layout_with_batches_heads_and_a_per_head_mask():
         )  # fmt: skip
     with pytest.raises(InvalidArgument, match=r"^layout: expected one of"):
         attention_tolerance(q, k, v, kernel="jax-xla", layout="bshd")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_query_attention_of_torch(dtype):
+    rng = np.random.default_rng(12)
+    tdtype = DTYPES[dtype][1]
+    q = torch.from_numpy(rng.standard_normal((2, 6, 5, 8), np.float32)).to(tdtype)
+    k, v = (torch.from_numpy(rng.standard_normal((2, 2, 5, 8), np.float32)).to(tdtype)
+            for _ in range(2))  # fmt: skip
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        )
+    assert_attention_close(out, q, k, v, is_causal=True, enable_gqa=True, kernel="torch-sdpa-math")
+    with pytest.raises(AttentionMismatch):  # the groups read in the wrong order are wrong
+        assert_attention_close(
+            out[:, [1, 0, 3, 2, 5, 4]], q, k, v, is_causal=True, enable_gqa=True,
+            kernel="torch-sdpa-math",
+        )  # fmt: skip
+    with pytest.raises(InvalidArgument, match=r"^k: expected a number of key/value heads"):
+        attention_tolerance(q, k[:, :1].expand(2, 4, 5, 8)[:, :4], v, enable_gqa=True,
+                            kernel="torch-sdpa-math")  # fmt: skip
