@@ -351,6 +351,10 @@ def mha_oracle(
         num_heads: the number of heads.
         mask: boolean, True = attend, broadcastable to ``(..., heads, Lq, Lk)``.
         kernel, dtype: as in :func:`attention_oracle`.
+
+    An output row whose every head attends no key under ``-inf`` masking is the convention's
+    exact answer (the output bias when heads return 0, NaN): tolerance 0 there. A row where only
+    some heads attend no key has no finite bound yet (tolerance ``inf``, term ``fully_masked``).
     """
     from mhanum import reference
     from mhanum.bounds import mha_bound
@@ -359,10 +363,10 @@ def mha_oracle(
     fmt = _format_of(x_q, dtype)
     xq, xkv = _as_float64(x_q, "x_q"), _as_float64(x_kv, "x_kv")
     m = None if mask is None else _mask(mask, False, xq.shape[-2], xkv.shape[-2])
-    policy = kern.fully_masked
-    if m is not None and (~np.asarray(m).any(axis=-1)).any():
-        msg = "mask: a row that attends no key is not supported by mha_oracle yet"
-        raise InvalidArgument(msg)
+    policy, dead = kern.fully_masked, None
+    if m is not None:
+        m4 = m if m.ndim >= 3 else m[None]  # (..., heads or 1, Lq, Lk)
+        dead = np.asarray(~m4.any(axis=-1), bool).all(axis=-2)  # every head's row is masked
     exact = np.asarray(
         reference.multi_head_attention(
             xq, xkv, params, num_heads, mask=m,
@@ -373,7 +377,9 @@ def mha_oracle(
     bounds = [
         mha_bound(xq, xkv, params, num_heads, mask=m, numerics=n) for n in kern.candidates(fmt)
     ]
-    return _fold(exact, bounds, None, kern, fmt)
+    if dead is not None:
+        dead = np.broadcast_to(dead, exact.shape[:-1])
+    return _fold(exact, bounds, dead, kern, fmt)
 
 
 def mha_tolerance(x_q: Any, x_kv: Any, params: Any, num_heads: int, **kwargs: Any) -> np.ndarray:

@@ -218,3 +218,27 @@ def test_grouped_query_attention_of_torch(dtype):
     with pytest.raises(InvalidArgument, match=r"^k: expected a number of key/value heads"):
         attention_tolerance(q, k[:, :1].expand(2, 4, 5, 8)[:, :4], v, enable_gqa=True,
                             kernel="torch-sdpa-math")  # fmt: skip
+
+
+def test_torch_multihead_attention_with_a_fully_masked_row():
+    from mhanum import MHAParams
+    from mhanum.adapters import torch as adapter
+    from mhanum.testing import assert_mha_close, mha_oracle
+
+    params = MHAParams.random(16, seed=2)
+    layer = adapter.load(params, 4)
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((2, 6, 16)).astype(np.float32)
+    mask = rng.random((2, 6, 6)) < 0.6
+    mask[..., 0] = True
+    mask[1, 3] = False  # a row that attends no key: SDPA's heads return 0, the layer its bias
+    out = adapter.run(layer, x, x, mask, path="sdpa")
+    p32 = adapter.extract(layer)
+    oracle = mha_oracle(x, x, p32, 4, mask=mask[:, None], kernel="torch-sdpa-flash-cpu")
+    np.testing.assert_array_equal(oracle.exact[1, 3], np.asarray(p32.bo, np.float64))
+    assert np.all(oracle.tolerance[1, 3] == 0)
+    assert_mha_close(out, x, x, p32, 4, mask=mask[:, None], kernel="torch-sdpa-flash-cpu")
+    wrong = np.array(out)
+    wrong[1, 3] += 1e-6  # the convention's answer is exact: any change is caught
+    with pytest.raises(AttentionMismatch, match=r"index \(1, 3, "):
+        assert_mha_close(wrong, x, x, p32, 4, mask=mask[:, None], kernel="torch-sdpa-flash-cpu")
