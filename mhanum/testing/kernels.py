@@ -12,8 +12,9 @@ that confirmed it. A kernel whose arithmetic mhanum cannot model yet is not list
 :data:`NOT_MODELLED`), rather than listed with a tolerance that might not hold.
 
 >>> k = get_kernel("torch-sdpa-math")
->>> [n.describe() for n in k.candidates("float32")]
-["Numerics(input='float32', accum='float32', mask_mode='add', scale='qk', div_ulps=2.0)"]
+>>> for n in k.candidates("float32"):
+...     print(n.describe())
+Numerics(input='float32', accum='float32', mask_mode='add', scale='qk', div_ulps=2.0)
 >>> k.fully_masked
 'zero'
 """
