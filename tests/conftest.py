@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # One BLAS thread per process: `-n 2` on 2 cores already fills them, and threaded BLAS on small
 # products oversubscribes them (about 100x slower in the reference's Ozaki products). Set before
@@ -10,9 +11,19 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax
+import pytest
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_enable_x64", True)
+
+# JAX's persistent compilation cache: a compiled function is reused by the other xdist worker
+# and by later runs (MHANUM_JAX_CACHE names the directory; default .jax_cache/ at the root).
+_CACHE = os.environ.get("MHANUM_JAX_CACHE") or str(
+    Path(__file__).resolve().parents[1] / ".jax_cache"
+)
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 settings.register_profile(
     "ci",
@@ -30,3 +41,13 @@ settings.register_profile(
 )
 settings.register_profile("full", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests listed in tests/slow.txt (measured: see tests/tiers.py) join the slow tier."""
+    from tests.tiers import read
+
+    slow = read()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)

@@ -56,7 +56,7 @@ def test_error_is_within_the_derived_bound_and_nonzero(preset, order, softmax):
 @settings(max_examples=10)
 @given(
     seed=st.integers(0, 2**32 - 1),
-    lk=st.integers(1, 40),
+    lk=st.sampled_from((1, 2, 3, 7, 8, 9, 16, 17, 32, 33, 40)),  # bucketed: compiles reused
     scale=st.sampled_from([0.25, 1, 2]),
     preset=st.sampled_from(list(PRESETS)),
     order=st.sampled_from(ORDERS),

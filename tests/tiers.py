@@ -1,0 +1,52 @@
+"""The test tiers, by measured time: tests/slow.txt lists the tests that run in the full run only.
+
+Regenerate it from a timed run of the fast tier (``--durations=0`` prints every test's setup and
+call times; a test whose setup and call together take at least ``THRESHOLD`` seconds moves to
+the slow tier)::
+
+    HYPOTHESIS_PROFILE=ci python -m pytest -n 2 -m "not slow" --durations=0 -q > durations.txt
+    python tests/tiers.py durations.txt
+
+Tests already marked ``@pytest.mark.slow`` in their files stay slow; this file only adds to them.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import sys
+from pathlib import Path
+
+THRESHOLD = 3.0  # seconds (setup + call) on 2 cores under `-n 2`
+LIST = Path(__file__).with_name("slow.txt")
+LINE = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(\S+)")
+
+
+def slow_ids(lines: list[str]) -> list[tuple[float, str]]:
+    """``(seconds, node id)`` of every test at or above the threshold, slowest first."""
+    total: dict[str, float] = collections.defaultdict(float)
+    for line in lines:
+        m = LINE.match(line)
+        if m:
+            total[m.group(3)] += float(m.group(1))
+    return sorted(((t, n) for n, t in total.items() if t >= THRESHOLD), reverse=True)
+
+
+def read() -> set[str]:
+    """The node ids listed in tests/slow.txt."""
+    if not LIST.exists():
+        return set()
+    return {
+        line.split(None, 1)[1].strip()
+        for line in LIST.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+
+
+if __name__ == "__main__":
+    found = slow_ids(Path(sys.argv[1]).read_text().splitlines())
+    kept = read() - {n for _, n in found}
+    lines = [f"{t:6.2f} {n}" for t, n in found] + [f"     - {n}" for n in sorted(kept)]
+    header = f"# measured seconds (setup + call) >= {THRESHOLD}; regenerate with tests/tiers.py\n"
+    LIST.write_text(header + "\n".join(lines) + "\n")
+    print(f"{len(found)} tests at or above {THRESHOLD} s; {len(kept)} kept from before")
