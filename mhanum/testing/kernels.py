@@ -109,28 +109,51 @@ def _half_variants(base: Numerics, fmt: str, **stored: str) -> tuple[Numerics, .
     return (upcast, kept)
 
 
+_MATH_SOURCE = (
+    "aten/src/ATen/native/transformers/attention.cpp: _scaled_dot_product_attention_math "
+    "(torch 2.13): q and k each times sqrt(scale), a boolean mask as 0/-inf added, "
+    "_safe_softmax (a row that attends no key is 0), then P @ V"
+)
+
+
 def _torch_sdpa_math() -> Kernel:
     base = Numerics(
         input="float32", accum="float32", scale="qk", mask_mode="add",
         mask_value=-math.inf, div_ulps=2.0,
     )  # fmt: skip
-    models = {"float32": (base,), **{f: _half_variants(base, f) for f in _HALF}}
+    models = {"float32": (base,), **{f: _half_variants(base, f)[:1] for f in _HALF}}
     return Kernel(
         "torch-sdpa-math",
         models,
         "zero",
         (
+            _MATH_SOURCE,
             (
-                "aten/src/ATen/native/transformers/attention.cpp: _scaled_dot_product_attention_math "
-                "(torch 2.13): q and k each times sqrt(scale), a boolean mask as 0/-inf added, "
-                "_safe_softmax (a row that attends no key is 0), then P @ V"
-            ),
-            (
-                "half inputs: both an upcast to float32 and float32 accumulation of half-stored "
-                "scores and probabilities are covered"
+                "half inputs are upcast to float32 and only the output is rounded back, unless "
+                "torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True) (off by default; "
+                "see 'torch-sdpa-math-reduced'); measured with torch 2.13 on the CPU: bfloat16 and "
+                "float16 outputs bit-identical to the float32 computation rounded"
             ),
         ),
         "softmax as exp(x - max) / sum with a reciprocal (div_ulps = 2)",
+    )
+
+
+def _torch_sdpa_math_reduced() -> Kernel:
+    base = _torch_sdpa_math().models["float32"][0]
+    return Kernel(
+        "torch-sdpa-math-reduced",
+        {f: _half_variants(base, f) for f in _HALF},
+        "zero",
+        (
+            _MATH_SOURCE,
+            (
+                "torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True): the math backend "
+                "may keep scores and probabilities in the input type; both that and the upcast "
+                "are covered (accumulation in float32 either way)"
+            ),
+        ),
+        "half inputs only",
     )
 
 
@@ -210,6 +233,7 @@ KERNELS: Mapping[str, Kernel] = {
     k.name: k
     for k in (
         _torch_sdpa_math(),
+        _torch_sdpa_math_reduced(),
         _torch_sdpa_math_tf32(),
         _torch_sdpa_flash_cpu(),
         _jax_xla(),

@@ -1,0 +1,374 @@
+"""mhanum.testing's certified tolerance against the tolerances kernel test suites use.
+
+    python benchmarks/peer_tolerances.py            # every configuration and every planted bug
+    python benchmarks/peer_tolerances.py --quick    # two configurations, fewer draws
+
+Part 1 runs real kernels (torch's SDPA math and CPU flash backends, ``jax.nn.dot_product_attention``)
+on configurations of the kinds their test suites use and prints, per configuration: the false
+alarms (elements outside mhanum's tolerance: must be 0), the worst error ÷ tolerance, and the
+largest mhanum tolerance ÷ each peer's threshold. The peers (each a threshold on max|test − gold|):
+
+* PyTorch (``test/test_transformers.py``, ``_check_equal``): ``max(1e-5, fudge · max|golden −
+  lp_ref|)`` with ``golden`` the float64 math reference, ``lp_ref`` the math backend in the test's
+  dtype, and the output's fudge factor 5 (``check_out_and_grad``'s default);
+* FlashAttention (``tests/test_flash_attn.py``, ``test_flash_attn_output``): ``2 · max|out_pt −
+  out_ref|`` with ``out_ref`` plain PyTorch attention upcast to float32 and ``out_pt`` the same in
+  the test's dtype (half precision only);
+* JAX (``tests/nn_test.py``, ``testDotProductAttention``): ``atol = rtol = 0.01`` element by
+  element (half precision only).
+
+mhanum's ``golden`` is its certified reference (the peers use float64 or float32 attention).
+
+Part 2 plants bugs in a small bfloat16 kernel of its own (float32 inside, float32
+probabilities, output rounded to bfloat16; its descriptor says exactly that) and counts, for each
+bug over several input draws, how often mhanum and each peer catch it, and whether the bug moves
+the output beyond rounding at all (beyond the correct kernel's certified tolerance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+import torch
+
+from mhanum import Numerics
+from mhanum.testing import Kernel, attention_oracle
+
+jax.config.update("jax_enable_x64", True)
+
+DTYPES = {"float32": (np.float32, torch.float32), "bfloat16": (ml_dtypes.bfloat16, torch.bfloat16),
+          "float16": (np.float16, torch.float16)}  # fmt: skip
+PT_FUDGE = 5.0
+PT_ATOL = 1e-5
+JAX_TOL = 0.01
+
+# (batch, heads, Lq, Lk, d, causal, scale): shapes of the kinds the SDPA and flash tests use
+CONFIGS = [
+    (1, 2, 64, 64, 64, False, None),
+    (2, 2, 128, 128, 32, True, None),
+    (1, 2, 96, 160, 128, False, 0.5),
+    (1, 1, 256, 256, 64, True, None),
+]
+QUICK = CONFIGS[:2]
+
+
+def _inputs(config: tuple[Any, ...], dtype: str, seed: int) -> tuple[np.ndarray, ...]:
+    b, h, lq, lk, d, _, _ = config
+    rng = np.random.default_rng(seed)
+    np_dtype = DTYPES[dtype][0]
+    shapes = ((b, h, lq, d), (b, h, lk, d), (b, h, lk, d))
+    return tuple(rng.standard_normal(s).astype(np.float32).astype(np_dtype) for s in shapes)
+
+
+def _torch_sdpa(q, k, v, *, backend, dtype, causal, scale, device_dtype=None):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    td = device_dtype or DTYPES[dtype][1]
+    t = [torch.from_numpy(np.asarray(a, np.float64)).to(td) for a in (q, k, v)]
+    chosen = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    with torch.no_grad(), sdpa_kernel([chosen]):
+        out = torch.nn.functional.scaled_dot_product_attention(*t, is_causal=causal, scale=scale)
+    return out.double().numpy()
+
+
+def _plain_torch(q, k, v, *, dtype, causal, scale, upcast):
+    """FlashAttention's ``attention_ref``: plain softmax(q kᵀ·scale) v, upcast or not."""
+    td = torch.float32 if upcast else DTYPES[dtype][1]
+    tq, tk, tv = (torch.from_numpy(np.asarray(a, np.float64)).to(td) for a in (q, k, v))
+    s = tq @ tk.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    out = torch.softmax(s, dim=-1) @ tv
+    return out.double().numpy()
+
+
+def _jax(q, k, v, *, dtype, causal, scale):
+    jd = DTYPES[dtype][0]
+    t = [jax.numpy.asarray(np.swapaxes(np.asarray(a), 1, 2), dtype=jd) for a in (q, k, v)]
+    out = jax.nn.dot_product_attention(*t, is_causal=causal, scale=scale)
+    return np.swapaxes(np.asarray(out, np.float64), 1, 2)
+
+
+KERNELS: dict[str, Callable[..., np.ndarray]] = {
+    "torch-sdpa-math": lambda q, k, v, **kw: _torch_sdpa(q, k, v, backend="math", **kw),
+    "torch-sdpa-flash-cpu": lambda q, k, v, **kw: _torch_sdpa(q, k, v, backend="flash", **kw),
+    "jax-xla": _jax,
+}
+
+
+def peer_thresholds(gold, q, k, v, *, dtype, causal, scale) -> dict[str, Any]:
+    """Each peer's threshold on |test - gold| (a scalar, or an array for JAX's rtol)."""
+    lp_ref = _torch_sdpa(q, k, v, backend="math", dtype=dtype, causal=causal, scale=scale)
+    out: dict[str, Any] = {"pytorch": max(PT_ATOL, PT_FUDGE * float(np.max(np.abs(gold - lp_ref))))}
+    if dtype != "float32":
+        kw = {"dtype": dtype, "causal": causal, "scale": scale}
+        out_ref = _plain_torch(q, k, v, upcast=True, **kw)
+        out_pt = _plain_torch(q, k, v, upcast=False, **kw)
+        out["flash-attention"] = 2 * float(np.max(np.abs(out_pt - out_ref)))
+        out["jax"] = JAX_TOL + JAX_TOL * np.abs(gold)
+    return out
+
+
+def caught_by_peers(test: np.ndarray, gold: np.ndarray, peers: dict[str, Any]) -> dict[str, bool]:
+    err = np.abs(test - gold)
+    bad = ~np.isfinite(test)
+    return {name: bool(bad.any() or np.any(err > t)) for name, t in peers.items()}
+
+
+def run_configuration(kernel: str, dtype: str, config: tuple[Any, ...], seed: int = 0):
+    """One row of part 1: false alarms, worst err/tol, and mhanum tolerance ÷ peer thresholds."""
+    q, k, v = _inputs(config, dtype, seed)
+    causal, scale = config[5], config[6]
+    out = KERNELS[kernel](q, k, v, dtype=dtype, causal=causal, scale=scale)
+    oracle = attention_oracle(q, k, v, is_causal=causal, scale=scale, kernel=kernel)
+    failing, ratio = oracle.check(out)
+    peers = peer_thresholds(oracle.exact, q, k, v, dtype=dtype, causal=causal, scale=scale)
+    vs = {}
+    for name, t in peers.items():
+        per = oracle.tolerance / t
+        vs[name] = (float(np.median(per)), float(np.max(per)))
+    return {
+        "false_alarms": int(failing.sum()),
+        "worst_ratio": float(ratio.max()),
+        "tolerance_max": float(oracle.tolerance.max()),
+        "vs_peers": vs,
+    }
+
+
+# -- part 2: planted bugs ----------------------------------------------------------------------
+
+BUGS = (
+    "scale x1.001",
+    "scale x1.01",
+    "dropped key block",
+    "stale row maximum",
+    "causal off by one",
+    "P rounded to bf16",
+    "missing final rescale",
+    "fully-masked rows uniform",
+)
+BLOCK = 32
+
+
+def own_kernel_numerics() -> Numerics:
+    """The numerics of :func:`own_kernel` (bfloat16 in and out, float32 inside)."""
+    return Numerics(
+        input="bfloat16", accum="float32", score_format="float32", scale_format="float32",
+        softmax_format="float32", prob_format="float32", output_format="bfloat16",
+        softmax=f"online({BLOCK})", mask_mode="add", div_ulps=0.5,
+    )  # fmt: skip
+
+
+OWN = Kernel(
+    "own-bf16-online",
+    {"bfloat16": (own_kernel_numerics(),)},
+    fully_masked="zero",
+    evidence=("benchmarks/peer_tolerances.py: own_kernel, a numpy online softmax in float32",),
+)
+
+
+def own_kernel(q, k, v, mask, *, bug: str | None = None, work: Any = np.float32) -> np.ndarray:
+    """A float32 online-softmax kernel on bfloat16 inputs, output rounded to bfloat16.
+
+    ``work=np.float64`` runs the same algorithm (with the same bug) in float64 and returns the
+    output unrounded: the bug's own effect, nearly free of rounding.
+    """
+    f = work
+    q32, k32, v32 = (np.asarray(a, f) for a in (q, k, v))
+    lq, lk, d = q32.shape[-2], k32.shape[-2], q32.shape[-1]
+    scale = f(1 / math.sqrt(d))
+    if bug == "scale x1.001":
+        scale = f(scale * 1.001)
+    if bug == "scale x1.01":
+        scale = f(scale * 1.01)
+    keep = np.ones((lq, lk), bool) if mask is None else np.asarray(mask, bool)
+    if bug == "causal off by one":
+        keep = keep | np.eye(lq, lk, k=1, dtype=bool)
+    if bug == "dropped key block":
+        keep = keep.copy()
+        keep[:, BLOCK : 2 * BLOCK] = False
+        keep[:, 0] |= ~keep.any(axis=-1)
+    s = (q32 @ np.swapaxes(k32, -1, -2)) * scale
+    s = np.where(keep, s, f(-np.inf))
+    n_blocks = -(-lk // BLOCK)
+    m = np.full((*s.shape[:-1], 1), -np.inf, f)
+    l = np.zeros((*s.shape[:-1], 1), f)
+    acc = np.zeros((*s.shape[:-1], v32.shape[-1]), f)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for b in range(n_blocks):
+            sb, vb = s[..., b * BLOCK : (b + 1) * BLOCK], v32[..., b * BLOCK : (b + 1) * BLOCK, :]
+            m_new = np.maximum(m, sb.max(axis=-1, keepdims=True))
+            safe = np.where(np.isfinite(m_new), m_new, f(0))
+            alpha = np.where(np.isfinite(m), np.exp(m - safe), f(0)).astype(f)
+            if bug == "stale row maximum" and b == 1:
+                alpha = np.ones_like(alpha)
+            e = np.exp(sb - safe).astype(f)
+            if bug == "P rounded to bf16":
+                e = e.astype(ml_dtypes.bfloat16).astype(f)
+            l = (alpha * l + e.sum(axis=-1, keepdims=True)).astype(f)
+            rescale = alpha
+            if bug == "missing final rescale" and b == n_blocks - 1:
+                rescale = np.ones_like(alpha)
+            acc = (rescale * acc + e @ vb).astype(f)
+            m = m_new
+        out = np.where(l > 0, acc / np.where(l > 0, l, 1), f(0)).astype(f)
+    dead = ~keep.any(axis=-1)
+    if bug == "fully-masked rows uniform":
+        out = np.where(dead[..., None], v32.mean(axis=-2, keepdims=True), out)
+    if work is np.float64:
+        return out
+    return out.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _bug_inputs(bug: str, seed: int, length: int, d: int):
+    rng = np.random.default_rng(100 + seed)
+    q, k, v = (
+        rng.standard_normal((2, length, d)).astype(np.float32).astype(ml_dtypes.bfloat16)
+        for _ in range(3)
+    )
+    mask = None
+    if bug == "causal off by one":
+        mask = np.tril(np.ones((length, length), bool))
+    if bug == "fully-masked rows uniform":
+        mask = rng.random((length, length)) < 0.9
+        mask[::17] = False
+    return q, k, v, mask
+
+
+def planted_draw(bug: str, seed: int, length: int = 128, d: int = 64) -> dict[str, Any]:
+    """One draw of one planted bug: its own effect, and who catches it.
+
+    ``effect`` is the bug's own effect in units of the correct kernel's certified tolerance: the
+    largest ``|bug64 - exact| / tolerance`` with ``bug64`` the bugged algorithm run in float64
+    (unrounded). Above 1 the bug alone moves some element farther than every rounding of the
+    kernel's numerics may: it is *beyond rounding*, and a sound oracle with a useful tolerance
+    should catch it. ``caught`` says whether the bugged kernel's real output fails the check.
+    """
+    q, k, v, mask = _bug_inputs(bug, seed, length, d)
+    oracle = attention_oracle(q, k, v, mask=mask, kernel=OWN)
+    good = own_kernel(q, k, v, mask)
+    bad = own_kernel(q, k, v, mask, bug=bug)
+    bug64 = own_kernel(q, k, v, mask, bug=bug, work=np.float64)
+    good_failing, good_ratio = oracle.check(good)
+    _, effect = oracle.check(bug64)
+    peers = _peers_for_own(oracle.exact, q, k, v, mask)
+    return {
+        "good_alarms": int(good_failing.sum()),
+        "good_ratio": float(good_ratio.max()),
+        "effect": float(effect.max()),
+        "max_diff": float(np.nanmax(np.abs(bad - good))),
+        "caught": bool(oracle.check(bad)[0].any()),
+        "peers": caught_by_peers(bad, np.nan_to_num(oracle.exact), peers),
+    }
+
+
+def planted(draws: int, length: int = 128, d: int = 64) -> list[dict[str, Any]]:
+    """Part 2: per bug, how often it moves the output beyond rounding and who catches it."""
+    rows = []
+    for bug in BUGS:
+        results = [planted_draw(bug, seed, length, d) for seed in range(draws)]
+        beyond = [r for r in results if r["effect"] > 1]
+        within = [r for r in results if r["effect"] <= 1]
+        row = {
+            "bug": bug,
+            "draws": draws,
+            "good_alarms": sum(r["good_alarms"] for r in results),
+            "effect": max(r["effect"] for r in results),
+            "max_diff": max(r["max_diff"] for r in results),
+            "beyond": len(beyond),
+            "mhanum": sum(r["caught"] for r in beyond),
+            "mhanum_within": sum(r["caught"] for r in within),
+        }
+        for name in ("pytorch", "flash-attention", "jax"):
+            row[name] = sum(r["peers"][name] for r in beyond)
+        rows.append(row)
+    return rows
+
+
+def _peers_for_own(gold, q, k, v, mask):
+    """The peers' thresholds for the own kernel: low-precision references in bfloat16."""
+    tq, tk, tv = (torch.from_numpy(np.asarray(a, np.float64)) for a in (q, k, v))
+    tm = None if mask is None else torch.from_numpy(mask)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        lp = (
+            torch.nn.functional.scaled_dot_product_attention(
+                tq.bfloat16(), tk.bfloat16(), tv.bfloat16(), attn_mask=tm
+            )
+            .double()
+            .numpy()
+        )
+        up = (
+            torch.nn.functional.scaled_dot_product_attention(
+                tq.float(), tk.float(), tv.float(), attn_mask=tm
+            )
+            .double()
+            .numpy()
+        )
+    g = np.nan_to_num(gold)
+    return {
+        "pytorch": max(PT_ATOL, PT_FUDGE * float(np.nanmax(np.abs(g - lp)))),
+        "flash-attention": 2 * float(np.nanmax(np.abs(lp - up))),
+        "jax": JAX_TOL + JAX_TOL * np.abs(g),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="two configurations, 3 draws")
+    args = parser.parse_args(argv)
+    configs = QUICK if args.quick else CONFIGS
+    print("part 1: real kernels (false alarms must be 0; tolerance ÷ peer: median / max)")
+    print(f"{'kernel':22s} {'dtype':9s} {'B,H,Lq,Lk,d,causal,scale':28s} {'alarms':>6s} "
+          f"{'err/tol':>8s}  vs pytorch      vs flash-attn    vs jax")  # fmt: skip
+    alarms = 0
+    for kernel in KERNELS:
+        for dtype in DTYPES:
+            for config in configs:
+                r = run_configuration(kernel, dtype, config)
+                alarms += r["false_alarms"]
+                peers = "  ".join(
+                    f"{r['vs_peers'][p][0]:6.3g}/{r['vs_peers'][p][1]:<7.3g}"
+                    if p in r["vs_peers"] else f"{'-':>14s}"
+                    for p in ("pytorch", "flash-attention", "jax")
+                )  # fmt: skip
+                print(f"{kernel:22s} {dtype:9s} {','.join(map(str, config)):28s} "
+                      f"{r['false_alarms']:6d} {r['worst_ratio']:8.3g}  {peers}")  # fmt: skip
+    print(f"false alarms in all: {alarms}")
+    draws = 3 if args.quick else 8
+    print(f"\npart 2: planted bugs in a bfloat16 online-softmax kernel, {draws} draws each")
+    print("effect: the bug's own effect (float64) ÷ the correct kernel's tolerance; the counts are "
+          "of the draws beyond rounding (effect > 1)")  # fmt: skip
+    print(f"{'bug':26s} {'effect':>8s} {'max|bad-good|':>13s} {'beyond':>6s} {'mhanum':>6s} "
+          f"{'pytorch':>7s} {'flash':>5s} {'jax':>4s} {'within, caught':>14s}")  # fmt: skip
+    rows = planted(draws)
+    for r in rows:
+        print(f"{r['bug']:26s} {r['effect']:8.3g} {r['max_diff']:13.3g} {r['beyond']:6d} "
+              f"{r['mhanum']:6d} {r['pytorch']:7d} {r['flash-attention']:5d} {r['jax']:4d} "
+              f"{r['mhanum_within']:14d}")  # fmt: skip
+    alarms += sum(r["good_alarms"] for r in rows)
+    moving = [r for r in rows if r["beyond"]]
+    missed = [r for r in moving if min(r["pytorch"], r["flash-attention"], r["jax"]) < r["beyond"]]
+    print(
+        f"mhanum caught {sum(r['mhanum'] == r['beyond'] for r in moving)} of the {len(moving)} "
+        "bugs beyond rounding in every draw where they are"
+    )
+    print(
+        f"of the {len(missed)} bugs beyond rounding that some peer misses in some draw, mhanum "
+        f"caught {sum(r['mhanum'] == r['beyond'] for r in missed)}"
+    )
+    print(f"false alarms on the correct kernel: {sum(r['good_alarms'] for r in rows)}")
+    return 1 if alarms else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
