@@ -143,7 +143,7 @@ def _torch_sdpa_math_reduced() -> Kernel:
     base = _torch_sdpa_math().models["float32"][0]
     return Kernel(
         "torch-sdpa-math-reduced",
-        {f: _half_variants(base, f) for f in _HALF},
+        {"float32": (base,), **{f: _half_variants(base, f) for f in _HALF}},
         "zero",
         (
             _MATH_SOURCE,
@@ -153,7 +153,7 @@ def _torch_sdpa_math_reduced() -> Kernel:
                 "are covered (accumulation in float32 either way)"
             ),
         ),
-        "half inputs only",
+        "float32 inputs as 'torch-sdpa-math'",
     )
 
 
