@@ -37,4 +37,3 @@ def test_every_planted_bug_beyond_rounding_is_caught(bug):
     beyond = [d for d in draws if d["effect"] > 1]
     assert beyond, f"{bug}: no draw beyond rounding, so the test could not fail"
     assert all(d["caught"] for d in beyond), (bug, draws)
-
