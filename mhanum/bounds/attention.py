@@ -215,11 +215,94 @@ def _log_expm1_upper(x: np.ndarray) -> np.ndarray:
         return np.where(x > 30.0, x, np.log(np.expm1(small)))
 
 
-def _times_expm1(log_a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """``e^{log_a}·(e^y - 1)`` for ``y >= 0``, without ``0·inf`` (``log_a`` may be ``-inf``)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        direct = np.exp(log_a) * np.expm1(np.minimum(y, 1.0))
-        return np.where(y > 1.0, np.exp(log_a + y), direct)
+def _times_expm1(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``a·(e^y - 1)`` for ``0 <= a <= 1`` and ``y >= 0``, without ``0·inf``."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        out = a * np.expm1(np.minimum(y, 1.0))
+        big = y > 1.0
+        if big.any():
+            out = np.where(big, np.exp(np.log(a) + y), out)
+    return out
+
+
+def _weighted_expm1(a: np.ndarray, x: np.ndarray, live: np.ndarray) -> np.ndarray:
+    """``Σ_j a_j (e^{x_j} - 1)`` over the live keys of each row (keepdims), ``0 <= a <= 1``,
+    ``x >= 0``; in log space for a row with an ``x_j > 30`` (the sum may overflow)."""
+    out = np.where(live, a * np.expm1(np.minimum(x, 30.0)), 0.0).sum(axis=-1, keepdims=True)
+    big = (x > 30.0).any(axis=-1)
+    if big.any():
+        with np.errstate(divide="ignore", over="ignore"):
+            log_r = _log_expm1_upper(np.maximum(x[big], 1e-300))
+            terms = np.where(live[big], np.log(a[big]) + log_r, -np.inf)
+            out[big] = np.exp(_logsumexp(terms))
+    return out
+
+
+def _extremes(
+    sc: np.ndarray, delta: np.ndarray, live: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Step 4's probabilities and their extremes over the box ``|ε_l| <= δ_l``.
+
+    For logits ``sc`` shifted by the row maximum (``-inf`` where not live): ``p``, the extremes
+    ``p̃_j = p_j e^{±δ_j} / (p_j e^{±δ_j} + Σ_{l≠j} p_l e^{∓δ_l})`` (Lemma 4; the upper one at
+    most 1, both 0 off the live keys) and ``log Σ_l e^{sc_l - δ_l}`` per row. Rows whose
+    errors are at most 1 are evaluated directly (every exponential is within ``e^{±1}`` of
+    ``e^{sc}``, whose largest is 1); the others, and rows without a live key, in log space.
+    """
+    d_row = np.where(live, delta, 0.0).max(axis=-1)
+    fast = live.any(axis=-1) & (d_row <= 1.0)
+    if fast.all():
+        return _extremes_direct(sc, delta, live)
+    p = np.zeros(sc.shape)
+    hi, lo = np.zeros(sc.shape), np.zeros(sc.shape)
+    log_sum = np.zeros((*sc.shape[:-1], 1))
+    for rows, how in ((fast, _extremes_direct), (~fast, _extremes_log)):
+        if rows.any():
+            p[rows], hi[rows], lo[rows], log_sum[rows] = how(sc[rows], delta[rows], live[rows])
+    return p, hi, lo, log_sum
+
+
+def _rest(e: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """``Σ_{l≠j} e_l`` for every ``j``: ``total - e_j`` where ``e_j`` is at most half the total
+    (no cancellation), the direct sum over the others for the one key that may exceed it."""
+    rest = total - e
+    dominant = e > 0.5 * total
+    if dominant.any():
+        others = np.where(dominant, 0.0, e).sum(axis=-1, keepdims=True)
+        rest = np.where(dominant, others, rest)
+    return rest
+
+
+def _extremes_direct(
+    sc: np.ndarray, delta: np.ndarray, live: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_extremes` for rows with a live key and ``δ <= 1``: linear arithmetic."""
+    e = np.exp(sc)  # 0 off the live keys, 1 at the row maximum
+    grow = np.exp(delta)
+    e_hi, e_lo = e * grow, e / grow
+    s_lo = e_lo.sum(axis=-1, keepdims=True)
+    s_hi = e_hi.sum(axis=-1, keepdims=True)
+    p = e / e.sum(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        p_hi = np.minimum(e_hi / (e_hi + _rest(e_lo, s_lo)), 1.0)
+        p_lo = e_lo / (e_lo + _rest(e_hi, s_hi))
+    p_hi = np.where(live, p_hi, 0.0)
+    p_lo = np.where(live, p_lo, 0.0)
+    return p, p_hi, p_lo, np.log(s_lo)
+
+
+def _extremes_log(
+    sc: np.ndarray, delta: np.ndarray, live: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_extremes` in log space: any ``δ``, rows without a live key."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_p = sc - np.log(np.exp(sc).sum(axis=-1, keepdims=True))
+        a_lo, a_hi = log_p - delta, log_p + delta
+        log_pt_hi = a_hi - np.logaddexp(a_hi, _log_sum_excluding(a_lo))
+        log_pt_lo = a_lo - np.logaddexp(a_lo, _log_sum_excluding(a_hi))
+    log_pt_hi = np.where(live, np.minimum(log_pt_hi, 0.0), -np.inf)  # p̃_j <= 1
+    log_pt_lo = np.where(live, log_pt_lo, -np.inf)
+    return np.exp(log_p), np.exp(log_pt_hi), np.exp(log_pt_lo), _logsumexp(sc - delta)
 
 
 def _head(
@@ -450,6 +533,83 @@ def _head(
     return terms, o, o_error, parts, ranges
 
 
+_CHUNK = 2**17  # logits per chunk of query rows: the float64 temporaries stay in cache
+
+
+def _head_rows(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    keep: np.ndarray,
+    bias: np.ndarray | None,
+    num: Numerics,
+    scale: float,
+    default_scale: bool,
+    errors: tuple[Any, Any, Any],
+    given: tuple[Any, Any, Any] | None = None,
+    lam: float | None = None,
+    masked: np.ndarray | None = None,
+    replaced: np.ndarray | None = None,
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray], _Ranges]:
+    """:func:`_head`, evaluated on chunks of query rows.
+
+    Every quantity of Theorem A.1 belongs to one query row (the keys and values enter each
+    row alike), so the chunks' terms, outputs and range flags are those of the whole head,
+    stacked; the chunks only keep the ``rows × keys`` temporaries small.
+    """
+    rows = q.shape[-2]
+    step = max(1, _CHUNK // max(1, k.shape[-2]))
+    if rows <= step:
+        return _head(
+            q, k, v, keep, bias, num, scale, default_scale, errors, given, lam, masked, replaced
+        )
+
+    def cut(x: Any, sl: slice) -> Any:
+        if isinstance(x, np.ndarray) and x.ndim >= 2 and x.shape[-2] == rows:
+            return x[..., sl, :]
+        return x
+
+    parts = []
+    for start in range(0, rows, step):
+        sl = slice(start, start + step)
+        parts.append(
+            _head(
+                cut(q, sl),
+                k,
+                v,
+                cut(keep, sl),
+                cut(bias, sl),
+                num,
+                scale,
+                default_scale,
+                (cut(errors[0], sl), errors[1], errors[2]),
+                None if given is None else (cut(given[0], sl), given[1], given[2]),
+                lam,
+                cut(masked, sl),
+                cut(replaced, sl),
+            )
+        )
+    ranges = _Ranges(rows, v.shape[-1])
+    for name in dict.fromkeys(n for part in parts for n in part[4].where):
+        ranges.where[name] = np.concatenate(
+            [part[4].where.get(name, np.zeros(part[4].shape, bool)) for part in parts]
+        )
+    ranges.reasons = list(dict.fromkeys(r for part in parts for r in part[4].reasons))
+
+    def stack(i: int) -> dict[str, np.ndarray]:
+        names = dict.fromkeys(n for part in parts for n in part[i])
+        return {
+            n: np.concatenate(
+                [np.broadcast_to(part[i].get(n, 0.0), part[1].shape) for part in parts]
+            )
+            for n in names
+        }
+
+    o = np.concatenate([part[1] for part in parts])
+    o_error = np.concatenate([np.broadcast_to(part[2], part[1].shape) for part in parts])
+    return stack(0), o, o_error, stack(3), ranges
+
+
 def _softmax_pv(
     s: np.ndarray,
     delta: np.ndarray,
@@ -483,16 +643,7 @@ def _softmax_pv(
     top = s.max(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore"):
         sc = np.where(live, s - np.where(np.isfinite(top), top, 0.0), -np.inf)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        log_p = sc - np.log(np.exp(sc).sum(axis=-1, keepdims=True))
-        a_lo, a_hi = log_p - delta, log_p + delta
-        log_pt_hi = a_hi - np.logaddexp(a_hi, _log_sum_excluding(a_lo))
-        log_pt_lo = a_lo - np.logaddexp(a_lo, _log_sum_excluding(a_hi))
-    log_pt_hi = np.where(live, np.minimum(log_pt_hi, 0.0), -np.inf)  # p̃_j <= 1
-    log_pt_lo = np.where(live, log_pt_lo, -np.inf)
-    p = np.exp(log_p)
-    p_tilde_hi = np.exp(log_pt_hi)
-    p_tilde_lo = np.exp(log_pt_lo)
+    p, p_tilde_hi, p_tilde_lo, log_sum_lo = _extremes(sc, delta, live)
     logits = np.maximum(p_tilde_hi - p, p - p_tilde_lo)
     # Step 5. |ŝ_j - m| <= G_j for the computed maximum m in [lo, hi] (safe, online).
     lo = np.where(live, sc - delta, -np.inf).max(axis=-1, keepdims=True)
@@ -502,16 +653,16 @@ def _softmax_pv(
     online = kind == "online"
     x, blocks, g_sum, g_pv, eta_pv = exp_and_sum_factors(num, n, gap, lam, bits_pv)
     x = np.broadcast_to(x, s.shape)
-    if kind == "naive":
-        log_s_lo = top + _logsumexp(sc - delta)
-    else:
-        log_s_lo = np.maximum(0.0, _logsumexp(sc - delta - hi))
+    with np.errstate(invalid="ignore"):
+        if kind == "naive":
+            log_s_lo = top + log_sum_lo
+        else:
+            log_s_lo = np.maximum(0.0, log_sum_lo - np.where(np.isfinite(hi), hi, 0.0))
     # R_j = e^{x_j} - 1: the relative error of the computed (rescaled) exponential of key j.
     x = np.where(live, x, 0.0)
-    log_r = _log_expm1_upper(np.maximum(x, 1e-300))
     with np.errstate(over="ignore"):
-        r_mean = np.exp(_logsumexp(np.where(live, log_pt_hi + log_r, -np.inf)))
-        r_max = np.expm1(np.where(live, x, 0.0).max(axis=-1, keepdims=True))
+        r_mean = _weighted_expm1(p_tilde_hi, x, live)
+        r_max = np.expm1(x.max(axis=-1, keepdims=True))
     r_bar = np.minimum(r_mean, r_max)
     with np.errstate(over="ignore"):
         underflow = n * eta_m * np.exp(-log_s_lo)
@@ -548,7 +699,7 @@ def _softmax_pv(
     per_sum = np.exp(np.where(vacuous, 0.0, -log_s_lo)) / (1 - t_safe)
 
     y = x + math.log1p(u_div) - np.log1p(-t_safe)
-    soft = np.where(vacuous, 0.0, _times_expm1(log_pt_hi, y))  # vacuous rows: flagged
+    soft = np.where(vacuous, 0.0, _times_expm1(p_tilde_hi, y))  # vacuous rows: flagged
     soft += eta_m * (1 + u_div) * per_sum + eta_m
     p_hat_hi = p_tilde_hi + soft
     prob = u_p * p_hat_hi + (eta_p * per_sum + blocks * eta_m * per_sum if online else eta_p)
@@ -588,11 +739,11 @@ def _softmax_pv(
 
     scale_out = (1 + u_o) * ((1 + u_div) if online else 1.0)
     u_last: Any = u_div  # the online softmax's final division
-    if kind != "naive":
+    single = live.sum(axis=-1, keepdims=True) == 1
+    if kind != "naive" and single.any():
         # A row with one live key: ŝ_j - m = 0 exactly, exp(0) = 1 (assumption E of M.5), the
         # sum is 1 and 1/1 = 1, so p̂_j = 1, and P·V sums the one exact product 1·v_j with
         # zeros (a split dot still drops v_j's last piece: its factor stays).
-        single = live.sum(axis=-1, keepdims=True) == 1
         logits, soft, prob, operand_p = (
             np.where(single, 0.0, x) for x in (logits, soft, prob, operand_p)
         )
@@ -782,7 +933,7 @@ def attention_bound(
     errors = tuple(rounding_error(x, fmt_in) for x in (qb, kb, vb))
     with _quiet():  # overflow in the float64 evaluation is caught by the range checks
         heads = [
-            _head(
+            _head_rows(
                 qb[i],
                 kb[i],
                 vb[i],
@@ -1073,7 +1224,7 @@ def mha_bound(
     for i in np.ndindex(*outer, heads):
         (q, eq, gq), (k, ek, gk), (v, ev, gv) = (proj[n] for n in "qkv")
         with _quiet():
-            results[i] = _head(
+            results[i] = _head_rows(
                 q[i],
                 k[i],
                 v[i],

@@ -1,0 +1,73 @@
+"""Cost of a bound against the attention call it bounds.
+
+    python benchmarks/bound_speed.py            # L = 1024 and 4096, attention and MHA
+    python benchmarks/bound_speed.py --quick    # L = 1024, attention only
+
+``attention_bound`` (Theorem A.1) and ``mha_bound`` (A.2) against ``mhanum.attention`` and
+``mhanum.multi_head_attention`` with the same numerics (``fp32``: XLA's own dot and reduce), on
+the same float32 data, ``d_k = d_v = 64`` (MHA: ``d_model = 512``, 8 heads). Medians of wall-clock
+time per call after a warm-up (the attention after compilation), measured side by side in one
+run, and the ratio bound ÷ attention (the goal for L ≥ 1024 is ≤ 5×).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+import mhanum
+from mhanum.bounds import attention_bound, mha_bound
+
+jax.config.update("jax_enable_x64", True)
+
+
+def median_time(f: Callable[[], object], repeat: int) -> float:
+    f()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="L = 1024, attention only")
+    args = parser.parse_args(argv)
+    num = mhanum.Numerics.preset("fp32")
+    rng = np.random.default_rng(0)
+    params = mhanum.MHAParams.random(512, seed=0)
+    print(f"{'case':32s} {'attention s':>12s} {'bound s':>10s} {'bound/attention':>16s}")
+    for length in (1024,) if args.quick else (1024, 4096):
+        repeat = 5 if length <= 1024 else 3
+        q, k, v = (rng.standard_normal((length, 64)).astype(np.float32) for _ in range(3))
+        q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+
+        def attend(q=q, k=k, v=v) -> object:
+            return np.asarray(mhanum.attention(q, k, v, numerics=num))
+
+        t_a = median_time(attend, repeat)
+        t_b = median_time(lambda q=q, k=k, v=v: attention_bound(q, k, v, numerics=num), repeat)
+        print(f"{f'attention L={length} d=64':32s} {t_a:12.4f} {t_b:10.4f} {t_b / t_a:16.1f}")
+        if args.quick:
+            continue
+        x = np.asarray(rng.standard_normal((1, length, 512)).astype(np.float32), np.float64)
+
+        def mha(x=x) -> object:
+            return np.asarray(mhanum.multi_head_attention(x, x, params, 8, numerics=num))
+
+        t_a = median_time(mha, repeat)
+        t_b = median_time(lambda x=x: mha_bound(x, x, params, 8, numerics=num), repeat)
+        print(f"{f'MHA L={length} 8x64':32s} {t_a:12.4f} {t_b:10.4f} {t_b / t_a:16.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
