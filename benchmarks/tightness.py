@@ -375,6 +375,20 @@ def main() -> int:
         help="also run mhanum.search.worst_case (error/bound, this budget) per configuration and "
         "print bound ÷ error at its worst case beside the families' figures",
     )
+    parser.add_argument(
+        "--probabilistic",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print Theorem A.3 (λ for a stated probability >= 0.99) against the 99th "
+        "percentile of the error over N random normal inputs per preset, at the first size",
+    )
+    parser.add_argument(
+        "--mha",
+        action="store_true",
+        help="also print A.2 and A.4 against the measured error at the README demo size "
+        "(d_model 512, 8 heads, L 64)",
+    )
     args = parser.parse_args()
     presets = [p for p in args.presets.split(",") if p]
     families = [f for f in args.families.split(",") if f]
@@ -506,6 +520,10 @@ def main() -> int:
             print(f"  {name}: {len(items)} inputs, e.g. {items[0]}")
     if args.search:
         print_search(rows, args.search, args.seed)
+    if args.probabilistic:
+        print_probabilistic(presets, sizes[0], args.probabilistic, args.seed)
+    if args.mha:
+        print_mha(presets, args.seed)
     print()
     print(f"wall time: {elapsed:.1f} s")
     return report_problems(problems, args.seed)
@@ -534,6 +552,92 @@ def print_search(rows: list[tuple[Config, Result]], budget: int, seed: int) -> N
         print(
             f"{config.name:<{width}} {fmt_ratio(1 / case.ratio if case.ratio else math.inf):>10} "
             f"{families:>9} {case.dominant_term:<12}"
+        )
+
+
+def lam_for(probability: float, numerics: Numerics, L: int, d: int) -> tuple[float, float]:
+    """The least λ (to 1e-3) whose stated probability is at least ``probability`` for A.1 at
+    this size (the probability depends on λ and the number of rounding chains only)."""
+    z = np.ones((L, d))
+    lo, hi = 0.5, 40.0
+    while hi - lo > 1e-3:
+        mid = (lo + hi) / 2
+        if attention_bound(z, z, z, numerics=numerics, lam=mid).probability >= probability:
+            hi = mid
+        else:
+            lo = mid
+    return hi, attention_bound(z, z, z, numerics=numerics, lam=hi).probability
+
+
+def print_probabilistic(presets: list[str], size: tuple[int, int], n: int, seed: int) -> None:
+    """A.3 with a stated probability >= 0.99 against the 99th percentile of the error."""
+    L, d = size
+    print()
+    print(f"Theorem A.3 on {n} random normal inputs per preset, L={L} d={d} (goal: A.3 <= 3× p99,")
+    print("stated probability >= 0.99); A.3 and A.1 as the median over entries, beside the")
+    print("99th percentile of the error over every entry; 'over' counts entries above A.3")
+    head = ("preset", "lam", "prob", "p99 error", "A.3", "A.3/p99", "A.1/p99", "over")
+    print(f"{head[0]:<18} {head[1]:>6} {head[2]:>7} {head[3]:>10} {head[4]:>10} {head[5]:>8} "
+          f"{head[6]:>8} {head[7]:>6}")  # fmt: skip
+    for preset in presets:
+        num = Numerics.preset(preset)
+        fmt = get_format(num.input)
+        try:
+            lam, prob = lam_for(0.99, num, L, d)
+        except InvalidArgument as exc:
+            print(f"{preset:<18} {'-':>6} {'-':>7}  not covered: {exc}")
+            continue
+        rng = np.random.default_rng(seed)
+        errs, a3, a1 = [], [], []
+        for _ in range(n):
+            q, k, v = (
+                np.asarray(mn.round_to(rng.standard_normal((L, d)), fmt), np.float64)
+                for _ in range(3)
+            )
+            out = np.asarray(mn.attention(q, k, v, numerics=num), np.float64)
+            errs.append(np.abs(out - np.asarray(reference.attention(q, k, v), np.float64)))
+            a3.append(attention_bound(q, k, v, numerics=num, lam=lam).total)
+            a1.append(attention_bound(q, k, v, numerics=num).total)
+        e, b3, b1 = (np.concatenate([x.ravel() for x in xs]) for xs in (errs, a3, a1))
+        p99 = float(np.quantile(e, 0.99))
+        print(
+            f"{preset:<18} {lam:6.2f} {prob:7.4f} {p99:10.3g} {np.median(b3):10.3g} "
+            f"{fmt_ratio(np.median(b3) / p99):>8} {fmt_ratio(np.median(b1) / p99):>8} "
+            f"{int(np.sum(e > b3)):>6}"
+        )
+
+
+def print_mha(presets: list[str], seed: int) -> None:
+    """A.2 (a posteriori) and A.4 (a priori) at the README demo size against the error."""
+    from mhanum.bounds import mha_bound, mha_bound_a_priori
+
+    heads, length, width = 8, 64, 512
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1, length, width))
+    params = mn.MHAParams.random(width, seed=seed)
+    exact = np.asarray(reference.multi_head_attention(x, x, params, heads), np.float64)
+    print()
+    print(f"MHA at the README demo size (d_model {width}, {heads} heads, L {length}; goals: "
+          "A.2 <= 30× and A.4 <= 100× the measured error)")  # fmt: skip
+    print(f"{'preset':<18} {'max error':>10} {'max A.2':>10} {'A.2/err':>9} {'A.4':>10} "
+          f"{'A.4/err':>9} {'A.2 dominant':<14}")  # fmt: skip
+    for preset in presets:
+        num = Numerics.preset(preset)
+        xr = np.asarray(mn.round_to(x, num.input), np.float64)
+        out = np.asarray(mn.multi_head_attention(xr, xr, params, heads, numerics=num), np.float64)
+        exact_r = exact if num.input == "float64" else np.asarray(
+            reference.multi_head_attention(xr, xr, params, heads), np.float64
+        )  # fmt: skip
+        err = float(np.max(np.abs(out - exact_r)))
+        a2 = mha_bound(xr, xr, params, heads, numerics=num)
+        a4 = mha_bound_a_priori(
+            params, heads, length, length, x_max=float(np.abs(xr).max()), numerics=num
+        )
+        top = max(a2.terms, key=lambda t: float(np.max(a2.terms[t])))
+        a2max, a4max = float(np.max(a2.total)), float(np.max(a4.total))
+        print(
+            f"{preset:<18} {err:10.3g} {a2max:10.3g} {fmt_ratio(ratio(a2max, err)):>9} "
+            f"{a4max:10.3g} {fmt_ratio(ratio(a4max, err)):>9} {top:<14}"
         )
 
 

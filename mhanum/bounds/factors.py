@@ -296,13 +296,45 @@ def chain_dot_factor(n: int, order: str, u: float, lam: float | None = None) -> 
     return chain(n, order, u, lam, products=True)
 
 
+def product_gamma(n: int, u: float) -> float:
+    """A factor for ``n`` roundings ``1 + δ_i`` with no division (Corollary R.1'), every ``n``.
+
+    ``|Π_{i<=n} (1 + δ_i) - 1| <= (1 + u)^n - 1 <= γ_n`` for ``|δ_i| <= u``; the result is
+    ``γ_n`` while ``γ_n < 1`` (the form Theorems R.3 and A.1 state) and ``(1 + u)^n - 1``
+    beyond, finite for every ``n``.
+
+    Examples:
+        >>> product_gamma(8, 2.0**-24) == gamma(8, 2.0**-24)
+        True
+        >>> round(product_gamma(256, 2.0**-8), 4)  # γ_256 is infinite for bfloat16
+        1.713
+    """
+    k, uu = check_count(n, "n", 0), check_unit(u)
+    g = gamma(k, uu)
+    if g < 1:
+        return g
+    # k·log1p(u) and expm1 in float64, each widened past its rounding (a few ulps)
+    log_growth = k * math.log1p(uu) * (1 + 2.0**-50)
+    return math.expm1(log_growth) * (1 + 2.0**-50) if log_growth < 709 else math.inf
+
+
 def chain(
     n: int, order: str, u: float, lam: float | None, *, products: bool, extra: int = 0
 ) -> float:
-    """The factor of a sum (or dot) of ``n`` terms followed by ``extra`` further roundings."""
+    """The factor of a sum (or dot) of ``n`` terms followed by ``extra`` further roundings.
+
+    ``γ_h`` of :func:`summation_gamma` while ``γ_h < 1``; beyond (``hu >= 1/2``, e.g. 256
+    bfloat16 terms) :func:`product_gamma`'s ``(1 + u)^h - 1``, which holds for every ``h`` (each
+    term reaches the sum through at most ``h`` roundings ``1 + δ``, and no division; Corollary
+    R.1'): a factor of 1 or more gives a large bound, or a vacuous one with its reason
+    downstream, not a refusal. Kahan's constant has no such form: ``InvalidArgument`` beyond
+    its validity (about ``n >= 1/(2u²)``).
+    """
     n = max(n, 1)
     kind = summation_order(order).kind
     g_det = summation_gamma(n, order, u)
+    if kind != "kahan" and not g_det < 1:
+        g_det = product_gamma(tree_height(n, order), native_unit(u) if kind == "native" else u)
     g = (1 + g_det) * (1 + u) ** (extra + int(products)) - 1
     if lam is not None and kind != "kahan":
         length = tree_height(n, order) + extra + int(products)
@@ -312,8 +344,13 @@ def chain(
         # probability of |θ| <= γ̃ (Theorem A.3): short chains keep γ, long ones get γ̃
         g_prob = probabilistic_gamma(length, u, lam)[0]
         g = g_prob if not (math.isfinite(g) and 0 <= g < 1) else min(g, g_prob)
-    if not math.isfinite(g) or g >= 1:
-        msg = f"numerics: expected n·u < 1 for a finite bound, got n = {n} with u = {u}"
+    if not math.isfinite(g):
+        why = (
+            "n·u·(2u + u²) < 1 - 2u - u² for Kahan's sum (Theorem R.4)"
+            if kind == "kahan"
+            else "(1 + u)^n below the largest float64 (Corollary R.1')"
+        )
+        msg = f"numerics: expected {why}, got n = {n} with u = {u}"
         raise InvalidArgument(msg)
     return g
 

@@ -30,7 +30,7 @@ import numpy as np
 from mhanum import reference
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
-from mhanum.bounds.factors import gamma
+from mhanum.bounds.factors import product_gamma
 from mhanum.formats import Format, get_format, round_to
 from mhanum.params import MHAParams
 
@@ -49,15 +49,6 @@ def _positive_int(value: Any, name: str) -> int:
         msg = f"{name}: expected a positive integer, got {value!r}"
         raise InvalidArgument(msg)
     return int(value)
-
-
-def _gamma(n: int, u: float) -> float:
-    """:func:`mhanum.bounds.factors.gamma`, refusing ``n·u >= 1`` (no finite factor)."""
-    g = gamma(n, u)
-    if math.isinf(g):
-        msg = f"n: expected n·u < 1 for a finite γ_n, got n = {n} with u = {u}"
-        raise InvalidArgument(msg)
-    return g
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +117,9 @@ def score_dot_factor(d_model: int, num_heads: int, accum: Format | str) -> Bound
 
     With products rounded to ``accum`` and any summation order, ``|fl(q·k) − q·k| <= γ_n |q|·|k|``
     with ``n`` the dot length (Higham 2002, eq. (3.5)). ``H`` heads have ``n = d_model / H``.
-    Assumptions: round-to-nearest, no underflow, ``n·u < 1``.
+    Where ``γ_n >= 1`` the factor is ``(1 + u)^n - 1``, which holds for every ``n``
+    (:func:`~mhanum.bounds.factors.product_gamma`, Corollary R.1').
+    Assumptions: round-to-nearest, no underflow.
 
     Returns:
         A :class:`Bound` whose ``total`` is ``γ_{d_k}`` and whose terms are ``per_head``
@@ -138,12 +131,12 @@ def score_dot_factor(d_model: int, num_heads: int, accum: Format | str) -> Bound
         msg = f"num_heads: expected a divisor of d_model = {d}, got {h}"
         raise InvalidArgument(msg)
     u = get_format(accum, argname="accum").u
-    per_head = _gamma(d // h, u)
+    per_head = product_gamma(d // h, u)
     return Bound(
         per_head,
-        {"per_head": per_head, "one_head": _gamma(d, u)},
+        {"per_head": per_head, "one_head": product_gamma(d, u)},
         "H.1",
-        ("round-to-nearest", "no underflow", "n·u < 1"),
+        ("round-to-nearest", "no underflow"),
         "higham2002",
     )
 
@@ -158,7 +151,8 @@ def output_projection_factor(
     head (``d_v`` products, as tensor parallelism computes ``O_h W_o^{(h)}`` on its own device) and
     then across the ``H`` partial sums, every product passes through at most ``(d_v − 1) + (H − 1)``
     additions, so ``|fl(y) − y| <= γ_{d_v + H − 1} Σ|o_t||w_t|`` (the product rounding adds one).
-    Assumptions: round-to-nearest, no underflow, ``n·u < 1``.
+    Beyond ``γ_n >= 1`` the factors are ``(1 + u)^n - 1`` (Corollary R.1').
+    Assumptions: round-to-nearest, no underflow.
 
     Returns:
         A :class:`Bound` with ``total`` the factor of the chosen order and terms ``per_head``
@@ -167,12 +161,12 @@ def output_projection_factor(
     h = _positive_int(num_heads, "num_heads")
     dv = _positive_int(d_v, "d_v")
     u = get_format(accum, argname="accum").u
-    blocked, flat = _gamma(dv + h - 1, u), _gamma(h * dv, u)
+    blocked, flat = product_gamma(dv + h - 1, u), product_gamma(h * dv, u)
     return Bound(
         blocked if per_head_partials else flat,
         {"per_head": blocked, "flat": flat},
         "H.3",
-        ("round-to-nearest", "no underflow", "n·u < 1", "products rounded"),
+        ("round-to-nearest", "no underflow", "products rounded"),
         "higham2002",
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import mpmath
@@ -111,7 +112,6 @@ def test_head_partition_difference_is_zero_for_the_same_partition_and_order_one_
         (lambda: heads.scale_exactness(0, "float32"), "d_k: expected a positive integer"),
         (lambda: heads.scale_exactness(64, "float32", "k"), "placement: expected"),
         (lambda: heads.score_dot_factor(64, 3, "float32"), "num_heads: expected a divisor"),
-        (lambda: heads.score_dot_factor(2**20, 1, "bfloat16"), "n: expected n·u < 1"),
         (lambda: heads.output_projection_factor(0, 8, "float32"), "num_heads: expected a positive"),
         (
             lambda: heads.head_partition_difference(
@@ -124,3 +124,16 @@ def test_head_partition_difference_is_zero_for_the_same_partition_and_order_one_
 def test_bad_arguments_raise(call, match):
     with pytest.raises(InvalidArgument, match=match):
         call()
+
+
+def test_dot_factors_beyond_gamma_take_the_product_form():
+    # 2^16 bfloat16 products: γ_n is infinite, (1 + u)^n - 1 is a (huge) finite factor
+    u = 2.0**-8
+    big = heads.score_dot_factor(2**16, 1, "bfloat16")
+    assert float(big.total) == pytest.approx(math.expm1(2**16 * math.log1p(u)), rel=1e-12)
+    assert "n·u < 1" not in big.assumptions
+    # below γ_n < 1 the literature's γ_n stays
+    small = heads.score_dot_factor(64, 1, "bfloat16")
+    assert float(small.total) == pytest.approx(64 * u / (1 - 64 * u), rel=1e-15)
+    # and the product form bounds a real product of 256 factors 1 + u (the worst case)
+    assert (1 + u) ** 256 - 1 <= float(heads.output_projection_factor(1, 256, "bfloat16").total)
