@@ -596,18 +596,23 @@ def _head_rows(
         )
     ranges.reasons = list(dict.fromkeys(r for part in parts for r in part[4].reasons))
 
-    def stack(i: int) -> dict[str, np.ndarray]:
-        names = dict.fromkeys(n for part in parts for n in part[i])
+    shapes = [part[1].shape for part in parts]
+
+    def stack(dicts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        names = dict.fromkeys(n for d in dicts for n in d)
         return {
             n: np.concatenate(
-                [np.broadcast_to(part[i].get(n, 0.0), part[1].shape) for part in parts]
+                [
+                    np.broadcast_to(d.get(n, 0.0), shape)
+                    for d, shape in zip(dicts, shapes, strict=True)
+                ]
             )
             for n in names
         }
 
     o = np.concatenate([part[1] for part in parts])
     o_error = np.concatenate([np.broadcast_to(part[2], part[1].shape) for part in parts])
-    return stack(0), o, o_error, stack(3), ranges
+    return stack([p[0] for p in parts]), o, o_error, stack([p[3] for p in parts]), ranges
 
 
 def _softmax_pv(
