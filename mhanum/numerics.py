@@ -45,6 +45,7 @@ from mhanum.units import (
 __all__ = ["PRESETS", "Numerics", "resolve"]
 
 _SCALES = ("scores", "q", "qk")
+_EXP_FORMS = ("exp", "exp2-folded")
 _FINFO = re.compile(r"^(?:(\d*\.?\d+)\s*\*\s*)?finfo\.min$")
 
 
@@ -94,8 +95,15 @@ class Numerics:
             the dot) or ``"qk"`` (``d_k**-0.25`` on both q and k, as PyTorch's math path does).
         scale_format: format of the scaled q/k (``scale`` ``"q"``/``"qk"``); default: ``input``.
             The scale constant is rounded to the format of the product it enters.
-        exp_ulps: assumed accuracy of ``exp`` in ``softmax_format``, in units in the last place
-            (used by the bounds; XLA's float32 ``exp`` is not correctly rounded).
+        exp_form: how the exponentials are taken: ``"exp"`` (``exp(s - m)`` of the scaled
+            logits) or ``"exp2-folded"`` (FlashAttention-2/3, the Triton tutorial kernel: the
+            scale and ``log2(e)`` folded into one constant ``c2 = fl(scale·log2(e))``, the scores
+            left unscaled, ``exp2(fl(fl(t·c2) - fl(m·c2)))`` with ``m`` the running maximum of the
+            unscaled scores ``t``, and the online rescaling ``exp2(fl(fl(m - m')·c2))``, all in
+            ``softmax_format``). It needs ``scale="scores"``, the safe or online softmax and
+            ``-inf`` masking (a bias is not taken: it would be scaled with the scores).
+        exp_ulps: assumed accuracy of ``exp`` (or ``exp2``) in ``softmax_format``, in units in the
+            last place (used by the bounds; XLA's float32 ``exp`` is not correctly rounded).
         div_ulps: assumed accuracy of division in ``softmax_format``, in ulps: relative error
             ``(1 + u)^(2·div_ulps) - 1`` (:func:`mhanum.bounds.softmax.division_error`). The
             default 1 covers XLA, which divides by a broadcast row sum as a product with its
@@ -126,6 +134,7 @@ class Numerics:
     mask_value: float | str = -math.inf
     scale: str = "scores"
     scale_format: str | None = None
+    exp_form: str = "exp"
     exp_ulps: float = 2.0
     div_ulps: float = 1.0
 
@@ -160,6 +169,16 @@ class Numerics:
         canon(self, "mask_value", _canonical_mask_value(self.mask_value))
         if self.scale not in _SCALES:
             raise _bad("scale", f"one of {_SCALES}", self.scale)
+        if self.exp_form not in _EXP_FORMS:
+            raise _bad("exp_form", f"one of {_EXP_FORMS}", self.exp_form)
+        if self.exp_form == "exp2-folded":
+            if self.scale != "scores":
+                raise _bad("scale", "'scores' with exp_form='exp2-folded'", self.scale)
+            if self.softmax_kind == "naive":
+                raise _bad("softmax", "'safe' or 'online(B)' with exp_form='exp2-folded'",
+                           self.softmax)  # fmt: skip
+            if self.mask_value != -math.inf:
+                raise _bad("mask_value", "-inf with exp_form='exp2-folded'", self.mask_value)
         for field in ("exp_ulps", "div_ulps"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -283,6 +302,21 @@ class Numerics:
     def softmax_block(self) -> int | None:
         """The key-block size of ``online(B)``, else ``None``."""
         return self.softmax_algorithm.block
+
+    def check_bias(self, bias: Any) -> None:
+        """``exp_form="exp2-folded"`` scales the scores inside the exponent, so a bias would be
+        scaled with them: none is taken (FlashAttention adds none; its ALiBi slopes come
+        pre-divided by the scale).
+
+        Raises:
+            InvalidArgument: for a bias under ``exp_form="exp2-folded"``.
+        """
+        if bias is not None and self.exp_form == "exp2-folded":
+            msg = (
+                "bias: expected None with numerics.exp_form='exp2-folded' (the scale is folded "
+                "into the exponent and would scale the bias too)"
+            )
+            raise InvalidArgument(msg)
 
     def mask_constant(self) -> float:
         """The masking constant as stored in ``score_format`` (may be ``-inf`` after overflow)."""

@@ -292,6 +292,7 @@ def numerics(
     bounded: bool = False,
     custom: bool = False,
     scale: Any = None,
+    exp_form: Any = None,
 ) -> st.SearchStrategy[Numerics]:
     """:class:`~mhanum.Numerics`: named presets, free combinations and custom numerics.
 
@@ -316,6 +317,10 @@ def numerics(
             finite constants (one the score format represents or rounds to ``-inf``).
         scale: the scale placement of custom numerics (``"scores"``, ``"q"``, ``"qk"``, or a
             strategy; default: all three).
+        exp_form: the exponential of custom numerics (``"exp"``, ``"exp2-folded"`` or a
+            strategy; default ``"exp"``). ``"exp2-folded"`` brings the scale on the scores,
+            ``-inf`` masking and the safe or online softmax with it, and takes no bias: draw
+            inputs without ``bias_range`` and ``softmax_sum`` for it.
 
     Raises:
         InvalidArgument: for an unknown preset, neither presets nor free nor custom combinations,
@@ -341,7 +346,12 @@ def numerics(
     for value, name in ((input, "input"), (accum, "accum")):
         if value is not None and not isinstance(value, st.SearchStrategy):
             _check_format(value, name)
-    for value, name in ((summation, "summation"), (softmax, "softmax"), (scale, "scale")):
+    for value, name in (
+        (summation, "summation"),
+        (softmax, "softmax"),
+        (scale, "scale"),
+        (exp_form, "exp_form"),
+    ):
         if value is not None and not isinstance(value, st.SearchStrategy):
             try:
                 Numerics(**{name: value})
@@ -361,7 +371,7 @@ def numerics(
         )
     if custom:
         fields = {"input": input, "accum": accum, "summation": summation, "softmax": softmax,
-                  "scale": scale}  # fmt: skip
+                  "scale": scale, "exp_form": exp_form}  # fmt: skip
         choices.append(_custom_numerics(fields, bounded))
     strategy = st.one_of(*choices)
     return strategy.filter(_bounded) if bounded else strategy
@@ -445,6 +455,10 @@ def _custom_numerics(draw: Any, fields: dict[str, Any], bounded: bool) -> Numeri
         "mask_mode": draw(st.sampled_from(("fill", "add"))),
         "mask_value": draw(st.sampled_from(_MASK_VALUES)),
     }
+    if pick("exp_form", ("exp",)) == "exp2-folded":
+        kw.update(scale="scores", exp_form="exp2-folded", mask_value=-math.inf)
+        if kw["softmax"] == "naive":
+            kw["softmax"] = draw(st.sampled_from(("safe", "online(4)", "online(16)")))
     try:
         num = Numerics(**kw)
         if bounded:
@@ -458,7 +472,10 @@ def _custom_numerics(draw: Any, fields: dict[str, Any], bounded: bool) -> Numeri
         try:
             num.mask_constant()
         except _MhanumInvalid:  # NaN in a format without infinity: its finfo.min instead
-            num = num.replace(mask_value="finfo.min")
+            if num.exp_form == "exp2-folded":  # -inf masking: a score format with infinity
+                num = num.replace(score_format=num.accum)
+            else:
+                num = num.replace(mask_value="finfo.min")
         return num
     except _MhanumInvalid as exc:
         raise InvalidArgument(str(exc)) from None

@@ -440,6 +440,12 @@ def _softmax_pv(
 
 
 def _check_a_priori_scope(num: Numerics) -> None:
+    if num.exp_form != "exp":
+        msg = (
+            f"numerics.exp_form: the a priori bound (A.4) covers 'exp', got {num.exp_form!r}; "
+            "use the a posteriori attention_bound (A.1) for the folded exp2"
+        )
+        raise InvalidArgument(msg)
     if num.mask_value != -math.inf:
         msg = (
             "numerics.mask_value: the a priori bound (A.4) covers masks applied with -inf, got "

@@ -29,6 +29,7 @@ from mhanum.bounds._result import Bound
 from mhanum.bounds.factors import (
     EVALUATION,
     F64_DOT,
+    LOG2E,
     conversion_eta,
     exp_and_sum_factors,
     is_power_of_four,
@@ -378,7 +379,31 @@ def _head(
     # Step 2. The constant: the float64 value of 1/sqrt(d_k) (two float64 roundings unless
     # d_k = 4^m) or the given scale, rounded once into the score format; the product by it is
     # exact when it is a normal power of two; a subnormal constant may be read as zero.
-    c_hat, u_c, u_mul = scale_rounding(scale, fmts["score"])
+    folded = num.exp_form == "exp2-folded"
+    if folded:
+        # Step 2''. c2 = fl_m(scale·log2(e)): the float64 product (one rounding), then rounded
+        # into the softmax format; no product with the scores is stored (they stay unscaled).
+        c2_hat, u_c, _ = scale_rounding(scale * LOG2E, fmts["softmax"])
+        u_c = (1 + 2.0**-53) * (1 + u_c) - 1
+        c_hat, u_mul = c2_hat / LOG2E, 0.0
+        if c2_hat < 0:
+            # the shift is the maximum of the unscaled scores: the largest logit only for a
+            # positive scale; a masked or padding key's -inf·c2 is +inf
+            ranges.flag(
+                True,
+                f"exp2-folded with the negative scale {scale:.4g}: the shift is the maximum of "
+                "the unscaled scores, and -inf·c2 is +inf",
+            )
+        elif abs(c2_hat) < fmts["softmax"].smallest_normal:
+            # R.3'': a c2 that may be read as zero makes -inf·c2 (a masked or padding key)
+            # NaN, as in the kernels
+            ranges.flag(
+                True,
+                f"exp2-folded: c2 = fl(scale·log2 e) = {c2_hat:.4g} is subnormal or zero in "
+                f"{fmts['softmax'].name} and may be read as zero: -inf·c2 is NaN",
+            )
+    else:
+        c_hat, u_c, u_mul = scale_rounding(scale, fmts["score"])
     if default_scale and not is_power_of_four(d_k):
         # irrational: fl(1/fl(sqrt(d))) = c(1+δ2)/(1+δ1) in float64, then rounded into F_score
         u_c = (1 + 2.0**-53) / (1 - 2.0**-53) * (1 + u_c) - 1
@@ -408,7 +433,11 @@ def _head(
     ranges.check(acc_upper, acc, "QKᵀ accumulated")
     ranges.check(acc_upper, fmts["score"], "QKᵀ rounded to the score format")
     s_upper = abs(c_hat) * ((1 + u_s) * acc_upper + eta_s) * (1 + u_s) + eta_s
-    if num.scale == "scores":
+    if folded:
+        # R.3'': the products t·c2 and m·c2 in the softmax format (m is one of the t)
+        t_c2 = abs(c2_hat) * ((1 + u_s) * acc_upper + eta_s) * (1 + fmts["softmax"].u)
+        ranges.check(t_c2, fmts["softmax"], f"the scores times c2 = {c2_hat:.4g} (exp2-folded)")
+    elif num.scale == "scores":
         ranges.check(s_upper, fmts["score"], f"the scores times the scale {c_hat:.4g}")
     delta = sum(sources.values())
     s = scale * t
@@ -483,9 +512,22 @@ def _head(
             "-inf, so the output is not the leaky problem's (NaN where every logit is -inf)",
         )
         exclude = live & ~keep
+    fold = None
+    if folded:
+        # Step 3''. The exponent's argument fl(fl(t·c2) - fl(m·c2)) (base 2; natural units
+        # below, times ln 2): the product t_j·c2 is rounded (u_m|s_j|), and so is the shift
+        # m_b·c2 of each block (u_m|m_b·c|, |m_b·c| <= R, the row's largest |s| + δ: under the
+        # online softmax the blocks' shifts differ and do not cancel), with an underflow η_m
+        # each; the subtraction's rounding is step 5's (on an argument up to gap + this term).
+        u_m, eta_m = fmts["softmax"].u, fmts["softmax"].smallest_normal
+        s_abs = np.where(live, np.abs(s) + delta, 0.0)
+        r_row = s_abs.max(axis=-1, keepdims=True)
+        fold = np.where(live, u_m * (1 + u_c) * (s_abs + r_row) + 2 * eta_m, 0.0)
+        sources["exp_fold"] = fold
+        delta = delta + fold
     delta = np.where(live, delta, 0.0)
     s = np.where(live, s, -np.inf)
-    terms, p = _softmax_pv(s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges)
+    terms, p = _softmax_pv(s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold)
     # The logits term apportioned to the sources of δ by their p-weighted share in each row.
     row_delta = (p * delta).sum(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -627,8 +669,12 @@ def _softmax_pv(
     anchor: float,
     u_div: float,
     ranges: _Ranges,
+    fold: np.ndarray | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Steps 4-7 of A.1 for logits ``s`` (``-inf`` where not live) off by at most ``delta``.
+
+    ``fold`` (``exp_form="exp2-folded"``) is the part of ``delta`` that the exponent's argument
+    may carry beyond ``|ŝ_j - m|`` (step 3''): its rounding is charged on ``gap + fold``.
 
     Returns the terms (against the exact attention of these logits) and its probabilities; rows
     whose softmax sum may be off by 100%, or (naive) may overflow or flush its reciprocal, and
@@ -654,6 +700,8 @@ def _softmax_pv(
     lo = np.where(live, sc - delta, -np.inf).max(axis=-1, keepdims=True)
     hi = np.where(live, sc + delta, -np.inf).max(axis=-1, keepdims=True)
     gap = np.where(live, np.maximum(hi - sc + delta, np.abs(sc + delta - lo)), 0.0)
+    if fold is not None:
+        gap = gap + fold
     kind = num.softmax_kind
     online = kind == "online"
     x, blocks, g_sum, g_pv, eta_pv = exp_and_sum_factors(num, n, gap, lam, bits_pv)
@@ -926,6 +974,7 @@ def attention_bound(
         V.check_finite(x, name)
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     _check_scope(num)
+    num.check_bias(bias)
     rows, keys = q.shape[-2], k.shape[-2]
     extra = {n: np.shape(x)[:-2] for n, x in (("mask", mask), ("bias", bias)) if x is not None}
     batch = V.broadcast({"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2], **extra})
@@ -1184,6 +1233,7 @@ def mha_bound(
         V.check_finite(arr, name)
         xs[name] = np.asarray(arr, np.float64)
     _check_scope(num)
+    num.check_bias(bias)
     outer = V.broadcast({"x_q": xs["x_q"].shape[:-2], "x_kv": xs["x_kv"].shape[:-2]})
     rows, keys = xs["x_q"].shape[-2], xs["x_kv"].shape[-2]
     keep, masked, b, replaced = _keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)

@@ -278,6 +278,7 @@ def probabilistic_gamma(n: int, u: float, lam: float) -> tuple[float, float]:
     return g, max(p, 0.0)
 
 
+LOG2E = math.log2(math.e)  # the float64 log2(e) kernels fold into the scale (exp_form)
 EVALUATION = 2.0**-40  # relative rounding of evaluating the bound in float64 (see A.1, step 0)
 F64_DOT = 2.0**-52  # per-operation relative error of the float64 logits, with margin (step 0)
 
@@ -479,7 +480,10 @@ def exp_and_sum_factors(
     assert num.softmax_block is not None
     width = min(num.softmax_block, n)
     blocks = -(-n // num.softmax_block)
-    x = u_m * gap + blocks * own + (blocks - 1) * (math.log1p(u_m) + 2 * math.log1p(u_a))
+    # exp2-folded: each rescaling's argument fl(fl(m - m')·c2) is rounded twice, and the
+    # arguments still telescope to gap (papers/attention.md, step 5'')
+    arg = u_m * (2 + u_m) if num.exp_form == "exp2-folded" else u_m
+    x = arg * gap + blocks * own + (blocks - 1) * (math.log1p(u_m) + 2 * math.log1p(u_a))
     g_sum = chain(width, order, u_m, lam, products=False, extra=blocks)
     g_pv = unit_factor(num, width, lam, bits=bits_pv, extra=blocks)
     return x, blocks, g_sum, g_pv, blocks * unit_eta(num, width) + 2 * blocks * eta_a

@@ -102,3 +102,7 @@ class Arith:
     def exp(self, x: jax.Array) -> jax.Array:
         """XLA's ``exp`` in the format's carrier (float32 for narrow formats), then rounded."""
         return self.round(jnp.exp(x))
+
+    def exp2(self, x: jax.Array) -> jax.Array:
+        """XLA's ``exp2`` in the format's carrier, then rounded."""
+        return self.round(jnp.exp2(x))

@@ -65,6 +65,9 @@ def _bias_array(bias: Any, target: tuple[int, ...], fmt: Format) -> Any:
     return _host_round(arr, fmt)
 
 
+_LOG2E = math.log2(math.e)  # the float64 constant (M_LOG2E), as the kernels multiply by it
+
+
 class _Stages:
     """The arithmetic of each stage of one run, sharing one runtime zero."""
 
@@ -79,6 +82,35 @@ class _Stages:
         self.prob = num.format_of("prob")
         self.output = num.format_of("output")
         self.operand = num.operand_rounding
+        self.folded = num.exp_form == "exp2-folded"
+        self.c2: jax.Array | None = None  # exp2-folded: fl(scale·log2(e)), set by fold()
+
+    def fold(self, scale: float) -> None:
+        """Set the folded constant ``c2 = fl(scale·log2(e))`` (the float64 product, rounded)."""
+        if self.folded:
+            self.c2 = _constant(self.soft, scale * _LOG2E)
+
+    def exp_shifted(self, x: jax.Array, shift: jax.Array) -> jax.Array:
+        """``exp(x - shift)``, or (folded) ``exp2(fl(fl(x·c2) - fl(shift·c2)))``."""
+        sm = self.soft
+        if not self.folded:
+            return sm.exp(sm.sub(x, shift))
+        assert self.c2 is not None
+        return sm.exp2(sm.sub(sm.mul(x, self.c2), sm.mul(shift, self.c2)))
+
+    def rescale(self, m: jax.Array, shift: jax.Array) -> jax.Array:
+        """The online rescaling ``exp(m - m')``, or (folded) ``exp2(fl(fl(m - m')·c2))``.
+
+        Folded, a row that has seen no finite score yet (``m = -inf``: FlashAttention's first
+        block) is not rescaled: its sum and accumulator are 0 and the factor is 0 (``-inf·c2``
+        would be NaN for a ``c2`` read as zero).
+        """
+        sm = self.soft
+        if not self.folded:
+            return sm.exp(sm.sub(m, shift))
+        assert self.c2 is not None
+        factor = sm.exp2(sm.mul(sm.sub(m, shift), self.c2))
+        return jnp.where(jnp.isneginf(m), jnp.zeros_like(factor), factor)
 
     def dot(self, a: jax.Array, b: jax.Array) -> jax.Array:
         return matmul_with(self.acc, a, b, self.num.summation, self.operand, self.num.dot)
@@ -105,7 +137,7 @@ def _logits(st: _Stages, q: jax.Array, k: jax.Array, mask: Any, bias: Any, scale
         q, k = _scaled(st, q, math.sqrt(scale)), _scaled(st, k, math.sqrt(scale))
     sc = st.score
     s = sc.take(st.dot(q, jnp.swapaxes(k, -1, -2)))
-    if num.scale == "scores":
+    if num.scale == "scores" and not st.folded:
         s = sc.mul(s, _constant(sc, scale))
     if bias is not None:
         s = sc.add(s, sc.take(bias))
@@ -134,8 +166,8 @@ def _online_normaliser(st: _Stages, s: jax.Array) -> tuple[jax.Array, jax.Array]
         m, d = carry
         m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
         shift = jnp.where(jnp.isneginf(m_new), jnp.zeros_like(m_new), m_new)
-        c = sm.exp(sm.sub(m, shift))
-        d = sm.add(sm.mul(d, c), st.sum(sm.exp(sm.sub(sb, shift))))
+        c = st.rescale(m, shift)
+        d = sm.add(sm.mul(d, c), st.sum(st.exp_shifted(sb, shift)))
         return (m_new, d), None
 
     init = (
@@ -153,7 +185,11 @@ def _probabilities(st: _Stages, s: jax.Array) -> jax.Array:
     if kind == "online":
         m, d = _online_normaliser(st, x)
         shift = jnp.where(jnp.isneginf(m), jnp.zeros_like(m), m)
-        return sm.div(sm.exp(sm.sub(x, shift)), d)
+        return sm.div(st.exp_shifted(x, shift), d)
+    if kind == "safe" and st.folded:
+        top = jnp.max(x, axis=-1, keepdims=True)
+        e = st.exp_shifted(x, jnp.where(jnp.isneginf(top), jnp.zeros_like(top), top))
+        return sm.div(e, st.sum(e))
     if kind == "safe":
         x = sm.sub(x, jnp.max(x, axis=-1, keepdims=True))
     e = sm.exp(x)
@@ -192,8 +228,8 @@ def _online(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
         sb, vb = blk
         m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
         shift = jnp.where(jnp.isneginf(m_new), jnp.zeros_like(m_new), m_new)
-        c = sm.exp(sm.sub(m, shift))
-        e = sm.exp(sm.sub(sb, shift))
+        c = st.rescale(m, shift)
+        e = st.exp_shifted(sb, shift)
         d = sm.add(sm.mul(d, c), st.sum(e))
         pv = st.dot(to_format(e, st.prob), vb)
         acc = acc_ar.add(acc_ar.mul(acc, acc_ar.take(c)), pv)
@@ -204,6 +240,7 @@ def _online(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def _attend(st: _Stages, q: Any, k: Any, v: Any, mask: Any, bias: Any, scale: float) -> jax.Array:
+    st.fold(scale)
     s = _logits(st, q, k, mask, bias, scale)
     if st.num.softmax_kind == "online":
         return to_format(_online(st, s, v), st.output)
@@ -280,6 +317,7 @@ def attention(
         V.check_finite(x, name)
     if mask is not None:
         mask = V.bool_mask(mask, target)
+    num.check_bias(bias)
     if bias is not None:
         bias = _bias_array(bias, target, num.format_of("score"))
     factor = V.scale_value(scale, q.shape[-1], placement=num.scale)
@@ -291,6 +329,7 @@ def attention(
 @functools.partial(jax.jit, static_argnames=("numerics",))
 def _softmax_jit(x: Any, mask: Any, *, numerics: Numerics) -> jax.Array:
     st = _Stages(numerics, runtime_zero(x))
+    st.fold(1.0)
     s = st.score.take(x)
     if mask is not None:
         constant = jnp.asarray(numerics.mask_constant(), st.score.dtype)
@@ -411,6 +450,7 @@ def multi_head_attention(
     target = (*batch, heads, x_q.shape[-2], x_kv.shape[-2])
     if mask is not None:
         mask = V.bool_mask(mask, target)
+    num.check_bias(bias)
     if bias is not None:
         bias = _bias_array(bias, target, num.format_of("score"))
     factor = V.scale_value(scale, params.qk_width // heads, placement=num.scale)

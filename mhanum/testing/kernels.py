@@ -252,16 +252,21 @@ KERNELS: Mapping[str, Kernel] = {
 }
 """The registered kernels, by name."""
 
+_FUSED_PV = (
+    "P·V accumulates into the running output inside the tensor-core MMA (the output is the "
+    "MMA's accumulator across key blocks), a chain over all keys that the online model's "
+    "per-block sum does not charge yet; its exp2 with the scale folded is modelled "
+    "(Numerics(exp_form='exp2-folded'))"
+)
 NOT_MODELLED: Mapping[str, str] = {
-    "flash-attention-2": "exp2 of an FMA with log2(e) folded into the scale: the argument's "
-    "error grows with the row maximum, which Theorem A.1 does not charge yet",
-    "flash-attention-3": "as flash-attention-2, and fp8 with per-tensor scales",
-    "torch-sdpa-flash-cuda": "FlashAttention-2's arithmetic (see flash-attention-2)",
-    "torch-sdpa-efficient": "xFormers' kernel: exp2 with a folded scale, as flash-attention-2",
+    "flash-attention-2": _FUSED_PV,
+    "flash-attention-3": f"as flash-attention-2 ({_FUSED_PV}), and fp8 with per-tensor scales",
+    "torch-sdpa-flash-cuda": f"FlashAttention-2's arithmetic: {_FUSED_PV}",
+    "torch-sdpa-efficient": f"xFormers' kernel, as flash-attention-2: {_FUSED_PV}",
     "torch-sdpa-cudnn": "cuDNN's fused kernel: not documented to the rounding",
     "jax-cudnn": "cuDNN's fused kernel: not documented to the rounding",
-    "triton-tutorial": "exp2 with a folded scale, as flash-attention-2",
-    "flex-attention": "a generated Triton kernel: exp2 with a folded scale",
+    "triton-tutorial": f"acc = tl.dot(p, v, acc): {_FUSED_PV}",
+    "flex-attention": f"a generated Triton kernel, as triton-tutorial: {_FUSED_PV}",
 }
 """Kernels without a descriptor yet, and why (their tolerance could not be stated as a theorem)."""
 

@@ -263,6 +263,20 @@ def test_biases_across_the_score_formats_range(data):
     _check_drawn(data, num, structure=structure)
 
 
+WITHOUT_BIAS = tuple((s,) for s in mst.RANGE_STRUCTURES if s not in ("bias_range", "softmax_sum"))
+
+
+@RANGE_SETTINGS
+@given(data=st.data())
+def test_folded_exp2_at_the_range_edges(data):
+    # exp2 of fl(fl(t·c2) - fl(m·c2)): the argument's error grows with the row maximum
+    num = data.draw(
+        mst.numerics(presets=False, free=False, custom=True, bounded=True, exp_form="exp2-folded")
+    )
+    structure = data.draw(st.sampled_from((*WITHOUT_BIAS, None)))
+    _check_drawn(data, num, structure=structure)
+
+
 @pytest.mark.slow
 @RANGE_SETTINGS
 @given(data=st.data())
@@ -376,3 +390,14 @@ def test_masked_logits_read_as_minus_inf_drop_their_keys_in_rows_that_attend_som
     assert np.isinf(bound.total[2]).all()
     assert any("read as -inf" in r for r in bound.reasons)
     _theorem(q, k, v, num, mask, skip=False)
+
+
+@pytest.mark.slow
+@RANGE_SETTINGS
+@given(data=st.data())
+def test_folded_exp2_at_the_range_edges_on_long_rows(data):
+    num = data.draw(
+        mst.numerics(presets=False, free=False, custom=True, bounded=True, exp_form="exp2-folded")
+    )
+    structure = data.draw(st.sampled_from((*WITHOUT_BIAS, None)))
+    _check_drawn(data, num, shapes=LONG_SHAPES, structure=structure)
