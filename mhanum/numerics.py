@@ -46,6 +46,7 @@ __all__ = ["PRESETS", "Numerics", "resolve"]
 
 _SCALES = ("scores", "q", "qk")
 _EXP_FORMS = ("exp", "exp2-folded")
+_ONLINE_SUMS = ("block", "running")
 _FINFO = re.compile(r"^(?:(\d*\.?\d+)\s*\*\s*)?finfo\.min$")
 
 
@@ -102,6 +103,12 @@ class Numerics:
             unscaled scores ``t``, and the online rescaling ``exp2(fl(fl(m - m')·c2))``, all in
             ``softmax_format``). It needs ``scale="scores"``, the safe or online softmax and
             ``-inf`` masking (a bias is not taken: it would be scaled with the scores).
+        online_sums: how the online softmax carries its sums across key blocks: ``"block"`` (each
+            block's row sum and P·V product formed, then added to the running ones) or
+            ``"running"`` (FlashAttention-2/3: the rescaled running sum is the first term of the
+            next block's sum, and the running output the accumulator of the next block's P·V
+            dot, a tensor core's C operand: one chain over every key). ``"running"`` needs the
+            online softmax, the native or sequential order and no split dot.
         exp_ulps: assumed accuracy of ``exp`` (or ``exp2``) in ``softmax_format``, in units in the
             last place (used by the bounds; XLA's float32 ``exp`` is not correctly rounded).
         div_ulps: assumed accuracy of division in ``softmax_format``, in ulps: relative error
@@ -135,6 +142,7 @@ class Numerics:
     scale: str = "scores"
     scale_format: str | None = None
     exp_form: str = "exp"
+    online_sums: str = "block"
     exp_ulps: float = 2.0
     div_ulps: float = 1.0
 
@@ -179,6 +187,16 @@ class Numerics:
                            self.softmax)  # fmt: skip
             if self.mask_value != -math.inf:
                 raise _bad("mask_value", "-inf with exp_form='exp2-folded'", self.mask_value)
+        if self.online_sums not in _ONLINE_SUMS:
+            raise _bad("online_sums", f"one of {_ONLINE_SUMS}", self.online_sums)
+        if self.online_sums == "running":
+            if self.softmax_kind != "online":
+                raise _bad("softmax", "'online(B)' with online_sums='running'", self.softmax)
+            if self.summation not in ("native", "sequential"):
+                raise _bad("summation", "'native' or 'sequential' with online_sums='running'",
+                           self.summation)  # fmt: skip
+            if self.dot_kind == "split":
+                raise _bad("dot", "no split dot with online_sums='running'", self.dot)
         for field in ("exp_ulps", "div_ulps"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:

@@ -293,6 +293,7 @@ def numerics(
     custom: bool = False,
     scale: Any = None,
     exp_form: Any = None,
+    online_sums: Any = None,
 ) -> st.SearchStrategy[Numerics]:
     """:class:`~mhanum.Numerics`: named presets, free combinations and custom numerics.
 
@@ -321,6 +322,9 @@ def numerics(
             strategy; default ``"exp"``). ``"exp2-folded"`` brings the scale on the scores,
             ``-inf`` masking and the safe or online softmax with it, and takes no bias: draw
             inputs without ``bias_range`` and ``softmax_sum`` for it.
+        online_sums: how custom numerics carry the online softmax's sums (``"block"``,
+            ``"running"`` or a strategy; default ``"block"``). ``"running"`` brings the online
+            softmax, the native or sequential order and no split dot with it.
 
     Raises:
         InvalidArgument: for an unknown preset, neither presets nor free nor custom combinations,
@@ -371,7 +375,7 @@ def numerics(
         )
     if custom:
         fields = {"input": input, "accum": accum, "summation": summation, "softmax": softmax,
-                  "scale": scale, "exp_form": exp_form}  # fmt: skip
+                  "scale": scale, "exp_form": exp_form, "online_sums": online_sums}  # fmt: skip
         choices.append(_custom_numerics(fields, bounded))
     strategy = st.one_of(*choices)
     return strategy.filter(_bounded) if bounded else strategy
@@ -459,6 +463,14 @@ def _custom_numerics(draw: Any, fields: dict[str, Any], bounded: bool) -> Numeri
         kw.update(scale="scores", exp_form="exp2-folded", mask_value=-math.inf)
         if kw["softmax"] == "naive":
             kw["softmax"] = draw(st.sampled_from(("safe", "online(4)", "online(16)")))
+    if pick("online_sums", ("block",)) == "running":
+        kw["online_sums"] = "running"
+        if not str(kw["softmax"]).startswith("online"):
+            kw["softmax"] = draw(st.sampled_from(("online(4)", "online(16)")))
+        if kw["summation"] not in ("native", "sequential"):
+            kw["summation"] = draw(st.sampled_from(("native", "sequential")))
+        if dot.startswith("bf16x"):  # a split dot
+            kw["dot"] = "ieee"
     try:
         num = Numerics(**kw)
         if bounded:

@@ -478,11 +478,25 @@ def exp_and_sum_factors(
         g_sum, g_pv = chain_sum_factor(n, order, u_m, lam), unit_factor(num, n, lam, bits=bits_pv)
         return x, 0, g_sum, g_pv, unit_eta(num, n)
     assert num.softmax_block is not None
+    # exp2-folded: each rescaling's argument fl(fl(m - m')·c2) is rounded twice, and the
+    # arguments still telescope to gap (papers/attention.md, step 3'')
+    arg = u_m * (2 + u_m) if num.exp_form == "exp2-folded" else u_m
     width = min(num.softmax_block, n)
     blocks = -(-n // num.softmax_block)
-    # exp2-folded: each rescaling's argument fl(fl(m - m')·c2) is rounded twice, and the
-    # arguments still telescope to gap (papers/attention.md, step 5'')
-    arg = u_m * (2 + u_m) if num.exp_form == "exp2-folded" else u_m
+    if num.online_sums == "running":
+        # One chain over every key (papers/attention.md, step 5, running sums): a key passes
+        # through its block's additions and, inside the carried sum, through every later
+        # block's, at most n - 1 in all in the native or sequential order (each block's tree on
+        # its w_b keys and the carried term has height <= w_b); a tensor core restarts its
+        # groups at each block: at most blocks more steps, n + blocks·g products' worth.
+        model = (
+            get_model(num.dot_model) if num.dot_kind == "tensor-core" and num.dot_model else None
+        )
+        chain_n = n + blocks * model.group if model is not None else n
+        x = arg * gap + blocks * own + (blocks - 1) * (math.log1p(u_m) + 2 * math.log1p(u_a))
+        g_sum = chain(n, order, u_m, lam, products=False, extra=blocks)
+        g_pv = unit_factor(num, chain_n, lam, bits=bits_pv, extra=blocks)
+        return x, blocks, g_sum, g_pv, unit_eta(num, chain_n) + 2 * blocks * eta_a
     x = arg * gap + blocks * own + (blocks - 1) * (math.log1p(u_m) + 2 * math.log1p(u_a))
     g_sum = chain(width, order, u_m, lam, products=False, extra=blocks)
     g_pv = unit_factor(num, width, lam, bits=bits_pv, extra=blocks)

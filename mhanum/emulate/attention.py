@@ -118,6 +118,21 @@ class _Stages:
     def sum(self, x: jax.Array) -> jax.Array:
         return sum_with(self.soft, x, self.num.summation, keepdims=True)
 
+    def carry_sum(self, d: jax.Array, c: jax.Array, e: jax.Array) -> jax.Array:
+        """The online row sum after a block: ``d·c + Σ e`` (``running``: ``d·c`` the first term)."""
+        sm = self.soft
+        if self.num.online_sums == "running":
+            return self.sum(jnp.concatenate([sm.mul(d, c), e], axis=-1))
+        return sm.add(sm.mul(d, c), self.sum(e))
+
+    def carry_pv(self, acc: jax.Array, c: jax.Array, p: jax.Array, v: jax.Array) -> jax.Array:
+        """The online output after a block: ``acc·c + P V`` (``running``: the dot's accumulator)."""
+        ar = self.acc
+        scaled = ar.mul(acc, ar.take(c))
+        if self.num.online_sums == "running":
+            return matmul_with(ar, p, v, self.num.summation, self.operand, self.num.dot, scaled)
+        return ar.add(scaled, self.dot(p, v))
+
 
 def _constant(ar: Arith, value: float) -> jax.Array:
     """A Python float rounded once into ``ar``'s format (on the host, from its float64 value)."""
@@ -167,7 +182,7 @@ def _online_normaliser(st: _Stages, s: jax.Array) -> tuple[jax.Array, jax.Array]
         m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
         shift = jnp.where(jnp.isneginf(m_new), jnp.zeros_like(m_new), m_new)
         c = st.rescale(m, shift)
-        d = sm.add(sm.mul(d, c), st.sum(st.exp_shifted(sb, shift)))
+        d = st.carry_sum(d, c, st.exp_shifted(sb, shift))
         return (m_new, d), None
 
     init = (
@@ -230,9 +245,8 @@ def _online(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
         shift = jnp.where(jnp.isneginf(m_new), jnp.zeros_like(m_new), m_new)
         c = st.rescale(m, shift)
         e = st.exp_shifted(sb, shift)
-        d = sm.add(sm.mul(d, c), st.sum(e))
-        pv = st.dot(to_format(e, st.prob), vb)
-        acc = acc_ar.add(acc_ar.mul(acc, acc_ar.take(c)), pv)
+        d = st.carry_sum(d, c, e)
+        acc = st.carry_pv(acc, c, to_format(e, st.prob), vb)
         return (m_new, d, acc), None
 
     _, d, acc = lax.scan(step, init, (s_blocks, v_blocks))[0]

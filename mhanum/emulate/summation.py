@@ -60,11 +60,14 @@ def _accum_format(accum: Format | str) -> Format:
     return fmt
 
 
-def _sequential(xs: Any, term: Term, shape: tuple[int, ...], ar: Arith) -> jax.Array:
+def _sequential(
+    xs: Any, term: Term, shape: tuple[int, ...], ar: Arith, init: jax.Array | None = None
+) -> jax.Array:
     def step(acc: jax.Array, x: Any) -> tuple[jax.Array, None]:
         return ar.add(acc, term(x)), None
 
-    return lax.scan(step, jnp.zeros(shape, ar.dtype), xs)[0]
+    start = jnp.zeros(shape, ar.dtype) if init is None else jnp.broadcast_to(init, shape)
+    return lax.scan(step, start.astype(ar.dtype), xs)[0]
 
 
 def _kahan(xs: Any, term: Term, shape: tuple[int, ...], ar: Arith) -> jax.Array:
@@ -270,22 +273,40 @@ def matmul_with(
     order: str,
     operand: Format | None = None,
     dot: str = "ieee",
+    init: jax.Array | None = None,
 ) -> jax.Array:
     """``a @ b`` accumulated in ``ar``'s format; operands first rounded to ``operand`` if given.
 
     ``dot`` is the inner-product unit (:attr:`mhanum.Numerics.dot`); ``"bf16x1"`` is ``"ieee"``
     with ``operand`` bfloat16, and a tensor core rounds the operands to its input format.
+    ``init`` (a value of ``ar``'s format) starts the accumulation: a tensor core's C operand, the
+    first term of a sequential sum; in the native order it is added to the product (one of the
+    orders "native" stands for). Split dots take none.
     """
     if operand is not None:
         a, b = to_format(a, operand), to_format(b, operand)
     if dot in _PASSES:
+        if init is not None:
+            msg = f"init: expected None with the split dot {dot!r}"
+            raise InvalidArgument(msg)
         return _split_matmul(ar, ar.take(a), ar.take(b), order, dot)
     if dot.startswith("tensor-core"):
         from mhanum.emulate import tensorcore
 
         model = tensorcore.get_model(dot[len("tensor-core(") : -1])
-        return tensorcore.matmul(ar.take(a), ar.take(b), model).astype(ar.dtype)
+        return tensorcore.matmul(ar.take(a), ar.take(b), model, c=init).astype(ar.dtype)
     a, b = ar.take(a), ar.take(b)
+    if init is not None and _parse(order)[0] != "native":
+        if _parse(order)[0] != "sequential":
+            msg = f"init: expected the native or sequential order, got {order!r}"
+            raise InvalidArgument(msg)
+        batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        shape = (*batch, a.shape[-2], b.shape[-1])
+        xs = (jnp.moveaxis(a, -1, 0), jnp.moveaxis(b, -2, 0))
+        return _sequential(xs, lambda x: ar.mul(x[0][..., :, None], x[1][..., None, :]), shape,
+                           ar, init)  # fmt: skip
+    if init is not None:
+        return ar.add(init, matmul_with(ar, a, b, order))
     if _parse(order)[0] == "native":
         storage = jnp.promote_types(a.dtype, b.dtype)
         out = jnp.matmul(

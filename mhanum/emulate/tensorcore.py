@@ -134,7 +134,9 @@ def _decode_input(x: jax.Array, model: TensorCoreModel) -> tuple[jax.Array, ...]
 
 
 @partial(jax.jit, static_argnames="model")
-def _matmul(a: jax.Array, b: jax.Array, model: TensorCoreModel) -> jax.Array:
+def _matmul(
+    a: jax.Array, b: jax.Array, model: TensorCoreModel, c: jax.Array | None = None
+) -> jax.Array:
     k = a.shape[-1]
     g = model.group
     groups = max(-(-k // g), 1)
@@ -152,18 +154,25 @@ def _matmul(a: jax.Array, b: jax.Array, model: TensorCoreModel) -> jax.Array:
         xa, xb = xs
         return _step_bits(model, _decode_input(xa, model), _decode_input(xb, model), c_bits), None
 
-    c0 = jnp.zeros((*batch, m, n), dtype=jnp.uint32)
+    if c is None:
+        c0 = jnp.zeros((*batch, m, n), dtype=jnp.uint32)
+    else:  # an initial accumulator (float32), fed to the first step as C
+        c0 = lax.bitcast_convert_type(
+            jnp.broadcast_to(c.astype(jnp.float32), (*batch, m, n)), jnp.uint32
+        )
     out, _ = lax.scan(body, c0, (a_g, b_g))
     return lax.bitcast_convert_type(out, jnp.float32)
 
 
-def matmul(a: Any, b: Any, model: TensorCoreModel | str) -> jax.Array:
-    """``a @ b`` as the modelled tensor core computes it, bit for bit equal to ``model.dot``.
+def matmul(a: Any, b: Any, model: TensorCoreModel | str, *, c: Any = None) -> jax.Array:
+    """``c + a @ b`` as the modelled tensor core computes it, bit for bit equal to ``model.dot``.
 
     Args:
         a: ``(..., M, K)`` float32 array whose values are values of ``model.input_format``.
         b: ``(..., K, N)`` float32 array, likewise; batch dimensions broadcast.
         model: a :class:`TensorCoreModel` or its name.
+        c: an optional float32 accumulator ``(..., M, N)`` the first step adds (as an MMA
+            accumulates into its C operand); default zero.
 
     Returns:
         ``(..., M, N)`` float32 array: entry ``(i, j)`` is ``model.dot(a[i, :], b[:, j])``.
@@ -198,7 +207,8 @@ def matmul(a: Any, b: Any, model: TensorCoreModel | str) -> jax.Array:
     except ValueError as err:
         msg = f"b: expected batch dimensions broadcastable with a's {arrs[0].shape[:-2]}, got {arrs[1].shape[:-2]}"
         raise InvalidArgument(msg) from err
-    return _matmul(arrs[0], arrs[1], mdl)
+    init = None if c is None else jnp.asarray(c, jnp.float32)
+    return _matmul(arrs[0], arrs[1], mdl, init)
 
 
 # --------------------------------------------------------------------------------------------

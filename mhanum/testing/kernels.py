@@ -218,6 +218,85 @@ def _jax_xla() -> Kernel:
     )
 
 
+_FA2_SOURCE = (
+    "flash-attention csrc/flash_attn/src (FlashAttention-2): flash_fwd_kernel.h "
+    "(compute_attn_1rowblock: S = Q K_b^T on tensor cores from zero, masked with -inf, "
+    "softmax_rescale_o, P converted to the input type, acc_o accumulated by gemm_rs with acc_o as "
+    "the MMA accumulator; at the end acc_o times 1/row_sum, 0 for a row without keys), "
+    "softmax.h (scale_apply_exp2: exp2f(x * scale_log2 - max * scale_log2), max over the "
+    "unscaled scores, 0 for an all -inf row; the rescale exp2f((max_prev - max) * "
+    "scale_log2); row_sum carried across blocks), flash_api.cpp (scale_softmax_log2 = "
+    "softmax_scale * M_LOG2E as a float)"
+)
+
+
+def _fa2_models(fmt: str) -> tuple[Numerics, ...]:
+    short = {"bfloat16": "bf16", "float16": "fp16"}[fmt]
+    return tuple(
+        Numerics(
+            input=fmt,
+            accum="float32",
+            score_format="float32",
+            softmax_format="float32",
+            prob_format=fmt,
+            output_format=fmt,
+            dot=f"tensor-core({arch}-{short})",
+            softmax=f"online({block})",
+            online_sums="running",
+            exp_form="exp2-folded",
+            mask_mode="fill",
+            mask_value=-math.inf,
+            div_ulps=1.0,
+            exp_ulps=4.0,
+        )
+        for arch in ("a100", "h100")
+        for block in (32, 64, 128)
+    )
+
+
+def _fa2_kernel(name: str, extra: tuple[str, ...]) -> Kernel:
+    return Kernel(
+        name,
+        {f: _fa2_models(f) for f in _HALF},
+        "zero",
+        (
+            _FA2_SOURCE,
+            (
+                "candidates: the A100 and H100 tensor-core models (mma on float32 "
+                "accumulators) and key blocks of 32, 64 and 128 (kBlockN of the head dimensions "
+                "and architectures in flash_fwd_launch_template.h); the key blocks are visited "
+                "last to first, which the bound, symmetric in the keys, covers"
+            ),
+            (
+                "exp2f under --use_fast_math is ex2.approx.ftz.f32: exp_ulps = 4 (the CUDA "
+                "guide states 2 ulp for exp2f), subnormal results flushed (charged as "
+                "underflow); the reciprocal of the row sum then a product: div_ulps = 1"
+            ),
+            *extra,
+        ),
+        "half inputs only (no float32 path); a fused multiply-add of x * scale_log2 - "
+        "max_scaled rounds a subset of what the unfused model charges",
+    )
+
+
+def _flash_attention_2() -> Kernel:
+    return _fa2_kernel("flash-attention-2", ())
+
+
+def _torch_sdpa_flash_cuda() -> Kernel:
+    return _fa2_kernel(
+        "torch-sdpa-flash-cuda",
+        (
+            (
+                "aten/src/ATen/native/transformers/cuda/flash_attn (torch 2.13): PyTorch's copy "
+                "of FlashAttention-2, softmax.h built with UNFUSE_FMA (pytorch issue 121558): "
+                "exp2f(__fmul_rn(x, scale_log2) - max_scaled), the product and the subtraction "
+                "rounded separately, as mhanum's emulation of the model"
+            ),
+        ),
+    )
+
+
 def _jax_xla_tf32() -> Kernel:
     base = _jax_xla().models["float32"][0].replace(operand_format="tf32")
     return Kernel(
@@ -248,25 +327,22 @@ KERNELS: Mapping[str, Kernel] = {
         _torch_sdpa_flash_cpu(),
         _jax_xla(),
         _jax_xla_tf32(),
+        _flash_attention_2(),
+        _torch_sdpa_flash_cuda(),
     )
 }
 """The registered kernels, by name."""
 
-_FUSED_PV = (
-    "P·V accumulates into the running output inside the tensor-core MMA (the output is the "
-    "MMA's accumulator across key blocks), a chain over all keys that the online model's "
-    "per-block sum does not charge yet; its exp2 with the scale folded is modelled "
-    "(Numerics(exp_form='exp2-folded'))"
-)
 NOT_MODELLED: Mapping[str, str] = {
-    "flash-attention-2": _FUSED_PV,
-    "flash-attention-3": f"as flash-attention-2 ({_FUSED_PV}), and fp8 with per-tensor scales",
-    "torch-sdpa-flash-cuda": f"FlashAttention-2's arithmetic: {_FUSED_PV}",
-    "torch-sdpa-efficient": f"xFormers' kernel, as flash-attention-2: {_FUSED_PV}",
+    "flash-attention-3": "fp8 with per-tensor (or per-block) scales and the Hopper warpgroup MMA "
+    "(wgmma) with its producer-consumer pipelining, whose accumulation is not probed yet",
+    "torch-sdpa-efficient": "xFormers' CUTLASS kernel: its block sizes and accumulation order "
+    "are not read to the rounding yet",
     "torch-sdpa-cudnn": "cuDNN's fused kernel: not documented to the rounding",
     "jax-cudnn": "cuDNN's fused kernel: not documented to the rounding",
-    "triton-tutorial": f"acc = tl.dot(p, v, acc): {_FUSED_PV}",
-    "flex-attention": f"a generated Triton kernel, as triton-tutorial: {_FUSED_PV}",
+    "triton-tutorial": "the running maximum is taken over the scaled products fl(t·c2), "
+    "and the row sum per block (only P·V is carried), a variant of 'exp2-folded' not modelled",
+    "flex-attention": "a generated Triton kernel, as triton-tutorial",
 }
 """Kernels without a descriptor yet, and why (their tolerance could not be stated as a theorem)."""
 

@@ -277,6 +277,25 @@ def test_folded_exp2_at_the_range_edges(data):
     _check_drawn(data, num, structure=structure)
 
 
+@RANGE_SETTINGS
+@given(data=st.data())
+def test_running_online_sums_at_the_range_edges(data):
+    # FlashAttention's carried sums: one chain over every key, with or without the folded exp2
+    form = data.draw(st.sampled_from(("exp", "exp2-folded")))
+    num = data.draw(
+        mst.numerics(
+            presets=False,
+            free=False,
+            custom=True,
+            bounded=True,
+            exp_form=form,
+            online_sums="running",
+        )
+    )
+    structure = data.draw(st.sampled_from((*WITHOUT_BIAS, None)))
+    _check_drawn(data, num, shapes=(*SHAPES, (2, 40, 8, 2)), structure=structure)
+
+
 @pytest.mark.slow
 @RANGE_SETTINGS
 @given(data=st.data())

@@ -159,7 +159,9 @@ def test_a_nan_where_a_number_is_due_fails():
 
 def test_bad_input_names_the_argument():
     q, k, v = _inputs(9, 3, 3, 8, "float32")
-    with pytest.raises(InvalidArgument, match=r"^kernel: .*flash-attention-2 is not modelled"):
+    with pytest.raises(InvalidArgument, match=r"^kernel: .*flash-attention-3 is not modelled"):
+        attention_tolerance(q, k, v, kernel="flash-attention-3")
+    with pytest.raises(InvalidArgument, match=r"^dtype: expected one of \('bfloat16', 'float16'\)"):
         attention_tolerance(q, k, v, kernel="flash-attention-2")
     with pytest.raises(InvalidArgument, match=r"^kernel: expected one of"):
         attention_tolerance(q, k, v, kernel="nope")
@@ -176,8 +178,31 @@ def test_every_descriptor_states_its_evidence_and_models():
     for kern in KERNELS.values():
         assert kern.evidence
         assert all(len(e) > 20 for e in kern.evidence)
-        assert "float32" in kern.formats
-        assert kern.as_dict()["models"]["float32"]
+        assert kern.formats
+        for fmt in kern.formats:
+            assert kern.as_dict()["models"][fmt]
+    # FlashAttention-2 takes half precision only
+    assert KERNELS["flash-attention-2"].formats == ("bfloat16", "float16")
+
+
+@pytest.mark.parametrize("kernel", ["flash-attention-2", "torch-sdpa-flash-cuda"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16"])
+def test_every_flash_attention_candidate_meets_the_descriptors_tolerance(kernel, fmt):
+    # no GPU here: each candidate's emulation (the kernel's arithmetic as modelled, tensor
+    # cores included) must lie within the descriptor's tolerance, causal and with a long row
+    import mhanum as mn
+
+    dt = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[fmt]
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal((2, 70, 32)).astype(np.float32).astype(dt) for _ in range(3))
+    oracle = attention_oracle(q, k, v, is_causal=True, kernel=kernel)
+    assert np.all(np.isfinite(oracle.tolerance))
+    keep = np.tril(np.ones((70, 70), bool))
+    q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
+    for num in get_kernel(kernel).candidates(fmt):
+        out = np.asarray(mn.attention(q64, k64, v64, keep, numerics=num), np.float64)
+        failing, ratio = oracle.check(out)
+        assert not failing.any(), (num.describe(), float(ratio.max()))
 
 
 def test_jax_layout_with_batches_heads_and_a_per_head_mask():
