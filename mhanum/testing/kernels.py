@@ -340,8 +340,10 @@ NOT_MODELLED: Mapping[str, str] = {
     "are not read to the rounding yet",
     "torch-sdpa-cudnn": "cuDNN's fused kernel: not documented to the rounding",
     "jax-cudnn": "cuDNN's fused kernel: not documented to the rounding",
-    "triton-tutorial": "the running maximum is taken over the scaled products fl(t·c2), "
-    "and the row sum per block (only P·V is carried), a variant of 'exp2-folded' not modelled",
+    "triton-tutorial": "its causal blocks mask by adding -1.0e6 to the scaled scores, a finite "
+    "constant under the folded exp2 that mhanum does not model (the rest of its arithmetic, "
+    "maxima of fl(t·c2), rescaling by exp2 of their difference, P·V carried in the dot, rounds "
+    "a subset of what flash-attention-2's model charges)",
     "flex-attention": "a generated Triton kernel, as triton-tutorial",
 }
 """Kernels without a descriptor yet, and why (their tolerance could not be stated as a theorem)."""
