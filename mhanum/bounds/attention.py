@@ -525,9 +525,29 @@ def _head(
         fold = np.where(live, u_m * (1 + u_c) * (s_abs + r_row) + 2 * eta_m, 0.0)
         sources["exp_fold"] = fold
         delta = delta + fold
+    across = None
+    if lam is not None and num.dot_kind == "ieee" and masked is None and not folded:
+        # Theorem A.3': the QKᵀ dots' roundings as one martingale across the keys. A dot's
+        # error is Σ_k δ_k T_k over its <= 2d_k - 1 roundings (twice as many in the native order
+        # of a format XLA may carry in float32), |T_k| <= (1 + g)Σ|q_i||k_i|; the later roundings
+        # of the logit (1 + θ, the bias's) and the dots' underflow stay deterministic.
+        u_a = acc.u
+        g_det = unit_factor(num, d_k, None, bits=bits_qk)
+        nodes = (2 * d_k - 1) * (2 if num.summation_kind == "native" and u_a > 2.0**-24 else 1)
+        b_dot = abs(scale) * u_a * (1 + g_det) * math.sqrt(nodes) * qk_op
+        k_b = (1 + theta) * ((1 + u_s) if bias is not None else 1.0)
+        rest = (
+            delta
+            - sources["qk_dot"]
+            + abs(scale) * k_b * unit_eta(num, d_k)
+            + abs(scale) * (k_b - 1) * g_det * qk_op
+        )
+        across = (b_dot, np.where(live, np.maximum(rest, 0.0), 0.0))
     delta = np.where(live, delta, 0.0)
     s = np.where(live, s, -np.inf)
-    terms, p = _softmax_pv(s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold)
+    terms, p = _softmax_pv(
+        s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold, across
+    )
     # The logits term apportioned to the sources of δ by their p-weighted share in each row.
     row_delta = (p * delta).sum(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -670,11 +690,16 @@ def _softmax_pv(
     u_div: float,
     ranges: _Ranges,
     fold: np.ndarray | None = None,
+    across: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Steps 4-7 of A.1 for logits ``s`` (``-inf`` where not live) off by at most ``delta``.
 
     ``fold`` (``exp_form="exp2-folded"``) is the part of ``delta`` that the exponent's argument
     may carry beyond ``|ŝ_j - m|`` (step 3''): its rounding is charged on ``gap + fold``.
+    ``across`` (Theorem A.3', with ``lam``) is ``(b, δ')``: the dots' rounding errors, a
+    martingale across the keys with increments bounded by ``b_ij`` per rounding, and the rest of
+    each logit's error, at most ``δ'_ij``; the logits term is then the smaller of step 4's and
+    A.3''s.
 
     Returns the terms (against the exact attention of these logits) and its probabilities; rows
     whose softmax sum may be off by 100%, or (naive) may overflow or flush its reciprocal, and
@@ -819,6 +844,10 @@ def _softmax_pv(
             u_o * np.abs(o) + eta_o + ((1 + u_o) * (u_last * np.abs(o) + eta_m) if online else 0.0)
         ),
     }
+    if across is not None and lam is not None:
+        terms["logits"] = np.fmin(
+            terms["logits"], _logits_across_keys(p, delta, v, v_abs, live, logits, across, lam)
+        ) * np.where(np.isnan(terms["logits"]), np.nan, 1.0)
     # Step 7'. The last rounding is to nearest: the computed x (|x - o*| <= E, the other terms)
     # rounds to a value at least as close to x as any value r of the format (plus η for a
     # flush to zero), and r = fl(o) is within |fl(o) - o| + ε + E of x (ε: o's own float64
@@ -839,6 +868,44 @@ def _softmax_pv(
         nearest = off_o + e_other + np.where(low < eta_o, eta_o, 0.0)
     terms["output"] = np.fmin(terms["output"], nearest)
     return terms, p
+
+
+def _logits_across_keys(
+    p: np.ndarray,
+    delta: np.ndarray,
+    v: np.ndarray,
+    v_abs: np.ndarray,
+    live: np.ndarray,
+    per_key: np.ndarray,
+    across: tuple[np.ndarray, np.ndarray],
+    lam: float,
+) -> np.ndarray:
+    """Theorem A.3' (papers/attention.md): the logits term with the dots' errors summed across keys.
+
+    ``Σ_j (p̃_j - p_j) v_j = (1/Z) Σ_j p_j (ε_j + r_j)(v_j - o)`` with ``Z >= e^{-max δ}`` and
+    ``|r_j| <= e^{δ_j} - 1 - δ_j``. The dots' part of ``ε_j`` is ``Σ_k δ_k T_k`` over their
+    roundings, a martingale whose increments ``p_j (v_j - o) δ_k T_k`` are bounded by
+    ``p_j |v_j - o| b_j``: by Azuma-Hoeffding ``|Σ| <= λ (Σ_j (p_j (v_j - o) b_j)²)^½`` but with
+    probability ``2 exp(-λ²/2)`` per output. The rest of ``ε_j`` is at most ``δ'_j``, and
+    ``Σ_j (p̃_j - p_j)(v̂_j - v_j)`` at most the per-key deviations times ``v_abs - |v|``.
+    """
+    b, rest = across
+    pl = np.where(live, np.nan_to_num(p), 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        o = pl @ v
+        w = (pl * b) ** 2
+        w_v2, w_v, w_0 = w @ (v * v), w @ v, w.sum(axis=-1, keepdims=True)
+        var = w_v2 - 2 * o * w_v + o * o * w_0  # Σ_j (p_j b_j)² (v_j - o)², cancellation below
+        slack = 2.0**-49 * (w_v2 + 2 * np.abs(o) * (w @ np.abs(v)) + o * o * w_0)
+        martingale = lam * np.sqrt(np.maximum(var + slack, 0.0))
+        d = np.where(live, delta, 0.0)
+        second = np.expm1(d) - d  # |e^ε - 1 - ε| for |ε| <= δ
+        spread = np.abs(v)
+        det = (pl * rest) @ spread + np.abs(o) * (pl * rest).sum(axis=-1, keepdims=True)
+        det = det + (pl * second) @ spread + np.abs(o) * (pl * second).sum(axis=-1, keepdims=True)
+        z_inv = np.exp(d.max(axis=-1, keepdims=True))
+        used = per_key @ (v_abs - np.abs(v))
+        return (z_inv * (martingale + det) + used) * (1 + EVALUATION)
 
 
 def _log_sum_excluding(a: np.ndarray) -> np.ndarray:
@@ -1011,7 +1078,8 @@ def attention_bound(
         terms["fully_masked"] = np.broadcast_to(np.where(dead, np.inf, 0.0), out_shape)
         reasons = (*reasons, _DEAD)
     total = sum(terms.values())
-    chains = math.prod(batch) * rows * keys * (q.shape[-1] + 1 + v.shape[-1])
+    # every chain's event, and (A.3') one martingale event per output entry
+    chains = math.prod(batch) * rows * (keys * (q.shape[-1] + 1 + v.shape[-1]) + v.shape[-1])
     return _result(total, terms, "A.1", num, lam, chains, parts, reasons)
 
 
@@ -1334,7 +1402,7 @@ def mha_bound(
     total = sum(terms.values())
     d_v = params.v_width // heads
     chains = math.prod(outer) * (
-        heads * rows * keys * (params.qk_width // heads + 1 + d_v)
+        heads * rows * (keys * (params.qk_width // heads + 1 + d_v) + d_v)
         + rows * params.qk_width * params.d_q
         + keys * (params.qk_width + params.v_width) * params.d_kv
         + rows * params.d_out * params.v_width
