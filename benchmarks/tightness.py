@@ -556,17 +556,12 @@ def print_search(rows: list[tuple[Config, Result]], budget: int, seed: int) -> N
 
 
 def lam_for(probability: float, numerics: Numerics, L: int, d: int) -> tuple[float, float]:
-    """The least λ (to 1e-3) whose stated probability is at least ``probability`` for A.1 at
-    this size (the probability depends on λ and the number of rounding chains only)."""
+    """The λ that A.1 solves for ``probability`` at this size, and the probability it states
+    (both depend on the number of rounding chains only, not on the values)."""
     z = np.ones((L, d))
-    lo, hi = 0.5, 40.0
-    while hi - lo > 1e-3:
-        mid = (lo + hi) / 2
-        if attention_bound(z, z, z, numerics=numerics, lam=mid).probability >= probability:
-            hi = mid
-        else:
-            lo = mid
-    return hi, attention_bound(z, z, z, numerics=numerics, lam=hi).probability
+    bound = attention_bound(z, z, z, numerics=numerics, probability=probability)
+    assert bound.lam is not None
+    return bound.lam, bound.probability
 
 
 def print_probabilistic(presets: list[str], size: tuple[int, int], n: int, seed: int) -> None:

@@ -29,6 +29,8 @@ class Bound:
             format and the value that may overflow, or the hypothesis that cannot be proved on
             the given values); empty when the bound is finite everywhere. ``str(bound)`` shows
             them, and so do the reports.
+        lam: the ``λ`` of a probabilistic bound (Theorem A.3: given, or the least one that
+            states the requested ``probability``); ``None`` for a deterministic bound.
     """
 
     total: Any
@@ -39,6 +41,7 @@ class Bound:
     probability: float = 1.0
     parts: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     reasons: tuple[str, ...] = ()
+    lam: float | None = None
 
     def __str__(self) -> str:
         total = np.asarray(self.total, np.float64)
@@ -50,7 +53,8 @@ class Bound:
                 if finite.size < total.size
                 else ""
             )
-            + (f", probability >= {self.probability:.6g}" if self.probability < 1 else ""),
+            + (f", probability >= {self.probability:.6g}" if self.probability < 1 else "")
+            + (f" (λ = {self.lam:.4g})" if self.lam is not None else ""),
             f"  dominant term: {self.dominant()}" if self.terms else "  no terms",
         ]
         lines += [f"  inf: {reason}" for reason in self.reasons]
@@ -75,4 +79,5 @@ class Bound:
             "probability": self.probability,
             "parts": {t: {k: plain(v) for k, v in p.items()} for t, p in self.parts.items()},
             "reasons": list(self.reasons),
+            "lam": self.lam,
         }

@@ -30,6 +30,7 @@ from mhanum.bounds.factors import (
     EVALUATION,
     F64_DOT,
     LOG2E,
+    check_lam,
     conversion_eta,
     exp_and_sum_factors,
     is_power_of_four,
@@ -845,9 +846,10 @@ def _softmax_pv(
         ),
     }
     if across is not None and lam is not None:
-        terms["logits"] = np.fmin(
-            terms["logits"], _logits_across_keys(p, delta, v, v_abs, live, logits, across, lam)
-        ) * np.where(np.isnan(terms["logits"]), np.nan, 1.0)
+        # the output's rounding carries this error as it carries the others (scale_out)
+        across_keys = scale_out * _logits_across_keys(p, delta, v, v_abs, live, logits, across, lam)
+        kept = np.fmin(terms["logits"], across_keys)
+        terms["logits"] = np.where(np.isnan(terms["logits"]), np.nan, kept)
     # Step 7'. The last rounding is to nearest: the computed x (|x - o*| <= E, the other terms)
     # rounds to a value at least as close to x as any value r of the format (plus η for a
     # flush to zero), and r = fl(o) is within |fl(o) - o| + ε + E of x (ε: o's own float64
@@ -959,6 +961,7 @@ def attention_bound(
     numerics: Numerics | str | None = None,
     scale: float | None = None,
     lam: float | None = None,
+    probability: float | None = None,
 ) -> Bound:
     """Theorem A.1: a componentwise bound on ``|attention(q, k, v, mask, numerics) − exact|``.
 
@@ -1014,6 +1017,9 @@ def attention_bound(
             one way (sums of equal values just above half an ulp) the error is ``~h·u`` and
             exceeds this bound (papers/attention.md, A.3); use ``lam=None`` for adversarial or
             structured data.
+        probability: instead of ``lam``, the probability the bound should state: ``λ`` is
+            solved from the union bound over this call's chains (``Bound.lam`` holds it), so
+            ``Bound.probability >= probability``. At most one of ``lam`` and ``probability``.
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape, ``inf`` exactly
@@ -1049,6 +1055,9 @@ def attention_bound(
     dead = _dead_rows(keep, masked)
     keep = keep | dead  # evaluated as unmasked, then infinite with the reason
     c = V.scale_value(scale, q.shape[-1], placement=num.scale)
+    # every chain's event, and (A.3') one martingale event per output entry
+    chains = math.prod(batch) * rows * (keys * (q.shape[-1] + 1 + v.shape[-1]) + v.shape[-1])
+    lam = _lam_or_probability(lam, probability, chains, num)
     qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
     fmt_in = num.format_of("input")
     errors = tuple(rounding_error(x, fmt_in) for x in (qb, kb, vb))
@@ -1078,8 +1087,6 @@ def attention_bound(
         terms["fully_masked"] = np.broadcast_to(np.where(dead, np.inf, 0.0), out_shape)
         reasons = (*reasons, _DEAD)
     total = sum(terms.values())
-    # every chain's event, and (A.3') one martingale event per output entry
-    chains = math.prod(batch) * rows * (keys * (q.shape[-1] + 1 + v.shape[-1]) + v.shape[-1])
     return _result(total, terms, "A.1", num, lam, chains, parts, reasons)
 
 
@@ -1101,6 +1108,37 @@ def _stack(per_head: list[dict[str, np.ndarray]], shape: tuple[int, ...]) -> dic
     names = sorted({name for head in per_head for name in head})
     zeros = np.zeros(shape[-2:])
     return {n: np.stack([h.get(n, zeros) for h in per_head]).reshape(shape) for n in names}
+
+
+def _failure(lam: float, chains: int, num: Numerics) -> float:
+    """The union bound's failure probability ``N·2exp(-λ²(1-u)²/2)`` over ``N`` chains."""
+    u = max(num.format_of(r).u for r in ("accum", "softmax"))
+    return chains * 2 * math.exp(-((lam * (1 - u)) ** 2) / 2)
+
+
+def _lam_or_probability(
+    lam: float | None, probability: float | None, chains: int, num: Numerics
+) -> float | None:
+    """The ``λ`` of the probabilistic variant: ``lam`` as given, or the ``λ`` that solves the
+    union bound over ``chains`` events for ``probability`` (raised by float64 spacings until
+    the stated probability, evaluated as :class:`Bound` states it, is at least ``probability``)."""
+    if probability is None:
+        return None if lam is None else check_lam(lam, "lam")
+    if lam is not None:
+        msg = (
+            "lam, probability: expected one of them (or neither), got "
+            f"lam={lam!r} and probability={probability!r}"
+        )
+        raise InvalidArgument(msg)
+    ok = isinstance(probability, (int, float, np.floating)) and not isinstance(probability, bool)
+    if not ok or not (0 < probability < 1):
+        msg = f"probability: expected a number in (0, 1), got {probability!r}"
+        raise InvalidArgument(msg)
+    u = max(num.format_of(r).u for r in ("accum", "softmax"))
+    found = math.sqrt(2 * math.log(2 * chains / (1 - probability))) / (1 - u)
+    while 1.0 - _failure(found, chains, num) < probability:  # the formula's own rounding
+        found = math.nextafter(found, math.inf)
+    return found
 
 
 def _result(
@@ -1135,11 +1173,9 @@ def _result(
         return Bound(
             total, terms, theorem, ASSUMPTIONS, "blanchard2021", parts=parts, reasons=reasons
         )
-    u = max(num.format_of(r).u for r in ("accum", "softmax"))
-    fail = chains * 2 * math.exp(-((lam * (1 - u)) ** 2) / 2)
     assumptions = (*ASSUMPTIONS, PROBABILISTIC)
-    probability = max(0.0, 1.0 - fail)
-    return Bound(total, terms, theorem, assumptions, "higham2019", probability, parts, reasons)
+    probability = max(0.0, 1.0 - _failure(lam, chains, num))
+    return Bound(total, terms, theorem, assumptions, "higham2019", probability, parts, reasons, lam)
 
 
 def _keep_and_bias(
@@ -1234,6 +1270,7 @@ def mha_bound(
     numerics: Numerics | str | None = None,
     scale: float | None = None,
     lam: float | None = None,
+    probability: float | None = None,
 ) -> Bound:
     """Theorem A.2: a componentwise bound on ``|multi_head_attention(...) − exact|``.
 
@@ -1275,6 +1312,8 @@ def mha_bound(
         scale: the logit scale; default ``1/sqrt(d_k)``.
         lam: the probabilistic variant, as for :func:`attention_bound` (the projections' chains
             are counted in ``Bound.probability``).
+        probability: instead of ``lam``, the probability the bound should state, as for
+            :func:`attention_bound`.
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape ``(..., Lq, d_out)``.
@@ -1304,6 +1343,14 @@ def mha_bound(
     num.check_bias(bias)
     outer = V.broadcast({"x_q": xs["x_q"].shape[:-2], "x_kv": xs["x_kv"].shape[:-2]})
     rows, keys = xs["x_q"].shape[-2], xs["x_kv"].shape[-2]
+    d_v = params.v_width // heads
+    chains = math.prod(outer) * (
+        heads * rows * (keys * (params.qk_width // heads + 1 + d_v) + d_v)
+        + rows * params.qk_width * params.d_q
+        + keys * (params.qk_width + params.v_width) * params.d_kv
+        + rows * params.d_out * params.v_width
+    )
+    lam = _lam_or_probability(lam, probability, chains, num)
     keep, masked, b, replaced = _keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)
     dead = _dead_rows(keep, masked)
     keep = keep | dead
@@ -1400,13 +1447,6 @@ def mha_bound(
             terms[n] = np.where(hit, np.inf, 0.0)
     logits = {n: out.kappa * (t @ out.slope) for n, t in head_parts.items()}
     total = sum(terms.values())
-    d_v = params.v_width // heads
-    chains = math.prod(outer) * (
-        heads * rows * (keys * (params.qk_width // heads + 1 + d_v) + d_v)
-        + rows * params.qk_width * params.d_q
-        + keys * (params.qk_width + params.v_width) * params.d_kv
-        + rows * params.d_out * params.v_width
-    )
     reasons = list(dict.fromkeys(reasons))
     return _result(
         total, terms, "A.2", num, lam, chains, {"attention.logits": logits}, tuple(reasons)

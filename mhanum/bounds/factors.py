@@ -54,10 +54,10 @@ def parse_order(order: Any) -> tuple[str, int | None]:
     return unit.kind, unit.block
 
 
-def check_lam(lam: Any) -> float:
+def check_lam(lam: Any, name: str = "probabilistic") -> float:
     ok = isinstance(lam, (int, float, np.floating)) and not isinstance(lam, bool)
     if not ok or not (math.isfinite(lam) and lam > 0):
-        msg = f"probabilistic: expected a finite λ > 0 (or None), got {lam!r}"
+        msg = f"{name}: expected a finite λ > 0 (or None), got {lam!r}"
         raise InvalidArgument(msg)
     return float(lam)
 

@@ -55,14 +55,6 @@ def _a_priori_function(name: str) -> Callable[..., Any] | None:
     return fn if callable(fn) else None
 
 
-def _lam(chains: int, probability: float, num: Numerics) -> float:
-    """The ``λ`` for which the union bound of Theorem A.3 over ``chains`` chains gives
-    ``probability``: ``chains · 2 exp(−λ²(1−u)²/2) = 1 − probability``."""
-    u = max(num.format_of(r).u for r in ("accum", "softmax"))
-    # The factor keeps Bound.probability >= probability despite the rounding of this formula.
-    return math.sqrt(2 * math.log(2 * chains / (1 - probability))) / (1 - u) * (1 + 2.0**-20)
-
-
 def _per_sample_max(x: np.ndarray, samples: int) -> np.ndarray:
     return np.asarray(x, np.float64).reshape(samples, -1).max(axis=1)
 
@@ -132,13 +124,12 @@ def _attention_bounds(
     The reasons go to ``refusals`` (A.1, A.3) and ``prior_notes`` (the a-priori bound), once each.
     """
     q, k, v = qkv
-    n, length = config.samples, q.shape[-2]
-    lam = _lam(n * length * length * (2 * config.d_k + 1), config.probability, num)
+    n = config.samples
     out: dict[str, Any] = {
         "bound_a_posteriori": None,
         "bound_reasons": [],
         "bound_probabilistic": None,
-        "probabilistic_lam": lam,
+        "probabilistic_lam": None,
         "probabilistic_probability": None,
         "ratio": None,
         "dominant_term": None,
@@ -172,12 +163,13 @@ def _attention_bounds(
             },
         }
     try:
-        prob = bounds.attention_bound(q, k, v, mask, numerics=num, lam=lam)
+        prob = bounds.attention_bound(q, k, v, mask, numerics=num, probability=config.probability)
     except InvalidArgument as exc:
         _note(str(exc), refusals)
     else:
         out["bound_probabilistic"] = [float(x) for x in _per_sample_max(prob.total, n)]
         out["probabilistic_probability"] = prob.probability
+        out["probabilistic_lam"] = prob.lam
     prior = None
     try:
         prior = _a_priori(fn, qkv, mask, num, n)

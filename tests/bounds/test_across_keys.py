@@ -60,3 +60,46 @@ def test_the_probability_counts_one_event_per_output_entry():
     chains = 5 * (5 * (8 + 1 + 8) + 8)
     fail = chains * 2 * math.exp(-((lam * (1 - u)) ** 2) / 2)
     assert bound.probability == pytest.approx(1 - fail, rel=1e-12)
+
+
+@pytest.mark.parametrize("probability", [0.5, 0.9, 0.99, 0.999, 1 - 1e-9])
+def test_a_requested_probability_is_stated_and_its_lam_is_the_union_bounds(probability):
+    # probability= solves the same union bound for λ: the stated probability reaches the
+    # request, and a λ smaller by 1e-9 (relative) would not.
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((2, 5, 8)) for _ in range(3))
+    bound = attention_bound(q, k, v, numerics="bf16-fp32acc", probability=probability)
+    assert bound.probability >= probability
+    assert bound.lam is not None
+    chains = 2 * 5 * (5 * (8 + 1 + 8) + 8)
+    u = 2.0**-24
+    below = bound.lam * (1 - 1e-9)
+    assert 1 - chains * 2 * math.exp(-((below * (1 - u)) ** 2) / 2) < probability
+    same = attention_bound(q, k, v, numerics="bf16-fp32acc", lam=bound.lam)
+    assert same.probability == bound.probability
+    np.testing.assert_array_equal(same.total, bound.total)
+
+
+def test_mha_states_a_requested_probability():
+    rng = np.random.default_rng(3)
+    params = mn.MHAParams.random(16, seed=3)
+    x = rng.standard_normal((6, 16))
+    bound = mn.bounds.mha_bound(x, x, params, 2, numerics="fp32", probability=0.99)
+    assert bound.probability >= 0.99
+    assert bound.lam is not None and f"λ = {bound.lam:.4g}" in str(bound)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"probability": 1.0}, "probability:"),
+        ({"probability": 0.0}, "probability:"),
+        ({"probability": True}, "probability:"),
+        ({"probability": 0.9, "lam": 6.0}, "lam, probability:"),
+        ({"lam": -1.0}, "lam:"),
+    ],
+)
+def test_bad_probability_or_lam_is_refused_by_name(kwargs, names):
+    z = np.ones((3, 4))
+    with pytest.raises(mn.InvalidArgument, match=names):
+        attention_bound(z, z, z, **kwargs)
