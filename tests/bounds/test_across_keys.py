@@ -86,7 +86,8 @@ def test_mha_states_a_requested_probability():
     x = rng.standard_normal((6, 16))
     bound = mn.bounds.mha_bound(x, x, params, 2, numerics="fp32", probability=0.99)
     assert bound.probability >= 0.99
-    assert bound.lam is not None and f"λ = {bound.lam:.4g}" in str(bound)
+    assert bound.lam is not None
+    assert f"λ = {bound.lam:.4g}" in str(bound)
 
 
 @pytest.mark.parametrize(
