@@ -526,7 +526,7 @@ def _head(
         fold = np.where(live, u_m * (1 + u_c) * (s_abs + r_row) + 2 * eta_m, 0.0)
         sources["exp_fold"] = fold
         delta = delta + fold
-    across = None
+    across: list[tuple[np.ndarray, np.ndarray]] | None = None
     if lam is not None and num.dot_kind == "ieee" and masked is None and not folded:
         # Theorem A.3': the QKᵀ dots' roundings as one martingale across the keys. A dot's
         # error is Σ_k δ_k T_k over its <= 2d_k - 1 roundings (twice as many in the native order
@@ -543,7 +543,16 @@ def _head(
             + abs(scale) * k_b * unit_eta(num, d_k)
             + abs(scale) * (k_b - 1) * g_det * qk_op
         )
-        across = (b_dot, np.where(live, np.maximum(rest, 0.0), 0.0))
+        across = [(b_dot, np.where(live, np.maximum(rest, 0.0), 0.0))]
+        if bias is None and num.scale == "scores":
+            # the roundings of each key's score (QKᵀ into the score format, then its product
+            # by the scale) may join the martingale: ŝ_j = c(1 + δ_c)(1 + δ_s)(1 + δ_mul)·t̂_j,
+            # the increments c·t̂_j·δ_s and c·t̂_j·δ_mul with |t̂_j| <= T_j, the rest of θ (δ_c,
+            # common to the row, and the products of δs) deterministic: θ - u_s - u_mul
+            t_hat = np.abs(t) + operands + g_det * qk_op + unit_eta(num, d_k)
+            b_score = np.sqrt(b_dot**2 + (abs(scale) * math.hypot(u_s, u_mul) * t_hat) ** 2)
+            rest_score = rest - abs(scale) * (u_s + u_mul) * t_hat
+            across.append((b_score, np.where(live, np.maximum(rest_score, 0.0), 0.0)))
     delta = np.where(live, delta, 0.0)
     s = np.where(live, s, -np.inf)
     terms, p = _softmax_pv(
@@ -691,16 +700,17 @@ def _softmax_pv(
     u_div: float,
     ranges: _Ranges,
     fold: np.ndarray | None = None,
-    across: tuple[np.ndarray, np.ndarray] | None = None,
+    across: list[tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Steps 4-7 of A.1 for logits ``s`` (``-inf`` where not live) off by at most ``delta``.
 
     ``fold`` (``exp_form="exp2-folded"``) is the part of ``delta`` that the exponent's argument
     may carry beyond ``|ŝ_j - m|`` (step 3''): its rounding is charged on ``gap + fold``.
-    ``across`` (Theorem A.3', with ``lam``) is ``(b, δ')``: the dots' rounding errors, a
-    martingale across the keys with increments bounded by ``b_ij`` per rounding, and the rest of
-    each logit's error, at most ``δ'_ij``; the logits term is then the smaller of step 4's and
-    A.3''s.
+    ``across`` (Theorem A.3', with ``lam``) lists splits ``(b, δ')`` of the logits' errors: the
+    roundings in a martingale across the keys (increments bounded by ``b_ij``), and the rest of
+    each logit's error, at most ``δ'_ij``; the logits term is then the smallest of step 4's and
+    A.3''s for each split. The choice, entry by entry, depends on the inputs only, not on the
+    roundings, so each entry's bound is still one event.
 
     Returns the terms (against the exact attention of these logits) and its probabilities; rows
     whose softmax sum may be off by 100%, or (naive) may overflow or flush its reciprocal, and
@@ -779,9 +789,37 @@ def _softmax_pv(
 
     y = x + math.log1p(u_div) - np.log1p(-t_safe)
     soft = np.where(vacuous, 0.0, _times_expm1(p_tilde_hi, y))  # vacuous rows: flagged
-    soft += eta_m * (1 + u_div) * per_sum + eta_m
+    eta_soft = eta_m * (1 + u_div) * per_sum + eta_m
+    soft += eta_soft
+    # Step 5' (papers/attention.md): p̂_j = p̃_j(1 + ρ_j)(1 + ε_j)/(1 + τ) with the row sum's
+    # error τ common to the row, so its share of Σ_j (p̂_j - p̃_j) v_j is at most
+    # T/(1 - T)·|Σ_j p̃_j ṽ_j|, not T/(1 - T)·Σ_j p̃_j |ṽ_j|. Online there is no per-key
+    # division: the output's one division is charged in scale_out and the output term.
+    rel = np.where(vacuous, 0.0, _times_expm1(p_tilde_hi, x + math.log1p(0.0 if online else u_div)))
     p_hat_hi = p_tilde_hi + soft
-    prob = u_p * p_hat_hi + (eta_p * per_sum + blocks * eta_m * per_sum if online else eta_p)
+    rounding_keys: tuple[np.ndarray, float, np.ndarray, float] | None = None
+    if online:
+        prob = u_p * p_hat_hi + eta_p * per_sum + blocks * eta_m * per_sum
+    else:
+        # Step 6: an absolute η_p only where p̂_j may lie below F_p's smallest normal number
+        p_hat_lo = p_tilde_lo * (1 - EVALUATION) - soft
+        normal_p = p_hat_lo >= eta_p
+        prob = u_p * p_hat_hi + np.where(normal_p, 0.0, eta_p)
+        if lam is not None and num.dot_kind == "ieee":
+            # Theorem A.3'' (papers/attention.md): the relative roundings of p̂_j into F_p and
+            # the operand format, keys in their normal ranges, as one martingale per output
+            # entry with increments at most u·p̂_j·v̄_j; the other keys stay deterministic.
+            op_fmt = num.operand_rounding
+            normal = live & normal_p
+            if op_fmt is not None:
+                normal = normal & (p_hat_lo * (1 - u_p) >= op_fmt.smallest_normal)
+            eta_conv = eta_op - (op_fmt.smallest_normal if op_fmt is not None else 0.0)
+            rounding_keys = (
+                np.where(normal, p_hat_hi, 0.0),
+                u_p**2 + (u_op * (1 + u_p)) ** 2,
+                normal,
+                eta_conv,
+            )
     p_hat_hi = p_hat_hi + prob
     operand_p = u_op * p_hat_hi + eta_op
     p_hat_hi = p_hat_hi + operand_p
@@ -813,8 +851,17 @@ def _softmax_pv(
     else:
         pv_upper = (1 + g_pv) * np.where(vacuous, 0.0, p_hat_hi) @ v_abs + eta_pv
         ranges.check(pv_upper, fmts["accum"], "P·V accumulated", entries=True)
+    pl = np.where(live, p, 0.0)
     with np.errstate(invalid="ignore"):
-        o = np.where(live, p, 0.0) @ v
+        o = pl @ v
+    ev = EVALUATION * (pl @ np.abs(v))
+    with np.errstate(over="ignore", invalid="ignore"):
+        # |Σ_j p̃_j ṽ_j| <= |o| + Σ_j |p̃_j - p_j| v̄_j + Σ_j p_j (v̄_j - |v_j|)
+        o_tilde = (np.abs(o) + ev + logits @ v_abs + pl @ (v_abs - np.abs(v))) * (1 + EVALUATION)
+        o_tilde = np.minimum(o_tilde, p_tilde_hi @ v_abs)
+        inv = 1 / (1 - t_safe)
+        soft_term = (rel @ v_abs) * inv + t_safe * inv * o_tilde + eta_soft * v_abs.sum(axis=0)
+    soft_term = np.fmin(soft_term, soft @ v_abs)
 
     scale_out = (1 + u_o) * ((1 + u_div) if online else 1.0)
     u_last: Any = u_div  # the online softmax's final division
@@ -826,6 +873,10 @@ def _softmax_pv(
         logits, soft, prob, operand_p = (
             np.where(single, 0.0, x) for x in (logits, soft, prob, operand_p)
         )
+        if rounding_keys is not None:
+            w_keys, c2, normal, eta_conv = rounding_keys
+            rounding_keys = (np.where(single, 0.0, w_keys), c2, normal & ~single, eta_conv)
+        soft_term = np.where(single, 0.0, soft_term)
         p_hat_hi = np.where(single, np.where(live, 1.0, 0.0), p_hat_hi)
         u_last = np.where(single, 0.0, u_div)  # acc / 1
         if num.dot_kind != "split":
@@ -837,7 +888,7 @@ def _softmax_pv(
         g_row = g_pv
     terms = {
         "logits": scale_out * (logits @ v_abs),
-        "softmax": scale_out * (soft @ v_abs),
+        "softmax": scale_out * soft_term,
         "probability_rounding": scale_out * (prob @ v_abs),
         "operands": scale_out * (operand_p @ v_abs + p_hat_hi @ (v_abs - np.abs(v))),
         "pv": scale_out * (g_row * (p_hat_hi @ v_abs) + (eta_pv * per_sum if online else eta_pv)),
@@ -845,10 +896,29 @@ def _softmax_pv(
             u_o * np.abs(o) + eta_o + ((1 + u_o) * (u_last * np.abs(o) + eta_m) if online else 0.0)
         ),
     }
+    if rounding_keys is not None and lam is not None:
+        # A.3'': where the martingale is smaller, it replaces the keys' relative roundings, and
+        # the two terms share it as they share the deterministic charge (the choice depends on
+        # the inputs only: one event per entry)
+        w_keys, c2, normal, eta_conv = rounding_keys
+        with np.errstate(over="ignore", invalid="ignore"):
+            mart = lam * np.sqrt(c2 * ((w_keys * w_keys) @ (v_abs * v_abs)))
+            kept_prob = np.where(normal, 0.0, prob) @ v_abs
+            kept_op = np.where(normal, eta_conv, operand_p) @ v_abs
+            det_prob, det_op = prob @ v_abs, operand_p @ v_abs
+            det = det_prob + det_op
+            alt = (mart + kept_prob + kept_op) * (1 + EVALUATION)
+            share = np.where(det > 0, det_prob / det, 1.0)
+        choose = alt < det
+        rest_v = p_hat_hi @ (v_abs - np.abs(v))
+        terms["probability_rounding"] = scale_out * np.where(choose, alt * share, det_prob)
+        terms["operands"] = scale_out * (np.where(choose, alt * (1 - share), det_op) + rest_v)
     if across is not None and lam is not None:
         # the output's rounding carries this error as it carries the others (scale_out)
-        across_keys = scale_out * _logits_across_keys(p, delta, v, v_abs, live, logits, across, lam)
-        kept = np.fmin(terms["logits"], across_keys)
+        kept = terms["logits"]
+        for split in across:
+            across_keys = _logits_across_keys(p, delta, v, v_abs, live, logits, split, lam)
+            kept = np.fmin(kept, scale_out * across_keys)
         terms["logits"] = np.where(np.isnan(terms["logits"]), np.nan, kept)
     # Step 7'. The last rounding is to nearest: the computed x (|x - o*| <= E, the other terms)
     # rounds to a value at least as close to x as any value r of the format (plus η for a
@@ -856,7 +926,6 @@ def _softmax_pv(
     # error). Where o is (nearly) a value of the format and E is below half its spacing, this
     # is far below u|o| (papers/attention.md, step 7').
     e_other = sum(terms[n] for n in terms if n != "output")
-    ev = EVALUATION * (np.where(live, p, 0.0) @ np.abs(v))
     off_o = np.abs(round_to(o, fmts["output"]) - o) + ev
     # a flush to zero departs from the nearest value only below the smallest normal number
     low = np.abs(o) - ev - e_other  # <= |x|
@@ -1055,8 +1124,8 @@ def attention_bound(
     dead = _dead_rows(keep, masked)
     keep = keep | dead  # evaluated as unmasked, then infinite with the reason
     c = V.scale_value(scale, q.shape[-1], placement=num.scale)
-    # every chain's event, and (A.3') one martingale event per output entry
-    chains = math.prod(batch) * rows * (keys * (q.shape[-1] + 1 + v.shape[-1]) + v.shape[-1])
+    # every chain's event, and two martingale events per output entry (A.3', A.3'')
+    chains = math.prod(batch) * rows * (keys * (q.shape[-1] + 1 + v.shape[-1]) + 2 * v.shape[-1])
     lam = _lam_or_probability(lam, probability, chains, num)
     qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
     fmt_in = num.format_of("input")
@@ -1345,7 +1414,7 @@ def mha_bound(
     rows, keys = xs["x_q"].shape[-2], xs["x_kv"].shape[-2]
     d_v = params.v_width // heads
     chains = math.prod(outer) * (
-        heads * rows * (keys * (params.qk_width // heads + 1 + d_v) + d_v)
+        heads * rows * (keys * (params.qk_width // heads + 1 + d_v) + 2 * d_v)
         + rows * params.qk_width * params.d_q
         + keys * (params.qk_width + params.v_width) * params.d_kv
         + rows * params.d_out * params.v_width

@@ -1,0 +1,75 @@
+"""Steps 5' and 6 of Theorem A.1 (papers/attention.md).
+
+Step 5': the row sum's error is one number for the whole row, so it is charged against
+``|Σ_j p̃_j v_j|`` and not against ``Σ_j p̃_j |v_j|``: where the values cancel, a long row's sum
+error costs almost nothing. Step 6: a probability format's absolute underflow term is charged
+only for keys whose probability may lie below its smallest normal number. Each test would fail
+under the charge it replaces, and each checks the bound against the measured error.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mhanum as mn
+from mhanum import Numerics, reference
+from mhanum.bounds import attention_bound
+from mhanum.bounds.factors import gamma
+from mhanum.formats import get_format
+
+
+def _error(q, k, v, num):
+    out = np.asarray(mn.attention(q, k, v, numerics=num), np.float64)
+    return np.abs(out - np.asarray(reference.attention(q, k, v), np.float64))
+
+
+@pytest.mark.parametrize("softmax", ["safe", "online(16)"])
+def test_a_cancelling_row_is_not_charged_its_sum_error_against_p_abs_v(softmax):
+    # float16 sums over 64 keys: the row sum's relative error may reach γ_63(2^-11) = 0.031.
+    # Values ±1 alternate and the logits are small, so o is ~0 while Σ p|v| = 1: the old
+    # charge T·Σ p̃|v| alone exceeds γ_63·(1 - 0.05); step 5' charges T·|õ| instead and keeps
+    # only the keys' own exponential errors (online: K = 4 rescalings in float16, ~0.017).
+    num = Numerics(input="float16", accum="float16", summation="sequential", softmax=softmax)
+    rng = np.random.default_rng(5)
+    n, d = 64, 8
+    fmt = get_format("float16")
+    q = np.asarray(mn.round_to(0.05 * rng.standard_normal((4, d)), fmt), np.float64)
+    k = np.asarray(mn.round_to(rng.standard_normal((n, d)), fmt), np.float64)
+    v = np.tile(np.array([[1.0], [-1.0]]), (n // 2, d))
+    bound = attention_bound(q, k, v, numerics=num)
+    t_floor = gamma(n - 1, fmt.u) * (1 - 0.05)
+    assert np.max(bound.terms["softmax"]) < t_floor
+    assert np.all(_error(q, k, v, num) <= bound.total)
+
+
+def test_normal_probabilities_in_float16_carry_no_underflow_term():
+    # Random normal rows of 64 keys: every probability is far above float16's smallest normal
+    # 2^-14, so the term is u_p·Σ p̂|v| (about 2^-11·0.8), not n·2^-14·Σ|v|/n as before.
+    num = Numerics.preset("fp16-fp32acc")
+    rng = np.random.default_rng(6)
+    fmt = get_format("float16")
+    q, k, v = (
+        np.asarray(mn.round_to(rng.standard_normal((64, 64)), fmt), np.float64) for _ in "qkv"
+    )
+    bound = attention_bound(q, k, v, numerics=num)
+    eta = fmt.smallest_normal
+    assert np.max(bound.terms["probability_rounding"]) < eta * np.abs(v).sum(axis=0).min()
+    assert np.all(_error(q, k, v, num) <= bound.total)
+
+
+def test_probabilities_below_the_smallest_normal_are_still_charged():
+    # One key holds the row; the others have probability e^-24 ~ 4e-11, far below float16's
+    # 2^-14 (6.1e-5), and large values, so whether the format flushes or keeps subnormals
+    # moves the output by up to 63·4e-11·6e4 ~ 1.5e-4: the bound charges η_p for those keys.
+    num = Numerics.preset("fp16-fp32acc")
+    n, d = 64, 4
+    q = np.full((1, d), 4.0)
+    k = np.zeros((n, d))
+    k[0] = 3.0  # logit 4·3·4/2 = 24 above the others
+    v = np.full((n, d), 60000.0)
+    v[0] = 1.0
+    bound = attention_bound(q, k, v, numerics=num)
+    eta = get_format("float16").smallest_normal
+    assert np.min(bound.terms["probability_rounding"]) >= eta * (n - 1) * 60000.0
+    assert np.all(_error(q, k, v, num) <= bound.total)
