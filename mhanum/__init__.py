@@ -18,7 +18,17 @@ from typing import TYPE_CHECKING, Any
 from mhanum._version import __version__
 
 if TYPE_CHECKING:
-    from mhanum import bounds, cases, formats, measure, reference, search, strategies, summation
+    from mhanum import (
+        bounds,
+        cases,
+        formats,
+        masks,
+        measure,
+        reference,
+        search,
+        strategies,
+        summation,
+    )
     from mhanum._errors import CertificationError, InvalidArgument
     from mhanum.adapters.compare import compare
     from mhanum.emulate.attention import attention, multi_head_attention, softmax
@@ -40,6 +50,7 @@ __all__ = [
     "compare",
     "formats",
     "get_format",
+    "masks",
     "measure",
     "multi_head_attention",
     "reference",

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from mhanum._errors import InvalidArgument
+from mhanum.masks import Band
 
 
 def is_traced(x: Any) -> bool:
@@ -83,7 +84,10 @@ def check_broadcastable_to(x: Any, name: str, target: tuple[int, ...]) -> None:
 
 
 def bool_mask(mask: Any, target: tuple[int, ...]) -> Any:
-    """A boolean mask (True = attend) broadcastable to ``target``."""
+    """A boolean mask (True = attend) broadcastable to ``target``, or a structured
+    :class:`mhanum.masks.Band` (as given: its shape is ``target``'s last two lengths)."""
+    if isinstance(mask, Band):
+        return mask
     arr = mask if isinstance(mask, jax.Array) else np.asarray(mask)
     if arr.dtype != np.bool_:
         msg = (

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
 
+from mhanum import _validate as V
 from mhanum._errors import InvalidArgument
 
 __all__ = ["MHAParams"]
@@ -125,6 +127,7 @@ class MHAParams:
         d_kv: int | None = None,
         d_out: int | None = None,
         bias: bool = True,
+        kv_width: int | None = None,
     ) -> MHAParams:
         """Glorot-uniform weights and small uniform biases, float64, from an explicit seed.
 
@@ -134,13 +137,17 @@ class MHAParams:
             d_kv: key/value input width (default ``d_model``).
             d_out: output width (default ``d_model``).
             bias: whether to draw biases (otherwise all biases are ``None``).
+            kv_width: the key and value projections' width ``H_kv*d_k`` (default ``d_model``;
+                smaller for grouped-query attention, see :meth:`expand_kv_heads`).
 
         Raises:
             InvalidArgument: for a non-positive width or a non-integer seed.
         """
         d_kv = d_model if d_kv is None else d_kv
         d_out = d_model if d_out is None else d_out
-        for name, val in (("d_model", d_model), ("d_kv", d_kv), ("d_out", d_out)):
+        kv_width = d_model if kv_width is None else kv_width
+        sizes = (("d_model", d_model), ("d_kv", d_kv), ("d_out", d_out), ("kv_width", kv_width))
+        for name, val in sizes:
             if not isinstance(val, (int, np.integer)) or val < 1:
                 msg = f"{name}: expected a positive integer, got {val!r}"
                 raise InvalidArgument(msg)
@@ -153,9 +160,58 @@ class MHAParams:
             limit = np.sqrt(6.0 / (fan_in + fan_out))
             return rng.uniform(-limit, limit, size=(fan_in, fan_out))
 
-        wq, wk, wv = glorot(d_model, d_model), glorot(d_kv, d_model), glorot(d_kv, d_model)
+        wq, wk, wv = glorot(d_model, d_model), glorot(d_kv, kv_width), glorot(d_kv, kv_width)
         wo = glorot(d_model, d_out)
         if not bias:
             return cls(wq, wk, wv, wo)
-        b = [rng.uniform(-0.1, 0.1, size=n) for n in (d_model, d_model, d_model, d_out)]
+        b = [rng.uniform(-0.1, 0.1, size=n) for n in (d_model, kv_width, kv_width, d_out)]
         return cls(wq, wk, wv, wo, *b)
+
+    def expand_kv_heads(self, num_heads: int, num_kv_heads: int) -> MHAParams:
+        """Grouped-query attention as multi-head attention: the key and value projections of
+        ``num_kv_heads`` heads repeated so that query head ``h`` reads key/value head
+        ``h // (num_heads / num_kv_heads)`` (torch's ``enable_gqa``, ``repeat_interleave``).
+
+        ``wk``, ``bk`` hold ``H_kv*d_k`` columns and ``wv``, ``bv`` ``H_kv*d_v``; each head's
+        block of columns is repeated ``H / H_kv`` times. A head's projection is the same dot
+        products of the same operands, so the expanded layer computes the grouped one's values
+        (``num_kv_heads = 1``: multi-query attention).
+
+        Raises:
+            InvalidArgument: for head counts that are not positive, ``num_kv_heads`` not dividing
+                ``num_heads``, or widths that do not fit them (each field named).
+
+        Examples:
+            >>> p = MHAParams.random(8, seed=0, kv_width=4)  # 4 heads of 2, 2 key/value heads
+            >>> p.expand_kv_heads(4, 2).wk.shape
+            (8, 8)
+        """
+        num_heads = V.positive_int(num_heads, "num_heads")
+        num_kv_heads = V.positive_int(num_kv_heads, "num_kv_heads")
+        if num_heads % num_kv_heads:
+            msg = f"num_kv_heads: expected a divisor of num_heads = {num_heads}, got {num_kv_heads}"
+            raise InvalidArgument(msg)
+        group = num_heads // num_kv_heads
+        widths = {"qk": np.shape(self.wq)[-1], "v": np.shape(self.wo)[0]}
+        for label, width in widths.items():
+            if width % num_heads:
+                msg = f"num_heads: expected a divisor of the {label} width {width}, got {num_heads}"
+                raise InvalidArgument(msg)
+        d = {"qk": widths["qk"] // num_heads, "v": widths["v"] // num_heads}
+        fields = (("wk", "qk"), ("bk", "qk"), ("wv", "v"), ("bv", "v"))
+        expanded: dict[str, Any] = {}
+        for name, kind in fields:
+            w = getattr(self, name)
+            if w is None:
+                continue
+            w = np.asarray(w)
+            want = num_kv_heads * d[kind]
+            if np.ndim(w) < 1 or w.shape[-1] != want:
+                msg = (
+                    f"params.{name}: expected {want} columns (num_kv_heads = {num_kv_heads} "
+                    f"heads of {d[kind]}), got shape {w.shape}"
+                )
+                raise InvalidArgument(msg)
+            blocks = w.reshape(*w.shape[:-1], num_kv_heads, d[kind])
+            expanded[name] = np.repeat(blocks, group, axis=-2).reshape(*w.shape[:-1], -1)
+        return dataclasses.replace(self, **expanded)

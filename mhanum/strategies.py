@@ -46,6 +46,7 @@ from hypothesis.errors import InvalidArgument
 
 from mhanum._errors import InvalidArgument as _MhanumInvalid
 from mhanum.formats import FORMATS, Format, get_format, round_to
+from mhanum.masks import Band
 from mhanum.numerics import PRESETS, Numerics
 from mhanum.params import MHAParams
 from mhanum.units import (
@@ -69,6 +70,7 @@ __all__ = [
     "STRUCTURES",
     "AttentionInputs",
     "attention_inputs",
+    "bands",
     "formats",
     "masks",
     "mha_params",
@@ -991,6 +993,39 @@ def _masks(draw: Any, sizes: dict[str, Any], kind: Any, fully_masked: bool) -> n
         empty = ~mask.any(axis=-1)
         mask[..., 0] |= empty
     return mask
+
+
+def bands(*, q_len: Any, kv_len: Any, empty_rows: bool = False) -> st.SearchStrategy[Band]:
+    """Structured masks (:class:`mhanum.masks.Band`): causal or windowed, on the main diagonal,
+    aligned to the bottom-right corner (``offset = kv_len - q_len``) or shifted.
+
+    Args:
+        q_len, kv_len: sizes (values or strategies) the band is drawn for.
+        empty_rows: if ``False`` every row attends at least one key; if ``True`` the offset may
+            leave rows that attend none.
+
+    Raises:
+        InvalidArgument: for a non-positive size.
+    """
+    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+        if not isinstance(value, st.SearchStrategy):
+            _check_count(value, name)
+    if not isinstance(empty_rows, bool):
+        _fail("empty_rows", "a bool", empty_rows)
+    return _bands(q_len, kv_len, empty_rows)
+
+
+@st.composite
+def _bands(draw: Any, q_len: Any, kv_len: Any, empty_rows: bool) -> Band:
+    lq, lk = _resolve_int(draw, q_len, "q_len"), _resolve_int(draw, kv_len, "kv_len")
+    side = st.one_of(st.none(), st.integers(0, lk))
+    left, right = draw(side), draw(st.one_of(st.just(0), side))
+    offset = draw(st.sampled_from((0, lk - lq)) | st.integers(-lq, lk))
+    band = Band(left, right, offset)
+    if not empty_rows and band.empty_rows(lq, lk).any():
+        # unbounded to the left, and reaching key 0 from row 0: every row attends a key
+        band = Band(None, None if right is None else max(right, -offset), offset)
+    return band
 
 
 # parameters --------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.adapters import _common as C
 from mhanum.numerics import Numerics
@@ -32,6 +33,7 @@ __all__ = [
     "model",
     "numerics",
     "run",
+    "sdpa",
     "version",
 ]
 
@@ -158,3 +160,63 @@ def _forward(x_q: Any, x_kv: Any, p: Any, mask: Any, n: int, implementation: Any
     v = _heads(jnp.asarray(x_kv) @ p.wv + p.bv, n)
     o = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
     return o.reshape(*o.shape[:-2], -1) @ p.wo + p.bo
+
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def sdpa(
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any = None,
+    *,
+    scale: float | None = None,
+    dtype: str = "float32",
+) -> np.ndarray:
+    """``jax.nn.dot_product_attention(implementation="xla")`` on numpy ``(..., L, d)`` inputs.
+
+    A :class:`mhanum.masks.Band` on the main diagonal (``offset = 0``) is passed as jax's own
+    structure, ``is_causal=True`` for :func:`mhanum.masks.causal` and ``local_window_size`` for
+    a window (so jax builds it, as a user's call would); any other band, and a boolean array
+    (True = attend), is passed as ``mask``. The heads move to jax's ``(B, T, N, H)`` layout.
+
+    Args:
+        q: ``(..., Lq, d)``; k: ``(..., Lk, d)``; v: ``(..., Lk, d_v)`` (rounded to ``dtype``).
+        mask: a boolean array broadcastable to ``(..., Lq, Lk)`` or a ``Band``.
+        scale: the logit scale (default ``1/sqrt(d)``).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+
+    Returns:
+        ``(..., Lq, d_v)`` float32 holding the ``dtype`` outputs exactly.
+
+    Raises:
+        InvalidArgument: for an unknown ``dtype`` or a mask that is neither.
+    """
+    if dtype not in _DTYPES:
+        msg = f"dtype: expected one of {tuple(_DTYPES)}, got {dtype!r}"
+        raise InvalidArgument(msg)
+    arrays = [np.asarray(a, np.float64) for a in (q, k, v)]
+    lead = np.broadcast_shapes(*(a.shape[:-2] for a in arrays))
+    full = [np.broadcast_to(a, (*lead, *a.shape[-2:])).reshape(-1, *a.shape[-2:]) for a in arrays]
+    # (B, L, d) as jax's (B, T, N, H) with one head per batch element
+    jq, jk, jv = (jnp.asarray(a[:, :, None, :], _DTYPES[dtype]) for a in full)
+    lq, lk = full[0].shape[-2], full[1].shape[-2]
+    kwargs: dict[str, Any] = {}
+    if isinstance(mask, masks.Band) and mask.offset == 0:
+        if mask.left is None and mask.right == 0:
+            kwargs["is_causal"] = True
+        else:
+            big = max(lq, lk)  # jax takes integers: an unbounded side is the whole row
+            left = big if mask.left is None else mask.left
+            right = big if mask.right is None else mask.right
+            kwargs["local_window_size"] = (left, right)
+    elif mask is not None:
+        m = np.asarray(masks.resolve(mask, lq, lk))
+        if m.dtype != np.bool_:
+            msg = f"mask: expected a boolean array (True = attend) or a Band, got dtype {m.dtype}"
+            raise InvalidArgument(msg)
+        m = np.broadcast_to(m, (*lead, lq, lk)).reshape(-1, 1, lq, lk)
+        kwargs["mask"] = jnp.asarray(m)
+    out = jax.nn.dot_product_attention(jq, jk, jv, scale=scale, implementation="xla", **kwargs)
+    return np.asarray(out.astype(jnp.float32))[:, :, 0, :].reshape(*lead, lq, v.shape[-1])

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.adapters import _common as C
 from mhanum.numerics import Numerics
@@ -306,7 +307,9 @@ def sdpa(
 
     Args:
         q: ``(..., Lq, D)``; k: ``(..., Lk, D)``; v: ``(..., Lk, Dv)`` (rounded to ``dtype``).
-        mask: boolean, **True = attend** (SDPA's own convention: passed as it is).
+        mask: boolean, **True = attend** (SDPA's own convention: passed as it is), or a
+            :class:`mhanum.masks.Band`: ``masks.causal()`` as ``is_causal=True``, any other
+            band as its boolean array.
         backend: ``"flash"`` or ``"math"`` (forced with ``torch.nn.attention.sdpa_kernel``).
         scale: the logit scale (default ``1/sqrt(D)``).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the tensors' dtype.
@@ -334,6 +337,9 @@ def sdpa(
     # The fused kernels take (B, H, L, D) only: batch dimensions become a 4-D layout.
     tq, tk, tv = (torch.from_numpy(np.array(_four_d(a))).to(dtypes[dtype]) for a in full)
     tm = None
+    if isinstance(mask, masks.Band) and mask == masks.causal() and not is_causal:
+        mask, is_causal = None, True  # SDPA's own structure, as a user's call passes it
+    mask = masks.resolve(mask, tq.shape[-2], tk.shape[-2])
     if mask is not None:
         lead = full[0].shape[:-2]
         m = np.broadcast_to(np.asarray(mask, bool), (*lead, tq.shape[-2], tk.shape[-2]))

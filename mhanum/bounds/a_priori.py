@@ -598,6 +598,7 @@ def mha_bound_a_priori(
     numerics: Numerics | str | None = None,
     scale: float | None = None,
     min_keys: int | None = None,
+    num_kv_heads: int | None = None,
 ) -> Bound:
     """Theorem A.4 for multi-head attention: a bound from the weights and ``max |x|`` only.
 
@@ -619,6 +620,10 @@ def mha_bound_a_priori(
     Args:
         params: the layer's weights.
         num_heads: number of heads.
+        num_kv_heads: grouped-query attention: ``wk``, ``wv`` (and ``bk``, ``bv``) hold
+            ``num_kv_heads`` heads, a divisor of ``num_heads``, each read by ``num_heads /
+            num_kv_heads`` query heads (:meth:`MHAParams.expand_kv_heads`); ``1`` is
+            multi-query attention. Default: as many as ``num_heads``.
         q_len, kv_len: sequence lengths.
         x_max: a bound on ``|x_q|`` entries; ``x_kv_max`` on ``|x_kv|`` (default ``x_max``).
         numerics, scale, min_keys: as for :func:`attention_bound_a_priori`.
@@ -639,6 +644,8 @@ def mha_bound_a_priori(
     if not isinstance(params, MHAParams):
         msg = f"params: expected an MHAParams, got {type(params).__name__}"
         raise InvalidArgument(msg)
+    if num_kv_heads is not None:
+        params = params.expand_kv_heads(num_heads, num_kv_heads)
     heads = V.positive_int(num_heads, "num_heads")
     params.validate(heads)
     V.positive_int(q_len, "q_len")

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from mhanum import _validate as V
+from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.bounds.factors import (
@@ -1073,7 +1074,7 @@ def attention_bound(
         q, k, v: 2-D or batched inputs as for :func:`mhanum.attention` (float64 values; if they
             are not values of ``numerics.input`` their rounding is included).
         mask: optional boolean mask (True = attend), applied as ``numerics`` says (``mask_mode``,
-            ``mask_value``).
+            ``mask_value``), or a :class:`mhanum.masks.Band` (causal, sliding window).
         bias: optional additive float bias broadcastable to ``(..., Lq, Lk)``; ``-inf`` entries
             exclude keys. Its rounding into the score format is included.
         numerics: a :class:`Numerics` or preset name.
@@ -1262,7 +1263,7 @@ def _keep_and_bias(
     keep = np.ones(target, bool)
     masked = replaced = None
     if mask is not None:
-        m = np.asarray(V.bool_mask(mask, target), bool)
+        m = np.asarray(masks.resolve(V.bool_mask(mask, target), *target[-2:]), bool)
         keep = keep & m
         if num.mask_mode == "fill":
             replaced = ~np.broadcast_to(m, target)
@@ -1340,6 +1341,7 @@ def mha_bound(
     scale: float | None = None,
     lam: float | None = None,
     probability: float | None = None,
+    num_kv_heads: int | None = None,
 ) -> Bound:
     """Theorem A.2: a componentwise bound on ``|multi_head_attention(...) − exact|``.
 
@@ -1375,7 +1377,12 @@ def mha_bound(
         x_kv: key/value input ``(..., Lk, d_kv)``.
         params: the weights (float64 values; their rounding into ``numerics.input`` is included).
         num_heads: number of heads.
-        mask: optional boolean mask broadcastable to ``(..., H, Lq, Lk)``, True = attend.
+        num_kv_heads: grouped-query attention: ``wk``, ``wv`` (and ``bk``, ``bv``) hold
+            ``num_kv_heads`` heads, a divisor of ``num_heads``, each read by ``num_heads /
+            num_kv_heads`` query heads (:meth:`MHAParams.expand_kv_heads`); ``1`` is
+            multi-query attention. Default: as many as ``num_heads``.
+        mask: optional boolean mask broadcastable to ``(..., H, Lq, Lk)``, True = attend, or a
+            :class:`mhanum.masks.Band`.
         bias: optional additive bias broadcastable to ``(..., H, Lq, Lk)``.
         numerics: a :class:`Numerics` or preset name.
         scale: the logit scale; default ``1/sqrt(d_k)``.
@@ -1398,6 +1405,8 @@ def mha_bound(
     if not isinstance(params, MHAParams):
         msg = f"params: expected an MHAParams, got {type(params).__name__}"
         raise InvalidArgument(msg)
+    if num_kv_heads is not None:
+        params = params.expand_kv_heads(num_heads, num_kv_heads)
     heads = V.positive_int(num_heads, "num_heads")
     params.validate(heads)
     xs = {}

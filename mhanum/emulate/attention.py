@@ -33,10 +33,14 @@ from mhanum._errors import InvalidArgument
 from mhanum.emulate._arith import Arith, runtime_zero, to_format
 from mhanum.emulate.summation import matmul_with, sum_with
 from mhanum.formats import Format, round_to
+from mhanum.masks import Band
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
 
 __all__ = ["attention", "multi_head_attention", "softmax"]
+
+# A Band is part of the compiled computation (its mask is built inside it), not an input.
+jax.tree_util.register_static(Band)
 
 
 def _check_x64(num: Numerics) -> None:
@@ -159,8 +163,13 @@ def _logits(st: _Stages, q: jax.Array, k: jax.Array, mask: Any, bias: Any, scale
     if mask is not None:
         constant = jnp.asarray(num.mask_constant(), sc.dtype)
         masked = constant if num.mask_mode == "fill" else sc.add(s, constant)
-        s = jnp.where(mask, s, masked)
+        s = jnp.where(_mask_array(mask, s), s, masked)
     return s
+
+
+def _mask_array(mask: Any, s: jax.Array) -> Any:
+    """A boolean mask as given, or a :class:`Band` formed inside the computation."""
+    return mask.array(s.shape[-2], s.shape[-1], xp=jnp) if isinstance(mask, Band) else mask
 
 
 def _softmax_then_pv(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
@@ -291,7 +300,8 @@ def attention(
         k: keys ``(..., Lk, d_k)``.
         v: values ``(..., Lk, d_v)``. The batch dimensions of q, k and v broadcast together.
         mask: optional boolean array broadcastable to ``(..., Lq, Lk)``; **True means attend**.
-            Masked logits are replaced by (``fill``) or added to (``add``) the masking constant of
+            A :class:`mhanum.masks.Band` (``masks.causal()``, ``masks.sliding_window(n)``) is
+            built inside the computation instead of passed as an array. Masked logits are replaced by (``fill``) or added to (``add``) the masking constant of
             ``numerics``.
         bias: optional additive float array broadcastable to ``(..., Lq, Lk)``, rounded to the score
             format and added to the scaled scores; ``-inf`` entries are allowed.
@@ -348,7 +358,9 @@ def _softmax_jit(x: Any, mask: Any, *, numerics: Numerics) -> jax.Array:
     if mask is not None:
         constant = jnp.asarray(numerics.mask_constant(), st.score.dtype)
         s = jnp.where(
-            mask, s, constant if numerics.mask_mode == "fill" else st.score.add(s, constant)
+            _mask_array(mask, s),
+            s,
+            constant if numerics.mask_mode == "fill" else st.score.add(s, constant),
         )
     return _probabilities(st, s).astype(st.soft.fmt.jax_dtype)
 
@@ -421,6 +433,7 @@ def multi_head_attention(
     bias: Any = None,
     scale: float | None = None,
     numerics: Numerics | str | None = None,
+    num_kv_heads: int | None = None,
 ) -> jax.Array:
     """Multi-head attention ``concat_h(attention(x_q Wq_h + bq_h, ...)) Wo + bo`` with explicit numerics.
 
@@ -433,8 +446,12 @@ def multi_head_attention(
         x_kv: key/value input ``(..., Lk, d_kv)``.
         params: the weights; rounded into ``numerics.input`` like the inputs.
         num_heads: number of heads ``H``; must divide ``H·d_k`` and ``H·d_v``.
+        num_kv_heads: grouped-query attention: ``wk``, ``wv`` (and ``bk``, ``bv``) hold
+            ``num_kv_heads`` heads, a divisor of ``num_heads``, each read by ``num_heads /
+            num_kv_heads`` query heads (:meth:`MHAParams.expand_kv_heads`); ``1`` is
+            multi-query attention. Default: as many as ``num_heads``.
         mask: optional boolean array broadcastable to ``(..., H, Lq, Lk)``, **True means attend**
-            (a per-batch mask has shape ``(B, 1, Lq, Lk)``).
+            (a per-batch mask has shape ``(B, 1, Lq, Lk)``), or a :class:`mhanum.masks.Band`.
         bias: optional additive float array broadcastable to ``(..., H, Lq, Lk)``.
         scale: logit scale; default ``1/sqrt(d_k)``.
         numerics: a :class:`Numerics` or a preset name.
@@ -451,6 +468,8 @@ def multi_head_attention(
     if not isinstance(params, MHAParams):
         msg = f"params: expected an MHAParams, got {type(params).__name__}"
         raise InvalidArgument(msg)
+    if num_kv_heads is not None:
+        params = params.expand_kv_heads(num_heads, num_kv_heads)
     heads = V.positive_int(num_heads, "num_heads")
     params.validate(heads)
     x_q = V.float_array(x_q, "x_q", min_ndim=2)

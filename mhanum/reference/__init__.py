@@ -84,6 +84,7 @@ import mpmath
 import numpy as np
 
 from mhanum import _validate as V
+from mhanum import masks
 from mhanum._errors import CertificationError, InvalidArgument
 from mhanum.params import MHAParams
 from mhanum.reference import _dd, _exact, _fastref
@@ -166,7 +167,7 @@ def attention(
         k: keys ``(..., Lk, d_k)``.
         v: values ``(..., Lk, d_v)``; the leading dimensions of ``q``, ``k``, ``v`` broadcast.
         mask: boolean array broadcastable to ``(..., Lq, Lk)``; True means attend, False excludes
-            the key exactly.
+            the key exactly; or a :class:`mhanum.masks.Band` (its array for these lengths).
         bias: float array broadcastable to ``(..., Lq, Lk)`` added exactly to the scaled scores;
             finite or ``-inf`` (``-inf`` excludes the key).
         scale: the score scale, used exactly; ``None`` means exactly ``1/sqrt(d_k)``.
@@ -268,6 +269,7 @@ def multi_head_attention(
     max_prec: int = 8192,
     backend: str = "auto",
     return_mpf: bool = False,
+    num_kv_heads: int | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Exact multi-head attention ``concat_h(attention_h) @ wo + bo`` of the given floats, certified.
 
@@ -283,8 +285,12 @@ def multi_head_attention(
         x_kv: key/value input ``(..., Lk, d_kv)``; leading dimensions broadcast with ``x_q``'s.
         params: the weights, ``y = x @ w + b`` convention.
         num_heads: number of heads ``H``, dividing ``wq.shape[1]`` and ``wv.shape[1]``.
+        num_kv_heads: grouped-query attention: ``wk``, ``wv`` (and ``bk``, ``bv``) hold
+            ``num_kv_heads`` heads, a divisor of ``num_heads``, each read by ``num_heads /
+            num_kv_heads`` query heads (:meth:`MHAParams.expand_kv_heads`); ``1`` is
+            multi-query attention. Default: as many as ``num_heads``.
         mask: boolean array broadcastable to ``(..., H, Lq, Lk)`` (so an ``(Lq, Lk)`` mask applies
-            to every head); True means attend.
+            to every head); True means attend; or a :class:`mhanum.masks.Band`.
         bias: float array broadcastable to ``(..., H, Lq, Lk)``, finite or ``-inf``.
         digits: significant digits to certify, an integer in ``[1, 2000]``.
         fully_masked: ``"nan"``, ``"zero"`` or ``"uniform"``, as in :func:`attention` (per head).
@@ -316,6 +322,8 @@ def multi_head_attention(
     if not isinstance(params, MHAParams):
         msg = f"params: expected an MHAParams, got {type(params).__name__}"
         raise InvalidArgument(msg)
+    if num_kv_heads is not None:
+        params = params.expand_kv_heads(num_heads, num_kv_heads)
     params.validate(num_heads)
     xq64 = _float_array(x_q, "x_q", 2)
     xkv64 = _float_array(x_kv, "x_kv", 2)
@@ -472,6 +480,7 @@ def _score_spec(
     fully_masked: str,
 ) -> _ScoreSpec:
     """Check ``mask`` and ``bias`` against the scores ``shape`` and combine them."""
+    mask = masks.resolve(mask, shape[-2], shape[-1])
     excluded = np.zeros(shape, dtype=bool)
     if mask is not None:
         mask_arr = np.asarray(mask)

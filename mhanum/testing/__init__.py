@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.testing.kernels import FULLY_MASKED, KERNELS, NOT_MODELLED, Kernel, get_kernel
 
@@ -162,10 +163,11 @@ def _format_of(x: Any, dtype: str | None) -> str:
 def _causal(lq: int, lk: int) -> np.ndarray:
     """The causal mask of ``torch``'s and ``jax.nn``'s ``is_causal``: query i attends keys
     ``j <= i`` (aligned at the upper left)."""
-    return np.tril(np.ones((lq, lk), bool))
+    return np.asarray(masks.causal().array(lq, lk))
 
 
 def _mask(mask: Any, is_causal: bool, lq: int, lk: int) -> np.ndarray | None:
+    mask = masks.resolve(mask, lq, lk)
     if mask is not None:
         if hasattr(mask, "detach"):
             mask = mask.detach().cpu().numpy()
@@ -229,7 +231,8 @@ def attention_oracle(
     Args:
         q, k, v: ``(..., Lq, d)``, ``(..., Lk, d)``, ``(..., Lk, dv)``, the kernel's inputs as
             it received them (any array type; their values are used exactly).
-        mask: boolean, **True = attend**, broadcastable to ``(..., Lq, Lk)``.
+        mask: boolean, **True = attend**, broadcastable to ``(..., Lq, Lk)``, or a
+            :class:`mhanum.masks.Band` (causal or sliding window, any alignment).
         bias: an additive float mask (``-inf`` excludes a key), broadcastable likewise.
         scale: the logit scale (default ``1/sqrt(d)``).
         is_causal: query ``i`` attends keys ``j <= i`` (torch's and jax.nn's ``is_causal``).
@@ -342,6 +345,7 @@ def mha_oracle(
     mask: Any = None,
     kernel: Kernel | str = "jax-xla",
     dtype: str | None = None,
+    num_kv_heads: int | None = None,
 ) -> Oracle:
     """:func:`attention_oracle` for a multi-head attention layer (Theorem A.2).
 
@@ -351,6 +355,7 @@ def mha_oracle(
         num_heads: the number of heads.
         mask: boolean, True = attend, broadcastable to ``(..., heads, Lq, Lk)``.
         kernel, dtype: as in :func:`attention_oracle`.
+        num_kv_heads: grouped-query attention, as in :func:`mhanum.multi_head_attention`.
 
     An output row whose every head attends no key under ``-inf`` masking is the convention's
     exact answer (the output bias when heads return 0, NaN): tolerance 0 there. A row where only
@@ -369,13 +374,14 @@ def mha_oracle(
         dead = np.asarray(~m4.any(axis=-1), bool).all(axis=-2)  # every head's row is masked
     exact = np.asarray(
         reference.multi_head_attention(
-            xq, xkv, params, num_heads, mask=m,
+            xq, xkv, params, num_heads, mask=m, num_kv_heads=num_kv_heads,
             fully_masked="nan" if policy == "unmasked" else policy,
         ),
         np.float64,
     )  # fmt: skip
     bounds = [
-        mha_bound(xq, xkv, params, num_heads, mask=m, numerics=n) for n in kern.candidates(fmt)
+        mha_bound(xq, xkv, params, num_heads, mask=m, numerics=n, num_kv_heads=num_kv_heads)
+        for n in kern.candidates(fmt)
     ]
     if dead is not None:
         dead = np.broadcast_to(dead, exact.shape[:-1])
