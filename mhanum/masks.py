@@ -1,4 +1,4 @@
-"""Structured masks: causal and sliding-window attention given as structure, not as an array.
+"""Structured masks and biases: causal and sliding-window attention given as structure, and ALiBi.
 
 A :class:`Band` says which keys each query attends by position alone: query ``i`` attends key
 ``j`` exactly when
@@ -41,7 +41,16 @@ import numpy as np
 
 from mhanum._errors import InvalidArgument
 
-__all__ = ["Band", "bottom_right", "causal", "sliding_window", "window"]
+__all__ = [
+    "Band",
+    "alibi",
+    "alibi_slopes",
+    "bottom_right",
+    "causal",
+    "sliding_window",
+    "window",
+    "with_sink",
+]
 
 
 def _int_or_none(value: Any, name: str, *, minimum: int | None) -> int | None:
@@ -144,3 +153,104 @@ def resolve(mask: Any, q_len: int, k_len: int) -> Any:
     """``mask`` as a boolean array: a :class:`Band` formed for these lengths, anything else as
     given (checked where it is used)."""
     return mask.array(q_len, k_len) if isinstance(mask, Band) else mask
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi's slopes (Press, Smith & Lewis 2022), float64: ``2^(-8h/n)`` for ``h = 1..n`` when
+    ``n`` is a power of two; otherwise those of the largest power of two ``n' < num_heads``
+    followed by every other slope of ``2n'``, as the authors' code orders them; each is the
+    power ``2^(-8h/n)`` rounded once (the authors' code forms it as a product, a few float64
+    roundings away).
+
+    Examples:
+        >>> alibi_slopes(4).tolist()
+        [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        msg = f"num_heads: expected a positive integer, got {num_heads!r}"
+        raise InvalidArgument(msg)
+
+    def power_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+
+    n = 1 << (int(num_heads).bit_length() - 1)
+    slopes = power_of_two(n) + power_of_two(2 * n)[0::2][: num_heads - n]
+    return np.asarray(slopes, np.float64)
+
+
+def alibi(
+    num_heads: int, q_len: int, k_len: int, *, offset: int = 0, symmetric: bool = False
+) -> np.ndarray:
+    """The ALiBi bias ``(num_heads, q_len, k_len)``: ``m_h·(j - (i + offset))`` (causal models:
+    ``<= 0`` on the attended keys; ``symmetric=True``: ``-m_h·|j - (i + offset)|``), float64, to
+    pass as ``bias=`` (rounded into the score format like any bias, and charged by the bounds).
+
+    A kernel that forms ``m_h·(j - i)`` itself in float32 rounds the slope and the product: a
+    bias given here is one float64 value rounded once, which is the kernel's only where the
+    slopes are powers of two (up to 8 heads).
+
+    Raises:
+        InvalidArgument: for a head count or length that is not a positive integer.
+    """
+    for name, value in (("q_len", q_len), ("k_len", k_len)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            msg = f"{name}: expected a positive integer, got {value!r}"
+            raise InvalidArgument(msg)
+    offset = _int_or_none(offset, "offset", minimum=None) or 0
+    distance = np.arange(k_len)[None, :] - (np.arange(q_len)[:, None] + offset)
+    if symmetric:
+        distance = -np.abs(distance)
+    return alibi_slopes(num_heads)[:, None, None] * distance.astype(np.float64)[None]
+
+
+def with_sink(
+    q: Any, k: Any, v: Any, mask: Any, bias: Any, sink: Any, *, xp: Any = np
+) -> tuple[Any, Any, Any, Any]:
+    """Attention sinks as one more key: ``(k', v', mask', bias')`` for ``softmax`` over the keys
+    and a per-head sink logit ``σ`` in the normaliser, ``p_j = e^{s_j}/(e^σ + Σ_l e^{s_l})``.
+
+    The sink is a key ``k = 0`` (its score ``scale·(q·0) = 0`` exactly, in every dot unit and
+    scale placement) with value ``v = 0`` and bias ``σ``, never masked, the last of its row: the
+    row's output is ``Σ_j p_j v_j + p_σ·0``. The real keys get bias ``0`` where none is given
+    (``s + 0`` is exact). A row whose keys are all masked attends the sink alone: its output is
+    ``0``, not undefined. ``sink`` broadcasts against the batch dimensions (``(H,)`` for
+    ``(B, H, L, d)`` inputs). ``mask`` is a boolean array or a :class:`Band`.
+
+    Raises:
+        InvalidArgument: for a sink that is not finite or does not broadcast.
+    """
+    sig = np.asarray(sink, np.float64) if xp is np else xp.asarray(sink)
+    if xp is np and not np.all(np.isfinite(sig)):
+        msg = "sink: expected finite logits (one per head), got NaN or Inf"
+        raise InvalidArgument(msg)
+    lq, lk = q.shape[-2], k.shape[-2]
+    mask = resolve(mask, lq, lk)
+    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2], np.shape(sig)]
+    shapes += [np.shape(x)[:-2] for x in (mask, bias) if x is not None]
+    try:
+        batch = np.broadcast_shapes(*shapes)
+    except ValueError as err:
+        msg = f"sink: expected a shape broadcastable to the batch dimensions, got {np.shape(sig)}"
+        raise InvalidArgument(msg) from err
+    k2 = xp.concatenate(
+        [
+            xp.broadcast_to(k, (*batch, lk, k.shape[-1])),
+            xp.zeros((*batch, 1, k.shape[-1]), k.dtype),
+        ],
+        axis=-2,
+    )
+    v2 = xp.concatenate(
+        [
+            xp.broadcast_to(v, (*batch, lk, v.shape[-1])),
+            xp.zeros((*batch, 1, v.shape[-1]), v.dtype),
+        ],
+        axis=-2,
+    )
+    column = xp.broadcast_to(xp.asarray(sig, np.float64)[..., None, None], (*batch, lq, 1))
+    real = xp.zeros((*batch, lq, lk)) if bias is None else xp.broadcast_to(bias, (*batch, lq, lk))
+    bias2 = xp.concatenate([real, column], axis=-1)
+    mask2 = None
+    if mask is not None:
+        keep = xp.broadcast_to(xp.asarray(mask), (*batch, lq, lk))
+        mask2 = xp.concatenate([keep, xp.ones((*batch, lq, 1), bool)], axis=-1)
+    return k2, v2, mask2, bias2

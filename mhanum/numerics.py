@@ -336,6 +336,20 @@ class Numerics:
             )
             raise InvalidArgument(msg)
 
+    def check_sink(self) -> None:
+        """An attention sink is a key with bias ``σ`` (:func:`mhanum.masks.with_sink`), which
+        ``exp_form="exp2-folded"`` would scale with the scores.
+
+        Raises:
+            InvalidArgument: for a sink under ``exp_form="exp2-folded"``.
+        """
+        if self.exp_form == "exp2-folded":
+            msg = (
+                "sink: expected None with numerics.exp_form='exp2-folded' (a kernel with the "
+                "scale folded into exp2 adds its sink unscaled; that is not modelled)"
+            )
+            raise InvalidArgument(msg)
+
     def mask_constant(self) -> float:
         """The masking constant as stored in ``score_format`` (may be ``-inf`` after overflow)."""
         from mhanum.formats import round_to

@@ -165,3 +165,50 @@ def test_the_bound_holds_on_drawn_bands(data, preset, softmax):
     out = np.asarray(mn.attention(q, k, v, band, numerics=num), np.float64)
     err = np.abs(out - np.asarray(reference.attention(q, k, v, mask=band), np.float64))
     assert np.all(err <= attention_bound(q, k, v, band, numerics=num).total)
+
+
+def _authors_slopes(n):
+    # the recursion of the ALiBi authors' fairseq code, written out
+    def power_of_2(m):
+        start = 2 ** (-(2 ** -(np.log2(m) - 3)))
+        return [start * start**i for i in range(m)]
+
+    if np.log2(n).is_integer():
+        return power_of_2(n)
+    closest = 2 ** int(np.floor(np.log2(n)))
+    return power_of_2(closest) + _authors_slopes(2 * closest)[0::2][: n - closest]
+
+
+@pytest.mark.parametrize("heads", [1, 2, 5, 8, 12, 16])
+def test_alibi_slopes_are_the_authors(heads):
+    # the authors' products of up to `heads` float64 factors carry up to γ_{heads+1}(2^-53);
+    # mhanum's are the powers 2^(-8h/n) rounded once
+    rtol = (heads + 2) * 2.0**-52
+    np.testing.assert_allclose(masks.alibi_slopes(heads), _authors_slopes(heads), rtol=rtol)
+
+
+def test_alibi_bias_is_the_slope_times_the_distance():
+    bias = masks.alibi(4, 3, 5, offset=2)
+    slopes = masks.alibi_slopes(4)
+    i, j = np.arange(3)[:, None], np.arange(5)[None, :]
+    np.testing.assert_array_equal(bias, slopes[:, None, None] * (j - i - 2))
+    np.testing.assert_array_equal(
+        masks.alibi(4, 3, 5, symmetric=True), -np.abs(slopes[:, None, None] * (j - i))
+    )
+    with pytest.raises(InvalidArgument, match="num_heads:"):
+        masks.alibi(0, 3, 5)
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-fp32acc", "fp16"])
+def test_the_bound_holds_with_alibi_and_a_causal_band(preset):
+    num = mn.Numerics.preset(preset)
+    fmt = num.format_of("input")
+    q, k, v = (
+        np.asarray(mn.round_to(_draw((4, 12, 16), s), fmt), np.float64) for s in (20, 21, 22)
+    )
+    bias, band = masks.alibi(4, 12, 12), masks.causal()
+    out = np.asarray(mn.attention(q, k, v, band, bias=bias, numerics=num), np.float64)
+    exact = np.asarray(reference.attention(q, k, v, mask=band, bias=bias), np.float64)
+    assert np.all(
+        np.abs(out - exact) <= attention_bound(q, k, v, band, bias=bias, numerics=num).total
+    )

@@ -447,9 +447,12 @@ def _head(
         b0 = np.where(np.isfinite(bias), bias, 0.0)
         e_b = rounding_error(b0, fmts["score"])
         s = s + b0
-        eps_b = 2.0**-53 * np.abs(s)
-        sources = {name: (1 + u_s) * x for name, x in sources.items()}
-        sources["bias"] = (1 + u_s) * e_b + u_s * np.abs(s) + eta_s
+        # adding a zero bias is exact (fl(x + 0) = x, in float64 too): no rounding there
+        added = b0 != 0
+        k_add = np.where(added, 1 + u_s, 1.0)
+        eps_b = np.where(added, 2.0**-53 * np.abs(s), 0.0)
+        sources = {name: k_add * x for name, x in sources.items()}
+        sources["bias"] = np.where(added, (1 + u_s) * e_b + u_s * np.abs(s) + eta_s, 0.0)
         sources["scale"] = sources["scale"] + eps_b
         eps64 = eps64 + eps_b
         delta = sum(sources.values())
@@ -537,7 +540,7 @@ def _head(
         g_det = unit_factor(num, d_k, None, bits=bits_qk)
         nodes = (2 * d_k - 1) * (2 if num.summation_kind == "native" and u_a > 2.0**-24 else 1)
         b_dot = abs(scale) * u_a * (1 + g_det) * math.sqrt(nodes) * qk_op
-        k_b = (1 + theta) * ((1 + u_s) if bias is not None else 1.0)
+        k_b = (1 + theta) * (k_add if bias is not None else 1.0)
         rest = (
             delta
             - sources["qk_dot"]
@@ -1032,6 +1035,7 @@ def attention_bound(
     scale: float | None = None,
     lam: float | None = None,
     probability: float | None = None,
+    sink: Any = None,
 ) -> Bound:
     """Theorem A.1: a componentwise bound on ``|attention(q, k, v, mask, numerics) − exact|``.
 
@@ -1090,6 +1094,10 @@ def attention_bound(
         probability: instead of ``lam``, the probability the bound should state: ``λ`` is
             solved from the union bound over this call's chains (``Bound.lam`` holds it), so
             ``Bound.probability >= probability``. At most one of ``lam`` and ``probability``.
+        sink: optional attention-sink logits, one per batch element or head (broadcast
+            against the batch dimensions): ``e^σ`` joins every row's normaliser, as one more
+            key with value 0 that no mask excludes (:func:`mhanum.masks.with_sink`); the
+            bound is the theorem's for that key, whose score is exactly 0 and bias ``σ``.
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape, ``inf`` exactly
@@ -1118,6 +1126,10 @@ def attention_bound(
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     _check_scope(num)
     num.check_bias(bias)
+    if sink is not None:
+        num.check_sink()
+        b64 = None if bias is None else np.asarray(bias, np.float64)
+        k, v, mask, bias = masks.with_sink(q, k, v, mask, b64, sink)
     rows, keys = q.shape[-2], k.shape[-2]
     extra = {n: np.shape(x)[:-2] for n, x in (("mask", mask), ("bias", bias)) if x is not None}
     batch = V.broadcast({"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2], **extra})

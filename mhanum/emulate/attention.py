@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from mhanum import _validate as V
+from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.emulate._arith import Arith, runtime_zero, to_format
 from mhanum.emulate.summation import matmul_with, sum_with
@@ -288,6 +289,7 @@ def attention(
     bias: Any = None,
     scale: float | None = None,
     numerics: Numerics | str | None = None,
+    sink: Any = None,
 ) -> jax.Array:
     """Scaled dot-product attention with explicit numerics.
 
@@ -308,6 +310,9 @@ def attention(
         scale: the logit scale; default ``1/sqrt(d_k)`` (float64, then rounded into the format of
             the product it enters).
         numerics: a :class:`Numerics` or a preset name (default: float32, XLA's order).
+        sink: optional attention-sink logits, one per batch element or head (broadcast
+            against the batch dimensions): ``e^σ`` joins every row's normaliser, as one more
+            key with value 0 that no mask excludes (:func:`mhanum.masks.with_sink`).
 
     Returns:
         ``(..., Lq, d_v)`` in the dtype that stores ``numerics.output_format``.
@@ -342,6 +347,11 @@ def attention(
     if mask is not None:
         mask = V.bool_mask(mask, target)
     num.check_bias(bias)
+    if sink is not None:
+        num.check_sink()
+        xp = jnp if any(isinstance(x, jax.Array) for x in (q, k, v, sink)) else np
+        k, v, mask, bias = masks.with_sink(q, k, v, mask, bias, sink, xp=xp)
+        target = (*k.shape[:-2], q.shape[-2], k.shape[-2])
     if bias is not None:
         bias = _bias_array(bias, target, num.format_of("score"))
     factor = V.scale_value(scale, q.shape[-1], placement=num.scale)

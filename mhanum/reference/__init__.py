@@ -154,6 +154,7 @@ def attention(
     max_prec: int = 8192,
     backend: str = "auto",
     return_mpf: bool = False,
+    sink: Any = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Exact attention ``softmax(scale * q @ k.T + bias) @ v`` of the given floats, certified.
 
@@ -183,6 +184,9 @@ def attention(
             or ``"arb"`` (python-flint ball arithmetic); see
             :func:`max_digits`.
         return_mpf: also return the certified mpmath values.
+        sink: optional attention-sink logits, one per batch element or head (broadcast
+            against the batch dimensions): ``e^σ`` joins every row's normaliser, as one more
+            key with value 0 that no mask excludes (:func:`mhanum.masks.with_sink`).
 
     Returns:
         float64 array ``(..., Lq, d_v)``, the certified values rounded to nearest; with
@@ -216,6 +220,9 @@ def attention(
     V.check_finite(k64, "k")
     V.check_finite(v64, "v")
     _check_qkv_shapes(q64, k64, v64)
+    if sink is not None:
+        b64 = None if bias is None else _float_array(bias, "bias", 0)
+        k64, v64, mask, bias = masks.with_sink(q64, k64, v64, mask, b64, sink)
     batch = V.broadcast({"q": q64.shape[:-2], "k": k64.shape[:-2], "v": v64.shape[:-2]})
     shape = (*batch, q64.shape[-2], k64.shape[-2])
     spec = _score_spec(mask, bias, _check_scale(scale), shape, q64.shape[-1], options.fully_masked)
