@@ -68,6 +68,7 @@ def metadata(case: WorstCase) -> dict[str, Any]:
         "method": case.method,
         "budget": case.budget,
         "evaluations": case.evaluations,
+        **({} if case.against is None else {"against": numerics_dict(case.against)}),
         "cheap_ratio": _number(case.cheap_ratio),
         "slack": _number(case.slack),
         "seconds": case.seconds,
@@ -146,13 +147,17 @@ def load(path: str | Path) -> WorstCase:
     try:
         num = Numerics(**info["numerics"])
         shape = Shape.of(info["shape"])
+        against = Numerics(**info["against"]) if "against" in info else None
     except (KeyError, TypeError) as exc:
         msg = f"path: expected case metadata with numerics and shape, got an error: {exc}"
         raise InvalidArgument(msg) from None
     return WorstCase(
         numerics=num,
         shape=shape,
-        **arrays,
+        q=arrays["q"],
+        k=arrays["k"],
+        v=arrays["v"],
+        output=arrays["output"],
         mask=mask,
         objective=info["objective"],
         error=float(info["error"]),
@@ -169,6 +174,7 @@ def load(path: str | Path) -> WorstCase:
         slack=float(info.get("slack", math.nan)),
         seconds=float(info.get("seconds", 0.0)),
         structure=tuple(info.get("structure", ())),
+        against=against,
     )
 
 
@@ -222,7 +228,7 @@ def replay(path: str | Path) -> Replay:
         InvalidArgument: as :func:`load`, or if the case is now outside the bound's scope.
     """
     case = load(path)
-    objective = Objective(case.numerics, case.objective)
+    objective = Objective(case.numerics, case.objective, against=case.against)
     ev = objective(case.q, case.k, case.v, case.mask, certified=True)
     if ev is None:
         msg = "path: the saved case is outside the bound's scope (refused or overflowed)"

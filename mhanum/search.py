@@ -60,7 +60,7 @@ from hypothesis import strategies as st
 from mhanum import reference, strategies
 from mhanum._errors import InvalidArgument
 from mhanum.attention import attention
-from mhanum.bounds import Bound, attention_bound
+from mhanum.bounds import Bound, attention_bound, schedule_difference
 from mhanum.formats import get_format, round_to
 from mhanum.numerics import PRESETS, Numerics, resolve
 
@@ -74,8 +74,12 @@ __all__ = [
     "worst_case",
 ]
 
-OBJECTIVES = ("error", "error/bound")
-"""The objectives :func:`worst_case` maximises."""
+OBJECTIVES = ("error", "error/bound", "difference", "difference/bound")
+"""The objectives :func:`worst_case` maximises: the error against the exact attention (normwise,
+or componentwise over Theorem A.1), or, with ``against=`` a second schedule, the difference of
+the two outputs (normwise over ``max |â|``, or componentwise over Theorem A.5)."""
+
+_DIFFERENCE = ("difference", "difference/bound")
 
 RANGE_FAMILIES = ("near_max", "near_sqrt_max", "near_min_normal", "subnormal", "softmax_sum")
 """The range structures (:data:`mhanum.strategies.RANGE_STRUCTURES`) the search hunts with
@@ -179,11 +183,14 @@ class Objective:
 
     Args:
         numerics: the configuration under test.
-        objective: ``"error"`` or ``"error/bound"``.
-        bound: the bound function (default :func:`mhanum.bounds.attention_bound`); a test can pass
+        objective: one of :data:`OBJECTIVES`.
+        bound: the bound function (default :func:`mhanum.bounds.attention_bound`; for the
+            difference objectives :func:`mhanum.bounds.schedule_difference`); a test can pass
             a deliberately wrong one.
         certified: measure against the certified reference on every call (otherwise the float64
             attention is used where its slack is below :data:`SLACK_LIMIT`).
+        against: the second schedule of the difference objectives (required by them, refused
+            by the others). The difference of two outputs is exact in float64: no reference.
     """
 
     def __init__(
@@ -193,13 +200,21 @@ class Objective:
         *,
         bound: BoundFunction | None = None,
         certified: bool = False,
+        against: Numerics | str | None = None,
     ) -> None:
         if objective not in OBJECTIVES:
             msg = f"objective: expected one of {OBJECTIVES}, got {objective!r}"
             raise InvalidArgument(msg)
+        if (against is None) == (objective in _DIFFERENCE):
+            need = "a second schedule" if against is None else "None"
+            msg = f"against: expected {need} with objective={objective!r}, got {against!r}"
+            raise InvalidArgument(msg)
         self.numerics = numerics
         self.objective = objective
-        self.bound = bound or attention_bound
+        self.against = None if against is None else resolve(against)
+        self.bound = bound or (
+            attention_bound if self.against is None else _difference_bound(self.against)
+        )
         self.certified = certified
         self.fp64 = PRESETS["fp64"]
         self.calls = 0
@@ -222,6 +237,8 @@ class Objective:
         infinite ratio.
         """
         self.calls += 1
+        if self.against is not None:
+            return self._difference(q, k, v, mask)
         try:
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 b = self.bound(q, k, v, mask, numerics=self.numerics)
@@ -273,6 +290,53 @@ class Objective:
             output=out,
         )
 
+    def _difference(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None
+    ) -> Evaluation | None:
+        """``|â - b̂|`` of the two schedules against Theorem A.5 (no reference needed)."""
+        try:
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                b = self.bound(q, k, v, mask, numerics=self.numerics)
+        except InvalidArgument:
+            self.out_of_scope += 1
+            return None
+        total = np.asarray(b.total, np.float64)
+        finite = np.isfinite(total)
+        if not finite.any():
+            self.out_of_scope += 1
+            return None
+        out = np.asarray(attention(q, k, v, mask, numerics=self.numerics), np.float64)
+        other = np.asarray(attention(q, k, v, mask, numerics=self.against), np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.where(finite, np.abs(out - other), 0.0)
+        diff = np.where(finite & ~np.isfinite(diff), np.inf, diff)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratios = np.where(diff > 0, diff / total, 0.0)
+        flat = int(np.argmax(np.where(finite, ratios, -1.0)))
+        index = tuple(int(i) for i in np.unravel_index(flat, ratios.shape))
+        scale = float(np.max(np.abs(np.where(finite, out, 0.0)), initial=0.0))
+        normwise = float(diff.max(initial=0.0)) / scale if scale > 0 else 0.0
+        ratio = float(ratios.flat[flat])
+        terms = {name: float(np.broadcast_to(t, total.shape)[index]) for name, t in b.terms.items()}
+        return Evaluation(
+            value=ratio if self.objective == "difference/bound" else normwise,
+            ratio=ratio,
+            error=float(diff[index]),
+            bound=float(total[index]),
+            normwise=normwise,
+            dominant_term=max(terms, key=lambda name: terms[name]),
+            index=index,
+            slack=0.0,
+            output=out,
+        )
+
+
+def _difference_bound(against: Numerics) -> BoundFunction:
+    def bound(q: Any, k: Any, v: Any, mask: Any, *, numerics: Numerics) -> Bound:
+        return schedule_difference(q, k, v, mask, numerics_a=numerics, numerics_b=against)
+
+    return bound
+
 
 def _max_ratio(a: np.ndarray, b: np.ndarray) -> float:
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -305,6 +369,8 @@ class WorstCase:
         slack: ``max B64/B`` of the cheap objective at this input.
         seconds: wall time of the search.
         structure: the structures of the input (:data:`mhanum.strategies.STRUCTURES`), if known.
+        against: the second schedule of a difference objective (then ``error`` is
+            ``|â_i - b̂_i|``, ``bound`` Theorem A.5's and ``normwise`` over ``max |â|``).
     """
 
     numerics: Numerics
@@ -329,6 +395,7 @@ class WorstCase:
     slack: float
     seconds: float = 0.0
     structure: tuple[str, ...] = ()
+    against: Numerics | None = None
 
     @property
     def violation(self) -> bool:
@@ -338,7 +405,7 @@ class WorstCase:
     @property
     def value(self) -> float:
         """The objective's value (``ratio`` or ``normwise``)."""
-        return self.ratio if self.objective == "error/bound" else self.normwise
+        return self.ratio if self.objective.endswith("/bound") else self.normwise
 
     @property
     def inputs(self) -> dict[str, np.ndarray]:
@@ -366,7 +433,7 @@ class WorstCase:
             "violation": self.violation,
             "evaluations": self.evaluations,
             "seconds": self.seconds,
-        }
+        } | ({} if self.against is None else {"against": self.against.describe()})
 
 
 @dataclasses.dataclass
@@ -457,6 +524,7 @@ def worst_case(
     mask: str | None = None,
     bound: BoundFunction | None = None,
     progress: Progress | None = None,
+    against: Numerics | str | None = None,
 ) -> WorstCase:
     """Search for the input on which ``numerics`` is worst, and confirm it.
 
@@ -464,7 +532,8 @@ def worst_case(
         numerics: a :class:`~mhanum.Numerics` or a preset name.
         shape: a :class:`Shape` or a mapping of its fields.
         objective: ``"error/bound"`` (componentwise error over bound, Theorem A.1) or ``"error"``
-            (normwise relative error).
+            (normwise relative error); with ``against``, ``"difference/bound"`` (componentwise
+            ``|â - b̂|`` over Theorem A.5) or ``"difference"`` (``max |â - b̂| / max |â|``).
         budget: the number of objective evaluations (targeted search and refinement together).
         seed: seed of the Hypothesis search (the same seed repeats the search).
         refine: the fraction of the budget given to the Nelder–Mead refinement.
@@ -480,6 +549,8 @@ def worst_case(
             ``None`` or ``"none"`` for no mask.
         bound: the bound function (default :func:`mhanum.bounds.attention_bound`).
         progress: called as ``progress(done, budget, best_value)`` after each evaluation.
+        against: a second schedule (:class:`~mhanum.Numerics` or preset name) for the
+            difference objectives: the search hunts inputs on which the two disagree most.
 
     Returns:
         A :class:`WorstCase` measured against the certified reference.
@@ -504,7 +575,7 @@ def worst_case(
         raise InvalidArgument(msg)
     kind = _check_mask(mask)
     start = time.perf_counter()
-    tracker = _Tracker(Objective(num, objective, bound=bound), budget, progress)
+    tracker = _Tracker(Objective(num, objective, bound=bound, against=against), budget, progress)
     search_budget = max(1, budget - int(refine * budget))
     _targeted(tracker, num, sizes, search_budget, seed, structure, kind)
     _refine(tracker, num)
@@ -725,6 +796,7 @@ def _confirm(
         slack=best.evaluation.slack,
         seconds=time.perf_counter() - start,
         structure=best.structure,
+        against=tracker.objective.against,
     )
 
 
@@ -738,6 +810,7 @@ def random_search(
     mask: str | None = None,
     bound: BoundFunction | None = None,
     progress: Progress | None = None,
+    against: Numerics | str | None = None,
 ) -> WorstCase:
     """The random baseline: ``budget`` independent inputs, the best one confirmed.
 
@@ -748,7 +821,7 @@ def random_search(
     kept with probability 1/2, key 0 kept in a row that would be empty).
 
     Args:
-        numerics, shape, objective, budget, seed, mask, bound, progress: as for
+        numerics, shape, objective, budget, seed, mask, bound, progress, against: as for
             :func:`worst_case` (``seed`` seeds a ``numpy.random.Generator``).
 
     Returns:
@@ -760,7 +833,7 @@ def random_search(
     _check_x64()
     kind = _check_mask(mask)
     start = time.perf_counter()
-    tracker = _Tracker(Objective(num, objective, bound=bound), budget, progress)
+    tracker = _Tracker(Objective(num, objective, bound=bound, against=against), budget, progress)
     rng = np.random.default_rng(seed)
     fmt = get_format(num.input)
     while not tracker.exhausted:

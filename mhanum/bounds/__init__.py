@@ -17,6 +17,7 @@ from mhanum.bounds.masking import (
     recommend_mask_value,
     safe_mask_range,
 )
+from mhanum.bounds.schedules import schedule_difference
 from mhanum.bounds.summation import dot_bound, matmul_bound, probabilistic_gamma, sum_bound
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "probabilistic_gamma",
     "recommend_mask_value",
     "safe_mask_range",
+    "schedule_difference",
     "sum_bound",
     "summation",
 ]
