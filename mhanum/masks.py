@@ -47,9 +47,12 @@ __all__ = [
     "alibi_slopes",
     "bottom_right",
     "causal",
+    "head_sinks",
+    "sink_column",
     "sliding_window",
     "window",
     "with_sink",
+    "zero_key",
 ]
 
 
@@ -219,38 +222,76 @@ def with_sink(
     Raises:
         InvalidArgument: for a sink that is not finite or does not broadcast.
     """
+    lq, lk = q.shape[-2], k.shape[-2]
+    batch = _sink_batch(sink, [q.shape[:-2], k.shape[:-2], v.shape[:-2]], mask, bias, lq, lk, xp)
+    k2, v2 = (zero_key(xp.broadcast_to(x, (*batch, lk, x.shape[-1])), xp=xp) for x in (k, v))
+    mask2, bias2 = sink_column(mask, bias, sink, (*batch, lq, lk), xp=xp)
+    return k2, v2, mask2, bias2
+
+
+def zero_key(x: Any, *, xp: Any = np) -> Any:
+    """``x`` ``(..., L, d)`` with one more row of zeros: the sink's key or value."""
+    return xp.concatenate([x, xp.zeros((*x.shape[:-2], 1, x.shape[-1]), x.dtype)], axis=-2)
+
+
+def sink_column(
+    mask: Any, bias: Any, sink: Any, scores: tuple[int, ...], *, xp: Any = np
+) -> tuple[Any, Any]:
+    """The mask and bias of :func:`with_sink` for scores shaped ``scores = (..., Lq, Lk)``: one
+    more column, attended, with bias ``σ`` (the real keys' bias ``0`` where none is given)."""
+    *batch, lq, lk = scores
+    sig = _finite_sink(sink, xp)
+    column = xp.broadcast_to(xp.asarray(sig, np.float64)[..., None, None], (*batch, lq, 1))
+    real = xp.zeros(scores) if bias is None else xp.broadcast_to(bias, scores)
+    bias2 = xp.concatenate([real, column], axis=-1)
+    mask = resolve(mask, lq, lk)
+    if mask is None:
+        return None, bias2
+    keep = xp.broadcast_to(xp.asarray(mask), scores)
+    return xp.concatenate([keep, xp.ones((*batch, lq, 1), bool)], axis=-1), bias2
+
+
+def head_sinks(
+    mask: Any, bias: Any, sink: Any, scores: tuple[int, ...]
+) -> tuple[Any, Any, tuple[int, ...]]:
+    """:func:`sink_column` for multi-head scores ``(..., H, Lq, Lk)`` with one sink per head
+    (``sink`` ``(H,)`` or broadcast against ``(..., H)``): the mask, the bias and the scores'
+    new shape ``(..., H, Lq, Lk + 1)``.
+
+    Raises:
+        InvalidArgument: for a sink that is not finite or not one per head.
+    """
+    sig = _finite_sink(sink, np)
+    heads = scores[-3]
+    if np.shape(sig)[-1:] not in ((), (1,), (heads,)):
+        msg = f"sink: expected one logit per head ({heads},), got shape {np.shape(sig)}"
+        raise InvalidArgument(msg)
+    try:
+        batch = np.broadcast_shapes(tuple(scores[:-2]), np.shape(sig))
+    except ValueError as err:
+        msg = f"sink: expected a shape broadcastable to (..., H), got {np.shape(sig)}"
+        raise InvalidArgument(msg) from err
+    full = (*batch, *scores[-2:])
+    mask2, bias2 = sink_column(mask, bias, sig, full)
+    return mask2, bias2, (*full[:-1], full[-1] + 1)
+
+
+def _finite_sink(sink: Any, xp: Any) -> Any:
     sig = np.asarray(sink, np.float64) if xp is np else xp.asarray(sink)
     if xp is np and not np.all(np.isfinite(sig)):
         msg = "sink: expected finite logits (one per head), got NaN or Inf"
         raise InvalidArgument(msg)
-    lq, lk = q.shape[-2], k.shape[-2]
+    return sig
+
+
+def _sink_batch(
+    sink: Any, shapes: list[Any], mask: Any, bias: Any, lq: int, lk: int, xp: Any
+) -> tuple[int, ...]:
+    sig = _finite_sink(sink, xp)
     mask = resolve(mask, lq, lk)
-    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2], np.shape(sig)]
-    shapes += [np.shape(x)[:-2] for x in (mask, bias) if x is not None]
+    extra = [np.shape(x)[:-2] for x in (mask, bias) if x is not None]
     try:
-        batch = np.broadcast_shapes(*shapes)
+        return tuple(np.broadcast_shapes(*shapes, np.shape(sig), *extra))
     except ValueError as err:
         msg = f"sink: expected a shape broadcastable to the batch dimensions, got {np.shape(sig)}"
         raise InvalidArgument(msg) from err
-    k2 = xp.concatenate(
-        [
-            xp.broadcast_to(k, (*batch, lk, k.shape[-1])),
-            xp.zeros((*batch, 1, k.shape[-1]), k.dtype),
-        ],
-        axis=-2,
-    )
-    v2 = xp.concatenate(
-        [
-            xp.broadcast_to(v, (*batch, lk, v.shape[-1])),
-            xp.zeros((*batch, 1, v.shape[-1]), v.dtype),
-        ],
-        axis=-2,
-    )
-    column = xp.broadcast_to(xp.asarray(sig, np.float64)[..., None, None], (*batch, lq, 1))
-    real = xp.zeros((*batch, lq, lk)) if bias is None else xp.broadcast_to(bias, (*batch, lq, lk))
-    bias2 = xp.concatenate([real, column], axis=-1)
-    mask2 = None
-    if mask is not None:
-        keep = xp.broadcast_to(xp.asarray(mask), (*batch, lq, lk))
-        mask2 = xp.concatenate([keep, xp.ones((*batch, lq, 1), bool)], axis=-1)
-    return k2, v2, mask2, bias2

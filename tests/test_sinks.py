@@ -83,3 +83,48 @@ def test_bad_sinks_are_refused_by_name(sink, numerics):
         mn.attention(q, k, v, numerics=numerics, sink=sink)
     with pytest.raises(InvalidArgument, match="sink:"):
         attention_bound(q, k, v, numerics=numerics, sink=sink)
+
+
+def _identity_layer(width):
+    eye = np.eye(width)
+    return mn.MHAParams(eye, eye, eye, eye)
+
+
+def test_multi_head_sinks_are_the_heads_attention_with_sinks():
+    # identity projections are exact: head h of the layer is attention on columns of block h
+    rng = np.random.default_rng(4)
+    x_q, x_kv = rng.standard_normal((3, 8)), rng.standard_normal((5, 8))
+    sink = np.array([0.5, -1.0])
+    got = reference.multi_head_attention(x_q, x_kv, _identity_layer(8), 2, sink=sink)
+    heads = [
+        reference.attention(x_q[:, 4 * h : 4 * h + 4], x_kv[:, 4 * h : 4 * h + 4],
+                            x_kv[:, 4 * h : 4 * h + 4], sink=sink[h])
+        for h in range(2)
+    ]  # fmt: skip
+    np.testing.assert_array_equal(got, np.concatenate(heads, axis=-1))
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-fp32acc", "fp16"])
+def test_the_emulated_layer_with_sinks_is_within_a2(preset):
+    params = mn.MHAParams.random(16, seed=5, kv_width=8)  # 4 query heads, 2 key/value heads
+    rng = np.random.default_rng(6)
+    x_q, x_kv = rng.standard_normal((2, 5, 16)), rng.standard_normal((2, 7, 16))
+    sink, band = np.array([0.0, 1.0, -1.0, 2.0]), masks.causal(offset=-1)
+    kw = {"mask": band, "sink": sink, "num_kv_heads": 2}
+    out = np.asarray(
+        mn.multi_head_attention(x_q, x_kv, params, 4, numerics=preset, **kw), np.float64
+    )
+    exact = np.asarray(reference.multi_head_attention(x_q, x_kv, params, 4, **kw), np.float64)
+    # row 0 attends the sinks alone: every head returns 0, the layer its output bias
+    np.testing.assert_array_equal(exact[:, 0], np.broadcast_to(params.bo, exact[:, 0].shape))
+    bound = mn.bounds.mha_bound(x_q, x_kv, params, 4, numerics=preset, **kw)
+    assert np.all(np.abs(out - exact) <= bound.total)
+
+
+def test_a_multi_head_sink_must_be_one_per_head():
+    params = mn.MHAParams.random(8, seed=0)
+    x = np.ones((3, 8))
+    with pytest.raises(InvalidArgument, match="sink:"):
+        mn.multi_head_attention(x, x, params, 2, sink=np.zeros(3))
+    with pytest.raises(InvalidArgument, match="sink:"):
+        mn.bounds.mha_bound(x, x, params, 2, sink=np.zeros(3))

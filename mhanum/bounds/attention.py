@@ -1354,6 +1354,7 @@ def mha_bound(
     lam: float | None = None,
     probability: float | None = None,
     num_kv_heads: int | None = None,
+    sink: Any = None,
 ) -> Bound:
     """Theorem A.2: a componentwise bound on ``|multi_head_attention(...) − exact|``.
 
@@ -1393,6 +1394,10 @@ def mha_bound(
             ``num_kv_heads`` heads, a divisor of ``num_heads``, each read by ``num_heads /
             num_kv_heads`` query heads (:meth:`MHAParams.expand_kv_heads`); ``1`` is
             multi-query attention. Default: as many as ``num_heads``.
+        sink: optional attention-sink logits, one per head (``(H,)``, or broadcast against
+            ``(..., H)``): ``e^σ`` joins every row's normaliser in that head, as one more key
+            with value 0 that no mask excludes (:func:`mhanum.masks.with_sink`);
+            its key and value are exact zeros after the projections.
         mask: optional boolean mask broadcastable to ``(..., H, Lq, Lk)``, True = attend, or a
             :class:`mhanum.masks.Band`.
         bias: optional additive bias broadcastable to ``(..., H, Lq, Lk)``.
@@ -1433,6 +1438,10 @@ def mha_bound(
     num.check_bias(bias)
     outer = V.broadcast({"x_q": xs["x_q"].shape[:-2], "x_kv": xs["x_kv"].shape[:-2]})
     rows, keys = xs["x_q"].shape[-2], xs["x_kv"].shape[-2]
+    if sink is not None:
+        num.check_sink()
+        mask, bias, scores = masks.head_sinks(mask, bias, sink, (*outer, heads, rows, keys))
+        outer, keys = tuple(scores[:-3]), keys + 1
     d_v = params.v_width // heads
     chains = math.prod(outer) * (
         heads * rows * (keys * (params.qk_width // heads + 1 + d_v) + 2 * d_v)
@@ -1479,6 +1488,8 @@ def mha_bound(
             _split(used + lin.given, heads),
             _split(lin.given, heads),
         )
+        if sink is not None and name != "q":  # the sink's key and value: exact zeros
+            proj[name] = tuple(masks.zero_key(x) for x in proj[name])
     c = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
     results = {}
     for i in np.ndindex(*outer, heads):

@@ -409,7 +409,7 @@ def _split_heads(x: jax.Array, heads: int) -> jax.Array:
     return jnp.swapaxes(x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads), -2, -3)
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "numerics", "scale"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "numerics", "scale", "sink"))
 def _mha_jit(
     x_q: Any,
     x_kv: Any,
@@ -420,6 +420,7 @@ def _mha_jit(
     num_heads: int,
     numerics: Numerics,
     scale: float,
+    sink: bool = False,
 ) -> jax.Array:
     st = _Stages(numerics, runtime_zero(x_q))
     x_q, x_kv = to_format(x_q, st.input), to_format(x_kv, st.input)
@@ -427,6 +428,8 @@ def _mha_jit(
     q = _split_heads(_project(st, x_q, p.wq, p.bq, st.storage), num_heads)
     k = _split_heads(_project(st, x_kv, p.wk, p.bk, st.storage), num_heads)
     v = _split_heads(_project(st, x_kv, p.wv, p.bv, st.storage), num_heads)
+    if sink:  # the sink's key and value: zeros, the last of every row (masks.with_sink)
+        k, v = masks.zero_key(k, xp=jnp), masks.zero_key(v, xp=jnp)
     o = _attend(st, q, k, v, mask, bias, scale)
     o = jnp.swapaxes(o, -2, -3)
     o = o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])
@@ -444,6 +447,7 @@ def multi_head_attention(
     scale: float | None = None,
     numerics: Numerics | str | None = None,
     num_kv_heads: int | None = None,
+    sink: Any = None,
 ) -> jax.Array:
     """Multi-head attention ``concat_h(attention(x_q Wq_h + bq_h, ...)) Wo + bo`` with explicit numerics.
 
@@ -460,6 +464,9 @@ def multi_head_attention(
             ``num_kv_heads`` heads, a divisor of ``num_heads``, each read by ``num_heads /
             num_kv_heads`` query heads (:meth:`MHAParams.expand_kv_heads`); ``1`` is
             multi-query attention. Default: as many as ``num_heads``.
+        sink: optional attention-sink logits, one per head (``(H,)``, or broadcast against
+            ``(..., H)``): ``e^σ`` joins every row's normaliser in that head, as one more key
+            with value 0 that no mask excludes (:func:`mhanum.masks.with_sink`).
         mask: optional boolean array broadcastable to ``(..., H, Lq, Lk)``, **True means attend**
             (a per-batch mask has shape ``(B, 1, Lq, Lk)``), or a :class:`mhanum.masks.Band`.
         bias: optional additive float array broadcastable to ``(..., H, Lq, Lk)``.
@@ -494,10 +501,23 @@ def multi_head_attention(
     if mask is not None:
         mask = V.bool_mask(mask, target)
     num.check_bias(bias)
+    if sink is not None:
+        num.check_sink()
+        mask, bias, target = masks.head_sinks(mask, bias, sink, target)
     if bias is not None:
         bias = _bias_array(bias, target, num.format_of("score"))
     factor = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
     fmt = num.format_of("input")
     x_q, x_kv = _host_round(x_q, fmt), _host_round(x_kv, fmt)
     params = jax.tree_util.tree_map(lambda w: _host_round(w, fmt), params)
-    return _mha_jit(x_q, x_kv, params, mask, bias, num_heads=heads, numerics=num, scale=factor)
+    return _mha_jit(
+        x_q,
+        x_kv,
+        params,
+        mask,
+        bias,
+        num_heads=heads,
+        numerics=num,
+        scale=factor,
+        sink=sink is not None,
+    )

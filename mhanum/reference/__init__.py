@@ -277,6 +277,7 @@ def multi_head_attention(
     backend: str = "auto",
     return_mpf: bool = False,
     num_kv_heads: int | None = None,
+    sink: Any = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Exact multi-head attention ``concat_h(attention_h) @ wo + bo`` of the given floats, certified.
 
@@ -296,6 +297,9 @@ def multi_head_attention(
             ``num_kv_heads`` heads, a divisor of ``num_heads``, each read by ``num_heads /
             num_kv_heads`` query heads (:meth:`MHAParams.expand_kv_heads`); ``1`` is
             multi-query attention. Default: as many as ``num_heads``.
+        sink: optional attention-sink logits, one per head (``(H,)``, or broadcast against
+            ``(..., H)``): ``e^σ`` joins every row's normaliser in that head, as one more key
+            with value 0 that no mask excludes (:func:`mhanum.masks.with_sink`).
         mask: boolean array broadcastable to ``(..., H, Lq, Lk)`` (so an ``(Lq, Lk)`` mask applies
             to every head); True means attend; or a :class:`mhanum.masks.Band`.
         bias: float array broadcastable to ``(..., H, Lq, Lk)``, finite or ``-inf``.
@@ -339,6 +343,10 @@ def multi_head_attention(
     _check_inputs_match_params(xq64, xkv64, params, num_heads)
     batch = V.broadcast({"x_q": xq64.shape[:-2], "x_kv": xkv64.shape[:-2]})
     shape = (*batch, num_heads, xq64.shape[-2], xkv64.shape[-2])
+    if sink is not None:
+        mask, bias, shape = masks.head_sinks(mask, bias, sink, shape)
+        xkv64, params = _sink_row(xkv64, _params_float64(params))
+        batch = shape[:-3]
     d_k = params.qk_width // num_heads
     spec = _score_spec(mask, bias, None, shape, d_k, options.fully_masked)
     params64 = _params_float64(params)
@@ -506,6 +514,24 @@ def _score_spec(
         excluded = excluded | np.isneginf(bias_arr)
         bias64 = np.where(np.isneginf(bias_arr), 0.0, bias_arr)
     return _ScoreSpec(excluded, bias64, scale, d_k, fully_masked)
+
+
+def _sink_row(x_kv: np.ndarray, params: MHAParams) -> tuple[np.ndarray, MHAParams]:
+    """The sink's key and value, exactly zero after the projections, as one more row of x_kv:
+    a new input column (0 for the real rows, 1 for the sink's) whose weight row is ``-b_k``
+    (``-b_v``), so the sink projects to ``1·(-b) + b = 0`` and the real rows to what they did
+    (exact arithmetic: the reference computes the projections exactly)."""
+    lead = x_kv.shape[:-2]
+    real = np.concatenate([x_kv, np.zeros((*lead, x_kv.shape[-2], 1))], axis=-1)
+    row = np.zeros((*lead, 1, x_kv.shape[-1] + 1))
+    row[..., -1] = 1.0
+    extra = {}
+    for w, b in (("wk", "bk"), ("wv", "bv")):
+        bias = getattr(params, b)
+        width = np.shape(getattr(params, w))[1]
+        minus = np.zeros(width) if bias is None else -np.asarray(bias, np.float64)
+        extra[w] = np.vstack([np.asarray(getattr(params, w), np.float64), minus[None]])
+    return np.concatenate([real, row], axis=-2), dataclasses.replace(params, **extra)
 
 
 def _params_float64(params: MHAParams) -> MHAParams:
