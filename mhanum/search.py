@@ -57,7 +57,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings, target
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from mhanum import reference, strategies
+from mhanum import masks, reference, strategies
 from mhanum._errors import InvalidArgument
 from mhanum.attention import attention
 from mhanum.bounds import Bound, attention_bound, schedule_difference
@@ -545,8 +545,8 @@ def worst_case(
             draw a scale or a bias, ``scale_range`` and ``bias_range``, are refused: a case
             holds q, k, v and a mask).
         mask: a mask kind of :func:`mhanum.strategies.masks` (``"padding"``, ``"causal"``,
-            ``"random"``; every row attends some key), searched together with the inputs;
-            ``None`` or ``"none"`` for no mask.
+            ``"random"``, ``"band"``: a sliding window; every row attends some key), searched
+            together with the inputs; ``None`` or ``"none"`` for no mask.
         bound: the bound function (default :func:`mhanum.bounds.attention_bound`).
         progress: called as ``progress(done, budget, best_value)`` after each evaluation.
         against: a second schedule (:class:`~mhanum.Numerics` or preset name) for the
@@ -855,6 +855,10 @@ def _random_mask(kind: str, shape: Shape, rng: np.random.Generator) -> np.ndarra
     elif kind == "causal":
         rows = np.arange(shape.q_len)[:, None] + (shape.kv_len - shape.q_len)
         mask = keys[None, :] <= rows
+    elif kind == "band":  # a window of random width, aligned to the bottom right
+        width = int(rng.integers(1, shape.kv_len + 1))
+        offset = shape.kv_len - shape.q_len
+        mask = masks.sliding_window(width, offset=offset).array(shape.q_len, shape.kv_len)
     else:
         mask = rng.random(full) < 0.5
     mask = np.array(np.broadcast_to(mask, full), bool)

@@ -164,7 +164,7 @@ def range_mixes() -> tuple[frozenset[str], ...]:
     return _RANGE_MIXES
 
 
-MASK_KINDS = ("none", "padding", "causal", "random")
+MASK_KINDS = ("none", "padding", "causal", "random", "band")
 """Kinds of :func:`masks`."""
 
 _SUMMATIONS = (Native(), Sequential(), Pairwise(), Kahan(), Blocked(8), Blocked(32))
@@ -946,7 +946,8 @@ def masks(
         q_len, kv_len, batch, heads: sizes (values or strategies).
         kind: ``"none"`` (attend everywhere), ``"padding"`` (per batch entry, keys past a drawn
             length are masked), ``"causal"`` (query ``i`` attends keys ``j <= i + kv_len - q_len``),
-            ``"random"``, a strategy of these, or ``None`` for any of them.
+            ``"random"``, ``"band"`` (a :func:`bands` band's array), a strategy of these, or
+            ``None`` for any of them.
         fully_masked_rows: if ``False`` every row attends at least one key (a row that would not
             attends its last allowed key, key 0); if ``True`` at least one row is fully masked.
 
@@ -982,6 +983,9 @@ def _masks(draw: Any, sizes: dict[str, Any], kind: Any, fully_masked: bool) -> n
     elif k == "causal":
         rows = np.arange(n["q_len"])[:, None] + (n["kv_len"] - n["q_len"])
         mask = np.broadcast_to(keys[None, :] <= rows, shape).copy()
+    elif k == "band":
+        band = draw(_bands(n["q_len"], n["kv_len"], False))
+        mask = np.broadcast_to(band.array(n["q_len"], n["kv_len"]), shape).copy()
     else:
         rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
         mask = rng.random(shape) < draw(st.sampled_from((0.25, 0.5, 0.9)))

@@ -97,7 +97,7 @@ def test_error_objective_maximises_the_normwise_error():
     assert case.value == case.normwise > 0
 
 
-@pytest.mark.parametrize("kind", ["padding", "causal", "random"])
+@pytest.mark.parametrize("kind", ["padding", "causal", "random", "band"])
 def test_masked_search_and_baseline_keep_every_row_attending(kind):
     shape = {"q_len": 3, "kv_len": 6, "d_k": 4, "batch": 2}
     case = ms.worst_case("bf16-fp32acc", shape, budget=10, seed=0, mask=kind)
@@ -109,6 +109,10 @@ def test_masked_search_and_baseline_keep_every_row_attending(kind):
         assert 0 <= found.ratio <= 1
     if kind == "causal":
         assert (case.mask[0, 0] == np.tril(np.ones((3, 6), bool), k=3)).all()
+    if kind == "band":  # every mask found is a band's: a contiguous run of keys per row
+        for found in (case, baseline):
+            starts = np.diff(found.mask.astype(int), axis=-1, prepend=0) == 1
+            assert (starts.sum(axis=-1) == 1).all()
 
 
 def test_progress_reports_every_evaluation_and_the_best_value():
