@@ -12,9 +12,12 @@ from __future__ import annotations
 import mpmath
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mhanum as mn
 from mhanum import InvalidArgument, masks, reference
+from mhanum import strategies as mst
 from mhanum.bounds import attention_bound
 
 
@@ -128,3 +131,27 @@ def test_a_multi_head_sink_must_be_one_per_head():
         mn.multi_head_attention(x, x, params, 2, sink=np.zeros(3))
     with pytest.raises(InvalidArgument, match="sink:"):
         mn.bounds.mha_bound(x, x, params, 2, sink=np.zeros(3))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    data=st.data(),
+    preset=st.sampled_from(["fp32", "bf16-fp32acc", "fp16-fp32acc", "fp16", "tf32"]),
+    softmax=st.sampled_from(["safe", "online(4)", "naive"]),
+)
+def test_the_bound_holds_with_sinks_across_the_exponent_range(data, preset, softmax):
+    # sinks from far below to far above the logits (their exponentials underflow or hold the
+    # whole row), up to the score format's largest power of two; rows that attend the sink
+    # alone included
+    num = mn.Numerics.preset(preset).replace(softmax=softmax)
+    fmt = num.format_of("score")
+    exponent = data.draw(st.integers(-30, int(np.log2(fmt.max_finite))))
+    sign = data.draw(st.sampled_from([-1.0, 1.0]))
+    sink = np.array([sign * 2.0**exponent, data.draw(st.floats(-8, 8))])
+    q, k, v = _inputs(data.draw(st.integers(0, 2**16)), num.input)
+    band = data.draw(mst.bands(q_len=3, kv_len=5, empty_rows=True))
+    bound = attention_bound(q, k, v, band, numerics=num, sink=sink)
+    out = np.asarray(mn.attention(q, k, v, band, numerics=num, sink=sink), np.float64)
+    exact = np.asarray(reference.attention(q, k, v, mask=band, sink=sink), np.float64)
+    finite = np.isfinite(bound.total)
+    assert np.all(np.abs(out - exact)[finite] <= bound.total[finite])
