@@ -94,3 +94,31 @@ def test_bad_grouping_is_refused_by_name(kv_heads, width, names):
         mn.multi_head_attention(x, x, params, HEADS, num_kv_heads=kv_heads)
     with pytest.raises(InvalidArgument, match=names):
         mha_bound(x, x, params, HEADS, num_kv_heads=kv_heads)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jaxs_own_grouped_attention_is_within_the_grouped_tolerance(dtype):
+    from mhanum.adapters import jax as jax_adapter
+    from mhanum.testing import attention_tolerance
+
+    fmt = mn.get_format(dtype)
+    rng = np.random.default_rng(8)
+    q = np.asarray(mn.round_to(rng.standard_normal((2, 4, 6, 8)), fmt), np.float64)
+    k, v = (
+        np.asarray(mn.round_to(rng.standard_normal((2, 2, 6, 8)), fmt), np.float64) for _ in "kv"
+    )
+    out = jax_adapter.sdpa(q, k, v, mn.masks.causal(), dtype=dtype)
+    assert out.shape == (2, 4, 6, 8)
+    exact = np.asarray(
+        reference.attention(
+            q, np.repeat(k, 2, axis=-3), np.repeat(v, 2, axis=-3), mask=mn.masks.causal()
+        ),
+        np.float64,
+    )
+    tol = attention_tolerance(
+        q, k, v, mask=mn.masks.causal(), kernel="jax-xla", dtype=dtype, enable_gqa=True
+    )
+    assert np.all(np.abs(out - exact) <= tol)
+    # query head 1 reads key/value head 0, head 2 reads head 1: swapping the kv heads moves it
+    swapped = jax_adapter.sdpa(q, k[:, ::-1], v[:, ::-1], mn.masks.causal(), dtype=dtype)
+    assert np.any(np.abs(swapped - exact) > tol)

@@ -180,9 +180,12 @@ def sdpa(
     structure, ``is_causal=True`` for :func:`mhanum.masks.causal` and ``local_window_size`` for
     a window (so jax builds it, as a user's call would); any other band, and a boolean array
     (True = attend), is passed as ``mask``. The heads move to jax's ``(B, T, N, H)`` layout.
+    Where k and v carry fewer heads (axis -3) than q, jax computes grouped-query attention
+    itself: query head ``h`` reads key/value head ``h // (H / H_kv)``.
 
     Args:
-        q: ``(..., Lq, d)``; k: ``(..., Lk, d)``; v: ``(..., Lk, d_v)`` (rounded to ``dtype``).
+        q: ``(..., Lq, d)``; k: ``(..., Lk, d)``; v: ``(..., Lk, d_v)`` (rounded to ``dtype``);
+            for grouped-query attention ``q`` ``(..., H, Lq, d)`` and k, v ``(..., H_kv, Lk, d)``.
         mask: a boolean array broadcastable to ``(..., Lq, Lk)`` or a ``Band``.
         scale: the logit scale (default ``1/sqrt(d)``).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
@@ -197,10 +200,26 @@ def sdpa(
         msg = f"dtype: expected one of {tuple(_DTYPES)}, got {dtype!r}"
         raise InvalidArgument(msg)
     arrays = [np.asarray(a, np.float64) for a in (q, k, v)]
-    lead = np.broadcast_shapes(*(a.shape[:-2] for a in arrays))
-    full = [np.broadcast_to(a, (*lead, *a.shape[-2:])).reshape(-1, *a.shape[-2:]) for a in arrays]
-    # (B, L, d) as jax's (B, T, N, H) with one head per batch element
-    jq, jk, jv = (jnp.asarray(a[:, :, None, :], _DTYPES[dtype]) for a in full)
+    grouped = min(a.ndim for a in arrays) >= 3 and arrays[1].shape[-3] != arrays[0].shape[-3]
+    if grouped:
+        h, h_kv = arrays[0].shape[-3], arrays[1].shape[-3]
+        if arrays[2].shape[-3] != h_kv or h % h_kv:
+            msg = f"k: expected a number of key/value heads dividing q's {h}, got {h_kv}"
+            raise InvalidArgument(msg)
+        lead = np.broadcast_shapes(*(a.shape[:-3] for a in arrays))
+        full = [
+            np.broadcast_to(a, (*lead, *a.shape[-3:])).reshape(-1, *a.shape[-3:]) for a in arrays
+        ]
+        # (B, N, L, d) as jax's (B, T, N, H)
+        jq, jk, jv = (jnp.asarray(np.swapaxes(a, 1, 2), _DTYPES[dtype]) for a in full)
+        lead = (*lead, h)
+    else:
+        lead = np.broadcast_shapes(*(a.shape[:-2] for a in arrays))
+        full = [
+            np.broadcast_to(a, (*lead, *a.shape[-2:])).reshape(-1, *a.shape[-2:]) for a in arrays
+        ]
+        # (B, L, d) as jax's (B, T, N, H) with one head per batch element
+        jq, jk, jv = (jnp.asarray(a[:, :, None, :], _DTYPES[dtype]) for a in full)
     lq, lk = full[0].shape[-2], full[1].shape[-2]
     kwargs: dict[str, Any] = {}
     if isinstance(mask, masks.Band) and mask.offset == 0:
@@ -216,7 +235,9 @@ def sdpa(
         if m.dtype != np.bool_:
             msg = f"mask: expected a boolean array (True = attend) or a Band, got dtype {m.dtype}"
             raise InvalidArgument(msg)
-        m = np.broadcast_to(m, (*lead, lq, lk)).reshape(-1, 1, lq, lk)
+        heads = lead[-1] if grouped else 1
+        m = np.broadcast_to(m, (*lead, lq, lk)).reshape(-1, heads, lq, lk)
         kwargs["mask"] = jnp.asarray(m)
     out = jax.nn.dot_product_attention(jq, jk, jv, scale=scale, implementation="xla", **kwargs)
-    return np.asarray(out.astype(jnp.float32))[:, :, 0, :].reshape(*lead, lq, v.shape[-1])
+    out = np.asarray(out.astype(jnp.float32))  # (B, T, N, H)
+    return np.swapaxes(out, 1, 2).reshape(*lead, lq, np.shape(v)[-1])
