@@ -26,6 +26,7 @@ TINY = {
     "masks": ["none", "causal"],
     "heads": {"d_model": 16, "num_heads": [1, 4], "length": 8},
     "mask_constants": {"formats": ["float32", "float16"], "n_keys": 16},
+    "variants": {"length": 8, "heads": 4, "kv_heads": 2, "window": 3, "sink": 2.0},
 }
 SMALLEST = TINY | {"presets": ["fp32"], "lengths": [8], "masks": ["causal"]}
 RECORDS = Path(__file__).parents[1] / "papers" / "measurements" / "h100-records.jsonl"
@@ -319,3 +320,26 @@ def test_bfloat16_accumulation_over_256_terms_is_bounded_not_refused(tmp_path):
     assert not report.data["attention"]["refusals"]
     assert report.data["heads"]["rows"][0]["presets"]["bf16"]["bound_max"] is not None
     assert "Bounds refused" not in report.markdown.read_text()
+
+
+def test_every_variant_is_within_its_bound(report):
+    section = report.data["variants"]
+    labels = {r["variant"] for r in section["rows"]}
+    assert labels == {
+        "causal", "sliding window of 3", "ALiBi, causal", "sinks (σ = 2), causal",
+        "GQA 4/2 heads, causal",
+    }  # fmt: skip
+    assert len(section["rows"]) == len(labels) * len(TINY["presets"])
+    for r in section["rows"]:
+        assert r["error_max"] <= r["bound_max"]
+        assert 0 <= r["ratio_max"] <= 1, r
+    assert "Today's attention variants" in (report.out / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("variants", "names"),
+    [({"heads": 4, "kv_heads": 3}, "variants.kv_heads"), ({"window": 0}, "variants.window")],
+)
+def test_bad_variant_settings_are_refused_by_name(variants, names, tmp_path):
+    with pytest.raises(mhanum.InvalidArgument, match=names):
+        mhanum.report.build(SMALLEST | {"variants": variants}, tmp_path / "out")

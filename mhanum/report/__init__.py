@@ -37,6 +37,7 @@ from mhanum.report._config import (
     Config,
     HeadsConfig,
     MaskConstantsConfig,
+    VariantsConfig,
     default_toml,
     load_config,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "HeadsConfig",
     "MaskConstantsConfig",
     "Report",
+    "VariantsConfig",
     "build",
     "default_toml",
     "load_config",

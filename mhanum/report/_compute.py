@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mhanum import bounds, devices, measure, reference
+from mhanum import bounds, devices, masks, measure, reference
 from mhanum._errors import InvalidArgument
 from mhanum.attention import attention, multi_head_attention
 from mhanum.bounds import heads as heads_bounds
@@ -302,6 +302,73 @@ def head_partitioning(config: Config, step: Callable[[str], None]) -> dict[str, 
     return {"d_model": hc.d_model, "length": hc.length, "rows": rows, "refusals": refusals}
 
 
+def _variant_cases(config: Config) -> list[tuple[str, dict[str, Any], bool]]:
+    """``(label, keyword arguments, grouped)`` of each variant, on the same inputs."""
+    c = config.variants
+    causal = masks.causal()
+    return [
+        ("causal", {"mask": causal}, False),
+        (f"sliding window of {c.window}", {"mask": masks.sliding_window(c.window)}, False),
+        (
+            "ALiBi, causal",
+            {"mask": causal, "bias": masks.alibi(c.heads, c.length, c.length)},
+            False,
+        ),
+        (
+            f"sinks (σ = {c.sink:g}), causal",
+            {"mask": causal, "sink": np.full(c.heads, c.sink)},
+            False,
+        ),
+        (f"GQA {c.heads}/{c.kv_heads} heads, causal", {"mask": causal}, True),
+    ]
+
+
+def variants(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
+    """Today's attention variants (papers/attention.md, the variants reduced to A.1): error
+    against the certified reference and Theorem A.1 per preset."""
+    c = config.variants
+    shape = (c.heads, c.length, config.d_k)
+    q, k, v = devices.inputs((1, *shape), "float32", config.structure, config.seed)
+    q, k, v = q[0], k[0], v[0]
+    group = c.heads // c.kv_heads
+    k_g, v_g = (np.repeat(x[: c.kv_heads], group, axis=0) for x in (k, v))
+    rows: list[dict[str, Any]] = []
+    for label, kwargs, grouped in _variant_cases(config):
+        kk, vv = (k_g, v_g) if grouped else (k, v)
+        exact = np.asarray(reference.attention(q, kk, vv, **kwargs), np.float64)
+        step(f"reference {label}")
+        mask = kwargs.get("mask")
+        rest = {n: x for n, x in kwargs.items() if n != "mask"}
+        for preset in config.presets:
+            num = Numerics.preset(preset)
+            out = np.asarray(attention(q, kk, vv, mask, numerics=num, **rest), np.float64)
+            bound = bounds.attention_bound(q, kk, vv, mask, numerics=num, **rest)
+            total = np.asarray(bound.total, np.float64)
+            err = np.abs(out - exact)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(err == 0, 0.0, err / total)
+            rows.append(
+                {
+                    "variant": label,
+                    "preset": preset,
+                    "error_max": float(err.max()),
+                    "bound_median": float(np.median(total)),
+                    "bound_max": float(total.max()),
+                    "ratio_max": float(ratio.max()),
+                    "dominant_term": bound.dominant(),
+                    "reasons": list(bound.reasons),
+                }
+            )
+    return {
+        "theorem": "A.1",
+        "length": c.length,
+        "heads": c.heads,
+        "kv_heads": c.kv_heads,
+        "d_k": config.d_k,
+        "rows": rows,
+    }
+
+
 def _constant_label(value: float | str) -> str:
     if isinstance(value, str):
         return "-0.7·finfo.max" if value == "0.7*finfo.min" else value
@@ -438,6 +505,7 @@ def compute(
         len(config.masks) * len(config.lengths) * (1 + len(config.presets))
         + len(config.heads.num_heads) * (1 + len(config.presets))
         + 1
+        + len(_variant_cases(config))
         + len(records)
     )
     done = 0
@@ -453,6 +521,7 @@ def compute(
     data["heads"] = head_partitioning(config, step)
     data["mask_constants"] = mask_constants(config)
     step("mask constants")
+    data["variants"] = variants(config, step)
     data["cases"] = case_list
     files = []
     for path in records:

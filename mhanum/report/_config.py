@@ -16,7 +16,14 @@ from mhanum.devices import MASKS, STRUCTURES
 from mhanum.formats import get_format
 from mhanum.numerics import PRESETS, Numerics
 
-__all__ = ["Config", "HeadsConfig", "MaskConstantsConfig", "default_toml", "load_config"]
+__all__ = [
+    "Config",
+    "HeadsConfig",
+    "MaskConstantsConfig",
+    "VariantsConfig",
+    "default_toml",
+    "load_config",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +48,17 @@ class MaskConstantsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VariantsConfig:
+    """Today's attention variants (the ``[variants]`` table)."""
+
+    length: int
+    heads: int
+    kv_heads: int
+    window: int
+    sink: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """Everything a report computes; see ``mhanum/report/default.toml`` for each key's meaning."""
 
@@ -54,6 +72,7 @@ class Config:
     probability: float
     heads: HeadsConfig
     mask_constants: MaskConstantsConfig
+    variants: VariantsConfig
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (``-inf`` mask constants stay floats; ``json`` writes them as ``-Infinity``)."""
@@ -218,6 +237,19 @@ def _parse(m: Mapping[str, Any]) -> Config:
         _int(c["n_keys"], "mask_constants.n_keys", 1),
         _real(c["leak_tol"], "mask_constants.leak_tol", "a number in [0, 1)", lambda t: 0 <= t < 1),
     )
+    vt = m["variants"]
+    n_heads = _int(vt["heads"], "variants.heads", 1)
+    kv_heads = _int(vt["kv_heads"], "variants.kv_heads", 1)
+    if n_heads % kv_heads:
+        msg = f"variants.kv_heads: expected a divisor of variants.heads = {n_heads}, got {kv_heads}"
+        raise InvalidArgument(msg)
+    variants = VariantsConfig(
+        _int(vt["length"], "variants.length", 2),
+        n_heads,
+        kv_heads,
+        _int(vt["window"], "variants.window", 1),
+        _real(vt["sink"], "variants.sink", "a finite number", math.isfinite),
+    )
     return Config(
         seed=_int(m["seed"], "seed", 0),
         samples=_int(m["samples"], "samples", 1),
@@ -229,4 +261,5 @@ def _parse(m: Mapping[str, Any]) -> Config:
         probability=probability,
         heads=heads,
         mask_constants=constants,
+        variants=variants,
     )

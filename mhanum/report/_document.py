@@ -209,6 +209,44 @@ def _mask_constants(section: Mapping[str, Any]) -> list[Block]:
     return out
 
 
+def _variants(section: Mapping[str, Any]) -> list[Block]:
+    return [
+        Heading(1, "Today's attention variants"),
+        Paragraph(
+            f"Causal and sliding-window masks given as structure (`mhanum.masks`), ALiBi biases, "
+            f"attention sinks and grouped-query attention, on the same {section['heads']} heads "
+            f"of {section['length']} tokens (d_k = {section['d_k']}; the grouped row reads "
+            f"{section['kv_heads']} key/value heads). Each is computed, referenced and bounded "
+            "exactly as the attention it reduces to (papers/attention.md, the variants reduced "
+            "to A.1 and A.2): the largest error against the certified reference, Theorem A.1 "
+            "(median and largest over the output) and the largest error ÷ bound."
+        ),
+        Table(
+            (
+                "variant",
+                "preset",
+                "max error",
+                "A.1 median",
+                "A.1 max",
+                "max error / A.1",
+                "dominant term",
+            ),
+            tuple(
+                (
+                    r["variant"],
+                    r["preset"],
+                    _g(r["error_max"]),
+                    _g(r["bound_median"]),
+                    _g(r["bound_max"]),
+                    _g(r["ratio_max"]),
+                    r["dominant_term"],
+                )
+                for r in section["rows"]
+            ),
+        ),
+    ]
+
+
 def _heads(section: Mapping[str, Any]) -> list[Block]:
     rows = section["rows"]
     presets = list(rows[0]["presets"])
@@ -409,6 +447,7 @@ def blocks(data: Mapping[str, Any]) -> list[Block]:
         *_terms(data["attention"]),
         *_mask_constants(data["mask_constants"]),
         *_heads(data["heads"]),
+        *(_variants(data["variants"]) if "variants" in data else []),
         *_cases(data["cases"]),
         *_records(data["records"]),
         *_provenance(data),
