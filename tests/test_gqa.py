@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mhanum as mn
 from mhanum import InvalidArgument, reference
+from mhanum import strategies as mst
 from mhanum.bounds import mha_bound, mha_bound_a_priori
 from mhanum.testing import mha_tolerance
 
@@ -122,3 +125,23 @@ def test_jaxs_own_grouped_attention_is_within_the_grouped_tolerance(dtype):
     # query head 1 reads key/value head 0, head 2 reads head 1: swapping the kv heads moves it
     swapped = jax_adapter.sdpa(q, k[:, ::-1], v[:, ::-1], mn.masks.causal(), dtype=dtype)
     assert np.any(np.abs(swapped - exact) > tol)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    data=st.data(),
+    preset=st.sampled_from(["fp32", "bf16-fp32acc", "fp16-fp32acc", "fp16"]),
+    kv_heads=st.sampled_from([1, 2, 4]),
+)
+def test_the_grouped_layer_is_within_a2_on_drawn_bands_and_sinks(data, preset, kv_heads):
+    params, x_q, x_kv = _layer(kv_heads, seed=data.draw(st.integers(0, 2**16)))
+    band = data.draw(mst.bands(q_len=5, kv_len=7, empty_rows=True))
+    sink = data.draw(st.none() | st.just(np.array([0.5, -1.0, 2.0, 0.0])))
+    kw = {"mask": band, "sink": sink, "num_kv_heads": kv_heads}
+    if sink is None and band.empty_rows(5, 7).any():
+        kw["mask"] = band.array(5, 7) | np.eye(5, 7, dtype=bool)  # every row attends a key
+    out = mn.multi_head_attention(x_q, x_kv, params, HEADS, numerics=preset, **kw)
+    exact = reference.multi_head_attention(x_q, x_kv, params, HEADS, **kw)
+    bound = mha_bound(x_q, x_kv, params, HEADS, numerics=preset, **kw)
+    err = np.abs(np.asarray(out, np.float64) - np.asarray(exact, np.float64))
+    assert np.all(err <= bound.total)
