@@ -237,8 +237,6 @@ class Objective:
         infinite ratio.
         """
         self.calls += 1
-        if self.against is not None:
-            return self._difference(q, k, v, mask)
         try:
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 b = self.bound(q, k, v, mask, numerics=self.numerics)
@@ -251,6 +249,9 @@ class Objective:
             self.out_of_scope += 1
             return None
         out = np.asarray(attention(q, k, v, mask, numerics=self.numerics), np.float64)
+        if self.against is not None:  # |â - b̂| against Theorem A.5: no reference needed
+            other = np.asarray(attention(q, k, v, mask, numerics=self.against), np.float64)
+            return self._evaluation(out, other, out, b, 0.0)
         exact = self.certified if certified is None else certified
         slack = 0.0
         if not exact:
@@ -267,19 +268,27 @@ class Objective:
         if exact:
             ref = np.asarray(reference.attention(q, k, v, mask=mask), np.float64)
             slack = 0.0
+        return self._evaluation(out, ref, ref, b, slack)
+
+    def _evaluation(
+        self, out: np.ndarray, other: np.ndarray, scale_by: np.ndarray, b: Bound, slack: float
+    ) -> Evaluation:
+        """``|out - other|`` against ``b`` where it is finite; normwise over ``max |scale_by|``."""
+        total = np.asarray(b.total, np.float64)
+        finite = np.isfinite(total)
         with np.errstate(invalid="ignore", over="ignore"):
-            err = np.where(finite, np.abs(out - ref), 0.0)
+            err = np.where(finite, np.abs(out - other), 0.0)
         err = np.where(finite & ~np.isfinite(err), np.inf, err)  # NaN or inf under a finite bound
         with np.errstate(divide="ignore", invalid="ignore"):
             ratios = np.where(err > 0, err / total, 0.0)
         flat = int(np.argmax(np.where(finite, ratios, -1.0)))  # an entry with a finite bound
         index = tuple(int(i) for i in np.unravel_index(flat, ratios.shape))
-        scale = float(np.max(np.abs(np.where(finite, ref, 0.0)), initial=0.0))
+        scale = float(np.max(np.abs(np.where(finite, scale_by, 0.0)), initial=0.0))
         normwise = float(err.max(initial=0.0)) / scale if scale > 0 else 0.0
         ratio = float(ratios.flat[flat])
         terms = {name: float(np.broadcast_to(t, total.shape)[index]) for name, t in b.terms.items()}
         return Evaluation(
-            value=ratio if self.objective == "error/bound" else normwise,
+            value=ratio if self.objective.endswith("/bound") else normwise,
             ratio=ratio,
             error=float(err[index]),
             bound=float(total[index]),
@@ -287,46 +296,6 @@ class Objective:
             dominant_term=max(terms, key=lambda name: terms[name]),
             index=index,
             slack=slack,
-            output=out,
-        )
-
-    def _difference(
-        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None
-    ) -> Evaluation | None:
-        """``|â - b̂|`` of the two schedules against Theorem A.5 (no reference needed)."""
-        try:
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                b = self.bound(q, k, v, mask, numerics=self.numerics)
-        except InvalidArgument:
-            self.out_of_scope += 1
-            return None
-        total = np.asarray(b.total, np.float64)
-        finite = np.isfinite(total)
-        if not finite.any():
-            self.out_of_scope += 1
-            return None
-        out = np.asarray(attention(q, k, v, mask, numerics=self.numerics), np.float64)
-        other = np.asarray(attention(q, k, v, mask, numerics=self.against), np.float64)
-        with np.errstate(invalid="ignore", over="ignore"):
-            diff = np.where(finite, np.abs(out - other), 0.0)
-        diff = np.where(finite & ~np.isfinite(diff), np.inf, diff)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratios = np.where(diff > 0, diff / total, 0.0)
-        flat = int(np.argmax(np.where(finite, ratios, -1.0)))
-        index = tuple(int(i) for i in np.unravel_index(flat, ratios.shape))
-        scale = float(np.max(np.abs(np.where(finite, out, 0.0)), initial=0.0))
-        normwise = float(diff.max(initial=0.0)) / scale if scale > 0 else 0.0
-        ratio = float(ratios.flat[flat])
-        terms = {name: float(np.broadcast_to(t, total.shape)[index]) for name, t in b.terms.items()}
-        return Evaluation(
-            value=ratio if self.objective == "difference/bound" else normwise,
-            ratio=ratio,
-            error=float(diff[index]),
-            bound=float(total[index]),
-            normwise=normwise,
-            dominant_term=max(terms, key=lambda name: terms[name]),
-            index=index,
-            slack=0.0,
             output=out,
         )
 

@@ -620,10 +620,7 @@ def mha_bound_a_priori(
     Args:
         params: the layer's weights.
         num_heads: number of heads.
-        num_kv_heads: grouped-query attention: ``wk``, ``wv`` (and ``bk``, ``bv``) hold
-            ``num_kv_heads`` heads, a divisor of ``num_heads``, each read by ``num_heads /
-            num_kv_heads`` query heads (:meth:`MHAParams.expand_kv_heads`); ``1`` is
-            multi-query attention. Default: as many as ``num_heads``.
+        num_kv_heads: grouped-query attention, as in :func:`mhanum.multi_head_attention`.
         q_len, kv_len: sequence lengths.
         x_max: a bound on ``|x_q|`` entries; ``x_kv_max`` on ``|x_kv|`` (default ``x_max``).
         numerics, scale, min_keys: as for :func:`attention_bound_a_priori`.

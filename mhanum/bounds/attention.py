@@ -1390,14 +1390,9 @@ def mha_bound(
         x_kv: key/value input ``(..., Lk, d_kv)``.
         params: the weights (float64 values; their rounding into ``numerics.input`` is included).
         num_heads: number of heads.
-        num_kv_heads: grouped-query attention: ``wk``, ``wv`` (and ``bk``, ``bv``) hold
-            ``num_kv_heads`` heads, a divisor of ``num_heads``, each read by ``num_heads /
-            num_kv_heads`` query heads (:meth:`MHAParams.expand_kv_heads`); ``1`` is
-            multi-query attention. Default: as many as ``num_heads``.
-        sink: optional attention-sink logits, one per head (``(H,)``, or broadcast against
-            ``(..., H)``): ``e^σ`` joins every row's normaliser in that head, as one more key
-            with value 0 that no mask excludes (:func:`mhanum.masks.with_sink`);
-            its key and value are exact zeros after the projections.
+        num_kv_heads: grouped-query attention, as in :func:`mhanum.multi_head_attention`.
+        sink: attention sinks, one per head, as in :func:`mhanum.multi_head_attention`; the
+            sink's key and value are exact zeros after the projections.
         mask: optional boolean mask broadcastable to ``(..., H, Lq, Lk)``, True = attend, or a
             :class:`mhanum.masks.Band`.
         bias: optional additive bias broadcastable to ``(..., H, Lq, Lk)``.

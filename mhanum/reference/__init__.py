@@ -293,13 +293,8 @@ def multi_head_attention(
         x_kv: key/value input ``(..., Lk, d_kv)``; leading dimensions broadcast with ``x_q``'s.
         params: the weights, ``y = x @ w + b`` convention.
         num_heads: number of heads ``H``, dividing ``wq.shape[1]`` and ``wv.shape[1]``.
-        num_kv_heads: grouped-query attention: ``wk``, ``wv`` (and ``bk``, ``bv``) hold
-            ``num_kv_heads`` heads, a divisor of ``num_heads``, each read by ``num_heads /
-            num_kv_heads`` query heads (:meth:`MHAParams.expand_kv_heads`); ``1`` is
-            multi-query attention. Default: as many as ``num_heads``.
-        sink: optional attention-sink logits, one per head (``(H,)``, or broadcast against
-            ``(..., H)``): ``e^σ`` joins every row's normaliser in that head, as one more key
-            with value 0 that no mask excludes (:func:`mhanum.masks.with_sink`).
+        num_kv_heads: grouped-query attention, as in :func:`mhanum.multi_head_attention`.
+        sink: attention sinks, one per head, as in :func:`mhanum.multi_head_attention`.
         mask: boolean array broadcastable to ``(..., H, Lq, Lk)`` (so an ``(Lq, Lk)`` mask applies
             to every head); True means attend; or a :class:`mhanum.masks.Band`.
         bias: float array broadcastable to ``(..., H, Lq, Lk)``, finite or ``-inf``.
