@@ -301,3 +301,15 @@ def test_a_seed_draws_the_same_inputs_whatever_the_process_imported():
         for which in ("plain", "report")
     ]
     assert runs[0] == runs[1]
+
+
+def test_cli_search_for_the_largest_difference_of_two_schedules(tmp_path, capsys):
+    code = cli.main(["search", "--summation", "sequential", "--against", "fp32",
+                     "--against-summation", "pairwise", "--objective", "difference",
+                     "--mask", "band", "--q-len", "2", "--kv-len", "8", "--d-k", "4",
+                     "--budget", "8", "--out", str(tmp_path), "--json"])  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert "summation='pairwise'" in result["against"]
+    assert 0 <= result["ratio"] <= 1
+    assert cli.main(["replay", str(tmp_path / result["case"].split("/")[-1])]) == 0

@@ -97,12 +97,17 @@ def _check(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def _search_numerics(args: argparse.Namespace) -> Any:
+def _search_numerics(args: argparse.Namespace, prefix: str = "") -> Any:
+    """The numerics a search runs (``prefix="against_"``: the second schedule, or ``None``)."""
     from mhanum import Numerics
 
-    num = Numerics.preset(args.preset or "fp32")
-    changes = {f: getattr(args, f) for f in ("input", "accum", "summation", "softmax")}
+    preset = getattr(args, f"{prefix}preset" if prefix else "preset")
+    fields = ("input", "accum", "summation", "softmax")
+    changes = {f: getattr(args, f"{prefix}{f}", None) for f in fields}
     changes = {f: value for f, value in changes.items() if value is not None}
+    if prefix and preset is None and not changes:
+        return None
+    num = Numerics.preset(preset or "fp32")
     return num.replace(**changes) if changes else num
 
 
@@ -117,8 +122,9 @@ def _search(args: argparse.Namespace) -> int:
     out = Path(args.out)
     bar = _search_progress(sys.stderr)
     run = search.random_search if args.random else search.worst_case
+    against = _search_numerics(args, "against_")
     case = run(num, shape, objective=args.objective, budget=args.budget, seed=args.seed,
-               mask=args.mask, progress=bar)  # fmt: skip
+               mask=args.mask, progress=bar, against=against)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     path = cases.save(case, out, force=args.force, unique=case.violation)
     result = case.summary() | {"case": str(path)}
@@ -130,8 +136,9 @@ def _search(args: argparse.Namespace) -> int:
             f"{case.method} search, {case.numerics.describe()}, {case.evaluations} evaluations "
             f"in {case.seconds:.1f} s\n"
             f"worst {case.objective}: ratio {case.ratio:.4g} (error {case.error:.3g}, bound "
-            f"{case.bound:.3g}, dominant term {case.dominant_term}), normwise error "
-            f"{case.normwise:.3g}: {verdict}\n"
+            f"{case.bound:.3g}, dominant term {case.dominant_term}), normwise "
+            f"{'difference' if case.against is not None else 'error'} {case.normwise:.3g}: "
+            f"{verdict}\n"
             f"saved {path}; re-run it with: mhanum replay {path}"
         )
     return 1 if case.violation else 0
@@ -224,11 +231,24 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--budget", type=int, default=200, help="objective evaluations (200)")
     search.add_argument("--seed", type=int, default=0, help="search seed (0)")
     search.add_argument(
-        "--objective", choices=("error/bound", "error"), default="error/bound", help="(error/bound)"
+        "--objective",
+        choices=("error/bound", "error", "difference/bound", "difference"),
+        default="error/bound",
+        help="(error/bound; the difference objectives need --against)",
     )
     search.add_argument(
+        "--against",
+        dest="against_preset",
+        default=None,
+        help="a second schedule's preset: search where the two outputs differ most",
+    )
+    for field in ("summation", "softmax"):
+        search.add_argument(
+            f"--against-{field}", default=None, help=f"the second schedule's {field}"
+        )
+    search.add_argument(
         "--mask",
-        choices=("none", "padding", "causal", "random"),
+        choices=("none", "padding", "causal", "random", "band"),
         default="none",
         help="mask kind searched with the inputs (none)",
     )
