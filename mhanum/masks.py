@@ -241,7 +241,7 @@ def sink_column(
     more column, attended, with bias ``σ`` (the real keys' bias ``0`` where none is given)."""
     *batch, lq, lk = scores
     sig = _finite_sink(sink, xp)
-    column = xp.broadcast_to(xp.asarray(sig, np.float64)[..., None, None], (*batch, lq, 1))
+    column = xp.broadcast_to(sig[..., None, None], (*batch, lq, 1))
     real = xp.zeros(scores) if bias is None else xp.broadcast_to(bias, scores)
     bias2 = xp.concatenate([real, column], axis=-1)
     mask = resolve(mask, lq, lk)
@@ -278,10 +278,18 @@ def head_sinks(
 
 def _finite_sink(sink: Any, xp: Any) -> Any:
     sig = np.asarray(sink, np.float64) if xp is np else xp.asarray(sink)
-    if xp is np and not np.all(np.isfinite(sig)):
+    concrete = sig if xp is np else _concrete(sig)
+    if concrete is not None and not np.all(np.isfinite(concrete)):
         msg = "sink: expected finite logits (one per head), got NaN or Inf"
         raise InvalidArgument(msg)
     return sig
+
+
+def _concrete(x: Any) -> Any:
+    """The values of the array ``x`` as numpy, or ``None`` under a jax trace (inside ``jit``)."""
+    import jax
+
+    return None if isinstance(x, jax.core.Tracer) else np.asarray(x, np.float64)
 
 
 def _sink_batch(

@@ -116,6 +116,18 @@ class Numerics:
             default 1 covers XLA, which divides by a broadcast row sum as a product with its
             correctly rounded reciprocal (two roundings; ``1/2`` is a correctly rounded
             quotient).
+        kv_splits: split-KV ("flash-decoding"): the keys are cut into this many contiguous
+            splits, each attended on its own by ``softmax`` (its output ``o_s`` stored in
+            ``accum``, its log-sum-exp ``lse_s = fl(m_s + fl(log ℓ_s))`` in ``softmax_format``;
+            a split with no attended key has ``lse_s = -inf``, ``o_s = 0``), then merged as
+            FlashAttention-2's combine kernel does, in ``softmax_format``: ``M = max lse_s``,
+            ``W = Σ fl(exp(fl(lse_s - M)))`` in ``summation`` order, ``Λ = fl(fl(log W) + M)``,
+            ``α_s = fl(exp(fl(lse_s - Λ)))`` and ``o = Σ α_s o_s`` accumulated in ``accum``, one
+            split after the other, then rounded to ``output_format``. A split holds
+            ``ceil(ceil(Lk/B)/kv_splits)·B`` keys (``B`` the online softmax's block, 1 for the
+            others: FlashAttention-2's rule), so fewer splits may run than asked. ``log`` is
+            assumed within ``exp_ulps`` ulps. ``None`` (default): no split. A fully-masked row
+            is 0 under split-KV (every ``lse_s = -inf``), as in the kernels.
 
     Raises:
         InvalidArgument: for an unknown format, order or algorithm, or an inconsistent combination.
@@ -145,6 +157,7 @@ class Numerics:
     online_sums: str = "block"
     exp_ulps: float = 2.0
     div_ulps: float = 1.0
+    kv_splits: int | None = None
 
     def __post_init__(self) -> None:
         canon = object.__setattr__
@@ -197,6 +210,13 @@ class Numerics:
                            self.summation)  # fmt: skip
             if self.dot_kind == "split":
                 raise _bad("dot", "no split dot with online_sums='running'", self.dot)
+        if self.kv_splits is not None:
+            value = self.kv_splits
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _bad("kv_splits", "None or an integer >= 1", value)
+            if self.exp_form == "exp2-folded":
+                raise _bad("exp_form", "'exp' with kv_splits (the folded exp2's split "
+                           "log-sum-exp is not modelled)", self.exp_form)  # fmt: skip
         for field in ("exp_ulps", "div_ulps"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -320,6 +340,24 @@ class Numerics:
     def softmax_block(self) -> int | None:
         """The key-block size of ``online(B)``, else ``None``."""
         return self.softmax_algorithm.block
+
+    def kv_split_size(self, n_keys: int) -> int:
+        """The keys per split of ``kv_splits`` over ``n_keys`` keys (``n_keys`` when unsplit).
+
+        FlashAttention-2's rule: ``ceil(ceil(n_keys/B)/kv_splits)`` blocks of ``B`` keys, ``B``
+        the online softmax's block (1 for the others).
+
+        Examples:
+            >>> Numerics(softmax="online(64)", kv_splits=3).kv_split_size(1000)
+            384
+            >>> Numerics(kv_splits=3).kv_split_size(1000)
+            334
+        """
+        if self.kv_splits is None:
+            return n_keys
+        block = self.softmax_block or 1
+        blocks = -(-n_keys // block)
+        return -(-blocks // self.kv_splits) * block
 
     def check_bias(self, bias: Any) -> None:
         """``exp_form="exp2-folded"`` scales the scores inside the exponent, so a bias would be

@@ -296,6 +296,7 @@ def numerics(
     scale: Any = None,
     exp_form: Any = None,
     online_sums: Any = None,
+    kv_splits: Any = None,
 ) -> st.SearchStrategy[Numerics]:
     """:class:`~mhanum.Numerics`: named presets, free combinations and custom numerics.
 
@@ -327,6 +328,9 @@ def numerics(
         online_sums: how custom numerics carry the online softmax's sums (``"block"``,
             ``"running"`` or a strategy; default ``"block"``). ``"running"`` brings the online
             softmax, the native or sequential order and no split dot with it.
+        kv_splits: split-KV for every drawn numerics (an integer >= 1 or a strategy of them;
+            default: none). Numerics with the folded ``exp2`` stay unsplit (the combination is
+            not modelled).
 
     Raises:
         InvalidArgument: for an unknown preset, neither presets nor free nor custom combinations,
@@ -357,6 +361,7 @@ def numerics(
         (softmax, "softmax"),
         (scale, "scale"),
         (exp_form, "exp_form"),
+        (kv_splits, "kv_splits"),
     ):
         if value is not None and not isinstance(value, st.SearchStrategy):
             try:
@@ -380,7 +385,21 @@ def numerics(
                   "scale": scale, "exp_form": exp_form, "online_sums": online_sums}  # fmt: skip
         choices.append(_custom_numerics(fields, bounded))
     strategy = st.one_of(*choices)
+    if kv_splits is not None:
+        strategy = _split(strategy, _field(kv_splits, ()))
     return strategy.filter(_bounded) if bounded else strategy
+
+
+@st.composite
+def _split(draw: Any, numerics: st.SearchStrategy[Numerics], splits: Any) -> Numerics:
+    num = draw(numerics)
+    count = draw(splits)
+    if num.exp_form == "exp2-folded":
+        return num
+    try:
+        return num.replace(kv_splits=count)
+    except _MhanumInvalid as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 @st.composite

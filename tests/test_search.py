@@ -313,3 +313,15 @@ def test_cli_search_for_the_largest_difference_of_two_schedules(tmp_path, capsys
     assert "summation='pairwise'" in result["against"]
     assert 0 <= result["ratio"] <= 1
     assert cli.main(["replay", str(tmp_path / result["case"].split("/")[-1])]) == 0
+
+
+def test_cli_search_over_two_split_counts_keeps_the_first_schedules_preset(tmp_path, capsys):
+    code = cli.main(["search", "--preset", "bf16-fp32acc", "--kv-splits", "3",
+                     "--against-kv-splits", "1", "--objective", "difference/bound",
+                     "--q-len", "2", "--kv-len", "8", "--d-k", "4", "--budget", "8",
+                     "--out", str(tmp_path), "--json"])  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert result["numerics"] == "Numerics(input='bfloat16', accum='float32', kv_splits=3)"
+    assert result["against"] == "Numerics(input='bfloat16', accum='float32', kv_splits=1)"
+    assert 0 <= result["ratio"] <= 1

@@ -9,6 +9,7 @@ refused by name.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import mpmath
 import numpy as np
 import pytest
@@ -86,6 +87,12 @@ def test_bad_sinks_are_refused_by_name(sink, numerics):
         mn.attention(q, k, v, numerics=numerics, sink=sink)
     with pytest.raises(InvalidArgument, match="sink:"):
         attention_bound(q, k, v, numerics=numerics, sink=sink)
+
+
+def test_a_sink_given_as_a_jax_array_is_checked_like_a_numpy_one():
+    q, k, v = _inputs(3)
+    with pytest.raises(InvalidArgument, match="sink:"):
+        mn.attention(q, k, v, sink=jnp.asarray(np.nan, jnp.float32))
 
 
 def _identity_layer(width):

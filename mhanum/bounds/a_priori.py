@@ -446,6 +446,12 @@ def _check_a_priori_scope(num: Numerics) -> None:
             "use the a posteriori attention_bound (A.1) for the folded exp2"
         )
         raise InvalidArgument(msg)
+    if num.kv_splits is not None:
+        msg = (
+            f"numerics.kv_splits: the a priori bound (A.4) covers unsplit keys, got "
+            f"{num.kv_splits}; use the a posteriori attention_bound (A.6) for split-KV"
+        )
+        raise InvalidArgument(msg)
     if num.mask_value != -math.inf:
         msg = (
             "numerics.mask_value: the a priori bound (A.4) covers masks applied with -inf, got "

@@ -34,6 +34,7 @@ from mhanum.bounds.factors import (
     check_lam,
     conversion_eta,
     exp_and_sum_factors,
+    gamma,
     is_power_of_four,
     linear,
     linear_overflow,
@@ -166,6 +167,7 @@ class _Ranges:
         self.shape = (rows, cols)
         self.where: dict[str, np.ndarray] = {}
         self.reasons: list[str] = []
+        self.hits: dict[str, tuple[str, np.ndarray]] = {}  # reason -> (term, entries)
 
     def check(
         self,
@@ -205,6 +207,13 @@ class _Ranges:
             self.where[term] = self.where.get(term, np.zeros(self.shape, bool)) | hit
             if reason not in self.reasons:
                 self.reasons.append(reason)
+            seen = self.hits.get(reason, (term, np.zeros(self.shape, bool)))[1]
+            self.hits[reason] = (term, seen | hit)
+
+    def merge(self, other: _Ranges, keep: Any) -> None:
+        """Take ``other``'s flags on the entries ``keep`` (with their reasons)."""
+        for reason, (term, hit) in other.hits.items():
+            self.flag(hit & np.asarray(keep, bool), reason, term)
 
     def terms(self) -> dict[str, np.ndarray]:
         """``inf`` where flagged, per term (``overflow``, ``vacuous``)."""
@@ -559,7 +568,8 @@ def _head(
             across.append((b_score, np.where(live, np.maximum(rest_score, 0.0), 0.0)))
     delta = np.where(live, delta, 0.0)
     s = np.where(live, s, -np.inf)
-    terms, p = _softmax_pv(
+    pv = _split_pv if num.kv_splits is not None else _softmax_pv
+    terms, p, _ = pv(
         s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold, across
     )
     # The logits term apportioned to the sources of δ by their p-weighted share in each row.
@@ -705,7 +715,7 @@ def _softmax_pv(
     ranges: _Ranges,
     fold: np.ndarray | None = None,
     across: list[tuple[np.ndarray, np.ndarray]] | None = None,
-) -> tuple[dict[str, np.ndarray], np.ndarray]:
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """Steps 4-7 of A.1 for logits ``s`` (``-inf`` where not live) off by at most ``delta``.
 
     ``fold`` (``exp_form="exp2-folded"``) is the part of ``delta`` that the exponent's argument
@@ -716,8 +726,9 @@ def _softmax_pv(
     A.3''s for each split. The choice, entry by entry, depends on the inputs only, not on the
     roundings, so each entry's bound is still one event.
 
-    Returns the terms (against the exact attention of these logits) and its probabilities; rows
-    whose softmax sum may be off by 100%, or (naive) may overflow or flush its reciprocal, and
+    Returns the terms (against the exact attention of these logits), its probabilities and the
+    computed row sum's relative error ``T`` (step 5; ``inf`` in a vacuous row); rows whose
+    softmax sum may be off by 100%, or (naive) may overflow or flush its reciprocal, and
     sums that may overflow their format are recorded in ``ranges``. Everything is evaluated on
     the logits shifted by the row maximum, so the float64 evaluation does not lose accuracy
     with the logits' magnitude.
@@ -942,7 +953,148 @@ def _softmax_pv(
     else:
         nearest = off_o + e_other + np.where(low < eta_o, eta_o, 0.0)
     terms["output"] = np.fmin(terms["output"], nearest)
-    return terms, p
+    return terms, p, np.where(vacuous, np.inf, t_safe)
+
+
+def _split_pv(
+    s: np.ndarray,
+    delta: np.ndarray,
+    v: np.ndarray,
+    v_abs: np.ndarray,
+    live: np.ndarray,
+    num: Numerics,
+    lam: float | None,
+    bits_pv: tuple[int, int],
+    anchor: float,
+    u_div: float,
+    ranges: _Ranges,
+    fold: np.ndarray | None = None,
+    across: list[tuple[np.ndarray, np.ndarray]] | None = None,
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """Theorem A.6 (papers/attention.md): :func:`_softmax_pv` under split-KV.
+
+    Each split ``σ`` is steps 4-7 on its own keys with its output in ``accum`` (``B_σ``, against
+    its exact attention ``o_σ``); its computed log-sum-exp is within ``ε_σ`` of the exact one
+    (the logits' ``max δ``, the row sum's ``-log(1 - T)``, the ``log`` and the addition); the
+    merge weights ``π̂_σ = softmax(lse)_σ`` of the computed log-sum-exps lie in the box of
+    Lemma 4 around the exact weights ``π_σ``, and the merge's own roundings (``exp``, ``log``,
+    the sum ``W`` of ``r`` weights, the subtractions, ``Σ α_σ o_σ`` in ``accum``) move each
+    ``α̂_σ`` by at most ``A_σ``. Then, with ``Σ π̂ = Σ π = 1``,
+
+        |ô - o| <= Σ π̂⁺ B_σ + Σ (π̂⁺ - π̂⁻)|o_σ - o| + Σ A_σ|ô_σ| + γ_r Σ α̂_σ|ô_σ| + output.
+
+    The per-split terms keep their names (weighted by ``π̂⁺``); ``split_lse`` and
+    ``split_merge`` are the second and the next two. Returns the terms, the row's
+    probabilities and (unused) zeros for the row sum's error.
+    """
+    n = s.shape[-1]
+    size = num.kv_split_size(n)
+    cuts = [slice(a, min(a + size, n)) for a in range(0, n, size)]
+    part = num.replace(output_format=num.accum, kv_splits=None)
+    fm, fa, fo = num.format_of("softmax"), num.format_of("accum"), num.format_of("output")
+    u_m, eta_m = fm.u, fm.smallest_normal
+    eps_e = 2 * num.exp_ulps * u_m  # exp and log within exp_ulps ulps
+    with np.errstate(invalid="ignore"):
+        top = np.where(live, s, -np.inf).max(axis=-1, keepdims=True)
+        p = np.where(live, np.exp(s - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    p = p / np.where(p.sum(axis=-1, keepdims=True) > 0, p.sum(axis=-1, keepdims=True), 1.0)
+    o = p @ v
+    ev = EVALUATION * (p @ np.abs(v))
+    split_terms, outs, bounds, lse, eps, attended = [], [], [], [], [], []
+    for cut in cuts:
+        ls = live[:, cut]
+        some = ls.any(axis=-1, keepdims=True)
+        terms, p_s, t_s = _softmax_pv(
+            s[:, cut],
+            delta[:, cut],
+            v[cut],
+            v_abs[cut],
+            ls,
+            part,
+            lam,
+            bits_pv,
+            anchor,
+            u_div,
+            mine := _Ranges(*ranges.shape),
+            None if fold is None else fold[:, cut],
+            None if across is None else [(b[:, cut], d[:, cut]) for b, d in across],
+        )
+        ranges.merge(mine, some)  # a split a row does not attend is exact (lse -inf, o 0)
+        terms = {name: np.where(some, x, 0.0) for name, x in terms.items()}
+        split_terms.append(terms)
+        bounds.append(sum(terms.values()))
+        p_s = np.where(ls, p_s, 0.0)
+        outs.append((p_s @ v[cut], EVALUATION * (p_s @ np.abs(v[cut]))))
+        # the split's exact log-sum-exp (float64 logits) and the computed one's distance ε_σ
+        with np.errstate(invalid="ignore", divide="ignore"):
+            m_s = np.where(ls, s[:, cut], -np.inf).max(axis=-1, keepdims=True)
+            m0 = np.where(np.isfinite(m_s), m_s, 0.0)
+            lse_s = m0 + np.log(np.where(ls, np.exp(s[:, cut] - m0), 0.0).sum(-1, keepdims=True))
+            tau = -np.log1p(-np.minimum(t_s, 1.0))
+        d_s = np.where(ls, delta[:, cut], 0.0).max(axis=-1, keepdims=True)
+        keys = np.maximum(ls.sum(axis=-1, keepdims=True), 1)
+        lse_abs = np.where(some, np.abs(lse_s), 0.0)
+        log_l = lse_abs + d_s + tau if num.softmax_kind == "naive" else np.log(keys) + tau
+        err_log = eps_e * log_l + eta_m
+        mag = lse_abs + d_s + tau + err_log  # >= |m̂ + fl(log ℓ̂)|
+        # the float64 lse: n + 2 relative roundings of the sum of exps, then log and add
+        eval64 = (keys + 4) * 2.0**-52 + 2.0**-51 * (lse_abs + np.log(keys) + 1)
+        eps.append(np.where(some, d_s + tau + err_log + u_m * mag + eta_m + eval64, 0.0))
+        lse.append(np.where(some, lse_s, -np.inf))
+        attended.append(some)
+        ranges.check(np.where(some, mag * (1 + u_m) + eta_m, 0.0), fm, "split-KV: a split's lse")
+    big_l, big_e, on = (np.concatenate(x, axis=-1) for x in (lse, eps, attended))
+    r = on.sum(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        m_l = np.where(on, big_l, -np.inf).max(axis=-1, keepdims=True)
+        sc = np.where(on, big_l - np.where(np.isfinite(m_l), m_l, 0.0), -np.inf)
+    _, pi_hi, pi_lo, _ = _extremes(sc, big_e, on)
+    e_max = np.where(on, big_e, 0.0).max(axis=-1, keepdims=True)
+    # The merge: W = Σ fl(exp(fl(lse_σ - M))) is within τ_W of Σ e^{lse_σ - M} >= 1
+    gap = np.where(on, np.abs(sc) + big_e + e_max, 0.0)  # >= |lse_σ - M|
+    grow = np.where(on, _times_expm1(pi_hi, math.log1p(eps_e) + u_m * gap + eta_m), 0.0)
+    tau1 = grow.sum(axis=-1, keepdims=True) + r * eta_m
+    tau_w = (1 + gamma(max(len(cuts) - 1, 0), u_m)) * (1 + tau1) - 1
+    ranges.flag(tau_w >= 1, "split-KV: the merge's sum of weights may be off by 100%", "vacuous")
+    tau_w = np.minimum(tau_w, 0.5)
+    log_w = np.log(np.maximum(r, 1)) + np.log1p(tau_w)  # >= log Ŵ >= 0
+    m_abs = np.abs(np.where(np.isfinite(m_l), m_l, 0.0)) + e_max
+    big_k = (
+        -np.log1p(-tau_w)
+        + eps_e * log_w
+        + eta_m
+        + u_m * (m_abs + log_w * (1 + eps_e) + eta_m)
+        + eta_m
+    )  # >= |Λ̂ - log Σ e^{lse_σ}|
+    with np.errstate(invalid="ignore"):
+        lse_all = np.where(np.isfinite(m_l), m_l, 0.0) + np.log(
+            np.where(on, np.exp(sc), 0.0).sum(axis=-1, keepdims=True)
+        )
+        b = np.where(on, np.abs(big_l - lse_all) + big_e + e_max + big_k, 0.0)
+    moved = np.where(
+        on, _times_expm1(pi_hi, math.log1p(eps_e) + big_k + u_m * b + eta_m) + eta_m, 0.0
+    )  # >= |α̂_σ - π̂_σ|
+    # Assemble
+    names = split_terms[0].keys()
+    terms = {
+        name: sum(pi_hi[:, [i]] * t[name] for i, t in enumerate(split_terms)) for name in names
+    }
+    spread = np.zeros_like(o)
+    weights = np.zeros_like(o)
+    merge_w = np.zeros_like(o)
+    for i, ((o_s, ev_s), b_s) in enumerate(zip(outs, bounds, strict=True)):
+        o_hat = np.abs(o_s) + ev_s + b_s  # >= |ô_σ|
+        spread = spread + (pi_hi[:, [i]] - pi_lo[:, [i]]) * (np.abs(o_s - o) + ev_s + ev)
+        merge_w = merge_w + moved[:, [i]] * o_hat
+        weights = weights + (pi_hi[:, [i]] + moved[:, [i]]) * o_hat
+    terms["split_lse"] = spread
+    terms["split_merge"] = merge_w + gamma(len(cuts), fa.u) * weights + r * fa.smallest_normal
+    inside = fo.precision >= fa.precision and fo.emin <= fa.emin and fo.emax >= fa.emax
+    upper = np.abs(o) + ev + sum(terms.values())
+    ranges.check(upper, fa, "split-KV: the merged output accumulated", entries=True)
+    if not inside:
+        terms["output"] = terms["output"] + fo.u * upper + fo.smallest_normal
+    return terms, p, np.zeros_like(r, dtype=np.float64)
 
 
 def _logits_across_keys(
@@ -1139,6 +1291,7 @@ def attention_bound(
     c = V.scale_value(scale, q.shape[-1], placement=num.scale)
     # every chain's event, and two martingale events per output entry (A.3', A.3'')
     chains = math.prod(batch) * rows * (keys * (q.shape[-1] + 1 + v.shape[-1]) + 2 * v.shape[-1])
+    chains *= _split_count(num, keys)
     lam = _lam_or_probability(lam, probability, chains, num)
     qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
     fmt_in = num.format_of("input")
@@ -1169,7 +1322,13 @@ def attention_bound(
         terms["fully_masked"] = np.broadcast_to(np.where(dead, np.inf, 0.0), out_shape)
         reasons = (*reasons, _DEAD)
     total = sum(terms.values())
-    return _result(total, terms, "A.1", num, lam, chains, parts, reasons)
+    theorem = "A.1" if num.kv_splits is None else "A.6"
+    return _result(total, terms, theorem, num, lam, chains, parts, reasons)
+
+
+def _split_count(num: Numerics, keys: int) -> int:
+    """The splits of split-KV over ``keys`` keys (1 unsplit): each repeats the chains' events."""
+    return -(-keys // num.kv_split_size(keys))
 
 
 def _quiet() -> Any:
@@ -1439,7 +1598,10 @@ def mha_bound(
         outer, keys = tuple(scores[:-3]), keys + 1
     d_v = params.v_width // heads
     chains = math.prod(outer) * (
-        heads * rows * (keys * (params.qk_width // heads + 1 + d_v) + 2 * d_v)
+        heads
+        * rows
+        * (keys * (params.qk_width // heads + 1 + d_v) + 2 * d_v)
+        * _split_count(num, keys)
         + rows * params.qk_width * params.d_q
         + keys * (params.qk_width + params.v_width) * params.d_kv
         + rows * params.d_out * params.v_width

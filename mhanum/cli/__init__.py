@@ -102,11 +102,13 @@ def _search_numerics(args: argparse.Namespace, prefix: str = "") -> Any:
     from mhanum import Numerics
 
     preset = getattr(args, f"{prefix}preset" if prefix else "preset")
-    fields = ("input", "accum", "summation", "softmax")
+    fields = ("input", "accum", "summation", "softmax", "kv_splits")
     changes = {f: getattr(args, f"{prefix}{f}", None) for f in fields}
     changes = {f: value for f, value in changes.items() if value is not None}
     if prefix and preset is None and not changes:
         return None
+    if prefix and preset is None:  # the first schedule's preset, with the second's changes
+        preset = args.preset
     num = Numerics.preset(preset or "fp32")
     return num.replace(**changes) if changes else num
 
@@ -225,6 +227,9 @@ def _parser() -> argparse.ArgumentParser:
         ("softmax", "softmax algorithm"),
     ):
         search.add_argument(f"--{field}", default=None, help=f"{text} (overrides the preset)")
+    search.add_argument(
+        "--kv-splits", type=int, default=None, help="split-KV: the number of key splits (none)"
+    )
     for size, default in (("q-len", 8), ("kv-len", 16), ("d-k", 16), ("d-v", None),
                           ("batch", 1), ("heads", 1)):  # fmt: skip
         search.add_argument(f"--{size}", type=int, default=default, help=f"{size} ({default})")
@@ -240,12 +245,16 @@ def _parser() -> argparse.ArgumentParser:
         "--against",
         dest="against_preset",
         default=None,
-        help="a second schedule's preset: search where the two outputs differ most",
+        help="a second schedule's preset: search where the two outputs differ most (default: "
+        "the first's preset, changed by the --against-* options)",
     )
     for field in ("summation", "softmax"):
         search.add_argument(
             f"--against-{field}", default=None, help=f"the second schedule's {field}"
         )
+    search.add_argument(
+        "--against-kv-splits", type=int, default=None, help="the second schedule's kv splits"
+    )
     search.add_argument(
         "--mask",
         choices=("none", "padding", "causal", "random", "band"),

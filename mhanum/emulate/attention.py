@@ -221,11 +221,12 @@ def _probabilities(st: _Stages, s: jax.Array) -> jax.Array:
     return sm.div(e, st.sum(e))
 
 
-def _online(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
+def _online_state(st: _Stages, s: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
     """FlashAttention-style streaming over key blocks: running max, rescaled sum and accumulator.
 
     For each block: ``m' = max(m, max(s_blk))``; ``c = exp(m - m')``; ``e = exp(s_blk - m')``;
-    ``d = d·c + Σ e``; ``acc = acc·c + round(e, prob) @ v_blk``; at the end ``o = acc / d``.
+    ``d = d·c + Σ e``; ``acc = acc·c + round(e, prob) @ v_blk``; the final ``(m, d, acc)``
+    (:func:`_online` divides: ``o = acc / d``).
     While every logit seen is ``-inf`` the shift is 0 (as FlashAttention guards it), so an early
     fully-masked block does not poison the row.
     """
@@ -259,13 +260,74 @@ def _online(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
         acc = st.carry_pv(acc, c, to_format(e, st.prob), vb)
         return (m_new, d, acc), None
 
-    _, d, acc = lax.scan(step, init, (s_blocks, v_blocks))[0]
-    return sm.div(sm.take(acc), d)
+    return lax.scan(step, init, (s_blocks, v_blocks))[0]
+
+
+def _online(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
+    _, d, acc = _online_state(st, s, v)
+    return st.soft.div(st.soft.take(acc), d)
+
+
+def _partial(st: _Stages, s: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One split of split-KV: its log-sum-exp ``fl(m + fl(log ℓ))`` in the softmax format
+    (``-inf`` for a split with no attended key) and its output in ``accum`` (0 there)."""
+    sm = st.soft
+    kind = st.num.softmax_kind
+    if kind == "online":
+        m, d, acc = _online_state(st, s, v)
+        o = sm.div(sm.take(acc), d)
+        shift = m
+    else:
+        x = sm.take(s)
+        if kind == "safe":
+            top = jnp.max(x, axis=-1, keepdims=True)
+            shift = jnp.where(jnp.isneginf(top), jnp.zeros_like(top), top)
+            e = sm.exp(sm.sub(x, shift))
+        else:
+            shift = jnp.zeros((*x.shape[:-1], 1), sm.dtype)
+            e = sm.exp(x)
+        d = st.sum(e)
+        o = st.dot(to_format(sm.div(e, d), st.prob), v)
+    empty = d == 0
+    lse = jnp.where(empty, -jnp.inf, sm.add(shift, sm.log(d)))
+    o = st.acc.take(o)
+    return lse, jnp.where(empty, jnp.zeros_like(o), o)
+
+
+def _split_kv(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
+    """Split-KV attention (``numerics.kv_splits``): each split attended alone, then the partial
+    outputs merged by their log-sum-exps as FlashAttention-2's combine kernel does."""
+    sm, ar = st.soft, st.acc
+    n_keys = s.shape[-1]
+    size = st.num.kv_split_size(n_keys)
+    count = -(-n_keys // size)
+    pad = count * size - n_keys
+    s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    v = jnp.pad(v, [(0, 0)] * (v.ndim - 2) + [(0, pad), (0, 0)])
+    lse, outs = zip(
+        *(
+            _partial(st, s[..., i * size : (i + 1) * size], v[..., i * size : (i + 1) * size, :])
+            for i in range(count)
+        ),
+        strict=True,
+    )
+    lse_all = jnp.concatenate(lse, axis=-1)  # (..., Lq, splits)
+    top = jnp.max(lse_all, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isneginf(top), jnp.zeros_like(top), top)
+    total = st.sum(sm.exp(sm.sub(lse_all, top)))
+    big = jnp.where(total == 0, jnp.inf, sm.add(sm.log(total), top))
+    alpha = sm.exp(sm.sub(lse_all, big))
+    out = ar.mul(ar.take(alpha[..., :1]), outs[0])
+    for i in range(1, count):
+        out = ar.add(out, ar.mul(ar.take(alpha[..., i : i + 1]), outs[i]))
+    return out
 
 
 def _attend(st: _Stages, q: Any, k: Any, v: Any, mask: Any, bias: Any, scale: float) -> jax.Array:
     st.fold(scale)
     s = _logits(st, q, k, mask, bias, scale)
+    if st.num.kv_splits is not None:
+        return to_format(_split_kv(st, s, v), st.output)
     if st.num.softmax_kind == "online":
         return to_format(_online(st, s, v), st.output)
     return to_format(_softmax_then_pv(st, s, v), st.output)

@@ -296,6 +296,29 @@ def test_running_online_sums_at_the_range_edges(data):
     _check_drawn(data, num, shapes=(*SHAPES, (2, 40, 8, 2)), structure=structure)
 
 
+SPLITS = st.integers(1, 5)
+
+
+@RANGE_SETTINGS
+@given(data=st.data())
+def test_split_kv_at_the_range_edges(data):
+    # Theorem A.6: every split's log-sum-exp and the merge, presets and custom numerics
+    num = data.draw(
+        mst.numerics(presets=True, free=False, custom=True, bounded=True, kv_splits=SPLITS)
+    )
+    _check_drawn(data, num, shapes=(*SHAPES, (2, 40, 8, 2)))
+
+
+@pytest.mark.slow
+@RANGE_SETTINGS
+@given(data=st.data())
+def test_split_kv_at_the_range_edges_on_long_rows(data):
+    num = data.draw(
+        mst.numerics(presets=True, free=False, custom=True, bounded=True, kv_splits=SPLITS)
+    )
+    _check_drawn(data, num, shapes=LONG_SHAPES)
+
+
 @pytest.mark.slow
 @RANGE_SETTINGS
 @given(data=st.data())
