@@ -128,3 +128,16 @@ def scale_value(scale: Any, d_k: int, *, placement: str = "scores") -> float:
         )
         raise InvalidArgument(msg)
     return float(scale)
+
+
+def softcap_value(cap: Any) -> float | None:
+    """A logit soft-cap ``c`` (``c·tanh(s/c)``, Gemma 2's 50.0): ``None`` or a finite number > 0."""
+    if cap is None:
+        return None
+    ok = isinstance(cap, (int, float, np.floating)) and not isinstance(cap, bool)
+    if not ok or not np.isfinite(cap) or cap <= 0:
+        msg = (
+            f"softcap: expected a finite number > 0 (the cap c of c·tanh(s/c)) or None, got {cap!r}"
+        )
+        raise InvalidArgument(msg)
+    return float(cap)

@@ -69,6 +69,7 @@ def metadata(case: WorstCase) -> dict[str, Any]:
         "budget": case.budget,
         "evaluations": case.evaluations,
         **({} if case.against is None else {"against": numerics_dict(case.against)}),
+        **({} if case.softcap is None else {"softcap": case.softcap}),
         "cheap_ratio": _number(case.cheap_ratio),
         "slack": _number(case.slack),
         "seconds": case.seconds,
@@ -175,6 +176,7 @@ def load(path: str | Path) -> WorstCase:
         seconds=float(info.get("seconds", 0.0)),
         structure=tuple(info.get("structure", ())),
         against=against,
+        softcap=info.get("softcap"),
     )
 
 
@@ -228,7 +230,7 @@ def replay(path: str | Path) -> Replay:
         InvalidArgument: as :func:`load`, or if the case is now outside the bound's scope.
     """
     case = load(path)
-    objective = Objective(case.numerics, case.objective, against=case.against)
+    objective = Objective(case.numerics, case.objective, against=case.against, softcap=case.softcap)
     ev = objective(case.q, case.k, case.v, case.mask, certified=True)
     if ev is None:
         msg = "path: the saved case is outside the bound's scope (refused or overflowed)"

@@ -128,6 +128,11 @@ class Numerics:
             others: FlashAttention-2's rule), so fewer splits may run than asked. ``log`` is
             assumed within ``exp_ulps`` ulps. ``None`` (default): no split. A fully-masked row
             is 0 under split-KV (every ``lse_s = -inf``), as in the kernels.
+        tanh_ulps: assumed accuracy of ``tanh`` (logit soft-capping, ``softcap=``) in the carrier
+            of ``score_format`` (float32, or float64 for float64), in its ulps; the result is then
+            rounded into ``score_format``. XLA's CPU ``tanh`` measures at most 4.5 ulps in
+            float32 and 6.5 in float64; a GPU kernel's ``tanh.approx.f32`` (relative error up to
+            2^-11, FlashAttention-2's soft-cap) needs about 2^13.
 
     Raises:
         InvalidArgument: for an unknown format, order or algorithm, or an inconsistent combination.
@@ -158,6 +163,7 @@ class Numerics:
     exp_ulps: float = 2.0
     div_ulps: float = 1.0
     kv_splits: int | None = None
+    tanh_ulps: float = 8.0
 
     def __post_init__(self) -> None:
         canon = object.__setattr__
@@ -217,7 +223,7 @@ class Numerics:
             if self.exp_form == "exp2-folded":
                 raise _bad("exp_form", "'exp' with kv_splits (the folded exp2's split "
                            "log-sum-exp is not modelled)", self.exp_form)  # fmt: skip
-        for field in ("exp_ulps", "div_ulps"):
+        for field in ("exp_ulps", "div_ulps", "tanh_ulps"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise _bad(field, "a finite number >= 0", value)
@@ -371,6 +377,20 @@ class Numerics:
             msg = (
                 "bias: expected None with numerics.exp_form='exp2-folded' (the scale is folded "
                 "into the exponent and would scale the bias too)"
+            )
+            raise InvalidArgument(msg)
+
+    def check_softcap(self) -> None:
+        """Logit soft-capping ``c·tanh(s/c)`` acts on the scaled scores, which
+        ``exp_form="exp2-folded"`` never forms.
+
+        Raises:
+            InvalidArgument: for a soft-cap under ``exp_form="exp2-folded"``.
+        """
+        if self.exp_form == "exp2-folded":
+            msg = (
+                "softcap: expected None with numerics.exp_form='exp2-folded' (the scaled scores "
+                "are not formed; a kernel's folded soft-cap is not modelled)"
             )
             raise InvalidArgument(msg)
 

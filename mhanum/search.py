@@ -57,6 +57,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings, target
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
+from mhanum import _validate as V
 from mhanum import masks, reference, strategies
 from mhanum._errors import InvalidArgument
 from mhanum.attention import attention
@@ -191,6 +192,7 @@ class Objective:
             attention is used where its slack is below :data:`SLACK_LIMIT`).
         against: the second schedule of the difference objectives (required by them, refused
             by the others). The difference of two outputs is exact in float64: no reference.
+        softcap: the logit soft-cap of every call (``c·tanh(s/c)``), or ``None``.
     """
 
     def __init__(
@@ -201,6 +203,7 @@ class Objective:
         bound: BoundFunction | None = None,
         certified: bool = False,
         against: Numerics | str | None = None,
+        softcap: float | None = None,
     ) -> None:
         if objective not in OBJECTIVES:
             msg = f"objective: expected one of {OBJECTIVES}, got {objective!r}"
@@ -212,6 +215,9 @@ class Objective:
         self.numerics = numerics
         self.objective = objective
         self.against = None if against is None else resolve(against)
+        self.softcap = V.softcap_value(softcap)
+        # passed only when set, so that a bound function without the argument still serves
+        self.extra: dict[str, Any] = {} if self.softcap is None else {"softcap": self.softcap}
         self.bound = bound or (
             attention_bound if self.against is None else _difference_bound(self.against)
         )
@@ -239,7 +245,7 @@ class Objective:
         self.calls += 1
         try:
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                b = self.bound(q, k, v, mask, numerics=self.numerics)
+                b = self.bound(q, k, v, mask, numerics=self.numerics, **self.extra)
         except InvalidArgument:
             self.out_of_scope += 1
             return None
@@ -248,25 +254,26 @@ class Objective:
         if not finite.any():
             self.out_of_scope += 1
             return None
-        out = np.asarray(attention(q, k, v, mask, numerics=self.numerics), np.float64)
+        kw = self.extra
+        out = np.asarray(attention(q, k, v, mask, numerics=self.numerics, **kw), np.float64)
         if self.against is not None:  # |â - b̂| against Theorem A.5: no reference needed
-            other = np.asarray(attention(q, k, v, mask, numerics=self.against), np.float64)
+            other = np.asarray(attention(q, k, v, mask, numerics=self.against, **kw), np.float64)
             return self._evaluation(out, other, out, b, 0.0)
         exact = self.certified if certified is None else certified
         slack = 0.0
         if not exact:
             try:
                 with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                    b64 = np.asarray(attention_bound(q, k, v, mask, numerics=self.fp64).total)
+                    b64 = attention_bound(q, k, v, mask, numerics=self.fp64, **kw).total
             except InvalidArgument:  # outside Lemma W.1's hypotheses: measure exactly
                 b64 = np.full_like(total, np.inf)
             slack = _max_ratio(np.where(finite, b64, 0.0), total)
             exact = not slack <= SLACK_LIMIT
             if not exact:
-                ref = np.asarray(attention(q, k, v, mask, numerics=self.fp64), np.float64)
+                ref = np.asarray(attention(q, k, v, mask, numerics=self.fp64, **kw), np.float64)
                 exact = not bool(np.all(np.isfinite(ref[finite])))
         if exact:
-            ref = np.asarray(reference.attention(q, k, v, mask=mask), np.float64)
+            ref = np.asarray(reference.attention(q, k, v, mask=mask, **kw), np.float64)
             slack = 0.0
         return self._evaluation(out, ref, ref, b, slack)
 
@@ -301,8 +308,8 @@ class Objective:
 
 
 def _difference_bound(against: Numerics) -> BoundFunction:
-    def bound(q: Any, k: Any, v: Any, mask: Any, *, numerics: Numerics) -> Bound:
-        return schedule_difference(q, k, v, mask, numerics_a=numerics, numerics_b=against)
+    def bound(q: Any, k: Any, v: Any, mask: Any, *, numerics: Numerics, **kw: Any) -> Bound:
+        return schedule_difference(q, k, v, mask, numerics_a=numerics, numerics_b=against, **kw)
 
     return bound
 
@@ -340,6 +347,7 @@ class WorstCase:
         structure: the structures of the input (:data:`mhanum.strategies.STRUCTURES`), if known.
         against: the second schedule of a difference objective (then ``error`` is
             ``|â_i - b̂_i|``, ``bound`` Theorem A.5's and ``normwise`` over ``max |â|``).
+        softcap: the logit soft-cap of the search, or ``None``.
     """
 
     numerics: Numerics
@@ -365,6 +373,7 @@ class WorstCase:
     seconds: float = 0.0
     structure: tuple[str, ...] = ()
     against: Numerics | None = None
+    softcap: float | None = None
 
     @property
     def violation(self) -> bool:
@@ -389,20 +398,24 @@ class WorstCase:
 
     def summary(self) -> dict[str, Any]:
         """The scalars, JSON-ready."""
-        return {
-            "preset": self.preset,
-            "numerics": self.numerics.describe(),
-            "method": self.method,
-            "objective": self.objective,
-            "error": self.error,
-            "bound": self.bound,
-            "ratio": self.ratio,
-            "normwise": self.normwise,
-            "dominant_term": self.dominant_term,
-            "violation": self.violation,
-            "evaluations": self.evaluations,
-            "seconds": self.seconds,
-        } | ({} if self.against is None else {"against": self.against.describe()})
+        return (
+            {
+                "preset": self.preset,
+                "numerics": self.numerics.describe(),
+                "method": self.method,
+                "objective": self.objective,
+                "error": self.error,
+                "bound": self.bound,
+                "ratio": self.ratio,
+                "normwise": self.normwise,
+                "dominant_term": self.dominant_term,
+                "violation": self.violation,
+                "evaluations": self.evaluations,
+                "seconds": self.seconds,
+            }
+            | ({} if self.against is None else {"against": self.against.describe()})
+            | ({} if self.softcap is None else {"softcap": self.softcap})
+        )
 
 
 @dataclasses.dataclass
@@ -494,6 +507,7 @@ def worst_case(
     bound: BoundFunction | None = None,
     progress: Progress | None = None,
     against: Numerics | str | None = None,
+    softcap: float | None = None,
 ) -> WorstCase:
     """Search for the input on which ``numerics`` is worst, and confirm it.
 
@@ -520,6 +534,7 @@ def worst_case(
         progress: called as ``progress(done, budget, best_value)`` after each evaluation.
         against: a second schedule (:class:`~mhanum.Numerics` or preset name) for the
             difference objectives: the search hunts inputs on which the two disagree most.
+        softcap: a logit soft-cap ``c > 0`` applied in every evaluation (``c·tanh(s/c)``).
 
     Returns:
         A :class:`WorstCase` measured against the certified reference.
@@ -544,7 +559,8 @@ def worst_case(
         raise InvalidArgument(msg)
     kind = _check_mask(mask)
     start = time.perf_counter()
-    tracker = _Tracker(Objective(num, objective, bound=bound, against=against), budget, progress)
+    goal = Objective(num, objective, bound=bound, against=against, softcap=softcap)
+    tracker = _Tracker(goal, budget, progress)
     search_budget = max(1, budget - int(refine * budget))
     _targeted(tracker, num, sizes, search_budget, seed, structure, kind)
     _refine(tracker, num)
@@ -766,6 +782,7 @@ def _confirm(
         seconds=time.perf_counter() - start,
         structure=best.structure,
         against=tracker.objective.against,
+        softcap=tracker.objective.softcap,
     )
 
 
@@ -780,6 +797,7 @@ def random_search(
     bound: BoundFunction | None = None,
     progress: Progress | None = None,
     against: Numerics | str | None = None,
+    softcap: float | None = None,
 ) -> WorstCase:
     """The random baseline: ``budget`` independent inputs, the best one confirmed.
 
@@ -790,7 +808,7 @@ def random_search(
     kept with probability 1/2, key 0 kept in a row that would be empty).
 
     Args:
-        numerics, shape, objective, budget, seed, mask, bound, progress, against: as for
+        numerics, shape, objective, budget, seed, mask, bound, progress, against, softcap: as for
             :func:`worst_case` (``seed`` seeds a ``numpy.random.Generator``).
 
     Returns:
@@ -802,7 +820,8 @@ def random_search(
     _check_x64()
     kind = _check_mask(mask)
     start = time.perf_counter()
-    tracker = _Tracker(Objective(num, objective, bound=bound, against=against), budget, progress)
+    goal = Objective(num, objective, bound=bound, against=against, softcap=softcap)
+    tracker = _Tracker(goal, budget, progress)
     rng = np.random.default_rng(seed)
     fmt = get_format(num.input)
     while not tracker.exhausted:

@@ -327,18 +327,24 @@ def test_every_variant_is_within_its_bound(report):
     labels = {r["variant"] for r in section["rows"]}
     assert labels == {
         "causal", "sliding window of 3", "ALiBi, causal", "sinks (σ = 2), causal",
-        "GQA 4/2 heads, causal",
+        "GQA 4/2 heads, causal", "soft-capped (c = 50), causal", "split-KV (4 splits), causal",
     }  # fmt: skip
     assert len(section["rows"]) == len(labels) * len(TINY["presets"])
     for r in section["rows"]:
         assert r["error_max"] <= r["bound_max"]
         assert 0 <= r["ratio_max"] <= 1, r
+        assert r["theorem"] == ("A.6" if r["variant"].startswith("split-KV") else "A.1")
     assert "Today's attention variants" in (report.out / "report.md").read_text()
 
 
 @pytest.mark.parametrize(
     ("variants", "names"),
-    [({"heads": 4, "kv_heads": 3}, "variants.kv_heads"), ({"window": 0}, "variants.window")],
+    [
+        ({"heads": 4, "kv_heads": 3}, "variants.kv_heads"),
+        ({"window": 0}, "variants.window"),
+        ({"softcap": 0.0}, "variants.softcap"),
+        ({"kv_splits": 0}, "variants.kv_splits"),
+    ],
 )
 def test_bad_variant_settings_are_refused_by_name(variants, names, tmp_path):
     with pytest.raises(mhanum.InvalidArgument, match=names):

@@ -8,9 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from mhanum import InvalidArgument, Numerics, cli
+from mhanum import InvalidArgument, Numerics, cases, cli
 from mhanum import search as ms
 from mhanum import strategies as mst
+from mhanum.attention import attention
 from mhanum.bounds import attention_bound
 from mhanum.bounds._result import Bound
 from mhanum.bounds.summation import gamma
@@ -325,3 +326,17 @@ def test_cli_search_over_two_split_counts_keeps_the_first_schedules_preset(tmp_p
     assert result["numerics"] == "Numerics(input='bfloat16', accum='float32', kv_splits=3)"
     assert result["against"] == "Numerics(input='bfloat16', accum='float32', kv_splits=1)"
     assert 0 <= result["ratio"] <= 1
+
+
+def test_a_soft_capped_search_keeps_its_cap_through_save_and_replay(tmp_path):
+    shape = ms.Shape(q_len=2, kv_len=8, d_k=4)
+    case = ms.worst_case("bf16-fp32acc", shape, budget=8, seed=1, softcap=0.01)
+    assert case.softcap == 0.01
+    assert case.summary()["softcap"] == 0.01
+    assert 0 <= case.ratio <= 1
+    # the saved output is the capped one: replaying without the cap would not match it
+    uncapped = np.asarray(attention(case.q, case.k, case.v, numerics=case.numerics))
+    assert not np.array_equal(uncapped.astype(np.float64), case.output)
+    path = cases.save(case, tmp_path)
+    assert cases.load(path).softcap == 0.01
+    assert cases.replay(path).ok

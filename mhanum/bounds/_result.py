@@ -24,7 +24,7 @@ class Bound:
         parts: finer breakdowns of some terms: ``parts[term][source]`` add up to ``terms[term]``
             (the attention bounds split ``logits`` into the sources of the logit errors:
             ``operands`` (input and operand rounding of q and k), ``qk_dot``, ``scale``,
-            ``bias``, ``mask_absorption``, apportioned by their share of each row's errors).
+            ``bias``, ``mask_absorption``, ``softcap``, ``exp_fold``, apportioned by their share of each row's errors).
         reasons: why the bound is infinite where it is, one sentence per cause (the stage, the
             format and the value that may overflow, or the hypothesis that cannot be proved on
             the given values); empty when the bound is finite everywhere. ``str(bound)`` shows

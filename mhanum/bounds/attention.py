@@ -48,7 +48,7 @@ from mhanum.bounds.factors import (
     unit_factor,
 )
 from mhanum.bounds.softmax import division_error
-from mhanum.formats import Format, round_to
+from mhanum.formats import Format, get_format, round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
 
@@ -317,6 +317,92 @@ def _extremes_log(
     return np.exp(log_p), np.exp(log_pt_hi), np.exp(log_pt_lo), _logsumexp(sc - delta)
 
 
+LN2 = math.log(2.0)
+
+
+def _tanh_spread(x0: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``sup_{|y - x0| <= w} |tanh y - tanh x0| = sinh(w)/(cosh(x0)·cosh(||x0| - w|))``, rounded
+    up (evaluated in log space; at most ``min(w, 2)``, tanh being 1-Lipschitz with range 2)."""
+    a = np.abs(x0)
+    b = np.abs(a - w)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        log_sinh = np.where(w > 20.0, w - LN2, np.log(np.sinh(np.minimum(w, 20.0))))
+
+        def log_cosh(y: np.ndarray) -> np.ndarray:
+            return y + np.log1p(np.exp(-2 * y)) - LN2
+
+        d = np.exp(log_sinh - log_cosh(a) - log_cosh(b)) * (1 + 2.0**-30)
+    return np.fmin(d, np.minimum(w, 2.0))
+
+
+def _softcap_logits(
+    s: np.ndarray,
+    sources: dict[str, np.ndarray],
+    s_upper: np.ndarray,
+    eps64: np.ndarray,
+    cap: float,
+    num: Numerics,
+    ranges: _Ranges,
+    used: np.ndarray,
+) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """Step 3c (papers/attention.md): the scores capped at ``c·tanh(s/c)`` in the score format.
+
+    The kernel computes ``x̂ = fl(ŝ·r̂)``, ``t̂ = fl(T(x̂))`` and ``fl(ĉ·t̂)`` with ``ĉ = fl(c)``,
+    ``r̂ = fl(1/c)`` and ``T`` the carrier's ``tanh`` (within ``tanh_ulps``). With ``|ŝ - s| <= δ``,
+    ``|x̂ - s/c| <= w = δ/c + |ŝ||r̂ - 1/c| + u_s|ŝ|r̂ + η_s``, and ``tanh`` moves by at most
+    ``D = sinh(w)/(cosh(s/c)·cosh(||s/c| - w|))`` (far beyond the cap, far less than ``w``).
+    Returns the capped float64 logits, their error sources (the incoming ones carried through
+    ``tanh`` by their share of ``w``, and ``softcap``: the division's, ``tanh``'s and the
+    product's roundings), the bound on the capped scores' magnitude and the float64 error.
+    """
+    fs = num.format_of("score")
+    u_s, eta_s = fs.u, fs.smallest_normal
+    carrier = fs if fs.name in ("float32", "float64") else get_format("float32")
+    narrow = carrier.name != fs.name
+    u_t, eta_t = 2 * num.tanh_ulps * carrier.u, carrier.smallest_normal
+    c_hat, r_hat = float(round_to(cap, fs)), float(round_to(1.0 / cap, fs))
+    if not (math.isfinite(c_hat) and math.isfinite(r_hat) and c_hat > 0 and r_hat > 0):
+        ranges.flag(
+            True,
+            f"softcap: the cap {cap:g} or its reciprocal does not fit the score format "
+            f"{fs.name} (rounds to {c_hat:g} and {r_hat:g})",
+        )
+        c_hat, r_hat = cap, 1.0 / cap  # evaluated on these, then infinite
+    e_c = float(abs(fractions.Fraction(c_hat) - fractions.Fraction(cap))) * (1 + 2.0**-52)
+    e_r = float(abs(fractions.Fraction(r_hat) - 1 / fractions.Fraction(cap))) * (1 + 2.0**-52)
+    # a subnormal constant may be read as zero (XLA's flush of denormal inputs)
+    if c_hat < fs.smallest_normal:
+        e_c = max(e_c, cap)
+    if r_hat < fs.smallest_normal:
+        e_r = max(e_r, (1 / cap) * (1 + 2.0**-52))
+    delta = sum(sources.values())
+    s_hat = np.abs(s) + delta  # >= |ŝ|
+    ranges.check(
+        np.where(used, s_hat * r_hat * (1 + u_s) + eta_s, 0.0),
+        fs,
+        f"the scores times 1/softcap = {r_hat:.4g}",
+    )
+    x0 = s / cap
+    rest = s_hat * e_r + u_s * s_hat * r_hat + eta_s + 2.0**-52 * np.abs(x0)
+    w = delta / cap + rest
+    spread = _tanh_spread(x0, w)
+    tau = np.minimum(np.abs(np.tanh(x0)) * (1 + 2.0**-50) + spread, 1.0)  # >= |tanh(x̂)|
+    e_t = u_t * tau + eta_t
+    if narrow:
+        e_t = e_t + u_s * (tau + e_t) + eta_s
+    s_c = cap * np.tanh(x0)
+    ev = 2.0**-50 * (np.abs(s) + np.abs(s_c)) + 2.0**-1070
+    carried = cap * spread
+    with np.errstate(invalid="ignore"):
+        capped = {name: carried * (x / cap) / w for name, x in sources.items()}
+    capped["softcap"] = (
+        carried * rest / w + cap * e_t + (u_s * c_hat + e_c) * (tau + e_t) + eta_s + ev
+    )
+    s_upper = np.minimum(s_upper, c_hat * (tau + e_t) * (1 + u_s) + eta_s)
+    eps64 = np.minimum(eps64, cap * _tanh_spread(x0, eps64 / cap)) + ev
+    return s_c, capped, s_upper, eps64
+
+
 def _head(
     q: np.ndarray,
     k: np.ndarray,
@@ -331,6 +417,7 @@ def _head(
     lam: float | None = None,
     masked: np.ndarray | None = None,
     replaced: np.ndarray | None = None,
+    softcap: float | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray], _Ranges]:
     """The terms of Theorem A.1 for one head, the float64 output ``o = p v``, ``|o - o*|``, the
     logits term apportioned to the sources of the logit errors (``Bound.parts``) and the output
@@ -346,7 +433,8 @@ def _head(
     exact values the reference uses (A.2: float64 projections; the scale on q and k); their
     effect on the exact output is the term ``evaluation``. The float64 logits the bound is
     evaluated on are off the exact ones by at most ``ε64`` (step 0); that is added to the
-    logits' errors and, as a perturbation of the target, to ``evaluation``.
+    logits' errors and, as a perturbation of the target, to ``evaluation``. ``softcap`` (step
+    3c) caps the scaled scores at ``c·tanh(s/c)`` before the bias.
     """
     ranges = _Ranges(q.shape[-2], v.shape[-1])
     store = num.storage_format
@@ -452,6 +540,11 @@ def _head(
         ranges.check(s_upper, fmts["score"], f"the scores times the scale {c_hat:.4g}")
     delta = sum(sources.values())
     s = scale * t
+    if softcap is not None:
+        s, sources, s_upper, eps64 = _softcap_logits(
+            s, sources, s_upper, eps64, softcap, num, ranges, used
+        )
+        delta = sum(sources.values())
     if bias is not None:
         b0 = np.where(np.isfinite(bias), bias, 0.0)
         e_b = rounding_error(b0, fmts["score"])
@@ -540,7 +633,7 @@ def _head(
         sources["exp_fold"] = fold
         delta = delta + fold
     across: list[tuple[np.ndarray, np.ndarray]] | None = None
-    if lam is not None and num.dot_kind == "ieee" and masked is None and not folded:
+    if lam is not None and num.dot_kind == "ieee" and masked is None and not folded and not softcap:
         # Theorem A.3': the QKᵀ dots' roundings as one martingale across the keys. A dot's
         # error is Σ_k δ_k T_k over its <= 2d_k - 1 roundings (twice as many in the native order
         # of a format XLA may carry in float32), |T_k| <= (1 + g)Σ|q_i||k_i|; the later roundings
@@ -636,6 +729,7 @@ def _head_rows(
     lam: float | None = None,
     masked: np.ndarray | None = None,
     replaced: np.ndarray | None = None,
+    softcap: float | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray], _Ranges]:
     """:func:`_head`, evaluated on chunks of query rows.
 
@@ -647,7 +741,20 @@ def _head_rows(
     step = max(1, _CHUNK // max(1, k.shape[-2]))
     if rows <= step:
         return _head(
-            q, k, v, keep, bias, num, scale, default_scale, errors, given, lam, masked, replaced
+            q,
+            k,
+            v,
+            keep,
+            bias,
+            num,
+            scale,
+            default_scale,
+            errors,
+            given,
+            lam,
+            masked,
+            replaced,
+            softcap,
         )
 
     def cut(x: Any, sl: slice) -> Any:
@@ -673,6 +780,7 @@ def _head_rows(
                 lam,
                 cut(masked, sl),
                 cut(replaced, sl),
+                softcap,
             )
         )
     ranges = _Ranges(rows, v.shape[-1])
@@ -1188,6 +1296,7 @@ def attention_bound(
     lam: float | None = None,
     probability: float | None = None,
     sink: Any = None,
+    softcap: float | None = None,
 ) -> Bound:
     """Theorem A.1: a componentwise bound on ``|attention(q, k, v, mask, numerics) − exact|``.
 
@@ -1250,6 +1359,12 @@ def attention_bound(
             against the batch dimensions): ``e^σ`` joins every row's normaliser, as one more
             key with value 0 that no mask excludes (:func:`mhanum.masks.with_sink`); the
             bound is the theorem's for that key, whose score is exactly 0 and bias ``σ``.
+        softcap: optional logit soft-cap ``c > 0`` (``c·tanh(s/c)`` before the bias, as in
+            :func:`mhanum.attention`): step 3c carries each logit's error through ``tanh``
+            (by at most ``sinh(w)/(cosh(s/c)·cosh(||s/c| - w|))`` for an argument off by ``w``:
+            errors in scores far beyond the cap are squashed) and charges the division by the
+            cap, ``tanh`` (``numerics.tanh_ulps``) and the product by the cap (the logits
+            source ``softcap`` of ``Bound.parts``).
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape, ``inf`` exactly
@@ -1278,6 +1393,9 @@ def attention_bound(
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     _check_scope(num)
     num.check_bias(bias)
+    cap = V.softcap_value(softcap)
+    if cap is not None:
+        num.check_softcap()
     if sink is not None:
         num.check_sink()
         b64 = None if bias is None else np.asarray(bias, np.float64)
@@ -1311,6 +1429,7 @@ def attention_bound(
                 lam=lam,
                 masked=None if masked is None else masked[i],
                 replaced=None if replaced is None else replaced[i],
+                softcap=cap,
             )
             for i in np.ndindex(*batch)
         ]
@@ -1514,6 +1633,7 @@ def mha_bound(
     probability: float | None = None,
     num_kv_heads: int | None = None,
     sink: Any = None,
+    softcap: float | None = None,
 ) -> Bound:
     """Theorem A.2: a componentwise bound on ``|multi_head_attention(...) − exact|``.
 
@@ -1552,6 +1672,7 @@ def mha_bound(
         num_kv_heads: grouped-query attention, as in :func:`mhanum.multi_head_attention`.
         sink: attention sinks, one per head, as in :func:`mhanum.multi_head_attention`; the
             sink's key and value are exact zeros after the projections.
+        softcap: the logit soft-cap of every head, as in :func:`attention_bound` (step 3c).
         mask: optional boolean mask broadcastable to ``(..., H, Lq, Lk)``, True = attend, or a
             :class:`mhanum.masks.Band`.
         bias: optional additive bias broadcastable to ``(..., H, Lq, Lk)``.
@@ -1590,6 +1711,9 @@ def mha_bound(
         xs[name] = np.asarray(arr, np.float64)
     _check_scope(num)
     num.check_bias(bias)
+    cap = V.softcap_value(softcap)
+    if cap is not None:
+        num.check_softcap()
     outer = V.broadcast({"x_q": xs["x_q"].shape[:-2], "x_kv": xs["x_kv"].shape[:-2]})
     rows, keys = xs["x_q"].shape[-2], xs["x_kv"].shape[-2]
     if sink is not None:
@@ -1666,6 +1790,7 @@ def mha_bound(
                 lam,
                 None if masked is None else masked[i],
                 None if replaced is None else replaced[i],
+                cap,
             )
     shape = (*outer, heads, rows, params.v_width // heads)
 

@@ -33,6 +33,7 @@ def schedule_difference(
     scale: float | None = None,
     sink: Any = None,
     probability: float | None = None,
+    softcap: float | None = None,
 ) -> Bound:
     """Theorem A.5: a componentwise bound on ``|attention(..., numerics_a) - attention(...,
     numerics_b)|``.
@@ -43,7 +44,7 @@ def schedule_difference(
     deterministic schedules compute equal values; the bound does not assume it.
 
     Args:
-        q, k, v, mask, bias, scale, sink: as for :func:`attention_bound` (the same inputs for
+        q, k, v, mask, bias, scale, sink, softcap: as for :func:`attention_bound` (the same inputs for
             both schedules).
         numerics_a, numerics_b: the two schedules, :class:`Numerics` or preset names.
         probability: with A.3 on each side, each at ``1 - (1 - probability)/2``, so that both
@@ -76,7 +77,16 @@ def schedule_difference(
         each = 1 - (1 - float(probability)) / 2
     bounds = {
         name: attention_bound(
-            q, k, v, mask, bias=bias, numerics=num, scale=scale, sink=sink, probability=each
+            q,
+            k,
+            v,
+            mask,
+            bias=bias,
+            numerics=num,
+            scale=scale,
+            sink=sink,
+            probability=each,
+            softcap=softcap,
         )
         for name, num in sides.items()
     }

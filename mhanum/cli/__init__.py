@@ -126,7 +126,7 @@ def _search(args: argparse.Namespace) -> int:
     run = search.random_search if args.random else search.worst_case
     against = _search_numerics(args, "against_")
     case = run(num, shape, objective=args.objective, budget=args.budget, seed=args.seed,
-               mask=args.mask, progress=bar, against=against)  # fmt: skip
+               mask=args.mask, progress=bar, against=against, softcap=args.softcap)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     path = cases.save(case, out, force=args.force, unique=case.violation)
     result = case.summary() | {"case": str(path)}
@@ -135,7 +135,9 @@ def _search(args: argparse.Namespace) -> int:
     else:
         verdict = "VIOLATION: error exceeds bound" if case.violation else "within bound"
         print(
-            f"{case.method} search, {case.numerics.describe()}, {case.evaluations} evaluations "
+            f"{case.method} search, {case.numerics.describe()}"
+            f"{'' if case.softcap is None else f', softcap {case.softcap:g}'}, "
+            f"{case.evaluations} evaluations "
             f"in {case.seconds:.1f} s\n"
             f"worst {case.objective}: ratio {case.ratio:.4g} (error {case.error:.3g}, bound "
             f"{case.bound:.3g}, dominant term {case.dominant_term}), normwise "
@@ -229,6 +231,9 @@ def _parser() -> argparse.ArgumentParser:
         search.add_argument(f"--{field}", default=None, help=f"{text} (overrides the preset)")
     search.add_argument(
         "--kv-splits", type=int, default=None, help="split-KV: the number of key splits (none)"
+    )
+    search.add_argument(
+        "--softcap", type=float, default=None, help="logit soft-cap c of c·tanh(s/c) (none)"
     )
     for size, default in (("q-len", 8), ("kv-len", 16), ("d-k", 16), ("d-v", None),
                           ("batch", 1), ("heads", 1)):  # fmt: skip

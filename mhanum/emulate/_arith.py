@@ -103,6 +103,10 @@ class Arith:
         """XLA's ``exp`` in the format's carrier (float32 for narrow formats), then rounded."""
         return self.round(jnp.exp(x))
 
+    def tanh(self, x: jax.Array) -> jax.Array:
+        """XLA's ``tanh`` in the format's carrier, then rounded."""
+        return self.round(jnp.tanh(x))
+
     def log(self, x: jax.Array) -> jax.Array:
         """XLA's ``log`` in the format's carrier, then rounded."""
         return self.round(jnp.log(x))

@@ -149,7 +149,21 @@ def _scaled(st: _Stages, x: jax.Array, factor: float) -> jax.Array:
     return ar.mul(ar.take(x), _constant(ar, factor))
 
 
-def _logits(st: _Stages, q: jax.Array, k: jax.Array, mask: Any, bias: Any, scale: float) -> Any:
+def _softcap(st: _Stages, s: jax.Array, cap: float) -> jax.Array:
+    """``fl(ĉ·fl(tanh(fl(s·r̂))))`` in the score format, ``ĉ = fl(c)``, ``r̂ = fl(1/c)``."""
+    sc = st.score
+    return sc.mul(_constant(sc, cap), sc.tanh(sc.mul(s, _constant(sc, 1.0 / cap))))
+
+
+def _logits(
+    st: _Stages,
+    q: jax.Array,
+    k: jax.Array,
+    mask: Any,
+    bias: Any,
+    scale: float,
+    softcap: float | None = None,
+) -> Any:
     num = st.num
     if num.scale == "q":
         q = _scaled(st, q, scale)
@@ -159,6 +173,8 @@ def _logits(st: _Stages, q: jax.Array, k: jax.Array, mask: Any, bias: Any, scale
     s = sc.take(st.dot(q, jnp.swapaxes(k, -1, -2)))
     if num.scale == "scores" and not st.folded:
         s = sc.mul(s, _constant(sc, scale))
+    if softcap is not None:
+        s = _softcap(st, s, softcap)
     if bias is not None:
         s = sc.add(s, sc.take(bias))
     if mask is not None:
@@ -323,9 +339,18 @@ def _split_kv(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
     return out
 
 
-def _attend(st: _Stages, q: Any, k: Any, v: Any, mask: Any, bias: Any, scale: float) -> jax.Array:
+def _attend(
+    st: _Stages,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    bias: Any,
+    scale: float,
+    softcap: float | None = None,
+) -> jax.Array:
     st.fold(scale)
-    s = _logits(st, q, k, mask, bias, scale)
+    s = _logits(st, q, k, mask, bias, scale, softcap)
     if st.num.kv_splits is not None:
         return to_format(_split_kv(st, s, v), st.output)
     if st.num.softmax_kind == "online":
@@ -333,13 +358,21 @@ def _attend(st: _Stages, q: Any, k: Any, v: Any, mask: Any, bias: Any, scale: fl
     return to_format(_softmax_then_pv(st, s, v), st.output)
 
 
-@functools.partial(jax.jit, static_argnames=("numerics", "scale"))
+@functools.partial(jax.jit, static_argnames=("numerics", "scale", "softcap"))
 def _attention_jit(
-    q: Any, k: Any, v: Any, mask: Any, bias: Any, *, numerics: Numerics, scale: float
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    bias: Any,
+    *,
+    numerics: Numerics,
+    scale: float,
+    softcap: float | None = None,
 ) -> jax.Array:
     st = _Stages(numerics, runtime_zero(q))
     q, k, v = (to_format(x, st.input) for x in (q, k, v))
-    return _attend(st, q, k, v, mask, bias, scale).astype(st.output.jax_dtype)
+    return _attend(st, q, k, v, mask, bias, scale, softcap).astype(st.output.jax_dtype)
 
 
 def attention(
@@ -352,6 +385,7 @@ def attention(
     scale: float | None = None,
     numerics: Numerics | str | None = None,
     sink: Any = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention with explicit numerics.
 
@@ -375,6 +409,10 @@ def attention(
         sink: optional attention-sink logits, one per batch element or head (broadcast
             against the batch dimensions): ``e^σ`` joins every row's normaliser, as one more
             key with value 0 that no mask excludes (:func:`mhanum.masks.with_sink`).
+        softcap: optional logit soft-cap ``c > 0`` (Gemma 2: 50): the scaled scores become
+            ``c·tanh(s/c)`` before the bias and the mask, computed in the score format as
+            ``fl(ĉ·fl(tanh(fl(s·r̂))))`` with ``ĉ = fl(c)`` and ``r̂ = fl(1/c)`` (``tanh`` XLA's,
+            within ``numerics.tanh_ulps``).
 
     Returns:
         ``(..., Lq, d_v)`` in the dtype that stores ``numerics.output_format``.
@@ -409,6 +447,9 @@ def attention(
     if mask is not None:
         mask = V.bool_mask(mask, target)
     num.check_bias(bias)
+    cap = V.softcap_value(softcap)
+    if cap is not None:
+        num.check_softcap()
     if sink is not None:
         num.check_sink()
         xp = jnp if any(isinstance(x, jax.Array) for x in (q, k, v, sink)) else np
@@ -419,7 +460,7 @@ def attention(
     factor = V.scale_value(scale, q.shape[-1], placement=num.scale)
     fmt = num.format_of("input")
     q, k, v = (_host_round(x, fmt) for x in (q, k, v))
-    return _attention_jit(q, k, v, mask, bias, numerics=num, scale=factor)
+    return _attention_jit(q, k, v, mask, bias, numerics=num, scale=factor, softcap=cap)
 
 
 @functools.partial(jax.jit, static_argnames=("numerics",))
@@ -471,7 +512,7 @@ def _split_heads(x: jax.Array, heads: int) -> jax.Array:
     return jnp.swapaxes(x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads), -2, -3)
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "numerics", "scale", "sink"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "numerics", "scale", "sink", "softcap"))
 def _mha_jit(
     x_q: Any,
     x_kv: Any,
@@ -483,6 +524,7 @@ def _mha_jit(
     numerics: Numerics,
     scale: float,
     sink: bool = False,
+    softcap: float | None = None,
 ) -> jax.Array:
     st = _Stages(numerics, runtime_zero(x_q))
     x_q, x_kv = to_format(x_q, st.input), to_format(x_kv, st.input)
@@ -492,7 +534,7 @@ def _mha_jit(
     v = _split_heads(_project(st, x_kv, p.wv, p.bv, st.storage), num_heads)
     if sink:  # the sink's key and value: zeros, the last of every row (masks.with_sink)
         k, v = masks.zero_key(k, xp=jnp), masks.zero_key(v, xp=jnp)
-    o = _attend(st, q, k, v, mask, bias, scale)
+    o = _attend(st, q, k, v, mask, bias, scale, softcap)
     o = jnp.swapaxes(o, -2, -3)
     o = o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])
     return _project(st, o, p.wo, p.bo, st.output).astype(st.output.jax_dtype)
@@ -510,6 +552,7 @@ def multi_head_attention(
     numerics: Numerics | str | None = None,
     num_kv_heads: int | None = None,
     sink: Any = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Multi-head attention ``concat_h(attention(x_q Wq_h + bq_h, ...)) Wo + bo`` with explicit numerics.
 
@@ -529,6 +572,7 @@ def multi_head_attention(
         sink: optional attention-sink logits, one per head (``(H,)``, or broadcast against
             ``(..., H)``): ``e^σ`` joins every row's normaliser in that head, as one more key
             with value 0 that no mask excludes (:func:`mhanum.masks.with_sink`).
+        softcap: optional logit soft-cap ``c > 0``, in every head, as in :func:`attention`.
         mask: optional boolean array broadcastable to ``(..., H, Lq, Lk)``, **True means attend**
             (a per-batch mask has shape ``(B, 1, Lq, Lk)``), or a :class:`mhanum.masks.Band`.
         bias: optional additive float array broadcastable to ``(..., H, Lq, Lk)``.
@@ -563,6 +607,9 @@ def multi_head_attention(
     if mask is not None:
         mask = V.bool_mask(mask, target)
     num.check_bias(bias)
+    cap = V.softcap_value(softcap)
+    if cap is not None:
+        num.check_softcap()
     if sink is not None:
         num.check_sink()
         mask, bias, target = masks.head_sinks(mask, bias, sink, target)
@@ -582,4 +629,5 @@ def multi_head_attention(
         numerics=num,
         scale=factor,
         sink=sink is not None,
+        softcap=cap,
     )

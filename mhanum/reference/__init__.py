@@ -132,6 +132,7 @@ class _ScoreSpec:
         scale: the exact scale as ``(man, exp)``, or ``None`` for ``1/sqrt(d_k)``.
         d_k: the length of the score dot products.
         fully_masked: the fully-masked-row policy.
+        softcap: the logit soft-cap ``c`` (``c·tanh(s/c)`` before the bias), or ``None``.
     """
 
     excluded: np.ndarray
@@ -139,6 +140,7 @@ class _ScoreSpec:
     scale: tuple[int, int] | None
     d_k: int
     fully_masked: str
+    softcap: float | None = None
 
 
 def attention(
@@ -155,6 +157,7 @@ def attention(
     backend: str = "auto",
     return_mpf: bool = False,
     sink: Any = None,
+    softcap: float | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Exact attention ``softmax(scale * q @ k.T + bias) @ v`` of the given floats, certified.
 
@@ -187,6 +190,10 @@ def attention(
         sink: optional attention-sink logits, one per batch element or head (broadcast
             against the batch dimensions): ``e^σ`` joins every row's normaliser, as one more
             key with value 0 that no mask excludes (:func:`mhanum.masks.with_sink`).
+        softcap: optional logit soft-cap ``c > 0``: the scaled scores become ``c·tanh(s/c)``
+            before the bias. ``tanh`` is irrational, so the logits are computed at the working
+            precision (their differences from the row's largest, plus the exact bias
+            differences); ``"auto"`` then runs ``"exact"`` on every row, and ``"dd"`` refuses.
 
     Returns:
         float64 array ``(..., Lq, d_v)``, the certified values rounded to nearest; with
@@ -225,7 +232,10 @@ def attention(
         k64, v64, mask, bias = masks.with_sink(q64, k64, v64, mask, b64, sink)
     batch = V.broadcast({"q": q64.shape[:-2], "k": k64.shape[:-2], "v": v64.shape[:-2]})
     shape = (*batch, q64.shape[-2], k64.shape[-2])
-    spec = _score_spec(mask, bias, _check_scale(scale), shape, q64.shape[-1], options.fully_masked)
+    spec = _score_spec(
+        mask, bias, _check_scale(scale), shape, q64.shape[-1], options.fully_masked, softcap
+    )
+    _check_softcap_backend(spec, options)
     if options.backend == "arb":
         return _arb_backend().attention(q64, k64, v64, spec, options)
     if options.backend == "mpmath":
@@ -246,7 +256,7 @@ def attention(
             _floating_outputs(core), options, _attention_zeros(q_b[rows], k_b, v_b, sub)
         )
 
-    if options.backend == "exact" or not _fast_path_applies(options):
+    if options.backend == "exact" or spec.softcap is not None or not _fast_path_applies(options):
         dyadic = _exact.Dyadic.from_float64
         core = _exact_attention(dyadic(q64), dyadic(k64), dyadic(v64), spec)
         return _certified(_floating_outputs(core), options, _attention_zeros(q64, k64, v64, spec))
@@ -278,6 +288,7 @@ def multi_head_attention(
     return_mpf: bool = False,
     num_kv_heads: int | None = None,
     sink: Any = None,
+    softcap: float | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Exact multi-head attention ``concat_h(attention_h) @ wo + bo`` of the given floats, certified.
 
@@ -295,6 +306,7 @@ def multi_head_attention(
         num_heads: number of heads ``H``, dividing ``wq.shape[1]`` and ``wv.shape[1]``.
         num_kv_heads: grouped-query attention, as in :func:`mhanum.multi_head_attention`.
         sink: attention sinks, one per head, as in :func:`mhanum.multi_head_attention`.
+        softcap: the logit soft-cap of every head, as in :func:`attention`.
         mask: boolean array broadcastable to ``(..., H, Lq, Lk)`` (so an ``(Lq, Lk)`` mask applies
             to every head); True means attend; or a :class:`mhanum.masks.Band`.
         bias: float array broadcastable to ``(..., H, Lq, Lk)``, finite or ``-inf``.
@@ -343,7 +355,8 @@ def multi_head_attention(
         xkv64, params = _sink_row(xkv64, _params_float64(params))
         batch = shape[:-3]
     d_k = params.qk_width // num_heads
-    spec = _score_spec(mask, bias, None, shape, d_k, options.fully_masked)
+    spec = _score_spec(mask, bias, None, shape, d_k, options.fully_masked, softcap)
+    _check_softcap_backend(spec, options)
     params64 = _params_float64(params)
     if options.backend == "arb":
         return _arb_backend().multi_head_attention(xq64, xkv64, params64, num_heads, spec, options)
@@ -369,7 +382,7 @@ def multi_head_attention(
         zeros = _mha_zeros(xq_b[rows], xkv_b, params64, num_heads, sub)
         return _certify(_floating_outputs(core), options, zeros)
 
-    if options.backend == "exact" or not _fast_path_applies(options):
+    if options.backend == "exact" or spec.softcap is not None or not _fast_path_applies(options):
         compute = _floating_outputs(_exact_mha(xq64, xkv64, params64, num_heads, spec))
         return _certified(compute, options, _mha_zeros(xq64, xkv64, params64, num_heads, spec))
     weights = {f.name: getattr(params64, f.name) for f in dataclasses.fields(params64)}
@@ -488,8 +501,9 @@ def _score_spec(
     shape: tuple[int, ...],
     d_k: int,
     fully_masked: str,
+    softcap: Any = None,
 ) -> _ScoreSpec:
-    """Check ``mask`` and ``bias`` against the scores ``shape`` and combine them."""
+    """Check ``mask``, ``bias`` and ``softcap`` against the scores ``shape`` and combine them."""
     mask = masks.resolve(mask, shape[-2], shape[-1])
     excluded = np.zeros(shape, dtype=bool)
     if mask is not None:
@@ -508,7 +522,7 @@ def _score_spec(
         bias_arr = _broadcast_to(bias_arr, "bias", shape)
         excluded = excluded | np.isneginf(bias_arr)
         bias64 = np.where(np.isneginf(bias_arr), 0.0, bias_arr)
-    return _ScoreSpec(excluded, bias64, scale, d_k, fully_masked)
+    return _ScoreSpec(excluded, bias64, scale, d_k, fully_masked, V.softcap_value(softcap))
 
 
 def _sink_row(x_kv: np.ndarray, params: MHAParams) -> tuple[np.ndarray, MHAParams]:
@@ -579,6 +593,13 @@ def max_digits(backend: str) -> int:
         msg = f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
         raise InvalidArgument(msg)
     return _fastref.MAX_DIGITS if backend == "dd" else _MAX_DIGITS
+
+
+def _check_softcap_backend(spec: _ScoreSpec, options: _Options) -> None:
+    """The double-double enclosure has no ``tanh``: ``"dd"`` refuses a soft-cap."""
+    if spec.softcap is not None and options.backend == "dd":
+        msg = "backend 'dd' does not take softcap (it has no tanh); use backend='auto' or 'exact'"
+        raise CertificationError(msg)
 
 
 def _fast_path_applies(options: _Options) -> bool:
@@ -1006,9 +1027,50 @@ def _exact_probabilities(q: _exact.Dyadic, k: _exact.Dyadic, spec: _ScoreSpec) -
         logits = _scaled(delta_scores, _scale_dyadic(spec, ctx.prec + _SCALE_GUARD_BITS))
         if delta_bias is not None:
             logits = _exact.add(logits, delta_bias)
-        return _exact_softmax(ctx, logits, spec)
+        return _exact_softmax(ctx, _dyadic_logits(ctx, logits), spec)
 
-    return probabilities
+    def capped(ctx: mpmath.MPContext) -> tuple[_exact.Floating, np.ndarray]:
+        scaled = _scaled(scores, _scale_dyadic(spec, ctx.prec + _SCALE_GUARD_BITS))
+        assert spec.softcap is not None
+        cap = ctx.mpf(spec.softcap)
+
+        def row_logits(row: tuple[int, ...], keep: np.ndarray) -> list[Any]:
+            t = {
+                int(j): cap * ctx.tanh(ctx.ldexp(int(scaled.ints[(*row, j)]), scaled.exp) / cap)
+                for j in np.flatnonzero(keep)
+            }
+            m = int(top[(*row, 0)])
+            return [
+                _plus_exact(ctx, t[j] - t[m], None if delta_bias is None else delta_bias, (*row, j))
+                if kept
+                else ctx.zero
+                for j, kept in enumerate(keep)
+            ]
+
+        return _exact_softmax(ctx, row_logits, spec)
+
+    return probabilities if spec.softcap is None else capped
+
+
+def _dyadic_logits(ctx: mpmath.MPContext, logits: _exact.Dyadic) -> _RowLogits:
+    """Each row's logits as exact mpf numbers (``ctx.ldexp``: no rounding)."""
+
+    def row_logits(row: tuple[int, ...], keep: np.ndarray) -> list[Any]:
+        return [
+            ctx.ldexp(int(m), logits.exp) if kept else ctx.zero
+            for m, kept in zip(logits.ints[row], keep, strict=True)
+        ]
+
+    return row_logits
+
+
+def _plus_exact(
+    ctx: mpmath.MPContext, x: Any, delta: _exact.Dyadic | None, index: tuple[int, ...]
+) -> Any:
+    """``x`` plus the exact dyadic ``delta[index]``, added exactly (no rounding)."""
+    if delta is None:
+        return x
+    return ctx.fadd(x, ctx.ldexp(int(delta.ints[index]), delta.exp), exact=True)
 
 
 def _scaled(x: _exact.Dyadic, scale: tuple[int, int]) -> _exact.Dyadic:
@@ -1030,24 +1092,30 @@ def _minus_at(x: _exact.Dyadic, index: np.ndarray) -> _exact.Dyadic:
     return _exact.Dyadic(x.exp, ints=x.ints - np.take_along_axis(x.ints, index, axis=-1))
 
 
+# A row's logits at a working precision: (row index, attended keys) -> mpf per key (0 if not).
+_RowLogits = Callable[[tuple[int, ...], np.ndarray], list[Any]]
+
+
 def _exact_softmax(
-    ctx: mpmath.MPContext, logits: _exact.Dyadic, spec: _ScoreSpec
+    ctx: mpmath.MPContext, row_logits: _RowLogits, spec: _ScoreSpec
 ) -> tuple[_exact.Floating, np.ndarray]:
     """Probabilities at the working precision (exactly 0 for excluded keys), and undefined rows.
 
-    ``ctx.ldexp`` makes each logit an mpf exactly (``ctx.mpf`` would round it to the working
-    precision, and a rounded ``-1e60 - 1`` loses the ``- 1`` at 100 and at 200 bits alike).
+    Exact logits are mpf numbers made with ``ctx.ldexp`` (``ctx.mpf`` would round them to the
+    working precision, and a rounded ``-1e60 - 1`` loses the ``- 1`` at 100 and at 200 bits
+    alike); soft-capped ones are rounded only in their irrational part.
     """
-    shape = logits.ints.shape
+    shape = spec.excluded.shape
     man = np.empty(shape, dtype=object)
     exp = np.empty(shape, dtype=object)
     undefined = np.zeros(shape[:-1], dtype=bool)
     for row in np.ndindex(shape[:-1]):
         keep = ~spec.excluded[row]
         if keep.any():
+            logits = row_logits(row, keep)
             weights = [
-                ctx.exp(ctx.ldexp(int(m), logits.exp)) if kept else ctx.zero
-                for m, kept in zip(logits.ints[row], keep, strict=True)
+                ctx.exp(logit) if kept else ctx.zero
+                for logit, kept in zip(logits, keep, strict=True)
             ]
             total = ctx.fsum(weights)
             probs = _object_row([weight / total for weight in weights])
@@ -1206,11 +1274,25 @@ def _naive_probabilities(
             continue
         dots = {j: _naive_dot(q, k, row, j) for j in keys}
         biases = {j: _naive_bias(spec, row, j) for j in keys}
-        m = max(keys, key=lambda j: _naive_logit(ctx, scale, dots[j], biases[j]))
-        logits = {
-            j: _naive_logit(ctx, scale, _minus(dots[j], dots[m]), _minus(biases[j], biases[m]))
-            for j in keys
-        }
+        if spec.softcap is not None:
+            # c·tanh(s_j/c) - c·tanh(s_m/c) at the working precision, plus b_j - b_m exactly
+            cap = ctx.mpf(spec.softcap)
+            capped = {
+                j: cap * ctx.tanh(_naive_logit(ctx, scale, dots[j], (0, 0)) / cap) for j in keys
+            }
+            m = max(keys, key=lambda j: capped[j] + ctx.ldexp(*biases[j]))
+            logits = {
+                j: ctx.fadd(
+                    capped[j] - capped[m], ctx.ldexp(*_minus(biases[j], biases[m])), exact=True
+                )
+                for j in keys
+            }
+        else:
+            m = max(keys, key=lambda j: _naive_logit(ctx, scale, dots[j], biases[j]))
+            logits = {
+                j: _naive_logit(ctx, scale, _minus(dots[j], dots[m]), _minus(biases[j], biases[m]))
+                for j in keys
+            }
         exps = {j: ctx.exp(logit) for j, logit in logits.items()}
         total = ctx.fsum(exps.values())
         probs[row] = _object_row([exps[j] / total if j in exps else ctx.zero for j in range(l_k)])

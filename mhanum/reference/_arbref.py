@@ -47,11 +47,14 @@ def _softmax_rows(
     bias: np.ndarray | None,
     excluded: np.ndarray,
     fully_masked: str,
+    softcap: float | None = None,
 ) -> tuple[Any, np.ndarray]:
     """Probabilities ``arb_mat`` from score balls, and the undefined rows.
 
     Logits are differenced before scaling, ``scale (s_j - s_m) + (b_j - b_m)``, so that equal
     scores give a logit difference of exactly 0 (and exact probabilities), as in the exact backend.
+    A soft-cap ``c`` makes them ``c·tanh(scale s_j/c) - c·tanh(scale s_m/c) + (b_j - b_m)``, the
+    difference exactly 0 where ``s_j = s_m``.
     """
     l_q, l_k = excluded.shape
     rows, undefined = [], np.zeros(l_q, dtype=bool)
@@ -64,14 +67,32 @@ def _softmax_rows(
             rows.append([fill] * l_k)
             continue
         biases = {j: zero if bias is None else flint.arb(float(bias[i, j])) for j in keep}
-        top = max(keep, key=lambda j: (scores[i, j] * scale + biases[j]).mid())
-        weights = {
-            j: ((scores[i, j] - scores[i, top]) * scale + (biases[j] - biases[top])).exp()
-            for j in keep
-        }
+        if softcap is None:
+            top = max(keep, key=lambda j: (scores[i, j] * scale + biases[j]).mid())
+            weights = {
+                j: ((scores[i, j] - scores[i, top]) * scale + (biases[j] - biases[top])).exp()
+                for j in keep
+            }
+        else:
+            cap = flint.arb(softcap)
+            capped = {j: cap * (scores[i, j] * scale / cap).tanh() for j in keep}
+            top = max(keep, key=lambda j: (capped[j] + biases[j]).mid())
+
+            gaps = {
+                j: _capped_gap(scores[i, j], scores[i, top], capped[j], capped[top], zero)
+                for j in keep
+            }
+            weights = {j: (gaps[j] + (biases[j] - biases[top])).exp() for j in keep}
         total = sum(weights.values(), zero)
         rows.append([weights[j] / total if j in weights else zero for j in range(l_k)])
     return flint.arb_mat(rows), undefined
+
+
+def _capped_gap(s_j: Any, s_m: Any, c_j: Any, c_m: Any, zero: Any) -> Any:
+    """``c_j - c_m`` for the capped scores of ``s_j`` and ``s_m``: exactly 0 where they are equal."""
+    if s_j.is_exact() and s_m.is_exact() and s_j == s_m:
+        return zero
+    return c_j - c_m
 
 
 def _scale(flint: Any, scale: tuple[int, int] | None, d_k: int) -> Any:
@@ -148,7 +169,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, spec: Any, options: A
             scores = _matrix(flint, q[b]) * _matrix(flint, k[b].T)
             bias = None if spec.bias is None else spec.bias[b]
             probs, undefined[b] = _softmax_rows(
-                flint, scores, scale, bias, spec.excluded[b], spec.fully_masked
+                flint, scores, scale, bias, spec.excluded[b], spec.fully_masked, spec.softcap
             )
             out = probs * _matrix(flint, v[b])
             for i, c in np.ndindex(shape[-2:]):
@@ -193,7 +214,13 @@ def multi_head_attention(
                 )
                 bias = None if spec.bias is None else spec.bias[(*b, h)]
                 probs, empty = _softmax_rows(
-                    flint, scores, scale, bias, spec.excluded[(*b, h)], spec.fully_masked
+                    flint,
+                    scores,
+                    scale,
+                    bias,
+                    spec.excluded[(*b, h)],
+                    spec.fully_masked,
+                    spec.softcap,
                 )
                 undefined[b] |= empty
                 heads.append(probs * columns(flint, v, h * d_v, d_v))
@@ -327,7 +354,7 @@ class _RowAlgebra:
             )
             bias = None if spec.bias is None else spec.bias[h]
             probs, undefined = _softmax_rows(
-                flint, matrix, scale, bias, spec.excluded[h], spec.fully_masked
+                flint, matrix, scale, bias, spec.excluded[h], spec.fully_masked, spec.softcap
             )
             if undefined.any():
                 return None

@@ -302,24 +302,39 @@ def head_partitioning(config: Config, step: Callable[[str], None]) -> dict[str, 
     return {"d_model": hc.d_model, "length": hc.length, "rows": rows, "refusals": refusals}
 
 
-def _variant_cases(config: Config) -> list[tuple[str, dict[str, Any], bool]]:
-    """``(label, keyword arguments, grouped)`` of each variant, on the same inputs."""
+def _variant_cases(config: Config) -> list[tuple[str, dict[str, Any], bool, dict[str, Any]]]:
+    """``(label, keyword arguments, grouped, numerics changes)`` of each variant, on the same
+    inputs."""
     c = config.variants
     causal = masks.causal()
     return [
-        ("causal", {"mask": causal}, False),
-        (f"sliding window of {c.window}", {"mask": masks.sliding_window(c.window)}, False),
+        ("causal", {"mask": causal}, False, {}),
+        (f"sliding window of {c.window}", {"mask": masks.sliding_window(c.window)}, False, {}),
         (
             "ALiBi, causal",
             {"mask": causal, "bias": masks.alibi(c.heads, c.length, c.length)},
             False,
+            {},
         ),
         (
             f"sinks (σ = {c.sink:g}), causal",
             {"mask": causal, "sink": np.full(c.heads, c.sink)},
             False,
+            {},
         ),
-        (f"GQA {c.heads}/{c.kv_heads} heads, causal", {"mask": causal}, True),
+        (f"GQA {c.heads}/{c.kv_heads} heads, causal", {"mask": causal}, True, {}),
+        (
+            f"soft-capped (c = {c.softcap:g}), causal",
+            {"mask": causal, "softcap": c.softcap},
+            False,
+            {},
+        ),
+        (
+            f"split-KV ({c.kv_splits} splits), causal",
+            {"mask": causal},
+            False,
+            {"kv_splits": c.kv_splits},
+        ),
     ]
 
 
@@ -333,7 +348,7 @@ def variants(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
     group = c.heads // c.kv_heads
     k_g, v_g = (np.repeat(x[: c.kv_heads], group, axis=0) for x in (k, v))
     rows: list[dict[str, Any]] = []
-    for label, kwargs, grouped in _variant_cases(config):
+    for label, kwargs, grouped, changes in _variant_cases(config):
         kk, vv = (k_g, v_g) if grouped else (k, v)
         exact = np.asarray(reference.attention(q, kk, vv, **kwargs), np.float64)
         step(f"reference {label}")
@@ -341,6 +356,8 @@ def variants(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
         rest = {n: x for n, x in kwargs.items() if n != "mask"}
         for preset in config.presets:
             num = Numerics.preset(preset)
+            if changes and num.exp_form == "exp":
+                num = num.replace(**changes)
             out = np.asarray(attention(q, kk, vv, mask, numerics=num, **rest), np.float64)
             bound = bounds.attention_bound(q, kk, vv, mask, numerics=num, **rest)
             total = np.asarray(bound.total, np.float64)
@@ -356,6 +373,7 @@ def variants(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
                     "bound_max": float(total.max()),
                     "ratio_max": float(ratio.max()),
                     "dominant_term": bound.dominant(),
+                    "theorem": bound.theorem,
                     "reasons": list(bound.reasons),
                 }
             )

@@ -56,6 +56,8 @@ class VariantsConfig:
     kv_heads: int
     window: int
     sink: float
+    softcap: float
+    kv_splits: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +251,13 @@ def _parse(m: Mapping[str, Any]) -> Config:
         kv_heads,
         _int(vt["window"], "variants.window", 1),
         _real(vt["sink"], "variants.sink", "a finite number", math.isfinite),
+        _real(
+            vt["softcap"],
+            "variants.softcap",
+            "a finite number > 0",
+            lambda c: math.isfinite(c) and c > 0,
+        ),
+        _int(vt["kv_splits"], "variants.kv_splits", 1),
     )
     return Config(
         seed=_int(m["seed"], "seed", 0),

@@ -91,11 +91,12 @@ def _reference(
     mask: np.ndarray | None,
     bias: np.ndarray | None,
     scale: float | None,
+    softcap: float | None = None,
 ) -> np.ndarray:
     """The exact attention the bound compares with (a fully-masked row under a finite constant:
     the leaky problem's own value, uniform for ``fill``, the unmasked attention for ``add``;
     under ``-inf``: NaN, where the bound is infinite)."""
-    kw = {"bias": bias, "scale": scale}
+    kw = {"bias": bias, "scale": scale, "softcap": softcap}
     if mask is None:
         return reference.attention(q, k, v, **kw)
     empty = ~np.asarray(mask).any(axis=-1, keepdims=True)
@@ -117,6 +118,7 @@ def _theorem(
     scale: float | None = None,
     *,
     skip: bool = True,
+    softcap: float | None = None,
 ) -> None:
     """Theorem A.1 on one input: finite bound => finite output within it; inf => reasons.
 
@@ -125,17 +127,20 @@ def _theorem(
     """
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
-            bound = attention_bound(q, k, v, mask, bias=bias, numerics=num, scale=scale)
-        ref = _reference(q, k, v, num, mask, bias, scale)
+            bound = attention_bound(
+                q, k, v, mask, bias=bias, numerics=num, scale=scale, softcap=softcap
+            )
+        ref = _reference(q, k, v, num, mask, bias, scale, softcap)
     except (InvalidArgument, CertificationError):
         if not skip:
             raise
         assume(False)
         raise  # unreachable: assume(False) raises
-    out = np.asarray(mn.attention(q, k, v, mask, bias=bias, numerics=num, scale=scale), np.float64)
+    out = mn.attention(q, k, v, mask, bias=bias, numerics=num, scale=scale, softcap=softcap)
+    out = np.asarray(out, np.float64)
     total = np.asarray(bound.total, np.float64)
     finite = np.isfinite(total)
-    where = f"{num.describe()}, scale {scale!r}"
+    where = f"{num.describe()}, scale {scale!r}, softcap {softcap!r}"
     assert np.isfinite(out[finite]).all(), (
         f"{where}: output {out[finite & ~np.isfinite(out)]} under the finite bound "
         f"{total[finite & ~np.isfinite(out)]}"
@@ -164,6 +169,7 @@ def _check_drawn(
     num: Numerics,
     shapes: tuple[tuple[int, int, int, int], ...] = SHAPES,
     structure: object = "range",
+    softcap: float | None = None,
 ) -> None:
     q_len, kv_len, d_k, d_v = data.draw(st.sampled_from(shapes), label="shape")
     x = data.draw(
@@ -172,7 +178,7 @@ def _check_drawn(
         )
     )
     mask = _mask(data, num, q_len, kv_len)
-    _theorem(x.q, x.k, x.v, num, mask, x.bias, x.scale)
+    _theorem(x.q, x.k, x.v, num, mask, x.bias, x.scale, softcap=softcap)
 
 
 def _masked_logits_may_leave_the_softmax_range(num: Numerics, mask: np.ndarray | None) -> bool:
@@ -307,6 +313,32 @@ def test_split_kv_at_the_range_edges(data):
         mst.numerics(presets=True, free=False, custom=True, bounded=True, kv_splits=SPLITS)
     )
     _check_drawn(data, num, shapes=(*SHAPES, (2, 40, 8, 2)))
+
+
+# Gemma 2's caps, and caps across the exponent range (their reciprocals subnormal or past the
+# largest finite value of narrow score formats)
+CAPS = st.one_of(
+    st.sampled_from([50.0, 30.0, 1.0]),
+    st.builds(lambda e, m: m * 2.0**e, st.integers(-140, 140), st.floats(1.0, 2.0)),
+)
+
+
+@RANGE_SETTINGS
+@given(data=st.data())
+def test_soft_capped_logits_at_the_range_edges(data):
+    # step 3c: c·tanh(s/c) in the score format, then the bias and the mask
+    num = data.draw(mst.numerics(presets=True, free=False, custom=True, bounded=True))
+    assume(num.exp_form == "exp")
+    _check_drawn(data, num, softcap=data.draw(CAPS, label="softcap"))
+
+
+@pytest.mark.slow
+@RANGE_SETTINGS
+@given(data=st.data())
+def test_soft_capped_logits_at_the_range_edges_on_long_rows(data):
+    num = data.draw(mst.numerics(presets=True, free=False, custom=True, bounded=True))
+    assume(num.exp_form == "exp")
+    _check_drawn(data, num, shapes=LONG_SHAPES, softcap=data.draw(CAPS, label="softcap"))
 
 
 @pytest.mark.slow
