@@ -1196,7 +1196,10 @@ def _split_pv(
         merge_w = merge_w + moved[:, [i]] * o_hat
         weights = weights + (pi_hi[:, [i]] + moved[:, [i]]) * o_hat
     terms["split_lse"] = spread
-    terms["split_merge"] = merge_w + gamma(len(cuts), fa.u) * weights + r * fa.smallest_normal
+    # r products and r - 1 additions in F_a, and α̂ read into F_a (a rounding where F_m is wider)
+    terms["split_merge"] = (
+        merge_w + gamma(len(cuts) + 1, fa.u) * weights + 2 * r * fa.smallest_normal
+    )
     inside = fo.precision >= fa.precision and fo.emin <= fa.emin and fo.emax >= fa.emax
     upper = np.abs(o) + ev + sum(terms.values())
     ranges.check(upper, fa, "split-KV: the merged output accumulated", entries=True)

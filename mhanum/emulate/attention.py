@@ -320,23 +320,21 @@ def _split_kv(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
     pad = count * size - n_keys
     s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
     v = jnp.pad(v, [(0, 0)] * (v.ndim - 2) + [(0, pad), (0, 0)])
-    lse, outs = zip(
-        *(
-            _partial(st, s[..., i * size : (i + 1) * size], v[..., i * size : (i + 1) * size, :])
-            for i in range(count)
-        ),
-        strict=True,
-    )
-    lse_all = jnp.concatenate(lse, axis=-1)  # (..., Lq, splits)
+    s_splits = jnp.moveaxis(s.reshape(*s.shape[:-1], count, size), -2, 0)
+    v_splits = jnp.moveaxis(v.reshape(*v.shape[:-2], count, size, v.shape[-1]), -3, 0)
+    lse, outs = jax.vmap(lambda sb, vb: _partial(st, sb, vb))(s_splits, v_splits)
+    lse_all = jnp.moveaxis(lse[..., 0], 0, -1)  # (..., Lq, splits)
     top = jnp.max(lse_all, axis=-1, keepdims=True)
     top = jnp.where(jnp.isneginf(top), jnp.zeros_like(top), top)
     total = st.sum(sm.exp(sm.sub(lse_all, top)))
     big = jnp.where(total == 0, jnp.inf, sm.add(sm.log(total), top))
-    alpha = sm.exp(sm.sub(lse_all, big))
-    out = ar.mul(ar.take(alpha[..., :1]), outs[0])
-    for i in range(1, count):
-        out = ar.add(out, ar.mul(ar.take(alpha[..., i : i + 1]), outs[i]))
-    return out
+    alpha = jnp.moveaxis(sm.exp(sm.sub(lse_all, big)), -1, 0)[..., None]  # (splits, ..., Lq, 1)
+
+    def add(out: jax.Array, part: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+        a, o = part  # one split after the other; fl(0 + x) = x starts the sum exactly
+        return ar.add(out, ar.mul(ar.take(a), o)), None
+
+    return lax.scan(add, jnp.zeros_like(outs[0]), (alpha, outs))[0]
 
 
 def _attend(
