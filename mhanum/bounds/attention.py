@@ -370,6 +370,9 @@ def _softcap_logits(
         c_hat, r_hat = cap, 1.0 / cap  # evaluated on these, then infinite
     e_c = float(abs(fractions.Fraction(c_hat) - fractions.Fraction(cap))) * (1 + 2.0**-52)
     e_r = float(abs(fractions.Fraction(r_hat) - 1 / fractions.Fraction(cap))) * (1 + 2.0**-52)
+    # any reciprocal within two roundings of 1/c (fl(1/fl(c)), a compiler's folded constant) or
+    # a division by ĉ (|fl(ŝ/ĉ) - ŝ/c| is within the same w) is covered, not only this r̂
+    e_r = max(e_r, (2 * u_s + 2 * u_s * u_s) / cap * (1 + 2.0**-50))
     # a subnormal constant may be read as zero (XLA's flush of denormal inputs)
     if c_hat < fs.smallest_normal:
         e_c = max(e_c, cap)

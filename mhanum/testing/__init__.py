@@ -225,6 +225,7 @@ def attention_oracle(
     dtype: str | None = None,
     layout: str = "bhld",
     enable_gqa: bool = False,
+    softcap: float | None = None,
 ) -> Oracle:
     """The certified reference of ``attention(q, k, v)`` and the kernel's tolerance around it.
 
@@ -245,6 +246,10 @@ def attention_oracle(
         enable_gqa: grouped-query attention (torch's ``enable_gqa``): k and v carry ``H_kv``
             heads, a divisor of q's ``H``; query head ``h`` reads key head ``h // (H / H_kv)``
             (k and v repeated head by head, as ``repeat_interleave`` does).
+        softcap: the logit soft-cap ``c`` of a kernel that computes ``c·tanh(s/c)`` in its
+            score format before the bias (step 3c of the bounds; the cap's reciprocal may be
+            folded or the scores divided by it). The kernel's ``tanh`` must be within the
+            candidates' ``Numerics.tanh_ulps``.
 
     Returns:
         An :class:`Oracle`.
@@ -285,12 +290,13 @@ def attention_oracle(
     exact = np.asarray(
         reference.attention(
             q64, k64, v64, mask=ref_mask, bias=b64, scale=scale,
-            fully_masked="nan" if policy == "unmasked" else policy,
+            fully_masked="nan" if policy == "unmasked" else policy, softcap=softcap,
         ),
         np.float64,
     )  # fmt: skip
     bounds = [
-        attention_bound(q64, k64, v64, m, bias=b64, numerics=n, scale=scale) for n in candidates
+        attention_bound(q64, k64, v64, m, bias=b64, numerics=n, scale=scale, softcap=softcap)
+        for n in candidates
     ]
     oracle = _fold(exact, bounds, dead, kern, fmt)
     if layout == "bhld":
@@ -346,6 +352,7 @@ def mha_oracle(
     kernel: Kernel | str = "jax-xla",
     dtype: str | None = None,
     num_kv_heads: int | None = None,
+    softcap: float | None = None,
 ) -> Oracle:
     """:func:`attention_oracle` for a multi-head attention layer (Theorem A.2).
 
@@ -356,6 +363,7 @@ def mha_oracle(
         mask: boolean, True = attend, broadcastable to ``(..., heads, Lq, Lk)``.
         kernel, dtype: as in :func:`attention_oracle`.
         num_kv_heads: grouped-query attention, as in :func:`mhanum.multi_head_attention`.
+        softcap: the logit soft-cap of every head, as in :func:`attention_oracle`.
 
     An output row whose every head attends no key under ``-inf`` masking is the convention's
     exact answer (the output bias when heads return 0, NaN): tolerance 0 there. A row where only
@@ -375,14 +383,12 @@ def mha_oracle(
     exact = np.asarray(
         reference.multi_head_attention(
             xq, xkv, params, num_heads, mask=m, num_kv_heads=num_kv_heads,
-            fully_masked="nan" if policy == "unmasked" else policy,
+            fully_masked="nan" if policy == "unmasked" else policy, softcap=softcap,
         ),
         np.float64,
     )  # fmt: skip
-    bounds = [
-        mha_bound(xq, xkv, params, num_heads, mask=m, numerics=n, num_kv_heads=num_kv_heads)
-        for n in kern.candidates(fmt)
-    ]
+    kw: dict[str, Any] = {"mask": m, "num_kv_heads": num_kv_heads, "softcap": softcap}
+    bounds = [mha_bound(xq, xkv, params, num_heads, numerics=n, **kw) for n in kern.candidates(fmt)]
     if dead is not None:
         dead = np.broadcast_to(dead, exact.shape[:-1])
     return _fold(exact, bounds, dead, kern, fmt)
