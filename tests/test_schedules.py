@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 import mhanum as mn
 from mhanum import InvalidArgument, search
-from mhanum.bounds import attention_bound, schedule_difference
+from mhanum import strategies as mst
+from mhanum.bounds import attention_bound, schedule_difference, shares_logits
 from mhanum.cases import replay, save
 
 PAIRS = [
@@ -74,3 +77,97 @@ def test_the_difference_search_beats_random_inputs_and_respects_a5(tmp_path):
 def test_a_difference_objective_needs_its_second_schedule(kwargs, names):
     with pytest.raises(InvalidArgument, match=names):
         search.Objective(mn.Numerics(), **kwargs)
+
+
+SHARED = [
+    (
+        mn.Numerics(summation="sequential", softmax="online(16)"),
+        mn.Numerics(summation="sequential", softmax="online(64)"),
+    ),
+    (
+        mn.Numerics.preset("bf16-fp32acc").replace(summation="pairwise", softmax="safe"),
+        mn.Numerics.preset("bf16-fp32acc").replace(summation="pairwise", softmax="online(8)"),
+    ),
+    (
+        mn.Numerics(input="float16", accum="float32", summation="blocked(8)", softmax="naive"),
+        mn.Numerics(input="float16", accum="float32", summation="blocked(8)", prob_format="bf16"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), SHARED)
+def test_schedules_that_share_their_logits_differ_within_a5_prime(a, b):
+    rng = np.random.default_rng(1)
+    fmt = a.format_of("input")
+    q, k, v = (
+        np.asarray(mn.round_to(rng.standard_normal((2, 64, 32)) * 2, fmt), np.float64)
+        for _ in range(3)
+    )
+    mask = mn.masks.causal()
+    sharp = schedule_difference(q, k, v, mask, numerics_a=a, numerics_b=b)
+    out_a = np.asarray(mn.attention(q, k, v, mask, numerics=a), np.float64)
+    out_b = np.asarray(mn.attention(q, k, v, mask, numerics=b), np.float64)
+    assert sharp.theorem == "A.5'"
+    assert np.all(np.abs(out_a - out_b) <= sharp.total)
+    # the logits' error cancels: at least a third of A.5 goes in float32 accumulation
+    plain = [attention_bound(q, k, v, mask, numerics=n).total for n in (a, b)]
+    assert np.median(sharp.total / (plain[0] + plain[1])) < 2 / 3
+
+
+def test_schedules_that_do_not_share_their_logits_keep_a5():
+    pairs = [
+        (mn.Numerics(softmax="online(16)"), mn.Numerics(softmax="online(64)")),  # native order
+        (mn.Numerics(summation="sequential"), mn.Numerics(summation="pairwise")),
+        (
+            mn.Numerics(summation="sequential"),
+            mn.Numerics(summation="sequential", kv_splits=2),
+        ),
+        (mn.Numerics(summation="sequential"), mn.Numerics(summation="sequential", scale="q")),
+    ]
+    for a, b in pairs:
+        assert not shares_logits(a, b), (a, b)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(data=st.data())
+def test_a5_prime_holds_at_the_range_edges(data):
+    a = data.draw(mst.numerics(presets=False, free=False, custom=True, bounded=True))
+    assume(a.exp_form == "exp" and a.summation_kind != "native")
+    change = {
+        "softmax": data.draw(st.sampled_from(["naive", "safe", "online(1)", "online(3)"])),
+        "prob_format": data.draw(st.sampled_from([None, "float32", "bfloat16", "float16"])),
+        "output_format": data.draw(st.sampled_from([None, "float32", "bfloat16"])),
+        "online_sums": "block",
+    }
+    try:
+        b = a.replace(**change)
+    except InvalidArgument:
+        assume(False)
+    assert shares_logits(a, b)
+    q_len, kv_len, d_k, d_v = data.draw(st.sampled_from([(2, 4, 4, 2), (3, 16, 8, 3)]))
+    x = data.draw(
+        mst.attention_inputs(
+            q_len=q_len, kv_len=kv_len, d_k=d_k, d_v=d_v, structure="range", numerics=a
+        )
+    )
+    try:
+        with np.errstate(all="ignore"):
+            bound = schedule_difference(
+                x.q, x.k, x.v, bias=x.bias, scale=x.scale, numerics_a=a, numerics_b=b
+            )
+    except InvalidArgument:
+        assume(False)
+        raise
+    assert bound.theorem == "A.5'"
+    outs = [
+        np.asarray(mn.attention(x.q, x.k, x.v, bias=x.bias, scale=x.scale, numerics=n), np.float64)
+        for n in (a, b)
+    ]
+    total = np.asarray(bound.total, np.float64)
+    finite = np.isfinite(total)
+    for out in outs:
+        assert np.isfinite(out[finite]).all()
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(outs[0] - outs[1])  # inf - inf where the bound is infinite too
+    over = finite & (diff > total)
+    assert not over.any(), (a.describe(), b.describe(), diff[over], total[over])

@@ -17,7 +17,7 @@ from mhanum.bounds.masking import (
     recommend_mask_value,
     safe_mask_range,
 )
-from mhanum.bounds.schedules import schedule_difference
+from mhanum.bounds.schedules import schedule_difference, shares_logits
 from mhanum.bounds.summation import dot_bound, matmul_bound, probabilistic_gamma, sum_bound
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "recommend_mask_value",
     "safe_mask_range",
     "schedule_difference",
+    "shares_logits",
     "sum_bound",
     "summation",
 ]

@@ -668,6 +668,7 @@ def _head(
     terms, p, _ = pv(
         s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold, across
     )
+    plain = terms.pop(_PLAIN)
     # The logits term apportioned to the sources of δ by their p-weighted share in each row.
     row_delta = (p * delta).sum(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -678,6 +679,7 @@ def _head(
             for name, x in sources.items()
         }
     parts = {name: share * terms["logits"] * (1 + EVALUATION) for name, share in shares.items()}
+    parts[_PLAIN] = plain * (1 + EVALUATION)
     # The target: the exact attention over the attended keys; in a row with none, the leaky
     # problem itself (fill: uniform over the keys; add: the unmasked softmax).
     empty = ~keep.any(axis=-1, keepdims=True)
@@ -716,6 +718,7 @@ def _head(
 
 
 _CHUNK = 2**17  # logits per chunk of query rows: the float64 temporaries stay in cache
+_PLAIN = "output:plain"  # the plain output term, carried with the logits' parts out of _head
 
 
 def _head_rows(
@@ -1063,6 +1066,9 @@ def _softmax_pv(
         nearest = off_o + 2 * y_off - e_other + flush_o
     else:
         nearest = off_o + e_other + np.where(low < eta_o, eta_o, 0.0)
+    # the last rounding's plain bound (u_o|o| + η_o, and the online division's), which bounds
+    # |fl(x) - x| by itself: Theorem A.5' (shared logits) needs it; removed by _head
+    terms[_PLAIN] = terms["output"]
     terms["output"] = np.fmin(terms["output"], nearest)
     return terms, p, np.where(vacuous, np.inf, t_safe)
 
@@ -1131,6 +1137,7 @@ def _split_pv(
             None if across is None else [(b[:, cut], d[:, cut]) for b, d in across],
         )
         ranges.merge(mine, some)  # a split a row does not attend is exact (lse -inf, o 0)
+        terms.pop(_PLAIN)
         terms = {name: np.where(some, x, 0.0) for name, x in terms.items()}
         split_terms.append(terms)
         bounds.append(sum(terms.values()))
@@ -1208,6 +1215,7 @@ def _split_pv(
     ranges.check(upper, fa, "split-KV: the merged output accumulated", entries=True)
     if not inside:
         terms["output"] = terms["output"] + fo.u * upper + fo.smallest_normal
+    terms[_PLAIN] = terms["output"]
     return terms, p, np.zeros_like(r, dtype=np.float64)
 
 
@@ -1441,7 +1449,12 @@ def attention_bound(
         ]
     out_shape = (*batch, rows, v.shape[-1])
     terms = _stack([{**h[0], **h[4].terms()} for h in heads], out_shape)
-    parts = {"logits": _stack([h[3] for h in heads], out_shape)}
+    stacked = _stack([h[3] for h in heads], out_shape)
+    plain = stacked.pop(_PLAIN)
+    parts = {
+        "logits": stacked,
+        "output": {"rounding": plain, "to_nearest": terms["output"] - plain},
+    }
     reasons = _reasons(h[4] for h in heads)
     if dead.any():
         terms["fully_masked"] = np.broadcast_to(np.where(dead, np.inf, 0.0), out_shape)
@@ -1807,7 +1820,7 @@ def mha_bound(
 
     names = sorted({name for r in results.values() for name in r[0]})
     head_terms = {n: gather(lambda r, n=n: r[0].get(n, np.zeros_like(r[1]))) for n in names}
-    sources = sorted({name for r in results.values() for name in r[3]})
+    sources = sorted({name for r in results.values() for name in r[3]} - {_PLAIN})
     head_parts = {n: gather(lambda r, n=n: r[3].get(n, np.zeros_like(r[1]))) for n in sources}
     o, o_given = gather(lambda r: r[1]), gather(lambda r: r[2])
     out = linear(o, o_given, w["wo"], w["bo"], num, num.format_of("output"), lam)

@@ -5,6 +5,11 @@ summation orders, online or safe softmax, a batch-size-dependent tiling, another
 format) give outputs ``â`` and ``b̂`` that differ although neither is wrong. Both lie near the one
 exact value ``o``, so ``|â - b̂| <= |â - o| + |o - b̂|``: the sum of their Theorem A.1 bounds,
 entry by entry. A difference above it is not rounding: one of the two computes something else.
+
+Theorem A.5' sharpens it where the two schedules compute the same logits bit for bit (they differ
+only after the scores: in the softmax algorithm, its block size, the formats of the softmax, the
+probabilities or the output): both then lie near the exact attention of those *computed* logits,
+and the logits' own error, most of the bound in float32 and bfloat16, cancels.
 """
 
 from __future__ import annotations
@@ -16,9 +21,42 @@ import numpy as np
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.bounds.attention import attention_bound
+from mhanum.bounds.factors import EVALUATION
+from mhanum.bounds.softmax import division_error
 from mhanum.numerics import Numerics, resolve
 
-__all__ = ["schedule_difference"]
+__all__ = ["schedule_difference", "shares_logits"]
+
+# The fields the computed logits depend on (the scores' dot, formats, scale, bias and mask).
+_LOGIT_FIELDS = ("input", "accum", "summation", "dot", "operand_format", "score_format",
+                 "scale", "scale_format", "mask_mode", "mask_value")  # fmt: skip
+
+
+def shares_logits(a: Numerics | str, b: Numerics | str) -> bool:
+    """Whether two schedules compute the same logits bit for bit (Theorem A.5').
+
+    They do where every field the logits depend on agrees (the inputs' and the accumulation
+    format, the summation order, the dot unit, the operand, score and scale formats, the scale's
+    placement and the mask's application), the order is deterministic (not ``"native"``: XLA
+    may order one dot differently in two programs), the exponential is ``"exp"`` (the folded
+    exp2 rounds its argument per schedule) and neither splits the keys.
+
+    Examples:
+        >>> shares_logits(Numerics(summation="sequential", softmax="online(64)"),
+        ...               Numerics(summation="sequential", softmax="online(128)"))
+        True
+        >>> shares_logits(Numerics(softmax="online(64)"), Numerics(softmax="online(128)"))
+        False
+    """
+    a, b = resolve(a), resolve(b)
+    if any(getattr(a, f) != getattr(b, f) for f in _LOGIT_FIELDS):
+        return False
+    return (
+        a.summation_kind != "native"
+        and a.exp_form == b.exp_form == "exp"
+        and a.kv_splits is None
+        and b.kv_splits is None
+    )
 
 
 def schedule_difference(
@@ -39,7 +77,11 @@ def schedule_difference(
     numerics_b)|``.
 
     ``|â - b̂| <= A_a + A_b`` with ``A_a``, ``A_b`` Theorem A.1 for each schedule around the same
-    exact attention (papers/attention.md, A.5). The terms are A.1's, prefixed ``a.`` and ``b.``;
+    exact attention (papers/attention.md, A.5). Where the two compute the same logits
+    (:func:`shares_logits`), Theorem A.5': each ``A`` is taken around the exact attention of the
+    computed logits instead: A.1 without its ``logits``, ``evaluation`` and ``mask`` terms, with
+    the output's rounding at its plain bound (which covers the rounding by itself); ``Bound.
+    theorem`` is then ``"A.5'"``. The terms are A.1's, prefixed ``a.`` and ``b.``;
     ``Bound.reasons`` joins both sides' (an entry infinite on either side is infinite). Equal
     deterministic schedules compute equal values; the bound does not assume it.
 
@@ -90,18 +132,51 @@ def schedule_difference(
         )
         for name, num in sides.items()
     }
-    terms = {f"{name}.{t}": x for name, b in bounds.items() for t, x in b.terms.items()}
-    total = np.asarray(bounds["a"].total, np.float64) + np.asarray(bounds["b"].total, np.float64)
+    shared = shares_logits(sides["a"], sides["b"])
+    per_side = {
+        name: _around_computed_logits(b, sides[name]) if shared else dict(b.terms)
+        for name, b in bounds.items()
+    }
+    terms = {f"{name}.{t}": x for name, side in per_side.items() for t, x in side.items()}
+    totals = [
+        sum(np.asarray(x, np.float64) for x in per_side[name].values())
+        if shared
+        else np.asarray(bounds[name].total, np.float64)
+        for name in ("a", "b")
+    ]
+    total = totals[0] + totals[1]
     reasons = tuple(dict.fromkeys(r for b in bounds.values() for r in b.reasons))
     fail = sum(1 - b.probability for b in bounds.values())
     assumptions = tuple(dict.fromkeys(a for b in bounds.values() for a in b.assumptions))
     return Bound(
         total,
         terms,
-        "A.5",
+        "A.5'" if shared else "A.5",
         assumptions,
         bounds["a"].source,
         max(0.0, 1.0 - fail) if probability is not None else 1.0,
         reasons=reasons,
         lam=None if probability is None else max(b.lam or 0.0 for b in bounds.values()),
     )
+
+
+def _around_computed_logits(bound: Bound, num: Numerics) -> dict[str, Any]:
+    """Theorem A.5': A.1's terms around the exact attention of the computed logits.
+
+    ``logits`` carries ``κ(1 + ε)L`` (``κ`` the output's rounding factor, ``ε`` the evaluation's)
+    with ``L`` the distance between the exact attentions of the computed and the exact logits:
+    ``L`` goes, ``(κ(1 + ε) - 1)L`` stays (it covers ``u_o L`` of the last rounding, whose
+    argument is bounded through the exact attention); ``evaluation`` and ``mask`` (the target's
+    own distances) go; the output's rounding takes its plain bound, which holds by itself.
+    """
+    soft = num.format_of("softmax").u
+    online = num.softmax_kind == "online"
+    kappa = (1 + num.format_of("output").u) * (1 + (division_error(num.div_ulps, soft) if online
+                                                    else 0.0))  # fmt: skip
+    kept = {n: t for n, t in bound.terms.items() if n not in ("logits", "evaluation", "mask")}
+    with np.errstate(invalid="ignore"):
+        if "logits" in bound.terms:
+            logits = np.asarray(bound.terms["logits"], np.float64)
+            kept["logits"] = logits - logits / (kappa * (1 + EVALUATION))
+        kept["output"] = np.asarray(bound.parts["output"]["rounding"], np.float64)
+    return kept
