@@ -133,6 +133,12 @@ class Numerics:
             rounded into ``score_format``. XLA's CPU ``tanh`` measures at most 4.5 ulps in
             float32 and 6.5 in float64; a GPU kernel's ``tanh.approx.f32`` (relative error up to
             2^-11, FlashAttention-2's soft-cap) needs about 2^13.
+        prob_offset: FlashAttention-3's ``Max_offset`` for fp8 probabilities: the online
+            softmax's exponentials are ``exp2(fl(fl(t·c2) - fl(fl(m·c2) - k)))``, in ``[0, 2^k]``
+            instead of ``[0, 1]``, so that more of them are normal numbers of a narrow
+            ``prob_format`` (FlashAttention-3 takes ``k = 8`` for e4m3, whose largest value is
+            448); the row sum carries the same ``2^k`` and the final division cancels it. Needs
+            ``exp_form="exp2-folded"`` and the online softmax; 0 (default) for none.
 
     Raises:
         InvalidArgument: for an unknown format, order or algorithm, or an inconsistent combination.
@@ -164,6 +170,7 @@ class Numerics:
     div_ulps: float = 1.0
     kv_splits: int | None = None
     tanh_ulps: float = 8.0
+    prob_offset: int = 0
 
     def __post_init__(self) -> None:
         canon = object.__setattr__
@@ -223,6 +230,12 @@ class Numerics:
             if self.exp_form == "exp2-folded":
                 raise _bad("exp_form", "'exp' with kv_splits (the folded exp2's split "
                            "log-sum-exp is not modelled)", self.exp_form)  # fmt: skip
+        offset = self.prob_offset
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= 64:
+            raise _bad("prob_offset", "an integer in [0, 64]", offset)
+        if offset and (self.exp_form != "exp2-folded" or self.softmax_kind != "online"):
+            raise _bad("prob_offset", "0 unless exp_form='exp2-folded' with the online softmax",
+                       offset)  # fmt: skip
         for field in ("exp_ulps", "div_ulps", "tanh_ulps"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:

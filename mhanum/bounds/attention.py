@@ -633,6 +633,11 @@ def _head(
         s_abs = np.where(live, np.abs(s) + delta, 0.0)
         r_row = s_abs.max(axis=-1, keepdims=True)
         fold = np.where(live, u_m * (1 + u_c) * (s_abs + r_row) + 2 * eta_m, 0.0)
+        if num.prob_offset:
+            # FlashAttention-3's offset: fl(fl(m·c2) - k), one more rounding of a value at most
+            # (|m·c2| + k) in base 2, (1 + u_c)(1 + u_m)R + k·ln 2 in natural units
+            k_ln2 = num.prob_offset * math.log(2.0)
+            fold = fold + np.where(live, u_m * ((1 + u_c) * (1 + u_m) * r_row + k_ln2) + eta_m, 0.0)
         sources["exp_fold"] = fold
         delta = delta + fold
     across: list[tuple[np.ndarray, np.ndarray]] | None = None
@@ -870,6 +875,9 @@ def _softmax_pv(
     kind = num.softmax_kind
     online = kind == "online"
     x, blocks, g_sum, g_pv, eta_pv = exp_and_sum_factors(num, n, gap, lam, bits_pv)
+    # prob_offset k: the unnormalised weights and their sums carry 2^k (the division cancels
+    # it), so every absolute underflow against them shrinks by 2^-k and every range grows by 2^k
+    lift = 2.0**num.prob_offset
     x = np.broadcast_to(x, s.shape)
     with np.errstate(invalid="ignore"):
         if kind == "naive":
@@ -883,7 +891,7 @@ def _softmax_pv(
         r_max = np.expm1(x.max(axis=-1, keepdims=True))
     r_bar = np.minimum(r_mean, r_max)
     with np.errstate(over="ignore"):
-        underflow = n * eta_m * np.exp(-log_s_lo)
+        underflow = n * eta_m * np.exp(-log_s_lo) / lift
         t_sum = (1 + r_bar + underflow) * (1 + g_sum) - 1 + underflow
     vacuous = ~np.isfinite(t_sum) | (t_sum >= 1)
     ranges.flag(
@@ -918,7 +926,7 @@ def _softmax_pv(
 
     y = x + math.log1p(u_div) - np.log1p(-t_safe)
     soft = np.where(vacuous, 0.0, _times_expm1(p_tilde_hi, y))  # vacuous rows: flagged
-    eta_soft = eta_m * (1 + u_div) * per_sum + eta_m
+    eta_soft = eta_m * (1 + u_div) * per_sum / lift + eta_m
     soft += eta_soft
     # Step 5' (papers/attention.md): p̂_j = p̃_j(1 + ρ_j)(1 + ε_j)/(1 + τ) with the row sum's
     # error τ common to the row, so its share of Σ_j (p̂_j - p̃_j) v_j is at most
@@ -928,7 +936,7 @@ def _softmax_pv(
     p_hat_hi = p_tilde_hi + soft
     rounding_keys: tuple[np.ndarray, float, np.ndarray, float] | None = None
     if online:
-        prob = u_p * p_hat_hi + eta_p * per_sum + blocks * eta_m * per_sum
+        prob = u_p * p_hat_hi + (eta_p * per_sum + blocks * eta_m * per_sum) / lift
     else:
         # Step 6: an absolute η_p only where p̂_j may lie below F_p's smallest normal number
         p_hat_lo = p_tilde_lo * (1 - EVALUATION) - soft
@@ -965,11 +973,21 @@ def _softmax_pv(
         eps_e = 2 * num.exp_ulps * fm.u
         growth = ((1 + eps_e) * (1 + fm.u) * (1 + fmts["accum"].u) ** 2) ** (blocks + 1)
         ranges.check(
-            np.where(rows_live, n * growth * (1 + g_sum) + n * blocks * eta_m, 0.0),
+            np.where(rows_live, lift * n * growth * (1 + g_sum) + n * blocks * eta_m, 0.0),
             fm,
             "online softmax: the running sum",
         )
-        acc_upper = growth * (1 + u_p) * (1 + g_pv) * v_abs.sum(axis=0) + eta_pv
+        if num.prob_offset:
+            # the lifted weights in the probability format, then the dot's operand format
+            lifted = np.where(rows_live, lift * growth * (1 + u_p), 0.0)
+            for fmt in (fmts["prob"], num.operand_rounding):
+                if fmt is not None:
+                    ranges.check(
+                        lifted * (1 + u_op),
+                        fmt,
+                        f"the exponentials lifted by 2^{num.prob_offset} (prob_offset)",
+                    )
+        acc_upper = lift * growth * (1 + u_p) * (1 + g_pv) * v_abs.sum(axis=0) + eta_pv
         for fmt in (fmts["accum"], fm):
             ranges.check(
                 np.where(rows_live, acc_upper[None, :], 0.0),
@@ -995,7 +1013,8 @@ def _softmax_pv(
     scale_out = (1 + u_o) * ((1 + u_div) if online else 1.0)
     u_last: Any = u_div  # the online softmax's final division
     single = live.sum(axis=-1, keepdims=True) == 1
-    if kind != "naive" and single.any():
+    if kind != "naive" and single.any() and not num.prob_offset:
+        # (with prob_offset the one key's weight is exp2(k), which XLA need not return exactly)
         # A row with one live key: ŝ_j - m = 0 exactly, exp(0) = 1 (assumption E of M.5), the
         # sum is 1 and 1/1 = 1, so p̂_j = 1, and P·V sums the one exact product 1·v_j with
         # zeros (a split dot still drops v_j's last piece: its factor stays).
@@ -1020,7 +1039,8 @@ def _softmax_pv(
         "softmax": scale_out * soft_term,
         "probability_rounding": scale_out * (prob @ v_abs),
         "operands": scale_out * (operand_p @ v_abs + p_hat_hi @ (v_abs - np.abs(v))),
-        "pv": scale_out * (g_row * (p_hat_hi @ v_abs) + (eta_pv * per_sum if online else eta_pv)),
+        "pv": scale_out
+        * (g_row * (p_hat_hi @ v_abs) + (eta_pv * per_sum / lift if online else eta_pv)),
         "output": (
             u_o * np.abs(o) + eta_o + ((1 + u_o) * (u_last * np.abs(o) + eta_m) if online else 0.0)
         ),

@@ -494,13 +494,22 @@ def exp_and_sum_factors(
         )
         chain_n = n + blocks * model.group if model is not None else n
         x = arg * gap + blocks * own + (blocks - 1) * (math.log1p(u_m) + 2 * math.log1p(u_a))
+        x = x + _lifted_argument(num)
         g_sum = chain(n, order, u_m, lam, products=False, extra=blocks)
         g_pv = unit_factor(num, chain_n, lam, bits=bits_pv, extra=blocks)
         return x, blocks, g_sum, g_pv, unit_eta(num, chain_n) + 2 * blocks * eta_a
     x = arg * gap + blocks * own + (blocks - 1) * (math.log1p(u_m) + 2 * math.log1p(u_a))
+    x = x + _lifted_argument(num)
     g_sum = chain(width, order, u_m, lam, products=False, extra=blocks)
     g_pv = unit_factor(num, width, lam, bits=bits_pv, extra=blocks)
     return x, blocks, g_sum, g_pv, blocks * unit_eta(num, width) + 2 * blocks * eta_a
+
+
+def _lifted_argument(num: Numerics) -> float:
+    """``prob_offset = k``: the exponent's argument ``fl(fl(t·c2) - fl(fl(m·c2) - k))`` is up to
+    ``k`` larger (base 2), and its rounding up to ``u_m·k·ln 2`` (natural units) more."""
+    u_m = num.format_of("softmax").u
+    return u_m * (1 + u_m) * num.prob_offset * math.log(2.0)
 
 
 def division_error(div_ulps: float, u: float) -> float:

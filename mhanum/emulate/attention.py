@@ -96,12 +96,16 @@ class _Stages:
             self.c2 = _constant(self.soft, scale * _LOG2E)
 
     def exp_shifted(self, x: jax.Array, shift: jax.Array) -> jax.Array:
-        """``exp(x - shift)``, or (folded) ``exp2(fl(fl(x·c2) - fl(shift·c2)))``."""
+        """``exp(x - shift)``, or (folded) ``exp2(fl(fl(x·c2) - fl(shift·c2)))``, with
+        ``prob_offset = k``: ``exp2(fl(fl(x·c2) - fl(fl(shift·c2) - k)))``."""
         sm = self.soft
         if not self.folded:
             return sm.exp(sm.sub(x, shift))
         assert self.c2 is not None
-        return sm.exp2(sm.sub(sm.mul(x, self.c2), sm.mul(shift, self.c2)))
+        top = sm.mul(shift, self.c2)
+        if self.num.prob_offset:
+            top = sm.sub(top, jnp.asarray(float(self.num.prob_offset), sm.dtype))
+        return sm.exp2(sm.sub(sm.mul(x, self.c2), top))
 
     def rescale(self, m: jax.Array, shift: jax.Array) -> jax.Array:
         """The online rescaling ``exp(m - m')``, or (folded) ``exp2(fl(fl(m - m')·c2))``.

@@ -315,6 +315,24 @@ def test_split_kv_at_the_range_edges(data):
     _check_drawn(data, num, shapes=(*SHAPES, (2, 40, 8, 2)))
 
 
+@RANGE_SETTINGS
+@given(data=st.data())
+def test_lifted_probabilities_at_the_range_edges(data):
+    # FlashAttention-3's Max_offset: exponentials in [0, 2^k], fp8 probabilities among others
+    num = data.draw(
+        mst.numerics(presets=False, free=False, custom=True, bounded=True, exp_form="exp2-folded")
+    )
+    assume(num.softmax_kind == "online")
+    offset = data.draw(st.integers(0, 10), label="prob_offset")
+    prob = data.draw(
+        st.sampled_from([None, "float8_e4m3fn", "float8_e5m2", "bfloat16", "float16"]),
+        label="prob_format",
+    )
+    num = num.replace(prob_offset=offset, prob_format=prob)
+    structure = data.draw(st.sampled_from((*WITHOUT_BIAS, None)))
+    _check_drawn(data, num, shapes=(*SHAPES, (2, 40, 8, 2)), structure=structure)
+
+
 # Gemma 2's caps, and caps across the exponent range (their reciprocals subnormal or past the
 # largest finite value of narrow score formats)
 CAPS = st.one_of(

@@ -1,0 +1,76 @@
+"""FlashAttention-3's ``Max_offset``: online exponentials lifted into ``[0, 2^k]`` (``prob_offset``).
+
+With e4m3 probabilities the lift keeps small weights out of the format's subnormal range: the
+bound's underflow charges shrink by ``2^-k`` and the bound tightens, while the emulation stays
+within it; a lift past the format's largest value (``2^9 > 448``) overflows the kernel to NaN,
+and the bound is infinite there with the reason; the offset is refused where it is not modelled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mhanum as mn
+from mhanum import InvalidArgument, Numerics, reference
+from mhanum.bounds import attention_bound
+
+FA3_FP8 = Numerics(
+    input="float16",
+    accum="float32",
+    score_format="float32",
+    softmax_format="float32",
+    prob_format="float8_e4m3fn",
+    output_format="float32",
+    softmax="online(64)",
+    exp_form="exp2-folded",
+    online_sums="running",
+)
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    return (
+        rng.standard_normal((8, 64)),
+        rng.standard_normal((300, 64)),
+        rng.standard_normal((300, 64)),
+    )
+
+
+def test_the_lift_keeps_e4m3_weights_normal_and_tightens_the_bound():
+    q, k, v = _inputs()
+    exact = reference.attention(q, k, v)
+    plain = attention_bound(q, k, v, numerics=FA3_FP8)
+    lifted_num = FA3_FP8.replace(prob_offset=8)
+    lifted = attention_bound(q, k, v, numerics=lifted_num)
+    out = np.asarray(mn.attention(q, k, v, numerics=lifted_num), np.float64)
+    assert (np.abs(out - exact) <= lifted.total).all()
+    # the subnormal weights' charge (η_p = 2^-6 per key against the row sum) falls by 2^8
+    assert np.max(lifted.total) < np.max(plain.total) / 2
+    np.testing.assert_array_less(
+        lifted.terms["probability_rounding"], plain.terms["probability_rounding"]
+    )
+
+
+def test_a_lift_past_the_largest_e4m3_value_is_infinite_with_its_reason():
+    q, k, v = _inputs()
+    num = FA3_FP8.replace(prob_offset=9)  # 2^9 = 512 > 448
+    out = np.asarray(mn.attention(q, k, v, numerics=num), np.float64)
+    bound = attention_bound(q, k, v, numerics=num)
+    assert np.isnan(out).any()
+    assert np.isinf(bound.total).all()
+    assert any("prob_offset" in reason for reason in bound.reasons)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"prob_offset": -1},
+        {"prob_offset": 2.0},
+        {"prob_offset": 8, "exp_form": "exp"},
+        {"prob_offset": 8, "softmax": "safe", "online_sums": "block"},
+    ],
+)
+def test_the_offset_is_refused_where_it_is_not_modelled(change):
+    with pytest.raises(InvalidArgument, match=r"numerics\.prob_offset"):
+        FA3_FP8.replace(**change)
