@@ -70,6 +70,7 @@ def metadata(case: WorstCase) -> dict[str, Any]:
         "evaluations": case.evaluations,
         **({} if case.against is None else {"against": numerics_dict(case.against)}),
         **({} if case.softcap is None else {"softcap": case.softcap}),
+        **({} if case.sink is None else {"sink": case.sink}),
         "cheap_ratio": _number(case.cheap_ratio),
         "slack": _number(case.slack),
         "seconds": case.seconds,
@@ -177,6 +178,7 @@ def load(path: str | Path) -> WorstCase:
         structure=tuple(info.get("structure", ())),
         against=against,
         softcap=info.get("softcap"),
+        sink=info.get("sink"),
     )
 
 
@@ -230,7 +232,9 @@ def replay(path: str | Path) -> Replay:
         InvalidArgument: as :func:`load`, or if the case is now outside the bound's scope.
     """
     case = load(path)
-    objective = Objective(case.numerics, case.objective, against=case.against, softcap=case.softcap)
+    objective = Objective(
+        case.numerics, case.objective, against=case.against, softcap=case.softcap, sink=case.sink
+    )
     ev = objective(case.q, case.k, case.v, case.mask, certified=True)
     if ev is None:
         msg = "path: the saved case is outside the bound's scope (refused or overflowed)"

@@ -193,6 +193,7 @@ class Objective:
         against: the second schedule of the difference objectives (required by them, refused
             by the others). The difference of two outputs is exact in float64: no reference.
         softcap: the logit soft-cap of every call (``c·tanh(s/c)``), or ``None``.
+        sink: an attention-sink logit in every row's normaliser (every head's), or ``None``.
     """
 
     def __init__(
@@ -204,6 +205,7 @@ class Objective:
         certified: bool = False,
         against: Numerics | str | None = None,
         softcap: float | None = None,
+        sink: float | None = None,
     ) -> None:
         if objective not in OBJECTIVES:
             msg = f"objective: expected one of {OBJECTIVES}, got {objective!r}"
@@ -216,8 +218,13 @@ class Objective:
         self.objective = objective
         self.against = None if against is None else resolve(against)
         self.softcap = V.softcap_value(softcap)
-        # passed only when set, so that a bound function without the argument still serves
-        self.extra: dict[str, Any] = {} if self.softcap is None else {"softcap": self.softcap}
+        self.sink = _sink_value(sink)
+        # passed only when set, so that a bound function without the arguments still serves
+        self.extra: dict[str, Any] = {
+            name: value
+            for name, value in (("softcap", self.softcap), ("sink", self.sink))
+            if value is not None
+        }
         self.bound = bound or (
             attention_bound if self.against is None else _difference_bound(self.against)
         )
@@ -307,6 +314,17 @@ class Objective:
         )
 
 
+def _sink_value(sink: Any) -> float | None:
+    """A search's sink logit: ``None`` or a finite number (one for every row and head)."""
+    if sink is None:
+        return None
+    ok = isinstance(sink, (int, float, np.floating)) and not isinstance(sink, bool)
+    if not ok or not math.isfinite(sink):
+        msg = f"sink: expected a finite number (one logit for every head) or None, got {sink!r}"
+        raise InvalidArgument(msg)
+    return float(sink)
+
+
 def _difference_bound(against: Numerics) -> BoundFunction:
     def bound(q: Any, k: Any, v: Any, mask: Any, *, numerics: Numerics, **kw: Any) -> Bound:
         return schedule_difference(q, k, v, mask, numerics_a=numerics, numerics_b=against, **kw)
@@ -348,6 +366,7 @@ class WorstCase:
         against: the second schedule of a difference objective (then ``error`` is
             ``|â_i - b̂_i|``, ``bound`` Theorem A.5's and ``normwise`` over ``max |â|``).
         softcap: the logit soft-cap of the search, or ``None``.
+        sink: the attention-sink logit of the search, or ``None``.
     """
 
     numerics: Numerics
@@ -374,6 +393,7 @@ class WorstCase:
     structure: tuple[str, ...] = ()
     against: Numerics | None = None
     softcap: float | None = None
+    sink: float | None = None
 
     @property
     def violation(self) -> bool:
@@ -415,6 +435,7 @@ class WorstCase:
             }
             | ({} if self.against is None else {"against": self.against.describe()})
             | ({} if self.softcap is None else {"softcap": self.softcap})
+            | ({} if self.sink is None else {"sink": self.sink})
         )
 
 
@@ -508,6 +529,7 @@ def worst_case(
     progress: Progress | None = None,
     against: Numerics | str | None = None,
     softcap: float | None = None,
+    sink: float | None = None,
 ) -> WorstCase:
     """Search for the input on which ``numerics`` is worst, and confirm it.
 
@@ -535,6 +557,7 @@ def worst_case(
         against: a second schedule (:class:`~mhanum.Numerics` or preset name) for the
             difference objectives: the search hunts inputs on which the two disagree most.
         softcap: a logit soft-cap ``c > 0`` applied in every evaluation (``c·tanh(s/c)``).
+        sink: an attention-sink logit ``σ`` in every row's normaliser, in every evaluation.
 
     Returns:
         A :class:`WorstCase` measured against the certified reference.
@@ -559,7 +582,7 @@ def worst_case(
         raise InvalidArgument(msg)
     kind = _check_mask(mask)
     start = time.perf_counter()
-    goal = Objective(num, objective, bound=bound, against=against, softcap=softcap)
+    goal = Objective(num, objective, bound=bound, against=against, softcap=softcap, sink=sink)
     tracker = _Tracker(goal, budget, progress)
     search_budget = max(1, budget - int(refine * budget))
     _targeted(tracker, num, sizes, search_budget, seed, structure, kind)
@@ -783,6 +806,7 @@ def _confirm(
         structure=best.structure,
         against=tracker.objective.against,
         softcap=tracker.objective.softcap,
+        sink=tracker.objective.sink,
     )
 
 
@@ -798,6 +822,7 @@ def random_search(
     progress: Progress | None = None,
     against: Numerics | str | None = None,
     softcap: float | None = None,
+    sink: float | None = None,
 ) -> WorstCase:
     """The random baseline: ``budget`` independent inputs, the best one confirmed.
 
@@ -808,7 +833,8 @@ def random_search(
     kept with probability 1/2, key 0 kept in a row that would be empty).
 
     Args:
-        numerics, shape, objective, budget, seed, mask, bound, progress, against, softcap: as for
+        numerics, shape, objective, budget, seed, mask, bound, progress, against, softcap, sink:
+            as for
             :func:`worst_case` (``seed`` seeds a ``numpy.random.Generator``).
 
     Returns:
@@ -820,7 +846,7 @@ def random_search(
     _check_x64()
     kind = _check_mask(mask)
     start = time.perf_counter()
-    goal = Objective(num, objective, bound=bound, against=against, softcap=softcap)
+    goal = Objective(num, objective, bound=bound, against=against, softcap=softcap, sink=sink)
     tracker = _Tracker(goal, budget, progress)
     rng = np.random.default_rng(seed)
     fmt = get_format(num.input)

@@ -328,15 +328,19 @@ def test_cli_search_over_two_split_counts_keeps_the_first_schedules_preset(tmp_p
     assert 0 <= result["ratio"] <= 1
 
 
-def test_a_soft_capped_search_keeps_its_cap_through_save_and_replay(tmp_path):
+def test_a_soft_capped_search_with_a_sink_keeps_both_through_save_and_replay(tmp_path):
     shape = ms.Shape(q_len=2, kv_len=8, d_k=4)
-    case = ms.worst_case("bf16-fp32acc", shape, budget=8, seed=1, softcap=0.01)
-    assert case.softcap == 0.01
+    case = ms.worst_case("bf16-fp32acc", shape, budget=8, seed=1, softcap=0.01, sink=1.5)
+    assert (case.softcap, case.sink) == (0.01, 1.5)
     assert case.summary()["softcap"] == 0.01
+    assert case.summary()["sink"] == 1.5
     assert 0 <= case.ratio <= 1
     # the saved output is the capped one: replaying without the cap would not match it
     uncapped = np.asarray(attention(case.q, case.k, case.v, numerics=case.numerics))
     assert not np.array_equal(uncapped.astype(np.float64), case.output)
     path = cases.save(case, tmp_path)
-    assert cases.load(path).softcap == 0.01
+    loaded = cases.load(path)
+    assert (loaded.softcap, loaded.sink) == (0.01, 1.5)
     assert cases.replay(path).ok
+    with pytest.raises(InvalidArgument, match="sink:"):
+        ms.worst_case("bf16-fp32acc", shape, budget=2, sink=float("nan"))

@@ -126,7 +126,8 @@ def _search(args: argparse.Namespace) -> int:
     run = search.random_search if args.random else search.worst_case
     against = _search_numerics(args, "against_")
     case = run(num, shape, objective=args.objective, budget=args.budget, seed=args.seed,
-               mask=args.mask, progress=bar, against=against, softcap=args.softcap)  # fmt: skip
+               mask=args.mask, progress=bar, against=against, softcap=args.softcap,
+               sink=args.sink)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     path = cases.save(case, out, force=args.force, unique=case.violation)
     result = case.summary() | {"case": str(path)}
@@ -136,7 +137,8 @@ def _search(args: argparse.Namespace) -> int:
         verdict = "VIOLATION: error exceeds bound" if case.violation else "within bound"
         print(
             f"{case.method} search, {case.numerics.describe()}"
-            f"{'' if case.softcap is None else f', softcap {case.softcap:g}'}, "
+            f"{'' if case.softcap is None else f', softcap {case.softcap:g}'}"
+            f"{'' if case.sink is None else f', sink {case.sink:g}'}, "
             f"{case.evaluations} evaluations "
             f"in {case.seconds:.1f} s\n"
             f"worst {case.objective}: ratio {case.ratio:.4g} (error {case.error:.3g}, bound "
@@ -234,6 +236,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     search.add_argument(
         "--softcap", type=float, default=None, help="logit soft-cap c of c·tanh(s/c) (none)"
+    )
+    search.add_argument(
+        "--sink", type=float, default=None, help="attention-sink logit of every head (none)"
     )
     for size, default in (("q-len", 8), ("kv-len", 16), ("d-k", 16), ("d-v", None),
                           ("batch", 1), ("heads", 1)):  # fmt: skip

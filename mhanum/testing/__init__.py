@@ -226,6 +226,7 @@ def attention_oracle(
     layout: str = "bhld",
     enable_gqa: bool = False,
     softcap: float | None = None,
+    sink: Any = None,
 ) -> Oracle:
     """The certified reference of ``attention(q, k, v)`` and the kernel's tolerance around it.
 
@@ -250,6 +251,8 @@ def attention_oracle(
             score format before the bias (step 3c of the bounds; the cap's reciprocal may be
             folded or the scores divided by it). The kernel's ``tanh`` must be within the
             candidates' ``Numerics.tanh_ulps``.
+        sink: attention-sink logits, one per head (``(H,)``, broadcast against the batch
+            dimensions of the ``bhld`` layout), as in :func:`mhanum.attention`.
 
     Returns:
         An :class:`Oracle`.
@@ -290,14 +293,12 @@ def attention_oracle(
     exact = np.asarray(
         reference.attention(
             q64, k64, v64, mask=ref_mask, bias=b64, scale=scale,
-            fully_masked="nan" if policy == "unmasked" else policy, softcap=softcap,
+            fully_masked="nan" if policy == "unmasked" else policy, softcap=softcap, sink=sink,
         ),
         np.float64,
     )  # fmt: skip
-    bounds = [
-        attention_bound(q64, k64, v64, m, bias=b64, numerics=n, scale=scale, softcap=softcap)
-        for n in candidates
-    ]
+    kw: dict[str, Any] = {"bias": b64, "scale": scale, "softcap": softcap, "sink": sink}
+    bounds = [attention_bound(q64, k64, v64, m, numerics=n, **kw) for n in candidates]
     oracle = _fold(exact, bounds, dead, kern, fmt)
     if layout == "bhld":
         return oracle

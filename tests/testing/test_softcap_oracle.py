@@ -42,3 +42,19 @@ def test_a_soft_capped_jax_kernel_is_within_its_tolerance_and_its_uncapped_twin_
     failing, ratio = oracle.check(_uncapped_jax(q, k, v))
     assert failing.any()
     assert np.max(ratio) > 100  # not a near miss: the cap moves the output by far more
+
+
+def test_a_sink_kernel_is_within_its_tolerance_and_one_that_drops_the_sink_is_not():
+    q, k, v = _inputs(2)
+    sink = np.array([3.0, -1.0], np.float32)
+
+    @jax.jit
+    def with_sink(q, k, v):
+        s = jnp.einsum("hqd,hkd->hqk", q, k) * (1.0 / np.sqrt(q.shape[-1]))
+        column = jnp.broadcast_to(sink[:, None, None], (*s.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, column], axis=-1), axis=-1)[..., :-1]
+        return jnp.einsum("hqk,hkd->hqd", p, v)
+
+    oracle = attention_oracle(q, k, v, kernel="jax-xla", sink=sink)
+    oracle.assert_close(with_sink(q, k, v))
+    assert oracle.check(_uncapped_jax(q, k, v))[0].any()
