@@ -141,3 +141,33 @@ def softcap_value(cap: Any) -> float | None:
         )
         raise InvalidArgument(msg)
     return float(cap)
+
+
+def descale_value(descale: Any, placement: str = "scores") -> tuple[float, float, float] | None:
+    """fp8 descale factors ``(d_q, d_k, d_v)``: ``None`` or three finite float32 numbers > 0.
+
+    They multiply the scores' scale (``d_q·d_k``) and the output (``d_v``), as FlashAttention-3
+    applies them; the scale must be on the scores.
+    """
+    if descale is None:
+        return None
+    try:
+        values = tuple(descale)
+    except TypeError:
+        values = ()
+    ok = len(values) == 3 and all(
+        isinstance(x, (int, float, np.floating)) and not isinstance(x, bool) for x in values
+    )
+    if ok:
+        floats = tuple(float(x) for x in values)
+        ok = all(np.isfinite(x) and x > 0 and float(np.float32(x)) == x for x in floats)
+    if not ok:
+        msg = f"descale: expected three finite float32 numbers > 0 (d_q, d_k, d_v), got {descale!r}"
+        raise InvalidArgument(msg)
+    if placement != "scores":
+        msg = (
+            f"descale: expected numerics.scale='scores' (the factors join the scores' scale), "
+            f"got {placement!r}"
+        )
+        raise InvalidArgument(msg)
+    return floats  # type: ignore[return-value]

@@ -360,6 +360,15 @@ class Numerics:
         """The key-block size of ``online(B)``, else ``None``."""
         return self.softmax_algorithm.block
 
+    @property
+    def descale_format(self) -> Format:
+        """The format the output is in before an fp8 descale multiplies it (``descale=``): the
+        softmax format after the online softmax's division, ``accum`` after the P·V dot (or the
+        split-KV merge)."""
+        if self.softmax_kind == "online" and self.kv_splits is None:
+            return self.format_of("softmax")
+        return self.format_of("accum")
+
     def kv_split_size(self, n_keys: int) -> int:
         """The keys per split of ``kv_splits`` over ``n_keys`` keys (``n_keys`` when unsplit).
 

@@ -421,6 +421,7 @@ def _head(
     masked: np.ndarray | None = None,
     replaced: np.ndarray | None = None,
     softcap: float | None = None,
+    loose_constant: bool = False,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray], _Ranges]:
     """The terms of Theorem A.1 for one head, the float64 output ``o = p v``, ``|o - o*|``, the
     logits term apportioned to the sources of the logit errors (``Bound.parts``) and the output
@@ -437,7 +438,9 @@ def _head(
     effect on the exact output is the term ``evaluation``. The float64 logits the bound is
     evaluated on are off the exact ones by at most ``ε64`` (step 0); that is added to the
     logits' errors and, as a perturbation of the target, to ``evaluation``. ``softcap`` (step
-    3c) caps the scaled scores at ``c·tanh(s/c)`` before the bias.
+    3c) caps the scaled scores at ``c·tanh(s/c)`` before the bias. ``loose_constant`` (fp8
+    descaling) charges the scale constant as up to three roundings of its format, and its
+    product as rounded, whatever value the kernel's constant takes.
     """
     ranges = _Ranges(q.shape[-2], v.shape[-1])
     store = num.storage_format
@@ -469,8 +472,14 @@ def _head(
     q_used, k_used = q_abs + e_q, k_abs + e_k
     e_q_op = e_q + u_op * q_used + eta_op + conv[f_q]
     e_k_op = e_k + u_op * k_used + eta_op + conv[f_k]
-    q_op, k_op = q_abs + e_q_op, k_abs + e_k_op
     v_abs = (1 + u_op) * (np.abs(v) + e_v) + eta_op + conv[store]
+    if op is not None:
+        # an operand the dot uses exactly (no error before the conversion) converts by its own
+        # rounding into the operand format: none for a value of that format (fp8 inputs at 448)
+        e_q_op = np.where(e_q == 0, rounding_error(q, op) + conv[f_q], e_q_op)
+        e_k_op = np.where(e_k == 0, rounding_error(k, op) + conv[f_k], e_k_op)
+        v_abs = np.where(e_v == 0, np.abs(v) + rounding_error(v, op) + conv[store], v_abs)
+    q_op, k_op = q_abs + e_q_op, k_abs + e_k_op
     # R.2: the operands read into the operand and accumulation formats
     for fmt, where in ((op, "the dot's operand format"), (acc, "the accumulation format")):
         if fmt is not None:
@@ -509,6 +518,12 @@ def _head(
     if default_scale and not is_power_of_four(d_k):
         # irrational: fl(1/fl(sqrt(d))) = c(1+δ2)/(1+δ1) in float64, then rounded into F_score
         u_c = (1 + 2.0**-53) / (1 - 2.0**-53) * (1 + u_c) - 1
+    if loose_constant:
+        # the kernel forms its constant itself (scale·d_q·d_k, in float32): any value within three
+        # roundings of the exact one, and the product by it rounded
+        u_f = fmts["softmax"].u if folded else fmts["score"].u
+        u_c = max(u_c, (1 + u_f) ** 3 * (1 + 2.0**-53) ** 3 - 1)
+        u_mul = u_mul if folded else u_f
     theta = (1 + u_s) * (1 + u_c) * (1 + u_mul) - 1
 
     # Step 3. The logits' errors δ_ij.
@@ -741,6 +756,7 @@ def _head_rows(
     masked: np.ndarray | None = None,
     replaced: np.ndarray | None = None,
     softcap: float | None = None,
+    loose_constant: bool = False,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray], _Ranges]:
     """:func:`_head`, evaluated on chunks of query rows.
 
@@ -766,6 +782,7 @@ def _head_rows(
             masked,
             replaced,
             softcap,
+            loose_constant,
         )
 
     def cut(x: Any, sl: slice) -> Any:
@@ -792,6 +809,7 @@ def _head_rows(
                 cut(masked, sl),
                 cut(replaced, sl),
                 softcap,
+                loose_constant,
             )
         )
     ranges = _Ranges(rows, v.shape[-1])
@@ -1331,6 +1349,7 @@ def attention_bound(
     probability: float | None = None,
     sink: Any = None,
     softcap: float | None = None,
+    descale: Any = None,
 ) -> Bound:
     """Theorem A.1: a componentwise bound on ``|attention(q, k, v, mask, numerics) − exact|``.
 
@@ -1399,6 +1418,12 @@ def attention_bound(
             errors in scores far beyond the cap are squashed) and charges the division by the
             cap, ``tanh`` (``numerics.tanh_ulps``) and the product by the cap (the logits
             source ``softcap`` of ``Bound.parts``).
+        descale: fp8 descaling ``(d_q, d_k, d_v)`` as FlashAttention-3 applies it (see
+            :func:`mhanum.attention`): the exact attention is that of ``d_q q``, ``d_k k``,
+            ``d_v v``. The bound is Theorem A.1 of the scores' constant ``scale·d_q·d_k`` (charged
+            as up to three roundings of its format, however the kernel forms it), with its output
+            left in the format the last division or dot leaves it, then times ``d_v`` and
+            rounded twice (term ``descale``; papers/attention.md, step 7'').
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape, ``inf`` exactly
@@ -1430,6 +1455,8 @@ def attention_bound(
     cap = V.softcap_value(softcap)
     if cap is not None:
         num.check_softcap()
+    factors = V.descale_value(descale, num.scale)
+    num_y = num if factors is None else num.replace(output_format=num.descale_format.name)
     if sink is not None:
         num.check_sink()
         b64 = None if bias is None else np.asarray(bias, np.float64)
@@ -1441,6 +1468,8 @@ def attention_bound(
     dead = _dead_rows(keep, masked)
     keep = keep | dead  # evaluated as unmasked, then infinite with the reason
     c = V.scale_value(scale, q.shape[-1], placement=num.scale)
+    if factors is not None:
+        c = c * factors[0] * factors[1]  # the loose constant charges its float64 roundings too
     # every chain's event, and two martingale events per output entry (A.3', A.3'')
     chains = math.prod(batch) * rows * (keys * (q.shape[-1] + 1 + v.shape[-1]) + 2 * v.shape[-1])
     chains *= _split_count(num, keys)
@@ -1456,18 +1485,22 @@ def attention_bound(
                 vb[i],
                 keep[i],
                 None if b is None else b[i],
-                num,
+                num_y,
                 c,
-                scale is None,
+                scale is None and factors is None,
                 (errors[0][i], errors[1][i], errors[2][i]),
+                given=None if factors is None else _constant_given(qb[i], kb[i], vb[i], scale),
                 lam=lam,
                 masked=None if masked is None else masked[i],
                 replaced=None if replaced is None else replaced[i],
                 softcap=cap,
+                loose_constant=factors is not None,
             )
             for i in np.ndindex(*batch)
         ]
     out_shape = (*batch, rows, v.shape[-1])
+    if factors is not None:
+        heads = [_descaled(h, factors[2], num, num_y) for h in heads]
     terms = _stack([{**h[0], **h[4].terms()} for h in heads], out_shape)
     stacked = _stack([h[3] for h in heads], out_shape)
     plain = stacked.pop(_PLAIN)
@@ -1482,6 +1515,33 @@ def attention_bound(
     total = sum(terms.values())
     theorem = "A.1" if num.kv_splits is None else "A.6"
     return _result(total, terms, theorem, num, lam, chains, parts, reasons)
+
+
+def _constant_given(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any) -> tuple[Any, ...]:
+    """The float64 product ``scale·d_q·d_k`` is off the exact one by two roundings (four with
+    the irrational default scale): an error of the exact logits, carried as one of q's."""
+    rel = (6 if scale is None else 3) * 2.0**-53
+    return rel * np.abs(q), np.zeros_like(k), np.zeros_like(v)
+
+
+def _descaled(head: Any, d_v: float, num: Numerics, num_y: Numerics) -> Any:
+    """Step 7'' (papers/attention.md): one head's A.1 (output ``y`` left in ``num_y``'s output
+    format, ``|y - o| <= A``) carried through ``z = fl_y(y·d_v)`` and ``fl_o(z)``:
+    ``|fl_o(z) - d_v o| <= (1 + u_o)((1 + u_y)|d_v|A + u_y|d_v o| + η_y) + u_o|d_v o| + η_o``."""
+    terms, o, o_error, parts, ranges = head
+    f_y, f_o = num_y.format_of("output"), num.format_of("output")
+    u_y, u_o = f_y.u, f_o.u
+    grow = (1 + u_o) * (1 + u_y) * abs(d_v)
+    scaled = {name: grow * x for name, x in terms.items()}
+    d_o = abs(d_v) * (np.abs(o) + o_error)
+    scaled["descale"] = (
+        (1 + u_o) * (u_y * d_o + f_y.smallest_normal) + u_o * d_o + f_o.smallest_normal
+    )
+    upper = d_o + abs(d_v) * sum(terms.values()) * (1 + u_y)
+    ranges.check(upper, f_y, f"the output times d_v = {d_v:.4g}", entries=True)
+    ranges.check(upper * (1 + u_y), f_o, "the descaled output", entries=True)
+    parts = {name: grow * x for name, x in parts.items()}
+    return scaled, d_v * o, abs(d_v) * o_error, parts, ranges
 
 
 def _split_count(num: Numerics, keys: int) -> int:

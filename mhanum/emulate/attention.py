@@ -350,17 +350,23 @@ def _attend(
     bias: Any,
     scale: float,
     softcap: float | None = None,
+    descale_v: float | None = None,
 ) -> jax.Array:
     st.fold(scale)
     s = _logits(st, q, k, mask, bias, scale, softcap)
     if st.num.kv_splits is not None:
-        return to_format(_split_kv(st, s, v), st.output)
-    if st.num.softmax_kind == "online":
-        return to_format(_online(st, s, v), st.output)
-    return to_format(_softmax_then_pv(st, s, v), st.output)
+        y = _split_kv(st, s, v)
+    elif st.num.softmax_kind == "online":
+        y = _online(st, s, v)
+    else:
+        y = _softmax_then_pv(st, s, v)
+    if descale_v is not None:  # fp8: the output times d_v, in the format y is in
+        ar = Arith(st.num.descale_format, st.acc.guard)
+        y = ar.mul(ar.take(y), _constant(ar, descale_v))
+    return to_format(y, st.output)
 
 
-@functools.partial(jax.jit, static_argnames=("numerics", "scale", "softcap"))
+@functools.partial(jax.jit, static_argnames=("numerics", "scale", "softcap", "descale_v"))
 def _attention_jit(
     q: Any,
     k: Any,
@@ -371,10 +377,12 @@ def _attention_jit(
     numerics: Numerics,
     scale: float,
     softcap: float | None = None,
+    descale_v: float | None = None,
 ) -> jax.Array:
     st = _Stages(numerics, runtime_zero(q))
     q, k, v = (to_format(x, st.input) for x in (q, k, v))
-    return _attend(st, q, k, v, mask, bias, scale, softcap).astype(st.output.jax_dtype)
+    out = _attend(st, q, k, v, mask, bias, scale, softcap, descale_v)
+    return out.astype(st.output.jax_dtype)
 
 
 def attention(
@@ -388,6 +396,7 @@ def attention(
     numerics: Numerics | str | None = None,
     sink: Any = None,
     softcap: float | None = None,
+    descale: Any = None,
 ) -> jax.Array:
     """Scaled dot-product attention with explicit numerics.
 
@@ -415,6 +424,13 @@ def attention(
             ``c·tanh(s/c)`` before the bias and the mask, computed in the score format as
             ``fl(ĉ·fl(tanh(fl(s·r̂))))`` with ``ĉ = fl(c)`` and ``r̂ = fl(1/c)`` (``tanh`` XLA's,
             within ``numerics.tanh_ulps``).
+        descale: fp8 descale factors ``(d_q, d_k, d_v)`` (float32 numbers > 0), as
+            FlashAttention-3 applies them to fp8 q, k, v: the attention of ``d_q q``, ``d_k k``,
+            ``d_v v``, computed with the scale constant ``fl(scale·d_q·d_k)`` (the float64
+            product rounded once) on the given q, k, v, and the output (after the online
+            softmax's division, or the P·V dot) times ``d_v`` in its format
+            (``Numerics.descale_format``) before its rounding to ``output_format``. Needs the
+            scale on the scores.
 
     Returns:
         ``(..., Lq, d_v)`` in the dtype that stores ``numerics.output_format``.
@@ -460,9 +476,22 @@ def attention(
     if bias is not None:
         bias = _bias_array(bias, target, num.format_of("score"))
     factor = V.scale_value(scale, q.shape[-1], placement=num.scale)
+    factors = V.descale_value(descale, num.scale)
+    if factors is not None:
+        factor = factor * factors[0] * factors[1]
     fmt = num.format_of("input")
     q, k, v = (_host_round(x, fmt) for x in (q, k, v))
-    return _attention_jit(q, k, v, mask, bias, numerics=num, scale=factor, softcap=cap)
+    return _attention_jit(
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        numerics=num,
+        scale=factor,
+        softcap=cap,
+        descale_v=None if factors is None else factors[2],
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("numerics",))

@@ -158,6 +158,7 @@ def attention(
     return_mpf: bool = False,
     sink: Any = None,
     softcap: float | None = None,
+    descale: Any = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Exact attention ``softmax(scale * q @ k.T + bias) @ v`` of the given floats, certified.
 
@@ -194,6 +195,9 @@ def attention(
             before the bias. ``tanh`` is irrational, so the logits are computed at the working
             precision (their differences from the row's largest, plus the exact bias
             differences); ``"auto"`` then runs ``"exact"`` on every row, and ``"dd"`` refuses.
+        descale: fp8 descale factors ``(d_q, d_k, d_v)`` (float32 numbers > 0): the attention of
+            ``d_q q``, ``d_k k``, ``d_v v``, whose products must be exact in float64 (they are
+            for inputs of at most 29 significant bits, fp8 and float16 among them).
 
     Returns:
         float64 array ``(..., Lq, d_v)``, the certified values rounded to nearest; with
@@ -227,6 +231,11 @@ def attention(
     V.check_finite(k64, "k")
     V.check_finite(v64, "v")
     _check_qkv_shapes(q64, k64, v64)
+    factors = V.descale_value(descale)
+    if factors is not None:
+        q64, k64, v64 = (
+            _exact_product(x, d, n) for x, d, n in zip((q64, k64, v64), factors, "qkv", strict=True)
+        )
     if sink is not None:
         b64 = None if bias is None else _float_array(bias, "bias", 0)
         k64, v64, mask, bias = masks.with_sink(q64, k64, v64, mask, b64, sink)
@@ -593,6 +602,32 @@ def max_digits(backend: str) -> int:
         msg = f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
         raise InvalidArgument(msg)
     return _fastref.MAX_DIGITS if backend == "dd" else _MAX_DIGITS
+
+
+def _exact_product(x: np.ndarray, factor: float, name: str) -> np.ndarray:
+    """``x·factor`` in float64, refused unless every product is exact (their significant bits
+    fit 53 and no product leaves float64's normal range)."""
+    product = x * factor
+
+    def bits(a: np.ndarray) -> np.ndarray:
+        m, _ = np.frexp(np.abs(a))
+        ints = (m * 2.0**53).astype(np.uint64)
+        low = ints & (~ints + np.uint64(1))  # the lowest set bit
+        return 53 - np.log2(np.maximum(low, 1).astype(np.float64)).astype(np.int64)
+
+    with np.errstate(over="ignore", under="ignore"):
+        ok = (x == 0) | (
+            (bits(x) + int(bits(np.asarray(factor))) <= 53)
+            & (np.abs(product) >= np.finfo(np.float64).tiny)
+            & np.isfinite(product)
+        )
+    if not np.all(ok):
+        msg = (
+            f"descale: expected {name}·d_{name} exact in float64 (inputs of at most 29 "
+            f"significant bits with a float32 factor), got inexact products"
+        )
+        raise InvalidArgument(msg)
+    return product
 
 
 def _check_softcap_backend(spec: _ScoreSpec, options: _Options) -> None:

@@ -334,10 +334,10 @@ KERNELS: Mapping[str, Kernel] = {
 """The registered kernels, by name."""
 
 NOT_MODELLED: Mapping[str, str] = {
-    "flash-attention-3": "fp8 with per-tensor (or per-block) descale factors folded into the "
-    "softmax scale and the final division (Numerics.prob_offset models its lifted probabilities, "
-    "not the descaling's roundings) and the Hopper warpgroup MMA (wgmma) with its "
-    "producer-consumer pipelining, whose accumulation is not probed yet",
+    "flash-attention-3": "the Hopper warpgroup MMA (wgmma) with its producer-consumer "
+    "pipelining, whose accumulation is not probed yet (its fp8 arithmetic around the dots is "
+    "modelled: Numerics.prob_offset for the lifted probabilities, descale= for per-tensor "
+    "descaling; per-block descaling is not)",
     "torch-sdpa-efficient": "xFormers' CUTLASS kernel: its block sizes and accumulation order "
     "are not read to the rounding yet",
     "torch-sdpa-cudnn": "cuDNN's fused kernel: not documented to the rounding",
