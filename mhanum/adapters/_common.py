@@ -66,8 +66,9 @@ def check_path(path: str, paths: tuple[str, ...], name: str = "path") -> str:
     return path
 
 
-def float32_params(params: MHAParams, num_heads: int) -> MHAParams:
-    """``params`` checked and rounded to float32 (what a float32 layer holds).
+def float32_params(params: MHAParams, num_heads: int, num_kv_heads: int | None = None) -> MHAParams:
+    """``params`` checked and rounded to float32 (what a float32 layer holds); with
+    ``num_kv_heads``, grouped-query weights (checked through their expansion, returned grouped).
 
     Raises:
         InvalidArgument: for parameters that do not validate, or missing biases (every adapted
@@ -76,12 +77,13 @@ def float32_params(params: MHAParams, num_heads: int) -> MHAParams:
     if not isinstance(params, MHAParams):
         msg = f"params: expected an MHAParams, got {type(params).__name__}"
         raise InvalidArgument(msg)
-    params.validate(num_heads)
+    full = params if num_kv_heads is None else params.expand_kv_heads(num_heads, num_kv_heads)
+    full.validate(num_heads)
     if any(b is None for b in (params.bq, params.bk, params.bv, params.bo)):
         msg = "params: expected all four biases (bq, bk, bv, bo), got None for some"
         raise InvalidArgument(msg)
-    if params.qk_width != params.v_width:
-        msg = f"params.wv: expected H*d_v = H*d_k = {params.qk_width}, got {params.v_width}"
+    if full.qk_width != full.v_width:
+        msg = f"params.wv: expected H*d_v = H*d_k = {full.qk_width}, got {full.v_width}"
         raise InvalidArgument(msg)
     fields = {
         f.name: round_to(np.asarray(getattr(params, f.name), np.float64), "float32").astype(

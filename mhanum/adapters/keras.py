@@ -23,6 +23,14 @@ Code paths (keras 3.15, ``keras/src/layers/attention/multi_head_attention.py``
 kernels ``(E, H, key_dim)`` = ``W.reshape(E, H, D)`` with biases ``(H, D)``; the output kernel
 ``(H, D, E)`` = ``Wo.reshape(H, D, E)``, bias ``(E,)``; ``key_dim`` is per head. TensorFlow enables
 TF32 matmuls by default on Ampere and newer GPUs (:func:`numerics` ``tf32=True``).
+
+Grouped-query attention (``load(..., num_kv_heads=)``) is ``keras.layers.GroupQueryAttention``
+(``keras/src/layers/attention/grouped_query_attention.py``): key and value kernels of
+``num_kv_heads`` heads, repeated with ``ops.repeat(..., axis=2)`` (query head ``h`` reads key/value
+head ``h // (H / H_kv)``, as :meth:`mhanum.MHAParams.expand_kv_heads`), then the same two paths:
+``"fused"`` through ``ops.dot_product_attention`` with the scale on the logits, ``"explicit"``
+with q times ``1/sqrt(head_dim)`` before the einsum and the ``Softmax`` layer. The
+``"additive"`` path is the MultiHeadAttention tutorial's and does not apply.
 """
 
 from __future__ import annotations
@@ -87,13 +95,17 @@ def _check_backend() -> None:
         raise InvalidArgument(msg)
 
 
-def load(params: MHAParams, num_heads: int) -> Any:
-    """A float32 ``keras.layers.MultiHeadAttention``, built, holding exactly ``params``.
+def load(params: MHAParams, num_heads: int, num_kv_heads: int | None = None) -> Any:
+    """A float32 ``keras.layers.MultiHeadAttention``, built, holding exactly ``params``; with
+    ``num_kv_heads`` (a divisor of ``num_heads``, ``params`` grouped as for
+    :func:`mhanum.multi_head_attention`) a ``keras.layers.GroupQueryAttention``.
 
     Raises:
         InvalidArgument: for parameters the layer cannot hold, or a backend other than TensorFlow.
     """
     _check_backend()
+    if num_kv_heads is not None:
+        return _load_grouped(params, num_heads, num_kv_heads)
     p = C.float32_params(params, num_heads)
     e_q, e_kv, width = p.d_q, p.d_kv, p.qk_width
     d = width // num_heads
@@ -110,6 +122,28 @@ def load(params: MHAParams, num_heads: int) -> Any:
             p.wv.reshape(e_kv, num_heads, d),
             np.asarray(p.bv).reshape(num_heads, d),
             p.wo.reshape(num_heads, d, p.d_out),
+            p.bo,
+        ]
+    )
+    return layer
+
+
+def _load_grouped(params: MHAParams, heads: int, kv_heads: int) -> Any:
+    p = C.float32_params(params, heads, kv_heads)
+    e_q, e_kv, d = p.d_q, p.d_kv, p.qk_width // heads
+    layer = keras.layers.GroupQueryAttention(
+        head_dim=d, num_query_heads=heads, num_key_value_heads=kv_heads, dtype="float32"
+    )
+    layer.build((1, 1, e_q), (1, 1, e_kv))
+    layer.set_weights(
+        [
+            p.wq.reshape(e_q, heads, d),
+            np.asarray(p.bq).reshape(heads, d),
+            p.wk.reshape(e_kv, kv_heads, d),
+            np.asarray(p.bk).reshape(kv_heads, d),
+            p.wv.reshape(e_kv, kv_heads, d),
+            np.asarray(p.bv).reshape(kv_heads, d),
+            p.wo.reshape(heads, d, p.d_out),
             p.bo,
         ]
     )
@@ -214,6 +248,9 @@ def run(
     import tensorflow as tf
 
     C.check_path(path, PATHS)
+    if path == "additive" and isinstance(layer, keras.layers.GroupQueryAttention):
+        msg = "path: expected 'fused' or 'explicit' for a GroupQueryAttention layer, got 'additive'"
+        raise InvalidArgument(msg)
     if mask is not None and raw_mask is not None:
         msg = "raw_mask: expected None when mask is given, got both"
         raise InvalidArgument(msg)

@@ -79,3 +79,34 @@ def test_tutorial_mask_of_ones_adds_minus_1e9_to_every_logit(layer):
 
 def test_tf32_model_rounds_operands():
     assert adapter.numerics("fused", tf32=True).operand_format == "tf32"
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "padding"])
+@pytest.mark.parametrize("path", ["fused", "explicit"])
+def test_group_query_attention_is_within_a2(path, kind):
+    # keras.layers.GroupQueryAttention: 4 query heads reading 2 key/value heads
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((_check.BATCH, _check.LENGTH, _check.D_MODEL)).astype(np.float32)
+    grouped = mn.MHAParams.random(_check.D_MODEL, seed=3, kv_width=_check.D_MODEL // 2)
+    layer = adapter.load(grouped, _check.HEADS, num_kv_heads=2)
+    params = _check.C.float32_params(grouped, _check.HEADS, 2)  # what the layer holds
+    np.testing.assert_array_equal(adapter.extract(layer).wk, params.wk)
+    mask = _check.mask_of(kind)
+    out = adapter.run(layer, x, x, mask, path=path).astype(np.float64)
+    m4 = None if mask is None else mask[:, None]
+    x64 = x.astype(np.float64)
+    kw = {"mask": m4, "num_kv_heads": 2}
+    exact = mn.reference.multi_head_attention(x64, x64, params, _check.HEADS, **kw)
+    bound = mn.bounds.mha_bound(
+        x64, x64, params, _check.HEADS, numerics=adapter.numerics(path), **kw
+    )
+    assert np.isfinite(bound.total).all()
+    assert (np.abs(out - exact) <= bound.total).all()
+
+
+def test_the_tutorial_path_is_refused_for_group_query_attention():
+    x, _ = _check.inputs()
+    grouped = mn.MHAParams.random(_check.D_MODEL, seed=3, kv_width=_check.D_MODEL // 2)
+    layer = adapter.load(grouped, _check.HEADS, num_kv_heads=2)
+    with pytest.raises(mn.InvalidArgument, match="path:"):
+        adapter.run(layer, x, x, path="additive")
