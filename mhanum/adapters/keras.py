@@ -104,23 +104,26 @@ def load(params: MHAParams, num_heads: int, num_kv_heads: int | None = None) -> 
         InvalidArgument: for parameters the layer cannot hold, or a backend other than TensorFlow.
     """
     _check_backend()
-    if num_kv_heads is not None:
-        return _load_grouped(params, num_heads, num_kv_heads)
-    p = C.float32_params(params, num_heads)
-    e_q, e_kv, width = p.d_q, p.d_kv, p.qk_width
-    d = width // num_heads
-    layer = keras.layers.MultiHeadAttention(
-        num_heads=num_heads, key_dim=d, output_shape=p.d_out, dtype="float32"
-    )
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    p = C.float32_params(params, num_heads, num_kv_heads)
+    e_q, e_kv, d = p.d_q, p.d_kv, p.qk_width // num_heads
+    if num_kv_heads is None:
+        layer = keras.layers.MultiHeadAttention(
+            num_heads=num_heads, key_dim=d, output_shape=p.d_out, dtype="float32"
+        )
+    else:
+        layer = keras.layers.GroupQueryAttention(
+            head_dim=d, num_query_heads=num_heads, num_key_value_heads=kv_heads, dtype="float32"
+        )
     layer.build((1, 1, e_q), (1, 1, e_kv))
     layer.set_weights(
         [
             p.wq.reshape(e_q, num_heads, d),
             np.asarray(p.bq).reshape(num_heads, d),
-            p.wk.reshape(e_kv, num_heads, d),
-            np.asarray(p.bk).reshape(num_heads, d),
-            p.wv.reshape(e_kv, num_heads, d),
-            np.asarray(p.bv).reshape(num_heads, d),
+            p.wk.reshape(e_kv, kv_heads, d),
+            np.asarray(p.bk).reshape(kv_heads, d),
+            p.wv.reshape(e_kv, kv_heads, d),
+            np.asarray(p.bv).reshape(kv_heads, d),
             p.wo.reshape(num_heads, d, p.d_out),
             p.bo,
         ]
@@ -128,30 +131,9 @@ def load(params: MHAParams, num_heads: int, num_kv_heads: int | None = None) -> 
     return layer
 
 
-def _load_grouped(params: MHAParams, heads: int, kv_heads: int) -> Any:
-    p = C.float32_params(params, heads, kv_heads)
-    e_q, e_kv, d = p.d_q, p.d_kv, p.qk_width // heads
-    layer = keras.layers.GroupQueryAttention(
-        head_dim=d, num_query_heads=heads, num_key_value_heads=kv_heads, dtype="float32"
-    )
-    layer.build((1, 1, e_q), (1, 1, e_kv))
-    layer.set_weights(
-        [
-            p.wq.reshape(e_q, heads, d),
-            np.asarray(p.bq).reshape(heads, d),
-            p.wk.reshape(e_kv, kv_heads, d),
-            np.asarray(p.bk).reshape(kv_heads, d),
-            p.wv.reshape(e_kv, kv_heads, d),
-            np.asarray(p.bv).reshape(kv_heads, d),
-            p.wo.reshape(heads, d, p.d_out),
-            p.bo,
-        ]
-    )
-    return layer
-
-
 def extract(layer: Any) -> MHAParams:
-    """The weights of a built Keras ``MultiHeadAttention`` as ``MHAParams`` (float64)."""
+    """The weights of a built Keras ``MultiHeadAttention`` (or ``GroupQueryAttention``: grouped,
+    for ``num_kv_heads=``) as ``MHAParams`` (float64)."""
     qk, qb, kk, kb, vk, vb, ok, ob = (np.asarray(w, np.float64) for w in layer.get_weights())
 
     def flat(kernel: np.ndarray) -> np.ndarray:
