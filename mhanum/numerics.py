@@ -127,7 +127,10 @@ class Numerics:
             ``ceil(ceil(Lk/B)/kv_splits)·B`` keys (``B`` the online softmax's block, 1 for the
             others: FlashAttention-2's rule), so fewer splits may run than asked. ``log`` is
             assumed within ``exp_ulps`` ulps. ``None`` (default): no split. A fully-masked row
-            is 0 under split-KV (every ``lse_s = -inf``), as in the kernels.
+            is 0 under split-KV (every ``lse_s = -inf``), as in the kernels. With
+            ``exp_form="exp2-folded"`` the maximum ``m_s`` is of the unscaled scores and
+            ``lse_s = fl(fl(m_s·ĉ) + fl(log fl(ℓ_s·2^-k)))``, ``ĉ = fl(scale)`` and ``k`` the
+            ``prob_offset`` (FlashAttention-2's and -3's split kernels).
         tanh_ulps: assumed accuracy of ``tanh`` (logit soft-capping, ``softcap=``) in the carrier
             of ``score_format`` (float32, or float64 for float64), in its ulps; the result is then
             rounded into ``score_format``. XLA's CPU ``tanh`` measures at most 4.5 ulps in
@@ -227,9 +230,6 @@ class Numerics:
             value = self.kv_splits
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _bad("kv_splits", "None or an integer >= 1", value)
-            if self.exp_form == "exp2-folded":
-                raise _bad("exp_form", "'exp' with kv_splits (the folded exp2's split "
-                           "log-sum-exp is not modelled)", self.exp_form)  # fmt: skip
         offset = self.prob_offset
         if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= 64:
             raise _bad("prob_offset", "an integer in [0, 64]", offset)

@@ -329,8 +329,7 @@ def numerics(
             ``"running"`` or a strategy; default ``"block"``). ``"running"`` brings the online
             softmax, the native or sequential order and no split dot with it.
         kv_splits: split-KV for every drawn numerics (an integer >= 1 or a strategy of them;
-            default: none). Numerics with the folded ``exp2`` stay unsplit (the combination is
-            not modelled).
+            default: none).
 
     Raises:
         InvalidArgument: for an unknown preset, neither presets nor free nor custom combinations,
@@ -394,8 +393,6 @@ def numerics(
 def _split(draw: Any, numerics: st.SearchStrategy[Numerics], splits: Any) -> Numerics:
     num = draw(numerics)
     count = draw(splits)
-    if num.exp_form == "exp2-folded":
-        return num
     try:
         return num.replace(kv_splits=count)
     except _MhanumInvalid as exc:

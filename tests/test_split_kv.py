@@ -127,9 +127,29 @@ def test_bad_split_counts_are_refused_by_name(splits):
 
 
 def test_split_kv_is_refused_where_it_is_not_modelled():
-    with pytest.raises(InvalidArgument, match=r"numerics\.exp_form"):
-        Numerics(softmax="online(16)", exp_form="exp2-folded", kv_splits=2)
     with pytest.raises(InvalidArgument, match=r"numerics\.kv_splits"):
         attention_bound_a_priori(
             4, 64, 16, q_norm=4.0, k_norm=4.0, v_max=1.0, numerics=Numerics(kv_splits=2)
         )
+
+
+@pytest.mark.parametrize("offset", [0, 8])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_flashattention_split_kv_with_the_folded_exp2_is_within_a6(splits, offset):
+    # FlashAttention-2/3's split kernels: lse = fl(m·fl(scale)) + log(ℓ·2^-k), m unscaled
+    q, k, v = _inputs(7, q_len=4, kv_len=256, d=32)
+    num = Numerics.preset("bf16-fp32acc").replace(
+        softmax="online(32)",
+        exp_form="exp2-folded",
+        online_sums="running",
+        kv_splits=splits,
+        prob_offset=offset,
+        prob_format="float8_e4m3fn" if offset else None,
+    )
+    bound = attention_bound(q, k, v, numerics=num)
+    err = np.abs(_out(q, k, v, num) - reference.attention(q, k, v))
+    assert np.isfinite(bound.total).all()
+    assert (err <= bound.total).all()
+    if splits == 1:  # one split: the merge weight is exactly 1
+        unsplit = num.replace(kv_splits=None)
+        np.testing.assert_array_equal(_out(q, k, v, num), _out(q, k, v, unsplit))

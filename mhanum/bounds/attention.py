@@ -684,10 +684,19 @@ def _head(
             across.append((b_score, np.where(live, np.maximum(rest_score, 0.0), 0.0)))
     delta = np.where(live, delta, 0.0)
     s = np.where(live, s, -np.inf)
-    pv = _split_pv if num.kv_splits is not None else _softmax_pv
-    terms, p, _ = pv(
-        s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold, across
-    )
+    if num.kv_splits is None:
+        terms, p, _ = _softmax_pv(
+            s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold, across
+        )
+    else:
+        # folded: a split's lse is fl(fl(m·ĉ) + log ℓ) with ĉ = fl(scale), while its exponents
+        # scale by c2 = fl(scale·log2 e): the two constants differ by u_m + u_c (and float64's)
+        u_m = fmts["softmax"].u
+        lse_scale = (1 + u_m) ** 2 * (1 + u_c) * (1 + 2.0**-51) - 1 if folded else 0.0
+        terms, p, _ = _split_pv(
+            s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold, across,
+            lse_scale,
+        )  # fmt: skip
     plain = terms.pop(_PLAIN)
     # The logits term apportioned to the sources of δ by their p-weighted share in each row.
     row_delta = (p * delta).sum(axis=-1, keepdims=True)
@@ -1125,6 +1134,7 @@ def _split_pv(
     ranges: _Ranges,
     fold: np.ndarray | None = None,
     across: list[tuple[np.ndarray, np.ndarray]] | None = None,
+    lse_scale: float = 0.0,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """Theorem A.6 (papers/attention.md): :func:`_softmax_pv` under split-KV.
 
@@ -1140,7 +1150,9 @@ def _split_pv(
 
     The per-split terms keep their names (weighted by ``π̂⁺``); ``split_lse`` and
     ``split_merge`` are the second and the next two. Returns the terms, the row's
-    probabilities and (unused) zeros for the row sum's error.
+    probabilities and (unused) zeros for the row sum's error. ``lse_scale`` (the folded exp2)
+    is the relative difference between a split's lse factor ``fl(m·ĉ)`` and its exponents'
+    scale, charged on the split's largest ``|ŝ|``.
     """
     n = s.shape[-1]
     size = num.kv_split_size(n)
@@ -1195,7 +1207,12 @@ def _split_pv(
         mag = lse_abs + d_s + tau + err_log  # >= |m̂ + fl(log ℓ̂)|
         # the float64 lse: n + 2 relative roundings of the sum of exps, then log and add
         eval64 = (keys + 4) * 2.0**-52 + 2.0**-51 * (lse_abs + np.log(keys) + 1)
-        eps.append(np.where(some, d_s + tau + err_log + u_m * mag + eta_m + eval64, 0.0))
+        shift = 0.0
+        if lse_scale:
+            top_s = np.where(ls, np.abs(s[:, cut]) + delta[:, cut], 0.0).max(axis=-1, keepdims=True)
+            shift = lse_scale * top_s + eta_m
+            mag = mag + shift
+        eps.append(np.where(some, d_s + tau + err_log + u_m * mag + eta_m + eval64 + shift, 0.0))
         lse.append(np.where(some, lse_s, -np.inf))
         attended.append(some)
         ranges.check(np.where(some, mag * (1 + u_m) + eta_m, 0.0), fm, "split-KV: a split's lse")

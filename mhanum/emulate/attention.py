@@ -89,11 +89,13 @@ class _Stages:
         self.operand = num.operand_rounding
         self.folded = num.exp_form == "exp2-folded"
         self.c2: jax.Array | None = None  # exp2-folded: fl(scale·log2(e)), set by fold()
+        self.c_lse: jax.Array | None = None  # exp2-folded: fl(scale), a split's lse factor
 
     def fold(self, scale: float) -> None:
         """Set the folded constant ``c2 = fl(scale·log2(e))`` (the float64 product, rounded)."""
         if self.folded:
             self.c2 = _constant(self.soft, scale * _LOG2E)
+            self.c_lse = _constant(self.soft, scale)
 
     def exp_shifted(self, x: jax.Array, shift: jax.Array) -> jax.Array:
         """``exp(x - shift)``, or (folded) ``exp2(fl(fl(x·c2) - fl(shift·c2)))``, with
@@ -302,13 +304,17 @@ def _partial(st: _Stages, s: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Ar
         if kind == "safe":
             top = jnp.max(x, axis=-1, keepdims=True)
             shift = jnp.where(jnp.isneginf(top), jnp.zeros_like(top), top)
-            e = sm.exp(sm.sub(x, shift))
+            e = st.exp_shifted(x, shift)
         else:
             shift = jnp.zeros((*x.shape[:-1], 1), sm.dtype)
             e = sm.exp(x)
         d = st.sum(e)
         o = st.dot(to_format(sm.div(e, d), st.prob), v)
     empty = d == 0
+    if st.folded:  # the maximum is of the unscaled scores: m·fl(scale); the lift taken off
+        assert st.c_lse is not None
+        shift = sm.mul(jnp.where(jnp.isneginf(shift), jnp.zeros_like(shift), shift), st.c_lse)
+        d = sm.mul(d, jnp.asarray(2.0**-st.num.prob_offset, sm.dtype))
     lse = jnp.where(empty, -jnp.inf, sm.add(shift, sm.log(d)))
     o = st.acc.take(o)
     return lse, jnp.where(empty, jnp.zeros_like(o), o)

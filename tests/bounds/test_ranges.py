@@ -359,6 +359,26 @@ def test_soft_capped_logits_at_the_range_edges_on_long_rows(data):
     _check_drawn(data, num, shapes=LONG_SHAPES, softcap=data.draw(CAPS, label="softcap"))
 
 
+@RANGE_SETTINGS
+@given(data=st.data())
+def test_folded_split_kv_at_the_range_edges(data):
+    # FlashAttention's split kernels: the folded exp2, a lift, lse = fl(m·ĉ) + log(ℓ·2^-k)
+    num = data.draw(
+        mst.numerics(
+            presets=False,
+            free=False,
+            custom=True,
+            bounded=True,
+            exp_form="exp2-folded",
+            kv_splits=SPLITS,
+        )
+    )
+    if num.softmax_kind == "online":
+        num = num.replace(prob_offset=data.draw(st.sampled_from([0, 0, 4, 8]), label="lift"))
+    structure = data.draw(st.sampled_from((*WITHOUT_BIAS, None)))
+    _check_drawn(data, num, shapes=(*SHAPES, (2, 40, 8, 2)), structure=structure)
+
+
 @pytest.mark.slow
 @RANGE_SETTINGS
 @given(data=st.data())
