@@ -28,11 +28,11 @@ from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.bounds.factors import (
-    EVALUATION,
     F64_DOT,
     LOG2E,
     check_lam,
     conversion_eta,
+    evaluation_rounding,
     exp_and_sum_factors,
     gamma,
     is_power_of_four,
@@ -442,6 +442,7 @@ def _head(
     descaling) charges the scale constant as up to three roundings of its format, and its
     product as rounded, whatever value the kernel's constant takes.
     """
+    ev_rel = evaluation_rounding(k.shape[-2])  # float64 sums over the keys
     ranges = _Ranges(q.shape[-2], v.shape[-1])
     store = num.storage_format
     # R.1: the stored operands (the inputs rounded to the input format, or the projections)
@@ -707,8 +708,8 @@ def _head(
             )
             for name, x in sources.items()
         }
-    parts = {name: share * terms["logits"] * (1 + EVALUATION) for name, share in shares.items()}
-    parts[_PLAIN] = plain * (1 + EVALUATION)
+    parts = {name: share * terms["logits"] * (1 + ev_rel) for name, share in shares.items()}
+    parts[_PLAIN] = plain * (1 + ev_rel)
     # The target: the exact attention over the attended keys; in a row with none, the leaky
     # problem itself (fill: uniform over the keys; add: the unmasked softmax).
     empty = ~keep.any(axis=-1, keepdims=True)
@@ -727,14 +728,14 @@ def _head(
     pv_abs = p_t @ np.abs(v)
     with np.errstate(over="ignore"):
         evaluation = np.expm1(2 * big) * pv_abs
-    o_error = EVALUATION * pv_abs + evaluation
+    o_error = ev_rel * pv_abs + evaluation
     if given is not None:
         given_error = _given_error(q_abs, k_abs, v, p_t, target, scale, given)
         evaluation = evaluation + given_error
         o_error = o_error + given_error
     if given is not None or num.scale != "scores" or np.any(evaluation > 0):
         terms["evaluation"] = evaluation
-    terms = {name: value * (1 + EVALUATION) for name, value in terms.items()}
+    terms = {name: value * (1 + ev_rel) for name, value in terms.items()}
     # R.6: the output, |o_hat| <= |o| + the bound, in the output format (online: and the
     # softmax format it is divided in)
     upper = np.abs(o) + sum(terms.values())
@@ -879,6 +880,7 @@ def _softmax_pv(
     the logits shifted by the row maximum, so the float64 evaluation does not lose accuracy
     with the logits' magnitude.
     """
+    ev_rel = evaluation_rounding(s.shape[-1])  # float64 sums over the keys
     n = s.shape[-1]
     fmts = {r: num.format_of(r) for r in ("softmax", "prob", "output", "accum")}
     u_p, u_o = fmts["prob"].u, fmts["output"].u
@@ -966,7 +968,7 @@ def _softmax_pv(
         prob = u_p * p_hat_hi + (eta_p * per_sum + blocks * eta_m * per_sum) / lift
     else:
         # Step 6: an absolute η_p only where p̂_j may lie below F_p's smallest normal number
-        p_hat_lo = p_tilde_lo * (1 - EVALUATION) - soft
+        p_hat_lo = p_tilde_lo * (1 - ev_rel) - soft
         normal_p = p_hat_lo >= eta_p
         prob = u_p * p_hat_hi + np.where(normal_p, 0.0, eta_p)
         if lam is not None and num.dot_kind == "ieee":
@@ -1028,10 +1030,10 @@ def _softmax_pv(
     pl = np.where(live, p, 0.0)
     with np.errstate(invalid="ignore"):
         o = pl @ v
-    ev = EVALUATION * (pl @ np.abs(v))
+    ev = ev_rel * (pl @ np.abs(v))
     with np.errstate(over="ignore", invalid="ignore"):
         # |Σ_j p̃_j ṽ_j| <= |o| + Σ_j |p̃_j - p_j| v̄_j + Σ_j p_j (v̄_j - |v_j|)
-        o_tilde = (np.abs(o) + ev + logits @ v_abs + pl @ (v_abs - np.abs(v))) * (1 + EVALUATION)
+        o_tilde = (np.abs(o) + ev + logits @ v_abs + pl @ (v_abs - np.abs(v))) * (1 + ev_rel)
         o_tilde = np.minimum(o_tilde, p_tilde_hi @ v_abs)
         inv = 1 / (1 - t_safe)
         soft_term = (rel @ v_abs) * inv + t_safe * inv * o_tilde + eta_soft * v_abs.sum(axis=0)
@@ -1083,7 +1085,7 @@ def _softmax_pv(
             kept_op = np.where(normal, eta_conv, operand_p) @ v_abs
             det_prob, det_op = prob @ v_abs, operand_p @ v_abs
             det = det_prob + det_op
-            alt = (mart + kept_prob + kept_op) * (1 + EVALUATION)
+            alt = (mart + kept_prob + kept_op) * (1 + ev_rel)
             share = np.where(det > 0, det_prob / det, 1.0)
         choose = alt < det
         rest_v = p_hat_hi @ (v_abs - np.abs(v))
@@ -1154,6 +1156,7 @@ def _split_pv(
     is the relative difference between a split's lse factor ``fl(m·ĉ)`` and its exponents'
     scale, charged on the split's largest ``|ŝ|``.
     """
+    ev_rel = evaluation_rounding(s.shape[-1])  # float64 sums over the keys
     n = s.shape[-1]
     size = num.kv_split_size(n)
     cuts = [slice(a, min(a + size, n)) for a in range(0, n, size)]
@@ -1166,7 +1169,7 @@ def _split_pv(
         p = np.where(live, np.exp(s - np.where(np.isfinite(top), top, 0.0)), 0.0)
     p = p / np.where(p.sum(axis=-1, keepdims=True) > 0, p.sum(axis=-1, keepdims=True), 1.0)
     o = p @ v
-    ev = EVALUATION * (p @ np.abs(v))
+    ev = ev_rel * (p @ np.abs(v))
     split_terms, outs, bounds, lse, eps, attended = [], [], [], [], [], []
     for cut in cuts:
         ls = live[:, cut]
@@ -1192,7 +1195,7 @@ def _split_pv(
         split_terms.append(terms)
         bounds.append(sum(terms.values()))
         p_s = np.where(ls, p_s, 0.0)
-        outs.append((p_s @ v[cut], EVALUATION * (p_s @ np.abs(v[cut]))))
+        outs.append((p_s @ v[cut], ev_rel * (p_s @ np.abs(v[cut]))))
         # the split's exact log-sum-exp (float64 logits) and the computed one's distance ε_σ
         with np.errstate(invalid="ignore", divide="ignore"):
             m_s = np.where(ls, s[:, cut], -np.inf).max(axis=-1, keepdims=True)
@@ -1293,6 +1296,7 @@ def _logits_across_keys(
     probability ``2 exp(-λ²/2)`` per output. The rest of ``ε_j`` is at most ``δ'_j``, and
     ``Σ_j (p̃_j - p_j)(v̂_j - v_j)`` at most the per-key deviations times ``v_abs - |v|``.
     """
+    ev_rel = evaluation_rounding(p.shape[-1])  # float64 sums over the keys
     b, rest = across
     pl = np.where(live, np.nan_to_num(p), 0.0)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -1309,7 +1313,7 @@ def _logits_across_keys(
         det = det + (pl * second) @ spread + np.abs(o) * (pl * second).sum(axis=-1, keepdims=True)
         z_inv = np.exp(d.max(axis=-1, keepdims=True))
         used = per_key @ (v_abs - np.abs(v))
-        return (z_inv * (martingale + det) + used) * (1 + EVALUATION)
+        return (z_inv * (martingale + det) + used) * (1 + ev_rel)
 
 
 def _log_sum_excluding(a: np.ndarray) -> np.ndarray:

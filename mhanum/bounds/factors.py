@@ -283,6 +283,13 @@ EVALUATION = 2.0**-40  # relative rounding of evaluating the bound in float64 (s
 F64_DOT = 2.0**-52  # per-operation relative error of the float64 logits, with margin (step 0)
 
 
+def evaluation_rounding(n: int) -> float:
+    """The relative rounding of evaluating a bound's sums over ``n`` keys in float64: ``2^-40``,
+    or past about 4,000 keys ``(2n + 512)·2^-53`` (``γ_n`` of the sums, with margin: a BLAS
+    product or a sum of ``n`` terms is not bounded by a constant for every ``n``)."""
+    return max(EVALUATION, (2 * n + 512) * 2.0**-53)
+
+
 def chain_sum_factor(n: int, order: str, u: float, lam: float | None = None) -> float:
     """Relative error of a sum of ``n`` terms in ``order`` (Theorem S.0); refuses ``nu >= 1``.
 

@@ -21,7 +21,7 @@ import numpy as np
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.bounds.attention import attention_bound
-from mhanum.bounds.factors import EVALUATION
+from mhanum.bounds.factors import evaluation_rounding
 from mhanum.bounds.softmax import division_error
 from mhanum.numerics import Numerics, resolve
 
@@ -134,7 +134,9 @@ def schedule_difference(
     }
     shared = shares_logits(sides["a"], sides["b"])
     per_side = {
-        name: _around_computed_logits(b, sides[name]) if shared else dict(b.terms)
+        name: _around_computed_logits(b, sides[name], np.shape(k)[-2] + 1)
+        if shared
+        else dict(b.terms)
         for name, b in bounds.items()
     }
     terms = {f"{name}.{t}": x for name, side in per_side.items() for t, x in side.items()}
@@ -160,7 +162,7 @@ def schedule_difference(
     )
 
 
-def _around_computed_logits(bound: Bound, num: Numerics) -> dict[str, Any]:
+def _around_computed_logits(bound: Bound, num: Numerics, keys: int) -> dict[str, Any]:
     """Theorem A.5': A.1's terms around the exact attention of the computed logits.
 
     ``logits`` carries ``κ(1 + ε)L`` (``κ`` the output's rounding factor, ``ε`` the evaluation's)
@@ -177,6 +179,8 @@ def _around_computed_logits(bound: Bound, num: Numerics) -> dict[str, Any]:
     with np.errstate(invalid="ignore"):
         if "logits" in bound.terms:
             logits = np.asarray(bound.terms["logits"], np.float64)
-            kept["logits"] = logits - logits / (kappa * (1 + EVALUATION))
+            # the evaluation factor of at least as many keys as A.1 summed over (a sink's
+            # one more): subtracting less than L is safe
+            kept["logits"] = logits - logits / (kappa * (1 + evaluation_rounding(keys)))
         kept["output"] = np.asarray(bound.parts["output"]["rounding"], np.float64)
     return kept
