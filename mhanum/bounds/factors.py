@@ -705,7 +705,7 @@ def linear(
     y_bar = np.abs(y) + y_given
     fixed = out.u * y_bar + (1 + out.u) * fixed + out.smallest_normal
     kappa *= 1 + out.u
-    scale = 1 + EVALUATION
+    scale = 1 + evaluation_rounding(x.shape[-1])  # the float64 sums over the inputs
     return Linear(y, y_given * scale, fixed * scale, slope, kappa * scale, x_given)
 
 
