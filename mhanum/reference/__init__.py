@@ -78,7 +78,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 import mpmath
 import numpy as np
@@ -90,7 +90,15 @@ from mhanum.params import MHAParams
 from mhanum.reference import _dd, _exact, _fastref
 from mhanum.reference._dd import Ball
 
-__all__ = ["BACKENDS", "attention", "max_digits", "multi_head_attention", "nearest_float64"]
+__all__ = [
+    "BACKENDS",
+    "Gradients",
+    "attention",
+    "attention_grad",
+    "max_digits",
+    "multi_head_attention",
+    "nearest_float64",
+]
 
 _FULLY_MASKED = ("nan", "zero", "uniform")
 BACKENDS = ("auto", "dd", "exact", "mpmath", "arb")
@@ -280,6 +288,87 @@ def attention(
             spec.fully_masked,
         )
     return _fast_certified(out, undefined, batch, exact_rows, options)
+
+
+class Gradients(NamedTuple):
+    """The certified gradients of ``<d_out, attention(q, k, v)>`` (float64, correctly rounded
+    unless within ``10**-digits`` of a rounding boundary): ``dq``, ``dk``, ``dv`` shaped like
+    the inputs broadcast to the batch (a broadcast input's gradient is per batch element: sum
+    over the dimensions it was broadcast along for its own), and ``dbias``, the gradient with
+    respect to the logits' additive bias, shaped ``(..., Lq, Lk)`` (0 at masked keys)."""
+
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dbias: np.ndarray
+
+
+def attention_grad(
+    q: Any,
+    k: Any,
+    v: Any,
+    d_out: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    digits: int = 20,
+    max_prec: int = 8192,
+) -> Gradients:
+    """Certified gradients of attention: the exact backward pass of the given floats.
+
+    With ``S = scale·q kᵀ + bias``, ``P = softmax(S)`` (exactly 0 at masked keys) and
+    ``O = P v``, the gradients of ``<d_out, O>`` are ``dv = Pᵀ d_out``,
+    ``dS = P ∘ (d_out vᵀ - rowsum(P ∘ d_out vᵀ))``, ``dq = scale·dS k``, ``dk = scale·dSᵀ q`` and
+    ``dbias = dS``. They are computed in python-flint's Arb balls (every input float exact,
+    ``exp`` and the sums rigorous) and certified when every ball's radius is at most
+    ``2**-ceil(digits log2 10) / 2`` of its midpoint, doubling the precision up to ``max_prec``
+    (the forward reference's ``backend="arb"``): backward kernels are measured against it.
+
+    Args:
+        q, k, v: as for :func:`attention` (batch dimensions broadcast).
+        d_out: the output's cotangent ``(..., Lq, d_v)``.
+        mask, bias, scale: as for :func:`attention`; a row must attend some key (the softmax of
+            an empty row has no gradient).
+        digits, max_prec: as for :func:`attention`.
+
+    Raises:
+        InvalidArgument: for bad inputs (named), a ``d_out`` of another shape than the output,
+            or a row that attends no key.
+        CertificationError: if a gradient is not certified by ``max_prec`` bits (an entry
+            that cancels to exactly 0 without being exact in the balls, for one).
+
+    Examples:
+        >>> import numpy as np
+        >>> from mhanum import reference
+        >>> g = reference.attention_grad(np.zeros((1, 2)), np.ones((3, 2)), np.eye(3), np.ones((1, 3)))
+        >>> g.dv
+        array([[0.33333333, 0.33333333, 0.33333333],
+               [0.33333333, 0.33333333, 0.33333333],
+               [0.33333333, 0.33333333, 0.33333333]])
+    """
+    options = _check_options(digits, max_prec, "zero", "arb", False)
+    q64, k64, v64 = (_float_array(x, name, 2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    g64 = _float_array(d_out, "d_out", 2)
+    for x, name in ((q64, "q"), (k64, "k"), (v64, "v"), (g64, "d_out")):
+        V.check_finite(x, name)
+    _check_qkv_shapes(q64, k64, v64)
+    batch = V.broadcast(
+        {"q": q64.shape[:-2], "k": k64.shape[:-2], "v": v64.shape[:-2], "d_out": g64.shape[:-2]}
+    )
+    if g64.shape[-2:] != (q64.shape[-2], v64.shape[-1]):
+        msg = (
+            f"d_out: expected the output's shape (..., {q64.shape[-2]}, {v64.shape[-1]}), got "
+            f"{g64.shape}"
+        )
+        raise InvalidArgument(msg)
+    shape = (*batch, q64.shape[-2], k64.shape[-2])
+    spec = _score_spec(mask, bias, _check_scale(scale), shape, q64.shape[-1], "zero")
+    if spec.excluded.all(axis=-1).any():
+        msg = "mask: expected every row to attend some key (an empty softmax has no gradient)"
+        raise InvalidArgument(msg)
+    dq, dk, dv, dbias = _arb_backend().attention_grad(q64, k64, v64, g64, spec, options)
+    return Gradients(dq, dk, dv, dbias)
 
 
 def multi_head_attention(

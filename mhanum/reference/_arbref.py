@@ -21,7 +21,7 @@ import numpy as np
 from mhanum._errors import CertificationError
 from mhanum.reference import _dd, _exact
 
-__all__ = ["attention", "multi_head_attention", "refine_mha_rows"]
+__all__ = ["attention", "attention_grad", "multi_head_attention", "refine_mha_rows"]
 
 _GUARD_BITS = 32
 
@@ -177,6 +177,58 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, spec: Any, options: A
         return outputs, undefined
 
     return _certify(run, shape, options, _start(options))
+
+
+def attention_grad(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, d_out: np.ndarray, spec: Any, options: Any
+) -> tuple[Any, ...]:
+    """The gradients ``(dq, dk, dv, dbias)`` of ``<d_out, attention(q, k, v)>``, certified with
+    Arb balls: ``P`` as in :func:`attention`, then ``dV = Pᵀ dO``, ``dP = dO Vᵀ``,
+    ``D = rowsum(P ∘ dP)``, ``dS = P ∘ (dP - D)`` (evaluated as ``P ∘ ((dP - r) - rowsum(P ∘
+    (dP - r)))``, ``r`` one of the row's ``dP``, so that equal ``dP`` give an exact 0), ``dQ = c·dS K``, ``dK = c·dSᵀ Q`` and
+    ``dbias = dS`` (the textbook backward; masked keys have ``P = 0`` and gradient 0)."""
+    batch = spec.excluded.shape[:-2]
+    q, k, v, d_out = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v, d_out))
+    l_q, l_k = spec.excluded.shape[-2:]
+    shapes = [q.shape, k.shape, v.shape, (*batch, l_q, l_k)]
+    sizes = [math.prod(s) for s in shapes]
+
+    def run(flint: Any) -> tuple[np.ndarray, np.ndarray]:
+        parts = [np.empty(s, dtype=object) for s in shapes]
+        scale = _scale(flint, spec.scale, spec.d_k)
+        for b in np.ndindex(batch):
+            scores = _matrix(flint, q[b]) * _matrix(flint, k[b].T)
+            bias = None if spec.bias is None else spec.bias[b]
+            probs, _ = _softmax_rows(flint, scores, scale, bias, spec.excluded[b], "zero")
+            d_o, vb = _matrix(flint, d_out[b]), _matrix(flint, v[b])
+            d_v = probs.transpose() * d_o
+            d_p = d_o * vb.transpose()
+            # dP_ij - D_i = (dP_ij - r) - Σ_l P_il (dP_il - r) for any r (Σ_l P_il = 1), with
+            # r = dP_i0: a row whose dP are all equal gets dS = 0 exactly, not a ball around 0
+            rows = []
+            for i in range(l_q):
+                r = d_p[i, 0]
+                shifted = [d_p[i, j] - r for j in range(l_k)]
+                mean = sum((probs[i, j] * shifted[j] for j in range(l_k)), flint.arb(0))
+                rows.append([probs[i, j] * (shifted[j] - mean) for j in range(l_k)])
+            d_s = flint.arb_mat(rows)
+            d_q = d_s * _matrix(flint, k[b]) * scale
+            d_k = d_s.transpose() * _matrix(flint, q[b]) * scale
+            for part, m in zip(parts, (d_q, d_k, d_v, d_s), strict=True):
+                rows, cols = part.shape[-2:]
+                for i in range(rows):
+                    for j in range(cols):
+                        part[(*b, i, j)] = m[i, j]
+        flat = np.concatenate([x.reshape(-1) for x in parts])[:, None]
+        return flat, np.zeros(flat.shape[0], dtype=bool)
+
+    flat = _certify(run, (sum(sizes), 1), options, _start(options))
+    values = np.asarray(flat if not options.return_mpf else flat[0], np.float64).reshape(-1)
+    out, start = [], 0
+    for shape, size in zip(shapes, sizes, strict=True):
+        out.append(values[start : start + size].reshape(shape))
+        start += size
+    return tuple(out)
 
 
 def multi_head_attention(
