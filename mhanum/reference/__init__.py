@@ -295,12 +295,15 @@ class Gradients(NamedTuple):
     unless within ``10**-digits`` of a rounding boundary): ``dq``, ``dk``, ``dv`` shaped like
     the inputs broadcast to the batch (a broadcast input's gradient is per batch element: sum
     over the dimensions it was broadcast along for its own), and ``dbias``, the gradient with
-    respect to the logits' additive bias, shaped ``(..., Lq, Lk)`` (0 at masked keys)."""
+    respect to the logits' additive bias, shaped ``(..., Lq, Lk)`` (0 at masked keys); with a
+    sink, ``dsink``, the gradient with respect to the sink logit of each batch element
+    (``(...)``: sum it over the dimensions a shared sink was broadcast along)."""
 
     dq: np.ndarray
     dk: np.ndarray
     dv: np.ndarray
     dbias: np.ndarray
+    dsink: np.ndarray | None = None
 
 
 def attention_grad(
@@ -314,6 +317,8 @@ def attention_grad(
     scale: float | None = None,
     digits: int = 20,
     max_prec: int = 8192,
+    softcap: float | None = None,
+    sink: Any = None,
 ) -> Gradients:
     """Certified gradients of attention: the exact backward pass of the given floats.
 
@@ -330,6 +335,8 @@ def attention_grad(
         d_out: the output's cotangent ``(..., Lq, d_v)``.
         mask, bias, scale: as for :func:`attention`; a row must attend some key (the softmax of
             an empty row has no gradient).
+        softcap, sink: as for :func:`attention`: the cap's slope enters ``dq`` and ``dk``; the
+            sink is one more key (zero key and value, bias ``σ``) whose gradient is ``dsink``.
         digits, max_prec: as for :func:`attention`.
 
     Raises:
@@ -353,6 +360,10 @@ def attention_grad(
     for x, name in ((q64, "q"), (k64, "k"), (v64, "v"), (g64, "d_out")):
         V.check_finite(x, name)
     _check_qkv_shapes(q64, k64, v64)
+    keys = k64.shape[-2]
+    if sink is not None:
+        b64 = None if bias is None else _float_array(bias, "bias", 0)
+        k64, v64, mask, bias = masks.with_sink(q64, k64, v64, mask, b64, sink)
     batch = V.broadcast(
         {"q": q64.shape[:-2], "k": k64.shape[:-2], "v": v64.shape[:-2], "d_out": g64.shape[:-2]}
     )
@@ -363,12 +374,19 @@ def attention_grad(
         )
         raise InvalidArgument(msg)
     shape = (*batch, q64.shape[-2], k64.shape[-2])
-    spec = _score_spec(mask, bias, _check_scale(scale), shape, q64.shape[-1], "zero")
+    spec = _score_spec(mask, bias, _check_scale(scale), shape, q64.shape[-1], "zero", softcap)
     if spec.excluded.all(axis=-1).any():
         msg = "mask: expected every row to attend some key (an empty softmax has no gradient)"
         raise InvalidArgument(msg)
-    dq, dk, dv, dbias = _arb_backend().attention_grad(q64, k64, v64, g64, spec, options)
-    return Gradients(dq, dk, dv, dbias)
+    grads = _arb_backend().attention_grad(
+        q64, k64, v64, g64, spec, options, sink_column=sink is not None
+    )
+    if sink is None:
+        return Gradients(*grads)
+    # the sink's key and value are constants: drop their rows; its logit's gradient is the
+    # sum of its column of dS, certified with the rest
+    dq, dk, dv, dbias, dsink = grads
+    return Gradients(dq, dk[..., :keys, :], dv[..., :keys, :], dbias[..., :keys], dsink[..., 0, 0])
 
 
 def multi_head_attention(

@@ -180,17 +180,28 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, spec: Any, options: A
 
 
 def attention_grad(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, d_out: np.ndarray, spec: Any, options: Any
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    d_out: np.ndarray,
+    spec: Any,
+    options: Any,
+    sink_column: bool = False,
 ) -> tuple[Any, ...]:
     """The gradients ``(dq, dk, dv, dbias)`` of ``<d_out, attention(q, k, v)>``, certified with
     Arb balls: ``P`` as in :func:`attention`, then ``dV = Pᵀ dO``, ``dP = dO Vᵀ``,
     ``D = rowsum(P ∘ dP)``, ``dS = P ∘ (dP - D)`` (evaluated as ``P ∘ ((dP - r) - rowsum(P ∘
     (dP - r)))``, ``r`` one of the row's ``dP``, so that equal ``dP`` give an exact 0), ``dQ = c·dS K``, ``dK = c·dSᵀ Q`` and
-    ``dbias = dS`` (the textbook backward; masked keys have ``P = 0`` and gradient 0)."""
+    ``dbias = dS`` (the textbook backward; masked keys have ``P = 0`` and gradient 0). A
+    soft-cap multiplies ``dS`` by the cap's slope ``1 - tanh²(c·qk/cap)`` before ``dQ`` and
+    ``dK``. ``sink_column``: also the sum of ``dS``'s last column (a sink logit's gradient),
+    certified with the rest."""
     batch = spec.excluded.shape[:-2]
     q, k, v, d_out = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v, d_out))
     l_q, l_k = spec.excluded.shape[-2:]
     shapes = [q.shape, k.shape, v.shape, (*batch, l_q, l_k)]
+    if sink_column:
+        shapes.append((*batch, 1, 1))
     sizes = [math.prod(s) for s in shapes]
 
     def run(flint: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -199,7 +210,9 @@ def attention_grad(
         for b in np.ndindex(batch):
             scores = _matrix(flint, q[b]) * _matrix(flint, k[b].T)
             bias = None if spec.bias is None else spec.bias[b]
-            probs, _ = _softmax_rows(flint, scores, scale, bias, spec.excluded[b], "zero")
+            probs, _ = _softmax_rows(
+                flint, scores, scale, bias, spec.excluded[b], "zero", spec.softcap
+            )
             d_o, vb = _matrix(flint, d_out[b]), _matrix(flint, v[b])
             d_v = probs.transpose() * d_o
             d_p = d_o * vb.transpose()
@@ -212,9 +225,20 @@ def attention_grad(
                 mean = sum((probs[i, j] * shifted[j] for j in range(l_k)), flint.arb(0))
                 rows.append([probs[i, j] * (shifted[j] - mean) for j in range(l_k)])
             d_s = flint.arb_mat(rows)
-            d_q = d_s * _matrix(flint, k[b]) * scale
-            d_k = d_s.transpose() * _matrix(flint, q[b]) * scale
-            for part, m in zip(parts, (d_q, d_k, d_v, d_s), strict=True):
+            d_a = d_s  # the gradient of the scaled scores: through the cap's slope sech²
+            if spec.softcap is not None:
+                cap = flint.arb(spec.softcap)
+                slope = [[1 - (scores[i, j] * scale / cap).tanh() ** 2 for j in range(l_k)]
+                         for i in range(l_q)]  # fmt: skip
+                d_a = flint.arb_mat([[d_s[i, j] * slope[i][j] for j in range(l_k)]
+                                     for i in range(l_q)])  # fmt: skip
+            d_q = d_a * _matrix(flint, k[b]) * scale
+            d_k = d_a.transpose() * _matrix(flint, q[b]) * scale
+            mats = [d_q, d_k, d_v, d_s]
+            if sink_column:
+                column = sum((d_s[i, l_k - 1] for i in range(l_q)), flint.arb(0))
+                mats.append(flint.arb_mat([[column]]))
+            for part, m in zip(parts, mats, strict=True):
                 rows, cols = part.shape[-2:]
                 for i in range(rows):
                     for j in range(cols):
