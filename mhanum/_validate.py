@@ -160,7 +160,8 @@ def descale_value(descale: Any, placement: str = "scores") -> tuple[float, float
     )
     if ok:
         floats = tuple(float(x) for x in values)
-        ok = all(np.isfinite(x) and x > 0 and float(np.float32(x)) == x for x in floats)
+        with np.errstate(over="ignore"):  # a factor past float32's range is refused below
+            ok = all(np.isfinite(x) and x > 0 and float(np.float32(x)) == x for x in floats)
     if not ok:
         msg = f"descale: expected three finite float32 numbers > 0 (d_q, d_k, d_v), got {descale!r}"
         raise InvalidArgument(msg)

@@ -70,7 +70,8 @@ def test_inexact_products_and_bad_factors_are_refused_by_name():
     wide = q + 1e-9  # 53 significant bits: q·d_q is not a float64
     with pytest.raises(InvalidArgument, match="descale:"):
         reference.attention(wide, k, v, descale=d)
-    for bad in [(1.0, 2.0), (0.0, 1.0, 1.0), (1.0, float("nan"), 1.0), (0.1, 1.0, 1.0), "abc"]:
+    for bad in [(1.0, 2.0), (0.0, 1.0, 1.0), (1.0, float("nan"), 1.0), (0.1, 1.0, 1.0), "abc",
+                (1e39, 1.0, 1.0)]:  # fmt: skip
         with pytest.raises(InvalidArgument, match="descale:"):
             mn.attention(q, k, v, descale=bad)
         with pytest.raises(InvalidArgument, match="descale:"):

@@ -1174,6 +1174,7 @@ def _split_pv(
     for cut in cuts:
         ls = live[:, cut]
         some = ls.any(axis=-1, keepdims=True)
+        mine = _Ranges(*ranges.shape)  # this split's flags, kept only for rows it attends
         terms, p_s, t_s = _softmax_pv(
             s[:, cut],
             delta[:, cut],
@@ -1185,7 +1186,7 @@ def _split_pv(
             bits_pv,
             anchor,
             u_div,
-            mine := _Ranges(*ranges.shape),
+            mine,
             None if fold is None else fold[:, cut],
             None if across is None else [(b[:, cut], d[:, cut]) for b, d in across],
         )
