@@ -32,19 +32,24 @@ if TYPE_CHECKING:
     from mhanum._errors import CertificationError, InvalidArgument
     from mhanum.adapters.compare import compare
     from mhanum.emulate.attention import attention, multi_head_attention, softmax
+    from mhanum.emulate.backward import attention_grad
     from mhanum.formats import Format, get_format, round_to
-    from mhanum.numerics import PRESETS, Numerics
+    from mhanum.gradients import Gradients
+    from mhanum.numerics import PRESETS, Backward, Numerics
     from mhanum.params import MHAParams
 
 __all__ = [
     "PRESETS",
+    "Backward",
     "CertificationError",
     "Format",
+    "Gradients",
     "InvalidArgument",
     "MHAParams",
     "Numerics",
     "__version__",
     "attention",
+    "attention_grad",
     "bounds",
     "cases",
     "compare",
@@ -69,6 +74,9 @@ _DEFINED_IN = {
     "attention": "mhanum.emulate.attention",
     "multi_head_attention": "mhanum.emulate.attention",
     "softmax": "mhanum.emulate.attention",
+    "attention_grad": "mhanum.emulate.backward",
+    "Gradients": "mhanum.gradients",
+    "Backward": "mhanum.numerics",
     "Format": "mhanum.formats",
     "get_format": "mhanum.formats",
     "round_to": "mhanum.formats",

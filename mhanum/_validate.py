@@ -172,3 +172,29 @@ def descale_value(descale: Any, placement: str = "scores") -> tuple[float, float
         )
         raise InvalidArgument(msg)
     return floats  # type: ignore[return-value]
+
+
+def gradient_inputs(
+    q: Any, k: Any, v: Any, d_out: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[int, ...]]:
+    """``q, k, v, d_out`` of a backward pass, checked (float, finite, shapes that fit, ``d_out``
+    shaped like the output), and their broadcast batch shape."""
+    q, k, v = (float_array(x, name, min_ndim=2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    g = float_array(d_out, "d_out", min_ndim=2)
+    if k.shape[-1] != q.shape[-1]:
+        msg = f"k: expected last dimension d_k = {q.shape[-1]} (from q), got shape {k.shape}"
+        raise InvalidArgument(msg)
+    if v.shape[-2] != k.shape[-2]:
+        msg = f"v: expected {k.shape[-2]} keys (Lk, from k) in dimension -2, got shape {v.shape}"
+        raise InvalidArgument(msg)
+    if g.shape[-2:] != (q.shape[-2], v.shape[-1]):
+        msg = (
+            f"d_out: expected the output's shape (..., {q.shape[-2]}, {v.shape[-1]}), got {g.shape}"
+        )
+        raise InvalidArgument(msg)
+    for x, name in ((q, "q"), (k, "k"), (v, "v"), (g, "d_out")):
+        check_finite(x, name)
+    batch = broadcast(
+        {"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2], "d_out": g.shape[:-2]}
+    )
+    return q, k, v, g, batch

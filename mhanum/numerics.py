@@ -42,7 +42,7 @@ from mhanum.units import (
     summation_order,
 )
 
-__all__ = ["PRESETS", "Numerics", "resolve"]
+__all__ = ["PRESETS", "Backward", "Numerics", "resolve", "resolve_backward"]
 
 _SCALES = ("scores", "q", "qk")
 _EXP_FORMS = ("exp", "exp2-folded")
@@ -571,3 +571,141 @@ def resolve(numerics: Numerics | str | None) -> Numerics:
         msg = f"numerics: expected a Numerics or a preset name, got {type(numerics).__name__}"
         raise InvalidArgument(msg)
     return numerics
+
+
+_ALGORITHMS = ("textbook", "flash2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backward:
+    """Every numerical choice of attention's backward pass that the forward :class:`Numerics`
+    does not already make (papers/backward.md).
+
+    The backward reads the forward's formats: q, k, v and ``d_out`` are rounded to ``input``,
+    every dot runs on the forward's dot unit (``accum``, ``summation``, ``operand_format``),
+    and dq, dk, dv and dbias are rounded to ``output_format``. With ``S`` the computed logits,
+    ``c`` the scale, ``G = d_out`` and ``D`` a row vector:
+
+    * ``"textbook"`` (autograd through the math path, PyTorch's ``softmax_backward``): the
+      stored probabilities ``P`` (the forward's, in ``prob_format``); ``dV = Pᵀ G``,
+      ``dP = G Vᵀ``, ``D = rowsum(dP ∘ P)``, ``dS = P ∘ (dP - D)``, ``dQ = c·(dS K)``,
+      ``dK = c·(dSᵀ Q)``: each dot one chain over its whole length.
+    * ``"flash2"`` (FlashAttention-2's backward, Dao 2023, Algorithm 2): ``P`` recomputed from
+      the forward's log-sum-exp ``lse = fl(m + fl(log ℓ))`` as ``fl(exp(fl(S - lse)))`` in
+      ``softmax_format``; ``D = rowsum(G ∘ O)`` from the forward's output ``O``;
+      ``dS = P ∘ (dP - D)``; ``dV`` and ``dK`` accumulated over query blocks of ``block_q``
+      (each block's dot, then added to the running sum in block order), ``dQ`` as the sum of
+      one partial per key block of ``block_k`` (each a dot from zero), added in ``dq_order``
+      (the order of FlashAttention's ``atomicAdd`` into a float32 ``dq_accum``, which the
+      hardware does not fix). The scale multiplies ``dQ`` and ``dK`` once, at the end, in
+      ``accum``; ``P`` enters ``dV`` rounded to ``prob_format``.
+
+    Attributes:
+        algorithm: ``"textbook"`` or ``"flash2"``.
+        block_q: query block of the ``flash2`` ``dK``/``dV`` accumulation (``>= 1``).
+        block_k: key block of the ``flash2`` ``dQ`` partials (``>= 1``).
+        grad_format: format of ``dP``, ``D``, ``dP - D`` and ``dS`` (one of the accumulation
+            formats). Default: the forward's ``softmax_format``.
+        ds_format: format ``dS`` is rounded to before the ``dQ`` and ``dK`` dots. Default:
+            ``input`` for ``flash2`` (FlashAttention converts ``dS`` to the input type), else
+            ``grad_format``.
+        dq_order: ``flash2``: the order in which the key blocks' ``dQ`` partials are added, a
+            permutation of ``range(ceil(Lk/block_k))`` (checked against ``Lk`` when run);
+            ``None`` for ascending.
+
+    Examples:
+        >>> Backward("flash2", block_k=2, dq_order=(1, 0)).dq_order
+        (1, 0)
+        >>> Backward(algorithm="reverse")
+        Traceback (most recent call last):
+        ...
+        mhanum._errors.InvalidArgument: backward.algorithm: expected one of ('textbook', 'flash2'), got 'reverse'
+    """
+
+    algorithm: str = "textbook"
+    block_q: int = 64
+    block_k: int = 64
+    grad_format: str | None = None
+    ds_format: str | None = None
+    dq_order: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        canon = object.__setattr__
+        if self.algorithm not in _ALGORITHMS:
+            raise _bad_backward("algorithm", f"one of {_ALGORITHMS}", self.algorithm)
+        for field in ("block_q", "block_k"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _bad_backward(field, "an integer >= 1", value)
+        for field in ("grad_format", "ds_format"):
+            value = getattr(self, field)
+            if value is not None:
+                canon(self, field, get_format(value, argname=f"backward.{field}").name)
+        if self.grad_format is not None and self.grad_format not in ACCUM_FORMATS:
+            raise _bad_backward("grad_format", f"one of {ACCUM_FORMATS}", self.grad_format)
+        if self.dq_order is not None:
+            order = self.dq_order
+            if isinstance(order, (str, bytes)) or not hasattr(order, "__iter__"):
+                raise _bad_backward("dq_order", "a permutation of the key blocks", order)
+            order = tuple(order)
+            if any(isinstance(i, bool) or not isinstance(i, int) for i in order) or sorted(
+                order
+            ) != list(range(len(order))):
+                raise _bad_backward("dq_order", "a permutation of 0, 1, ..., n - 1", order)
+            if self.algorithm != "flash2":
+                raise _bad_backward("dq_order", "None with algorithm='textbook'", order)
+            canon(self, "dq_order", order)
+
+    def formats(self, num: Numerics) -> tuple[Format, Format]:
+        """``(grad, ds)``: the resolved formats of the gradient arithmetic and of ``dS``."""
+        grad = get_format(self.grad_format) if self.grad_format else num.format_of("softmax")
+        if self.ds_format:
+            return grad, get_format(self.ds_format)
+        return grad, (num.format_of("input") if self.algorithm == "flash2" else grad)
+
+    def key_blocks(self, n_keys: int) -> tuple[int, ...]:
+        """The order of the ``dQ`` partials for ``n_keys`` keys (ascending unless given).
+
+        Raises:
+            InvalidArgument: when ``dq_order`` is not a permutation of that many blocks.
+        """
+        count = -(-n_keys // self.block_k) if self.algorithm == "flash2" else 1
+        if self.dq_order is None:
+            return tuple(range(count))
+        if len(self.dq_order) != count:
+            msg = (
+                f"backward.dq_order: expected a permutation of {count} key blocks "
+                f"(ceil({n_keys}/{self.block_k})), got {self.dq_order}"
+            )
+            raise InvalidArgument(msg)
+        return self.dq_order
+
+    def check_forward(self, num: Numerics) -> None:
+        """Refuse forward numerics the backward does not model, by the field's name."""
+        if num.scale != "scores":
+            raise _bad("scale", "'scores' for the backward pass", num.scale)
+        if num.exp_form != "exp":
+            raise _bad("exp_form", "'exp' for the backward pass", num.exp_form)
+        if num.kv_splits is not None:
+            raise _bad("kv_splits", "None for the backward pass", num.kv_splits)
+
+
+def _bad_backward(field: str, expected: str, got: Any) -> InvalidArgument:
+    return InvalidArgument(f"backward.{field}: expected {expected}, got {got!r}")
+
+
+def resolve_backward(backward: Backward | str | None) -> Backward:
+    """``backward`` as a :class:`Backward`: itself, ``Backward(algorithm)`` for a name, or the
+    textbook default for ``None``.
+
+    Raises:
+        InvalidArgument: for an unknown algorithm or a value of another type.
+    """
+    if backward is None:
+        return Backward()
+    if isinstance(backward, str):
+        return Backward(backward)
+    if not isinstance(backward, Backward):
+        msg = f"backward: expected a Backward or an algorithm name, got {type(backward).__name__}"
+        raise InvalidArgument(msg)
+    return backward

@@ -21,6 +21,7 @@ import numpy as np
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.adapters import _common as C
+from mhanum.gradients import Gradients
 from mhanum.numerics import Numerics
 from mhanum.params import MHAParams
 
@@ -34,6 +35,7 @@ __all__ = [
     "numerics",
     "run",
     "sdpa",
+    "sdpa_grad",
     "version",
 ]
 
@@ -241,3 +243,54 @@ def sdpa(
     out = jax.nn.dot_product_attention(jq, jk, jv, scale=scale, implementation="xla", **kwargs)
     out = np.asarray(out.astype(jnp.float32))  # (B, T, N, H)
     return np.swapaxes(out, 1, 2).reshape(*lead, lq, np.shape(v)[-1])
+
+
+def sdpa_grad(
+    q: Any,
+    k: Any,
+    v: Any,
+    d_out: Any,
+    mask: Any = None,
+    *,
+    scale: float | None = None,
+    dtype: str = "float32",
+) -> Gradients:
+    """The gradients of ``<d_out, jax.nn.dot_product_attention(q, k, v)>`` by ``jax.vjp``
+    (``implementation="xla"``) on numpy ``(..., L, d)`` inputs.
+
+    Args:
+        q, k, v, scale, dtype: as for :func:`sdpa`; ``mask`` a boolean array (**True =
+            attend**) or ``None``.
+        d_out: the output's cotangent, rounded to ``dtype``.
+
+    Returns:
+        :class:`mhanum.gradients.Gradients` of float64 arrays holding the ``dtype`` gradients
+        exactly: ``dq``, ``dk``, ``dv`` (broadcast to the batch), ``dbias = None``.
+
+    Raises:
+        InvalidArgument: for an unknown ``dtype``.
+    """
+    if dtype not in _DTYPES:
+        msg = f"dtype: expected one of {tuple(_DTYPES)}, got {dtype!r}"
+        raise InvalidArgument(msg)
+    arrays = [np.asarray(a, np.float64) for a in (q, k, v, d_out)]
+    lead = np.broadcast_shapes(*(a.shape[:-2] for a in arrays))
+    full = [np.broadcast_to(a, (*lead, *a.shape[-2:])).reshape(-1, *a.shape[-2:]) for a in arrays]
+    jq, jk, jv, jg = (jnp.asarray(a[:, :, None, :], _DTYPES[dtype]) for a in full)
+    lq, lk = full[0].shape[-2], full[1].shape[-2]
+    kwargs: dict[str, Any] = {}
+    if mask is not None:
+        m = np.broadcast_to(np.asarray(mask, bool), (*lead, lq, lk)).reshape(-1, 1, lq, lk)
+        kwargs["mask"] = jnp.asarray(m)
+
+    def f(a: Any, b: Any, c: Any) -> Any:
+        return jax.nn.dot_product_attention(a, b, c, scale=scale, implementation="xla", **kwargs)
+
+    _, vjp = jax.vjp(f, jq, jk, jv)
+    grads = vjp(jg)
+    shapes = [(*lead, *a.shape[-2:]) for a in full[:3]]
+    out = [
+        np.asarray(gr[:, :, 0, :], np.float64).reshape(sh)
+        for gr, sh in zip(grads, shapes, strict=True)
+    ]
+    return Gradients(out[0], out[1], out[2], None)

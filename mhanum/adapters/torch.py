@@ -39,6 +39,7 @@ import torch
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.adapters import _common as C
+from mhanum.gradients import Gradients
 from mhanum.numerics import Numerics
 from mhanum.params import MHAParams
 
@@ -53,6 +54,7 @@ __all__ = [
     "numerics",
     "run",
     "sdpa",
+    "sdpa_grad",
     "sdpa_model",
     "version",
 ]
@@ -349,6 +351,59 @@ def sdpa(
             tq, tk, tv, attn_mask=tm, scale=scale, is_causal=is_causal, enable_gqa=enable_gqa
         )
     return out.float().numpy().reshape(*full[0].shape[:-2], *out.shape[-2:])
+
+
+def sdpa_grad(
+    q: Any,
+    k: Any,
+    v: Any,
+    d_out: Any,
+    mask: Any = None,
+    *,
+    backend: str = "math",
+    scale: float | None = None,
+    dtype: str = "float32",
+) -> Gradients:
+    """The gradients of ``<d_out, F.scaled_dot_product_attention(q, k, v)>`` by torch autograd.
+
+    Args:
+        q, k, v, mask, backend, scale, dtype: as for :func:`sdpa` (a boolean mask, **True =
+            attend**, or ``None``).
+        d_out: the output's cotangent, rounded to ``dtype``.
+
+    Returns:
+        :class:`mhanum.gradients.Gradients` of float64 arrays holding the ``dtype`` gradients
+        exactly: ``dq``, ``dk``, ``dv`` (broadcast to the batch) and ``dbias = None`` (SDPA
+        takes no bias gradient here).
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    C.check_path(backend, SDPA_BACKENDS, "backend")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        msg = f"dtype: expected one of {tuple(dtypes)}, got {dtype!r}"
+        raise InvalidArgument(msg)
+    chosen = SDPBackend.FLASH_ATTENTION if backend == "flash" else SDPBackend.MATH
+    arrays = [np.asarray(a, np.float32) for a in (q, k, v, d_out)]
+    shape = np.broadcast_shapes(*(a.shape[:-2] for a in arrays))
+    full = [np.broadcast_to(a, (*shape, *a.shape[-2:])) for a in arrays]
+    tq, tk, tv, tg = (torch.from_numpy(np.array(_four_d(a))).to(dtypes[dtype]) for a in full)
+    for t in (tq, tk, tv):
+        t.requires_grad_(True)
+    tm = None
+    if mask is not None:
+        m = np.broadcast_to(np.asarray(mask, bool), (*shape, tq.shape[-2], tk.shape[-2]))
+        tm = torch.from_numpy(np.array(_four_d(m)))
+    with sdpa_kernel([chosen]):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            tq, tk, tv, attn_mask=tm, scale=scale
+        )
+        out.backward(tg)
+    grads = []
+    for t, a in zip((tq, tk, tv), full[:3], strict=True):
+        assert t.grad is not None
+        grads.append(t.grad.double().numpy().reshape(a.shape))
+    return Gradients(grads[0], grads[1], grads[2], None)
 
 
 def _four_d(a: np.ndarray) -> np.ndarray:

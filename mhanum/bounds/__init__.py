@@ -8,6 +8,7 @@ from mhanum.bounds import heads, masking, summation
 from mhanum.bounds._result import Bound
 from mhanum.bounds.a_priori import attention_bound_a_priori, mha_bound_a_priori
 from mhanum.bounds.attention import attention_bound, mha_bound
+from mhanum.bounds.backward import GradientBounds, attention_grad_bound, dq_order_difference
 from mhanum.bounds.masking import (
     MaskAnalysis,
     MaskRange,
@@ -22,6 +23,7 @@ from mhanum.bounds.summation import dot_bound, matmul_bound, probabilistic_gamma
 
 __all__ = [
     "Bound",
+    "GradientBounds",
     "MaskAnalysis",
     "MaskRange",
     "MaskRecommendation",
@@ -29,7 +31,9 @@ __all__ = [
     "analyze_numerics",
     "attention_bound",
     "attention_bound_a_priori",
+    "attention_grad_bound",
     "dot_bound",
+    "dq_order_difference",
     "heads",
     "masking",
     "matmul_bound",

@@ -44,7 +44,7 @@ __all__ = ["attention", "multi_head_attention", "softmax"]
 jax.tree_util.register_static(Band)
 
 
-def _check_x64(num: Numerics) -> None:
+def check_x64(num: Numerics) -> None:
     if num.needs_x64 and not jax.config.read("jax_enable_x64"):
         msg = (
             "numerics: uses float64, which needs JAX's 64-bit mode; call "
@@ -53,7 +53,7 @@ def _check_x64(num: Numerics) -> None:
         raise InvalidArgument(msg)
 
 
-def _host_round(x: Any, fmt: Format) -> Any:
+def host_round(x: Any, fmt: Format) -> Any:
     """Round a concrete numpy input into ``fmt`` once, from float64 (JAX arrays round in the jit)."""
     if isinstance(x, jax.Array):
         return x
@@ -62,18 +62,18 @@ def _host_round(x: Any, fmt: Format) -> Any:
     return jnp.asarray(rounded.astype(carrier))
 
 
-def _bias_array(bias: Any, target: tuple[int, ...], fmt: Format) -> Any:
+def bias_array(bias: Any, target: tuple[int, ...], fmt: Format) -> Any:
     """A checked additive bias, rounded once into the score format (``-inf`` entries allowed)."""
     arr = V.float_array(bias, "bias")
     V.check_finite(arr, "bias", allow_neg_inf=True)
     V.check_broadcastable_to(arr, "bias", target)
-    return _host_round(arr, fmt)
+    return host_round(arr, fmt)
 
 
 _LOG2E = math.log2(math.e)  # the float64 constant (M_LOG2E), as the kernels multiply by it
 
 
-class _Stages:
+class Stages:
     """The arithmetic of each stage of one run, sharing one runtime zero."""
 
     def __init__(self, num: Numerics, guard: jax.Array) -> None:
@@ -94,8 +94,8 @@ class _Stages:
     def fold(self, scale: float) -> None:
         """Set the folded constant ``c2 = fl(scale·log2(e))`` (the float64 product, rounded)."""
         if self.folded:
-            self.c2 = _constant(self.soft, scale * _LOG2E)
-            self.c_lse = _constant(self.soft, scale)
+            self.c2 = format_constant(self.soft, scale * _LOG2E)
+            self.c_lse = format_constant(self.soft, scale)
 
     def exp_shifted(self, x: jax.Array, shift: jax.Array) -> jax.Array:
         """``exp(x - shift)``, or (folded) ``exp2(fl(fl(x·c2) - fl(shift·c2)))``, with
@@ -145,24 +145,24 @@ class _Stages:
         return ar.add(scaled, self.dot(p, v))
 
 
-def _constant(ar: Arith, value: float) -> jax.Array:
+def format_constant(ar: Arith, value: float) -> jax.Array:
     """A Python float rounded once into ``ar``'s format (on the host, from its float64 value)."""
     return jnp.asarray(float(round_to(value, ar.fmt)), ar.dtype)
 
 
-def _scaled(st: _Stages, x: jax.Array, factor: float) -> jax.Array:
+def _scaled(st: Stages, x: jax.Array, factor: float) -> jax.Array:
     ar = st.scaled
-    return ar.mul(ar.take(x), _constant(ar, factor))
+    return ar.mul(ar.take(x), format_constant(ar, factor))
 
 
-def _softcap(st: _Stages, s: jax.Array, cap: float) -> jax.Array:
+def _softcap(st: Stages, s: jax.Array, cap: float) -> jax.Array:
     """``fl(ĉ·fl(tanh(fl(s·r̂))))`` in the score format, ``ĉ = fl(c)``, ``r̂ = fl(1/c)``."""
     sc = st.score
-    return sc.mul(_constant(sc, cap), sc.tanh(sc.mul(s, _constant(sc, 1.0 / cap))))
+    return sc.mul(format_constant(sc, cap), sc.tanh(sc.mul(s, format_constant(sc, 1.0 / cap))))
 
 
-def _logits(
-    st: _Stages,
+def stage_logits(
+    st: Stages,
     q: jax.Array,
     k: jax.Array,
     mask: Any,
@@ -178,7 +178,7 @@ def _logits(
     sc = st.score
     s = sc.take(st.dot(q, jnp.swapaxes(k, -1, -2)))
     if num.scale == "scores" and not st.folded:
-        s = sc.mul(s, _constant(sc, scale))
+        s = sc.mul(s, format_constant(sc, scale))
     if softcap is not None:
         s = _softcap(st, s, softcap)
     if bias is not None:
@@ -195,11 +195,11 @@ def _mask_array(mask: Any, s: jax.Array) -> Any:
     return mask.array(s.shape[-2], s.shape[-1], xp=jnp) if isinstance(mask, Band) else mask
 
 
-def _softmax_then_pv(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
-    return st.dot(to_format(_probabilities(st, s), st.prob), v)
+def _softmax_then_pv(st: Stages, s: jax.Array, v: jax.Array) -> jax.Array:
+    return st.dot(to_format(stage_probabilities(st, s), st.prob), v)
 
 
-def _online_normaliser(st: _Stages, s: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _online_normaliser(st: Stages, s: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Running maximum and rescaled sum over key blocks (Milakov & Gimelshein 2018, Alg. 3)."""
     sm = st.soft
     block = st.num.softmax_block
@@ -224,7 +224,7 @@ def _online_normaliser(st: _Stages, s: jax.Array) -> tuple[jax.Array, jax.Array]
     return lax.scan(step, init, s_blocks)[0]
 
 
-def _probabilities(st: _Stages, s: jax.Array) -> jax.Array:
+def stage_probabilities(st: Stages, s: jax.Array) -> jax.Array:
     """The softmax of the logits ``s`` in the softmax format, by the numerics' algorithm."""
     sm = st.soft
     x = sm.take(s)
@@ -243,7 +243,7 @@ def _probabilities(st: _Stages, s: jax.Array) -> jax.Array:
     return sm.div(e, st.sum(e))
 
 
-def _online_state(st: _Stages, s: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+def _online_state(st: Stages, s: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
     """FlashAttention-style streaming over key blocks: running max, rescaled sum and accumulator.
 
     For each block: ``m' = max(m, max(s_blk))``; ``c = exp(m - m')``; ``e = exp(s_blk - m')``;
@@ -285,12 +285,12 @@ def _online_state(st: _Stages, s: jax.Array, v: jax.Array) -> tuple[jax.Array, .
     return lax.scan(step, init, (s_blocks, v_blocks))[0]
 
 
-def _online(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
+def _online(st: Stages, s: jax.Array, v: jax.Array) -> jax.Array:
     _, d, acc = _online_state(st, s, v)
     return st.soft.div(st.soft.take(acc), d)
 
 
-def _partial(st: _Stages, s: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+def partial_attention(st: Stages, s: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One split of split-KV: its log-sum-exp ``fl(m + fl(log ℓ))`` in the softmax format
     (``-inf`` for a split with no attended key) and its output in ``accum`` (0 there)."""
     sm = st.soft
@@ -320,7 +320,7 @@ def _partial(st: _Stages, s: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Ar
     return lse, jnp.where(empty, jnp.zeros_like(o), o)
 
 
-def _split_kv(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
+def _split_kv(st: Stages, s: jax.Array, v: jax.Array) -> jax.Array:
     """Split-KV attention (``numerics.kv_splits``): each split attended alone, then the partial
     outputs merged by their log-sum-exps as FlashAttention-2's combine kernel does."""
     sm, ar = st.soft, st.acc
@@ -332,7 +332,7 @@ def _split_kv(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
     v = jnp.pad(v, [(0, 0)] * (v.ndim - 2) + [(0, pad), (0, 0)])
     s_splits = jnp.moveaxis(s.reshape(*s.shape[:-1], count, size), -2, 0)
     v_splits = jnp.moveaxis(v.reshape(*v.shape[:-2], count, size, v.shape[-1]), -3, 0)
-    lse, outs = jax.vmap(lambda sb, vb: _partial(st, sb, vb))(s_splits, v_splits)
+    lse, outs = jax.vmap(lambda sb, vb: partial_attention(st, sb, vb))(s_splits, v_splits)
     lse_all = jnp.moveaxis(lse[..., 0], 0, -1)  # (..., Lq, splits)
     top = jnp.max(lse_all, axis=-1, keepdims=True)
     top = jnp.where(jnp.isneginf(top), jnp.zeros_like(top), top)
@@ -348,7 +348,7 @@ def _split_kv(st: _Stages, s: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def _attend(
-    st: _Stages,
+    st: Stages,
     q: Any,
     k: Any,
     v: Any,
@@ -359,7 +359,7 @@ def _attend(
     descale_v: float | None = None,
 ) -> jax.Array:
     st.fold(scale)
-    s = _logits(st, q, k, mask, bias, scale, softcap)
+    s = stage_logits(st, q, k, mask, bias, scale, softcap)
     if st.num.kv_splits is not None:
         y = _split_kv(st, s, v)
     elif st.num.softmax_kind == "online":
@@ -368,7 +368,7 @@ def _attend(
         y = _softmax_then_pv(st, s, v)
     if descale_v is not None:  # fp8: the output times d_v, in the format y is in
         ar = Arith(st.num.descale_format, st.acc.guard)
-        y = ar.mul(ar.take(y), _constant(ar, descale_v))
+        y = ar.mul(ar.take(y), format_constant(ar, descale_v))
     return to_format(y, st.output)
 
 
@@ -385,7 +385,7 @@ def _attention_jit(
     softcap: float | None = None,
     descale_v: float | None = None,
 ) -> jax.Array:
-    st = _Stages(numerics, runtime_zero(q))
+    st = Stages(numerics, runtime_zero(q))
     q, k, v = (to_format(x, st.input) for x in (q, k, v))
     out = _attend(st, q, k, v, mask, bias, scale, softcap, descale_v)
     return out.astype(st.output.jax_dtype)
@@ -453,7 +453,7 @@ def attention(
         (2, 2)
     """
     num = resolve(numerics)
-    _check_x64(num)
+    check_x64(num)
     q, k, v = (V.float_array(x, name, min_ndim=2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     if k.shape[-1] != q.shape[-1]:
         msg = f"k: expected last dimension d_k = {q.shape[-1]} (from q), got shape {k.shape}"
@@ -480,13 +480,13 @@ def attention(
         k, v, mask, bias = masks.with_sink(q, k, v, mask, bias, sink, xp=xp)
         target = (*k.shape[:-2], q.shape[-2], k.shape[-2])
     if bias is not None:
-        bias = _bias_array(bias, target, num.format_of("score"))
+        bias = bias_array(bias, target, num.format_of("score"))
     factor = V.scale_value(scale, q.shape[-1], placement=num.scale)
     factors = V.descale_value(descale, num.scale)
     if factors is not None:
         factor = factor * factors[0] * factors[1]
     fmt = num.format_of("input")
-    q, k, v = (_host_round(x, fmt) for x in (q, k, v))
+    q, k, v = (host_round(x, fmt) for x in (q, k, v))
     return _attention_jit(
         q,
         k,
@@ -502,7 +502,7 @@ def attention(
 
 @functools.partial(jax.jit, static_argnames=("numerics",))
 def _softmax_jit(x: Any, mask: Any, *, numerics: Numerics) -> jax.Array:
-    st = _Stages(numerics, runtime_zero(x))
+    st = Stages(numerics, runtime_zero(x))
     st.fold(1.0)
     s = st.score.take(x)
     if mask is not None:
@@ -512,7 +512,7 @@ def _softmax_jit(x: Any, mask: Any, *, numerics: Numerics) -> jax.Array:
             s,
             constant if numerics.mask_mode == "fill" else st.score.add(s, constant),
         )
-    return _probabilities(st, s).astype(st.soft.fmt.jax_dtype)
+    return stage_probabilities(st, s).astype(st.soft.fmt.jax_dtype)
 
 
 def softmax(x: Any, mask: Any = None, *, numerics: Numerics | str | None = None) -> jax.Array:
@@ -529,15 +529,15 @@ def softmax(x: Any, mask: Any = None, *, numerics: Numerics | str | None = None)
         InvalidArgument: for a non-float or non-finite ``x`` (``-inf`` is allowed), or a bad mask.
     """
     num = resolve(numerics)
-    _check_x64(num)
+    check_x64(num)
     x = V.float_array(x, "x", min_ndim=1)
     V.check_finite(x, "x", allow_neg_inf=True)
     if mask is not None:
         mask = V.bool_mask(mask, tuple(x.shape))
-    return _softmax_jit(_host_round(x, num.format_of("score")), mask, numerics=num)
+    return _softmax_jit(host_round(x, num.format_of("score")), mask, numerics=num)
 
 
-def _project(st: _Stages, x: jax.Array, w: jax.Array, b: Any, fmt: Format) -> jax.Array:
+def _project(st: Stages, x: jax.Array, w: jax.Array, b: Any, fmt: Format) -> jax.Array:
     """``x @ w + b`` accumulated in ``accum`` (bias included), then rounded to ``fmt``."""
     y = st.dot(x, w)
     if b is not None:
@@ -563,7 +563,7 @@ def _mha_jit(
     sink: bool = False,
     softcap: float | None = None,
 ) -> jax.Array:
-    st = _Stages(numerics, runtime_zero(x_q))
+    st = Stages(numerics, runtime_zero(x_q))
     x_q, x_kv = to_format(x_q, st.input), to_format(x_kv, st.input)
     p = jax.tree_util.tree_map(lambda w: to_format(w, st.input), params)
     q = _split_heads(_project(st, x_q, p.wq, p.bq, st.storage), num_heads)
@@ -624,7 +624,7 @@ def multi_head_attention(
             ``num_heads`` that does not divide the projected widths.
     """
     num = resolve(numerics)
-    _check_x64(num)
+    check_x64(num)
     if not isinstance(params, MHAParams):
         msg = f"params: expected an MHAParams, got {type(params).__name__}"
         raise InvalidArgument(msg)
@@ -651,11 +651,11 @@ def multi_head_attention(
         num.check_sink()
         mask, bias, target = masks.head_sinks(mask, bias, sink, target)
     if bias is not None:
-        bias = _bias_array(bias, target, num.format_of("score"))
+        bias = bias_array(bias, target, num.format_of("score"))
     factor = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
     fmt = num.format_of("input")
-    x_q, x_kv = _host_round(x_q, fmt), _host_round(x_kv, fmt)
-    params = jax.tree_util.tree_map(lambda w: _host_round(w, fmt), params)
+    x_q, x_kv = host_round(x_q, fmt), host_round(x_kv, fmt)
+    params = jax.tree_util.tree_map(lambda w: host_round(w, fmt), params)
     return _mha_jit(
         x_q,
         x_kv,

@@ -78,7 +78,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import Any
 
 import mpmath
 import numpy as np
@@ -86,6 +86,7 @@ import numpy as np
 from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import CertificationError, InvalidArgument
+from mhanum.gradients import Gradients
 from mhanum.params import MHAParams
 from mhanum.reference import _dd, _exact, _fastref
 from mhanum.reference._dd import Ball
@@ -288,22 +289,6 @@ def attention(
             spec.fully_masked,
         )
     return _fast_certified(out, undefined, batch, exact_rows, options)
-
-
-class Gradients(NamedTuple):
-    """The certified gradients of ``<d_out, attention(q, k, v)>`` (float64, correctly rounded
-    unless within ``10**-digits`` of a rounding boundary): ``dq``, ``dk``, ``dv`` shaped like
-    the inputs broadcast to the batch (a broadcast input's gradient is per batch element: sum
-    over the dimensions it was broadcast along for its own), and ``dbias``, the gradient with
-    respect to the logits' additive bias, shaped ``(..., Lq, Lk)`` (0 at masked keys); with a
-    sink, ``dsink``, the gradient with respect to the sink logit of each batch element
-    (``(...)``: sum it over the dimensions a shared sink was broadcast along)."""
-
-    dq: np.ndarray
-    dk: np.ndarray
-    dv: np.ndarray
-    dbias: np.ndarray
-    dsink: np.ndarray | None = None
 
 
 def attention_grad(

@@ -1,0 +1,666 @@
+"""Componentwise bounds on the error of attention's backward pass: papers/backward.md B.1-B.3.
+
+:func:`attention_grad_bound` bounds ``|ĝ - g|`` for each gradient ``g`` of
+:func:`mhanum.reference.attention_grad` (``dq``, ``dk``, ``dv``, ``dbias``) and ``ĝ`` the one
+:func:`mhanum.emulate.backward.attention_grad` computes, or any kernel that rounds as its
+:class:`~mhanum.numerics.Numerics` and :class:`~mhanum.numerics.Backward` say, **whatever order
+its ``dQ`` additions take** (Theorem B.2: FlashAttention-2's ``atomicAdd`` of one partial per key
+block). :func:`dq_order_difference` bounds ``|dq_a - dq_b|`` between two such orders (Theorem
+B.3: run-to-run nondeterminism).
+
+The bounds are evaluated on the given inputs in float64, each float64 value standing in for an
+exact one with its own enclosure (papers/backward.md, §0). Every stage's rounding is charged
+where it happens, and every stage's range is a hypothesis proved on the enclosures: where it
+cannot be, the gradient it feeds is ``inf`` with the reason in ``Bound.reasons``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from mhanum import _validate as V
+from mhanum._errors import InvalidArgument
+from mhanum.bounds._result import Bound
+from mhanum.bounds.attention import attention_bound
+from mhanum.bounds.factors import (
+    chain,
+    division_error,
+    evaluation_rounding,
+    exp_and_sum_factors,
+    is_power_of_four,
+    operand_bits,
+    operand_error,
+    rounding_error,
+    scale_rounding,
+    tensor_core_anchor,
+    unit_eta,
+    unit_factor,
+)
+from mhanum.formats import Format
+from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
+
+__all__ = ["GradientBounds", "attention_grad_bound", "dq_order_difference"]
+
+ASSUMPTIONS = (
+    "round-to-nearest; a rounding into F is x(1+δ)+η, |δ| <= u_F, |η| <= 2^emin_F (flush-to-zero)",
+    "exp and log in the softmax format within exp_ulps ulps, division within div_ulps ulps",
+    "every dot on the numerics' dot unit in its summation order (Theorem S.0 / R.5 / T.2)",
+    "masked keys excluded exactly (-inf masking); the scale on the scores; no softcap or sink",
+    "float64 evaluation of the bound: numpy's exp and log within 1 ulp, sums within γ_n",
+    (
+        "no overflow: proved on the given values stage by stage; where it cannot be, the "
+        "gradient is inf with Bound.reasons"
+    ),
+)
+
+_U64 = 2.0**-53
+
+
+class GradientBounds(NamedTuple):
+    """The bounds of one backward pass, one :class:`Bound` per gradient (each shaped like it),
+    and ``stages``: componentwise bounds on the error of the intermediates every gradient reads
+    (``P``, the probabilities each gradient's stage uses; ``dP``, ``D`` and ``dS``), so that a
+    user sees where the error enters."""
+
+    dq: Bound
+    dk: Bound
+    dv: Bound
+    dbias: Bound
+    stages: dict[str, np.ndarray]
+
+
+@dataclasses.dataclass
+class _Q:
+    """A quantity: its float64 stand-in ``mid``, ``rad >= |mid - exact|`` and
+    ``err >= |computed - exact|`` (componentwise)."""
+
+    mid: np.ndarray
+    rad: np.ndarray
+    err: np.ndarray
+
+    @property
+    def up(self) -> np.ndarray:
+        """``>= |exact|``."""
+        return np.abs(self.mid) + self.rad
+
+    @property
+    def used(self) -> np.ndarray:
+        """``>= |computed|``."""
+        return np.abs(self.mid) + self.rad + self.err
+
+
+class _Range:
+    """Which gradients a stage that may overflow reaches, and why."""
+
+    def __init__(self) -> None:
+        self.hit: dict[str, bool] = dict.fromkeys(("dq", "dk", "dv", "dbias"), False)
+        self.reasons: list[str] = []
+
+    def check(self, upper: Any, fmt: Format, stage: str, reaches: tuple[str, ...]) -> None:
+        upper = np.asarray(upper, np.float64)
+        bad = ~(upper <= fmt.max_finite)  # NaN counts
+        if not bad.any():
+            return
+        worst = float(np.max(np.where(np.isnan(upper), np.inf, upper)[bad]))
+        reason = (
+            f"{stage}: values up to {worst:.4g} may overflow {fmt.name} "
+            f"(largest finite {fmt.max_finite:.6g})"
+        )
+        if reason not in self.reasons:
+            self.reasons.append(reason)
+        for name in reaches:
+            self.hit[name] = True
+
+
+def _take(upper: np.ndarray, src: Format, dst: Format) -> np.ndarray | float:
+    """The error of reading a value of ``src`` (``|x| <= upper``) into ``dst``."""
+    if dst.precision >= src.precision and dst.smallest_normal <= src.smallest_normal:
+        return 0.0
+    u = dst.u if dst.precision < src.precision else 0.0
+    eta = dst.smallest_normal if dst.smallest_normal > src.smallest_normal else 0.0
+    return u * upper + eta
+
+
+def _log_radius(r: Any) -> Any:
+    """``-log(1 - r)``: a ratio within ``1 ± r`` is within ``e^{±ρ}`` (``inf`` for ``r >= 1``)."""
+    r = np.asarray(r, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(r < 1, -np.log1p(-np.minimum(r, 0.5 + 0.5 * (r < 1))), np.inf)
+
+
+def _f64_dot(n: int) -> float:
+    """The float64 evaluation factor of a dot of length ``n`` (any order)."""
+    return chain(n, "sequential", _U64, None, products=True)
+
+
+class _Dot:
+    """Theorem B.0: the error of a dot on the numerics' unit from enclosed operands."""
+
+    def __init__(self, num: Numerics) -> None:
+        self.num = num
+        self.u_op, self.eta_op = operand_error(num)
+        self.anchor = tensor_core_anchor(num)
+
+    def __call__(
+        self,
+        a_up: np.ndarray,
+        a_err: np.ndarray,
+        b_up: np.ndarray,
+        b_err: np.ndarray,
+        factor: float,
+        eta: float,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(from a, from b, accumulation)`` with ``|Ĉ - a b| <=`` their sum, for operands
+        ``|â - a| <= a_err``, ``|a| <= a_up`` (``b`` likewise) rounded to the operand format."""
+        n = a_up.shape[-1]
+        a_e = a_err + self.u_op * (a_up + a_err) + self.eta_op
+        b_e = b_err + self.u_op * (b_up + b_err) + self.eta_op
+        ev = 1 + evaluation_rounding(n)
+        from_a = (a_e @ (b_up + b_e)) * ev
+        from_b = (a_up @ b_e) * ev
+        au, bu = a_up + a_e, b_up + b_e
+        acc = factor * (au @ bu) * ev + eta
+        if self.anchor:
+            acc = acc + factor * self.anchor * (
+                au.sum(axis=-1, keepdims=True) + bu.sum(axis=-2, keepdims=True) + n * self.anchor
+            )
+        return from_a, from_b, acc
+
+
+def _dot_factor(
+    num: Numerics, n: int, block: int | None, bits: tuple[int, int]
+) -> tuple[float, float, int]:
+    """``(factor, eta, height)``: one chain of ``n`` (``block=None``), or dots over blocks of
+    ``block`` whose ``ceil(n/block)`` results are added in any order (each passes through at
+    most ``count - 1`` additions)."""
+    eta_a = num.format_of("accum").smallest_normal
+    if block is None or block >= n:
+        return unit_factor(num, n, None, bits=bits), unit_eta(num, n), 1
+    count = -(-n // block)
+    factor = unit_factor(num, block, None, bits=bits, extra=count - 1)
+    return factor, count * unit_eta(num, block) + count * eta_a, count
+
+
+def _scaled_output(
+    x_up: np.ndarray,
+    x_err: np.ndarray,
+    c: float,
+    c64: float,
+    u64: float,
+    num: Numerics,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``fl_out(fl_acc(X̂·ĉ))`` against ``c·X`` (``ĉ = fl_acc(c64)``): ``(from X's error, the
+    scaling's and the output's roundings)``."""
+    acc, out = num.format_of("accum"), num.format_of("output")
+    _, u_r, u_mul = scale_rounding(c64, acc)
+    theta = (1 + u64) * (1 + u_r) - 1
+    a = abs(c)
+    carried = a * (1 + theta) * (1 + u_mul) * x_err
+    y_up = a * x_up
+    own = theta * y_up + u_mul * (1 + theta) * y_up + acc.smallest_normal
+    y_err = carried + own
+    rounding = _take(y_up + y_err, acc, out)
+    return carried, own + rounding
+
+
+def _plain_output(x_up: np.ndarray, x_err: np.ndarray, num: Numerics) -> np.ndarray:
+    return _take(x_up + x_err, num.format_of("accum"), num.format_of("output")) + 0 * x_up
+
+
+class _Inputs(NamedTuple):
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    g: np.ndarray
+    keep: np.ndarray
+    bias: np.ndarray | None
+    c64: float
+    u64: float
+
+
+def _inputs(
+    q: Any, k: Any, v: Any, d_out: Any, mask: Any, bias: Any, scale: Any, num: Numerics
+) -> _Inputs:
+    q, k, v, g, batch = V.gradient_inputs(q, k, v, d_out)
+    target = (*batch, q.shape[-2], k.shape[-2])
+    q, k, v, g = (
+        np.broadcast_to(np.asarray(x, np.float64), (*batch, *x.shape[-2:])) for x in (q, k, v, g)
+    )
+    keep = np.ones(target, bool)
+    if mask is not None:
+        keep = np.broadcast_to(V.bool_mask(mask, target), target)
+        if not math.isinf(num.mask_constant()):
+            msg = (
+                "numerics.mask_value: the backward bound (Theorem B.1) needs -inf masking, got "
+                f"{num.mask_value!r}"
+            )
+            raise InvalidArgument(msg)
+    num.check_bias(bias)
+    b = None
+    if bias is not None:
+        b = V.float_array(bias, "bias")
+        V.check_finite(b, "bias", allow_neg_inf=True)
+        V.check_broadcastable_to(b, "bias", target)
+        b = np.broadcast_to(np.asarray(b, np.float64), target)
+        keep = keep & np.isfinite(b)
+        b = np.where(keep, b, 0.0)
+    if not keep.any(axis=-1).all():
+        msg = "mask: expected every row to attend some key (an empty softmax has no gradient)"
+        raise InvalidArgument(msg)
+    c64 = V.scale_value(scale, q.shape[-1], placement=num.scale)
+    u64 = 0.0
+    if scale is None and not is_power_of_four(q.shape[-1]):
+        u64 = (1 + _U64) / (1 - _U64) - 1  # 1/sqrt(d): two float64 roundings
+    return _Inputs(q, k, v, g, keep, b, c64, u64)
+
+
+def _check_scope(num: Numerics, bw: Backward) -> None:
+    bw.check_forward(num)
+    if num.softmax_kind == "naive":
+        msg = (
+            "numerics.softmax: the backward bound covers the 'safe' and 'online(B)' softmax, "
+            f"got {num.softmax!r}"
+        )
+        raise InvalidArgument(msg)
+    if num.format_of("score").precision > num.format_of("softmax").precision:
+        msg = (
+            "numerics.score_format: the backward bound needs a score format no wider than the "
+            f"softmax format, got {num.score_format} and {num.format_of('softmax').name}"
+        )
+        raise InvalidArgument(msg)
+
+
+def _t(x: np.ndarray) -> np.ndarray:
+    return np.swapaxes(x, -1, -2)
+
+
+def attention_grad_bound(
+    q: Any,
+    k: Any,
+    v: Any,
+    d_out: Any,
+    mask: Any = None,
+    *,
+    bias: Any = None,
+    scale: float | None = None,
+    numerics: Numerics | str | None = None,
+    backward: Backward | str | None = None,
+) -> GradientBounds:
+    """Componentwise bounds on the error of every gradient of attention (Theorems B.1, B.2).
+
+    **Theorem B.1 (textbook) / B.2 (FlashAttention-2).** Let ``g`` be a gradient of
+    ``<d_out, attention(q, k, v)>`` (exact: :func:`mhanum.reference.attention_grad`) and ``ĝ`` the
+    one computed by :func:`mhanum.emulate.backward.attention_grad` with ``numerics`` and
+    ``backward``, or by any kernel whose every stage rounds as they state, with the ``dQ``
+    partials of B.2 added **in any order**. Under the assumptions listed in ``Bound.assumptions``,
+
+    .. math::
+
+        |\\hat g - g| \\le \\mathrm{total}
+
+    entry by entry, where ``total`` is the propagation of papers/backward.md: the logits'
+    error ``Δ`` (B.0 on ``q kᵀ``, the score rounding, the scale's and the bias's roundings);
+    the probabilities within ``P·(e^R - 1) + A`` (``R = L + Δ_j + max Δ``, ``L`` the softmax's
+    own log-ratio: exponentials, sum and division; B.2: the stored log-sum-exp's error and the
+    recomputed exponential; ``A`` the underflow allowance); ``dP``, ``D`` (textbook from ``dP``
+    and ``P``, B.2 from ``d_out`` and the forward output, whose error is
+    :func:`attention_bound`'s), ``dP - D`` and ``dS`` each with their rounding; and the last dots
+    by B.0, of one chain (textbook) or of blocks whose results are added in any order (B.2:
+    ``(1 + γ_B)(1 + u)^{n_b - 1} - 1``), then the scale and the output rounding. The float64
+    evaluation is widened by ``(1 + evaluation_rounding(n))^12``.
+
+    Args:
+        q, k, v, d_out, mask, bias, scale, numerics, backward: as for
+            :func:`mhanum.emulate.backward.attention_grad`.
+
+    Returns:
+        :class:`GradientBounds`: ``dq``, ``dk``, ``dv``, ``dbias`` (each a :class:`Bound` with
+        terms ``upstream`` (the error of the matrix the last dot reads first: ``dS``, or ``P``
+        for ``dv``), ``inputs`` (the other operand's rounding), ``accumulation`` and ``output``
+        (scale and rounding); ``dbias``: ``dS`` and ``output``), and ``stages``.
+
+    Raises:
+        InvalidArgument: for bad inputs (named), a row that attends no key, a finite masking
+            constant with a mask, the naive softmax, or numerics the backward does not model.
+
+    Examples:
+        >>> import numpy as np
+        >>> rng = np.random.default_rng(0)
+        >>> q, k, v, g = (rng.standard_normal((8, 4)) for _ in range(4))
+        >>> b = attention_grad_bound(q, k, v, g, numerics="fp32", backward="flash2")
+        >>> b.dq.theorem, b.dq.total.shape, bool(np.max(b.dq.total) < 1e-4)
+        ('B.2', (8, 4), True)
+    """
+    num = resolve(numerics)
+    bw = resolve_backward(backward)
+    _check_scope(num, bw)
+    x = _inputs(q, k, v, d_out, mask, bias, scale, num)
+    bw.key_blocks(x.k.shape[-2])
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return _bound(x, mask, bias, scale, num, bw)[0]
+
+
+def _bound(
+    x: _Inputs, mask: Any, bias: Any, scale: Any, num: Numerics, bw: Backward
+) -> tuple[GradientBounds, np.ndarray]:
+    """The bounds, and ``>= |dŜ|`` as the dots read it (for Theorem B.3)."""
+    fin, acc, sc = num.format_of("input"), num.format_of("accum"), num.format_of("score")
+    sm, prob, out = num.format_of("softmax"), num.format_of("prob"), num.format_of("output")
+    grad, dsf = bw.formats(num)
+    flash = bw.algorithm == "flash2"
+    rng = _Range()
+    dot = _Dot(num)
+    lq, n, d, dv_ = x.q.shape[-2], x.k.shape[-2], x.q.shape[-1], x.v.shape[-1]
+    keep = x.keep
+    bits_in = operand_bits(num, fin)
+
+    # Step 1: the inputs rounded into the input format
+    e = {}
+    for name, arr in (("q", x.q), ("k", x.k), ("v", x.v), ("d_out", x.g)):
+        rng.check(
+            np.abs(arr), fin, f"{name} rounded to the input format", ("dq", "dk", "dv", "dbias")
+        )
+        e[name] = rounding_error(arr, fin)
+    aq, ak, av, ag = (np.abs(a) for a in (x.q, x.k, x.v, x.g))
+
+    # Step 2: the logits  s = c·q kᵀ + b
+    f, eta, _ = _dot_factor(num, d, None, (bits_in, bits_in))
+    t_a, t_b, t_acc = dot(aq, e["q"], _t(ak), _t(e["k"]), f, eta)
+    t_mid = x.q @ _t(x.k)
+    t_rad = _f64_dot(d) * (aq @ _t(ak))
+    t = _Q(t_mid, t_rad, t_a + t_b + t_acc)
+    everything = ("dq", "dk", "dv", "dbias")
+    rng.check(
+        (1 + f) * ((aq + e["q"]) @ _t(ak + e["k"])) + eta, acc, "q kᵀ accumulated", everything
+    )
+    t.err = t.err + _take(t.used, acc, sc)
+    c, c64 = x.c64, x.c64
+    _, u_r, u_mul = scale_rounding(c64, sc)
+    theta = (1 + x.u64) * (1 + u_r) - 1
+    s_mid = c64 * t_mid
+    s_rad = abs(c64) * t_rad * (1 + 2 * _U64) + (x.u64 + 2 * _U64) * np.abs(s_mid)
+    s_err = abs(c) * (1 + theta) * t.err + theta * abs(c) * t.up
+    s_err = s_err + u_mul * (1 + theta) * abs(c) * (t.up + t.err) + sc.smallest_normal
+    if x.bias is not None:
+        s_mid = s_mid + x.bias
+        s_rad = s_rad + _U64 * np.abs(s_mid)
+        s_err = s_err + rounding_error(x.bias, sc)
+        s_err = s_err + sc.u * (np.abs(s_mid) + s_rad + s_err) + sc.smallest_normal
+    s = _Q(s_mid, s_rad, s_err)
+    rng.check(np.where(keep, s.used, 0.0), sc, "the logits in the score format", everything)
+    s.err = s.err + _take(s.used, sc, sm)
+
+    # Step 3: the probabilities (masked keys are exactly 0 in the computation and exactly)
+    live = np.where(keep, s.mid, -np.inf)
+    m_mid = live.max(axis=-1, keepdims=True)
+    centred = np.where(keep, s.mid - m_mid, -np.inf)
+    p_mid = np.exp(centred)
+    ell = p_mid.sum(axis=-1, keepdims=True)
+    p_mid = p_mid / ell
+    arg = np.where(keep, np.abs(s.mid - m_mid), 0.0)
+
+    def worst(a: np.ndarray) -> np.ndarray:
+        return np.where(keep, a, 0.0).max(axis=-1, keepdims=True)
+
+    omega = (
+        s.rad + worst(s.rad) + _U64 * (arg + worst(arg)) + 4 * _U64
+        + chain(n, "sequential", _U64, None, products=False) + 2 * _U64
+    )  # fmt: skip
+    p_up = np.where(keep, p_mid * np.exp(omega), 0.0)
+    delta = s.err  # |ŝ - s| (the computed logits against the exact ones)
+    spread = s.err + s.rad
+    gap = arg + spread + worst(spread)  # |ŝ_j - m̂| <= gap
+    u_m, eta_m = sm.u, sm.smallest_normal
+    bits_p = operand_bits(num, prob)
+    xs, _, g_sum, _, _ = exp_and_sum_factors(num, n, gap, None, (bits_p, bits_in))
+    xs = np.broadcast_to(np.asarray(xs, np.float64), gap.shape)
+    x_max = worst(xs)
+    eps_e = math.expm1(2 * num.exp_ulps * math.log1p(u_m))
+    ell_low = np.exp(-x_max) * (1 - g_sum) - n * eta_m * (1 + g_sum)
+    if not flash:
+        eps_div = division_error(num.div_ulps, u_m)
+        u_p = prob.u if prob.precision < sm.precision else 0.0
+        own = (
+            _log_radius(np.expm1(xs)) + _log_radius(np.expm1(x_max)) + _log_radius(eps_div)
+            + _log_radius(g_sum) + _log_radius(u_p)
+        )  # fmt: skip
+        absolute = (
+            ((n + 1) * eta_m * (1 + g_sum) / np.maximum(ell_low, 0)) * (1 + eps_div) * (1 + u_p)
+            + eta_m * (1 + u_p)
+            + _take(np.ones(1), sm, prob)
+        )
+        absolute = np.where(ell_low > 0, absolute, np.inf)
+        if not (ell_low > 0).all():
+            rng.reasons.append("the softmax's row sum may underflow: its lower bound is not > 0")
+    else:
+        # the stored log-sum-exp lse = fl(m̂ + fl(log ℓ̂)) against LSE(ŝ) = m̂ + log ℓ(ŝ)
+        r_ell = np.expm1(x_max) * (1 + g_sum) + g_sum + n * eta_m * (1 + g_sum)
+        lam = _log_radius(r_ell)
+        eps_log = eps_e
+        log_up = math.log(n) + lam
+        lse_up = np.abs(m_mid) + worst(spread) + log_up
+        err_lse = lam + eps_log * log_up + eta_m + u_m * lse_up + eta_m
+        gap2 = arg + math.log(n) + spread + worst(spread) + err_lse
+        own = err_lse + u_m * gap2 + eta_m + _log_radius(eps_e)
+        absolute = eta_m * np.ones_like(x_max)
+    big_r = own + delta + worst(delta)
+    eps_p = np.where(keep, p_up * np.expm1(big_r) + absolute, 0.0)
+    p_used_up = np.where(keep, p_up * np.exp(big_r) + absolute, 0.0)
+    # FlashAttention-2 rounds its recomputed P to the probability format for dV
+    eps_pr = eps_p + np.where(keep, _take(p_used_up, sm, prob), 0.0) if flash else eps_p
+
+    # Step 4: dP = d_out vᵀ
+    f, eta, _ = _dot_factor(num, dv_, None, (bits_in, bits_in))
+    dp_a, dp_b, dp_acc = dot(ag, e["d_out"], _t(av), _t(e["v"]), f, eta)
+    dp = _Q(x.g @ _t(x.v), _f64_dot(dv_) * (ag @ _t(av)), dp_a + dp_b + dp_acc)
+    rng.check((1 + f) * ((ag + e["d_out"]) @ _t(av + e["v"])) + eta, acc, "d_out vᵀ accumulated",
+              ("dq", "dk", "dbias"))  # fmt: skip
+    dp.err = dp.err + _take(dp.used, acc, grad)
+    rng.check(dp.used, grad, "dP in the gradient format", ("dq", "dk", "dbias"))
+    u_g, eta_g = grad.u, grad.smallest_normal
+
+    # Step 5: D, the row vector (textbook rowsum(dP ∘ P); FlashAttention-2 rowsum(d_out ∘ O))
+    if not flash:
+        pe = eps_p + _take(p_used_up, prob, grad)
+        g_d = chain(n, num.summation, u_g, None, products=True)
+        d_mid = (dp.mid * p_mid).sum(axis=-1, keepdims=True)
+        d_rad = (dp.rad * p_up + np.abs(dp.mid) * (p_up - p_mid)).sum(axis=-1, keepdims=True)
+        d_rad = d_rad + _f64_dot(n) * (np.abs(dp.mid) * p_mid).sum(axis=-1, keepdims=True)
+        d_err = (dp.err * p_up + dp.up * pe + dp.err * pe).sum(axis=-1, keepdims=True)
+        d_err = d_err + g_d * (dp.used * (p_up + pe)).sum(axis=-1, keepdims=True) + 2 * n * eta_g
+        d_upper = (dp.used * (p_up + pe)).sum(axis=-1, keepdims=True) * (1 + g_d)
+        p_x_err = pe
+    else:
+        fwd = attention_bound(
+            x.q, x.k, x.v, None if mask is None else x.keep, bias=bias, scale=scale,
+            numerics=num,
+        )  # fmt: skip
+        eps_o = np.asarray(fwd.total, np.float64)
+        if fwd.reasons:
+            rng.reasons.extend(f"forward: {r}" for r in fwd.reasons)
+        o_mid = p_mid @ x.v
+        o_rad = (p_up - p_mid) @ av + _f64_dot(n) * (p_mid @ av)
+        o_up = np.abs(o_mid) + o_rad
+        eg = e["d_out"] + _take(ag + e["d_out"], fin, grad)
+        eo = eps_o + _take(o_up + eps_o, out, grad)
+        g_d = chain(dv_, num.summation, u_g, None, products=True)
+        d_mid = (x.g * o_mid).sum(axis=-1, keepdims=True)
+        d_rad = (ag * o_rad).sum(axis=-1, keepdims=True) + _f64_dot(dv_) * (ag * np.abs(o_mid)).sum(
+            axis=-1, keepdims=True
+        )
+        d_err = (eg * o_up + ag * eo + eg * eo).sum(axis=-1, keepdims=True)
+        d_err = (
+            d_err + g_d * ((ag + eg) * (o_up + eo)).sum(axis=-1, keepdims=True) + 2 * dv_ * eta_g
+        )
+        d_upper = ((ag + eg) * (o_up + eo)).sum(axis=-1, keepdims=True) * (1 + g_d)
+        p_x_err = eps_p + _take(p_used_up, sm, grad)
+    d_q = _Q(d_mid, d_rad, d_err)
+    rng.check(d_upper, grad, "D in the gradient format", ("dq", "dk", "dbias"))
+
+    # Step 6: t = dP - D, dS = P ∘ t, dS rounded for the dots
+    t_mid2 = dp.mid - d_q.mid
+    t_rad2 = dp.rad + d_q.rad + _U64 * np.abs(t_mid2)
+    t_up = np.abs(t_mid2) + t_rad2
+    t_err = dp.err + d_q.err
+    t_err = t_err + u_g * (t_up + t_err) + eta_g
+    rng.check(t_up + t_err, grad, "dP - D in the gradient format", ("dq", "dk", "dbias"))
+    ds_up = np.where(keep, p_up * t_up, 0.0)
+    ds_err = p_x_err * t_up + p_up * t_err + p_x_err * t_err
+    ds_err = ds_err + u_g * (p_up + p_x_err) * (t_up + t_err) + eta_g
+    ds_err = np.where(keep, ds_err, 0.0)  # masked: P = 0 exactly, so dS = 0 exactly
+    ds_r_err = ds_err + np.where(keep, _take(ds_up + ds_err, grad, dsf), 0.0)
+    rng.check(ds_up + ds_err, dsf, f"dS rounded to {dsf.name}", ("dq", "dk", "dbias"))
+
+    # Step 7: the gradients
+    bits_ds = operand_bits(num, dsf)
+    ev_all = (1 + evaluation_rounding(max(n, lq, d, dv_))) ** 12
+    results: dict[str, Bound] = {}
+    theorem = "B.2" if flash else "B.1"
+
+    def finish(name: str, terms: dict[str, np.ndarray]) -> Bound:
+        shape = np.broadcast_shapes(*(np.shape(t) for t in terms.values()))
+        terms = {key: np.broadcast_to(val, shape) * ev_all for key, val in terms.items()}
+        total = sum(terms.values())
+        total = np.where(np.isnan(total), np.inf, total)
+        if rng.hit[name]:
+            total = np.full(shape, np.inf)
+        return Bound(
+            total=total,
+            terms=terms,
+            theorem=theorem,
+            assumptions=ASSUMPTIONS,
+            source="dao2023",
+            reasons=tuple(rng.reasons) if rng.hit[name] or not np.isfinite(total).all() else (),
+        )
+
+    def gradient(
+        name: str,
+        a_up: np.ndarray,
+        a_err: np.ndarray,
+        b_up: np.ndarray,
+        b_err: np.ndarray,
+        block: int | None,
+        bits: tuple[int, int],
+        scaled: bool,
+        stage: str,
+    ) -> None:
+        """B.0 on the last dot, then the scale (dq, dk) and the output rounding."""
+        f, eta, _ = _dot_factor(num, a_up.shape[-1], block if flash else None, bits)
+        from_a, from_b, accumulation = dot(a_up, a_err, b_up, b_err, f, eta)
+        x_up = a_up @ b_up
+        rng.check((1 + f) * ((a_up + a_err) @ (b_up + b_err)) + eta, acc, stage, (name,))
+        err = from_a + from_b + accumulation
+        if scaled:
+            carried, own = _scaled_output(x_up, err, c, c64, x.u64, num)
+            ratio = carried / np.where(err > 0, err, 1.0)
+            y_up = abs(c) * x_up + carried + own
+        else:
+            ratio, own = np.ones(1), _plain_output(x_up, err, num)
+            y_up = x_up + err + own
+        rng.check(y_up, out, f"{name} rounded to the output format", (name,))
+        terms = {"upstream": ratio * from_a, "inputs": ratio * from_b}
+        results[name] = finish(name, {**terms, "accumulation": ratio * accumulation, "output": own})
+
+    bits = (bits_ds, bits_in)
+    gradient("dq", ds_up, ds_r_err, ak, e["k"], bw.block_k, bits, True, "dS k accumulated")
+    gradient("dk", _t(ds_up), _t(ds_r_err), aq, e["q"], bw.block_q, bits, True, "dSᵀ q accumulated")
+    bits = (bits_p, bits_in)
+    gradient(
+        "dv", _t(p_up), _t(eps_pr), ag, e["d_out"], bw.block_q, bits, False, "Pᵀ d_out accumulated"
+    )
+
+    own_b = np.where(keep, _take(ds_up + ds_err, grad, out), 0.0)
+    rng.check(ds_up + ds_err + own_b, out, "dbias rounded to the output format", ("dbias",))
+    results["dbias"] = finish("dbias", {"dS": ds_err, "output": own_b})
+    stages = {"P": eps_p, "dP": np.where(keep, dp.err, 0.0), "D": d_q.err, "dS": ds_err}
+    stages = {key: val * ev_all for key, val in stages.items()}
+    bounds = GradientBounds(results["dq"], results["dk"], results["dv"], results["dbias"], stages)
+    return bounds, ds_up + ds_r_err
+
+
+def dq_order_difference(
+    q: Any,
+    k: Any,
+    v: Any,
+    d_out: Any,
+    mask: Any = None,
+    *,
+    bias: Any = None,
+    scale: float | None = None,
+    numerics: Numerics | str | None = None,
+    backward: Backward | str | None = None,
+) -> Bound:
+    """A bound on ``|dq_a - dq_b|`` between two orders of FlashAttention-2's ``dQ`` additions.
+
+    **Theorem B.3.** Let ``dq_a`` and ``dq_b`` be computed as in Theorem B.2 with the same
+    inputs, numerics and blocks, their ``n_b = ceil(Lk/block_k)`` partials ``Π_j`` (each a dot
+    from zero, the same in both runs) added in two orders. Both sums are within
+    ``((1 + u)^{n_b - 1} - 1)·Σ_j|Π_j| + (n_b - 1)·2^emin`` of ``Σ_j Π_j``, so
+
+    .. math::
+
+        |\\hat a - \\hat b| \\le 2\\,((1 + u)^{n_b - 1} - 1)\\,\\sum_j |\\Pi_j| + 2(n_b - 1)\\eta,
+
+    and the scaling and the output rounding add ``u_×|ĉ|(|â| + |b̂|)`` and ``u_out`` of each
+    result. ``Σ_j|Π_j|`` is enclosed by ``(1 + γ_B)|dŜ||k̂|`` from B.2's enclosure of ``dŜ``.
+    It is 0 for one key block, and for the textbook backward (one chain, no atomics).
+
+    Args:
+        as for :func:`attention_grad_bound`.
+
+    Returns:
+        A :class:`Bound` shaped like ``dq``, terms ``additions`` and ``rounding``.
+
+    Examples:
+        >>> import numpy as np
+        >>> from mhanum.numerics import Backward
+        >>> rng = np.random.default_rng(0)
+        >>> q, k, v, g = (rng.standard_normal((8, 4)) for _ in range(4))
+        >>> b = dq_order_difference(q, k, v, g, numerics="fp32",
+        ...                         backward=Backward("flash2", block_k=2))
+        >>> b.theorem, bool(0 < np.max(b.total) < 1e-5)
+        ('B.3', True)
+    """
+    num = resolve(numerics)
+    bw = resolve_backward(backward)
+    _check_scope(num, bw)
+    x = _inputs(q, k, v, d_out, mask, bias, scale, num)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        full, ds_used = _bound(x, mask, bias, scale, num, bw)
+    n = x.k.shape[-2]
+    count = len(bw.key_blocks(n))
+    acc, out = num.format_of("accum"), num.format_of("output")
+    shape = np.shape(full.dq.total)
+    if bw.algorithm != "flash2" or count == 1:
+        zero = np.zeros(shape)
+        return Bound(zero, {"additions": zero, "rounding": zero}, "B.3", ASSUMPTIONS, "dao2023")
+    with np.errstate(over="ignore", invalid="ignore"):
+        _, dsf = bw.formats(num)
+        ak = np.abs(x.k) + rounding_error(x.k, num.format_of("input"))
+        u_op, eta_op = operand_error(num)
+        ak = ak * (1 + u_op) + eta_op
+        ds_used = ds_used * (1 + u_op) + eta_op
+        bits = (operand_bits(num, dsf), operand_bits(num, num.format_of("input")))
+        g_b = unit_factor(num, bw.block_k, None, bits=bits)
+        parts = (1 + g_b) * (ds_used @ ak) + count * unit_eta(num, bw.block_k)
+        parts = parts * (1 + evaluation_rounding(n))
+        grow = chain(count, "sequential", acc.u, None, products=False)
+        additions = 2 * grow * parts + 2 * count * acc.smallest_normal
+        c_hat, _, u_mul = scale_rounding(x.c64, acc)
+        a_up = (1 + grow) * parts + count * acc.smallest_normal
+        y = abs(c_hat) * a_up * (1 + u_mul) + acc.smallest_normal
+        rounding = 2 * u_mul * abs(c_hat) * a_up + 2 * acc.smallest_normal + 2 * _take(y, acc, out)
+        scaled = abs(c_hat) * additions * (1 + 2.0**-50)
+        total = np.where(np.isfinite(full.dq.total), scaled + rounding, np.inf)
+    return Bound(
+        total=total,
+        terms={"additions": scaled, "rounding": rounding},
+        theorem="B.3",
+        assumptions=ASSUMPTIONS,
+        source="dao2023",
+        reasons=full.dq.reasons,
+    )

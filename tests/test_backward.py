@@ -1,0 +1,236 @@
+"""The backward pass: the emulation (textbook and FlashAttention-2, atomic-add orders bit for
+bit), Theorems B.1-B.3 against the certified reference gradients, and refusals by name.
+
+Every tolerance is a bound of papers/backward.md; the reference is
+:func:`mhanum.reference.attention_grad` (Arb, certified to 17 digits, so its rounding to float64
+is within one ulp of the exact gradient and is covered by the bound's own float64 slack).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mhanum import InvalidArgument, reference
+from mhanum.bounds.backward import attention_grad_bound, dq_order_difference
+from mhanum.emulate.backward import attention_grad
+from mhanum.numerics import Backward, Numerics
+
+L, D = 12, 4  # one shape for every example: one compilation per numerics and algorithm
+FLASH = Backward("flash2", block_q=4, block_k=4)
+PRESETS = (
+    "fp64",
+    "fp32",
+    "tf32",
+    "bf16",
+    "bf16-fp32acc",
+    "fp16",
+    "fp16-fp32acc",
+    "tensor-core-bf16",
+    "fp8-e4m3-fp32acc",
+    "tpu-bf16-3pass",
+)
+
+
+def _violations(q, k, v, g, mask=None, bias=None, scale=None, numerics="fp32", backward=None):
+    """The entries where a computed gradient leaves its bound (none may), and the bounds."""
+    grads = attention_grad(
+        q, k, v, g, mask, bias=bias, scale=scale, numerics=numerics, backward=backward
+    )
+    exact = reference.attention_grad(q, k, v, g, mask=mask, bias=bias, scale=scale, digits=17)
+    bounds = attention_grad_bound(
+        q, k, v, g, mask, bias=bias, scale=scale, numerics=numerics, backward=backward
+    )
+    bad = {}
+    for name, got, want, b in zip(("dq", "dk", "dv", "dbias"), grads, exact, bounds, strict=False):
+        got = np.asarray(got, np.float64)
+        if not np.isfinite(b.total).all():
+            assert b.reasons, f"{name}: an infinite bound must say why"
+        finite = np.isfinite(got)
+        # a NaN/inf gradient under a finite bound is a violation too
+        over = ~(np.abs(np.where(finite, got, np.inf) - want) <= b.total)
+        if over.any():
+            bad[name] = float(np.max(np.abs(got - want)[over] / b.total[over]))
+    return bad, bounds
+
+
+@st.composite
+def _problem(draw, span=8):
+    """q, k, v, d_out of the fixed shape with entries scaled by 2^e (e within ±span), a causal
+    or random mask (every row keeps a key) and an optional bias."""
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    exps = [draw(st.integers(-span, span // 2)) for _ in range(4)]
+    q, k, v, g = (rng.standard_normal((L, D)) * 2.0**e for e in exps)
+    kind = draw(st.sampled_from(["none", "causal", "random"]))
+    mask = None
+    if kind == "causal":
+        mask = np.tril(np.ones((L, L), bool))
+    elif kind == "random":
+        mask = rng.random((L, L)) < 0.6
+        mask[np.arange(L), rng.integers(0, L, L)] = True
+    bias = rng.standard_normal((L, L)) * 3 if draw(st.booleans()) else None
+    return q, k, v, g, mask, bias
+
+
+@pytest.mark.parametrize("backward", ["textbook", FLASH], ids=["textbook", "flash2"])
+@pytest.mark.parametrize("numerics", PRESETS)
+@given(problem=_problem())
+def test_every_gradient_is_within_its_bound(numerics, backward, problem):
+    q, k, v, g, mask, bias = problem
+    bad, _ = _violations(q, k, v, g, mask, bias, numerics=numerics, backward=backward)
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("numerics", ["fp32", "bf16-fp32acc", "fp16"])
+@given(
+    e=st.integers(-140, 120),
+    scale_exp=st.integers(-60, 3),
+    tiny=st.booleans(),
+)
+def test_bound_holds_across_the_exponent_range(numerics, e, scale_exp, tiny):
+    """Inputs and scales over the whole exponent range, subnormal entries: the bound holds,
+    or it is infinite with its reason (a gradient that overflows is never under a finite one)."""
+    rng = np.random.default_rng((e + 200) * 1000 + scale_exp + 100)
+    q, k, v, g = (rng.standard_normal((L, D)) for _ in range(4))
+    v = v * 2.0**e
+    g = g * 2.0 ** (-e // 2)
+    if tiny:
+        q[0, 0] = k[1, 1] = 2.0**-130  # subnormal in float32, 0 in the half formats
+    bad, _ = _violations(q, k, v, g, None, None, 2.0**scale_exp, numerics, FLASH)
+    assert not bad, bad
+
+
+def test_a_gradient_that_overflows_has_an_infinite_bound_with_its_reason():
+    rng = np.random.default_rng(0)
+    q, k, g = (rng.standard_normal((L, D)) for _ in range(3))
+    v = rng.standard_normal((L, D)) * 6e4  # near float16's largest finite, 65504
+    grads = attention_grad(q, k, v, g, numerics="fp16", backward=FLASH)
+    bounds = attention_grad_bound(q, k, v, g, numerics="fp16", backward=FLASH)
+    assert not np.isfinite(np.asarray(grads.dq, np.float64)).all()
+    assert np.isinf(bounds.dq.total).all()
+    assert any("overflow float16" in r for r in bounds.dq.reasons)
+    assert "inf:" in str(bounds.dq)
+
+
+@pytest.mark.parametrize("numerics", ["fp32", "bf16-fp32acc"])
+def test_the_terms_add_up_to_the_total_and_name_the_stages(numerics):
+    rng = np.random.default_rng(1)
+    q, k, v, g = (rng.standard_normal((L, D)) for _ in range(4))
+    b = attention_grad_bound(q, k, v, g, numerics=numerics, backward=FLASH)
+    for bound in b[:4]:
+        np.testing.assert_array_equal(bound.total, sum(bound.terms.values()))
+    assert set(b.dq.terms) == {"upstream", "inputs", "accumulation", "output"}
+    assert set(b.stages) == {"P", "dP", "D", "dS"}
+    assert b.dq.theorem == "B.2"
+    assert attention_grad_bound(q, k, v, g, numerics=numerics).dq.theorem == "B.1"
+
+
+def _fp32_problem():
+    rng = np.random.default_rng(1)
+    return tuple(rng.standard_normal((64, 16)) for _ in range(4))
+
+
+def test_an_atomic_add_order_is_reproduced_bit_for_bit():
+    q, k, v, g = _fp32_problem()
+    order = (3, 7, 0, 5, 1, 6, 2, 4)
+    bw = Backward("flash2", block_q=16, block_k=8, dq_order=order)
+    a = attention_grad(q, k, v, g, numerics="fp32", backward=bw)
+    b = attention_grad(q, k, v, g, numerics="fp32", backward=bw)
+    for x, y in zip(a[:4], b[:4], strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@given(seed=st.integers(0, 2**32 - 1))
+def test_two_orders_differ_within_theorem_b3(seed):
+    q, k, v, g = _fp32_problem()
+    perms = np.random.default_rng(seed)
+    a_order, b_order = (tuple(int(i) for i in perms.permutation(8)) for _ in range(2))
+    runs = [
+        attention_grad(
+            q, k, v, g, numerics="fp32",
+            backward=Backward("flash2", block_q=16, block_k=8, dq_order=o),
+        ).dq
+        for o in (a_order, b_order)
+    ]  # fmt: skip
+    bound = dq_order_difference(
+        q, k, v, g, numerics="fp32", backward=Backward("flash2", block_q=16, block_k=8)
+    )
+    diff = np.abs(np.asarray(runs[0], np.float64) - np.asarray(runs[1], np.float64))
+    assert (diff <= bound.total).all()
+
+
+def test_orders_do_differ_and_only_dq_depends_on_them():
+    q, k, v, g = _fp32_problem()
+    bw = Backward("flash2", block_q=16, block_k=8)
+    a = attention_grad(q, k, v, g, numerics="fp32", backward=bw)
+    differ = 0
+    for seed in range(6):
+        order = tuple(int(i) for i in np.random.default_rng(seed).permutation(8))
+        b = attention_grad(q, k, v, g, numerics="fp32", backward=bw.__class__(
+            "flash2", block_q=16, block_k=8, dq_order=order))  # fmt: skip
+        differ += int(np.any(np.asarray(a.dq) != np.asarray(b.dq)))
+        for x, y in zip(a[1:4], b[1:4], strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert differ > 0  # the order is observable in float32
+
+
+def test_one_key_block_and_the_textbook_have_no_order():
+    q, k, v, g = _fp32_problem()
+    for bw in ("textbook", Backward("flash2", block_k=64)):
+        b = dq_order_difference(q, k, v, g, numerics="fp32", backward=bw)
+        assert np.all(b.total == 0)
+
+
+def test_fully_masked_rows_follow_each_algorithm():
+    rng = np.random.default_rng(2)
+    q, k, v, g = (rng.standard_normal((4, 2)) for _ in range(4))
+    mask = np.ones((4, 4), bool)
+    mask[1] = False
+    text = attention_grad(q, k, v, g, mask, numerics="fp32")
+    flash = attention_grad(q, k, v, g, mask, numerics="fp32", backward=Backward("flash2"))
+    assert np.isnan(np.asarray(text.dq)[1]).all()  # autograd through -inf - (-inf)
+    assert (np.asarray(flash.dq)[1] == 0).all()  # lse = -inf, P = 0
+    with pytest.raises(InvalidArgument, match=r"mask: expected every row"):
+        attention_grad_bound(q, k, v, g, mask, numerics="fp32")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"algorithm": "reverse"}, "backward.algorithm"),
+        ({"block_q": 0}, "backward.block_q"),
+        ({"block_k": True}, "backward.block_k"),
+        ({"grad_format": "float8_e4m3fn"}, "backward.grad_format"),
+        ({"algorithm": "flash2", "dq_order": (0, 0)}, "backward.dq_order"),
+        ({"dq_order": (0,)}, "backward.dq_order"),
+    ],
+)
+def test_bad_backward_fields_are_named(kwargs, match):
+    with pytest.raises(InvalidArgument, match=match):
+        Backward(**kwargs)
+
+
+def test_bad_calls_are_named():
+    rng = np.random.default_rng(3)
+    q, k, v, g = (rng.standard_normal((8, 4)) for _ in range(4))
+    with pytest.raises(InvalidArgument, match=r"backward\.dq_order: expected a permutation of 2"):
+        attention_grad(q, k, v, g, backward=Backward("flash2", block_k=4, dq_order=(0, 1, 2)))
+    with pytest.raises(InvalidArgument, match=r"d_out: expected the output's shape"):
+        attention_grad(q, k, v, g[:, :3])
+    with pytest.raises(InvalidArgument, match=r"numerics\.scale"):
+        attention_grad(q, k, v, g, numerics=Numerics(scale="q"))
+    with pytest.raises(InvalidArgument, match=r"numerics\.kv_splits"):
+        attention_grad_bound(q, k, v, g, numerics=Numerics(kv_splits=2))
+    with pytest.raises(InvalidArgument, match=r"numerics\.softmax"):
+        attention_grad_bound(q, k, v, g, numerics=Numerics(softmax="naive"))
+    with pytest.raises(InvalidArgument, match=r"numerics\.mask_value"):
+        attention_grad_bound(
+            q, k, v, g, np.tril(np.ones((8, 8), bool)), numerics=Numerics(mask_value="finfo.min")
+        )
+    with pytest.raises(InvalidArgument, match=r"backward: expected a Backward"):
+        attention_grad(q, k, v, g, backward=3)
+    with pytest.raises(InvalidArgument, match=r"d_out"):
+        attention_grad(q, k, v, np.full((8, 4), np.nan))
