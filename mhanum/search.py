@@ -61,16 +61,19 @@ from mhanum import _validate as V
 from mhanum import masks, reference, strategies
 from mhanum._errors import InvalidArgument
 from mhanum.attention import attention
-from mhanum.bounds import Bound, attention_bound, schedule_difference
+from mhanum.bounds import Bound, attention_bound, attention_grad_bound, schedule_difference
+from mhanum.emulate.backward import attention_grad
 from mhanum.formats import get_format, round_to
-from mhanum.numerics import PRESETS, Numerics, resolve
+from mhanum.numerics import PRESETS, Backward, Numerics, resolve, resolve_backward
 
 __all__ = [
     "OBJECTIVES",
     "Evaluation",
+    "GradientWorstCase",
     "Objective",
     "Shape",
     "WorstCase",
+    "gradient_worst_case",
     "random_search",
     "worst_case",
 ]
@@ -878,3 +881,203 @@ def _random_mask(kind: str, shape: Shape, rng: np.random.Generator) -> np.ndarra
     mask = np.array(np.broadcast_to(mask, full), bool)
     mask[..., 0] |= ~mask.any(axis=-1)
     return mask
+
+
+_GRADIENTS = ("dq", "dk", "dv", "dbias")
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientWorstCase:
+    """The input on which a backward pass is furthest from the exact gradients, relative to
+    Theorem B.1/B.2, measured against the certified reference gradients.
+
+    Attributes:
+        numerics, backward: the configuration searched.
+        shape: the sizes searched.
+        q, k, v, d_out: the inputs (float64 arrays whose values lie in ``numerics.input``).
+        mask: the boolean mask (True = attend), or ``None``.
+        gradient: the gradient attaining ``ratio`` (``"dq"``, ``"dk"``, ``"dv"``, ``"dbias"``).
+        index: its entry.
+        error: ``|ĝ_i - g_i|`` there; bound: the bound there; ratio: their quotient (above 1 a
+            violation; ``inf`` for a non-finite gradient under a finite bound).
+        dominant_term: the bound's largest term at that entry.
+        evaluations, budget, seed, seconds: the search's accounting.
+    """
+
+    numerics: Numerics
+    backward: Backward
+    shape: Shape
+    q: np.ndarray = dataclasses.field(repr=False)
+    k: np.ndarray = dataclasses.field(repr=False)
+    v: np.ndarray = dataclasses.field(repr=False)
+    d_out: np.ndarray = dataclasses.field(repr=False)
+    mask: np.ndarray | None = dataclasses.field(repr=False)
+    gradient: str
+    index: tuple[int, ...]
+    error: float
+    bound: float
+    ratio: float
+    dominant_term: str
+    evaluations: int
+    budget: int
+    seed: int
+    seconds: float
+
+    @property
+    def violation(self) -> bool:
+        """Whether a measured error exceeds its bound somewhere."""
+        return self.ratio > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _GradientEvaluation:
+    ratio: float
+    gradient: str
+    index: tuple[int, ...]
+    error: float
+    bound: float
+    dominant_term: str
+
+
+def _gradient_evaluation(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    mask: np.ndarray | None,
+    num: Numerics,
+    bw: Backward,
+    bound: Callable[..., Any],
+) -> _GradientEvaluation | None:
+    """The worst ``|ĝ - g| / B`` over the gradients (``None`` outside the bound's scope or where
+    every bound is infinite)."""
+    try:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            bounds = bound(q, k, v, g, mask, numerics=num, backward=bw)
+    except InvalidArgument:
+        return None
+    grads = attention_grad(q, k, v, g, mask, numerics=num, backward=bw)
+    exact = reference.attention_grad(q, k, v, g, mask=mask, digits=17)
+    best: _GradientEvaluation | None = None
+    per_gradient = (bounds.dq, bounds.dk, bounds.dv, bounds.dbias)
+    for name, got, want, b in zip(_GRADIENTS, grads, exact, per_gradient, strict=False):
+        total = np.asarray(b.total, np.float64)
+        finite = np.isfinite(total)
+        if not finite.any():
+            continue
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            err = np.abs(np.asarray(got, np.float64) - want)
+            err = np.where(finite, np.where(np.isfinite(err), err, np.inf), 0.0)
+            ratios = np.where(err > 0, err / np.where(finite, total, 1.0), 0.0)
+        flat = int(np.argmax(ratios))
+        index = tuple(int(i) for i in np.unravel_index(flat, ratios.shape))
+        if best is None or ratios.flat[flat] > best.ratio:
+            terms = {t: float(np.broadcast_to(x, total.shape)[index]) for t, x in b.terms.items()}
+            best = _GradientEvaluation(
+                float(ratios.flat[flat]), name, index, float(err[index]), float(total[index]),
+                max(terms, key=lambda t: terms[t]),
+            )  # fmt: skip
+    return best
+
+
+def gradient_worst_case(
+    numerics: Numerics | str,
+    shape: Shape | Mapping[str, int],
+    *,
+    backward: Backward | str | None = None,
+    budget: int = 50,
+    seed: int = 0,
+    mask: str | None = None,
+    bound: Callable[..., Any] | None = None,
+) -> GradientWorstCase:
+    """Search for the input on which a backward pass is worst relative to its bound (B.1/B.2).
+
+    Hypothesis draws q, k, v (:func:`mhanum.strategies.attention_inputs`, every structure family
+    mixed in) and ``d_out`` (standard normal times ``2^j``, ``j`` in ``[-3, 3]``, rounded into
+    the input format), with a mask of ``mask``'s kind, and is steered with ``target()`` on the
+    largest ``|ĝ_i - g_i| / B_i`` over the four gradients, each evaluation measured against the
+    certified reference gradients (so the ratio is exact: no cheap objective).
+
+    Args:
+        numerics: a :class:`~mhanum.Numerics` or a preset name.
+        shape: a :class:`Shape` or a mapping of its fields.
+        backward: a :class:`~mhanum.numerics.Backward` or an algorithm name.
+        budget: the number of evaluations.
+        seed: seed of the Hypothesis search.
+        mask: a mask kind of :func:`mhanum.strategies.masks`, or ``None``.
+        bound: the bound function (default :func:`mhanum.bounds.attention_grad_bound`; a test
+            can pass a deliberately wrong one).
+
+    Returns:
+        A :class:`GradientWorstCase`.
+
+    Raises:
+        InvalidArgument: for a bad argument, without JAX's 64-bit mode, or when no input in the
+            budget was within the bound's scope.
+
+    Examples:
+        >>> import jax
+        >>> jax.config.update("jax_enable_x64", True)
+        >>> case = gradient_worst_case("fp32", {"q_len": 3, "kv_len": 4, "d_k": 2}, budget=4)
+        >>> case.violation
+        False
+    """
+    num, bw = resolve(numerics), resolve_backward(backward)
+    sizes = Shape.of(shape)
+    budget, seed = _check_budget(budget), _check_seed(seed)
+    _check_x64()
+    kind = _check_mask(mask)
+    fmt = num.format_of("input")
+    start = time.perf_counter()
+    inputs = strategies.attention_inputs(
+        q_len=sizes.q_len, kv_len=sizes.kv_len, d_k=sizes.d_k, d_v=sizes.d_v, batch=sizes.batch,
+        heads=sizes.heads, accum=num.accum, numerics=num,
+    ).filter(lambda x: x.bias is None and x.scale is None)  # fmt: skip
+    masks_: st.SearchStrategy[np.ndarray | None] = st.none()
+    if kind is not None:
+        masks_ = strategies.masks(
+            q_len=sizes.q_len, kv_len=sizes.kv_len, batch=sizes.batch, heads=sizes.heads, kind=kind
+        )
+    cotangents = st.tuples(st.integers(0, 2**32 - 1), st.integers(-3, 3))
+    found: list[tuple[_GradientEvaluation, tuple[Any, ...]]] = []
+    done = 0
+
+    @settings(
+        max_examples=budget,
+        database=None,
+        deadline=None,
+        derandomize=False,
+        phases=[Phase.generate, Phase.target],
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+        report_multiple_bugs=False,
+    )
+    @hypothesis_seed(seed)
+    @given(inputs, masks_, cotangents)
+    def run(x: strategies.AttentionInputs, m: np.ndarray | None, cot: tuple[int, int]) -> None:
+        nonlocal done
+        if done >= budget:
+            return
+        done += 1
+        rng = np.random.default_rng(cot[0])
+        g = round_to(rng.standard_normal((*x.q.shape[:-1], x.v.shape[-1])) * 2.0 ** cot[1], fmt)
+        ev = _gradient_evaluation(x.q, x.k, x.v, g, m, num, bw, bound or attention_grad_bound)
+        if ev is None:
+            return
+        if not found or ev.ratio > found[0][0].ratio:
+            found[:] = [(ev, (x.q, x.k, x.v, g, m))]
+        if math.isfinite(ev.ratio):
+            target(ev.ratio, label=f"gradient error/bound | {ev.gradient}")
+
+    with _without_local_constants():
+        run()
+    if not found:
+        msg = f"numerics: expected some input within the bound's scope, got none in {done}"
+        raise InvalidArgument(msg)
+    ev, (q, k, v, g, m) = found[0]
+    return GradientWorstCase(
+        numerics=num, backward=bw, shape=sizes, q=q, k=k, v=v, d_out=g, mask=m,
+        gradient=ev.gradient, index=ev.index, error=ev.error, bound=ev.bound, ratio=ev.ratio,
+        dominant_term=ev.dominant_term, evaluations=done, budget=budget, seed=seed,
+        seconds=time.perf_counter() - start,
+    )  # fmt: skip

@@ -8,6 +8,8 @@ is within one ulp of the exact gradient and is covered by the bound's own float6
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -234,3 +236,38 @@ def test_bad_calls_are_named():
         attention_grad(q, k, v, g, backward=3)
     with pytest.raises(InvalidArgument, match=r"d_out"):
         attention_grad(q, k, v, np.full((8, 4), np.nan))
+
+
+@pytest.mark.parametrize(
+    ("numerics", "backward"), [("fp32", "textbook"), ("bf16-fp32acc", "flash2")]
+)
+def test_the_gradient_search_finds_no_violation(numerics, backward):
+    from mhanum.search import gradient_worst_case
+
+    shape = {"q_len": 6, "kv_len": 8, "d_k": 4}
+    case = gradient_worst_case(numerics, shape, backward=backward, budget=20, mask="causal")
+    assert not case.violation, (case.gradient, case.index, case.ratio)
+    assert case.gradient in ("dq", "dk", "dv", "dbias")
+    assert case.evaluations == 20
+    # the case is the measurement it reports: re-measured against the reference
+    grads = attention_grad(
+        case.q, case.k, case.v, case.d_out, case.mask, numerics=numerics, backward=backward
+    )
+    exact = reference.attention_grad(case.q, case.k, case.v, case.d_out, mask=case.mask, digits=17)
+    i = ("dq", "dk", "dv", "dbias").index(case.gradient)
+    got = float(np.asarray(grads[i], np.float64)[case.index])
+    assert abs(got - exact[i][case.index]) == case.error
+
+
+def test_the_gradient_search_catches_a_bound_too_small():
+    """A bound divided by 1000 is exceeded, and the search says so."""
+    from mhanum.search import gradient_worst_case
+
+    def too_small(*args, **kwargs):
+        b = attention_grad_bound(*args, **kwargs)
+        return b._replace(dq=dataclasses.replace(b.dq, total=b.dq.total / 1000))
+
+    shape = {"q_len": 6, "kv_len": 8, "d_k": 4}
+    case = gradient_worst_case("bf16-fp32acc", shape, budget=10, bound=too_small)
+    assert case.violation
+    assert case.gradient == "dq"

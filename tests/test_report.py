@@ -27,6 +27,7 @@ TINY = {
     "heads": {"d_model": 16, "num_heads": [1, 4], "length": 8},
     "mask_constants": {"formats": ["float32", "float16"], "n_keys": 16},
     "variants": {"length": 8, "heads": 4, "kv_heads": 2, "window": 3, "sink": 2.0},
+    "backward": {"length": 8, "block": 4},
 }
 SMALLEST = TINY | {"presets": ["fp32"], "lengths": [8], "masks": ["causal"]}
 RECORDS = Path(__file__).parents[1] / "papers" / "measurements" / "h100-records.jsonl"
@@ -335,6 +336,28 @@ def test_every_variant_is_within_its_bound(report):
         assert 0 <= r["ratio_max"] <= 1, r
         assert r["theorem"] == ("A.6" if r["variant"].startswith("split-KV") else "A.1")
     assert "Today's attention variants" in (report.out / "report.md").read_text()
+
+
+def test_every_gradient_is_within_its_bound(report):
+    section = report.data["backward"]
+    assert not section["refusals"]
+    seen = {(r["preset"], r["algorithm"], r["gradient"]) for r in section["rows"]}
+    assert len(seen) == len(section["rows"]) == len(TINY["presets"]) * 2 * 3
+    for r in section["rows"]:
+        assert 0 < r["error_max"] <= r["bound_max"], r
+        assert 0 < r["ratio_max"] <= 1, r
+        assert r["theorem"] == ("B.2" if r["algorithm"] == "flash2" else "B.1")
+    assert "The backward pass" in (report.out / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("backward", "key"),
+    [({"length": 0}, "backward.length"), ({"algorithms": ["reverse"]}, "backward.algorithms"),
+     ({"block": 0}, "backward.block")],
+)  # fmt: skip
+def test_bad_backward_settings_are_refused_by_name(backward, key, tmp_path):
+    with pytest.raises(InvalidArgument, match=key):
+        mhanum.report.build(SMALLEST | {"backward": backward}, tmp_path / "out")
 
 
 @pytest.mark.parametrize(

@@ -191,7 +191,8 @@ def attention_grad(
     """The gradients ``(dq, dk, dv, dbias)`` of ``<d_out, attention(q, k, v)>``, certified with
     Arb balls: ``P`` as in :func:`attention`, then ``dV = Pᵀ dO``, ``dP = dO Vᵀ``,
     ``D = rowsum(P ∘ dP)``, ``dS = P ∘ (dP - D)`` (evaluated as ``P ∘ ((dP - r) - rowsum(P ∘
-    (dP - r)))``, ``r`` one of the row's ``dP``, so that equal ``dP`` give an exact 0), ``dQ = c·dS K``, ``dK = c·dSᵀ Q`` and
+    (dP - r)))``, ``r`` the ``dP`` of the row's most probable key, so that equal ``dP`` give an
+    exact 0 and a saturated softmax no cancellation), ``dQ = c·dS K``, ``dK = c·dSᵀ Q`` and
     ``dbias = dS`` (the textbook backward; masked keys have ``P = 0`` and gradient 0). A
     soft-cap multiplies ``dS`` by the cap's slope ``1 - tanh²(c·qk/cap)`` before ``dQ`` and
     ``dK``. ``sink_column``: also the sum of ``dS``'s last column (a sink logit's gradient),
@@ -217,10 +218,14 @@ def attention_grad(
             d_v = probs.transpose() * d_o
             d_p = d_o * vb.transpose()
             # dP_ij - D_i = (dP_ij - r) - Σ_l P_il (dP_il - r) for any r (Σ_l P_il = 1), with
-            # r = dP_i0: a row whose dP are all equal gets dS = 0 exactly, not a ball around 0
-            rows = []
+            # r = dP at the row's most probable key: a row whose dP are all equal gets dS = 0
+            # exactly, not a ball around 0, and a saturated row (P near one-hot) does not cancel
+            # 1 - P against its tiny complement
+            rows, tops = [], []
             for i in range(l_q):
-                r = d_p[i, 0]
+                top = max(range(l_k), key=lambda j, i=i: float(probs[i, j].mid()))
+                tops.append(top)
+                r = d_p[i, top]
                 shifted = [d_p[i, j] - r for j in range(l_k)]
                 mean = sum((probs[i, j] * shifted[j] for j in range(l_k)), flint.arb(0))
                 rows.append([probs[i, j] * (shifted[j] - mean) for j in range(l_k)])
@@ -232,7 +237,16 @@ def attention_grad(
                          for i in range(l_q)]  # fmt: skip
                 d_a = flint.arb_mat([[d_s[i, j] * slope[i][j] for j in range(l_k)]
                                      for i in range(l_q)])  # fmt: skip
-            d_q = d_a * _matrix(flint, k[b]) * scale
+            if spec.softcap is None:
+                # Σ_j dS_ij = 0, so dq_i = c Σ_j dS_ij (k_j - k_t) with t the pivot key: keys
+                # that are all equal give dq = 0 exactly, not a ball around 0
+                k_b = _matrix(flint, k[b])
+                d_q = flint.arb_mat(
+                    [[sum((d_s[i, j] * (k_b[j, c] - k_b[tops[i], c]) for j in range(l_k)),
+                          flint.arb(0)) for c in range(k.shape[-1])] for i in range(l_q)]
+                ) * scale  # fmt: skip
+            else:
+                d_q = d_a * _matrix(flint, k[b]) * scale
             d_k = d_a.transpose() * _matrix(flint, q[b]) * scale
             mats = [d_q, d_k, d_v, d_s]
             if sink_column:

@@ -21,8 +21,9 @@ from mhanum import bounds, devices, masks, measure, reference
 from mhanum._errors import InvalidArgument
 from mhanum.attention import attention, multi_head_attention
 from mhanum.bounds import heads as heads_bounds
+from mhanum.emulate.backward import attention_grad
 from mhanum.formats import get_format
-from mhanum.numerics import Numerics
+from mhanum.numerics import Backward, Numerics
 from mhanum.params import MHAParams
 from mhanum.report._config import Config
 
@@ -387,6 +388,60 @@ def variants(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
     }
 
 
+def backward(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
+    """The backward pass (papers/backward.md): every gradient's error against the certified
+    reference gradients and Theorem B.1 (textbook) or B.2 (FlashAttention-2), per preset, on
+    one causal head."""
+    c = config.backward
+    shape = (1, 1, c.length, config.d_k)
+    q, k, v = (x[0, 0] for x in devices.inputs(shape, "float32", config.structure, config.seed))
+    d_out = np.random.default_rng(config.seed + 1).standard_normal(v.shape).astype(np.float32)
+    d_out = d_out.astype(np.float64)
+    mask = np.tril(np.ones((c.length, c.length), bool))
+    exact = reference.attention_grad(q, k, v, d_out, mask=mask, digits=17)
+    step("reference gradients")
+    rows: list[dict[str, Any]] = []
+    refusals: list[str] = []
+    for preset in config.presets:
+        num = Numerics.preset(preset)
+        for algorithm in c.algorithms:
+            bw = Backward(algorithm, block_q=c.block, block_k=c.block)
+            try:
+                found = bounds.attention_grad_bound(q, k, v, d_out, mask, numerics=num, backward=bw)
+            except InvalidArgument as refused:
+                refusals.append(f"{preset}, {algorithm}: {refused}")
+                continue
+            grads = attention_grad(q, k, v, d_out, mask, numerics=num, backward=bw)
+            for name, got, want, b in zip(
+                ("dq", "dk", "dv"), grads, exact, (found.dq, found.dk, found.dv), strict=False
+            ):
+                total = np.asarray(b.total, np.float64)
+                err = np.abs(np.asarray(got, np.float64) - want)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ratio = np.where(err == 0, 0.0, err / total)
+                rows.append(
+                    {
+                        "preset": preset,
+                        "algorithm": algorithm,
+                        "gradient": name,
+                        "error_max": float(err.max()),
+                        "bound_max": float(total.max()),
+                        "ratio_max": float(ratio.max()),
+                        "dominant_term": b.dominant(),
+                        "theorem": b.theorem,
+                        "reasons": list(b.reasons),
+                    }
+                )
+        step(f"backward {preset}")
+    return {
+        "length": c.length,
+        "d_k": config.d_k,
+        "block": c.block,
+        "rows": rows,
+        "refusals": refusals,
+    }
+
+
 def _constant_label(value: float | str) -> str:
     if isinstance(value, str):
         return "-0.7·finfo.max" if value == "0.7*finfo.min" else value
@@ -524,6 +579,8 @@ def compute(
         + len(config.heads.num_heads) * (1 + len(config.presets))
         + 1
         + len(_variant_cases(config))
+        + 1
+        + len(config.presets)
         + len(records)
     )
     done = 0
@@ -540,6 +597,7 @@ def compute(
     data["mask_constants"] = mask_constants(config)
     step("mask constants")
     data["variants"] = variants(config, step)
+    data["backward"] = backward(config, step)
     data["cases"] = case_list
     files = []
     for path in records:

@@ -61,6 +61,15 @@ class VariantsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """The backward pass (the ``[backward]`` table)."""
+
+    length: int
+    algorithms: tuple[str, ...]
+    block: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """Everything a report computes; see ``mhanum/report/default.toml`` for each key's meaning."""
 
@@ -75,6 +84,7 @@ class Config:
     heads: HeadsConfig
     mask_constants: MaskConstantsConfig
     variants: VariantsConfig
+    backward: BackwardConfig
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (``-inf`` mask constants stay floats; ``json`` writes them as ``-Infinity``)."""
@@ -259,6 +269,12 @@ def _parse(m: Mapping[str, Any]) -> Config:
         ),
         _int(vt["kv_splits"], "variants.kv_splits", 1),
     )
+    bt = m["backward"]
+    backward = BackwardConfig(
+        _int(bt["length"], "backward.length", 1),
+        _choices(bt["algorithms"], "backward.algorithms", ("textbook", "flash2")),
+        _int(bt["block"], "backward.block", 1),
+    )
     return Config(
         seed=_int(m["seed"], "seed", 0),
         samples=_int(m["samples"], "samples", 1),
@@ -271,4 +287,5 @@ def _parse(m: Mapping[str, Any]) -> Config:
         heads=heads,
         mask_constants=constants,
         variants=variants,
+        backward=backward,
     )

@@ -249,6 +249,46 @@ def _variants(section: Mapping[str, Any]) -> list[Block]:
     ]
 
 
+def _backward(section: Mapping[str, Any]) -> list[Block]:
+    out: list[Block] = [
+        Heading(1, "The backward pass"),
+        Paragraph(
+            f"The gradients dq, dk and dv of one causal head of {section['length']} tokens "
+            f"(d_k = {section['d_k']}) with a random d_out, by the textbook backward and "
+            f"FlashAttention-2's (blocks of {section['block']}), against the certified reference "
+            "gradients, with Theorem B.1 or B.2 (papers/backward.md: every order of "
+            "FlashAttention-2's dq atomic adds). Each row: the largest error, the largest bound "
+            "and the largest error ÷ bound."
+        ),
+        Table(
+            (
+                "preset",
+                "algorithm",
+                "gradient",
+                "max error",
+                "bound max",
+                "max error / bound",
+                "dominant term",
+            ),
+            tuple(
+                (
+                    r["preset"],
+                    r["algorithm"],
+                    r["gradient"],
+                    _g(r["error_max"]),
+                    _g(r["bound_max"]),
+                    _g(r["ratio_max"]),
+                    r["dominant_term"],
+                )
+                for r in section["rows"]
+            ),
+        ),
+    ]
+    if section["refusals"]:
+        out.append(Paragraph("Not bounded: " + "; ".join(section["refusals"]) + "."))
+    return out
+
+
 def _heads(section: Mapping[str, Any]) -> list[Block]:
     rows = section["rows"]
     presets = list(rows[0]["presets"])
@@ -450,6 +490,7 @@ def blocks(data: Mapping[str, Any]) -> list[Block]:
         *_mask_constants(data["mask_constants"]),
         *_heads(data["heads"]),
         *(_variants(data["variants"]) if "variants" in data else []),
+        *(_backward(data["backward"]) if "backward" in data else []),
         *_cases(data["cases"]),
         *_records(data["records"]),
         *_provenance(data),
