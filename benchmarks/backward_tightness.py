@@ -31,11 +31,11 @@ import numpy as np
 
 jax.config.update("jax_enable_x64", True)
 
-from mhanum import Backward, attention_grad, reference  # noqa: E402
-from mhanum.adapters import torch as torch_adapter  # noqa: E402
-from mhanum.bounds import attention_grad_bound  # noqa: E402
-from mhanum.formats import round_to  # noqa: E402
-from mhanum.numerics import PRESETS  # noqa: E402
+from mhanum import Backward, attention_grad, reference
+from mhanum.adapters import torch as torch_adapter
+from mhanum.bounds import attention_grad_bound
+from mhanum.formats import round_to
+from mhanum.numerics import PRESETS
 
 GOAL = 10.0
 PRESET_NAMES = ("fp32", "tf32", "bf16-fp32acc", "fp16-fp32acc", "tensor-core-bf16")

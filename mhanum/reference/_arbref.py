@@ -223,7 +223,8 @@ def attention_grad(
             # 1 - P against its tiny complement
             rows, tops = [], []
             for i in range(l_q):
-                top = max(range(l_k), key=lambda j, i=i: float(probs[i, j].mid()))
+                weights = [float(probs[i, j].mid()) for j in range(l_k)]
+                top = weights.index(max(weights))
                 tops.append(top)
                 r = d_p[i, top]
                 shifted = [d_p[i, j] - r for j in range(l_k)]
