@@ -271,3 +271,40 @@ def test_the_gradient_search_catches_a_bound_too_small():
     case = gradient_worst_case("bf16-fp32acc", shape, budget=10, bound=too_small)
     assert case.violation
     assert case.gradient == "dq"
+
+
+@pytest.mark.parametrize("backward", ["textbook", FLASH], ids=["textbook", "flash2"])
+@pytest.mark.parametrize("numerics", ["fp32", "bf16-fp32acc", "fp16", "tensor-core-fp16"])
+@given(problem=_problem(span=4))
+def test_the_a_priori_bound_covers_every_admissible_input(numerics, backward, problem):
+    """Theorem B.4 from the inputs' own norms: every gradient's error is within it (and the
+    norms are attained, so the inputs are at the edge of the admissible set)."""
+    from mhanum.bounds.backward import attention_grad_bound_a_priori
+
+    q, k, v, g, mask, _ = problem
+    grads = attention_grad(q, k, v, g, mask, numerics=numerics, backward=backward)
+    exact = reference.attention_grad(q, k, v, g, mask=mask, digits=17)
+    b = attention_grad_bound_a_priori(
+        L, L, D,
+        q_norm=float(np.linalg.norm(q, axis=-1).max()),
+        k_norm=float(np.linalg.norm(k, axis=-1).max()),
+        v_max=float(np.abs(v).max()),
+        d_out_max=float(np.abs(g).max()),
+        numerics=numerics, backward=backward,
+    )  # fmt: skip
+    assert b.dq.theorem == "B.4"
+    for got, want, bound in zip(grads, exact, b[:4], strict=False):
+        err = np.abs(np.asarray(got, np.float64) - want)
+        assert (err <= bound.total).all(), float(np.max(err / bound.total))
+
+
+def test_the_a_priori_bound_refuses_bad_norms_and_says_why_it_is_infinite():
+    from mhanum.bounds.backward import attention_grad_bound_a_priori
+
+    with pytest.raises(InvalidArgument, match="q_norm"):
+        attention_grad_bound_a_priori(4, 4, 2, q_norm=-1.0, k_norm=1.0, v_max=1.0, d_out_max=1.0)
+    huge = attention_grad_bound_a_priori(
+        4, 4, 2, q_norm=1.0, k_norm=1.0, v_max=6e4, d_out_max=6e4, numerics="fp16"
+    )
+    assert np.isinf(huge.dq.total).all()
+    assert any("overflow float16" in r for r in huge.dq.reasons)

@@ -8,7 +8,12 @@ from mhanum.bounds import heads, masking, summation
 from mhanum.bounds._result import Bound
 from mhanum.bounds.a_priori import attention_bound_a_priori, mha_bound_a_priori
 from mhanum.bounds.attention import attention_bound, mha_bound
-from mhanum.bounds.backward import GradientBounds, attention_grad_bound, dq_order_difference
+from mhanum.bounds.backward import (
+    GradientBounds,
+    attention_grad_bound,
+    attention_grad_bound_a_priori,
+    dq_order_difference,
+)
 from mhanum.bounds.masking import (
     MaskAnalysis,
     MaskRange,
@@ -32,6 +37,7 @@ __all__ = [
     "attention_bound",
     "attention_bound_a_priori",
     "attention_grad_bound",
+    "attention_grad_bound_a_priori",
     "dot_bound",
     "dq_order_difference",
     "heads",

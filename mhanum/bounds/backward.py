@@ -25,6 +25,7 @@ import numpy as np
 from mhanum import _validate as V
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
+from mhanum.bounds.a_priori import attention_bound_a_priori
 from mhanum.bounds.attention import attention_bound
 from mhanum.bounds.factors import (
     chain,
@@ -43,7 +44,12 @@ from mhanum.bounds.factors import (
 from mhanum.formats import Format
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 
-__all__ = ["GradientBounds", "attention_grad_bound", "dq_order_difference"]
+__all__ = [
+    "GradientBounds",
+    "attention_grad_bound",
+    "attention_grad_bound_a_priori",
+    "dq_order_difference",
+]
 
 ASSUMPTIONS = (
     "round-to-nearest; a rounding into F is x(1+δ)+η, |δ| <= u_F, |η| <= 2^emin_F (flush-to-zero)",
@@ -664,3 +670,303 @@ def dq_order_difference(
         source="dao2023",
         reasons=full.dq.reasons,
     )
+
+
+def attention_grad_bound_a_priori(
+    q_len: int,
+    kv_len: int,
+    d_k: int,
+    d_v: int | None = None,
+    *,
+    q_norm: float,
+    k_norm: float,
+    v_max: float,
+    d_out_max: float,
+    numerics: Numerics | str | None = None,
+    backward: Backward | str | None = None,
+    scale: float | None = None,
+) -> GradientBounds:
+    """Theorem B.4: a priori componentwise bounds on the error of every gradient.
+
+    For every input ``q`` (``q_len × d_k``), ``k`` (``kv_len × d_k``), ``v`` (``kv_len × d_v``)
+    and ``d_out`` (``q_len × d_v``) with ``‖q_i‖₂ <= q_norm``, ``‖k_j‖₂ <= k_norm``,
+    ``|v_jl| <= v_max`` and ``|d_out_il| <= d_out_max`` (given as float64 numbers; their rounding
+    into ``numerics.input`` is included) and any ``-inf`` mask that leaves every row a key,
+    every gradient computed as Theorem B.1 (textbook) or B.2 (FlashAttention-2, any order of the
+    ``dQ`` additions) states is within ``total`` of the exact one, entry by entry.
+
+    ``total`` is B.1/B.2's propagation with every quantity replaced by its worst case over those
+    inputs (papers/backward.md, B.4): the logits' error by Cauchy–Schwarz
+    (``Σ|q_c||k_c| <= q_norm·k_norm``), the logit range ``2c·q_norm·k_norm + 2Δ``, ``P <= 1``
+    and ``Σ_j P_ij = 1`` along a row, ``|dP| <= M = d_v·d_out_max·v_max``, ``|D| <= M``,
+    ``|dP - D| <= 2M``; for ``dK`` and ``dV``, whose sums run down a column of ``P``, the
+    column sum ``Σ_i P_ij <= q_len``. FlashAttention-2's ``D`` reads the forward output, whose
+    error is Theorem A.4's (:func:`~mhanum.bounds.attention_bound_a_priori`).
+
+    Args:
+        q_len, kv_len, d_k, d_v: the shapes (``d_v`` defaults to ``d_k``).
+        q_norm, k_norm: bounds on the Euclidean norms of the query and key rows.
+        v_max, d_out_max: bounds on the magnitude of every entry of ``v`` and ``d_out``.
+        numerics, backward, scale: as for :func:`attention_grad_bound`.
+
+    Returns:
+        :class:`GradientBounds` whose totals have shapes ``(d_k,)`` (``dq``, ``dk``), ``(d_v,)``
+        (``dv``) and ``()`` (``dbias``): the same bound for every row. ``stages`` holds the
+        scalar bounds of ``P``, ``dP``, ``D`` and ``dS`` at one entry.
+
+    Raises:
+        InvalidArgument: for non-positive sizes, negative or non-finite norms, or numerics
+            outside the theorem's scope.
+
+    Examples:
+        >>> b = attention_grad_bound_a_priori(
+        ...     64, 64, 16, q_norm=4.0, k_norm=4.0, v_max=3.0, d_out_max=3.0, numerics="fp32"
+        ... )
+        >>> b.dq.theorem, b.dq.total.shape, bool(0 < b.dq.total.max() < 1e-2)
+        ('B.4', (16,), True)
+    """
+    num = resolve(numerics)
+    bw = resolve_backward(backward)
+    _check_scope(num, bw)
+    lq, n, d = (V.positive_int(x, name) for x, name in ((q_len, "q_len"), (kv_len, "kv_len"),
+                                                          (d_k, "d_k")))  # fmt: skip
+    dv_ = d if d_v is None else V.positive_int(d_v, "d_v")
+    sizes = {"q_norm": q_norm, "k_norm": k_norm, "v_max": v_max, "d_out_max": d_out_max}
+    for name, value in sizes.items():
+        ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value < 0:
+            msg = f"{name}: expected a finite number >= 0, got {value!r}"
+            raise InvalidArgument(msg)
+    bw.key_blocks(n)
+    c64 = V.scale_value(scale, d, placement=num.scale)
+    u64 = 0.0
+    if scale is None and not is_power_of_four(d):
+        u64 = (1 + _U64) / (1 - _U64) - 1
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return _a_priori(lq, n, d, dv_, sizes, num, bw, scale, c64, u64)
+
+
+def _a_priori(
+    lq: int,
+    n: int,
+    d: int,
+    dv_: int,
+    sizes: dict[str, float],
+    num: Numerics,
+    bw: Backward,
+    scale: float | None,
+    c64: float,
+    u64: float,
+) -> GradientBounds:
+    fin, acc, sc = num.format_of("input"), num.format_of("accum"), num.format_of("score")
+    sm, prob, out = num.format_of("softmax"), num.format_of("prob"), num.format_of("output")
+    grad, dsf = bw.formats(num)
+    flash = bw.algorithm == "flash2"
+    rng = _Range()
+    everything = ("dq", "dk", "dv", "dbias")
+    qn, kn = float(sizes["q_norm"]), float(sizes["k_norm"])
+    vm, gm = float(sizes["v_max"]), float(sizes["d_out_max"])
+    u_op, eta_op = operand_error(num)
+    anchor = tensor_core_anchor(num)
+    bits_in = operand_bits(num, fin)
+    u_i, eta_i = fin.u, fin.smallest_normal
+
+    def entry_err(x: float) -> float:
+        """``>= |x̂_op - x|`` for an entry ``|x| <= x`` rounded to the input and operand formats."""
+        e = u_i * x + eta_i
+        return e + u_op * (x + e) + eta_op
+
+    def norm_err(norm: float, width: int) -> float:
+        """The same for the 2-norm of a row of ``width`` entries."""
+        e = u_i * norm + eta_i * math.sqrt(width)
+        return e + u_op * (norm + e) + eta_op * math.sqrt(width)
+
+    for name, value in (("q", qn), ("k", kn), ("v", vm), ("d_out", gm)):
+        rng.check(value, fin, f"{name} rounded to the input format", everything)
+
+    # Step 2: the logits (Cauchy–Schwarz on every dot of length d)
+    f, eta, _ = _dot_factor(num, d, None, (bits_in, bits_in))
+    eq, ek = norm_err(qn, d), norm_err(kn, d)
+    t_up = qn * kn
+    t_err = eq * (kn + ek) + qn * ek + f * (qn + eq) * (kn + ek) + eta
+    if anchor:
+        t_err += f * anchor * (math.sqrt(d) * (qn + eq + kn + ek) + d * anchor)
+    rng.check((1 + f) * (qn + eq) * (kn + ek) + eta, acc, "q kᵀ accumulated", everything)
+    t_err += float(_take(np.asarray(t_up + t_err), acc, sc))
+    c = abs(c64)
+    _, u_r, u_mul = scale_rounding(c64, sc)
+    theta = (1 + u64) * (1 + u_r) - 1
+    s_up = c * t_up
+    delta = c * (1 + theta) * t_err + theta * s_up + u_mul * (1 + theta) * c * (t_up + t_err)
+    delta += sc.smallest_normal
+    rng.check(s_up + delta, sc, "the logits in the score format", everything)
+    delta += float(_take(np.asarray(s_up + delta), sc, sm))
+
+    # Step 3: the probabilities (P <= 1, Σ_j P_ij = 1)
+    u_m, eta_m = sm.u, sm.smallest_normal
+    gap = 2 * s_up + 2 * delta
+    bits_p = operand_bits(num, prob)
+    xs, _, g_sum, _, _ = exp_and_sum_factors(num, n, gap, None, (bits_p, bits_in))
+    x_max = float(np.max(xs))
+    eps_e = math.expm1(2 * num.exp_ulps * math.log1p(u_m))
+    ell_low = math.exp(-x_max) * (1 - g_sum) - n * eta_m * (1 + g_sum)
+    if not flash:
+        eps_div = division_error(num.div_ulps, u_m)
+        u_p = prob.u if prob.precision < sm.precision else 0.0
+        own = float(
+            2 * _log_radius(np.expm1(x_max)) + _log_radius(eps_div) + _log_radius(g_sum)
+            + _log_radius(u_p)
+        )  # fmt: skip
+        absolute = (
+            ((n + 1) * eta_m * (1 + g_sum) / ell_low) * (1 + eps_div) * (1 + u_p)
+            + eta_m * (1 + u_p)
+            + float(np.max(_take(np.ones(1), sm, prob)))
+        )
+        if not ell_low > 0:
+            absolute = math.inf
+            rng.reasons.append("the softmax's row sum may underflow: its lower bound is not > 0")
+    else:
+        r_ell = math.expm1(x_max) * (1 + g_sum) + g_sum + n * eta_m * (1 + g_sum)
+        lam = float(_log_radius(r_ell))
+        log_up = math.log(n) + lam
+        err_lse = lam + eps_e * log_up + 2 * eta_m + u_m * (s_up + delta + log_up)
+        gap2 = 2 * s_up + math.log(n) + 2 * delta + err_lse
+        own = err_lse + u_m * gap2 + eta_m + float(_log_radius(eps_e))
+        absolute = eta_m
+    big_r = own + 2 * delta
+    eps_p = math.expm1(big_r) + absolute  # entry (P <= 1)
+    sum_eps = math.expm1(big_r) + n * absolute  # along a row (Σ P = 1)
+    p_used = math.exp(big_r) + absolute
+    pr_extra = float(_take(np.asarray(p_used), sm, prob)) if flash else 0.0
+
+    # Step 4: dP = d_out vᵀ (|dP| <= M)
+    f, eta, _ = _dot_factor(num, dv_, None, (bits_in, bits_in))
+    eg, ev = entry_err(gm), entry_err(vm)
+    big_m = dv_ * gm * vm
+    dp_err = dv_ * (eg * (vm + ev) + gm * ev + f * (gm + eg) * (vm + ev)) + eta
+    if anchor:
+        dp_err += f * anchor * (dv_ * (gm + eg + vm + ev) + dv_ * anchor)
+    rng.check(dv_ * (1 + f) * (gm + eg) * (vm + ev) + eta, acc, "d_out vᵀ accumulated",
+              ("dq", "dk", "dbias"))  # fmt: skip
+    dp_err += float(_take(np.asarray(big_m + dp_err), acc, grad))
+    rng.check(big_m + dp_err, grad, "dP in the gradient format", ("dq", "dk", "dbias"))
+    u_g, eta_g = grad.u, grad.smallest_normal
+
+    # Step 5: D
+    if not flash:
+        take_p = float(_take(np.asarray(p_used), prob, grad))
+        g_d = chain(n, num.summation, u_g, None, products=True)
+        sum_pe = sum_eps + n * take_p
+        d_err = dp_err * (1 + sum_pe) + big_m * sum_pe
+        d_err += g_d * (big_m + dp_err) * (1 + sum_pe) + 2 * n * eta_g
+        p_x = eps_p + take_p
+        sum_px = sum_pe
+    else:
+        fwd = attention_bound_a_priori(
+            lq, n, d, dv_, q_norm=qn, k_norm=kn, v_max=vm, numerics=num, scale=scale
+        )
+        eps_o = float(np.max(fwd.total))
+        rng.reasons.extend(f"forward: {r}" for r in fwd.reasons)
+        eg_g = u_i * gm + eta_i + float(_take(np.asarray(gm * (1 + u_i) + eta_i), fin, grad))
+        eo = eps_o + float(_take(np.asarray(vm + eps_o), out, grad))
+        g_d = chain(dv_, num.summation, u_g, None, products=True)
+        d_err = dv_ * (eg_g * vm + gm * eo + eg_g * eo) + g_d * dv_ * (gm + eg_g) * (vm + eo)
+        d_err += 2 * dv_ * eta_g
+        take_p = float(_take(np.asarray(p_used), sm, grad))
+        p_x = eps_p + take_p
+        sum_px = sum_eps + n * take_p
+        if not math.isfinite(eps_o):
+            d_err = math.inf
+    rng.check(big_m + d_err, grad, "D in the gradient format", ("dq", "dk", "dbias"))
+
+    # Step 6: t = dP - D (|t| <= 2M), dS = P t
+    t_err = dp_err + d_err
+    t_err += u_g * (2 * big_m + t_err) + eta_g
+    rng.check(2 * big_m + t_err, grad, "dP - D in the gradient format", ("dq", "dk", "dbias"))
+    t_up = 2 * big_m
+    ds_entry = p_x * t_up + t_err + p_x * t_err + u_g * (1 + p_x) * (t_up + t_err) + eta_g
+    ds_row = sum_px * t_up + t_err + sum_px * t_err + u_g * (1 + sum_px) * (t_up + t_err)
+    ds_row += n * eta_g
+    rng.check(t_up + ds_entry, dsf, f"dS rounded to {dsf.name}", ("dq", "dk", "dbias"))
+    take_ds = float(_take(np.asarray(t_up + ds_entry), grad, dsf))
+    dsr_entry = ds_entry + take_ds
+    dsr_row = ds_row + float(_take(np.asarray(t_up + ds_row), grad, dsf)) + n * take_ds
+
+    ev_all = (1 + evaluation_rounding(max(n, lq, d, dv_))) ** 12
+    theorem = "B.4"
+    results: dict[str, Bound] = {}
+
+    def finish(name: str, width: int | None, terms: dict[str, float]) -> Bound:
+        shape = () if width is None else (width,)
+        arrays = {key: np.full(shape, val * ev_all) for key, val in terms.items()}
+        total = sum(arrays.values())
+        total = np.where(np.isnan(total), np.inf, total)
+        if rng.hit[name]:
+            total = np.full(shape, np.inf)
+        return Bound(
+            total=np.asarray(total, np.float64),
+            terms=arrays,
+            theorem=theorem,
+            assumptions=ASSUMPTIONS,
+            source="dao2023",
+            reasons=tuple(rng.reasons) if not np.isfinite(total).all() else (),
+        )
+
+    def last(
+        name: str,
+        count: int,
+        block: int,
+        mag_sum: float,
+        err_sum: float,
+        b_up: float,
+        bits: tuple[int, int],
+        scaled: bool,
+        width: int,
+    ) -> None:
+        """B.0 on ``Σ_l a_l b_l`` over ``count`` terms with ``Σ|a| <= mag_sum``,
+        ``Σ err_a <= err_sum`` and ``|b| <= b_up`` (each ``b`` an input entry)."""
+        f, eta, _ = _dot_factor(num, count, block if flash else None, bits)
+        a_e = err_sum + u_op * (mag_sum + err_sum) + count * eta_op
+        b_e = entry_err(b_up)
+        from_a = a_e * (b_up + b_e)
+        from_b = mag_sum * b_e
+        accumulation = f * (mag_sum + a_e) * (b_up + b_e) + eta
+        if anchor:
+            accumulation += f * anchor * (mag_sum + a_e + count * (b_up + b_e) + count * anchor)
+        x_up = mag_sum * b_up
+        rng.check((1 + f) * (mag_sum + a_e) * (b_up + b_e) + eta, acc, f"{name}'s dot accumulated",
+                  (name,))  # fmt: skip
+        err = from_a + from_b + accumulation
+        if scaled:
+            carried, own_ = _scaled_output(np.asarray(x_up), np.asarray(err), c64, c64, u64, num)
+            ratio = float(carried) / err if err > 0 else 1.0
+            y_up = c * x_up + float(carried) + float(own_)
+            own_out = float(own_)
+        else:
+            ratio, own_out = 1.0, float(_take(np.asarray(x_up + err), acc, out))
+            y_up = x_up + err + own_out
+        rng.check(y_up, out, f"{name} rounded to the output format", (name,))
+        results[name] = finish(
+            name, width,
+            {"upstream": ratio * from_a, "inputs": ratio * from_b,
+             "accumulation": ratio * accumulation, "output": own_out},
+        )  # fmt: skip
+
+    bits = (operand_bits(num, dsf), bits_in)
+    # dq_i = c Σ_j dS_ij k_j: along a row, Σ_j |dS_ij| <= 2M, |k_jc| <= k_norm
+    last("dq", n, bw.block_k, t_up, dsr_row, kn, bits, True, d)
+    # dk_j = c Σ_i dS_ij q_i: down a column, Σ_i |dS_ij| <= q_len·2M
+    last("dk", lq, bw.block_q, lq * t_up, lq * dsr_entry, qn, bits, True, d)
+    # dv_j = Σ_i P_ij d_out_i: Σ_i P_ij <= q_len
+    bits = (bits_p, bits_in)
+    last("dv", lq, bw.block_q, lq * 1.0, lq * (eps_p + pr_extra), gm, bits, False, dv_)
+    own_b = float(_take(np.asarray(t_up + ds_entry), grad, out))
+    rng.check(t_up + ds_entry + own_b, out, "dbias rounded to the output format", ("dbias",))
+    results["dbias"] = finish("dbias", None, {"dS": ds_entry, "output": own_b})
+    stages = {
+        "P": np.asarray(eps_p * ev_all),
+        "dP": np.asarray(dp_err * ev_all),
+        "D": np.asarray(d_err * ev_all),
+        "dS": np.asarray(ds_entry * ev_all),
+    }
+    return GradientBounds(results["dq"], results["dk"], results["dv"], results["dbias"], stages)
