@@ -308,3 +308,16 @@ def test_the_a_priori_bound_refuses_bad_norms_and_says_why_it_is_infinite():
     )
     assert np.isinf(huge.dq.total).all()
     assert any("overflow float16" in r for r in huge.dq.reasons)
+
+
+def test_an_operand_that_overflows_its_tf32_conversion_is_named():
+    """float32's largest values round up to inf in tf32 (10 fraction bits): a d_out there makes
+    dv NaN, and the bound says inf, with the operand conversion as the reason."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((L, D)) for _ in range(3))
+    g = np.full((L, D), float(np.finfo(np.float32).max))
+    grads = attention_grad(q, k, v, g, numerics="tf32")
+    bounds = attention_grad_bound(q, k, v, g, numerics="tf32")
+    assert not np.isfinite(np.asarray(grads.dv)).all()
+    assert np.isinf(bounds.dv.total).all()
+    assert any("operand read into the operand format" in r for r in bounds.dv.reasons)

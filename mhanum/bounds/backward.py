@@ -121,6 +121,23 @@ class _Range:
         for name in reaches:
             self.hit[name] = True
 
+    def operands(
+        self, num: Numerics, a_used: Any, b_used: Any, stage: str, reaches: tuple[str, ...]
+    ) -> None:
+        """A dot's operands, ``|â| <= a_used`` and ``|b̂| <= b_used``, read into its operand
+        format (tf32, a tensor core's input, bfloat16 pieces: it may round the largest float32
+        values up to inf) and into the accumulation format."""
+        for fmt, where in (
+            (num.operand_rounding, "operand"),
+            (num.format_of("accum"), "accumulation"),
+        ):
+            if fmt is not None:
+                for side, used in (("first", a_used), ("second", b_used)):
+                    self.check(
+                        np.max(np.asarray(used, np.float64), initial=0.0), fmt,
+                        f"{stage}: the {side} operand read into the {where} format", reaches,
+                    )  # fmt: skip
+
 
 def _take(upper: np.ndarray, src: Format, dst: Format) -> np.ndarray | float:
     """The error of reading a value of ``src`` (``|x| <= upper``) into ``dst``."""
@@ -379,6 +396,7 @@ def _bound(
     t_mid = x.q @ _t(x.k)
     t_rad = _f64_dot(d) * (aq @ _t(ak))
     t = _Q(t_mid, t_rad, t_a + t_b + t_acc)
+    rng.operands(num, aq + e["q"], ak + e["k"], "q kᵀ", ("dq", "dk", "dv", "dbias"))
     everything = ("dq", "dk", "dv", "dbias")
     rng.check(
         (1 + f) * ((aq + e["q"]) @ _t(ak + e["k"])) + eta, acc, "q kᵀ accumulated", everything
@@ -463,6 +481,7 @@ def _bound(
     f, eta, _ = _dot_factor(num, dv_, None, (bits_in, bits_in))
     dp_a, dp_b, dp_acc = dot(ag, e["d_out"], _t(av), _t(e["v"]), f, eta)
     dp = _Q(x.g @ _t(x.v), _f64_dot(dv_) * (ag @ _t(av)), dp_a + dp_b + dp_acc)
+    rng.operands(num, ag + e["d_out"], av + e["v"], "d_out vᵀ", ("dq", "dk", "dbias"))
     rng.check((1 + f) * ((ag + e["d_out"]) @ _t(av + e["v"])) + eta, acc, "d_out vᵀ accumulated",
               ("dq", "dk", "dbias"))  # fmt: skip
     dp.err = dp.err + _take(dp.used, acc, grad)
@@ -558,6 +577,7 @@ def _bound(
         f, eta, _ = _dot_factor(num, a_up.shape[-1], block if flash else None, bits)
         from_a, from_b, accumulation = dot(a_up, a_err, b_up, b_err, f, eta)
         x_up = a_up @ b_up
+        rng.operands(num, a_up + a_err, b_up + b_err, stage, (name,))
         rng.check((1 + f) * ((a_up + a_err) @ (b_up + b_err)) + eta, acc, stage, (name,))
         err = from_a + from_b + accumulation
         if scaled:
@@ -791,6 +811,7 @@ def _a_priori(
     t_err = eq * (kn + ek) + qn * ek + f * (qn + eq) * (kn + ek) + eta
     if anchor:
         t_err += f * anchor * (math.sqrt(d) * (qn + eq + kn + ek) + d * anchor)
+    rng.operands(num, qn * (1 + u_i) + eta_i, kn * (1 + u_i) + eta_i, "q kᵀ", everything)
     rng.check((1 + f) * (qn + eq) * (kn + ek) + eta, acc, "q kᵀ accumulated", everything)
     t_err += float(_take(np.asarray(t_up + t_err), acc, sc))
     c = abs(c64)
@@ -846,6 +867,8 @@ def _a_priori(
     dp_err = dv_ * (eg * (vm + ev) + gm * ev + f * (gm + eg) * (vm + ev)) + eta
     if anchor:
         dp_err += f * anchor * (dv_ * (gm + eg + vm + ev) + dv_ * anchor)
+    rng.operands(num, gm * (1 + u_i) + eta_i, vm * (1 + u_i) + eta_i, "d_out vᵀ",
+                 ("dq", "dk", "dbias"))  # fmt: skip
     rng.check(dv_ * (1 + f) * (gm + eg) * (vm + ev) + eta, acc, "d_out vᵀ accumulated",
               ("dq", "dk", "dbias"))  # fmt: skip
     dp_err += float(_take(np.asarray(big_m + dp_err), acc, grad))
@@ -934,6 +957,7 @@ def _a_priori(
         if anchor:
             accumulation += f * anchor * (mag_sum + a_e + count * (b_up + b_e) + count * anchor)
         x_up = mag_sum * b_up
+        rng.operands(num, mag_sum + err_sum, b_up * (1 + u_i) + eta_i, f"{name}'s dot", (name,))
         rng.check((1 + f) * (mag_sum + a_e) * (b_up + b_e) + eta, acc, f"{name}'s dot accumulated",
                   (name,))  # fmt: skip
         err = from_a + from_b + accumulation
