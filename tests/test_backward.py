@@ -321,3 +321,36 @@ def test_an_operand_that_overflows_its_tf32_conversion_is_named():
     assert not np.isfinite(np.asarray(grads.dv)).all()
     assert np.isinf(bounds.dv.total).all()
     assert any("operand read into the operand format" in r for r in bounds.dv.reasons)
+
+
+@pytest.mark.parametrize("backward", ["textbook", FLASH], ids=["textbook", "flash2"])
+@pytest.mark.parametrize("numerics", ["fp32", "bf16-fp32acc"])
+@given(problem=_problem(span=4))
+def test_the_probabilistic_bound_states_its_probability_and_holds(numerics, backward, problem):
+    q, k, v, g, mask, bias = problem
+    b = attention_grad_bound(
+        q, k, v, g, mask, bias=bias, numerics=numerics, backward=backward, probability=0.99
+    )
+    assert b.dq.theorem == "B.5"
+    assert b.dq.probability >= 0.99
+    assert b.dq.lam is not None
+    assert any("independent" in a for a in b.dq.assumptions)
+    deterministic = attention_grad_bound(
+        q, k, v, g, mask, bias=bias, numerics=numerics, backward=backward
+    )
+    assert np.all(b.dq.total <= deterministic.dq.total)
+    grads = attention_grad(q, k, v, g, mask, bias=bias, numerics=numerics, backward=backward)
+    exact = reference.attention_grad(q, k, v, g, mask=mask, bias=bias, digits=17)
+    for got, want, bound in zip(grads, exact, b[:4], strict=False):
+        assert (np.abs(np.asarray(got, np.float64) - want) <= bound.total).all()
+
+
+def test_the_probabilistic_bound_refuses_what_it_does_not_model():
+    rng = np.random.default_rng(5)
+    q, k, v, g = (rng.standard_normal((4, 2)) for _ in range(4))
+    with pytest.raises(InvalidArgument, match="lam"):
+        attention_grad_bound(q, k, v, g, numerics="tensor-core-bf16", lam=4.0)
+    with pytest.raises(InvalidArgument, match="lam, probability"):
+        attention_grad_bound(q, k, v, g, lam=4.0, probability=0.9)
+    with pytest.raises(InvalidArgument, match="probability"):
+        attention_grad_bound(q, k, v, g, probability=1.5)

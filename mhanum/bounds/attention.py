@@ -30,12 +30,12 @@ from mhanum.bounds._result import Bound
 from mhanum.bounds.factors import (
     F64_DOT,
     LOG2E,
-    check_lam,
     conversion_eta,
     evaluation_rounding,
     exp_and_sum_factors,
     gamma,
     is_power_of_four,
+    lam_or_probability,
     linear,
     linear_overflow,
     operand_bits,
@@ -44,6 +44,7 @@ from mhanum.bounds.factors import (
     rounding_error,
     scale_rounding,
     tensor_core_anchor,
+    union_failure,
     unit_eta,
     unit_factor,
 )
@@ -1495,7 +1496,7 @@ def attention_bound(
     # every chain's event, and two martingale events per output entry (A.3', A.3'')
     chains = math.prod(batch) * rows * (keys * (q.shape[-1] + 1 + v.shape[-1]) + 2 * v.shape[-1])
     chains *= _split_count(num, keys)
-    lam = _lam_or_probability(lam, probability, chains, num)
+    lam = lam_or_probability(lam, probability, chains, num)
     qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
     fmt_in = num.format_of("input")
     errors = tuple(rounding_error(x, fmt_in) for x in (qb, kb, vb))
@@ -1591,37 +1592,6 @@ def _stack(per_head: list[dict[str, np.ndarray]], shape: tuple[int, ...]) -> dic
     return {n: np.stack([h.get(n, zeros) for h in per_head]).reshape(shape) for n in names}
 
 
-def _failure(lam: float, chains: int, num: Numerics) -> float:
-    """The union bound's failure probability ``N·2exp(-λ²(1-u)²/2)`` over ``N`` chains."""
-    u = max(num.format_of(r).u for r in ("accum", "softmax"))
-    return chains * 2 * math.exp(-((lam * (1 - u)) ** 2) / 2)
-
-
-def _lam_or_probability(
-    lam: float | None, probability: float | None, chains: int, num: Numerics
-) -> float | None:
-    """The ``λ`` of the probabilistic variant: ``lam`` as given, or the ``λ`` that solves the
-    union bound over ``chains`` events for ``probability`` (raised by float64 spacings until
-    the stated probability, evaluated as :class:`Bound` states it, is at least ``probability``)."""
-    if probability is None:
-        return None if lam is None else check_lam(lam, "lam")
-    if lam is not None:
-        msg = (
-            "lam, probability: expected one of them (or neither), got "
-            f"lam={lam!r} and probability={probability!r}"
-        )
-        raise InvalidArgument(msg)
-    ok = isinstance(probability, (int, float, np.floating)) and not isinstance(probability, bool)
-    if not ok or not (0 < probability < 1):
-        msg = f"probability: expected a number in (0, 1), got {probability!r}"
-        raise InvalidArgument(msg)
-    u = max(num.format_of(r).u for r in ("accum", "softmax"))
-    found = math.sqrt(2 * math.log(2 * chains / (1 - probability))) / (1 - u)
-    while 1.0 - _failure(found, chains, num) < probability:  # the formula's own rounding
-        found = math.nextafter(found, math.inf)
-    return found
-
-
 def _result(
     total: Any,
     terms: dict[str, Any],
@@ -1655,7 +1625,7 @@ def _result(
             total, terms, theorem, ASSUMPTIONS, "blanchard2021", parts=parts, reasons=reasons
         )
     assumptions = (*ASSUMPTIONS, PROBABILISTIC)
-    probability = max(0.0, 1.0 - _failure(lam, chains, num))
+    probability = max(0.0, 1.0 - union_failure(lam, chains, num))
     return Bound(total, terms, theorem, assumptions, "higham2019", probability, parts, reasons, lam)
 
 
@@ -1851,7 +1821,7 @@ def mha_bound(
         + keys * (params.qk_width + params.v_width) * params.d_kv
         + rows * params.d_out * params.v_width
     )
-    lam = _lam_or_probability(lam, probability, chains, num)
+    lam = lam_or_probability(lam, probability, chains, num)
     keep, masked, b, replaced = _keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)
     dead = _dead_rows(keep, masked)
     keep = keep | dead

@@ -26,18 +26,20 @@ from mhanum import _validate as V
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.bounds.a_priori import attention_bound_a_priori
-from mhanum.bounds.attention import attention_bound
+from mhanum.bounds.attention import PROBABILISTIC, attention_bound
 from mhanum.bounds.factors import (
     chain,
     division_error,
     evaluation_rounding,
     exp_and_sum_factors,
     is_power_of_four,
+    lam_or_probability,
     operand_bits,
     operand_error,
     rounding_error,
     scale_rounding,
     tensor_core_anchor,
+    union_failure,
     unit_eta,
     unit_factor,
 )
@@ -195,16 +197,16 @@ class _Dot:
 
 
 def _dot_factor(
-    num: Numerics, n: int, block: int | None, bits: tuple[int, int]
+    num: Numerics, n: int, block: int | None, bits: tuple[int, int], lam: float | None = None
 ) -> tuple[float, float, int]:
     """``(factor, eta, height)``: one chain of ``n`` (``block=None``), or dots over blocks of
     ``block`` whose ``ceil(n/block)`` results are added in any order (each passes through at
     most ``count - 1`` additions)."""
     eta_a = num.format_of("accum").smallest_normal
     if block is None or block >= n:
-        return unit_factor(num, n, None, bits=bits), unit_eta(num, n), 1
+        return unit_factor(num, n, lam, bits=bits), unit_eta(num, n), 1
     count = -(-n // block)
-    factor = unit_factor(num, block, None, bits=bits, extra=count - 1)
+    factor = unit_factor(num, block, lam, bits=bits, extra=count - 1)
     return factor, count * unit_eta(num, block) + count * eta_a, count
 
 
@@ -312,6 +314,8 @@ def attention_grad_bound(
     scale: float | None = None,
     numerics: Numerics | str | None = None,
     backward: Backward | str | None = None,
+    lam: float | None = None,
+    probability: float | None = None,
 ) -> GradientBounds:
     """Componentwise bounds on the error of every gradient of attention (Theorems B.1, B.2).
 
@@ -336,9 +340,20 @@ def attention_grad_bound(
     ``(1 + γ_B)(1 + u)^{n_b - 1} - 1``), then the scale and the output rounding. The float64
     evaluation is widened by ``(1 + evaluation_rounding(n))^12``.
 
+    **Theorem B.5 (probabilistic).** With ``lam=λ`` (or ``probability=P``, which solves for
+    the least such ``λ``), every ``γ`` of a sum or dot chain is Theorem R.6's ``γ̃_h(λ)``:
+    under the model that the rounding errors are independent and of mean zero, each chain
+    stays within it with probability ``>= P(λ)``, and all of them together, by the union bound
+    over the ``N = 2 L_q L_k + 2 L_q + L_q d_k + L_k (d_k + d_v)`` chains of each batch element,
+    with probability ``>= 1 - N (1 - P(λ))`` (``Bound.probability``). The float64 evaluation,
+    the forward output's bound (B.2's ``D``) and the roundings outside the chains stay
+    deterministic. Tensor-core dots are refused (their model has no such factor).
+
     Args:
         q, k, v, d_out, mask, bias, scale, numerics, backward: as for
             :func:`mhanum.emulate.backward.attention_grad`.
+        lam, probability: the probabilistic variant (Theorem B.5): ``λ > 0``, or the
+            probability ``P`` in ``(0, 1)`` with which every bound holds under the model.
 
     Returns:
         :class:`GradientBounds`: ``dq``, ``dk``, ``dv``, ``dbias`` (each a :class:`Bound` with
@@ -363,12 +378,22 @@ def attention_grad_bound(
     _check_scope(num, bw)
     x = _inputs(q, k, v, d_out, mask, bias, scale, num)
     bw.key_blocks(x.k.shape[-2])
+    lq, n, d, dv_ = x.q.shape[-2], x.k.shape[-2], x.q.shape[-1], x.v.shape[-1]
+    chains = (2 * lq * n + 2 * lq + lq * d + n * (d + dv_)) * math.prod(x.q.shape[:-2])
+    lam = lam_or_probability(lam, probability, chains, num)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        return _bound(x, mask, bias, scale, num, bw)[0]
+        return _bound(x, mask, bias, scale, num, bw, lam, chains)[0]
 
 
 def _bound(
-    x: _Inputs, mask: Any, bias: Any, scale: Any, num: Numerics, bw: Backward
+    x: _Inputs,
+    mask: Any,
+    bias: Any,
+    scale: Any,
+    num: Numerics,
+    bw: Backward,
+    lam: float | None = None,
+    chains: int = 0,
 ) -> tuple[GradientBounds, np.ndarray]:
     """The bounds, and ``>= |dŜ|`` as the dots read it (for Theorem B.3)."""
     fin, acc, sc = num.format_of("input"), num.format_of("accum"), num.format_of("score")
@@ -391,7 +416,7 @@ def _bound(
     aq, ak, av, ag = (np.abs(a) for a in (x.q, x.k, x.v, x.g))
 
     # Step 2: the logits  s = c·q kᵀ + b
-    f, eta, _ = _dot_factor(num, d, None, (bits_in, bits_in))
+    f, eta, _ = _dot_factor(num, d, None, (bits_in, bits_in), lam)
     t_a, t_b, t_acc = dot(aq, e["q"], _t(ak), _t(e["k"]), f, eta)
     t_mid = x.q @ _t(x.k)
     t_rad = _f64_dot(d) * (aq @ _t(ak))
@@ -440,7 +465,7 @@ def _bound(
     gap = arg + spread + worst(spread)  # |ŝ_j - m̂| <= gap
     u_m, eta_m = sm.u, sm.smallest_normal
     bits_p = operand_bits(num, prob)
-    xs, _, g_sum, _, _ = exp_and_sum_factors(num, n, gap, None, (bits_p, bits_in))
+    xs, _, g_sum, _, _ = exp_and_sum_factors(num, n, gap, lam, (bits_p, bits_in))
     xs = np.broadcast_to(np.asarray(xs, np.float64), gap.shape)
     x_max = worst(xs)
     eps_e = math.expm1(2 * num.exp_ulps * math.log1p(u_m))
@@ -463,11 +488,11 @@ def _bound(
     else:
         # the stored log-sum-exp lse = fl(m̂ + fl(log ℓ̂)) against LSE(ŝ) = m̂ + log ℓ(ŝ)
         r_ell = np.expm1(x_max) * (1 + g_sum) + g_sum + n * eta_m * (1 + g_sum)
-        lam = _log_radius(r_ell)
+        lam_ell = _log_radius(r_ell)
         eps_log = eps_e
-        log_up = math.log(n) + lam
+        log_up = math.log(n) + lam_ell
         lse_up = np.abs(m_mid) + worst(spread) + log_up
-        err_lse = lam + eps_log * log_up + eta_m + u_m * lse_up + eta_m
+        err_lse = lam_ell + eps_log * log_up + eta_m + u_m * lse_up + eta_m
         gap2 = arg + math.log(n) + spread + worst(spread) + err_lse
         own = err_lse + u_m * gap2 + eta_m + _log_radius(eps_e)
         absolute = eta_m * np.ones_like(x_max)
@@ -478,7 +503,7 @@ def _bound(
     eps_pr = eps_p + np.where(keep, _take(p_used_up, sm, prob), 0.0) if flash else eps_p
 
     # Step 4: dP = d_out vᵀ
-    f, eta, _ = _dot_factor(num, dv_, None, (bits_in, bits_in))
+    f, eta, _ = _dot_factor(num, dv_, None, (bits_in, bits_in), lam)
     dp_a, dp_b, dp_acc = dot(ag, e["d_out"], _t(av), _t(e["v"]), f, eta)
     dp = _Q(x.g @ _t(x.v), _f64_dot(dv_) * (ag @ _t(av)), dp_a + dp_b + dp_acc)
     rng.operands(num, ag + e["d_out"], av + e["v"], "d_out vᵀ", ("dq", "dk", "dbias"))
@@ -491,7 +516,7 @@ def _bound(
     # Step 5: D, the row vector (textbook rowsum(dP ∘ P); FlashAttention-2 rowsum(d_out ∘ O))
     if not flash:
         pe = eps_p + _take(p_used_up, prob, grad)
-        g_d = chain(n, num.summation, u_g, None, products=True)
+        g_d = chain(n, num.summation, u_g, lam, products=True)
         d_mid = (dp.mid * p_mid).sum(axis=-1, keepdims=True)
         d_rad = (dp.rad * p_up + np.abs(dp.mid) * (p_up - p_mid)).sum(axis=-1, keepdims=True)
         d_rad = d_rad + _f64_dot(n) * (np.abs(dp.mid) * p_mid).sum(axis=-1, keepdims=True)
@@ -512,7 +537,7 @@ def _bound(
         o_up = np.abs(o_mid) + o_rad
         eg = e["d_out"] + _take(ag + e["d_out"], fin, grad)
         eo = eps_o + _take(o_up + eps_o, out, grad)
-        g_d = chain(dv_, num.summation, u_g, None, products=True)
+        g_d = chain(dv_, num.summation, u_g, lam, products=True)
         d_mid = (x.g * o_mid).sum(axis=-1, keepdims=True)
         d_rad = (ag * o_rad).sum(axis=-1, keepdims=True) + _f64_dot(dv_) * (ag * np.abs(o_mid)).sum(
             axis=-1, keepdims=True
@@ -544,7 +569,9 @@ def _bound(
     bits_ds = operand_bits(num, dsf)
     ev_all = (1 + evaluation_rounding(max(n, lq, d, dv_))) ** 12
     results: dict[str, Bound] = {}
-    theorem = "B.2" if flash else "B.1"
+    theorem = ("B.2" if flash else "B.1") if lam is None else "B.5"
+    stated = 1.0 if lam is None else max(0.0, 1.0 - union_failure(lam, chains, num))
+    assumptions = ASSUMPTIONS if lam is None else (*ASSUMPTIONS, PROBABILISTIC)
 
     def finish(name: str, terms: dict[str, np.ndarray]) -> Bound:
         shape = np.broadcast_shapes(*(np.shape(t) for t in terms.values()))
@@ -557,9 +584,11 @@ def _bound(
             total=total,
             terms=terms,
             theorem=theorem,
-            assumptions=ASSUMPTIONS,
+            assumptions=assumptions,
             source="dao2023",
+            probability=stated,
             reasons=tuple(rng.reasons) if rng.hit[name] or not np.isfinite(total).all() else (),
+            lam=lam,
         )
 
     def gradient(
@@ -574,7 +603,7 @@ def _bound(
         stage: str,
     ) -> None:
         """B.0 on the last dot, then the scale (dq, dk) and the output rounding."""
-        f, eta, _ = _dot_factor(num, a_up.shape[-1], block if flash else None, bits)
+        f, eta, _ = _dot_factor(num, a_up.shape[-1], block if flash else None, bits, lam)
         from_a, from_b, accumulation = dot(a_up, a_err, b_up, b_err, f, eta)
         x_up = a_up @ b_up
         rng.operands(num, a_up + a_err, b_up + b_err, stage, (name,))
@@ -848,9 +877,9 @@ def _a_priori(
             rng.reasons.append("the softmax's row sum may underflow: its lower bound is not > 0")
     else:
         r_ell = math.expm1(x_max) * (1 + g_sum) + g_sum + n * eta_m * (1 + g_sum)
-        lam = float(_log_radius(r_ell))
-        log_up = math.log(n) + lam
-        err_lse = lam + eps_e * log_up + 2 * eta_m + u_m * (s_up + delta + log_up)
+        lam_ell = float(_log_radius(r_ell))
+        log_up = math.log(n) + lam_ell
+        err_lse = lam_ell + eps_e * log_up + 2 * eta_m + u_m * (s_up + delta + log_up)
         gap2 = 2 * s_up + math.log(n) + 2 * delta + err_lse
         own = err_lse + u_m * gap2 + eta_m + float(_log_radius(eps_e))
         absolute = eta_m
