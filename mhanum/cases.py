@@ -1,5 +1,10 @@
 """Saved worst cases: ``.npz`` arrays plus JSON metadata, and their bit-for-bit replay.
 
+A gradient case (:func:`save_gradient`, from :func:`mhanum.search.gradient_worst_case`) holds
+``q``, ``k``, ``v``, ``d_out`` and the computed ``dq``, ``dk``, ``dv``, ``dbias``; its metadata
+has ``"kind": "gradient"`` and the ``backward`` fields, and :func:`replay` re-runs it the same
+way (every gradient bit for bit, then Theorem B.1/B.2 against the certified gradients).
+
 A case is two files with the same stem: ``<stem>.npz`` holds the float64 arrays ``q``, ``k``,
 ``v`` and the computed ``output``, and the boolean ``mask`` if the case has one (numeric arrays
 only, so :func:`numpy.load` reads it with ``allow_pickle=False``), and ``<stem>.json`` the
@@ -25,10 +30,20 @@ from typing import Any
 import numpy as np
 
 from mhanum._errors import InvalidArgument
-from mhanum.numerics import Numerics
-from mhanum.search import Objective, Shape, WorstCase
+from mhanum.numerics import Backward, Numerics
+from mhanum.search import GradientWorstCase, Objective, Shape, WorstCase, gradient_evaluation
 
-__all__ = ["Replay", "case_paths", "load", "metadata", "replay", "save"]
+__all__ = [
+    "GradientReplay",
+    "Replay",
+    "case_paths",
+    "load",
+    "load_gradient",
+    "metadata",
+    "replay",
+    "save",
+    "save_gradient",
+]
 
 _ARRAYS = ("q", "k", "v", "output")
 
@@ -112,16 +127,7 @@ def save(case: WorstCase, path: str | Path, *, force: bool = False, unique: bool
     target = Path(path)
     if target.is_dir():
         target = target / default_name(case)
-    npz, meta = case_paths(target)
-    stem, suffix = npz.with_suffix(""), 0
-    while unique and not force and (npz.exists() or meta.exists()):
-        suffix += 1
-        npz, meta = case_paths(stem.with_name(f"{stem.name}-{suffix}"))
-    existing = [str(p) for p in (npz, meta) if p.exists()]
-    if existing and not force:
-        msg = f"path: expected a new case, got existing {existing} (pass force=True / --force)"
-        raise InvalidArgument(msg)
-    npz.parent.mkdir(parents=True, exist_ok=True)
+    npz, meta = _reserve(target, force=force, unique=unique)
     arrays = {name: np.asarray(getattr(case, name), np.float64) for name in _ARRAYS}
     if case.mask is not None:
         arrays["mask"] = np.asarray(case.mask, bool)
@@ -225,12 +231,175 @@ class Replay:
         }
 
 
-def replay(path: str | Path) -> Replay:
-    """Re-run a saved case bit for bit and re-check its bound.
+def _reserve(target: Path, *, force: bool, unique: bool) -> tuple[Path, Path]:
+    """The case's two paths, never an existing one unless ``force`` (``unique``: a new stem)."""
+    npz, meta = case_paths(target)
+    stem, suffix = npz.with_suffix(""), 0
+    while unique and not force and (npz.exists() or meta.exists()):
+        suffix += 1
+        npz, meta = case_paths(stem.with_name(f"{stem.name}-{suffix}"))
+    existing = [str(p) for p in (npz, meta) if p.exists()]
+    if existing and not force:
+        msg = f"path: expected a new case, got existing {existing} (pass force=True / --force)"
+        raise InvalidArgument(msg)
+    npz.parent.mkdir(parents=True, exist_ok=True)
+    return npz, meta
+
+
+_GRADIENT_ARRAYS = ("q", "k", "v", "d_out")
+_GRADIENT_NAMES = ("dq", "dk", "dv", "dbias")
+
+
+def save_gradient(
+    case: GradientWorstCase, path: str | Path, *, force: bool = False, unique: bool = False
+) -> Path:
+    """Write a gradient case to ``<path>.npz`` and ``<path>.json`` (a directory gets the name
+    ``<preset>-gradient-<algorithm>-seed<seed>``); ``force`` and ``unique`` as for :func:`save`.
+
+    Raises:
+        InvalidArgument: if either file exists and neither ``force`` nor ``unique`` is set.
+    """
+    from mhanum._version import __version__
+
+    target = Path(path)
+    if target.is_dir():
+        name = f"{case.preset or 'custom'}-gradient-{case.backward.algorithm}-seed{case.seed}"
+        target = target / name
+    npz, meta = _reserve(target, force=force, unique=unique)
+    arrays = {name: np.asarray(getattr(case, name), np.float64) for name in _GRADIENT_ARRAYS}
+    arrays |= dict(zip(_GRADIENT_NAMES, case.gradients, strict=True))
+    if case.mask is not None:
+        arrays["mask"] = np.asarray(case.mask, bool)
+    with npz.open("wb") as fh:
+        np.savez(fh, **arrays)  # type: ignore[arg-type]
+    backward = dataclasses.asdict(case.backward)
+    if backward["dq_order"] is not None:
+        backward["dq_order"] = list(backward["dq_order"])
+    info = {
+        "kind": "gradient",
+        "mhanum_version": __version__,
+        "numerics": numerics_dict(case.numerics),
+        "backward": backward,
+        "preset": case.preset,
+        "shape": case.shape.as_dict(),
+        "seed": case.seed,
+        "gradient": case.gradient,
+        "index": list(case.index),
+        "error": _number(case.error),
+        "bound": _number(case.bound),
+        "ratio": _number(case.ratio),
+        "dominant_term": case.dominant_term,
+        "violation": case.violation,
+        "budget": case.budget,
+        "evaluations": case.evaluations,
+        "seconds": case.seconds,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "masked": case.mask is not None,
+    }
+    meta.write_text(json.dumps(info, indent=2, allow_nan=False) + "\n")
+    return npz
+
+
+def load_gradient(path: str | Path) -> GradientWorstCase:
+    """Read a gradient case saved by :func:`save_gradient` (arrays with ``allow_pickle=False``).
+
+    Raises:
+        InvalidArgument: for a missing file or metadata that does not describe a gradient case.
+    """
+    npz, meta = case_paths(path)
+    for p in (npz, meta):
+        if not p.exists():
+            msg = f"path: expected a saved case, got no file {str(p)!r}"
+            raise InvalidArgument(msg)
+    info = json.loads(meta.read_text())
+    try:
+        num = Numerics(**info["numerics"])
+        backward = info["backward"]
+        if backward.get("dq_order") is not None:
+            backward["dq_order"] = tuple(backward["dq_order"])
+        bw = Backward(**backward)
+        shape = Shape.of(info["shape"])
+        with np.load(npz, allow_pickle=False) as data:
+            arrays = {name: np.array(data[name]) for name in _GRADIENT_ARRAYS + _GRADIENT_NAMES}
+            mask = np.array(data["mask"]) if "mask" in data.files else None
+    except (KeyError, TypeError) as exc:
+        msg = f"path: expected gradient-case metadata and arrays, got an error: {exc}"
+        raise InvalidArgument(msg) from None
+    return GradientWorstCase(
+        numerics=num, backward=bw, shape=shape, q=arrays["q"], k=arrays["k"], v=arrays["v"],
+        d_out=arrays["d_out"], mask=mask, gradient=info["gradient"],
+        index=tuple(info["index"]), error=float(info["error"]), bound=float(info["bound"]),
+        ratio=float(info["ratio"]), dominant_term=info["dominant_term"],
+        evaluations=int(info["evaluations"]), budget=int(info["budget"]), seed=int(info["seed"]),
+        seconds=float(info["seconds"]),
+        gradients=tuple(arrays[name] for name in _GRADIENT_NAMES),
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientReplay:
+    """The result of :func:`replay` on a gradient case: as :class:`Replay`, over the four
+    gradients (``bit_for_bit`` only if every one is)."""
+
+    case: GradientWorstCase
+    bit_for_bit: bool
+    error: float
+    bound: float
+    ratio: float
+    dominant_term: str
+
+    @property
+    def violation(self) -> bool:
+        """Whether the re-measured error exceeds the bound."""
+        return self.ratio > 1
+
+    @property
+    def ok(self) -> bool:
+        """Bit-for-bit and within the bound."""
+        return self.bit_for_bit and not self.violation
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready summary."""
+        return {
+            "preset": self.case.preset,
+            "numerics": self.case.numerics.describe(),
+            "backward": self.case.backward.algorithm,
+            "bit_for_bit": self.bit_for_bit,
+            "error": self.error,
+            "bound": self.bound,
+            "ratio": self.ratio,
+            "saved_ratio": self.case.ratio,
+            "dominant_term": self.dominant_term,
+            "violation": self.violation,
+        }
+
+
+def _is_gradient_case(path: str | Path) -> bool:
+    meta = case_paths(path)[1]
+    return meta.exists() and json.loads(meta.read_text()).get("kind") == "gradient"
+
+
+def replay(path: str | Path) -> Replay | GradientReplay:
+    """Re-run a saved case bit for bit and re-check its bound (a gradient case: every gradient,
+    and Theorem B.1/B.2 against the certified gradients).
 
     Raises:
         InvalidArgument: as :func:`load`, or if the case is now outside the bound's scope.
     """
+    if _is_gradient_case(path):
+        gcase = load_gradient(path)
+        found = gradient_evaluation(
+            gcase.q, gcase.k, gcase.v, gcase.d_out, gcase.mask, gcase.numerics, gcase.backward
+        )
+        if found is None:
+            msg = "path: the saved case is outside the bound's scope (refused or overflowed)"
+            raise InvalidArgument(msg)
+        ratio, _, _, error, bound, dominant, grads = found
+        same = len(grads) == len(gcase.gradients) and all(
+            a.shape == b.shape and a.tobytes() == b.tobytes()
+            for a, b in zip(grads, gcase.gradients, strict=True)
+        )
+        return GradientReplay(gcase, same, error, bound, ratio, dominant)
     case = load(path)
     objective = Objective(
         case.numerics, case.objective, against=case.against, softcap=case.softcap, sink=case.sink

@@ -73,6 +73,7 @@ __all__ = [
     "Objective",
     "Shape",
     "WorstCase",
+    "gradient_evaluation",
     "gradient_worst_case",
     "random_search",
     "worst_case",
@@ -902,6 +903,8 @@ class GradientWorstCase:
             violation; ``inf`` for a non-finite gradient under a finite bound).
         dominant_term: the bound's largest term at that entry.
         evaluations, budget, seed, seconds: the search's accounting.
+        gradients: the computed ``(dq, dk, dv, dbias)`` at the input (float64 copies of their
+            values), for a bit-for-bit replay.
     """
 
     numerics: Numerics
@@ -922,11 +925,54 @@ class GradientWorstCase:
     budget: int
     seed: int
     seconds: float
+    gradients: tuple[np.ndarray, ...] = dataclasses.field(default=(), repr=False)
 
     @property
     def violation(self) -> bool:
         """Whether a measured error exceeds its bound somewhere."""
         return self.ratio > 1
+
+    @property
+    def preset(self) -> str | None:
+        """The preset name whose numerics these are, if any."""
+        return next((name for name, num in PRESETS.items() if num == self.numerics), None)
+
+    def summary(self) -> dict[str, Any]:
+        """The scalars, JSON-ready."""
+        return {
+            "preset": self.preset,
+            "numerics": self.numerics.describe(),
+            "backward": self.backward.algorithm,
+            "gradient": self.gradient,
+            "index": list(self.index),
+            "error": self.error,
+            "bound": self.bound,
+            "ratio": self.ratio,
+            "dominant_term": self.dominant_term,
+            "violation": self.violation,
+            "evaluations": self.evaluations,
+            "seconds": self.seconds,
+        }
+
+
+def gradient_evaluation(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    d_out: np.ndarray,
+    mask: np.ndarray | None,
+    numerics: Numerics,
+    backward: Backward,
+) -> tuple[float, str, tuple[int, ...], float, float, str, tuple[np.ndarray, ...]] | None:
+    """One input's worst ``|ĝ_i - g_i| / B_i`` (Theorems B.1/B.2) against the certified
+    reference: ``(ratio, gradient, index, error, bound, dominant term, computed gradients)``,
+    or ``None`` outside the bound's scope."""
+    ev = _gradient_evaluation(q, k, v, d_out, mask, numerics, backward, attention_grad_bound)
+    if ev is None:
+        return None
+    grads = attention_grad(q, k, v, d_out, mask, numerics=numerics, backward=backward)
+    copies = tuple(np.asarray(x, np.float64) for x in grads[:4])
+    return ev.ratio, ev.gradient, ev.index, ev.error, ev.bound, ev.dominant_term, copies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1075,9 +1121,11 @@ def gradient_worst_case(
         msg = f"numerics: expected some input within the bound's scope, got none in {done}"
         raise InvalidArgument(msg)
     ev, (q, k, v, g, m) = found[0]
+    grads = attention_grad(q, k, v, g, m, numerics=num, backward=bw)
     return GradientWorstCase(
         numerics=num, backward=bw, shape=sizes, q=q, k=k, v=v, d_out=g, mask=m,
         gradient=ev.gradient, index=ev.index, error=ev.error, bound=ev.bound, ratio=ev.ratio,
         dominant_term=ev.dominant_term, evaluations=done, budget=budget, seed=seed,
         seconds=time.perf_counter() - start,
+        gradients=tuple(np.asarray(x, np.float64) for x in grads[:4]),
     )  # fmt: skip

@@ -354,3 +354,31 @@ def test_the_probabilistic_bound_refuses_what_it_does_not_model():
         attention_grad_bound(q, k, v, g, lam=4.0, probability=0.9)
     with pytest.raises(InvalidArgument, match="probability"):
         attention_grad_bound(q, k, v, g, probability=1.5)
+
+
+def test_a_gradient_case_is_saved_replayed_bit_for_bit_and_never_overwritten(tmp_path, capsys):
+    import json
+
+    from mhanum import cases, cli
+
+    args = ["search", "--backward", "flash2", "--preset", "bf16-fp32acc", "--q-len", "4",
+            "--kv-len", "8", "--d-k", "4", "--block", "4", "--mask", "causal", "--budget", "6",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert cli.main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["backward"] == "flash2"
+    assert 0 <= result["ratio"] <= 1
+    path = result["case"]
+    case = cases.load_gradient(path)
+    assert case.backward == Backward("flash2", block_q=4, block_k=4)
+    assert case.mask is not None
+    assert case.ratio == result["ratio"]
+    again = cases.replay(path)
+    assert again.bit_for_bit
+    assert again.ratio == case.ratio
+    assert cli.main(["replay", path]) == 0
+    assert "bit for bit" in capsys.readouterr().out
+    assert cli.main(args) == 2  # the case exists: never overwritten without --force
+    assert "--force" in capsys.readouterr().err
+    assert cli.main([*args, "--random"]) == 2
+    assert "--backward: expected none of --random" in capsys.readouterr().err

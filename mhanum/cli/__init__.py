@@ -113,6 +113,43 @@ def _search_numerics(args: argparse.Namespace, prefix: str = "") -> Any:
     return num.replace(**changes) if changes else num
 
 
+def _gradient_search(args: argparse.Namespace, num: Any, shape: Any) -> int:
+    from mhanum import InvalidArgument, cases, search
+    from mhanum.numerics import Backward
+
+    unused = [flag for flag, given in (
+        ("--random", args.random), ("--against", args.against_preset is not None),
+        ("--objective", args.objective != "error/bound"),
+        ("--softcap", args.softcap is not None), ("--sink", args.sink is not None),
+        ("--kv-splits", args.kv_splits is not None),
+    ) if given]  # fmt: skip
+    if unused:
+        msg = f"--backward: expected none of {', '.join(unused)} with a gradient search"
+        raise InvalidArgument(msg)
+    block = args.block
+    backward = Backward(args.backward, block_q=block, block_k=block)
+    case = search.gradient_worst_case(
+        num, shape, backward=backward, budget=args.budget, seed=args.seed, mask=args.mask
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = cases.save_gradient(case, out, force=args.force, unique=case.violation)
+    result = case.summary() | {"case": str(path)}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        verdict = "VIOLATION: error exceeds bound" if case.violation else "within bound"
+        print(
+            f"gradient search, {case.numerics.describe()}, backward {args.backward}, "
+            f"{case.evaluations} evaluations in {case.seconds:.1f} s\n"
+            f"worst error/bound: {case.gradient}{list(case.index)} ratio {case.ratio:.4g} (error "
+            f"{case.error:.3g}, bound {case.bound:.3g}, dominant term {case.dominant_term}): "
+            f"{verdict}\n"
+            f"saved {path}; re-run it with: mhanum replay {path}"
+        )
+    return 1 if case.violation else 0
+
+
 def _search(args: argparse.Namespace) -> int:
     from mhanum import cases, search
 
@@ -121,6 +158,8 @@ def _search(args: argparse.Namespace) -> int:
         q_len=args.q_len, kv_len=args.kv_len, d_k=args.d_k, d_v=args.d_v,
         batch=args.batch, heads=args.heads,
     )  # fmt: skip
+    if args.backward is not None:
+        return _gradient_search(args, num, shape)
     out = Path(args.out)
     bar = _search_progress(sys.stderr)
     run = search.random_search if args.random else search.worst_case
@@ -270,6 +309,15 @@ def _parser() -> argparse.ArgumentParser:
         choices=("none", "padding", "causal", "random", "band"),
         default="none",
         help="mask kind searched with the inputs (none)",
+    )
+    search.add_argument(
+        "--backward",
+        choices=("textbook", "flash2"),
+        default=None,
+        help="search the gradients of this backward pass instead (Theorems B.1/B.2)",
+    )
+    search.add_argument(
+        "--block", type=int, default=16, help="FlashAttention-2's query and key blocks (16)"
     )
     search.add_argument("--random", action="store_true", help="run the random baseline instead")
     search.add_argument("--out", default="cases", help="directory for the case files (cases)")
