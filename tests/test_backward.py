@@ -382,3 +382,32 @@ def test_a_gradient_case_is_saved_replayed_bit_for_bit_and_never_overwritten(tmp
     assert "--force" in capsys.readouterr().err
     assert cli.main([*args, "--random"]) == 2
     assert "--backward: expected none of --random" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backward", ["textbook", FLASH], ids=["textbook", "flash2"])
+@pytest.mark.parametrize("numerics", ["fp32", "bf16-fp32acc", "fp16"])
+@given(problem=_problem(span=4), sigma=st.floats(-6, 6))
+def test_sinks_and_their_gradient_are_within_the_bound(numerics, backward, problem, sigma):
+    """A sink is one more key (k = v = 0, bias σ): every gradient, and dsink (its column of dS
+    summed), against the certified reference; a row with every key masked attends the sink."""
+    q, k, v, g, mask, bias = problem
+    sink = np.array([sigma])
+    if mask is not None:
+        mask = mask.copy()
+        mask[0] = False  # the first row attends the sink alone
+    grads = attention_grad(
+        q[None], k[None], v[None], g[None], mask, bias=bias, numerics=numerics,
+        backward=backward, sink=sink,
+    )  # fmt: skip
+    exact = reference.attention_grad(
+        q[None], k[None], v[None], g[None], mask=mask, bias=bias, sink=sink, digits=17
+    )
+    b = attention_grad_bound(
+        q[None], k[None], v[None], g[None], mask, bias=bias, numerics=numerics,
+        backward=backward, sink=sink,
+    )  # fmt: skip
+    pairs = zip(grads, exact, (b.dq, b.dk, b.dv, b.dbias, b.dsink), strict=True)
+    for got, want, bound in pairs:
+        got = np.asarray(got, np.float64)
+        assert got.shape == np.shape(want) == np.shape(bound.total)
+        assert (np.abs(got - want) <= bound.total).all()

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mhanum import _validate as V
+from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.bounds.a_priori import attention_bound_a_priori
@@ -72,13 +73,14 @@ class GradientBounds(NamedTuple):
     """The bounds of one backward pass, one :class:`Bound` per gradient (each shaped like it),
     and ``stages``: componentwise bounds on the error of the intermediates every gradient reads
     (``P``, the probabilities each gradient's stage uses; ``dP``, ``D`` and ``dS``), so that a
-    user sees where the error enters."""
+    user sees where the error enters; with a sink, ``dsink``."""
 
     dq: Bound
     dk: Bound
     dv: Bound
     dbias: Bound
     stages: dict[str, np.ndarray]
+    dsink: Bound | None = None
 
 
 @dataclasses.dataclass
@@ -245,10 +247,19 @@ class _Inputs(NamedTuple):
     bias: np.ndarray | None
     c64: float
     u64: float
+    sink: bool = False
 
 
 def _inputs(
-    q: Any, k: Any, v: Any, d_out: Any, mask: Any, bias: Any, scale: Any, num: Numerics
+    q: Any,
+    k: Any,
+    v: Any,
+    d_out: Any,
+    mask: Any,
+    bias: Any,
+    scale: Any,
+    num: Numerics,
+    sink: Any = None,
 ) -> _Inputs:
     q, k, v, g, batch = V.gradient_inputs(q, k, v, d_out)
     target = (*batch, q.shape[-2], k.shape[-2])
@@ -273,6 +284,11 @@ def _inputs(
         b = np.broadcast_to(np.asarray(b, np.float64), target)
         keep = keep & np.isfinite(b)
         b = np.where(keep, b, 0.0)
+    if sink is not None:  # one more key: k = v = 0, bias σ, never masked
+        num.check_sink()
+        k, v, keep2, b = masks.with_sink(q, k, v, keep, b, sink)
+        keep = np.ones(b.shape, bool) if keep2 is None else np.asarray(keep2, bool)
+        q, g = (np.broadcast_to(x, (*b.shape[:-2], *x.shape[-2:])) for x in (q, g))
     if not keep.any(axis=-1).all():
         msg = "mask: expected every row to attend some key (an empty softmax has no gradient)"
         raise InvalidArgument(msg)
@@ -280,7 +296,7 @@ def _inputs(
     u64 = 0.0
     if scale is None and not is_power_of_four(q.shape[-1]):
         u64 = (1 + _U64) / (1 - _U64) - 1  # 1/sqrt(d): two float64 roundings
-    return _Inputs(q, k, v, g, keep, b, c64, u64)
+    return _Inputs(q, k, v, g, keep, b, c64, u64, sink is not None)
 
 
 def _check_scope(num: Numerics, bw: Backward) -> None:
@@ -316,6 +332,7 @@ def attention_grad_bound(
     backward: Backward | str | None = None,
     lam: float | None = None,
     probability: float | None = None,
+    sink: Any = None,
 ) -> GradientBounds:
     """Componentwise bounds on the error of every gradient of attention (Theorems B.1, B.2).
 
@@ -354,6 +371,10 @@ def attention_grad_bound(
             :func:`mhanum.emulate.backward.attention_grad`.
         lam, probability: the probabilistic variant (Theorem B.5): ``λ > 0``, or the
             probability ``P`` in ``(0, 1)`` with which every bound holds under the model.
+        sink: attention-sink logits, as for :func:`mhanum.emulate.backward.attention_grad`: the
+            sink is one more key (B.1/B.2 hold with it), and ``dsink``, the sum of its column
+            of ``dS`` added row after row in ``accum``, is bounded by that column's bounds, the
+            sum's ``γ_{L_q - 1}`` and the output rounding.
 
     Returns:
         :class:`GradientBounds`: ``dq``, ``dk``, ``dv``, ``dbias`` (each a :class:`Bound` with
@@ -376,13 +397,61 @@ def attention_grad_bound(
     num = resolve(numerics)
     bw = resolve_backward(backward)
     _check_scope(num, bw)
-    x = _inputs(q, k, v, d_out, mask, bias, scale, num)
+    x = _inputs(q, k, v, d_out, mask, bias, scale, num, sink)
     bw.key_blocks(x.k.shape[-2])
     lq, n, d, dv_ = x.q.shape[-2], x.k.shape[-2], x.q.shape[-1], x.v.shape[-1]
-    chains = (2 * lq * n + 2 * lq + lq * d + n * (d + dv_)) * math.prod(x.q.shape[:-2])
+    chains = (2 * lq * n + 3 * lq + lq * d + n * (d + dv_)) * math.prod(x.q.shape[:-2])
     lam = lam_or_probability(lam, probability, chains, num)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        return _bound(x, mask, bias, scale, num, bw, lam, chains)[0]
+        bounds, dsd = _bound(x, mask, bias, scale, num, bw, lam, chains)
+        if not x.sink:
+            return bounds
+        return _with_sink(bounds, dsd, num, bw, lam)
+
+
+def _with_sink(
+    b: GradientBounds, dsd: dict[str, np.ndarray], num: Numerics, bw: Backward, lam: Any
+) -> GradientBounds:
+    """The sink key's rows dropped from dk, dv and dbias, and ``dsink``'s bound added."""
+    acc, out = num.format_of("accum"), num.format_of("output")
+    grad, _ = bw.formats(num)
+    up, err = dsd["ds_up"][..., :, -1], dsd["ds_err"][..., :, -1]
+    lq = up.shape[-1]
+    read = err + _take(up + err, grad, acc)
+    factor = chain(lq, "sequential", acc.u, lam, products=False)
+    ev = 1 + evaluation_rounding(lq)
+    carried = read.sum(axis=-1) * ev
+    accumulation = factor * (up + read).sum(axis=-1) * ev + lq * acc.smallest_normal
+    total_up = up.sum(axis=-1) * ev + carried + accumulation
+    output = _take(total_up, acc, out) + 0 * total_up
+    total = carried + accumulation + output
+    reasons = list(b.dq.reasons)
+    for fmt in (acc, out):
+        over = ~(total_up + output <= fmt.max_finite)
+        if over.any():
+            total = np.where(over, np.inf, total)
+            reasons.append(
+                f"dsink: values up to {float(np.max(total_up)):.4g} may overflow {fmt.name}"
+            )
+    dsink = dataclasses.replace(
+        b.dq,
+        total=total,
+        terms={"dS": carried, "accumulation": accumulation, "output": output},
+        reasons=tuple(reasons) if not np.isfinite(total).all() else (),
+    )
+
+    def drop(bound: Bound, rows: bool) -> Bound:
+        def cut(x: Any) -> Any:
+            x = np.asarray(x)
+            return x[..., :-1, :] if rows else x[..., :-1]
+
+        return dataclasses.replace(
+            bound, total=cut(bound.total), terms={t: cut(x) for t, x in bound.terms.items()}
+        )
+
+    return b._replace(
+        dk=drop(b.dk, True), dv=drop(b.dv, True), dbias=drop(b.dbias, False), dsink=dsink
+    )
 
 
 def _bound(
@@ -394,8 +463,9 @@ def _bound(
     bw: Backward,
     lam: float | None = None,
     chains: int = 0,
-) -> tuple[GradientBounds, np.ndarray]:
-    """The bounds, and ``>= |dŜ|`` as the dots read it (for Theorem B.3)."""
+) -> tuple[GradientBounds, dict[str, np.ndarray]]:
+    """The bounds, and ``dS``'s enclosures: ``ds_up >= |dS|``, ``ds_err >= |dŜ - dS|`` and
+    ``ds_used >= |dŜ|`` as the dots read it (Theorem B.3, the sink's gradient)."""
     fin, acc, sc = num.format_of("input"), num.format_of("accum"), num.format_of("score")
     sm, prob, out = num.format_of("softmax"), num.format_of("prob"), num.format_of("output")
     grad, dsf = bw.formats(num)
@@ -526,7 +596,7 @@ def _bound(
         p_x_err = pe
     else:
         fwd = attention_bound(
-            x.q, x.k, x.v, None if mask is None else x.keep, bias=bias, scale=scale,
+            x.q, x.k, x.v, None if x.keep.all() else x.keep, bias=x.bias, scale=scale,
             numerics=num,
         )  # fmt: skip
         eps_o = np.asarray(fwd.total, np.float64)
@@ -634,7 +704,7 @@ def _bound(
     stages = {"P": eps_p, "dP": np.where(keep, dp.err, 0.0), "D": d_q.err, "dS": ds_err}
     stages = {key: val * ev_all for key, val in stages.items()}
     bounds = GradientBounds(results["dq"], results["dk"], results["dv"], results["dbias"], stages)
-    return bounds, ds_up + ds_r_err
+    return bounds, {"ds_up": ds_up, "ds_err": ds_err, "ds_used": ds_up + ds_r_err}
 
 
 def dq_order_difference(
@@ -685,7 +755,8 @@ def dq_order_difference(
     _check_scope(num, bw)
     x = _inputs(q, k, v, d_out, mask, bias, scale, num)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        full, ds_used = _bound(x, mask, bias, scale, num, bw)
+        full, dsd = _bound(x, mask, bias, scale, num, bw)
+        ds_used = dsd["ds_used"]
     n = x.k.shape[-2]
     count = len(bw.key_blocks(n))
     acc, out = num.format_of("accum"), num.format_of("output")

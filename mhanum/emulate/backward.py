@@ -21,9 +21,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from mhanum import _validate as V
+from mhanum import masks
 from mhanum.emulate._arith import Arith, runtime_zero, to_format
 from mhanum.emulate.attention import (
     Stages,
@@ -130,7 +132,7 @@ def _flash2(
     return dq, dk, dv, ds
 
 
-@functools.partial(jax.jit, static_argnames=("numerics", "backward", "scale"))
+@functools.partial(jax.jit, static_argnames=("numerics", "backward", "scale", "sink"))
 def _grad_jit(
     q: Any,
     k: Any,
@@ -142,6 +144,7 @@ def _grad_jit(
     numerics: Numerics,
     backward: Backward,
     scale: float,
+    sink: bool = False,
 ) -> tuple[jax.Array, ...]:
     st = Stages(numerics, runtime_zero(q))
     q, k, v, g = (to_format(x, st.input) for x in (q, k, v, g))
@@ -156,11 +159,27 @@ def _grad_jit(
     else:
         dq, dk, dv, ds = _flash2(st, gr, ds_fmt, backward, q, k, v, g, s)
     dtype = st.output.jax_dtype
-    return (
+    grads = (
         _finish(st, dq, scale).astype(dtype),
         _finish(st, dk, scale).astype(dtype),
         _finish(st, dv, None).astype(dtype),
         to_format(ds, st.output).astype(dtype),
+    )
+    if not sink:
+        return grads
+    # the sink's logit: the sum of its column of dS (the last key), row after row in accum
+    column = jnp.moveaxis(st.acc.take(ds[..., -1]), -1, 0)
+
+    def add(total: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
+        return st.acc.add(total, x), None
+
+    dsink = lax.scan(add, column[0], column[1:])[0]
+    return (
+        grads[0],
+        grads[1][..., :-1, :],
+        grads[2][..., :-1, :],
+        grads[3][..., :-1],
+        to_format(dsink, st.output).astype(dtype),
     )
 
 
@@ -175,6 +194,7 @@ def attention_grad(
     scale: float | None = None,
     numerics: Numerics | str | None = None,
     backward: Backward | str | None = None,
+    sink: Any = None,
 ) -> Gradients:
     """The gradients of ``<d_out, attention(q, k, v)>`` with explicit numerics.
 
@@ -193,10 +213,14 @@ def attention_grad(
         d_out: the output's cotangent ``(..., Lq, d_v)``, rounded to ``numerics.input``.
         backward: a :class:`mhanum.numerics.Backward` or an algorithm name (``"textbook"``,
             ``"flash2"``); default textbook.
+        sink: optional attention-sink logits, as for :func:`mhanum.attention` (one more key with
+            value 0 and bias ``σ``): its gradient ``dsink`` is the sum of that key's column of
+            ``dS``, added row after row in ``accum``, then rounded to ``output_format``.
 
     Returns:
-        :class:`mhanum.gradients.Gradients` ``(dq, dk, dv, dbias)``, each broadcast to the batch
-        and in the dtype that stores ``numerics.output_format``.
+        :class:`mhanum.gradients.Gradients` ``(dq, dk, dv, dbias)`` (and ``dsink``, shaped like
+        the batch, with a sink), each broadcast to the batch and in the dtype that stores
+        ``numerics.output_format``.
 
     Raises:
         InvalidArgument: for bad inputs (named, as :func:`mhanum.attention`), a ``d_out`` not
@@ -219,14 +243,21 @@ def attention_grad(
     check_x64(num)
     q, k, v, g, batch = V.gradient_inputs(q, k, v, d_out)
     target = (*batch, q.shape[-2], k.shape[-2])
-    bw.key_blocks(k.shape[-2])
     if mask is not None:
         mask = V.bool_mask(mask, target)
     num.check_bias(bias)
+    if sink is not None:
+        num.check_sink()
+        xp = jnp if any(isinstance(x, jax.Array) for x in (q, k, v, sink)) else np
+        k, v, mask, bias = masks.with_sink(q, k, v, mask, bias, sink, xp=xp)
+        target = (*k.shape[:-2], q.shape[-2], k.shape[-2])
+    bw.key_blocks(k.shape[-2])
     if bias is not None:
         bias = bias_array(bias, target, num.format_of("score"))
     factor = V.scale_value(scale, q.shape[-1], placement=num.scale)
     fmt = num.format_of("input")
     q, k, v, g = (host_round(x, fmt) for x in (q, k, v, g))
-    out = _grad_jit(q, k, v, g, mask, bias, numerics=num, backward=bw, scale=factor)
+    out = _grad_jit(
+        q, k, v, g, mask, bias, numerics=num, backward=bw, scale=factor, sink=sink is not None
+    )
     return Gradients(*out)
