@@ -411,3 +411,17 @@ def test_sinks_and_their_gradient_are_within_the_bound(numerics, backward, probl
         got = np.asarray(got, np.float64)
         assert got.shape == np.shape(want) == np.shape(bound.total)
         assert (np.abs(got - want) <= bound.total).all()
+
+
+def test_scores_that_overflow_the_score_format_before_a_small_scale_are_named():
+    """fp16-fp32acc rounds q kᵀ to float16 before the scale: a product past 65504 is inf there
+    (and inf·0 NaN under a scale that flushes), however small the scale."""
+    rng = np.random.default_rng(6)
+    q, k, v, g = (rng.standard_normal((L, D)) for _ in range(4))
+    q[:, 0] = 65504.0
+    k[:, 0] = 4.0
+    grads = attention_grad(q, k, v, g, scale=1e-30, numerics="fp16-fp32acc")
+    bounds = attention_grad_bound(q, k, v, g, scale=1e-30, numerics="fp16-fp32acc")
+    assert not np.isfinite(np.asarray(grads.dq)).all()
+    assert np.isinf(bounds.dq.total).all()
+    assert any("q kᵀ rounded to the score format" in r for r in bounds.dq.reasons)

@@ -496,6 +496,9 @@ def _bound(
     rng.check(
         (1 + f) * ((aq + e["q"]) @ _t(ak + e["k"])) + eta, acc, "q kᵀ accumulated", everything
     )
+    # the unscaled scores are rounded to the score format before the scale (a small scale
+    # does not save a product that overflows there)
+    rng.check(t.used, sc, "q kᵀ rounded to the score format", everything)
     t.err = t.err + _take(t.used, acc, sc)
     c, c64 = x.c64, x.c64
     _, u_r, u_mul = scale_rounding(c64, sc)
@@ -913,6 +916,7 @@ def _a_priori(
         t_err += f * anchor * (math.sqrt(d) * (qn + eq + kn + ek) + d * anchor)
     rng.operands(num, qn * (1 + u_i) + eta_i, kn * (1 + u_i) + eta_i, "q kᵀ", everything)
     rng.check((1 + f) * (qn + eq) * (kn + ek) + eta, acc, "q kᵀ accumulated", everything)
+    rng.check(t_up + t_err, sc, "q kᵀ rounded to the score format", everything)
     t_err += float(_take(np.asarray(t_up + t_err), acc, sc))
     c = abs(c64)
     _, u_r, u_mul = scale_rounding(c64, sc)
