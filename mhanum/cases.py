@@ -34,7 +34,6 @@ from mhanum.numerics import Backward, Numerics
 from mhanum.search import GradientWorstCase, Objective, Shape, WorstCase, gradient_evaluation
 
 __all__ = [
-    "GradientReplay",
     "Replay",
     "case_paths",
     "load",
@@ -193,13 +192,14 @@ class Replay:
     """The result of :func:`replay`.
 
     Attributes:
-        case: the saved case.
-        bit_for_bit: whether the recomputed output equals the saved one bit for bit.
+        case: the saved case (a :class:`~mhanum.search.GradientWorstCase` for a gradient case).
+        bit_for_bit: whether the recomputed output (every gradient) equals the saved one bit
+            for bit.
         error, bound, ratio, dominant_term: re-measured against the certified reference with the
             recomputed bound.
     """
 
-    case: WorstCase
+    case: WorstCase | GradientWorstCase
     bit_for_bit: bool
     error: float
     bound: float
@@ -218,9 +218,12 @@ class Replay:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary."""
+        case = self.case
+        extra = {"backward": case.backward.algorithm} if isinstance(case, GradientWorstCase) else {}
         return {
-            "preset": self.case.preset,
-            "numerics": self.case.numerics.describe(),
+            "preset": case.preset,
+            "numerics": case.numerics.describe(),
+            **extra,
             "bit_for_bit": self.bit_for_bit,
             "error": self.error,
             "bound": self.bound,
@@ -336,50 +339,12 @@ def load_gradient(path: str | Path) -> GradientWorstCase:
     )  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class GradientReplay:
-    """The result of :func:`replay` on a gradient case: as :class:`Replay`, over the four
-    gradients (``bit_for_bit`` only if every one is)."""
-
-    case: GradientWorstCase
-    bit_for_bit: bool
-    error: float
-    bound: float
-    ratio: float
-    dominant_term: str
-
-    @property
-    def violation(self) -> bool:
-        """Whether the re-measured error exceeds the bound."""
-        return self.ratio > 1
-
-    @property
-    def ok(self) -> bool:
-        """Bit-for-bit and within the bound."""
-        return self.bit_for_bit and not self.violation
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready summary."""
-        return {
-            "preset": self.case.preset,
-            "numerics": self.case.numerics.describe(),
-            "backward": self.case.backward.algorithm,
-            "bit_for_bit": self.bit_for_bit,
-            "error": self.error,
-            "bound": self.bound,
-            "ratio": self.ratio,
-            "saved_ratio": self.case.ratio,
-            "dominant_term": self.dominant_term,
-            "violation": self.violation,
-        }
-
-
 def _is_gradient_case(path: str | Path) -> bool:
     meta = case_paths(path)[1]
     return meta.exists() and json.loads(meta.read_text()).get("kind") == "gradient"
 
 
-def replay(path: str | Path) -> Replay | GradientReplay:
+def replay(path: str | Path) -> Replay:
     """Re-run a saved case bit for bit and re-check its bound (a gradient case: every gradient,
     and Theorem B.1/B.2 against the certified gradients).
 
@@ -399,7 +364,7 @@ def replay(path: str | Path) -> Replay | GradientReplay:
             a.shape == b.shape and a.tobytes() == b.tobytes()
             for a, b in zip(grads, gcase.gradients, strict=True)
         )
-        return GradientReplay(gcase, same, error, bound, ratio, dominant)
+        return Replay(gcase, same, error, bound, ratio, dominant)
     case = load(path)
     objective = Objective(
         case.numerics, case.objective, against=case.against, softcap=case.softcap, sink=case.sink

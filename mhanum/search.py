@@ -645,6 +645,21 @@ def _targeted(
             _stage(tracker, num, shape, share, seed * 1000 + i, family, mix, mask)
 
 
+def _search_settings(examples: int) -> settings:
+    """A targeted search's Hypothesis settings: ``examples`` draws, generation and targeting
+    only, no database, no deadline, quiet."""
+    return settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        derandomize=False,
+        phases=[Phase.generate, Phase.target],
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+        report_multiple_bugs=False,
+    )
+
+
 def _stage(
     tracker: _Tracker,
     num: Numerics,
@@ -674,16 +689,7 @@ def _stage(
     label = f"{tracker.objective.objective} | {family}"
     stop = tracker.done + examples
 
-    @settings(
-        max_examples=examples,
-        database=None,
-        deadline=None,
-        derandomize=False,
-        phases=[Phase.generate, Phase.target],
-        suppress_health_check=list(HealthCheck),
-        verbosity=Verbosity.quiet,
-        report_multiple_bugs=False,
-    )
+    @_search_settings(examples)
     @hypothesis_seed(seed)
     @given(inputs, masks)
     def run(x: strategies.AttentionInputs, m: np.ndarray | None) -> None:
@@ -1088,16 +1094,7 @@ def gradient_worst_case(
     found: list[tuple[_GradientEvaluation, tuple[Any, ...]]] = []
     done = 0
 
-    @settings(
-        max_examples=budget,
-        database=None,
-        deadline=None,
-        derandomize=False,
-        phases=[Phase.generate, Phase.target],
-        suppress_health_check=list(HealthCheck),
-        verbosity=Verbosity.quiet,
-        report_multiple_bugs=False,
-    )
+    @_search_settings(budget)
     @hypothesis_seed(seed)
     @given(inputs, masks_, cotangents)
     def run(x: strategies.AttentionInputs, m: np.ndarray | None, cot: tuple[int, int]) -> None:
