@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from mhanum._errors import CertificationError, InvalidArgument
     from mhanum.adapters.compare import compare
     from mhanum.emulate.attention import attention, multi_head_attention, softmax
-    from mhanum.emulate.backward import attention_grad
+    from mhanum.emulate.backward import attention_grad, mha_grad
     from mhanum.formats import Format, get_format, round_to
-    from mhanum.gradients import Gradients
+    from mhanum.gradients import Gradients, MHAGradients
     from mhanum.numerics import PRESETS, Backward, Numerics
     from mhanum.params import MHAParams
 
@@ -45,6 +45,7 @@ __all__ = [
     "Format",
     "Gradients",
     "InvalidArgument",
+    "MHAGradients",
     "MHAParams",
     "Numerics",
     "__version__",
@@ -57,6 +58,7 @@ __all__ = [
     "get_format",
     "masks",
     "measure",
+    "mha_grad",
     "multi_head_attention",
     "reference",
     "round_to",
@@ -75,7 +77,9 @@ _DEFINED_IN = {
     "multi_head_attention": "mhanum.emulate.attention",
     "softmax": "mhanum.emulate.attention",
     "attention_grad": "mhanum.emulate.backward",
+    "mha_grad": "mhanum.emulate.backward",
     "Gradients": "mhanum.gradients",
+    "MHAGradients": "mhanum.gradients",
     "Backward": "mhanum.numerics",
     "Format": "mhanum.formats",
     "get_format": "mhanum.formats",

@@ -198,3 +198,37 @@ def gradient_inputs(
         {"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2], "d_out": g.shape[:-2]}
     )
     return q, k, v, g, batch
+
+
+def mha_gradient_inputs(
+    x_q: Any, x_kv: Any, params: Any, num_heads: Any, d_out: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, tuple[int, ...]]:
+    """``x_q, x_kv, d_out`` of a multi-head backward pass checked against ``params`` (an
+    :class:`mhanum.MHAParams`) and ``num_heads``: ``(x_q, x_kv, d_out, heads, batch)``."""
+    from mhanum.params import MHAParams
+
+    if not isinstance(params, MHAParams):
+        msg = f"params: expected an MHAParams, got {type(params).__name__}"
+        raise InvalidArgument(msg)
+    heads = positive_int(num_heads, "num_heads")
+    params.validate(heads)
+    arrays = {}
+    for x, name, width in (
+        (x_q, "x_q", params.d_q),
+        (x_kv, "x_kv", params.d_kv),
+        (d_out, "d_out", params.d_out),
+    ):
+        arr = float_array(x, name, min_ndim=2)
+        if arr.shape[-1] != width:
+            msg = f"{name}: expected last dimension {width} (from params), got shape {arr.shape}"
+            raise InvalidArgument(msg)
+        check_finite(arr, name)
+        arrays[name] = arr
+    if arrays["d_out"].shape[-2] != arrays["x_q"].shape[-2]:
+        msg = (
+            f"d_out: expected the output's shape (..., {arrays['x_q'].shape[-2]}, "
+            f"{params.d_out}), got {arrays['d_out'].shape}"
+        )
+        raise InvalidArgument(msg)
+    batch = broadcast({n: a.shape[:-2] for n, a in arrays.items()})
+    return arrays["x_q"], arrays["x_kv"], arrays["d_out"], heads, batch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["Gradients"]
+__all__ = ["Gradients", "MHAGradients"]
 
 
 class Gradients(NamedTuple):
@@ -20,3 +20,17 @@ class Gradients(NamedTuple):
     dv: Any
     dbias: Any
     dsink: Any = None
+
+
+class MHAGradients(NamedTuple):
+    """The gradients of ``<d_out, multi_head_attention(x_q, x_kv, params, H)>``: ``dx_q`` and
+    ``dx_kv`` shaped like the inputs broadcast to the batch, ``params`` an
+    :class:`mhanum.MHAParams` holding the gradient of every weight and bias (``None`` where the
+    layer has no such bias; summed over the batch), and ``dbias``, the gradient with respect to
+    the logits' additive bias, ``(..., H, Lq, Lk)``. For self-attention (``x_q`` and ``x_kv`` the
+    same array) the input's gradient is ``dx_q + dx_kv``."""
+
+    dx_q: Any
+    dx_kv: Any
+    params: Any
+    dbias: Any

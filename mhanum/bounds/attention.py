@@ -53,7 +53,7 @@ from mhanum.formats import Format, get_format, round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
 
-__all__ = ["attention_bound", "mha_bound"]
+__all__ = ["attention_bound", "head_output_bound", "mha_bound"]
 
 ASSUMPTIONS = (
     "round-to-nearest; a rounding into F is x(1+δ)+η, |δ| <= u_F, |η| <= 2^emin_F (flush-to-zero)",
@@ -1708,6 +1708,49 @@ def _merge(x: np.ndarray) -> np.ndarray:
     """``(..., H, L, d)`` to ``(..., L, H·d)``."""
     x = np.swapaxes(x, -2, -3)
     return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+def head_output_bound(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    keep: np.ndarray,
+    bias: np.ndarray | None,
+    num: Numerics,
+    scale: float,
+    default_scale: bool,
+    errors: tuple[np.ndarray, np.ndarray, np.ndarray],
+    given: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[str, ...]]:
+    """Theorem A.1 for heads whose operands are themselves computed (A.2, step (b)).
+
+    ``q, k, v`` ``(..., L, d)`` (any batch of heads) stand in for the exact operands within
+    ``given``; the computed ones the kernel reads are within ``errors`` of the exact ones;
+    ``keep`` ``(..., Lq, Lk)`` marks the attended keys (every row attends one), ``bias`` is
+    finite where ``keep``. Returns ``(err, o, o_given, reasons)``: ``|Ô - O*| <= err`` (``inf``
+    where a stage may overflow, with the reasons), the float64 output ``o`` and ``|o - O*| <=
+    o_given``.
+    """
+    batch = keep.shape[:-2]
+    rows = q.shape[-2]
+    err = np.zeros((*batch, rows, v.shape[-1]))
+    out, out_given = np.zeros_like(err), np.zeros_like(err)
+    reasons: list[Any] = []
+    for i in np.ndindex(*batch):
+        with _quiet():
+            terms, o, o_given, _, ranges = _head_rows(
+                q[i], k[i], v[i], keep[i], None if bias is None else bias[i], num, scale,
+                default_scale, (errors[0][i], errors[1][i], errors[2][i]),
+                (given[0][i], given[1][i], given[2][i]),
+            )  # fmt: skip
+        total = np.sum(list(terms.values()), axis=0)
+        for name in ("overflow", "vacuous"):
+            hit = ranges.where.get(name)
+            if hit is not None:
+                total = np.where(hit, np.inf, total)
+        err[i], out[i], out_given[i] = total, o, o_given
+        reasons.append(ranges)
+    return err, out, out_given, tuple(dict.fromkeys(_reasons(reasons)))
 
 
 def mha_bound(

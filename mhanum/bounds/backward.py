@@ -27,7 +27,7 @@ from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.bounds.a_priori import attention_bound_a_priori
-from mhanum.bounds.attention import PROBABILISTIC, attention_bound
+from mhanum.bounds.attention import PROBABILISTIC, attention_bound, head_output_bound
 from mhanum.bounds.factors import (
     chain,
     division_error,
@@ -35,6 +35,8 @@ from mhanum.bounds.factors import (
     exp_and_sum_factors,
     is_power_of_four,
     lam_or_probability,
+    linear,
+    linear_overflow,
     operand_bits,
     operand_error,
     rounding_error,
@@ -49,9 +51,11 @@ from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 
 __all__ = [
     "GradientBounds",
+    "MHAGradientBounds",
     "attention_grad_bound",
     "attention_grad_bound_a_priori",
     "dq_order_difference",
+    "mha_grad_bound",
 ]
 
 ASSUMPTIONS = (
@@ -248,6 +252,13 @@ class _Inputs(NamedTuple):
     c64: float
     u64: float
     sink: bool = False
+    # multi-head attention's heads (Theorem B.6): the float64 q, k, v, d_out are stand-ins off
+    # the exact ones by ``given``; the computed ones, before they are read into the input
+    # format, are off the exact ones by ``errors`` and stored in the formats ``sources``
+    given: tuple[np.ndarray, ...] | None = None
+    errors: tuple[np.ndarray, ...] | None = None
+    sources: tuple[Format, ...] | None = None
+    forward: tuple[np.ndarray, tuple[str, ...]] | None = None  # |Ô - O| and its reasons
 
 
 def _inputs(
@@ -317,6 +328,23 @@ def _check_scope(num: Numerics, bw: Backward) -> None:
 
 def _t(x: np.ndarray) -> np.ndarray:
     return np.swapaxes(x, -1, -2)
+
+
+def _t_or_none(x: np.ndarray | None) -> np.ndarray | None:
+    return None if x is None else _t(x)
+
+
+def _spread(
+    ra: np.ndarray | None, b_up: np.ndarray, a_mid: np.ndarray, rb: np.ndarray | None
+) -> np.ndarray | float:
+    """``|a b - a* b*| <= r_a |b*| + |a| r_b`` for stand-ins ``a``, ``b`` within ``r_a``, ``r_b``
+    of the exact ones (``|b*| <= b_up``); 0 when both are exact."""
+    out: np.ndarray | float = 0.0
+    if ra is not None:
+        out = out + ra @ b_up
+    if rb is not None:
+        out = out + a_mid @ rb
+    return out
 
 
 def attention_grad_bound(
@@ -472,27 +500,37 @@ def _bound(
     flash = bw.algorithm == "flash2"
     rng = _Range()
     dot = _Dot(num)
+    everything = ("dq", "dk", "dv", "dbias")
     lq, n, d, dv_ = x.q.shape[-2], x.k.shape[-2], x.q.shape[-1], x.v.shape[-1]
     keep = x.keep
     bits_in = operand_bits(num, fin)
 
     # Step 1: the inputs rounded into the input format
-    e = {}
-    for name, arr in (("q", x.q), ("k", x.k), ("v", x.v), ("d_out", x.g)):
-        rng.check(
-            np.abs(arr), fin, f"{name} rounded to the input format", ("dq", "dk", "dv", "dbias")
-        )
-        e[name] = rounding_error(arr, fin)
-    aq, ak, av, ag = (np.abs(a) for a in (x.q, x.k, x.v, x.g))
+    e: dict[str, np.ndarray] = {}
+    rad: dict[str, np.ndarray | None] = {}
+    for i, (name, arr) in enumerate((("q", x.q), ("k", x.k), ("v", x.v), ("d_out", x.g))):
+        if x.errors is None or x.given is None or x.sources is None:
+            rad[name] = None
+            rng.check(np.abs(arr), fin, f"{name} rounded to the input format", everything)
+            e[name] = rounding_error(arr, fin)
+        else:  # B.6: a computed operand, off the exact one by errors[i], read into fin
+            rad[name] = x.given[i]
+            used = np.abs(arr) + x.given[i] + x.errors[i]
+            rng.check(used, fin, f"{name} read into the input format", everything)
+            e[name] = x.errors[i] + _take(used, x.sources[i], fin)
+    mq, mk, mv, mg = (np.abs(a) for a in (x.q, x.k, x.v, x.g))
+    aq, ak, av, ag = (
+        m if rad[name] is None else m + rad[name]
+        for m, name in ((mq, "q"), (mk, "k"), (mv, "v"), (mg, "d_out"))
+    )
 
     # Step 2: the logits  s = c·q kᵀ + b
     f, eta, _ = _dot_factor(num, d, None, (bits_in, bits_in), lam)
     t_a, t_b, t_acc = dot(aq, e["q"], _t(ak), _t(e["k"]), f, eta)
     t_mid = x.q @ _t(x.k)
-    t_rad = _f64_dot(d) * (aq @ _t(ak))
+    t_rad = _f64_dot(d) * (mq @ _t(mk)) + _spread(rad["q"], _t(ak), mq, _t_or_none(rad["k"]))
     t = _Q(t_mid, t_rad, t_a + t_b + t_acc)
     rng.operands(num, aq + e["q"], ak + e["k"], "q kᵀ", ("dq", "dk", "dv", "dbias"))
-    everything = ("dq", "dk", "dv", "dbias")
     rng.check(
         (1 + f) * ((aq + e["q"]) @ _t(ak + e["k"])) + eta, acc, "q kᵀ accumulated", everything
     )
@@ -578,7 +616,8 @@ def _bound(
     # Step 4: dP = d_out vᵀ
     f, eta, _ = _dot_factor(num, dv_, None, (bits_in, bits_in), lam)
     dp_a, dp_b, dp_acc = dot(ag, e["d_out"], _t(av), _t(e["v"]), f, eta)
-    dp = _Q(x.g @ _t(x.v), _f64_dot(dv_) * (ag @ _t(av)), dp_a + dp_b + dp_acc)
+    dp_rad = _f64_dot(dv_) * (mg @ _t(mv)) + _spread(rad["d_out"], _t(av), mg, _t_or_none(rad["v"]))
+    dp = _Q(x.g @ _t(x.v), dp_rad, dp_a + dp_b + dp_acc)
     rng.operands(num, ag + e["d_out"], av + e["v"], "d_out vᵀ", ("dq", "dk", "dbias"))
     rng.check((1 + f) * ((ag + e["d_out"]) @ _t(av + e["v"])) + eta, acc, "d_out vᵀ accumulated",
               ("dq", "dk", "dbias"))  # fmt: skip
@@ -598,23 +637,27 @@ def _bound(
         d_upper = (dp.used * (p_up + pe)).sum(axis=-1, keepdims=True) * (1 + g_d)
         p_x_err = pe
     else:
-        fwd = attention_bound(
-            x.q, x.k, x.v, None if x.keep.all() else x.keep, bias=x.bias, scale=scale,
-            numerics=num,
-        )  # fmt: skip
-        eps_o = np.asarray(fwd.total, np.float64)
-        if fwd.reasons:
-            rng.reasons.extend(f"forward: {r}" for r in fwd.reasons)
+        if x.forward is None:
+            fwd = attention_bound(
+                x.q, x.k, x.v, None if x.keep.all() else x.keep, bias=x.bias, scale=scale,
+                numerics=num,
+            )  # fmt: skip
+            eps_o, why = np.asarray(fwd.total, np.float64), fwd.reasons
+        else:
+            eps_o, why = x.forward
+        rng.reasons.extend(f"forward: {r}" for r in why)
         o_mid = p_mid @ x.v
-        o_rad = (p_up - p_mid) @ av + _f64_dot(n) * (p_mid @ av)
+        o_rad = (
+            (p_up - p_mid) @ av + _f64_dot(n) * (p_mid @ mv) + _spread(None, av, p_mid, rad["v"])
+        )
         o_up = np.abs(o_mid) + o_rad
         eg = e["d_out"] + _take(ag + e["d_out"], fin, grad)
         eo = eps_o + _take(o_up + eps_o, out, grad)
         g_d = chain(dv_, num.summation, u_g, lam, products=True)
         d_mid = (x.g * o_mid).sum(axis=-1, keepdims=True)
-        d_rad = (ag * o_rad).sum(axis=-1, keepdims=True) + _f64_dot(dv_) * (ag * np.abs(o_mid)).sum(
-            axis=-1, keepdims=True
-        )
+        d_rad = ag * o_rad + (0.0 if rad["d_out"] is None else rad["d_out"] * np.abs(o_mid))
+        d_rad = d_rad.sum(axis=-1, keepdims=True)
+        d_rad = d_rad + _f64_dot(dv_) * (mg * np.abs(o_mid)).sum(axis=-1, keepdims=True)
         d_err = (eg * o_up + ag * eo + eg * eo).sum(axis=-1, keepdims=True)
         d_err = (
             d_err + g_d * ((ag + eg) * (o_up + eo)).sum(axis=-1, keepdims=True) + 2 * dv_ * eta_g
@@ -682,6 +725,8 @@ def _bound(
         rng.operands(num, a_up + a_err, b_up + b_err, stage, (name,))
         rng.check((1 + f) * ((a_up + a_err) @ (b_up + b_err)) + eta, acc, stage, (name,))
         err = from_a + from_b + accumulation
+        ev_n = 1 + evaluation_rounding(a_up.shape[-1])
+        ups[name] = x_up * ev_n * ((1 + x.u64 + 2 * _U64) * abs(c) if scaled else 1.0)
         if scaled:
             carried, own = _scaled_output(x_up, err, c, c64, x.u64, num)
             ratio = carried / np.where(err > 0, err, 1.0)
@@ -693,6 +738,7 @@ def _bound(
         terms = {"upstream": ratio * from_a, "inputs": ratio * from_b}
         results[name] = finish(name, {**terms, "accumulation": ratio * accumulation, "output": own})
 
+    ups: dict[str, np.ndarray] = {}  # >= |g| for the exact gradients (B.6)
     bits = (bits_ds, bits_in)
     gradient("dq", ds_up, ds_r_err, ak, e["k"], bw.block_k, bits, True, "dS k accumulated")
     gradient("dk", _t(ds_up), _t(ds_r_err), aq, e["q"], bw.block_q, bits, True, "dSᵀ q accumulated")
@@ -707,7 +753,8 @@ def _bound(
     stages = {"P": eps_p, "dP": np.where(keep, dp.err, 0.0), "D": d_q.err, "dS": ds_err}
     stages = {key: val * ev_all for key, val in stages.items()}
     bounds = GradientBounds(results["dq"], results["dk"], results["dv"], results["dbias"], stages)
-    return bounds, {"ds_up": ds_up, "ds_err": ds_err, "ds_used": ds_up + ds_r_err}
+    dsd = {"ds_up": ds_up, "ds_err": ds_err, "ds_used": ds_up + ds_r_err}
+    return bounds, dsd | {f"{name}_up": up for name, up in ups.items()}
 
 
 def dq_order_difference(
@@ -1098,3 +1145,288 @@ def _a_priori(
         "dS": np.asarray(ds_entry * ev_all),
     }
     return GradientBounds(results["dq"], results["dk"], results["dv"], results["dbias"], stages)
+
+
+class MHAGradientBounds(NamedTuple):
+    """The bounds of one multi-head backward pass (Theorem B.6), one :class:`Bound` per
+    gradient of :class:`mhanum.gradients.MHAGradients`: ``dx_q``, ``dx_kv``, ``params`` (a dict
+    from the parameter's name, ``"wq"`` ... ``"bo"``, to its gradient's bound; the layer's
+    biases only) and ``dbias`` ``(..., H, Lq, Lk)``."""
+
+    dx_q: Bound
+    dx_kv: Bound
+    params: dict[str, Bound]
+    dbias: Bound
+
+
+def _heads(x: np.ndarray, heads: int) -> np.ndarray:
+    """``(..., L, H·d)`` to ``(..., H, L, d)``."""
+    return np.swapaxes(x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads), -2, -3)
+
+
+def _unheads(x: np.ndarray) -> np.ndarray:
+    """``(..., H, L, d)`` to ``(..., L, H·d)``."""
+    x = np.swapaxes(x, -2, -3)
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    return x.reshape(-1, x.shape[-1])
+
+
+def mha_grad_bound(
+    x_q: Any,
+    x_kv: Any,
+    params: Any,
+    num_heads: int,
+    d_out: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    numerics: Numerics | str | None = None,
+    backward: Backward | str | None = None,
+) -> MHAGradientBounds:
+    """Componentwise bounds on the error of every gradient of multi-head attention (Theorem B.6).
+
+    **Theorem B.6.** Let ``g`` be a gradient of ``<d_out, multi_head_attention(x_q, x_kv,
+    params, H)>`` (exact: :func:`mhanum.reference.mha_grad`) and ``ĝ`` the one
+    :func:`mhanum.emulate.backward.mha_grad` computes with ``numerics`` and ``backward``, or any
+    kernel that rounds as they state (``dQ``'s partials added in any order). Under the
+    assumptions of Theorems B.1/B.2 (``Bound.assumptions``), ``|ĝ - g| <= total`` entry by
+    entry, where ``total`` composes, each step from the enclosures of the one before:
+
+    (a) the forward projections by Theorem A.2 (a) (float64 stand-ins ``q, k, v`` within
+    ``given`` of the exact ones; the computed ones within ``fixed + κ e_x·slope``);
+    (b) ``dO = fl_out(Ĝ Ŵ_oᵀ)`` by Theorem B.0 and the output rounding;
+    (c) every head's backward by Theorem B.1 / B.2 on those enclosures (the operands are read
+    into the input format from their storage formats; B.2's ``D`` reads the heads' forward
+    output, bounded by A.1 on the same enclosures);
+    (d) ``dx_q = fl_out(dQ̂ Ŵ_qᵀ)``, ``dx_kv = fl_out([dK̂ dV̂] [Ŵ_k Ŵ_v]ᵀ)``, every weight's
+    gradient (one dot over the batch's rows: ``x̂ᵀ dQ̂``, ``Ôᵀ Ĝ``) by B.0, and every bias's
+    gradient (a sum over the rows in ``accum``, in the numerics' summation order) by Theorem
+    S.0, each with its output rounding.
+
+    Every stage's range is a hypothesis checked on the enclosures: a gradient a stage that may
+    overflow reaches is ``inf``, with the reason in ``Bound.reasons``.
+
+    Args:
+        x_q, x_kv, params, num_heads, d_out, mask, bias, scale, numerics, backward: as for
+            :func:`mhanum.emulate.backward.mha_grad`.
+
+    Returns:
+        :class:`MHAGradientBounds`. Each :class:`Bound`'s terms: ``upstream`` (the error of the
+        gradient the last dot reads: ``dQ``, ``dK``/``dV``, ``G``), ``inputs`` (the other
+        operand's: weights, inputs, the forward output), ``accumulation`` and ``output``;
+        ``dbias`` as :func:`attention_grad_bound`'s.
+
+    Raises:
+        InvalidArgument: for bad inputs (named), a row that attends no key in some head, a
+            finite masking constant with a mask, the naive softmax, or numerics the backward
+            does not model.
+
+    Examples:
+        >>> import numpy as np
+        >>> from mhanum import MHAParams
+        >>> params = MHAParams.random(8, seed=0)
+        >>> x = np.random.default_rng(0).standard_normal((5, 8))
+        >>> b = mha_grad_bound(x, x, params, 2, np.ones((5, 8)), numerics="fp32")
+        >>> b.dx_q.theorem, b.dx_q.total.shape, sorted(b.params)
+        ('B.6', (5, 8), ['bk', 'bo', 'bq', 'bv', 'wk', 'wo', 'wq', 'wv'])
+    """
+    num = resolve(numerics)
+    bw = resolve_backward(backward)
+    _check_scope(num, bw)
+    xq, xkv, g, heads, batch = V.mha_gradient_inputs(x_q, x_kv, params, num_heads, d_out)
+    xq, xkv, g = (
+        np.broadcast_to(np.asarray(a, np.float64), (*batch, *a.shape[-2:])) for a in (xq, xkv, g)
+    )
+    lq, lk = xq.shape[-2], xkv.shape[-2]
+    target = (*batch, heads, lq, lk)
+    bw.key_blocks(lk)
+    # the mask and the bias, checked as for one attention
+    dummy = np.zeros((*target[:-1], 1))
+    x0 = _inputs(dummy, np.zeros((*target[:-2], lk, 1)), np.zeros((*target[:-2], lk, 1)),
+                 dummy, mask, bias, scale, num)  # fmt: skip
+    c64 = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
+    u64 = 0.0
+    if scale is None and not is_power_of_four(params.qk_width // heads):
+        u64 = (1 + _U64) / (1 - _U64) - 1
+    w: dict[str, Any] = {
+        f.name: None if getattr(params, f.name) is None else np.asarray(getattr(params, f.name), np.float64)
+        for f in dataclasses.fields(params)
+    }  # fmt: skip
+    fin, out = num.format_of("input"), num.format_of("output")
+    wt = {n: np.asarray(getattr(params, n), np.float64) for n in ("wq", "wk", "wv", "wo")}
+    storage = num.storage_format
+    names = ["dx_q", "dx_kv", *(n for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
+             if w[n] is not None), "dbias"]  # fmt: skip
+    hit = dict.fromkeys(names, False)
+    reasons: list[str] = []
+
+    def fail(why: list[str] | tuple[str, ...], reaches: tuple[str, ...] | list[str]) -> None:
+        if why:
+            reasons.extend(r for r in why if r not in reasons)
+            for n in reaches:
+                hit[n] = True
+
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+        # (a) the forward projections
+        proj = {}
+        e_in = {"x_q": rounding_error(xq, fin), "x_kv": rounding_error(xkv, fin)}
+        for name, xn, wn, bn in (("q", "x_q", "wq", "bq"), ("k", "x_kv", "wk", "bk"),
+                                 ("v", "x_kv", "wv", "bv")):  # fmt: skip
+            x64 = xq if xn == "x_q" else xkv
+            lin = linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage)
+            _, why = linear_overflow(
+                lin, x64, e_in[xn], w[wn], w[bn], num, storage, f"{name} projection"
+            )
+            if not (np.abs(x64) + e_in[xn] <= fin.max_finite).all():
+                why = [f"{xn}: values may overflow the input format {fin.name}", *why]
+            fail(why, names)
+            proj[name] = tuple(_heads(a, heads) for a in (lin.y, lin.given, lin.error(e_in[xn])))
+        # (b) dO = fl_out(Ĝ Ŵoᵀ)
+        e_g = rounding_error(g, fin)
+        ag, awo, e_wo = np.abs(g), np.abs(wt["wo"]).T, rounding_error(wt["wo"], fin).T
+        fail([] if (ag + e_g <= fin.max_finite).all() else
+             [f"d_out: values may overflow the input format {fin.name}"], names)  # fmt: skip
+        do_err = sum(
+            _grad_dot(num, ag, e_g, awo, e_wo, (fin, fin), "d_out woᵀ", fail, names).values()
+        )
+        do_mid = g @ wt["wo"].T
+        do_rad = _f64_dot(params.d_out) * (ag @ awo)
+        # (c) every head's backward, on those enclosures
+        (q, rq, eq), (k, rk, ek), (v, rv, ev) = (proj[n] for n in "qkv")
+        keep, hb = x0.keep, x0.bias
+        keep = np.broadcast_to(keep, target)
+        hb = None if hb is None else np.broadcast_to(hb, target)
+        fwd = head_output_bound(
+            q, k, v, keep, hb, num, c64, scale is None, (eq, ek, ev), (rq, rk, rv)
+        )
+        eps_o, o_mid, o_given, fwd_why = fwd
+        fail(fwd_why, names)
+        heads_in = _Inputs(
+            q, k, v, _heads(do_mid, heads), keep, hb, c64, u64,
+            given=(rq, rk, rv, _heads(do_rad, heads)),
+            errors=(eq, ek, ev, _heads(np.asarray(do_err), heads)),
+            sources=(storage, storage, storage, out),
+            forward=(eps_o, fwd_why),
+        )  # fmt: skip
+        gb, dsd = _bound(heads_in, mask, bias, scale, num, bw)
+        for n, reach in (("dq", ("dx_q", "wq", "bq")), ("dk", ("dx_kv", "wk", "bk")),
+                         ("dv", ("dx_kv", "wv", "bv")), ("dbias", ("dbias",))):  # fmt: skip
+            b = getattr(gb, n)
+            if not np.isfinite(b.total).all():
+                fail(b.reasons or (f"{n}: infinite",), [r for r in reach if r in hit])
+        dq = (_unheads(dsd["dq_up"]), _unheads(np.asarray(gb.dq.total)))
+        dk = (_unheads(dsd["dk_up"]), _unheads(np.asarray(gb.dk.total)))
+        dv = (_unheads(dsd["dv_up"]), _unheads(np.asarray(gb.dv.total)))
+        # (d) the inputs' and the parameters' gradients
+        ws = {n: (np.abs(wt[n]).T, rounding_error(wt[n], fin).T) for n in ("wq", "wk", "wv")}
+        results = {
+            "dx_q": _grad_dot(num, *dq, *ws["wq"], (out, fin), "dQ wqᵀ", fail, ("dx_q",)),
+            "dx_kv": _grad_dot(
+                num, np.concatenate([dk[0], dv[0]], -1), np.concatenate([dk[1], dv[1]], -1),
+                np.concatenate([ws["wk"][0], ws["wv"][0]], 0),
+                np.concatenate([ws["wk"][1], ws["wv"][1]], 0), (out, fin), "[dK dV] [wk wv]ᵀ",
+                fail, ("dx_kv",),
+            ),
+        }  # fmt: skip
+        o_up = _unheads(np.abs(o_mid) + o_given)
+        o_err = _unheads(eps_o)
+        for n, a, a_err, b_, where in (
+            ("wq", np.abs(xq), e_in["x_q"], dq, "x_qᵀ dQ"),
+            ("wk", np.abs(xkv), e_in["x_kv"], dk, "x_kvᵀ dK"),
+            ("wv", np.abs(xkv), e_in["x_kv"], dv, "x_kvᵀ dV"),
+            ("wo", o_up, o_err, (ag, e_g), "Oᵀ G"),
+        ):
+            fmts = (fin, out) if n != "wo" else (out, fin)
+            results[n] = _grad_dot(
+                num, _rows(a).T, _rows(a_err).T, _rows(b_[0]), _rows(b_[1]), fmts, where, fail, (n,),
+                swap=True,
+            )  # fmt: skip
+        for n, grad in (("bq", dq), ("bk", dk), ("bv", dv), ("bo", (ag, e_g))):
+            if w[n] is not None:
+                results[n] = _grad_sum(num, _rows(grad[0]), _rows(grad[1]), n, fail)
+        own_b = np.asarray(gb.dbias.terms.get("output", 0.0))
+        results["dbias"] = {"dS": np.asarray(gb.dbias.terms.get("dS", 0.0)), "output": own_b}
+    bounds = {}
+    for n, terms in results.items():
+        terms = {t: np.asarray(val, np.float64) for t, val in terms.items()}
+        total = sum(terms.values())
+        total = np.where(np.isnan(total), np.inf, total)
+        if hit[n]:
+            total = np.full(np.shape(total), np.inf)
+        bounds[n] = Bound(
+            total=total,
+            terms=terms,
+            theorem="B.6",
+            assumptions=ASSUMPTIONS,
+            source="dao2023",
+            probability=1.0,
+            reasons=tuple(reasons) if not np.isfinite(total).all() else (),
+            lam=None,
+        )
+    return MHAGradientBounds(
+        bounds["dx_q"],
+        bounds["dx_kv"],
+        {n: bounds[n] for n in names if n not in ("dx_q", "dx_kv", "dbias")},
+        bounds["dbias"],
+    )
+
+
+def _grad_dot(
+    num: Numerics,
+    a_up: np.ndarray,
+    a_err: np.ndarray,
+    b_up: np.ndarray,
+    b_err: np.ndarray,
+    fmts: tuple[Format, Format],
+    stage: str,
+    fail: Any,
+    reaches: tuple[str, ...] | list[str],
+    swap: bool = False,
+) -> dict[str, np.ndarray]:
+    """B.0 for ``fl_out(Â B̂)``, ``|Â - A| <= a_err``, ``|A| <= a_up`` (B likewise), read from
+    the formats ``fmts``; the terms ``upstream`` (the gradient operand's error: ``a``'s, or
+    ``b``'s with ``swap``), ``inputs``, ``accumulation`` and ``output``."""
+    acc, out = num.format_of("accum"), num.format_of("output")
+    n = a_up.shape[-1]
+    bits = (operand_bits(num, fmts[0]), operand_bits(num, fmts[1]))
+    f, eta, _ = _dot_factor(num, n, None, bits)
+    from_a, from_b, accumulation = _Dot(num)(a_up, a_err, b_up, b_err, f, eta)
+    rng = _Range()
+    rng.operands(num, a_up + a_err, b_up + b_err, stage, ("dq",))
+    rng.check(
+        (1 + f) * ((a_up + a_err) @ (b_up + b_err)) + eta, acc, f"{stage} accumulated", ("dq",)
+    )
+    up = (a_up @ b_up) * (1 + evaluation_rounding(n))
+    err = from_a + from_b + accumulation
+    own = _take(up + err, acc, out) + 0 * up
+    rng.check(up + err + own, out, f"{stage} rounded to {out.name}", ("dq",))
+    fail(rng.reasons, reaches)
+    upstream, inputs = (from_b, from_a) if swap else (from_a, from_b)
+    return {"upstream": upstream, "inputs": inputs, "accumulation": accumulation, "output": own}
+
+
+def _grad_sum(
+    num: Numerics, up: np.ndarray, err: np.ndarray, name: str, fail: Any
+) -> dict[str, np.ndarray]:
+    """Theorem S.0 for a bias's gradient ``fl_out(Σ_rows x̂)``: the stored gradients ``x̂``
+    (``|x̂ - x| <= err``, ``|x| <= up``, ``(N, n)``) read into ``accum`` and summed over the
+    ``N`` rows in the numerics' order."""
+    acc, out = num.format_of("accum"), num.format_of("output")
+    rows = up.shape[0]
+    read = err + _take(up + err, out, acc)
+    factor = chain(rows, num.summation, acc.u, None, products=False)
+    ev = 1 + evaluation_rounding(rows)
+    carried = read.sum(axis=0) * ev
+    accumulation = factor * (up + read).sum(axis=0) * ev + rows * acc.smallest_normal
+    total_up = up.sum(axis=0) * ev
+    own = _take(total_up + carried + accumulation, acc, out) + 0 * total_up
+    why = []
+    for fmt in (acc, out):
+        if not (total_up + carried + accumulation + own <= fmt.max_finite).all():
+            why.append(f"{name}: the sum over the rows may overflow {fmt.name}")
+    fail(why, (name,))
+    return {"upstream": carried, "accumulation": accumulation, "output": own}

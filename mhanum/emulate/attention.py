@@ -347,7 +347,7 @@ def _split_kv(st: Stages, s: jax.Array, v: jax.Array) -> jax.Array:
     return lax.scan(add, jnp.zeros_like(outs[0]), (alpha, outs))[0]
 
 
-def _attend(
+def attend(
     st: Stages,
     q: Any,
     k: Any,
@@ -358,6 +358,8 @@ def _attend(
     softcap: float | None = None,
     descale_v: float | None = None,
 ) -> jax.Array:
+    """The attention of every stage as ``st`` rounds it: the logits, the softmax (its
+    algorithm), ``P·V``, rounded to the output format."""
     st.fold(scale)
     s = stage_logits(st, q, k, mask, bias, scale, softcap)
     if st.num.kv_splits is not None:
@@ -387,7 +389,7 @@ def _attention_jit(
 ) -> jax.Array:
     st = Stages(numerics, runtime_zero(q))
     q, k, v = (to_format(x, st.input) for x in (q, k, v))
-    out = _attend(st, q, k, v, mask, bias, scale, softcap, descale_v)
+    out = attend(st, q, k, v, mask, bias, scale, softcap, descale_v)
     return out.astype(st.output.jax_dtype)
 
 
@@ -537,7 +539,7 @@ def softmax(x: Any, mask: Any = None, *, numerics: Numerics | str | None = None)
     return _softmax_jit(host_round(x, num.format_of("score")), mask, numerics=num)
 
 
-def _project(st: Stages, x: jax.Array, w: jax.Array, b: Any, fmt: Format) -> jax.Array:
+def project(st: Stages, x: jax.Array, w: jax.Array, b: Any, fmt: Format) -> jax.Array:
     """``x @ w + b`` accumulated in ``accum`` (bias included), then rounded to ``fmt``."""
     y = st.dot(x, w)
     if b is not None:
@@ -545,8 +547,16 @@ def _project(st: Stages, x: jax.Array, w: jax.Array, b: Any, fmt: Format) -> jax
     return to_format(y, fmt)
 
 
-def _split_heads(x: jax.Array, heads: int) -> jax.Array:
+def split_heads(x: jax.Array, heads: int) -> jax.Array:
+    """``(..., L, H·d)`` to ``(..., H, L, d)``: head ``h`` takes columns ``[h·d, (h+1)·d)``."""
     return jnp.swapaxes(x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads), -2, -3)
+
+
+def merge_heads(x: jax.Array) -> jax.Array:
+    """``(..., H, L, d)`` to ``(..., L, H·d)``, heads in order (the inverse of
+    :func:`split_heads`)."""
+    x = jnp.swapaxes(x, -2, -3)
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "numerics", "scale", "sink", "softcap"))
@@ -566,15 +576,13 @@ def _mha_jit(
     st = Stages(numerics, runtime_zero(x_q))
     x_q, x_kv = to_format(x_q, st.input), to_format(x_kv, st.input)
     p = jax.tree_util.tree_map(lambda w: to_format(w, st.input), params)
-    q = _split_heads(_project(st, x_q, p.wq, p.bq, st.storage), num_heads)
-    k = _split_heads(_project(st, x_kv, p.wk, p.bk, st.storage), num_heads)
-    v = _split_heads(_project(st, x_kv, p.wv, p.bv, st.storage), num_heads)
+    q = split_heads(project(st, x_q, p.wq, p.bq, st.storage), num_heads)
+    k = split_heads(project(st, x_kv, p.wk, p.bk, st.storage), num_heads)
+    v = split_heads(project(st, x_kv, p.wv, p.bv, st.storage), num_heads)
     if sink:  # the sink's key and value: zeros, the last of every row (masks.with_sink)
         k, v = masks.zero_key(k, xp=jnp), masks.zero_key(v, xp=jnp)
-    o = _attend(st, q, k, v, mask, bias, scale, softcap)
-    o = jnp.swapaxes(o, -2, -3)
-    o = o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1])
-    return _project(st, o, p.wo, p.bo, st.output).astype(st.output.jax_dtype)
+    o = merge_heads(attend(st, q, k, v, mask, bias, scale, softcap))
+    return project(st, o, p.wo, p.bo, st.output).astype(st.output.jax_dtype)
 
 
 def multi_head_attention(

@@ -29,19 +29,24 @@ from mhanum import masks
 from mhanum.emulate._arith import Arith, runtime_zero, to_format
 from mhanum.emulate.attention import (
     Stages,
+    attend,
     bias_array,
     check_x64,
     format_constant,
     host_round,
+    merge_heads,
     partial_attention,
+    project,
+    split_heads,
     stage_logits,
     stage_probabilities,
 )
 from mhanum.emulate.summation import sum_with
-from mhanum.gradients import Gradients
+from mhanum.gradients import Gradients, MHAGradients
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
+from mhanum.params import MHAParams
 
-__all__ = ["attention_grad"]
+__all__ = ["attention_grad", "mha_grad"]
 
 
 def _t(x: jax.Array) -> jax.Array:
@@ -132,22 +137,21 @@ def _flash2(
     return dq, dk, dv, ds
 
 
-@functools.partial(jax.jit, static_argnames=("numerics", "backward", "scale", "sink"))
-def _grad_jit(
+def _core(
+    st: Stages,
     q: Any,
     k: Any,
     v: Any,
     g: Any,
     mask: Any,
     bias: Any,
-    *,
-    numerics: Numerics,
     backward: Backward,
     scale: float,
-    sink: bool = False,
+    sink: bool,
 ) -> tuple[jax.Array, ...]:
-    st = Stages(numerics, runtime_zero(q))
-    q, k, v, g = (to_format(x, st.input) for x in (q, k, v, g))
+    """The backward of one attention from operands already in the input format: ``(dq, dk, dv,
+    dbias[, dsink])`` in the output format."""
+    numerics = st.num
     grad_fmt, ds_fmt = backward.formats(numerics)
     gr = Arith(grad_fmt, st.acc.guard)
     s = stage_logits(st, q, k, mask, bias, scale)
@@ -181,6 +185,25 @@ def _grad_jit(
         grads[3][..., :-1],
         to_format(dsink, st.output).astype(dtype),
     )
+
+
+@functools.partial(jax.jit, static_argnames=("numerics", "backward", "scale", "sink"))
+def _grad_jit(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    mask: Any,
+    bias: Any,
+    *,
+    numerics: Numerics,
+    backward: Backward,
+    scale: float,
+    sink: bool = False,
+) -> tuple[jax.Array, ...]:
+    st = Stages(numerics, runtime_zero(q))
+    q, k, v, g = (to_format(x, st.input) for x in (q, k, v, g))
+    return _core(st, q, k, v, g, mask, bias, backward, scale, sink)
 
 
 def attention_grad(
@@ -261,3 +284,139 @@ def attention_grad(
         q, k, v, g, mask, bias, numerics=num, backward=bw, scale=factor, sink=sink is not None
     )
     return Gradients(*out)
+
+
+def _rows(x: jax.Array) -> jax.Array:
+    """``(..., L, n)`` as ``(N, n)``: the batch's rows, batch-major, for a weight's gradient."""
+    return x.reshape(-1, x.shape[-1])
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "numerics", "backward", "scale"))
+def _mha_grad_jit(
+    x_q: Any,
+    x_kv: Any,
+    params: MHAParams,
+    g: Any,
+    mask: Any,
+    bias: Any,
+    *,
+    num_heads: int,
+    numerics: Numerics,
+    backward: Backward,
+    scale: float,
+) -> tuple[Any, ...]:
+    st = Stages(numerics, runtime_zero(x_q))
+    x_q, x_kv, g = (to_format(x, st.input) for x in (x_q, x_kv, g))
+    p = jax.tree_util.tree_map(lambda w: to_format(w, st.input), params)
+    # the forward, as multi_head_attention computes it
+    q, k, v = (
+        split_heads(project(st, x, w, b, st.storage), num_heads)
+        for x, w, b in ((x_q, p.wq, p.bq), (x_kv, p.wk, p.bk), (x_kv, p.wv, p.bv))
+    )
+    o = merge_heads(attend(st, q, k, v, mask, bias, scale))
+    out = st.output
+
+    def grad_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+        return to_format(st.dot(a, b), out)
+
+    def grad_sum(x: jax.Array) -> jax.Array:  # a bias's gradient: Σ over the batch's rows
+        return to_format(sum_with(st.acc, _t(_rows(x)), numerics.summation), out)
+
+    # the heads' cotangent, then every head's backward from its own operands
+    d_o = grad_dot(g, _t(p.wo))
+    qi, ki, vi, gi = (to_format(x, st.input) for x in (q, k, v, split_heads(d_o, num_heads)))
+    dq, dk, dv, dbias = _core(st, qi, ki, vi, gi, mask, bias, backward, scale, False)
+    dq, dk, dv = (merge_heads(x) for x in (dq, dk, dv))
+    # the inputs: dx_kv is one dot over [dK dV] against [wk wv] (a packed in-projection)
+    dx_q = grad_dot(dq, _t(p.wq))
+    dx_kv = grad_dot(jnp.concatenate([dk, dv], -1), _t(jnp.concatenate([p.wk, p.wv], -1)))
+    grads: dict[str, jax.Array | None] = {
+        "wq": grad_dot(_t(_rows(x_q)), _rows(dq)),
+        "wk": grad_dot(_t(_rows(x_kv)), _rows(dk)),
+        "wv": grad_dot(_t(_rows(x_kv)), _rows(dv)),
+        "wo": grad_dot(_t(_rows(o)), _rows(g)),
+    }
+    for name, d in (("bq", dq), ("bk", dk), ("bv", dv), ("bo", g)):
+        grads[name] = None if getattr(p, name) is None else grad_sum(d)
+    dtype = out.jax_dtype
+    cast = {n: None if a is None else a.astype(dtype) for n, a in grads.items()}
+    return dx_q.astype(dtype), dx_kv.astype(dtype), cast, dbias.astype(dtype)
+
+
+def mha_grad(
+    x_q: Any,
+    x_kv: Any,
+    params: MHAParams,
+    num_heads: int,
+    d_out: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    numerics: Numerics | str | None = None,
+    backward: Backward | str | None = None,
+) -> MHAGradients:
+    r"""The gradients of ``<d_out, multi_head_attention(x_q, x_kv, params, H)>`` with explicit
+    numerics: the forward of :func:`mhanum.multi_head_attention`, then
+
+    .. math::
+
+        dO = G\,W_o^\top,\quad (dQ_h, dK_h, dV_h) = \text{attention\_grad}(q_h, k_h, v_h,
+        dO_h),\quad dx_q = dQ\,W_q^\top,\quad dx_{kv} = [dK\; dV]\,[W_k\; W_v]^\top,
+
+    ``dW_q = x_qᵀ dQ`` (``dW_k``, ``dW_v`` and ``dW_o = Oᵀ G`` likewise) and ``db_q = Σ dQ``
+    (the biases' gradients: sums over every row of the batch), ``G = d_out``. Every dot is on
+    the numerics' dot unit in its summation order, accumulated in ``accum`` (a weight's gradient:
+    one dot over the batch's rows, batch-major) and rounded to ``output_format``, the format a
+    framework stores its gradients in; each head's backward is :func:`attention_grad`'s with
+    ``backward``, from the heads' projections and ``dO`` read into the input format.
+
+    Args:
+        x_q, x_kv, params, num_heads, mask, bias, scale, numerics: as for
+            :func:`mhanum.multi_head_attention` (the scale on the scores, ``exp_form="exp"``,
+            no split-KV, as for :func:`attention_grad`).
+        d_out: the output's cotangent ``(..., Lq, d_out)``, rounded to ``numerics.input``.
+        backward: a :class:`mhanum.numerics.Backward` or an algorithm name, as for
+            :func:`attention_grad`.
+
+    Returns:
+        :class:`mhanum.gradients.MHAGradients` ``(dx_q, dx_kv, params, dbias)``, each in the
+        dtype that stores ``numerics.output_format``. Grouped-query layers: expand them with
+        :meth:`MHAParams.expand_kv_heads` (the gradient of a shared key/value head is the sum
+        of its query heads' columns). Sinks and soft-capping are refused by name.
+
+    Raises:
+        InvalidArgument: for bad inputs (named), as :func:`mhanum.multi_head_attention` and
+            :func:`attention_grad`.
+
+    Examples:
+        >>> import numpy as np
+        >>> from mhanum import MHAParams
+        >>> params = MHAParams.random(8, seed=0)
+        >>> x = np.random.default_rng(0).standard_normal((5, 8))
+        >>> g = mha_grad(x, x, params, 2, np.ones((5, 8)), numerics="fp32")
+        >>> g.dx_q.shape, g.params.wq.shape, g.dbias.shape
+        ((5, 8), (8, 8), (2, 5, 5))
+    """
+    num = resolve(numerics)
+    bw = resolve_backward(backward)
+    bw.check_forward(num)
+    check_x64(num)
+    x_q, x_kv, g, heads, batch = V.mha_gradient_inputs(x_q, x_kv, params, num_heads, d_out)
+    target = (*batch, heads, x_q.shape[-2], x_kv.shape[-2])
+    if mask is not None:
+        mask = V.bool_mask(mask, target)
+    num.check_bias(bias)
+    bw.key_blocks(x_kv.shape[-2])
+    if bias is not None:
+        bias = bias_array(bias, target, num.format_of("score"))
+    factor = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
+    fmt = num.format_of("input")
+    xq, xkv, gj = (
+        jnp.broadcast_to(host_round(x, fmt), (*batch, *np.shape(x)[-2:])) for x in (x_q, x_kv, g)
+    )
+    params = jax.tree_util.tree_map(lambda w: host_round(w, fmt), params)
+    dx_q, dx_kv, grads, dbias = _mha_grad_jit(
+        xq, xkv, params, gj, mask, bias, num_heads=heads, numerics=num, backward=bw, scale=factor
+    )
+    return MHAGradients(dx_q, dx_kv, MHAParams(**grads), dbias)

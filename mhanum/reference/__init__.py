@@ -86,7 +86,7 @@ import numpy as np
 from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import CertificationError, InvalidArgument
-from mhanum.gradients import Gradients
+from mhanum.gradients import Gradients, MHAGradients
 from mhanum.params import MHAParams
 from mhanum.reference import _dd, _exact, _fastref
 from mhanum.reference._dd import Ball
@@ -97,6 +97,7 @@ __all__ = [
     "attention",
     "attention_grad",
     "max_digits",
+    "mha_grad",
     "multi_head_attention",
     "nearest_float64",
 ]
@@ -372,6 +373,71 @@ def attention_grad(
     # sum of its column of dS, certified with the rest
     dq, dk, dv, dbias, dsink = grads
     return Gradients(dq, dk[..., :keys, :], dv[..., :keys, :], dbias[..., :keys], dsink[..., 0, 0])
+
+
+def mha_grad(
+    x_q: Any,
+    x_kv: Any,
+    params: MHAParams,
+    num_heads: int,
+    d_out: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    digits: int = 20,
+    max_prec: int = 8192,
+) -> MHAGradients:
+    """Certified gradients of multi-head attention: the exact backward pass of the given floats.
+
+    The forward is :func:`multi_head_attention`'s (projections ``y = x w + b`` exactly, head
+    ``h`` on its columns, the heads concatenated and projected by ``wo``), with the logit scale
+    ``scale`` (default exactly ``1/sqrt(d_k)``). With ``G = d_out``: ``dO = G woᵀ``, every head's
+    ``(dq_h, dk_h, dv_h, dS_h)`` as :func:`attention_grad` computes them from its projections and
+    ``dO_h``, then ``dx_q = dQ wqᵀ``, ``dx_kv = dK wkᵀ + dV wvᵀ``, ``dwq = Σ x_qᵀ dQ`` (every
+    weight likewise, ``dwo = Σ Oᵀ G``; summed over the batch) and ``dbq = Σ dQ`` over every row
+    (``dbk`` is exactly 0: each row of ``dS`` sums to 0). All of it runs in python-flint's Arb
+    balls, certified as :func:`attention_grad` is.
+
+    Args:
+        x_q, x_kv, params, num_heads, mask, bias: as for :func:`multi_head_attention`; every row
+            must attend some key in every head.
+        d_out: the output's cotangent ``(..., Lq, d_out)``.
+        scale: the logit scale; default ``1/sqrt(d_k)``.
+        digits, max_prec: as for :func:`attention`.
+
+    Returns:
+        :class:`mhanum.gradients.MHAGradients` ``(dx_q, dx_kv, params, dbias)`` in float64, the
+        inputs' gradients broadcast to the batch.
+
+    Raises:
+        InvalidArgument: for bad inputs (named) or a row that attends no key.
+        CertificationError: if a gradient is not certified by ``max_prec`` bits.
+
+    Examples:
+        >>> import numpy as np
+        >>> from mhanum import MHAParams, reference
+        >>> params = MHAParams.random(4, seed=0)
+        >>> x = np.random.default_rng(0).standard_normal((3, 4))
+        >>> g = reference.mha_grad(x, x, params, 2, np.ones((3, 4)))
+        >>> g.dx_q.shape, float(np.abs(g.params.bk).max())
+        ((3, 4), 0.0)
+    """
+    options = _check_options(digits, max_prec, "zero", "arb", False)
+    xq64, xkv64, g64, heads, batch = V.mha_gradient_inputs(x_q, x_kv, params, num_heads, d_out)
+    xq64, xkv64, g64 = (np.asarray(x, np.float64) for x in (xq64, xkv64, g64))
+    shape = (*batch, heads, xq64.shape[-2], xkv64.shape[-2])
+    d_k = params.qk_width // heads
+    spec = _score_spec(mask, bias, _check_scale(scale), shape, d_k, "zero", None)
+    if spec.excluded.all(axis=-1).any():
+        msg = "mask: expected every row to attend some key (an empty softmax has no gradient)"
+        raise InvalidArgument(msg)
+    params64 = _params_float64(params)
+    dx_q, dx_kv, dbias, grads = _arb_backend().mha_grad(
+        xq64, xkv64, g64, params64, heads, spec, options
+    )
+    names = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
+    return MHAGradients(dx_q, dx_kv, MHAParams(**{n: grads.get(n) for n in names}), dbias)
 
 
 def multi_head_attention(

@@ -179,6 +179,56 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, spec: Any, options: A
     return _certify(run, shape, options, _start(options))
 
 
+def _head_grad(
+    flint: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    d_out: Any,
+    scale: Any,
+    bias: Any,
+    excluded: np.ndarray,
+    softcap: float | None,
+) -> tuple[Any, ...]:
+    """One head's ``(dq, dk, dv, dS, O)`` from Arb matrices (see :func:`attention_grad`)."""
+    l_q, l_k = excluded.shape
+    scores = q * k.transpose()
+    probs, _ = _softmax_rows(flint, scores, scale, bias, excluded, "zero", softcap)
+    d_v = probs.transpose() * d_out
+    d_p = d_out * v.transpose()
+    # dP_ij - D_i = (dP_ij - r) - Σ_l P_il (dP_il - r) for any r (Σ_l P_il = 1), with
+    # r = dP at the row's most probable key: a row whose dP are all equal gets dS = 0
+    # exactly, not a ball around 0, and a saturated row (P near one-hot) does not cancel
+    # 1 - P against its tiny complement
+    rows, tops = [], []
+    for i in range(l_q):
+        weights = [float(probs[i, j].mid()) for j in range(l_k)]
+        top = weights.index(max(weights))
+        tops.append(top)
+        r = d_p[i, top]
+        shifted = [d_p[i, j] - r for j in range(l_k)]
+        mean = sum((probs[i, j] * shifted[j] for j in range(l_k)), flint.arb(0))
+        rows.append([probs[i, j] * (shifted[j] - mean) for j in range(l_k)])
+    d_s = flint.arb_mat(rows)
+    d_a = d_s  # the gradient of the scaled scores: through the cap's slope sech²
+    if softcap is not None:
+        cap = flint.arb(softcap)
+        slope = [[1 - (scores[i, j] * scale / cap).tanh() ** 2 for j in range(l_k)]
+                 for i in range(l_q)]  # fmt: skip
+        d_a = flint.arb_mat([[d_s[i, j] * slope[i][j] for j in range(l_k)]
+                             for i in range(l_q)])  # fmt: skip
+        d_q = d_a * k * scale
+    else:
+        # Σ_j dS_ij = 0, so dq_i = c Σ_j dS_ij (k_j - k_t) with t the pivot key: keys
+        # that are all equal give dq = 0 exactly, not a ball around 0
+        d_q = flint.arb_mat(
+            [[sum((d_s[i, j] * (k[j, c] - k[tops[i], c]) for j in range(l_k)),
+                  flint.arb(0)) for c in range(k.ncols())] for i in range(l_q)]
+        ) * scale  # fmt: skip
+    d_k = d_a.transpose() * q * scale
+    return d_q, d_k, d_v, d_s, probs * v
+
+
 def attention_grad(
     q: np.ndarray,
     k: np.ndarray,
@@ -209,49 +259,22 @@ def attention_grad(
         parts = [np.empty(s, dtype=object) for s in shapes]
         scale = _scale(flint, spec.scale, spec.d_k)
         for b in np.ndindex(batch):
-            scores = _matrix(flint, q[b]) * _matrix(flint, k[b].T)
             bias = None if spec.bias is None else spec.bias[b]
-            probs, _ = _softmax_rows(
-                flint, scores, scale, bias, spec.excluded[b], "zero", spec.softcap
+            qb, kb, vb, gb = (_matrix(flint, x[b]) for x in (q, k, v, d_out))
+            d_q, d_k, d_v, d_s, _ = _head_grad(
+                flint,
+                qb,
+                kb,
+                vb,
+                gb,
+                scale,
+                bias,
+                spec.excluded[b],
+                spec.softcap,
             )
-            d_o, vb = _matrix(flint, d_out[b]), _matrix(flint, v[b])
-            d_v = probs.transpose() * d_o
-            d_p = d_o * vb.transpose()
-            # dP_ij - D_i = (dP_ij - r) - Σ_l P_il (dP_il - r) for any r (Σ_l P_il = 1), with
-            # r = dP at the row's most probable key: a row whose dP are all equal gets dS = 0
-            # exactly, not a ball around 0, and a saturated row (P near one-hot) does not cancel
-            # 1 - P against its tiny complement
-            rows, tops = [], []
-            for i in range(l_q):
-                weights = [float(probs[i, j].mid()) for j in range(l_k)]
-                top = weights.index(max(weights))
-                tops.append(top)
-                r = d_p[i, top]
-                shifted = [d_p[i, j] - r for j in range(l_k)]
-                mean = sum((probs[i, j] * shifted[j] for j in range(l_k)), flint.arb(0))
-                rows.append([probs[i, j] * (shifted[j] - mean) for j in range(l_k)])
-            d_s = flint.arb_mat(rows)
-            d_a = d_s  # the gradient of the scaled scores: through the cap's slope sech²
-            if spec.softcap is not None:
-                cap = flint.arb(spec.softcap)
-                slope = [[1 - (scores[i, j] * scale / cap).tanh() ** 2 for j in range(l_k)]
-                         for i in range(l_q)]  # fmt: skip
-                d_a = flint.arb_mat([[d_s[i, j] * slope[i][j] for j in range(l_k)]
-                                     for i in range(l_q)])  # fmt: skip
-            if spec.softcap is None:
-                # Σ_j dS_ij = 0, so dq_i = c Σ_j dS_ij (k_j - k_t) with t the pivot key: keys
-                # that are all equal give dq = 0 exactly, not a ball around 0
-                k_b = _matrix(flint, k[b])
-                d_q = flint.arb_mat(
-                    [[sum((d_s[i, j] * (k_b[j, c] - k_b[tops[i], c]) for j in range(l_k)),
-                          flint.arb(0)) for c in range(k.shape[-1])] for i in range(l_q)]
-                ) * scale  # fmt: skip
-            else:
-                d_q = d_a * _matrix(flint, k[b]) * scale
-            d_k = d_a.transpose() * _matrix(flint, q[b]) * scale
             mats = [d_q, d_k, d_v, d_s]
             if sink_column:
-                column = sum((d_s[i, l_k - 1] for i in range(l_q)), flint.arb(0))
+                column = sum((d_s[i, l_k - 1] for i in range(d_s.nrows())), flint.arb(0))
                 mats.append(flint.arb_mat([[column]]))
             for part, m in zip(parts, mats, strict=True):
                 rows, cols = part.shape[-2:]
@@ -270,6 +293,125 @@ def attention_grad(
     return tuple(out)
 
 
+def _affine(flint: Any, x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> Any:
+    out = _matrix(flint, x) * _matrix(flint, w)
+    if b is not None:
+        out = out + _matrix(flint, np.broadcast_to(b, (x.shape[0], w.shape[1])))
+    return out
+
+
+def _columns(flint: Any, m: Any, start: int, width: int) -> Any:
+    return flint.arb_mat([[m[i, start + c] for c in range(width)] for i in range(m.nrows())])
+
+
+def _merge(flint: Any, heads: list[Any]) -> Any:
+    """The heads' ``(L, d)`` matrices side by side, ``(L, H·d)``."""
+    width = heads[0].ncols()
+    return flint.arb_mat(
+        [[heads[t // width][i, t % width] for t in range(len(heads) * width)]
+         for i in range(heads[0].nrows())]
+    )  # fmt: skip
+
+
+def mha_grad(
+    x_q: np.ndarray,
+    x_kv: np.ndarray,
+    d_out: np.ndarray,
+    params: Any,
+    num_heads: int,
+    spec: Any,
+    options: Any,
+) -> tuple[Any, ...]:
+    """The gradients of ``<d_out, multi_head_attention(...)>``, certified with Arb balls:
+    ``(dx_q, dx_kv, dbias, {name: weight or bias gradient})``. The projections, every head's
+    backward (:func:`_head_grad`) and the chain rule through the projections run in balls.
+    ``db_k`` is exactly 0 (``Σ_j dS_ij = 0`` in every row, so ``Σ_j dK_j = c Σ_i q_i Σ_j
+    dS_ij = 0``; with a soft-cap it is computed)."""
+    batch = spec.excluded.shape[:-3]
+    x_q, x_kv, d_out = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (x_q, x_kv, d_out))
+    l_q, l_k = spec.excluded.shape[-2:]
+    d_k = params.qk_width // num_heads
+    d_v = params.v_width // num_heads
+    names = [n for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
+             if getattr(params, n) is not None]  # fmt: skip
+    shapes = [x_q.shape, x_kv.shape, (*batch, num_heads, l_q, l_k)]
+    shapes += [np.shape(getattr(params, n)) for n in names]
+    sizes = [math.prod(s) for s in shapes]
+
+    def run(flint: Any) -> tuple[np.ndarray, np.ndarray]:
+        values: list[Any] = [None] * len(shapes)
+        for i in range(3):
+            values[i] = np.empty(shapes[i], dtype=object)
+        total: dict[str, Any] = {}
+        scale = _scale(flint, spec.scale, d_k)
+        w = {n: _matrix(flint, getattr(params, n)) for n in ("wq", "wk", "wv", "wo")}
+        for b in np.ndindex(batch):
+            q = _affine(flint, x_q[b], params.wq, params.bq)
+            k = _affine(flint, x_kv[b], params.wk, params.bk)
+            v = _affine(flint, x_kv[b], params.wv, params.bv)
+            g = _matrix(flint, d_out[b])
+            d_o = g * w["wo"].transpose()
+            dqs, dks, dvs, outs = [], [], [], []
+            for h in range(num_heads):
+                bias = None if spec.bias is None else spec.bias[(*b, h)]
+                d_q, d_k_, d_v_, d_s, o = _head_grad(
+                    flint,
+                    _columns(flint, q, h * d_k, d_k),
+                    _columns(flint, k, h * d_k, d_k),
+                    _columns(flint, v, h * d_v, d_v),
+                    _columns(flint, d_o, h * d_v, d_v),
+                    scale,
+                    bias,
+                    spec.excluded[(*b, h)],
+                    spec.softcap,
+                )
+                dqs.append(d_q)
+                dks.append(d_k_)
+                dvs.append(d_v_)
+                outs.append(o)
+                for i, j in np.ndindex(l_q, l_k):
+                    values[2][(*b, h, i, j)] = d_s[i, j]
+            dq, dk, dv, o = (_merge(flint, m) for m in (dqs, dks, dvs, outs))
+            dx_q = dq * w["wq"].transpose()
+            dx_kv = dk * w["wk"].transpose() + dv * w["wv"].transpose()
+            for i, j in np.ndindex(x_q.shape[-2:]):
+                values[0][(*b, i, j)] = dx_q[i, j]
+            for i, j in np.ndindex(x_kv.shape[-2:]):
+                values[1][(*b, i, j)] = dx_kv[i, j]
+            xq, xkv = _matrix(flint, x_q[b]), _matrix(flint, x_kv[b])
+            ones_q = flint.arb_mat([[1] * l_q])
+            ones_k = flint.arb_mat([[1] * l_k])
+            parts = {
+                "wq": xq.transpose() * dq,
+                "wk": xkv.transpose() * dk,
+                "wv": xkv.transpose() * dv,
+                "wo": o.transpose() * g,
+                "bq": ones_q * dq,
+                "bk": ones_k * dk,
+                "bv": ones_k * dv,
+                "bo": ones_q * g,
+            }
+            for n in names:
+                total[n] = parts[n] if n not in total else total[n] + parts[n]
+        if "bk" in total and spec.softcap is None:  # Σ_j dS_ij = 0: exactly zero
+            total["bk"] = flint.arb_mat(1, params.qk_width)
+        for t, n in enumerate(names):
+            m = total[n]
+            values[3 + t] = np.array(
+                [[m[i, j] for j in range(m.ncols())] for i in range(m.nrows())], dtype=object
+            ).reshape(shapes[3 + t])
+        flat = np.concatenate([x.reshape(-1) for x in values])[:, None]
+        return flat, np.zeros(flat.shape[0], dtype=bool)
+
+    flat = _certify(run, (sum(sizes), 1), options, _start(options))
+    numbers = np.asarray(flat if not options.return_mpf else flat[0], np.float64).reshape(-1)
+    out, start = [], 0
+    for shape, size in zip(shapes, sizes, strict=True):
+        out.append(numbers[start : start + size].reshape(shape))
+        start += size
+    return out[0], out[1], out[2], dict(zip(names, out[3:], strict=True))
+
+
 def multi_head_attention(
     x_q: np.ndarray, x_kv: np.ndarray, params: Any, num_heads: int, spec: Any, options: Any
 ) -> Any:
@@ -280,28 +422,19 @@ def multi_head_attention(
     d_k = params.qk_width // num_heads
     d_v = params.v_width // num_heads
 
-    def affine(flint: Any, x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> Any:
-        out = _matrix(flint, x) * _matrix(flint, w)
-        if b is not None:
-            out = out + _matrix(flint, np.broadcast_to(b, (x.shape[0], w.shape[1])))
-        return out
-
-    def columns(flint: Any, m: Any, start: int, width: int) -> Any:
-        return flint.arb_mat([[m[i, start + c] for c in range(width)] for i in range(m.nrows())])
-
     def run(flint: Any) -> tuple[np.ndarray, np.ndarray]:
         outputs = np.empty(shape, dtype=object)
         undefined = np.zeros(shape[:-1], dtype=bool)
         scale = _scale(flint, None, d_k)
         wo = _matrix(flint, params.wo)
         for b in np.ndindex(batch):
-            q = affine(flint, x_q[b], params.wq, params.bq)
-            k = affine(flint, x_kv[b], params.wk, params.bk)
-            v = affine(flint, x_kv[b], params.wv, params.bv)
+            q = _affine(flint, x_q[b], params.wq, params.bq)
+            k = _affine(flint, x_kv[b], params.wk, params.bk)
+            v = _affine(flint, x_kv[b], params.wv, params.bv)
             heads = []
             for h in range(num_heads):
                 scores = (
-                    columns(flint, q, h * d_k, d_k) * columns(flint, k, h * d_k, d_k).transpose()
+                    _columns(flint, q, h * d_k, d_k) * _columns(flint, k, h * d_k, d_k).transpose()
                 )
                 bias = None if spec.bias is None else spec.bias[(*b, h)]
                 probs, empty = _softmax_rows(
@@ -314,7 +447,7 @@ def multi_head_attention(
                     spec.softcap,
                 )
                 undefined[b] |= empty
-                heads.append(probs * columns(flint, v, h * d_v, d_v))
+                heads.append(probs * _columns(flint, v, h * d_v, d_v))
             merged = flint.arb_mat(
                 [
                     [heads[t // d_v][i, t % d_v] for t in range(num_heads * d_v)]
