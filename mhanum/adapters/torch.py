@@ -39,7 +39,7 @@ import torch
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.adapters import _common as C
-from mhanum.gradients import Gradients
+from mhanum.gradients import Gradients, MHAGradients
 from mhanum.numerics import Numerics
 from mhanum.params import MHAParams
 
@@ -50,6 +50,7 @@ __all__ = [
     "effective_mask",
     "extract",
     "load",
+    "mha_grad",
     "model",
     "numerics",
     "run",
@@ -259,6 +260,84 @@ def run(
     if not layer.batch_first:
         out = out.transpose(0, 1)
     return C.unbatch(out.numpy(), x_q)
+
+
+def mha_grad(
+    layer: Any,
+    x_q: Any,
+    x_kv: Any,
+    d_out: Any,
+    mask: Any = None,
+    *,
+    path: str = "explicit",
+) -> MHAGradients:
+    """The gradients of ``<d_out, layer(x_q, x_kv, x_kv)>`` by torch autograd, in the layout of
+    :func:`mhanum.mha_grad`.
+
+    ``x_q`` and ``x_kv`` are separate leaf tensors, and the key and the value are the same
+    tensor, so ``multi_head_attention_forward`` projects the key and the value with one packed
+    linear over ``[wk; wv]``, whose backward is one product ``[dK dV] [wk wv]ᵀ`` (mhanum's
+    ``dx_kv``). For self-attention, the input's gradient is ``dx_q + dx_kv``.
+
+    Args:
+        layer: a float32 ``torch.nn.MultiheadAttention`` with packed in-projection and biases
+            (e.g. from :func:`load`), in eval mode.
+        x_q, x_kv, mask: as for :func:`run` (a boolean mask, **True = attend**).
+        d_out: the output's cotangent, shaped like the output.
+        path: ``"explicit"`` (``need_weights=True``: ``q·sqrt(1/D)``, then ``q kᵀ``; with a
+            head size a power of 4 the scaling is exact and the path computes what scale on the
+            scores does) or ``"sdpa"`` (``need_weights=False``); the fast path takes no
+            gradient.
+
+    Returns:
+        :class:`mhanum.gradients.MHAGradients` of float64 arrays holding the float32
+        gradients exactly; ``params`` in the ``y = x w + b`` convention (``wq`` is
+        ``in_proj_weight.grad[:E]ᵀ``, ``wo`` is ``out_proj.weight.gradᵀ``) and ``dbias = None``.
+
+    Raises:
+        InvalidArgument: for shapes that do not fit, the fast path or an unknown path, or a
+            layer without packed in-projection biases.
+    """
+    C.check_path(path, PATHS)
+    if path == "fast":
+        msg = "path: expected 'explicit' or 'sdpa' (the fast path takes no gradient), got 'fast'"
+        raise InvalidArgument(msg)
+    extract(layer)  # a packed in-projection with biases
+    width = layer.embed_dim
+    q = C.batched(x_q, "x_q", width)
+    kv = C.batched(x_kv, "x_kv", width)
+    g = C.batched(d_out, "d_out", width)
+    if g.shape != q.shape:
+        msg = f"d_out: expected the output's shape {q.shape}, got {g.shape}"
+        raise InvalidArgument(msg)
+    kwargs: dict[str, Any] = {}
+    m = C.mask3(mask, q.shape[0], q.shape[1], kv.shape[1])
+    if m is not None:
+        kwargs = _translate(m, "bool", layer.num_heads)
+    tq = torch.from_numpy(np.array(q)).requires_grad_(True)
+    tkv = torch.from_numpy(np.array(kv)).requires_grad_(True)
+    a, b = tq, tkv
+    if not layer.batch_first:
+        a, b = tq.transpose(0, 1), tkv.transpose(0, 1)
+    layer.zero_grad(set_to_none=True)
+    with _fastpath(False):
+        out = layer(a, b, b, need_weights=path == "explicit", **kwargs)[0]
+    if not layer.batch_first:
+        out = out.transpose(0, 1)
+    out.backward(torch.from_numpy(np.array(g)))
+
+    def grad(t: Any) -> np.ndarray:
+        assert t.grad is not None
+        return np.asarray(t.grad.double().numpy())
+
+    w_in, b_in = np.split(grad(layer.in_proj_weight), 3), np.split(grad(layer.in_proj_bias), 3)
+    grads = MHAParams(
+        *(x.T.copy() for x in w_in),
+        grad(layer.out_proj.weight).T.copy(),
+        *b_in,
+        grad(layer.out_proj.bias),
+    )
+    return MHAGradients(C.unbatch(grad(tq), x_q), C.unbatch(grad(tkv), x_kv), grads, None)
 
 
 def _check_fast(layer: Any, self_attention: bool, kwargs: dict[str, Any]) -> None:
