@@ -103,7 +103,8 @@ def test_the_reference_chains_the_single_attention_reference():
         dq[:, cols] = one.dq
     tol = chain(8, "sequential", 2.0**-53, None, products=True) * (np.abs(dq) @ np.abs(p.wq.T))
     assert (np.abs(dq @ p.wq.T - exact.dx_q) <= tol + 2.0**-1074).all()
-    assert (exact.params.bk is None) and exact.params.bq is None  # the layer has no biases
+    assert exact.params.bk is None  # the layer has no biases
+    assert exact.params.bq is None
 
 
 def test_the_key_bias_gradient_is_exactly_zero():
