@@ -332,10 +332,14 @@ def mha_grad(
 
     w_in, b_in = np.split(grad(layer.in_proj_weight), 3), np.split(grad(layer.in_proj_bias), 3)
     grads = MHAParams(
-        *(x.T.copy() for x in w_in),
-        grad(layer.out_proj.weight).T.copy(),
-        *b_in,
-        grad(layer.out_proj.bias),
+        wq=w_in[0].T.copy(),
+        wk=w_in[1].T.copy(),
+        wv=w_in[2].T.copy(),
+        wo=grad(layer.out_proj.weight).T.copy(),
+        bq=b_in[0],
+        bk=b_in[1],
+        bv=b_in[2],
+        bo=grad(layer.out_proj.bias),
     )
     return MHAGradients(C.unbatch(grad(tq), x_q), C.unbatch(grad(tkv), x_kv), grads, None)
 
