@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         formats,
         masks,
         measure,
+        models,
         reference,
         search,
         strategies,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from mhanum.emulate.backward import attention_grad
     from mhanum.formats import Format, get_format, round_to
     from mhanum.gradients import Gradients
+    from mhanum.models import audit
     from mhanum.numerics import PRESETS, Backward, Numerics
     from mhanum.params import MHAParams
 
@@ -50,6 +52,7 @@ __all__ = [
     "__version__",
     "attention",
     "attention_grad",
+    "audit",
     "bounds",
     "cases",
     "compare",
@@ -57,6 +60,7 @@ __all__ = [
     "get_format",
     "masks",
     "measure",
+    "models",
     "multi_head_attention",
     "reference",
     "round_to",
@@ -76,6 +80,7 @@ _DEFINED_IN = {
     "softmax": "mhanum.emulate.attention",
     "attention_grad": "mhanum.emulate.backward",
     "Gradients": "mhanum.gradients",
+    "audit": "mhanum.models",
     "Backward": "mhanum.numerics",
     "Format": "mhanum.formats",
     "get_format": "mhanum.formats",
