@@ -251,6 +251,9 @@ def test_every_measured_error_is_within_its_bound(result):
             assert p.ratio is not None
             assert 0 < p.ratio <= 1
             assert p.dominant_term
+            assert p.a_priori is not None
+            assert p.a_priori >= p.error  # A.4 holds for every input with |x| <= max |x|
+            assert bool(p.a_priori_reasons) == math.isinf(p.a_priori)
             assert len(p.heads) == 12
             for h in p.heads:
                 assert 0 < h.error <= h.bound

@@ -128,6 +128,7 @@ class PresetAudit:
         a_priori: the largest component of the A.4 bound from the weights and ``max |x|``
             (:func:`mhanum.bounds.mha_bound_a_priori`), or ``None`` outside its scope.
         heads: each head's :class:`HeadError`.
+        a_priori_reasons: why the A.4 bound is infinite (``Bound.reasons``), else empty.
         note: why a bound is missing (the preset is outside its theorem's scope), else ``""``.
     """
 
@@ -139,6 +140,7 @@ class PresetAudit:
     dominant_term: str
     a_priori: float | None
     heads: tuple[HeadError, ...]
+    a_priori_reasons: tuple[str, ...] = ()
     note: str = ""
 
 
@@ -380,9 +382,10 @@ def audit_preset(ref: LayerReference, preset: str) -> PresetAudit:
             params, heads, length, length, x_max=float(np.max(np.abs(x))), numerics=num
         )
         prior: float | None = float(np.max(a_priori.total))
+        reasons = tuple(a_priori.reasons)
     except InvalidArgument as exc:
         notes.append(f"A.4: {exc}")
-        prior = None
+        prior, reasons = None, ()
     return PresetAudit(
         preset=preset,
         error=errors.max_abs,
@@ -392,6 +395,7 @@ def audit_preset(ref: LayerReference, preset: str) -> PresetAudit:
         dominant_term=dominant,
         a_priori=prior,
         heads=head_errors,
+        a_priori_reasons=reasons,
         note="; ".join(notes),
     )
 
@@ -587,6 +591,11 @@ def render(result: Audit) -> str:
         for p in layer.presets:
             row = (p.preset, _g(p.error), _g(p.bound), _g(p.ratio), _g(p.a_priori), "")
             lines.append(_row(row, widths) + (p.dominant_term or p.note))
+        lines += [
+            f"  a priori inf in {p.preset}: {p.a_priori_reasons[0]}"
+            for p in layer.presets
+            if p.a_priori_reasons
+        ]
         lines.append(
             "  heads: logit spread, mean probability on [CLS] and [SEP], sink head; per preset "
             "error/bound of the head's attention"
