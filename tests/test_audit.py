@@ -127,6 +127,22 @@ def test_wordpiece_tokens(checkpoint, text, tokens):
     assert models.WordPiece(checkpoint.vocab).tokenize(text) == tokens
 
 
+def test_the_shipped_tokenizer_json_is_the_tokenizer_implemented(checkpoint):
+    """tokenizer.json (the `tokenizers` library's description) names the steps WordPiece takes."""
+    spec = json.loads((checkpoint.path / "tokenizer.json").read_text())
+    assert spec["normalizer"] == {
+        "type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": True,
+        "strip_accents": None, "lowercase": True,  # strip_accents None: follows lowercase
+    }  # fmt: skip
+    assert spec["pre_tokenizer"]["type"] == "BertPreTokenizer"
+    model = spec["model"]
+    assert (model["type"], model["unk_token"], model["continuing_subword_prefix"]) == (
+        "WordPiece", "[UNK]", "##",
+    )  # fmt: skip
+    assert model["max_input_chars_per_word"] == 100
+    assert model["vocab"] == dict(checkpoint.vocab)
+
+
 def test_token_ids_are_bert_uncased_ids(checkpoint):
     # [CLS] = 101, [SEP] = 102, "hello" = 7592, "the" = 1996 in BERT's uncased vocabulary
     assert models.WordPiece(checkpoint.vocab).encode("Hello the") == [101, 7592, 1996, 102]
@@ -307,6 +323,25 @@ def test_padding_constants(result):
     bf16_min = -get_format("bfloat16").max_finite  # the score format of bf16-fp32acc
     assert verdicts["bf16-fp32acc", "finfo.min"].stored_value == bf16_min
     assert verdicts["bf16-fp32acc", "finfo.min"].safe
+
+
+@pytest.mark.parametrize(
+    ("preset", "constant"), [("bf16-fp32acc", "finfo.min"), ("fp16-fp32acc", -1e4)]
+)
+def test_padding_added_as_transformers_does_is_within_the_bound(checkpoint, fwd, preset, constant):
+    """The padding constants judged safe, added to the logits (transformers' convention) instead
+    of masking exactly: the error against the exactly masked reference stays within A.2, whose
+    ``mask`` term bounds the leaked probability."""
+    from mhanum import Numerics, multi_head_attention
+
+    num = Numerics.preset(preset).replace(mask_mode="add", mask_value=constant)
+    x, params = fwd.layer_inputs[1], checkpoint.attention_params(1)
+    mask, valid = fwd.batch.key_mask, fwd.batch.valid
+    exact = reference.multi_head_attention(x, x, params, 12, mask=mask)
+    computed = np.asarray(multi_head_attention(x, x, params, 12, mask=mask, numerics=num))
+    bound = bounds.mha_bound(x, x, params, 12, mask=mask, numerics=num).total
+    bound = np.broadcast_to(bound, exact.shape)
+    assert np.all(np.abs(computed - exact)[valid] <= bound[valid])
 
 
 def test_the_cheapest_preset_within_the_tolerance(result):
