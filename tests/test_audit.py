@@ -355,7 +355,9 @@ def test_the_cheapest_preset_within_the_tolerance(result):
 
 
 def test_the_audit_steps_are_picklable_plain_functions(checkpoint, fwd, result):
-    ref = models.layer_reference(checkpoint, 5, fwd)
+    task = (5, checkpoint.attention_params(5), 12, fwd.layer_inputs[5], fwd.batch)
+    ref = models.layer_reference(*pickle.loads(pickle.dumps(task)))
+    assert pickle.loads(pickle.dumps(models.layer_reference)) is models.layer_reference
     again = pickle.loads(pickle.dumps(ref))
     assert pickle.loads(pickle.dumps(models.audit_preset)) is models.audit_preset
     assert models.audit_preset(again, "bf16-fp32acc") == result.layers[1].preset("bf16-fp32acc")

@@ -15,7 +15,7 @@ from mhanum import bounds, measure, reference
 from mhanum._errors import InvalidArgument
 from mhanum.emulate.attention import attention, multi_head_attention
 from mhanum.formats import get_format
-from mhanum.models._bert import Forward, forward, project
+from mhanum.models._bert import Batch, forward, project
 from mhanum.models._checkpoint import Checkpoint, layer_index, load_checkpoint
 from mhanum.numerics import PRESETS, Numerics
 from mhanum.params import MHAParams
@@ -279,23 +279,25 @@ def _ratio(error: np.ndarray, bound: np.ndarray) -> float:
     return float(np.max(r, initial=0.0))
 
 
-def layer_reference(checkpoint: Checkpoint, layer: int, fwd: Forward) -> LayerReference:
-    """The certified outputs and head statistics of one layer on a forward's inputs.
+def layer_reference(
+    layer: int, params: MHAParams, num_heads: int, x: np.ndarray, batch: Batch
+) -> LayerReference:
+    """The certified outputs and head statistics of one attention layer on its input ``x``
+    ``(B, L, d_model)`` for the tokenised sentences ``batch``.
 
-    A plain function of picklable values: with :func:`audit_preset`, the two steps of
-    :func:`audit` that an executor can map over layers and presets.
+    A plain function of picklable values (the layer's weights, not the whole checkpoint): with
+    :func:`audit_preset`, the two steps of :func:`audit` that an executor can map over layers
+    and presets.
     """
-    heads = checkpoint.config.num_attention_heads
-    params = checkpoint.attention_params(layer)
-    x = fwd.layer_inputs[layer]
-    batch = fwd.batch
+    heads = num_heads
+    params.validate(heads)
     valid = batch.valid
     mask = batch.key_mask
     exact = np.asarray(reference.multi_head_attention(x, x, params, heads, mask=mask))
     q, k, v = (project(x, w, b, heads) for w, b in ((params.wq, params.bq),
                (params.wk, params.bk), (params.wv, params.bv)))  # fmt: skip
     exact_heads = np.asarray(reference.attention(q, k, v, mask=mask))
-    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(checkpoint.config.head_size)  # (B, H, L, L)
+    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(params.qk_width // heads)  # (B, H, L, L)
     keys = np.broadcast_to(mask, s.shape)
     rows = valid[:, None, :, None]
     spread = np.where(keys, s, -np.inf).max(-1) - np.where(keys, s, np.inf).min(-1)
@@ -547,7 +549,13 @@ def audit(
     )
     audited = []
     for i in chosen:
-        ref = layer_reference(checkpoint, i, fwd)
+        ref = layer_reference(
+            i,
+            checkpoint.attention_params(i),
+            checkpoint.config.num_attention_heads,
+            fwd.layer_inputs[i],
+            fwd.batch,
+        )
         per_preset = tuple(audit_preset(ref, name) for name in names)
         masks_i = mask_verdicts(ref.score_bound, ref.x.shape[-2], names, constants)
         audited.append(LayerAudit(i, ref.score_bound, ref.heads, per_preset, masks_i))
