@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         formats,
         masks,
         measure,
+        models,
         reference,
         search,
         strategies,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from mhanum.emulate.backward import attention_grad, mha_grad
     from mhanum.formats import Format, get_format, round_to
     from mhanum.gradients import Gradients, MHAGradients
+    from mhanum.models import audit
     from mhanum.numerics import PRESETS, Backward, Numerics
     from mhanum.params import MHAParams
 
@@ -51,6 +53,7 @@ __all__ = [
     "__version__",
     "attention",
     "attention_grad",
+    "audit",
     "bounds",
     "cases",
     "compare",
@@ -59,6 +62,7 @@ __all__ = [
     "masks",
     "measure",
     "mha_grad",
+    "models",
     "multi_head_attention",
     "reference",
     "round_to",
@@ -80,6 +84,7 @@ _DEFINED_IN = {
     "mha_grad": "mhanum.emulate.backward",
     "Gradients": "mhanum.gradients",
     "MHAGradients": "mhanum.gradients",
+    "audit": "mhanum.models",
     "Backward": "mhanum.numerics",
     "Format": "mhanum.formats",
     "get_format": "mhanum.formats",

@@ -348,6 +348,22 @@ def _parser() -> argparse.ArgumentParser:
     compare_cli.add_arguments(compare)
     compare.set_defaults(func=_compare)
 
+    # -- audit subcommand --
+    def _audit(args: argparse.Namespace) -> int:
+        from mhanum.cli import audit as audit_cli
+
+        return audit_cli.run(args)
+
+    audit = commands.add_parser(
+        "audit",
+        help="audit a BERT checkpoint's attention layers on real sentences against the "
+        "reference and bounds (exit 1 if an error exceeds its bound)",
+    )
+    from mhanum.cli import audit as audit_cli
+
+    audit_cli.add_arguments(audit)
+    audit.set_defaults(func=_audit)
+
     # -- report subcommand --
     def _report(args: argparse.Namespace) -> int:
         # imports matplotlib: only when a report is asked for

