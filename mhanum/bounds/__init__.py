@@ -10,9 +10,11 @@ from mhanum.bounds.a_priori import attention_bound_a_priori, mha_bound_a_priori
 from mhanum.bounds.attention import attention_bound, mha_bound
 from mhanum.bounds.backward import (
     GradientBounds,
+    MHAGradientBounds,
     attention_grad_bound,
     attention_grad_bound_a_priori,
     dq_order_difference,
+    mha_grad_bound,
 )
 from mhanum.bounds.masking import (
     MaskAnalysis,
@@ -29,6 +31,7 @@ from mhanum.bounds.summation import dot_bound, matmul_bound, probabilistic_gamma
 __all__ = [
     "Bound",
     "GradientBounds",
+    "MHAGradientBounds",
     "MaskAnalysis",
     "MaskRange",
     "MaskRecommendation",
@@ -45,6 +48,7 @@ __all__ = [
     "matmul_bound",
     "mha_bound",
     "mha_bound_a_priori",
+    "mha_grad_bound",
     "probabilistic_gamma",
     "recommend_mask_value",
     "safe_mask_range",
