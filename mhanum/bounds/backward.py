@@ -17,6 +17,7 @@ cannot be, the gradient it feeds is ``inf`` with the reason in ``Bound.reasons``
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 from typing import Any, NamedTuple
 
@@ -46,7 +47,7 @@ from mhanum.bounds.factors import (
     unit_eta,
     unit_factor,
 )
-from mhanum.formats import Format
+from mhanum.formats import Format, get_format, round_to
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 
 __all__ = [
@@ -62,7 +63,7 @@ ASSUMPTIONS = (
     "round-to-nearest; a rounding into F is x(1+δ)+η, |δ| <= u_F, |η| <= 2^emin_F (flush-to-zero)",
     "exp and log in the softmax format within exp_ulps ulps, division within div_ulps ulps",
     "every dot on the numerics' dot unit in its summation order (Theorem S.0 / R.5 / T.2)",
-    "masked keys excluded exactly (-inf masking); the scale on the scores; no softcap or sink",
+    "masked keys excluded exactly (-inf masking); the scale on the scores",
     "float64 evaluation of the bound: numpy's exp and log within 1 ulp, sums within γ_n",
     (
         "no overflow: proved on the given values stage by stage; where it cannot be, the "
@@ -259,6 +260,7 @@ class _Inputs(NamedTuple):
     errors: tuple[np.ndarray, ...] | None = None
     sources: tuple[Format, ...] | None = None
     forward: tuple[np.ndarray, tuple[str, ...]] | None = None  # |Ô - O| and its reasons
+    cap: float | None = None  # the logit soft-cap
 
 
 def _inputs(
@@ -271,8 +273,12 @@ def _inputs(
     scale: Any,
     num: Numerics,
     sink: Any = None,
+    softcap: Any = None,
 ) -> _Inputs:
     q, k, v, g, batch = V.gradient_inputs(q, k, v, d_out)
+    cap = V.softcap_value(softcap)
+    if cap is not None:
+        num.check_softcap()
     target = (*batch, q.shape[-2], k.shape[-2])
     q, k, v, g = (
         np.broadcast_to(np.asarray(x, np.float64), (*batch, *x.shape[-2:])) for x in (q, k, v, g)
@@ -307,7 +313,103 @@ def _inputs(
     u64 = 0.0
     if scale is None and not is_power_of_four(q.shape[-1]):
         u64 = (1 + _U64) / (1 - _U64) - 1  # 1/sqrt(d): two float64 roundings
-    return _Inputs(q, k, v, g, keep, b, c64, u64, sink is not None)
+    return _Inputs(q, k, v, g, keep, b, c64, u64, sink is not None, cap=cap)
+
+
+def _sech2(x: np.ndarray) -> np.ndarray:
+    """``sech²(x)``, 0 past float64's range (rounded up: ``(1 + 2^-50)``)."""
+    with np.errstate(over="ignore"):
+        return (1 + 2.0**-50) / np.cosh(np.minimum(np.abs(x), 400.0)) ** 2
+
+
+def _constant_error(value: float, fmt: Format) -> tuple[float, float]:
+    """``(v̂, |v̂ - value|)`` for ``value`` rounded into ``fmt`` (a subnormal read as zero)."""
+    hat = float(round_to(value, fmt))
+    err = float(abs(fractions.Fraction(hat) - fractions.Fraction(value))) * (1 + 2.0**-52)
+    if hat < fmt.smallest_normal:
+        err = max(err, abs(value) * (1 + 2.0**-52))
+    return hat, err
+
+
+def _softcap_stage(
+    s: _Q, cap: float, num: Numerics, grad: Format, keep: np.ndarray, rng: _Range
+) -> tuple[_Q, _Q]:
+    """Step 2c (papers/backward.md, B.7): the scaled scores ``s`` (computed ``ŝ``) capped at
+    ``a = c·tanh(s/c)``, computed as ``fl_s(ĉ·fl_s(T(fl_s(ŝ·r̂))))``; and the slope
+    ``σ = 1 - tanh²(s/c)`` the backward reads, computed as ``fl_g(1 - fl_g(t̂²))``.
+
+    With ``y₀ = fl(s̃/c)``, every value in play lies within ``R`` of ``y₀``; ``tanh`` moves by at
+    most ``sech²(max(0, |y₀| - R))`` per unit there, so ``|t̂ - tanh(s/c)| <= L·w + e_T`` for
+    ``|x̂ - s/c| <= w = |ŝ - s| r̂ + |s||r̂ - 1/c| + u_s|ŝ|r̂ + η_s`` and ``tanh``'s rounding
+    ``e_T`` (``tanh_ulps`` of its carrier, then the score format)."""
+    fs = num.format_of("score")
+    u_s, eta_s = fs.u, fs.smallest_normal
+    carrier = fs if fs.name in ("float32", "float64") else get_format("float32")
+    u_t, eta_t = 2 * num.tanh_ulps * carrier.u, carrier.smallest_normal
+    c_hat, e_c = _constant_error(cap, fs)
+    r_hat, e_r = _constant_error(1.0 / cap, fs)
+    e_r = max(e_r, (2 * u_s + 2 * u_s * u_s) / cap * (1 + 2.0**-50))  # fl(1/fl(c)) as well
+    if not (math.isfinite(c_hat) and math.isfinite(r_hat) and c_hat > 0 and r_hat > 0):
+        rng.check(np.inf, fs, f"softcap: the cap {cap:g} or its reciprocal in {fs.name}",
+                  ("dq", "dk", "dv", "dbias"))  # fmt: skip
+        c_hat, r_hat = cap, 1.0 / cap
+    s_up, s_used = s.up, s.used
+    rng.check(np.where(keep, s_used * r_hat * (1 + u_s) + eta_s, 0.0), fs,
+              f"the scores times 1/softcap = {r_hat:.4g}", ("dq", "dk", "dv", "dbias"))  # fmt: skip
+    y0 = s.mid / cap
+    r_y = s.rad / cap + 2 * _U64 * np.abs(y0)
+    w = s.err * r_hat + s_up * e_r + u_s * s_used * r_hat + eta_s
+    big_r = r_y + w
+    lip = _sech2(np.maximum(0.0, np.abs(y0) - big_r))
+    th0 = np.abs(np.tanh(y0)) * (1 + 2.0**-50)
+    tau = np.minimum(1.0, th0 + lip * big_r)  # >= |tanh| anywhere in play
+    tau_x = np.minimum(1.0, th0 + lip * r_y)  # >= |tanh(s/c)|
+    e_t = u_t * tau + eta_t
+    if carrier.name != fs.name:
+        e_t = e_t + u_s * (tau + e_t) + eta_s
+    e_tau = lip * w + e_t  # |t̂ - tanh(s/c)|
+    a_mid = cap * np.tanh(y0)
+    a_rad = cap * lip * r_y + 2.0**-50 * np.abs(a_mid) + 2.0**-1070
+    a_err = e_c * (tau_x + e_tau) + cap * e_tau + u_s * c_hat * (tau_x + e_tau) + eta_s
+    # the slope, in the gradient format
+    u_g, eta_g = grad.u, grad.smallest_normal
+    e_tg = e_tau + _take(tau_x + e_tau, fs, grad)
+    sq = (tau_x + e_tg) ** 2
+    sig_err = e_tg * (2 * tau_x + e_tg) + u_g * sq + eta_g + u_g * (1 + sq) + eta_g
+    low = np.maximum(0.0, np.abs(np.tanh(y0)) * (1 - 2.0**-50) - lip * r_y)
+    sig_up = np.minimum(1.0, 1 - low * low + 2.0**-50)
+    return _Q(a_mid, a_rad, a_err), _Q(np.zeros_like(sig_up), sig_up, sig_err)
+
+
+def _through_cap(
+    ds_up: np.ndarray,
+    ds_err: np.ndarray,
+    slope: _Q,
+    cap: float,
+    grad: Format,
+    rng: _Range,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``|dA|`` and ``|dÂ - dA|`` for ``dA = dS·σ`` computed as ``fl(fl(fl(dŜ·ĉ)·σ̂)·r̂)`` in
+    the gradient format: ``dŜσ̂ĉr̂ - dSσ = (dŜ - dS)σ̂(1 + ρ) + dS(σ̂ - σ)(1 + ρ) + dSσρ`` with
+    ``ĉr̂ = 1 + ρ``, and three roundings."""
+    u_g, eta_g = grad.u, grad.smallest_normal
+    c_hat, e_c = _constant_error(cap, grad)
+    r_hat, e_r = _constant_error(1.0 / cap, grad)
+    rho = e_c * r_hat + cap * e_r
+    sig_up, sig_err = slope.up, slope.err
+    sig_used = sig_up + sig_err
+    ds_used = ds_up + ds_err
+    carried = (ds_err * sig_used + ds_up * sig_err) * (1 + rho) + ds_up * sig_up * rho
+    magnitude = ds_used * c_hat * sig_used * r_hat
+    own = ((1 + u_g) ** 3 - 1) * magnitude + eta_g * (
+        sig_used * r_hat * (1 + u_g) ** 2 + r_hat * (1 + u_g) + 1
+    )
+    for stage, upper in (
+        ("dS times the soft-cap", ds_used * c_hat * (1 + u_g) + eta_g),
+        ("dS through the soft-cap's tanh", ds_used * c_hat * sig_used * (1 + u_g) ** 2 + 2 * eta_g),
+    ):
+        rng.check(upper, grad, stage, ("dq", "dk"))
+    return ds_up * sig_up, carried + own
 
 
 def _check_scope(num: Numerics, bw: Backward) -> None:
@@ -361,6 +463,7 @@ def attention_grad_bound(
     lam: float | None = None,
     probability: float | None = None,
     sink: Any = None,
+    softcap: float | None = None,
 ) -> GradientBounds:
     """Componentwise bounds on the error of every gradient of attention (Theorems B.1, B.2).
 
@@ -403,6 +506,9 @@ def attention_grad_bound(
             sink is one more key (B.1/B.2 hold with it), and ``dsink``, the sum of its column
             of ``dS`` added row after row in ``accum``, is bounded by that column's bounds, the
             sum's ``γ_{L_q - 1}`` and the output rounding.
+        softcap: the logit soft-cap ``c``, as for :func:`mhanum.emulate.backward.attention_grad`
+            (Theorem B.7): the capped logits' enclosure (step 2c) and ``dA = dS·σ`` through
+            the computed slope ``σ̂ = fl(1 - fl(t̂²))`` (step 6c) for ``dq`` and ``dk``.
 
     Returns:
         :class:`GradientBounds`: ``dq``, ``dk``, ``dv``, ``dbias`` (each a :class:`Bound` with
@@ -425,7 +531,7 @@ def attention_grad_bound(
     num = resolve(numerics)
     bw = resolve_backward(backward)
     _check_scope(num, bw)
-    x = _inputs(q, k, v, d_out, mask, bias, scale, num, sink)
+    x = _inputs(q, k, v, d_out, mask, bias, scale, num, sink, softcap)
     bw.key_blocks(x.k.shape[-2])
     lq, n, d, dv_ = x.q.shape[-2], x.k.shape[-2], x.q.shape[-1], x.v.shape[-1]
     chains = (2 * lq * n + 3 * lq + lq * d + n * (d + dv_)) * math.prod(x.q.shape[:-2])
@@ -545,6 +651,10 @@ def _bound(
     s_rad = abs(c64) * t_rad * (1 + 2 * _U64) + (x.u64 + 2 * _U64) * np.abs(s_mid)
     s_err = abs(c) * (1 + theta) * t.err + theta * abs(c) * t.up
     s_err = s_err + u_mul * (1 + theta) * abs(c) * (t.up + t.err) + sc.smallest_normal
+    slope: _Q | None = None
+    if x.cap is not None:
+        capped, slope = _softcap_stage(_Q(s_mid, s_rad, s_err), x.cap, num, grad, keep, rng)
+        s_mid, s_rad, s_err = capped.mid, capped.rad, capped.err
     if x.bias is not None:
         s_mid = s_mid + x.bias
         s_rad = s_rad + _U64 * np.abs(s_mid)
@@ -640,7 +750,7 @@ def _bound(
         if x.forward is None:
             fwd = attention_bound(
                 x.q, x.k, x.v, None if x.keep.all() else x.keep, bias=x.bias, scale=scale,
-                numerics=num,
+                numerics=num, softcap=x.cap,
             )  # fmt: skip
             eps_o, why = np.asarray(fwd.total, np.float64), fwd.reasons
         else:
@@ -678,8 +788,13 @@ def _bound(
     ds_err = p_x_err * t_up + p_up * t_err + p_x_err * t_err
     ds_err = ds_err + u_g * (p_up + p_x_err) * (t_up + t_err) + eta_g
     ds_err = np.where(keep, ds_err, 0.0)  # masked: P = 0 exactly, so dS = 0 exactly
-    ds_r_err = ds_err + np.where(keep, _take(ds_up + ds_err, grad, dsf), 0.0)
-    rng.check(ds_up + ds_err, dsf, f"dS rounded to {dsf.name}", ("dq", "dk", "dbias"))
+    # Step 6c: through the soft-cap, dA = fl(fl(fl(dS·ĉ)·σ̂)·r̂) for dq and dk
+    da_up, da_err = ds_up, ds_err
+    if slope is not None and x.cap is not None:
+        da_up, da_err = _through_cap(ds_up, ds_err, slope, x.cap, grad, rng)
+        da_up, da_err = np.where(keep, da_up, 0.0), np.where(keep, da_err, 0.0)
+    ds_r_err = da_err + np.where(keep, _take(da_up + da_err, grad, dsf), 0.0)
+    rng.check(da_up + da_err, dsf, f"dS rounded to {dsf.name}", ("dq", "dk", "dbias"))
 
     # Step 7: the gradients
     bits_ds = operand_bits(num, dsf)
@@ -740,8 +855,8 @@ def _bound(
 
     ups: dict[str, np.ndarray] = {}  # >= |g| for the exact gradients (B.6)
     bits = (bits_ds, bits_in)
-    gradient("dq", ds_up, ds_r_err, ak, e["k"], bw.block_k, bits, True, "dS k accumulated")
-    gradient("dk", _t(ds_up), _t(ds_r_err), aq, e["q"], bw.block_q, bits, True, "dSᵀ q accumulated")
+    gradient("dq", da_up, ds_r_err, ak, e["k"], bw.block_k, bits, True, "dS k accumulated")
+    gradient("dk", _t(da_up), _t(ds_r_err), aq, e["q"], bw.block_q, bits, True, "dSᵀ q accumulated")
     bits = (bits_p, bits_in)
     gradient(
         "dv", _t(p_up), _t(eps_pr), ag, e["d_out"], bw.block_q, bits, False, "Pᵀ d_out accumulated"
@@ -753,7 +868,7 @@ def _bound(
     stages = {"P": eps_p, "dP": np.where(keep, dp.err, 0.0), "D": d_q.err, "dS": ds_err}
     stages = {key: val * ev_all for key, val in stages.items()}
     bounds = GradientBounds(results["dq"], results["dk"], results["dv"], results["dbias"], stages)
-    dsd = {"ds_up": ds_up, "ds_err": ds_err, "ds_used": ds_up + ds_r_err}
+    dsd = {"ds_up": ds_up, "ds_err": ds_err, "ds_used": da_up + ds_r_err}
     return bounds, dsd | {f"{name}_up": up for name, up in ups.items()}
 
 

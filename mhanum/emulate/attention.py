@@ -155,10 +155,16 @@ def _scaled(st: Stages, x: jax.Array, factor: float) -> jax.Array:
     return ar.mul(ar.take(x), format_constant(ar, factor))
 
 
-def _softcap(st: Stages, s: jax.Array, cap: float) -> jax.Array:
-    """``fl(ĉ·fl(tanh(fl(s·r̂))))`` in the score format, ``ĉ = fl(c)``, ``r̂ = fl(1/c)``."""
+def softcap_tanh(st: Stages, s: jax.Array, cap: float) -> jax.Array:
+    """``t̂ = fl(tanh(fl(s·r̂)))`` in the score format, ``r̂ = fl(1/c)``: the soft-cap's ``tanh``."""
     sc = st.score
-    return sc.mul(format_constant(sc, cap), sc.tanh(sc.mul(s, format_constant(sc, 1.0 / cap))))
+    return sc.tanh(sc.mul(s, format_constant(sc, 1.0 / cap)))
+
+
+def _softcap(st: Stages, s: jax.Array, cap: float) -> jax.Array:
+    """``fl(ĉ·t̂)`` in the score format, ``ĉ = fl(c)`` (:func:`softcap_tanh`)."""
+    sc = st.score
+    return sc.mul(format_constant(sc, cap), softcap_tanh(st, s, cap))
 
 
 def stage_logits(

@@ -37,6 +37,7 @@ from mhanum.emulate.attention import (
     merge_heads,
     partial_attention,
     project,
+    softcap_tanh,
     split_heads,
     stage_logits,
     stage_probabilities,
@@ -87,8 +88,36 @@ def _finish(st: Stages, acc: jax.Array, scale: float | None) -> jax.Array:
     return to_format(acc, st.output)
 
 
+def _cap_slope(st: Stages, gr: Arith, q: Any, k: Any, scale: float, cap: float) -> jax.Array:
+    """``σ̂ = fl(1 - fl(t̂·t̂))`` in the gradient format, ``t̂`` the forward's soft-cap ``tanh``
+    (autograd's ``tanh`` backward, from its output)."""
+    sc = st.score
+    raw = sc.mul(sc.take(st.dot(q, _t(k))), format_constant(sc, scale))
+    t = gr.take(softcap_tanh(st, raw, cap))
+    return gr.sub(jnp.ones_like(t), gr.mul(t, t))
+
+
+def _capped(gr: Arith, ds: jax.Array, slope: Any, cap: float | None) -> jax.Array:
+    """The gradient of the scaled scores ``dA = fl(fl(fl(dS·ĉ)·σ̂)·r̂)`` through the soft-cap
+    ``c·tanh(a/c)`` (autograd: the product by ``ĉ``, ``tanh``'s backward, the product by
+    ``r̂ = fl(1/c)``); ``dS`` itself without a cap."""
+    if cap is None:
+        return ds
+    scaled = gr.mul(gr.mul(ds, format_constant(gr, cap)), slope)
+    return gr.mul(scaled, format_constant(gr, 1.0 / cap))
+
+
 def _textbook(
-    st: Stages, gr: Arith, ds_fmt: Any, q: Any, k: Any, v: Any, g: Any, s: Any
+    st: Stages,
+    gr: Arith,
+    ds_fmt: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    s: Any,
+    slope: Any = None,
+    cap: float | None = None,
 ) -> tuple[jax.Array, ...]:
     p = to_format(stage_probabilities(st, s), st.prob)  # the stored probabilities
     dv = st.dot(_t(p), g)
@@ -96,7 +125,7 @@ def _textbook(
     pg = gr.take(p)
     d = sum_with(gr, gr.mul(dp, pg), st.num.summation, keepdims=True)
     ds = gr.mul(pg, gr.sub(dp, d))
-    ds_r = to_format(ds, ds_fmt)
+    ds_r = to_format(_capped(gr, ds, slope, cap), ds_fmt)
     return st.dot(ds_r, k), st.dot(_t(ds_r), q), dv, ds
 
 
@@ -110,6 +139,8 @@ def _flash2(
     v: Any,
     g: Any,
     s: Any,
+    slope: Any = None,
+    cap: float | None = None,
 ) -> tuple[jax.Array, ...]:
     sm = st.soft
     lse, o = partial_attention(st, s, v)  # the forward's log-sum-exp and output
@@ -120,7 +151,7 @@ def _flash2(
     p = jnp.where(empty, jnp.zeros_like(arg), sm.exp(arg))
     dp = gr.take(st.dot(g, _t(v)))
     ds = gr.mul(gr.take(p), gr.sub(dp, d))
-    ds_r = to_format(ds, ds_fmt)
+    ds_r = to_format(_capped(gr, ds, slope, cap), ds_fmt)
     p_r = to_format(p, st.prob)
     n_keys = k.shape[-2]
     # dV, dK: over query blocks, in order; dQ: one partial per key block, added in dq_order
@@ -148,20 +179,24 @@ def _core(
     backward: Backward,
     scale: float,
     sink: bool,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, ...]:
     """The backward of one attention from operands already in the input format: ``(dq, dk, dv,
     dbias[, dsink])`` in the output format."""
     numerics = st.num
     grad_fmt, ds_fmt = backward.formats(numerics)
     gr = Arith(grad_fmt, st.acc.guard)
-    s = stage_logits(st, q, k, mask, bias, scale)
+    s = stage_logits(st, q, k, mask, bias, scale, softcap)
     batch = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], g.shape[:-2])
     q, k, v, g = (jnp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v, g))
     s = jnp.broadcast_to(s, (*batch, *s.shape[-2:]))
+    slope = None
+    if softcap is not None:
+        slope = jnp.broadcast_to(_cap_slope(st, gr, q, k, scale, softcap), s.shape)
     if backward.algorithm == "textbook":
-        dq, dk, dv, ds = _textbook(st, gr, ds_fmt, q, k, v, g, s)
+        dq, dk, dv, ds = _textbook(st, gr, ds_fmt, q, k, v, g, s, slope, softcap)
     else:
-        dq, dk, dv, ds = _flash2(st, gr, ds_fmt, backward, q, k, v, g, s)
+        dq, dk, dv, ds = _flash2(st, gr, ds_fmt, backward, q, k, v, g, s, slope, softcap)
     dtype = st.output.jax_dtype
     grads = (
         _finish(st, dq, scale).astype(dtype),
@@ -187,7 +222,7 @@ def _core(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("numerics", "backward", "scale", "sink"))
+@functools.partial(jax.jit, static_argnames=("numerics", "backward", "scale", "sink", "softcap"))
 def _grad_jit(
     q: Any,
     k: Any,
@@ -200,10 +235,11 @@ def _grad_jit(
     backward: Backward,
     scale: float,
     sink: bool = False,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, ...]:
     st = Stages(numerics, runtime_zero(q))
     q, k, v, g = (to_format(x, st.input) for x in (q, k, v, g))
-    return _core(st, q, k, v, g, mask, bias, backward, scale, sink)
+    return _core(st, q, k, v, g, mask, bias, backward, scale, sink, softcap)
 
 
 def attention_grad(
@@ -218,6 +254,7 @@ def attention_grad(
     numerics: Numerics | str | None = None,
     backward: Backward | str | None = None,
     sink: Any = None,
+    softcap: float | None = None,
 ) -> Gradients:
     """The gradients of ``<d_out, attention(q, k, v)>`` with explicit numerics.
 
@@ -239,6 +276,11 @@ def attention_grad(
         sink: optional attention-sink logits, as for :func:`mhanum.attention` (one more key with
             value 0 and bias ``σ``): its gradient ``dsink`` is the sum of that key's column of
             ``dS``, added row after row in ``accum``, then rounded to ``output_format``.
+        softcap: optional logit soft-cap ``c > 0``, as for :func:`mhanum.attention`: ``dQ`` and
+            ``dK`` read ``dA = fl(fl(fl(dS·ĉ)·σ̂)·r̂)`` instead of ``dS``, with ``σ̂ = fl(1 -
+            fl(t̂²))`` from the forward's ``tanh`` output ``t̂`` (autograd through
+            ``c·tanh(a/c)``; ``ĉ = fl(c)``, ``r̂ = fl(1/c)``, all in the gradient format);
+            ``dbias`` is ``dS`` (the bias is added after the cap).
 
     Returns:
         :class:`mhanum.gradients.Gradients` ``(dq, dk, dv, dbias)`` (and ``dsink``, shaped like
@@ -269,6 +311,9 @@ def attention_grad(
     if mask is not None:
         mask = V.bool_mask(mask, target)
     num.check_bias(bias)
+    cap = V.softcap_value(softcap)
+    if cap is not None:
+        num.check_softcap()
     if sink is not None:
         num.check_sink()
         xp = jnp if any(isinstance(x, jax.Array) for x in (q, k, v, sink)) else np
@@ -281,8 +326,9 @@ def attention_grad(
     fmt = num.format_of("input")
     q, k, v, g = (host_round(x, fmt) for x in (q, k, v, g))
     out = _grad_jit(
-        q, k, v, g, mask, bias, numerics=num, backward=bw, scale=factor, sink=sink is not None
-    )
+        q, k, v, g, mask, bias, numerics=num, backward=bw, scale=factor, sink=sink is not None,
+        softcap=cap,
+    )  # fmt: skip
     return Gradients(*out)
 
 

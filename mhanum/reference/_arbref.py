@@ -213,7 +213,9 @@ def _head_grad(
     d_a = d_s  # the gradient of the scaled scores: through the cap's slope sech²
     if softcap is not None:
         cap = flint.arb(softcap)
-        slope = [[1 - (scores[i, j] * scale / cap).tanh() ** 2 for j in range(l_k)]
+        # sech² rather than 1 - tanh²: no cancellation where tanh saturates (|s/c| in the
+        # thousands needs thousands of bits the other way)
+        slope = [[1 / (scores[i, j] * scale / cap).cosh() ** 2 for j in range(l_k)]
                  for i in range(l_q)]  # fmt: skip
         d_a = flint.arb_mat([[d_s[i, j] * slope[i][j] for j in range(l_k)]
                              for i in range(l_q)])  # fmt: skip
