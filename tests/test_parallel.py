@@ -215,3 +215,86 @@ def test_the_default_executor_spawns():
         assert pool._mp_context is multiprocessing.get_context("spawn")
     with pytest.raises(InvalidArgument, match="max_workers"):
         parallel.default_executor(0)
+
+
+# -- the sweeps on a spawned pool of 2 workers and on Dask with 2 workers (the slow tier) --
+
+REPORT = {
+    "samples": 1,
+    "presets": ["fp32", "bf16"],
+    "lengths": [8],
+    "d_k": 8,
+    "masks": ["causal"],
+    "heads": {"d_model": 8, "num_heads": [1, 2], "length": 8},
+    "mask_constants": {"formats": ["float32"], "n_keys": 8},
+    "variants": {"length": 8, "heads": 2, "kv_heads": 1, "window": 3, "sink": 2.0},
+    "backward": {"length": 8, "block": 4},
+}
+SEARCH = {"q_len": 2, "kv_len": 4, "d_k": 4}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with parallel.default_executor(2) as executor:
+        yield executor
+
+
+@pytest.fixture(scope="module")
+def dask_client():
+    distributed = pytest.importorskip("distributed", reason="the dask extra is not installed")
+    with (
+        distributed.LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        yield client
+
+
+def test_tasks_give_the_same_results_on_a_pool_and_on_dask(pool, dask_client):
+    want = expected()
+    assert parallel.run_tasks(parallel_tasks.draw, TASKS, seed=5, executor=pool) == want
+    assert parallel.run_tasks(parallel_tasks.draw, TASKS, seed=5, executor=dask_client) == want
+
+
+def test_the_report_grid_is_the_same_wherever_its_cells_run(pool, dask_client, tmp_path):
+    from mhanum.report import _compute, load_config
+
+    config = load_config(REPORT)
+    here = json.dumps(_compute.compute(config))
+    assert json.dumps(_compute.compute(config, executor=pool)) == here
+    journal = tmp_path / "report.jsonl"
+    on_dask = _compute.compute(config, executor=dask_client, journal=journal)
+    assert json.dumps(on_dask) == here
+    cells = len(journal.read_text().splitlines()) - 1
+    assert cells == 1 + 2 + 7 + 2  # attention, heads, variants, backward
+    assert json.dumps(_compute.compute(config, journal=journal)) == here  # all read back
+
+
+def test_a_search_campaign_is_the_same_wherever_its_searches_run(pool, dask_client):
+    from mhanum import search
+
+    def key(cases):
+        volatile = {"seconds"}
+        return json.dumps(
+            [
+                [
+                    {k: v for k, v in c.summary().items() if k not in volatile},
+                    c.seed,
+                    c.q.tobytes().hex(),
+                    c.k.tobytes().hex(),
+                    c.v.tobytes().hex(),
+                ]
+                for c in cases
+            ]
+        )
+
+    args = (["fp32", "bf16"], SEARCH)
+    here = search.campaign(*args, runs=2, seed=3, budget=6)
+    assert len({c.seed for c in here}) == 4
+    assert key(search.campaign(*args, runs=2, seed=3, budget=6, executor=pool)) == key(here)
+    on_dask = search.campaign(*args, runs=2, seed=3, budget=6, executor=dask_client)
+    assert key(on_dask) == key(here)
+    single = search.worst_case("bf16", SEARCH, seed=here[3].seed, budget=6)
+    assert single.ratio == here[3].ratio
+    assert (single.q == here[3].q).all()
