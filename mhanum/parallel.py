@@ -55,6 +55,7 @@ __all__ = [
     "JOURNAL_SCHEMA",
     "JOURNAL_VERSION",
     "Journal",
+    "as_executor",
     "dask_executor",
     "default_executor",
     "executor_for",
@@ -424,7 +425,12 @@ def _check_tasks(tasks: Sequence[tuple[str, Any]]) -> list[str]:
     return keys
 
 
-def _executor(executor: Any) -> concurrent.futures.Executor:
+def as_executor(executor: Any) -> concurrent.futures.Executor:
+    """``executor`` itself, or the executor of a ``distributed.Client``.
+
+    Raises:
+        InvalidArgument: for anything else.
+    """
     if isinstance(executor, concurrent.futures.Executor):
         return executor
     get = getattr(executor, "get_executor", None)  # a distributed.Client
@@ -500,7 +506,7 @@ def run_tasks(
         for i in pending:
             finish(i, fn(tasks[i][1], seeds[i]))
         return [results[i] for i in range(len(tasks))]
-    ex = _executor(executor)
+    ex = as_executor(executor)
     futures = {ex.submit(fn, tasks[i][1], seeds[i]): i for i in pending}
     failure: BaseException | None = None
     for future in concurrent.futures.as_completed(futures):

@@ -298,3 +298,28 @@ def test_a_search_campaign_is_the_same_wherever_its_searches_run(pool, dask_clie
     single = search.worst_case("bf16", SEARCH, seed=here[3].seed, budget=6)
     assert single.ratio == here[3].ratio
     assert (single.q == here[3].q).all()
+
+
+def test_device_references_on_dask_give_the_same_records(dask_client):
+    from mhanum import devices
+
+    grid = devices.Grid(
+        shapes=((1, 1, 8, 4),),
+        dtypes=("float32",),
+        structures=("normal", "cancel"),
+        masks=("causal",),
+        precisions=("default",),
+        implementations=("mhanum",),
+        presets=("fp32",),
+        exp=False,
+    )
+
+    def without_timings(records):
+        return json.dumps([{k: v for k, v in r.items() if k != "timing_s"} for r in records])
+
+    here = devices.measure(grid, "cpu", workers=0)
+    assert len(here) == 2
+    on_dask = devices.measure(grid, "cpu", executor=dask_client)
+    assert without_timings(on_dask) == without_timings(here)
+    with pytest.raises(InvalidArgument, match="workers: expected None with an executor"):
+        devices.measure(grid, "cpu", workers=2, executor=dask_client)

@@ -49,7 +49,7 @@ class _ProgressBar:
 
 
 def _measure(args: argparse.Namespace) -> int:
-    from mhanum import InvalidArgument, devices
+    from mhanum import InvalidArgument, devices, parallel
 
     out = Path(args.out)
     if out.exists() and not args.force:
@@ -59,9 +59,15 @@ def _measure(args: argparse.Namespace) -> int:
     if args.seed is not None:
         grid = grid.with_seeds([args.seed])
     start = time.perf_counter()
-    records = devices.measure(
-        grid, args.backend, progress=_ProgressBar(sys.stderr), workers=args.workers
-    )
+    if args.scheduler is None:
+        records = devices.measure(
+            grid, args.backend, progress=_ProgressBar(sys.stderr), workers=args.workers
+        )
+    else:  # the references on Dask: a LocalCluster of --workers processes, or a scheduler
+        with parallel.executor_for(args.workers, args.scheduler) as executor:
+            records = devices.measure(
+                grid, args.backend, progress=_ProgressBar(sys.stderr), executor=executor
+            )
     elapsed = time.perf_counter() - start
     devices.write_records(out, records, force=args.force)
     rows = devices.summarize(records)
@@ -313,6 +319,13 @@ def _parser() -> argparse.ArgumentParser:
     measure.add_argument("--force", action="store_true", help="overwrite an existing --out")
     measure.add_argument(
         "--workers", type=int, default=None, help="reference processes (CPU count; 0: none)"
+    )
+    measure.add_argument(
+        "--scheduler",
+        default=None,
+        metavar="ADDRESS",
+        help="compute the references on Dask: a scheduler address, or 'local' for a "
+        "LocalCluster of --workers processes",
     )
     measure.add_argument("--seed", type=int, default=None, help="input seed (the grid's: 0)")
     measure.add_argument("--json", action="store_true", help="print the summary as JSON")
