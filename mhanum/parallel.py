@@ -26,8 +26,8 @@ naming the campaign (a JSON description from the caller, the seed and the task k
 finished task appends one line ``{"version", "key", "index", "seed": {"entropy", "spawn_key"},
 "result"}``, flushed and fsynced before the next result is taken. Run again with the same
 journal, the finished tasks are read back and only the others run; a journal of another campaign
-is refused, and nothing in an existing journal is ever rewritten. :func:`merge_journals` joins
-the journals of separate runs of one campaign.
+is refused, and nothing in an existing journal is ever rewritten. One run writes a journal at a
+time; :func:`merge_journals` joins the journals of separate runs of one campaign.
 
 Examples:
     >>> from mhanum import parallel
@@ -504,7 +504,12 @@ def run_tasks(
     pending = [i for i in range(len(tasks)) if i not in results]
     if executor is None:
         for i in pending:
-            finish(i, fn(tasks[i][1], seeds[i]))
+            try:
+                value = fn(tasks[i][1], seeds[i])
+            except Exception as exc:
+                exc.add_note(f"in task {keys[i]!r} of {len(tasks)}")
+                raise
+            finish(i, value)
         return [results[i] for i in range(len(tasks))]
     ex = as_executor(executor)
     futures = {ex.submit(fn, tasks[i][1], seeds[i]): i for i in pending}

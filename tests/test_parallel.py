@@ -103,6 +103,9 @@ def test_a_failing_task_is_raised_naming_it_after_the_others_are_journaled(tmp_p
     journaled = {json.loads(line)["key"] for line in path.read_text().splitlines()[1:]}
     assert "t3" not in journaled
     assert {"t0", "t1", "t2"} <= journaled
+    with pytest.raises(RuntimeError, match="three") as info:
+        parallel.run_tasks(parallel_tasks.fails, tasks)
+    assert "in task 't3' of 6" in info.value.__notes__
 
 
 def _partial(path, keys, results, seed=5):

@@ -161,14 +161,16 @@ def _campaign(args: argparse.Namespace, num: Any, shape: Any) -> int:
     searches with seeds spawned from ``--seed`` (:func:`mhanum.search.campaign`)."""
     from mhanum import cases, parallel, search
 
-    bar = _search_progress(sys.stderr)
+    def show(done: int, total: int, key: str) -> None:
+        print(f"[{done}/{total}] {key}", file=sys.stderr, flush=True)
+
     with parallel.executor_for(args.workers, args.scheduler) as executor:
         found = search.campaign(
             num, shape, runs=args.runs, seed=args.seed,
             method="random" if args.random else "targeted", objective=args.objective,
             budget=args.budget, mask=args.mask, against=_search_numerics(args, "against_"),
             softcap=args.softcap, sink=args.sink, executor=executor, journal=args.journal,
-            progress=lambda done, total, key: bar(done, total, 0.0),
+            progress=show,
         )  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
