@@ -131,6 +131,22 @@ def test_journals_of_one_campaign_merge(tmp_path):
         parallel.merge_journals([tmp_path / "a.jsonl"], tmp_path / "m")
 
 
+def test_the_command_merges_journals(tmp_path, capsys):
+    from mhanum import cli
+
+    full = expected()
+    _partial(tmp_path / "a.jsonl", ["t0", "t1"], full)
+    _partial(tmp_path / "b.jsonl", ["t1", "t7"], full)
+    sources = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+    assert cli.main(["merge-journals", *sources, "-o", str(tmp_path / "m.jsonl")]) == 0
+    assert "3 of 8 tasks finished" in capsys.readouterr().out
+    lines = (tmp_path / "m.jsonl").read_text().splitlines()[1:]
+    keys = [json.loads(line)["key"] for line in lines]
+    assert keys == ["t0", "t1", "t7"]
+    assert cli.main(["merge-journals", *sources, "-o", str(tmp_path / "m.jsonl")]) == 2
+    assert "out: expected a new file" in capsys.readouterr().err
+
+
 def test_conflicting_results_name_the_task(tmp_path):
     full = expected()
     other = [*full[:2], {"spec": 2, "draw": 0.5}, *full[3:]]

@@ -243,6 +243,15 @@ def _search(args: argparse.Namespace) -> int:
     return 1 if case.violation else 0
 
 
+def _merge_journals(args: argparse.Namespace) -> int:
+    from mhanum import parallel
+
+    merged = parallel.merge_journals(args.journals, args.out)
+    total = len(json.loads(Path(args.out).read_text("utf-8").split("\n", 1)[0])["tasks"])
+    print(f"{len(merged)} of {total} tasks finished -> {args.out}")
+    return 0
+
+
 def _replay(args: argparse.Namespace) -> int:
     from mhanum import cases
 
@@ -421,6 +430,14 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("case", help="a case file (.npz) written by mhanum search")
     replay.add_argument("--json", action="store_true", help="print the verdict as JSON")
     replay.set_defaults(func=_replay)
+
+    merge = commands.add_parser(
+        "merge-journals",
+        help="join the journals of separate runs of one campaign (each task once) into a new one",
+    )
+    merge.add_argument("journals", nargs="+", help="journal files of one campaign")
+    merge.add_argument("-o", "--out", required=True, help="the merged journal (a new file)")
+    merge.set_defaults(func=_merge_journals)
 
     # -- compare subcommand --
     def _compare(args: argparse.Namespace) -> int:
