@@ -289,9 +289,11 @@ def _add_executor_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     )
     parser.add_argument(
         "--scheduler",
+        nargs="?",
+        const="local",
         default=None,
         metavar="ADDRESS",
-        help="run them on Dask: a scheduler address (tcp://host:8786), or 'local' for a "
+        help="run them on Dask: a scheduler address (tcp://host:8786), or without one a "
         "LocalCluster of --workers processes (pip install 'mhanum[dask]')",
     )
     parser.add_argument(
@@ -333,9 +335,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     measure.add_argument(
         "--scheduler",
+        nargs="?",
+        const="local",
         default=None,
         metavar="ADDRESS",
-        help="compute the references on Dask: a scheduler address, or 'local' for a "
+        help="compute the references on Dask: a scheduler address, or without one a "
         "LocalCluster of --workers processes",
     )
     measure.add_argument("--seed", type=int, default=None, help="input seed (the grid's: 0)")
