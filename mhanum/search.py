@@ -48,8 +48,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,7 +59,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from mhanum import _validate as V
-from mhanum import masks, reference, strategies
+from mhanum import masks, parallel, reference, strategies
 from mhanum._errors import CertificationError, InvalidArgument
 from mhanum.attention import attention
 from mhanum.bounds import Bound, attention_bound, attention_grad_bound, schedule_difference
@@ -73,6 +74,8 @@ __all__ = [
     "Objective",
     "Shape",
     "WorstCase",
+    "campaign",
+    "campaign_task",
     "gradient_evaluation",
     "gradient_worst_case",
     "random_search",
@@ -867,6 +870,197 @@ def random_search(
         )
         tracker.evaluate(q, k, v, None if kind is None else _random_mask(kind, sizes, rng))
     return _confirm(tracker, num, sizes, "random", seed, start)
+
+
+METHODS = ("targeted", "random")
+"""The searches of a :func:`campaign`: :func:`worst_case` and :func:`random_search`."""
+
+
+def _case_record(case: WorstCase) -> dict[str, Any]:
+    """A case as JSON (arrays as nested lists: float64 values read back exactly), without
+    ``seconds``."""
+
+    def numerics(num: Numerics | None) -> dict[str, Any] | None:
+        return None if num is None else dataclasses.asdict(num)
+
+    return {
+        "numerics": numerics(case.numerics),
+        "shape": case.shape.as_dict(),
+        "q": case.q.tolist(),
+        "k": case.k.tolist(),
+        "v": case.v.tolist(),
+        "output": case.output.tolist(),
+        "mask": None if case.mask is None else case.mask.tolist(),
+        "objective": case.objective,
+        "error": case.error,
+        "bound": case.bound,
+        "ratio": case.ratio,
+        "normwise": case.normwise,
+        "dominant_term": case.dominant_term,
+        "index": list(case.index),
+        "method": case.method,
+        "seed": case.seed,
+        "budget": case.budget,
+        "evaluations": case.evaluations,
+        "cheap_ratio": case.cheap_ratio,
+        "slack": case.slack,
+        "structure": list(case.structure),
+        "against": numerics(case.against),
+        "softcap": case.softcap,
+        "sink": case.sink,
+    }
+
+
+def _case_of(record: Mapping[str, Any]) -> WorstCase:
+    """The case a :func:`_case_record` holds (``seconds`` 0)."""
+    arrays: dict[str, Any] = {
+        n: np.asarray(record[n], np.float64) for n in ("q", "k", "v", "output")
+    }
+    return WorstCase(
+        numerics=Numerics(**record["numerics"]),
+        shape=Shape.of(record["shape"]),
+        mask=None if record["mask"] is None else np.asarray(record["mask"], bool),
+        index=tuple(record["index"]),
+        structure=tuple(record["structure"]),
+        against=None if record["against"] is None else Numerics(**record["against"]),
+        **arrays,
+        **{
+            name: record[name]
+            for name in (
+                "objective", "error", "bound", "ratio", "normwise", "dominant_term", "method",
+                "seed", "budget", "evaluations", "cheap_ratio", "slack", "softcap", "sink",
+            )
+        },
+    )  # fmt: skip
+
+
+def _task_seed(seed: np.random.SeedSequence) -> int:
+    """The search seed of a campaign task: 32 bits drawn from its ``SeedSequence``."""
+    return int(seed.generate_state(1, np.uint32)[0])
+
+
+def campaign_task(spec: Mapping[str, Any], seed: np.random.SeedSequence) -> dict[str, Any]:
+    """One search of a :func:`campaign` (a task of :func:`mhanum.parallel.run_tasks`): the
+    case found, as JSON. Runs in JAX's 64-bit mode, as the campaign's caller does."""
+    import jax
+
+    if not jax.config.read("jax_enable_x64"):  # a fresh worker process
+        jax.config.update("jax_enable_x64", True)
+    options = dict(spec)
+    run = worst_case if options.pop("method") == "targeted" else random_search
+    case = run(options.pop("numerics"), options.pop("shape"), seed=_task_seed(seed), **options)
+    return _case_record(case)
+
+
+def campaign(
+    numerics: Numerics | str | Sequence[Numerics | str],
+    shape: Shape | Mapping[str, int],
+    *,
+    runs: int = 1,
+    seed: int = 0,
+    method: str = "targeted",
+    objective: str = "error/bound",
+    budget: int = 200,
+    mask: str | None = None,
+    structure: Any = None,
+    against: Numerics | str | None = None,
+    softcap: float | None = None,
+    sink: float | None = None,
+    executor: Any = None,
+    journal: str | os.PathLike[str] | None = None,
+    progress: parallel.Progress | None = None,
+) -> list[WorstCase]:
+    """Several independent searches: ``runs`` of each numerics, each with its own seed.
+
+    Search ``j`` (numerics ``i``, run ``r``, ``j = i·runs + r``) runs with the seed drawn from
+    ``numpy.random.SeedSequence(seed).spawn(n)[j]``, so the cases depend on ``seed`` and on the
+    search's place only, not on where it ran. The searches are tasks of
+    :func:`mhanum.parallel.run_tasks` on ``executor``, recorded in ``journal``.
+
+    Args:
+        numerics: one :class:`~mhanum.Numerics` or preset name, or several.
+        shape: as for :func:`worst_case`.
+        runs: searches per numerics.
+        seed: the root of the searches' seeds.
+        method: ``"targeted"`` (:func:`worst_case`) or ``"random"`` (:func:`random_search`).
+        objective, budget, mask, against, softcap, sink: as for :func:`worst_case`, for every
+            search.
+        structure: as for :func:`worst_case` (targeted searches only).
+        executor: ``None`` (in this process), a ``concurrent.futures.Executor``
+            (:func:`mhanum.parallel.default_executor`) or a ``distributed.Client``.
+        journal: a JSON Lines file of finished searches (:mod:`mhanum.parallel`): run again
+            with it, a campaign runs only the searches it lacks.
+        progress: ``progress(done, total, key)`` after each search.
+
+    Returns:
+        The cases, numerics by numerics and run by run. Their ``seconds`` is 0: a campaign's
+        results are what its journal holds, and a journal holds no timings.
+
+    Raises:
+        InvalidArgument: for a bad argument, without JAX's 64-bit mode, or a journal of another
+            campaign.
+
+    Examples:
+        >>> import jax
+        >>> jax.config.update("jax_enable_x64", True)
+        >>> cases = campaign(["fp32", "bf16"], {"q_len": 2, "kv_len": 4, "d_k": 4}, budget=4)
+        >>> [c.preset for c in cases], all(c.ratio <= 1 for c in cases)
+        (['fp32', 'bf16'], True)
+    """
+    given: Sequence[Numerics | str] = (
+        [numerics] if isinstance(numerics, (Numerics, str)) else list(numerics)
+    )
+    nums = [resolve(n) for n in given]
+    if not nums:
+        msg = "numerics: expected a Numerics, a preset name or a list of them, got none"
+        raise InvalidArgument(msg)
+    sizes = Shape.of(shape)
+    if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 1:
+        msg = f"runs: expected a positive integer, got {runs!r}"
+        raise InvalidArgument(msg)
+    count = int(runs)
+    budget, seed = _check_budget(budget), _check_seed(seed)
+    if method not in METHODS:
+        msg = f"method: expected one of {METHODS}, got {method!r}"
+        raise InvalidArgument(msg)
+    if method == "random" and structure is not None:
+        msg = "structure: expected None with method='random' (it draws plain inputs)"
+        raise InvalidArgument(msg)
+    _check_x64()
+    kind = _check_mask(mask)
+    other = None if against is None else resolve(against)
+    options: dict[str, Any] = {
+        "method": method, "objective": objective, "budget": budget, "mask": kind,
+        "against": other, "softcap": softcap, "sink": sink,
+    }  # fmt: skip
+    if method == "targeted":
+        options["structure"] = structure
+    Objective(nums[0], objective, against=other, softcap=softcap, sink=sink)  # checks them
+    tasks = []
+    for i, num in enumerate(nums):
+        name = next((p for p, n in PRESETS.items() if n == num), "custom")
+        for r in range(count):
+            spec = options | {"numerics": num, "shape": sizes}
+            tasks.append((f"{i}:{name}/run {r}", spec))
+    description = {
+        "kind": "mhanum.search.campaign",
+        "numerics": [dataclasses.asdict(n) for n in nums],
+        "shape": sizes.as_dict(),
+        "runs": count,
+        **options,
+        "against": None if other is None else dataclasses.asdict(other),
+        "structure": repr(structure),
+    }
+    records = parallel.run_tasks(
+        campaign_task,
+        tasks,
+        seed=seed,
+        executor=executor,
+        journal=journal,
+        campaign=description,
+        progress=progress,
+    )
+    return [_case_of(r) for r in records]
 
 
 def _random_mask(kind: str, shape: Shape, rng: np.random.Generator) -> np.ndarray:

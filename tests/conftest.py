@@ -28,6 +28,11 @@ _CACHE = os.environ.get("MHANUM_JAX_CACHE") or str(
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+# The same cache for the spawned processes of the sweep tests (process pools, Dask workers),
+# which read JAX's configuration from the environment.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 settings.register_profile(
     "ci",

@@ -372,3 +372,32 @@ def test_bad_backward_settings_are_refused_by_name(backward, key, tmp_path):
 def test_bad_variant_settings_are_refused_by_name(variants, names, tmp_path):
     with pytest.raises(mhanum.InvalidArgument, match=names):
         mhanum.report.build(SMALLEST | {"variants": variants}, tmp_path / "out")
+
+
+def test_command_on_two_workers_with_a_journal_writes_the_same_numbers(tmp_path, capsys):
+    grid = tmp_path / "grid.toml"
+    grid.write_text(
+        'samples = 1\npresets = ["fp32"]\nlengths = [8]\nd_k = 8\nmasks = ["causal"]\n'
+        "[heads]\nd_model = 8\nnum_heads = [1, 2]\nlength = 8\n"
+        "[variants]\nlength = 8\nheads = 2\nkv_heads = 1\nwindow = 3\n"
+        "[backward]\nlength = 8\nblock = 4\n"
+    )
+    volatile = {"created", "seconds", "versions"}
+
+    def numbers(out):
+        data = json.loads((out / "report.json").read_text())
+        return json.dumps({k: v for k, v in data.items() if k not in volatile})
+
+    assert cli.main(["report", str(grid), "-o", str(tmp_path / "here")]) == 0
+    journal = tmp_path / "cells.jsonl"
+    argv = ["report", str(grid), "-o", str(tmp_path / "pool"), "--journal", str(journal)]
+    assert cli.main([*argv, "--workers", "2"]) == 0
+    assert numbers(tmp_path / "pool") == numbers(tmp_path / "here")
+    before = journal.read_bytes()
+    assert cli.main([*argv, "--force"]) == 0  # every cell read back from the journal
+    assert journal.read_bytes() == before
+    assert numbers(tmp_path / "pool") == numbers(tmp_path / "here")
+    other = ["report", str(grid), "-o", str(tmp_path / "x"), "--journal", str(journal)]
+    grid.write_text("seed = 3\n" + grid.read_text())
+    assert cli.main(other) == 2
+    assert "another campaign" in capsys.readouterr().err

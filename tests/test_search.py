@@ -344,3 +344,52 @@ def test_a_soft_capped_search_with_a_sink_keeps_both_through_save_and_replay(tmp
     assert cases.replay(path).ok
     with pytest.raises(InvalidArgument, match="sink:"):
         ms.worst_case("bf16-fp32acc", shape, budget=2, sink=float("nan"))
+
+
+def test_a_campaign_runs_each_search_with_its_spawned_seed_and_resumes_from_its_journal(
+    tmp_path, capsys
+):
+    shape = {"q_len": 2, "kv_len": 4, "d_k": 4}
+    found = ms.campaign(["fp32", "bf16"], shape, runs=2, seed=7, budget=4, method="random")
+    seeds = [int(s.generate_state(1, np.uint32)[0]) for s in np.random.SeedSequence(7).spawn(4)]
+    assert [c.seed for c in found] == seeds
+    assert [c.preset for c in found] == ["fp32", "fp32", "bf16", "bf16"]
+    alone = ms.random_search("bf16", shape, seed=seeds[3], budget=4)
+    assert (alone.q == found[3].q).all()
+    assert alone.ratio == found[3].ratio
+    journal = tmp_path / "campaign.jsonl"
+    argv = ["search", "--preset", "bf16", "--q-len", "2", "--kv-len", "4", "--d-k", "4",
+            "--budget", "4", "--random", "--runs", "2", "--seed", "7", "--json",
+            "--journal", str(journal), "--out", str(tmp_path / "cases")]  # fmt: skip
+    assert cli.main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert [row["seed"] for row in first["cases"]] == seeds[:2]
+    before = journal.read_bytes()
+    assert cli.main([*argv, "--force"]) == 0  # every search read back from the journal
+    again = json.loads(capsys.readouterr().out)
+    assert journal.read_bytes() == before
+    assert [r["ratio"] for r in again["cases"]] == [r["ratio"] for r in first["cases"]]
+    assert cli.main([*argv[:-4], "--runs", "3", "--journal", str(journal)]) == 2
+    assert "another campaign" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"runs": 0}, "runs: expected a positive integer"),
+        ({"method": "annealing"}, "method: expected one of"),
+        ({"numerics": []}, "numerics: expected a Numerics"),
+        ({"method": "random", "structure": "outlier"}, "structure: expected None"),
+        ({"seed": -1}, "seed: expected a non-negative integer"),
+    ],
+)
+def test_bad_campaign_arguments_raise_naming_them(kwargs, message):
+    args = {"numerics": "fp32", "shape": {"q_len": 2, "kv_len": 2, "d_k": 2}, "budget": 2}
+    with pytest.raises(InvalidArgument, match=message):
+        ms.campaign(**(args | kwargs))
+
+
+def test_cli_a_gradient_search_is_not_a_campaign(tmp_path, capsys):
+    code = cli.main(["search", "--backward", "flash2", "--runs", "2", "--out", str(tmp_path)])
+    assert code == 2
+    assert "--backward: expected none of --runs" in capsys.readouterr().err

@@ -49,7 +49,7 @@ class _ProgressBar:
 
 
 def _measure(args: argparse.Namespace) -> int:
-    from mhanum import InvalidArgument, devices
+    from mhanum import InvalidArgument, devices, parallel
 
     out = Path(args.out)
     if out.exists() and not args.force:
@@ -59,9 +59,15 @@ def _measure(args: argparse.Namespace) -> int:
     if args.seed is not None:
         grid = grid.with_seeds([args.seed])
     start = time.perf_counter()
-    records = devices.measure(
-        grid, args.backend, progress=_ProgressBar(sys.stderr), workers=args.workers
-    )
+    if args.scheduler is None:
+        records = devices.measure(
+            grid, args.backend, progress=_ProgressBar(sys.stderr), workers=args.workers
+        )
+    else:  # the references on Dask: a LocalCluster of --workers processes, or a scheduler
+        with parallel.executor_for(args.workers, args.scheduler) as executor:
+            records = devices.measure(
+                grid, args.backend, progress=_ProgressBar(sys.stderr), executor=executor
+            )
     elapsed = time.perf_counter() - start
     devices.write_records(out, records, force=args.force)
     rows = devices.summarize(records)
@@ -150,16 +156,64 @@ def _gradient_search(args: argparse.Namespace, num: Any, shape: Any) -> int:
     return 1 if case.violation else 0
 
 
+def _campaign(args: argparse.Namespace, num: Any, shape: Any) -> int:
+    """``mhanum search --runs N`` (or with ``--workers``/``--scheduler``/``--journal``): N
+    searches with seeds spawned from ``--seed`` (:func:`mhanum.search.campaign`)."""
+    from mhanum import cases, parallel, search
+
+    def show(done: int, total: int, key: str) -> None:
+        print(f"[{done}/{total}] {key}", file=sys.stderr, flush=True)
+
+    with parallel.executor_for(args.workers, args.scheduler) as executor:
+        found = search.campaign(
+            num, shape, runs=args.runs, seed=args.seed,
+            method="random" if args.random else "targeted", objective=args.objective,
+            budget=args.budget, mask=args.mask, against=_search_numerics(args, "against_"),
+            softcap=args.softcap, sink=args.sink, executor=executor, journal=args.journal,
+            progress=show,
+        )  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for case in found:
+        path = cases.save(case, out, force=args.force, unique=case.violation)
+        rows.append(case.summary() | {"seed": case.seed, "case": str(path)})
+    worst = max(range(len(found)), key=lambda i: found[i].value)
+    if args.json:
+        print(json.dumps({"cases": rows, "worst": worst}, indent=2))
+    else:
+        for row in rows:
+            print(
+                f"seed {row['seed']:>10}: ratio {row['ratio']:.4g} (error {row['error']:.3g}, "
+                f"dominant term {row['dominant_term']}){' VIOLATION' if row['violation'] else ''}"
+                f" -> {row['case']}"
+            )
+        print(
+            f"{len(found)} {'random' if args.random else 'targeted'} searches of "
+            f"{found[0].numerics.describe()}; worst {found[worst].objective}: "
+            f"{found[worst].value:.4g}, seed {found[worst].seed}"
+        )
+    return 1 if any(c.violation for c in found) else 0
+
+
 def _search(args: argparse.Namespace) -> int:
-    from mhanum import cases, search
+    from mhanum import InvalidArgument, cases, search
 
     num = _search_numerics(args)
     shape = search.Shape(
         q_len=args.q_len, kv_len=args.kv_len, d_k=args.d_k, d_v=args.d_v,
         batch=args.batch, heads=args.heads,
     )  # fmt: skip
+    scale_out = args.runs != 1 or any(
+        x is not None for x in (args.workers, args.scheduler, args.journal)
+    )
+    if args.backward is not None and scale_out:
+        msg = "--backward: expected none of --runs, --workers, --scheduler, --journal"
+        raise InvalidArgument(msg)
     if args.backward is not None:
         return _gradient_search(args, num, shape)
+    if scale_out:
+        return _campaign(args, num, shape)
     out = Path(args.out)
     bar = _search_progress(sys.stderr)
     run = search.random_search if args.random else search.worst_case
@@ -189,6 +243,15 @@ def _search(args: argparse.Namespace) -> int:
     return 1 if case.violation else 0
 
 
+def _merge_journals(args: argparse.Namespace) -> int:
+    from mhanum import parallel
+
+    merged = parallel.merge_journals(args.journals, args.out)
+    total = len(json.loads(Path(args.out).read_text("utf-8").split("\n", 1)[0])["tasks"])
+    print(f"{len(merged)} of {total} tasks finished -> {args.out}")
+    return 0
+
+
 def _replay(args: argparse.Namespace) -> int:
     from mhanum import cases
 
@@ -214,6 +277,30 @@ def _search_progress(stream: TextIO) -> Any:
         bar(done, total, {})
 
     return update
+
+
+def _add_executor_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--workers``, ``--scheduler`` and ``--journal`` (:func:`mhanum.parallel.executor_for`)."""
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help=f"run the {what} in N spawned processes (default: in this process)",
+    )
+    parser.add_argument(
+        "--scheduler",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="run them on Dask: a scheduler address (tcp://host:8786), or without one a "
+        "LocalCluster of --workers processes (pip install 'mhanum[dask]')",
+    )
+    parser.add_argument(
+        "--journal",
+        default=None,
+        help="JSON Lines file of finished tasks: a rerun skips them (append-only)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -245,6 +332,15 @@ def _parser() -> argparse.ArgumentParser:
     measure.add_argument("--force", action="store_true", help="overwrite an existing --out")
     measure.add_argument(
         "--workers", type=int, default=None, help="reference processes (CPU count; 0: none)"
+    )
+    measure.add_argument(
+        "--scheduler",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="compute the references on Dask: a scheduler address, or without one a "
+        "LocalCluster of --workers processes",
     )
     measure.add_argument("--seed", type=int, default=None, help="input seed (the grid's: 0)")
     measure.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -320,6 +416,13 @@ def _parser() -> argparse.ArgumentParser:
         "--block", type=int, default=16, help="FlashAttention-2's query and key blocks (16)"
     )
     search.add_argument("--random", action="store_true", help="run the random baseline instead")
+    search.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="a campaign: this many searches, their seeds spawned from --seed (1)",
+    )
+    _add_executor_arguments(search, "searches of a campaign")
     search.add_argument("--out", default="cases", help="directory for the case files (cases)")
     search.add_argument("--force", action="store_true", help="overwrite an existing case")
     search.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -331,6 +434,14 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("case", help="a case file (.npz) written by mhanum search")
     replay.add_argument("--json", action="store_true", help="print the verdict as JSON")
     replay.set_defaults(func=_replay)
+
+    merge = commands.add_parser(
+        "merge-journals",
+        help="join the journals of separate runs of one campaign (each task once) into a new one",
+    )
+    merge.add_argument("journals", nargs="+", help="journal files of one campaign")
+    merge.add_argument("-o", "--out", required=True, help="the merged journal (a new file)")
+    merge.set_defaults(func=_merge_journals)
 
     # -- compare subcommand --
     def _compare(args: argparse.Namespace) -> int:
@@ -386,6 +497,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--print-default-config", action="store_true", help="print the default grid and exit"
     )
+    _add_executor_arguments(report, "grid cells")
     report.set_defaults(func=_report)
 
     return parser

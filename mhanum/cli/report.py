@@ -7,6 +7,7 @@ import sys
 import time
 from typing import TextIO
 
+from mhanum import parallel
 from mhanum.report import build, default_toml
 
 __all__ = ["ProgressBar", "run"]
@@ -39,14 +40,17 @@ def run(args: argparse.Namespace) -> int:
         print(default_toml(), end="")
         return 0
     start = time.perf_counter()
-    report = build(
-        args.config,
-        args.out,
-        cases=args.cases,
-        records=args.records,
-        force=args.force,
-        progress=ProgressBar(sys.stderr),
-    )
+    with parallel.executor_for(args.workers, args.scheduler) as executor:
+        report = build(
+            args.config,
+            args.out,
+            cases=args.cases,
+            records=args.records,
+            force=args.force,
+            progress=ProgressBar(sys.stderr),
+            executor=executor,
+            journal=args.journal,
+        )
     ratios = [max(p["ratio"]) for p in report.data["attention"]["points"] if p["ratio"]]
     worst = max(ratios, default=float("nan"))
     print(

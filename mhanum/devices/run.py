@@ -6,7 +6,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
-import multiprocessing
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -16,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mhanum import reference
+from mhanum import parallel, reference
 from mhanum._errors import InvalidArgument
 from mhanum.bounds.attention import attention_bound
 from mhanum.bounds.masking import analyze_numerics
@@ -365,6 +364,7 @@ def measure(
     *,
     progress: Callable[[int, int, Record], None] | None = None,
     workers: int | None = None,
+    executor: Any = None,
 ) -> list[Record]:
     """Measure every computation of ``grid`` on a JAX backend; one record per measurement.
 
@@ -382,12 +382,16 @@ def measure(
         progress: called after each record as ``progress(done, total, record)``.
         workers: reference processes; default ``os.cpu_count()``; ``0`` computes the references
             in this process (no pool).
+        executor: where the references run instead of a pool of ``workers``: a
+            ``concurrent.futures.Executor`` or a ``distributed.Client`` (:mod:`mhanum.parallel`;
+            a Dask cluster's workers, say). The backend's computations stay in this process.
 
     Returns:
         The records, in grid order.
 
     Raises:
-        InvalidArgument: for an unavailable backend or a bad ``workers``.
+        InvalidArgument: for an unavailable backend, a bad ``workers``, or ``workers`` and
+            ``executor`` together.
     """
     grid = Grid.default() if grid is None else grid
     device = device_for(backend)
@@ -395,12 +399,16 @@ def measure(
     if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 0:
         msg = f"workers: expected an int >= 0, got {workers!r}"
         raise InvalidArgument(msg)
+    if executor is not None and workers is not None:
+        msg = "workers: expected None with an executor (the executor runs the references)"
+        raise InvalidArgument(msg)
+    pool = None if executor is None else parallel.as_executor(executor)
     env = environment(device)
     tasks = _tasks(grid)
     total = len(tasks) + int(grid.exp)
     keys = list(dict.fromkeys(t.input_key for t in tasks))
     records: list[Record] = []
-    with _references(keys, n_workers) as refs, jax.default_device(device):
+    with _References(keys, n_workers, pool) as refs, jax.default_device(device):
         bounds: dict[tuple[Any, ...], Any] = {}
         for task in tasks:
             record = _measure_task(task, device.platform, env, refs, bounds)
@@ -421,24 +429,31 @@ def measure(
 
 
 class _References:
-    """Certified references by input key, computed in a process pool (or in this process)."""
+    """Certified references by input key, computed on an executor (a process pool of its own
+    by default, or in this process)."""
 
-    def __init__(self, keys: Sequence[tuple[Any, ...]], workers: int) -> None:
+    def __init__(
+        self,
+        keys: Sequence[tuple[Any, ...]],
+        workers: int,
+        executor: concurrent.futures.Executor | None = None,
+    ) -> None:
         self.pool: concurrent.futures.ProcessPoolExecutor | None = None
         self.futures: dict[tuple[Any, ...], concurrent.futures.Future[Any]] = {}
         self.done: dict[tuple[Any, ...], tuple[np.ndarray, float]] = {}
         self.keys = keys
-        if workers > 0 and keys:
-            context = multiprocessing.get_context("spawn")  # JAX is multithreaded: never fork
-            self.pool = concurrent.futures.ProcessPoolExecutor(
-                min(workers, len(keys)), mp_context=context
-            )
-            self.futures = {key: self.pool.submit(_reference_job, key) for key in keys}
+        if executor is None and workers > 0 and keys:
+            self.pool = parallel.default_executor(min(workers, len(keys)))
+            executor = self.pool
+        if executor is not None:
+            self.futures = {key: executor.submit(_reference_job, key) for key in keys}
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for future in self.futures.values():
+            future.cancel()
         if self.pool is not None:
             self.pool.shutdown(cancel_futures=True)
 
@@ -447,10 +462,6 @@ class _References:
             future = self.futures.get(key)
             self.done[key] = future.result() if future is not None else _reference_job(key)
         return self.done[key]
-
-
-def _references(keys: Sequence[tuple[Any, ...]], workers: int) -> _References:
-    return _References(keys, workers)
 
 
 def _measure_task(

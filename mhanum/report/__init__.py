@@ -149,6 +149,8 @@ def build(
     records: Sequence[str | os.PathLike[str]] = (),
     force: bool = False,
     progress: Progress | None = None,
+    executor: Any = None,
+    journal: str | os.PathLike[str] | None = None,
 ) -> Report:
     """Compute a report and write ``report.html``, ``report.md``, ``report.json`` into ``out``.
 
@@ -165,13 +167,19 @@ def build(
         records: ``mhanum measure`` records files, judged with :func:`mhanum.devices.check`.
         force: overwrite the report files in an existing directory.
         progress: ``progress(done, total, what)`` after each step (the command draws a bar).
+        executor: where the grid's cells run: ``None`` (in this process), a
+            ``concurrent.futures.Executor`` (:func:`mhanum.parallel.default_executor`) or a
+            ``distributed.Client``; the numbers are the same whichever runs them.
+        journal: a JSON Lines file recording each finished cell (:mod:`mhanum.parallel`): a
+            build stopped part-way and run again with it computes only the missing cells.
 
     Returns:
         A :class:`Report`.
 
     Raises:
         InvalidArgument: for a bad config (naming the key), an existing ``out`` without
-            ``force``, or unreadable cases or records; all checked before any computation.
+            ``force``, unreadable cases or records, or a journal of another grid; all checked
+            before any computation.
     """
     cfg = load_config(config)
     path = _check_out(out, force=force)
@@ -182,7 +190,9 @@ def build(
             raise InvalidArgument(msg)
     start = time.perf_counter()
     data: dict[str, Any] = {"schema": SCHEMA, "config": cfg.as_dict()}
-    data |= compute(cfg, cases=cases, records=records, progress=progress)
+    data |= compute(
+        cfg, cases=cases, records=records, progress=progress, executor=executor, journal=journal
+    )
     data["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     data["versions"] = _versions()
     data["seconds"] = time.perf_counter() - start

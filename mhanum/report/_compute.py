@@ -7,17 +7,17 @@ the same config gives the same numbers on any machine.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mhanum import bounds, devices, masks, measure, reference
+from mhanum import bounds, devices, masks, measure, parallel, reference
 from mhanum._errors import InvalidArgument
 from mhanum.attention import attention, multi_head_attention
 from mhanum.bounds import heads as heads_bounds
@@ -179,128 +179,163 @@ def _attention_bounds(
     return out | {"bound_a_priori": prior}
 
 
-def attention_grid(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
-    """Measured error, a-posteriori (A.1), probabilistic (A.3) and a-priori bounds per point."""
-    fn_name = "attention_bound_a_priori"
-    fn = _a_priori_function(fn_name)
+A_PRIORI = "attention_bound_a_priori"
+
+
+def attention_cell(config: Config, mask_kind: str, length: int) -> dict[str, Any]:
+    """The attention grid at one length and mask: every preset's point, and the reasons a
+    theorem refused (``refusals``) or the a-priori bound was not evaluated (``prior_notes``)."""
+    fn = _a_priori_function(A_PRIORI)
     points: list[dict[str, Any]] = []
     refusals: list[str] = []
     prior_notes: list[str] = []
-    for mask_kind in config.masks:
-        for length in config.lengths:
-            qkv, mask, ref = _attention_point(config, length, mask_kind)
-            step(f"reference L={length} mask={mask_kind}")
-            n = config.samples
-            for preset in config.presets:
-                num = Numerics.preset(preset)
-                out = np.asarray(attention(*qkv, mask, numerics=num), np.float64)
-                err = np.abs(out - ref)
-                fmt = num.format_of("output")
-                per_err = _per_sample_max(err, n)
-                normwise = [
-                    measure.errors(out[0, i], ref[0, i], fmt=fmt).normwise_max for i in range(n)
-                ]
-                point: dict[str, Any] = {
-                    "preset": preset,
-                    "format": num.format_of("input").name,
-                    "output_format": fmt.name,
-                    "u": fmt.u,
-                    "length": length,
-                    "d_k": config.d_k,
-                    "mask": mask_kind,
-                    "error_max_abs": [float(x) for x in per_err],
-                    "error_normwise": [float(x) for x in normwise],
-                    "error_median": _median(per_err),
-                    "error_worst": float(per_err.max()),
-                }
-                point |= _attention_bounds(qkv, mask, num, err, config, fn, refusals, prior_notes)
-                points.append(point)
-                step(f"{preset} L={length} mask={mask_kind}")
+    qkv, mask, ref = _attention_point(config, length, mask_kind)
+    n = config.samples
+    for preset in config.presets:
+        num = Numerics.preset(preset)
+        out = np.asarray(attention(*qkv, mask, numerics=num), np.float64)
+        err = np.abs(out - ref)
+        fmt = num.format_of("output")
+        per_err = _per_sample_max(err, n)
+        normwise = [measure.errors(out[0, i], ref[0, i], fmt=fmt).normwise_max for i in range(n)]
+        point: dict[str, Any] = {
+            "preset": preset,
+            "format": num.format_of("input").name,
+            "output_format": fmt.name,
+            "u": fmt.u,
+            "length": length,
+            "d_k": config.d_k,
+            "mask": mask_kind,
+            "error_max_abs": [float(x) for x in per_err],
+            "error_normwise": [float(x) for x in normwise],
+            "error_median": _median(per_err),
+            "error_worst": float(per_err.max()),
+        }
+        point |= _attention_bounds(qkv, mask, num, err, config, fn, refusals, prior_notes)
+        points.append(point)
+    return {"points": points, "refusals": refusals, "prior_notes": prior_notes}
+
+
+def attention_section(cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ``attention`` section from its cells, in grid order (each note once)."""
+    refusals: list[str] = []
+    prior_notes: list[str] = []
+    for cell in cells:
+        for text in cell["refusals"]:
+            _note(text, refusals)
+        for text in cell["prior_notes"]:
+            _note(text, prior_notes)
     return {
         "theorems": {"a_posteriori": "A.1", "probabilistic": "A.3", "a_priori": "A.4"},
-        "a_priori": fn_name if fn is not None else None,
+        "a_priori": A_PRIORI if _a_priori_function(A_PRIORI) is not None else None,
         "a_priori_notes": prior_notes,
         "refusals": refusals,
-        "points": points,
+        "points": [p for cell in cells for p in cell["points"]],
     }
 
 
-def head_partitioning(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
-    """h heads at a fixed ``d_model``: errors and bounds (A.2, and A.4 from ``max |x|`` when
-    mhanum has it), the difference to one head, dot-length factors (H.1), output projection
-    factors (H.3) and scale exactness (H.2)."""
+def attention_grid(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
+    """Measured error, a-posteriori (A.1), probabilistic (A.3) and a-priori bounds per point."""
+    cells = []
+    for mask_kind in config.masks:
+        for length in config.lengths:
+            cells.append(attention_cell(config, mask_kind, length))
+            step(f"attention L={length} mask={mask_kind}")
+    return attention_section(cells)
+
+
+def heads_cell(config: Config, h: int) -> dict[str, Any]:
+    """One head count ``h`` at the fixed ``d_model``: the row of :func:`head_partitioning`,
+    and the reasons a bound refused (``refusals``)."""
     hc = config.heads
     rng = np.random.Generator(np.random.PCG64(config.seed))
     x = rng.standard_normal((hc.length, hc.d_model)).astype(np.float32)
     params = MHAParams.random(hc.d_model, seed=config.seed)
     x_max = float(np.abs(x).max())
     prior = _a_priori_function("mha_bound_a_priori")
-    rows = []
     refusals: list[str] = []
-    for h in hc.num_heads:
-        ref = np.asarray(reference.multi_head_attention(x, x, params, h), np.float64)
-        d_k = hc.d_model // h
-        row: dict[str, Any] = {"num_heads": h, "d_k": d_k, "presets": {}}
-        if h != 1:
-            diff = heads_bounds.head_partition_difference(x, params, h, 1)
-            row["difference_to_one_head"] = {
-                "normwise_max": diff.normwise_max,
-                "max_abs": diff.max_abs,
-                "explanation": diff.explanation,
-            }
-        row["scale_exactness"] = {
-            f"{fmt}/{placement}": {
-                "exact": s.exact,
-                "relative_error": s.relative_error,
-            }
-            for fmt in ("float32", "bfloat16", "float16")
-            for placement in ("scores", "qk")
-            for s in (heads_bounds.scale_exactness(d_k, fmt, placement),)
+    ref = np.asarray(reference.multi_head_attention(x, x, params, h), np.float64)
+    d_k = hc.d_model // h
+    row: dict[str, Any] = {"num_heads": h, "d_k": d_k, "presets": {}}
+    if h != 1:
+        diff = heads_bounds.head_partition_difference(x, params, h, 1)
+        row["difference_to_one_head"] = {
+            "normwise_max": diff.normwise_max,
+            "max_abs": diff.max_abs,
+            "explanation": diff.explanation,
         }
-        step(f"heads h={h} reference")
-        for preset in config.presets:
-            num = Numerics.preset(preset)
-            y = np.asarray(multi_head_attention(x, x, params, h, numerics=num), np.float64)
-            err = np.abs(y - ref)
-            entry: dict[str, Any] = {
-                "error_max_abs": float(err.max()),
-                "error_normwise": measure.errors(y, ref, fmt=num.format_of("output")).normwise_max,
-                "bound_max": None,
-                "ratio": None,
-            }
+    row["scale_exactness"] = {
+        f"{fmt}/{placement}": {
+            "exact": s.exact,
+            "relative_error": s.relative_error,
+        }
+        for fmt in ("float32", "bfloat16", "float16")
+        for placement in ("scores", "qk")
+        for s in (heads_bounds.scale_exactness(d_k, fmt, placement),)
+    }
+    for preset in config.presets:
+        num = Numerics.preset(preset)
+        y = np.asarray(multi_head_attention(x, x, params, h, numerics=num), np.float64)
+        err = np.abs(y - ref)
+        entry: dict[str, Any] = {
+            "error_max_abs": float(err.max()),
+            "error_normwise": measure.errors(y, ref, fmt=num.format_of("output")).normwise_max,
+            "bound_max": None,
+            "ratio": None,
+        }
+        try:
+            bound = np.asarray(bounds.mha_bound(x, x, params, h, numerics=num).total)
+        except InvalidArgument as exc:
+            _note(str(exc), refusals)
+        else:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = float(np.max(np.where(err == 0, 0.0, err / bound)))
+            entry |= {"bound_max": float(bound.max()), "ratio": ratio}
+        entry["bound_a_priori"] = None
+        if prior is not None:
             try:
-                bound = np.asarray(bounds.mha_bound(x, x, params, h, numerics=num).total)
+                b = prior(params, h, hc.length, hc.length, x_max=x_max, numerics=num)
             except InvalidArgument as exc:
                 _note(str(exc), refusals)
             else:
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    ratio = float(np.max(np.where(err == 0, 0.0, err / bound)))
-                entry |= {"bound_max": float(bound.max()), "ratio": ratio}
-            entry["bound_a_priori"] = None
-            if prior is not None:
-                try:
-                    b = prior(params, h, hc.length, hc.length, x_max=x_max, numerics=num)
-                except InvalidArgument as exc:
-                    _note(str(exc), refusals)
-                else:
-                    entry["bound_a_priori"] = float(np.max(b.total))
-            accum = num.format_of("accum")
-            for name, factor in (
-                ("score_dot_factor", partial(heads_bounds.score_dot_factor, hc.d_model, h)),
-                (
-                    "output_projection_factor",
-                    partial(heads_bounds.output_projection_factor, h, d_k),
-                ),
-            ):
-                try:
-                    entry[name] = factor(accum).as_dict()
-                except InvalidArgument as exc:
-                    entry[name] = None
-                    _note(str(exc), refusals)
-            row["presets"][preset] = entry
-            step(f"heads h={h} {preset}")
-        rows.append(row)
+                entry["bound_a_priori"] = float(np.max(b.total))
+        accum = num.format_of("accum")
+        for name, factor in (
+            ("score_dot_factor", functools.partial(heads_bounds.score_dot_factor, hc.d_model, h)),
+            (
+                "output_projection_factor",
+                functools.partial(heads_bounds.output_projection_factor, h, d_k),
+            ),
+        ):
+            try:
+                entry[name] = factor(accum).as_dict()
+            except InvalidArgument as exc:
+                entry[name] = None
+                _note(str(exc), refusals)
+        row["presets"][preset] = entry
+    return {"row": row, "refusals": refusals}
+
+
+def heads_section(config: Config, cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ``heads`` section from its cells, in the order of ``heads.num_heads``."""
+    refusals: list[str] = []
+    for cell in cells:
+        for text in cell["refusals"]:
+            _note(text, refusals)
+    hc = config.heads
+    rows = [cell["row"] for cell in cells]
     return {"d_model": hc.d_model, "length": hc.length, "rows": rows, "refusals": refusals}
+
+
+def head_partitioning(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
+    """h heads at a fixed ``d_model``: errors and bounds (A.2, and A.4 from ``max |x|`` when
+    mhanum has it), the difference to one head, dot-length factors (H.1), output projection
+    factors (H.3) and scale exactness (H.2)."""
+    cells = []
+    for h in config.heads.num_heads:
+        cells.append(heads_cell(config, h))
+        step(f"heads h={h}")
+    return heads_section(config, cells)
 
 
 def _variant_cases(config: Config) -> list[tuple[str, dict[str, Any], bool, dict[str, Any]]]:
@@ -339,59 +374,81 @@ def _variant_cases(config: Config) -> list[tuple[str, dict[str, Any], bool, dict
     ]
 
 
-def variants(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
-    """Today's attention variants (papers/attention.md, the variants reduced to A.1): error
-    against the certified reference and Theorem A.1 per preset."""
+def _variant_inputs(config: Config) -> tuple[np.ndarray, ...]:
+    """q, k, v of the variants, and k, v repeated over the query groups (GQA)."""
     c = config.variants
     shape = (c.heads, c.length, config.d_k)
     q, k, v = devices.inputs((1, *shape), "float32", config.structure, config.seed)
     q, k, v = q[0], k[0], v[0]
     group = c.heads // c.kv_heads
     k_g, v_g = (np.repeat(x[: c.kv_heads], group, axis=0) for x in (k, v))
+    return q, k, v, k_g, v_g
+
+
+def variant_cell(config: Config, index: int) -> dict[str, Any]:
+    """The rows of one variant (``_variant_cases(config)[index]``), one per preset."""
+    q, k, v, k_g, v_g = _variant_inputs(config)
+    label, kwargs, grouped, changes = _variant_cases(config)[index]
+    kk, vv = (k_g, v_g) if grouped else (k, v)
+    exact = np.asarray(reference.attention(q, kk, vv, **kwargs), np.float64)
+    mask = kwargs.get("mask")
+    rest = {n: x for n, x in kwargs.items() if n != "mask"}
     rows: list[dict[str, Any]] = []
-    for label, kwargs, grouped, changes in _variant_cases(config):
-        kk, vv = (k_g, v_g) if grouped else (k, v)
-        exact = np.asarray(reference.attention(q, kk, vv, **kwargs), np.float64)
-        step(f"reference {label}")
-        mask = kwargs.get("mask")
-        rest = {n: x for n, x in kwargs.items() if n != "mask"}
-        for preset in config.presets:
-            num = Numerics.preset(preset)
-            if changes and num.exp_form == "exp":
-                num = num.replace(**changes)
-            out = np.asarray(attention(q, kk, vv, mask, numerics=num, **rest), np.float64)
-            bound = bounds.attention_bound(q, kk, vv, mask, numerics=num, **rest)
-            total = np.asarray(bound.total, np.float64)
-            err = np.abs(out - exact)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                ratio = np.where(err == 0, 0.0, err / total)
-            rows.append(
-                {
-                    "variant": label,
-                    "preset": preset,
-                    "error_max": float(err.max()),
-                    "bound_median": float(np.median(total)),
-                    "bound_max": float(total.max()),
-                    "ratio_max": float(ratio.max()),
-                    "dominant_term": bound.dominant(),
-                    "theorem": bound.theorem,
-                    "reasons": list(bound.reasons),
-                }
-            )
+    for preset in config.presets:
+        num = Numerics.preset(preset)
+        if changes and num.exp_form == "exp":
+            num = num.replace(**changes)
+        out = np.asarray(attention(q, kk, vv, mask, numerics=num, **rest), np.float64)
+        bound = bounds.attention_bound(q, kk, vv, mask, numerics=num, **rest)
+        total = np.asarray(bound.total, np.float64)
+        err = np.abs(out - exact)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(err == 0, 0.0, err / total)
+        rows.append(
+            {
+                "variant": label,
+                "preset": preset,
+                "error_max": float(err.max()),
+                "bound_median": float(np.median(total)),
+                "bound_max": float(total.max()),
+                "ratio_max": float(ratio.max()),
+                "dominant_term": bound.dominant(),
+                "theorem": bound.theorem,
+                "reasons": list(bound.reasons),
+            }
+        )
+    return {"rows": rows}
+
+
+def variants_section(config: Config, cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ``variants`` section from its cells, in the order of the variants."""
+    c = config.variants
     return {
         "theorem": "A.1",
         "length": c.length,
         "heads": c.heads,
         "kv_heads": c.kv_heads,
         "d_k": config.d_k,
-        "rows": rows,
+        "rows": [row for cell in cells for row in cell["rows"]],
     }
 
 
-def backward(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
-    """The backward pass (papers/backward.md): every gradient's error against the certified
-    reference gradients and Theorem B.1 (textbook) or B.2 (FlashAttention-2), per preset, on
-    one causal head."""
+def variants(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
+    """Today's attention variants (papers/attention.md, the variants reduced to A.1): error
+    against the certified reference and Theorem A.1 per preset."""
+    cells = []
+    for index, (label, *_) in enumerate(_variant_cases(config)):
+        cells.append(variant_cell(config, index))
+        step(f"variant {label}")
+    return variants_section(config, cells)
+
+
+@functools.lru_cache(maxsize=2)
+def _backward_reference(
+    config: Config,
+) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, Any]:
+    """q, k, v, the output cotangent, the causal mask and the certified gradients (computed
+    once per process for the presets' cells)."""
     c = config.backward
     shape = (1, 1, c.length, config.d_k)
     q, k, v = (x[0, 0] for x in devices.inputs(shape, "float32", config.structure, config.seed))
@@ -399,47 +456,68 @@ def backward(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
     d_out = d_out.astype(np.float64)
     mask = np.tril(np.ones((c.length, c.length), bool))
     exact = reference.attention_grad(q, k, v, d_out, mask=mask, digits=17)
-    step("reference gradients")
+    return (q, k, v), d_out, mask, exact
+
+
+def backward_cell(config: Config, preset: str) -> dict[str, Any]:
+    """The backward rows of one preset (every algorithm and gradient), and its refusals."""
+    c = config.backward
+    (q, k, v), d_out, mask, exact = _backward_reference(config)
     rows: list[dict[str, Any]] = []
     refusals: list[str] = []
-    for preset in config.presets:
-        num = Numerics.preset(preset)
-        for algorithm in c.algorithms:
-            bw = Backward(algorithm, block_q=c.block, block_k=c.block)
-            try:
-                found = bounds.attention_grad_bound(q, k, v, d_out, mask, numerics=num, backward=bw)
-            except InvalidArgument as refused:
-                refusals.append(f"{preset}, {algorithm}: {refused}")
-                continue
-            grads = attention_grad(q, k, v, d_out, mask, numerics=num, backward=bw)
-            for name, got, want, b in zip(
-                ("dq", "dk", "dv"), grads, exact, (found.dq, found.dk, found.dv), strict=False
-            ):
-                total = np.asarray(b.total, np.float64)
-                err = np.abs(np.asarray(got, np.float64) - want)
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    ratio = np.where(err == 0, 0.0, err / total)
-                rows.append(
-                    {
-                        "preset": preset,
-                        "algorithm": algorithm,
-                        "gradient": name,
-                        "error_max": float(err.max()),
-                        "bound_max": float(total.max()),
-                        "ratio_max": float(ratio.max()),
-                        "dominant_term": b.dominant(),
-                        "theorem": b.theorem,
-                        "reasons": list(b.reasons),
-                    }
-                )
-        step(f"backward {preset}")
+    num = Numerics.preset(preset)
+    for algorithm in c.algorithms:
+        bw = Backward(algorithm, block_q=c.block, block_k=c.block)
+        try:
+            found = bounds.attention_grad_bound(q, k, v, d_out, mask, numerics=num, backward=bw)
+        except InvalidArgument as refused:
+            refusals.append(f"{preset}, {algorithm}: {refused}")
+            continue
+        grads = attention_grad(q, k, v, d_out, mask, numerics=num, backward=bw)
+        for name, got, want, b in zip(
+            ("dq", "dk", "dv"), grads, exact, (found.dq, found.dk, found.dv), strict=False
+        ):
+            total = np.asarray(b.total, np.float64)
+            err = np.abs(np.asarray(got, np.float64) - want)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(err == 0, 0.0, err / total)
+            rows.append(
+                {
+                    "preset": preset,
+                    "algorithm": algorithm,
+                    "gradient": name,
+                    "error_max": float(err.max()),
+                    "bound_max": float(total.max()),
+                    "ratio_max": float(ratio.max()),
+                    "dominant_term": b.dominant(),
+                    "theorem": b.theorem,
+                    "reasons": list(b.reasons),
+                }
+            )
+    return {"rows": rows, "refusals": refusals}
+
+
+def backward_section(config: Config, cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ``backward`` section from its cells, in the order of the presets."""
+    c = config.backward
     return {
         "length": c.length,
         "d_k": config.d_k,
         "block": c.block,
-        "rows": rows,
-        "refusals": refusals,
+        "rows": [row for cell in cells for row in cell["rows"]],
+        "refusals": [text for cell in cells for text in cell["refusals"]],
     }
+
+
+def backward(config: Config, step: Callable[[str], None]) -> dict[str, Any]:
+    """The backward pass (papers/backward.md): every gradient's error against the certified
+    reference gradients and Theorem B.1 (textbook) or B.2 (FlashAttention-2), per preset, on
+    one causal head."""
+    cells = []
+    for preset in config.presets:
+        cells.append(backward_cell(config, preset))
+        step(f"backward {preset}")
+    return backward_section(config, cells)
 
 
 def _constant_label(value: float | str) -> str:
@@ -566,23 +644,73 @@ def device_records(path: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
+Cell = tuple[Config, str, Any, bool]
+"""A cell of the grid: the config, its section, the section's argument, JAX's 64-bit mode."""
+
+
+def _cells(config: Config) -> list[tuple[str, Cell]]:
+    """The independent cells of the grid as ``(key, cell)``, longest first (the backward
+    presets share a reference per process)."""
+    import jax
+
+    x64 = bool(jax.config.read("jax_enable_x64"))
+    cells: list[tuple[str, Cell]] = []
+    cells += [(f"backward {p}", (config, "backward", p, x64)) for p in config.presets]
+    cells += [
+        (f"variant {label}", (config, "variants", i, x64))
+        for i, (label, *_) in enumerate(_variant_cases(config))
+    ]
+    cells += [(f"heads h={h}", (config, "heads", h, x64)) for h in config.heads.num_heads]
+    cells += [
+        (f"attention L={n} mask={kind}", (config, "attention", (kind, n), x64))
+        for kind in config.masks
+        for n in config.lengths
+    ]
+    return cells
+
+
+def grid_cell(spec: Cell, seed: Any = None) -> dict[str, Any]:
+    """One cell of the report grid (a task of :func:`mhanum.parallel.run_tasks`: the inputs
+    come from ``config.seed``, so the task seed is not used), in the 64-bit mode of the
+    process that made the cell."""
+    import jax
+
+    config, section, arg, x64 = spec
+    if bool(jax.config.read("jax_enable_x64")) != x64:  # a worker process
+        jax.config.update("jax_enable_x64", x64)
+    if section == "attention":
+        return attention_cell(config, *arg)
+    if section == "heads":
+        return heads_cell(config, arg)
+    if section == "variants":
+        return variant_cell(config, arg)
+    return backward_cell(config, arg)
+
+
+def campaign(config: Config) -> dict[str, Any]:
+    """What a report's journal records as its campaign: the grid and the mhanum version."""
+    from mhanum._version import __version__
+
+    return {"kind": "mhanum.report", "mhanum_version": __version__, "config": config.as_dict()}
+
+
 def compute(
     config: Config,
     *,
     cases: Sequence[str | os.PathLike[str]] = (),
     records: Sequence[str | os.PathLike[str]] = (),
     progress: Progress | None = None,
+    executor: Any = None,
+    journal: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
-    """All sections of a report as JSON-ready data (without provenance: see ``build``)."""
-    total = (
-        len(config.masks) * len(config.lengths) * (1 + len(config.presets))
-        + len(config.heads.num_heads) * (1 + len(config.presets))
-        + 1
-        + len(_variant_cases(config))
-        + 1
-        + len(config.presets)
-        + len(records)
-    )
+    """All sections of a report as JSON-ready data (without provenance: see ``build``).
+
+    The grid's cells (each length and mask, head count, variant, backward preset) are
+    independent tasks of :func:`mhanum.parallel.run_tasks` on ``executor`` (``None``: in this
+    process), recorded in ``journal`` if given; the data are the same whichever runs them.
+    """
+    cells = _cells(config)
+    total = len(cells) + 1 + len(records)
     done = 0
 
     def step(what: str) -> None:
@@ -592,12 +720,24 @@ def compute(
             progress(done, total, what)
 
     case_list = read_cases(cases)  # read first: a bad file fails before minutes of work
-    data: dict[str, Any] = {"attention": attention_grid(config, step)}
-    data["heads"] = head_partitioning(config, step)
+    results = parallel.run_tasks(
+        grid_cell,
+        cells,
+        seed=config.seed,
+        executor=executor,
+        journal=journal,
+        campaign=campaign(config),
+        progress=lambda _done, _total, key: step(key),
+    )
+    by_section: dict[str, list[Any]] = {}
+    for (_, (_, section, _, _)), result in zip(cells, results, strict=True):
+        by_section.setdefault(section, []).append(result)
+    data: dict[str, Any] = {"attention": attention_section(by_section.get("attention", []))}
+    data["heads"] = heads_section(config, by_section.get("heads", []))
     data["mask_constants"] = mask_constants(config)
     step("mask constants")
-    data["variants"] = variants(config, step)
-    data["backward"] = backward(config, step)
+    data["variants"] = variants_section(config, by_section.get("variants", []))
+    data["backward"] = backward_section(config, by_section.get("backward", []))
     data["cases"] = case_list
     files = []
     for path in records:
