@@ -421,3 +421,43 @@ def test_cli_audit_prints_the_tables_and_writes_json(tmp_path, capsys):
 def test_cli_audit_bad_arguments(args, message, capsys):
     assert main(["audit", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+# --- scale-out ---------------------------------------------------------------------------------
+
+
+def test_an_audit_on_two_spawned_workers_equals_the_in_process_one(checkpoint, result):
+    from mhanum import parallel
+
+    with parallel.default_executor(2) as pool:
+        spread = models.audit(
+            checkpoint, SENTENCES, presets=PRESETS, layers=LAYERS, tolerance=5e-3, executor=pool
+        )
+    assert spread == result
+
+
+def test_an_audit_journal_resumes_without_rerunning_a_layer(checkpoint, result, tmp_path):
+    path = tmp_path / "audit.jsonl"
+    first = models.audit(
+        checkpoint, SENTENCES, presets=PRESETS, layers=LAYERS, tolerance=5e-3, journal=path
+    )
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1 + len(LAYERS)  # the header and one line per layer
+    again = models.audit(
+        checkpoint, SENTENCES, presets=PRESETS, layers=LAYERS, tolerance=5e-3, journal=path
+    )
+    assert first == result
+    assert again == result
+    assert path.read_text().splitlines() == lines  # read back, nothing appended or rewritten
+    with pytest.raises(InvalidArgument, match="journal"):
+        models.audit(checkpoint, SENTENCES[:1], presets=PRESETS, layers=LAYERS, journal=path)
+
+
+def test_a_layer_task_round_trips_through_json(checkpoint, fwd, result):
+    import json
+
+    spec = (5, checkpoint.attention_params(5), 12, fwd.layer_inputs[5], fwd.batch, PRESETS, ())
+    data = json.loads(json.dumps(models.layer_task(spec)))
+    layer = models.layer_from_json(data)
+    assert layer.presets == result.layers[1].presets
+    assert layer.heads == result.layers[1].heads

@@ -66,26 +66,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a padding constant to analyse; repeat for several (default: -1e4 -1e9 finfo.min "
         "-inf)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="audit the layers in N spawned processes (default: in this process)",
+    )
+    parser.add_argument(
+        "--scheduler",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="audit them on Dask: a scheduler address, or without one a LocalCluster of "
+        "--workers processes (pip install 'mhanum[dask]')",
+    )
+    parser.add_argument(
+        "--journal",
+        default=None,
+        help="JSON Lines file of finished layers: a rerun skips them (append-only)",
+    )
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the audit as JSON")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --json file")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the audit and print its tables; exit 1 if a measured error exceeds its bound."""
-    from mhanum import models
+    from mhanum import models, parallel
 
     if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance > 0):
         msg = f"--tolerance: expected a positive finite number, got {args.tolerance!r}"
         raise InvalidArgument(msg)
     try:
-        result = models.audit(
-            args.model,
-            args.sentences,
-            presets=args.presets or models.DEFAULT_PRESETS,
-            tolerance=args.tolerance,
-            masks=args.mask_constants or models.DEFAULT_MASK_CONSTANTS,
-            layers=args.layers,
-        )
+        with parallel.executor_for(args.workers, args.scheduler) as executor:
+            result = models.audit(
+                args.model,
+                args.sentences,
+                presets=args.presets or models.DEFAULT_PRESETS,
+                tolerance=args.tolerance,
+                masks=args.mask_constants or models.DEFAULT_MASK_CONSTANTS,
+                layers=args.layers,
+                executor=executor,
+                journal=args.journal,
+            )
     except ImportError as exc:
         print(f"mhanum audit: {exc}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from mhanum import bounds, measure, reference
+from mhanum import bounds, measure, parallel, reference
 from mhanum._errors import InvalidArgument
 from mhanum.emulate.attention import attention, multi_head_attention
 from mhanum.formats import get_format
@@ -402,6 +402,38 @@ def audit_preset(ref: LayerReference, preset: str) -> PresetAudit:
     )
 
 
+def layer_task(spec: tuple[Any, ...], seed: Any = None) -> dict[str, Any]:
+    """One layer's audit as JSON: the task :func:`audit` maps over the layers. ``spec`` is
+    ``(layer, params, num_heads, x, batch, presets, mask constants)``; ``seed`` is unused (the
+    audit draws nothing)."""
+    layer, params, heads, x, batch, names, constants = spec
+    ref = layer_reference(layer, params, heads, x, batch)
+    per_preset = tuple(audit_preset(ref, name) for name in names)
+    masks_i = mask_verdicts(ref.score_bound, ref.x.shape[-2], names, constants)
+    return dataclasses.asdict(LayerAudit(layer, ref.score_bound, ref.heads, per_preset, masks_i))
+
+
+def layer_from_json(data: dict[str, Any]) -> LayerAudit:
+    """The :class:`LayerAudit` of :func:`layer_task`'s JSON."""
+    presets = tuple(
+        PresetAudit(
+            **{
+                **p,
+                "heads": tuple(HeadError(**h) for h in p["heads"]),
+                "a_priori_reasons": tuple(p["a_priori_reasons"]),
+            }
+        )
+        for p in data["presets"]
+    )
+    return LayerAudit(
+        layer=data["layer"],
+        score_bound=data["score_bound"],
+        heads=tuple(HeadStats(**h) for h in data["heads"]),
+        presets=presets,
+        masks=tuple(MaskVerdict(**m) for m in data["masks"]),
+    )
+
+
 def mask_verdicts(
     score_bound: float, n_keys: int, presets: Iterable[str], constants: Iterable[float | str]
 ) -> tuple[MaskVerdict, ...]:
@@ -488,6 +520,8 @@ def audit(
     tolerance: float | None = None,
     masks: Iterable[float | str] = DEFAULT_MASK_CONSTANTS,
     layers: Iterable[int] | None = None,
+    executor: Any = None,
+    journal: str | Path | None = None,
 ) -> Audit:
     """Audit every attention layer of a BERT checkpoint on real sentences, under each preset.
 
@@ -510,8 +544,9 @@ def audit(
     float32 < float64), whose measured error, and the cheapest whose bound, is within it on
     every audited layer.
 
-    The work is :func:`layer_reference` once per layer, then :func:`audit_preset` per (layer,
-    preset): plain functions of picklable values.
+    The work is one task per layer (:func:`layer_task`: :func:`layer_reference`, then
+    :func:`audit_preset` per preset), run by :func:`mhanum.parallel.run_tasks` in this process
+    or on an ``executor``; a layer's result is the same wherever it ran.
 
     Args:
         model: a directory with ``config.json``, ``model.safetensors`` and ``vocab.txt``, a
@@ -522,6 +557,11 @@ def audit(
         masks: padding constants: negative numbers, ``-inf``, ``"finfo.min"`` or
             ``"c*finfo.min"``.
         layers: the layer indices to audit (default all).
+        executor: where the layers run: ``None`` (in this process), a
+            ``concurrent.futures.Executor`` (:func:`mhanum.parallel.default_executor`: spawned
+            processes) or a ``distributed.Client``.
+        journal: a JSON Lines file of finished layers (:mod:`mhanum.parallel`): a rerun of the
+            same audit reads them back and runs only the others.
 
     Returns:
         An :class:`Audit`.
@@ -547,18 +587,22 @@ def audit(
     fwd = forward(
         checkpoint, DEFAULT_SENTENCES if sentences is None else sentences, layers=max(chosen)
     )
-    audited = []
-    for i in chosen:
-        ref = layer_reference(
-            i,
-            checkpoint.attention_params(i),
-            checkpoint.config.num_attention_heads,
-            fwd.layer_inputs[i],
-            fwd.batch,
-        )
-        per_preset = tuple(audit_preset(ref, name) for name in names)
-        masks_i = mask_verdicts(ref.score_bound, ref.x.shape[-2], names, constants)
-        audited.append(LayerAudit(i, ref.score_bound, ref.heads, per_preset, masks_i))
+    heads = checkpoint.config.num_attention_heads
+    tasks = [
+        (f"layer {i}", (i, checkpoint.attention_params(i), heads, fwd.layer_inputs[i], fwd.batch,
+                        names, constants))
+        for i in chosen
+    ]  # fmt: skip
+    campaign = {
+        "audit": str(checkpoint.path),
+        "sentences": list(fwd.batch.sentences),
+        "presets": list(names),
+        "masks": [c if isinstance(c, str) else repr(float(c)) for c in constants],
+    }
+    results = parallel.run_tasks(
+        layer_task, tasks, executor=executor, journal=journal, campaign=campaign
+    )
+    audited = [layer_from_json(r) for r in results]
     return Audit(
         model=str(checkpoint.path),
         sentences=fwd.batch.sentences,
