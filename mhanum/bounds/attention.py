@@ -1699,12 +1699,12 @@ def _check_bias_fits(b: np.ndarray, keep: np.ndarray, fmt: Format) -> None:
         raise InvalidArgument(msg)
 
 
-def _split(x: np.ndarray, heads: int) -> np.ndarray:
+def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
     """``(..., L, H·d)`` to ``(..., H, L, d)``."""
     return np.swapaxes(x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads), -2, -3)
 
 
-def _merge(x: np.ndarray) -> np.ndarray:
+def merge_heads(x: np.ndarray) -> np.ndarray:
     """``(..., H, L, d)`` to ``(..., L, H·d)``."""
     x = np.swapaxes(x, -2, -3)
     return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
@@ -1899,9 +1899,9 @@ def mha_bound(
             hit = np.broadcast_to(hit.any(axis=-2, keepdims=True), bad_rows.shape)
         bad_rows = bad_rows | hit
         proj[name] = (
-            _split(lin.y, heads),
-            _split(used + lin.given, heads),
-            _split(lin.given, heads),
+            split_heads(lin.y, heads),
+            split_heads(used + lin.given, heads),
+            split_heads(lin.given, heads),
         )
         if sink is not None and name != "q":  # the sink's key and value: exact zeros
             proj[name] = tuple(masks.zero_key(x) for x in proj[name])
@@ -1929,7 +1929,7 @@ def mha_bound(
     shape = (*outer, heads, rows, params.v_width // heads)
 
     def gather(pick: Any) -> np.ndarray:
-        return _merge(
+        return merge_heads(
             np.stack([pick(results[i]) for i in np.ndindex(*outer, heads)]).reshape(shape)
         )
 

@@ -28,7 +28,13 @@ from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.bounds.a_priori import attention_bound_a_priori
-from mhanum.bounds.attention import PROBABILISTIC, attention_bound, head_output_bound
+from mhanum.bounds.attention import (
+    PROBABILISTIC,
+    attention_bound,
+    head_output_bound,
+    merge_heads,
+    split_heads,
+)
 from mhanum.bounds.factors import (
     chain,
     division_error,
@@ -1274,17 +1280,6 @@ class MHAGradientBounds(NamedTuple):
     dbias: Bound
 
 
-def _heads(x: np.ndarray, heads: int) -> np.ndarray:
-    """``(..., L, H·d)`` to ``(..., H, L, d)``."""
-    return np.swapaxes(x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads), -2, -3)
-
-
-def _unheads(x: np.ndarray) -> np.ndarray:
-    """``(..., H, L, d)`` to ``(..., L, H·d)``."""
-    x = np.swapaxes(x, -2, -3)
-    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
-
-
 def _rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1])
 
@@ -1399,7 +1394,9 @@ def mha_grad_bound(
             if not (np.abs(x64) + e_in[xn] <= fin.max_finite).all():
                 why = [f"{xn}: values may overflow the input format {fin.name}", *why]
             fail(why, names)
-            proj[name] = tuple(_heads(a, heads) for a in (lin.y, lin.given, lin.error(e_in[xn])))
+            proj[name] = tuple(
+                split_heads(a, heads) for a in (lin.y, lin.given, lin.error(e_in[xn]))
+            )
         # (b) dO = fl_out(Ĝ Ŵoᵀ)
         e_g = rounding_error(g, fin)
         ag, awo, e_wo = np.abs(g), np.abs(wt["wo"]).T, rounding_error(wt["wo"], fin).T
@@ -1421,9 +1418,9 @@ def mha_grad_bound(
         eps_o, o_mid, o_given, fwd_why = fwd
         fail(fwd_why, names)
         heads_in = _Inputs(
-            q, k, v, _heads(do_mid, heads), keep, hb, c64, u64,
-            given=(rq, rk, rv, _heads(do_rad, heads)),
-            errors=(eq, ek, ev, _heads(np.asarray(do_err), heads)),
+            q, k, v, split_heads(do_mid, heads), keep, hb, c64, u64,
+            given=(rq, rk, rv, split_heads(do_rad, heads)),
+            errors=(eq, ek, ev, split_heads(np.asarray(do_err), heads)),
             sources=(storage, storage, storage, out),
             forward=(eps_o, fwd_why),
         )  # fmt: skip
@@ -1433,9 +1430,9 @@ def mha_grad_bound(
             b = getattr(gb, n)
             if not np.isfinite(b.total).all():
                 fail(b.reasons or (f"{n}: infinite",), [r for r in reach if r in hit])
-        dq = (_unheads(dsd["dq_up"]), _unheads(np.asarray(gb.dq.total)))
-        dk = (_unheads(dsd["dk_up"]), _unheads(np.asarray(gb.dk.total)))
-        dv = (_unheads(dsd["dv_up"]), _unheads(np.asarray(gb.dv.total)))
+        dq = (merge_heads(dsd["dq_up"]), merge_heads(np.asarray(gb.dq.total)))
+        dk = (merge_heads(dsd["dk_up"]), merge_heads(np.asarray(gb.dk.total)))
+        dv = (merge_heads(dsd["dv_up"]), merge_heads(np.asarray(gb.dv.total)))
         # (d) the inputs' and the parameters' gradients
         ws = {n: (np.abs(wt[n]).T, rounding_error(wt[n], fin).T) for n in ("wq", "wk", "wv")}
         results = {
@@ -1447,8 +1444,8 @@ def mha_grad_bound(
                 fail, ("dx_kv",),
             ),
         }  # fmt: skip
-        o_up = _unheads(np.abs(o_mid) + o_given)
-        o_err = _unheads(eps_o)
+        o_up = merge_heads(np.abs(o_mid) + o_given)
+        o_err = merge_heads(eps_o)
         for n, a, a_err, b_, where in (
             ("wq", np.abs(xq), e_in["x_q"], dq, "x_qᵀ dQ"),
             ("wk", np.abs(xkv), e_in["x_kv"], dk, "x_kvᵀ dK"),
