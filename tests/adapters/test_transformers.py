@@ -123,10 +123,10 @@ def test_load_holds_the_same_layer(checkpoint, fwd, berts, references, path):
     np.testing.assert_array_equal(adapter.run(built, x, mask), adapter.run(pretrained, x, mask))
 
 
-def test_mask_forms_are_the_documented_ones(berts, fwd):
+def test_mask_forms_are_the_documented_ones(checkpoint, berts, fwd):
     """eager: an additive float mask of 0 / finfo(float32).min; sdpa: booleans, True = attend;
     sdpa without padding: no mask at all."""
-    hidden = torch.zeros((*fwd.batch.ids.shape, 384))
+    hidden = torch.zeros((*fwd.batch.ids.shape, checkpoint.config.hidden_size))
     two_d = torch.from_numpy(fwd.batch.valid.astype(np.int64))
     keys = fwd.batch.valid[:, None, None, :]
     eager = create_bidirectional_mask(
@@ -148,6 +148,22 @@ def test_mask_forms_are_the_documented_ones(berts, fwd):
         )
         is None
     )
+
+
+def test_sdpa_runs_torchs_cpu_flash_kernel(fwd, berts, references):
+    """numerics("sdpa") is torch's flash kernel: forcing it changes no bit of the layer."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    x, _ = references[0]
+    layer = berts["sdpa"].encoder.layer[0].attention
+    mask = fwd.batch.key_mask
+    free = adapter.run(layer, x, mask)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        flash = adapter.run(layer, x, mask)
+    with sdpa_kernel([SDPBackend.MATH]):
+        math_backend = adapter.run(layer, x, mask)
+    np.testing.assert_array_equal(free, flash)
+    assert not np.array_equal(free, math_backend)
 
 
 def test_eager_gives_padded_keys_exactly_zero_weight(berts, fwd, references):
