@@ -15,7 +15,7 @@ import pytest
 
 import mhanum
 
-HEAVY = ("hypothesis", "scipy", "matplotlib", "torch", "tensorflow", "flax", "jax")
+HEAVY = ("hypothesis", "scipy", "matplotlib", "torch", "tensorflow", "flax", "jax", "transformers")
 
 
 def run_fresh(code: str) -> object:

@@ -16,6 +16,10 @@ same functions:
 * ``PATHS`` and ``version()``.
 
 :func:`available` lists the adapters whose framework is installed, without importing any.
+
+``mhanum.adapters.transformers`` (Hugging Face BERT, eager and sdpa attention) follows the same
+pattern for a self-attention layer (``run(layer, x, mask)``: one input, key-padding masks), so it
+is not among :data:`ADAPTERS`, which :func:`mhanum.compare` runs on any query and key inputs.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ def _mask_constant(text: str) -> float | str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``mhanum audit``."""
-    from mhanum.models import DEFAULT_PRESETS
+    from mhanum.models import DEFAULT_PRESETS, FRAMEWORKS
 
     parser.add_argument(
         "model",
@@ -86,6 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="JSON Lines file of finished layers: a rerun skips them (append-only)",
     )
+    parser.add_argument(
+        "--framework",
+        action="append",
+        dest="frameworks",
+        default=None,
+        choices=FRAMEWORKS,
+        help="also run each layer by this framework path (needs transformers); repeat for several",
+    )
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the audit as JSON")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --json file")
 
@@ -106,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
                 tolerance=args.tolerance,
                 masks=args.mask_constants or models.DEFAULT_MASK_CONSTANTS,
                 layers=args.layers,
+                frameworks=args.frameworks or (),
                 executor=executor,
                 journal=args.journal,
             )

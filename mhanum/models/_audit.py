@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -50,6 +52,11 @@ tf32 operands < float32 < float64); at equal width, half-precision accumulation 
 accumulation, tensor cores before the emulated float32 path, bfloat16 before float16 (its
 accumulation costs the same, its conversions are a truncation), and the TPU's bfloat16 passes in
 their number. "Cheapest preset meeting the tolerance" means the first in this order."""
+
+FRAMEWORKS = ("transformers-eager", "transformers-sdpa")
+"""The framework code paths :func:`audit` can also run on each layer (``frameworks=``): Hugging
+Face ``transformers``' BERT attention, eager and sdpa (:mod:`mhanum.adapters.transformers`,
+``pip install 'mhanum[hf]'``)."""
 
 DEFAULT_MASK_CONSTANTS: tuple[float | str, ...] = (-1e4, -1e9, "finfo.min", -math.inf)
 """The additive padding constants analysed: -10000 (BERT's original code and ``transformers``
@@ -145,6 +152,33 @@ class PresetAudit:
 
 
 @dataclasses.dataclass(frozen=True)
+class FrameworkAudit:
+    """One layer run by a real framework code path in float32: ``transformers``' own
+    ``BertAttention`` of the layer (self-attention and ``output.dense``, read from the same
+    checkpoint) on the layer's input rounded to float32, against the certified reference of the
+    float64 input, with Theorem A.2 for the path's numerics (which charges that rounding), over
+    the sentences' tokens.
+
+    Attributes:
+        framework: the path's name (see :data:`FRAMEWORKS`).
+        version: the framework's installed version.
+        error: the largest absolute error of an output component.
+        normwise: the normwise relative error (max-norm).
+        bound: the largest A.2 bound of a component.
+        ratio: the largest ``error / bound`` (at most 1).
+        numerics: the path's :class:`~mhanum.Numerics`, as its one-line ``describe()``.
+    """
+
+    framework: str
+    version: str
+    error: float
+    normwise: float
+    bound: float
+    ratio: float
+    numerics: str
+
+
+@dataclasses.dataclass(frozen=True)
 class MaskVerdict:
     """A padding constant added to the masked keys' logits, in a preset's score format.
 
@@ -195,6 +229,8 @@ class LayerAudit:
         heads: each head's :class:`HeadStats`.
         presets: each preset's :class:`PresetAudit`, in the order asked.
         masks: each (preset, constant) :class:`MaskVerdict`.
+        frameworks: each framework path's :class:`FrameworkAudit`, in the order asked (empty
+            unless asked).
     """
 
     layer: int
@@ -202,6 +238,7 @@ class LayerAudit:
     heads: tuple[HeadStats, ...]
     presets: tuple[PresetAudit, ...]
     masks: tuple[MaskVerdict, ...]
+    frameworks: tuple[FrameworkAudit, ...] = ()
 
     def preset(self, name: str) -> PresetAudit:
         """The audit of preset ``name``.
@@ -231,6 +268,7 @@ class Audit:
             ``tolerance`` on every audited layer (``None`` without a tolerance or if none is).
         cheapest_certified: likewise with the A.2 bound at most ``tolerance``: a guarantee for
             these sentences, not only an observation.
+        frameworks: the framework paths run, in the order asked (see :data:`FRAMEWORKS`).
     """
 
     model: str
@@ -241,15 +279,16 @@ class Audit:
     layers: tuple[LayerAudit, ...]
     cheapest_measured: str | None
     cheapest_certified: str | None
+    frameworks: tuple[str, ...] = ()
 
     @property
     def within_bounds(self) -> bool:
-        """Whether every measured error is within its bound (layers and heads)."""
+        """Whether every measured error is within its bound (layers, heads, framework paths)."""
         return all(
             (p.ratio is None or p.ratio <= 1) and all(h.ratio <= 1 for h in p.heads)
             for layer in self.layers
             for p in layer.presets
-        )
+        ) and all(f.ratio <= 1 for layer in self.layers for f in layer.frameworks)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (``inf`` and ``-inf`` as floats, which :mod:`json` writes as
@@ -404,13 +443,22 @@ def audit_preset(ref: LayerReference, preset: str) -> PresetAudit:
 
 def layer_task(spec: tuple[Any, ...], seed: Any = None) -> dict[str, Any]:
     """One layer's audit as JSON: the task :func:`audit` maps over the layers. ``spec`` is
-    ``(layer, params, num_heads, x, batch, presets, mask constants)``; ``seed`` is unused (the
-    audit draws nothing)."""
-    layer, params, heads, x, batch, names, constants = spec
+    ``(layer, params, num_heads, x, batch, presets, mask constants[, checkpoint directory,
+    frameworks])``; ``seed`` is unused (the audit draws nothing). A framework's model is read
+    from the checkpoint directory once per process (:func:`framework_model`)."""
+    layer, params, heads, x, batch, names, constants, *rest = spec
+    directory, frameworks = rest if rest else (None, ())
     ref = layer_reference(layer, params, heads, x, batch)
     per_preset = tuple(audit_preset(ref, name) for name in names)
     masks_i = mask_verdicts(ref.score_bound, ref.x.shape[-2], names, constants)
-    return dataclasses.asdict(LayerAudit(layer, ref.score_bound, ref.heads, per_preset, masks_i))
+    runs = tuple(
+        audit_framework(
+            ref, name, framework_model(str(directory), name).encoder.layer[layer].attention
+        )
+        for name in frameworks
+    )
+    audit = LayerAudit(layer, ref.score_bound, ref.heads, per_preset, masks_i, runs)
+    return dataclasses.asdict(audit)
 
 
 def layer_from_json(data: dict[str, Any]) -> LayerAudit:
@@ -431,7 +479,57 @@ def layer_from_json(data: dict[str, Any]) -> LayerAudit:
         heads=tuple(HeadStats(**h) for h in data["heads"]),
         presets=presets,
         masks=tuple(MaskVerdict(**m) for m in data["masks"]),
+        frameworks=tuple(FrameworkAudit(**f) for f in data.get("frameworks", ())),
     )
+
+
+def audit_framework(ref: LayerReference, framework: str, layer: Any) -> FrameworkAudit:
+    """One layer run by a framework path (see :class:`FrameworkAudit`).
+
+    Args:
+        ref: the layer's reference (:func:`layer_reference`).
+        framework: a name from :data:`FRAMEWORKS`.
+        layer: the framework's module of that layer (for ``transformers-*``, the model's
+            ``encoder.layer[i].attention``, e.g. from
+            :func:`mhanum.adapters.transformers.load_layer`).
+
+    Raises:
+        InvalidArgument: for an unknown framework name, or a module the adapter refuses.
+    """
+    (name,) = _parse_frameworks((framework,))
+    from mhanum.adapters import transformers as hf
+
+    path = name.removeprefix("transformers-")
+    x, params, heads, valid = ref.x, ref.params, ref.num_heads, ref.valid
+    out = np.asarray(hf.run(layer, x.astype(np.float32), ref.mask, path=path), np.float64)
+    errors = measure.errors(out[valid], ref.exact[valid])
+    num = hf.numerics(path)
+    bound = bounds.mha_bound(x, x, params, heads, mask=ref.mask, numerics=num)
+    total = np.broadcast_to(np.asarray(bound.total, np.float64), out.shape)
+    return FrameworkAudit(
+        framework=name,
+        version=hf.version(),
+        error=errors.max_abs,
+        normwise=errors.normwise_max,
+        bound=float(total[valid].max()),
+        ratio=_ratio(np.abs(out - ref.exact)[valid], total[valid]),
+        numerics=num.describe(),
+    )
+
+
+def _parse_frameworks(frameworks: Sequence[str] | str) -> tuple[str, ...]:
+    names = (frameworks,) if isinstance(frameworks, str) else tuple(frameworks)
+    for name in names:
+        if name not in FRAMEWORKS:
+            msg = f"frameworks: expected names from {', '.join(FRAMEWORKS)}, got {name!r}"
+            raise InvalidArgument(msg)
+    if names and importlib.util.find_spec("transformers") is None:
+        msg = (
+            f"frameworks: {names[0]!r} needs transformers, which is not installed "
+            "(pip install 'mhanum[hf]')"
+        )
+        raise InvalidArgument(msg)
+    return tuple(dict.fromkeys(names))
 
 
 def mask_verdicts(
@@ -522,6 +620,7 @@ def audit(
     layers: Iterable[int] | None = None,
     executor: Any = None,
     journal: str | Path | None = None,
+    frameworks: Sequence[str] | str = (),
 ) -> Audit:
     """Audit every attention layer of a BERT checkpoint on real sentences, under each preset.
 
@@ -544,6 +643,10 @@ def audit(
     float32 < float64), whose measured error, and the cheapest whose bound, is within it on
     every audited layer.
 
+    With ``frameworks``, each layer is also run by those real framework code paths
+    (``transformers``' eager and sdpa BERT attention, read from the same checkpoint) and measured
+    the same way (:class:`FrameworkAudit`).
+
     The work is one task per layer (:func:`layer_task`: :func:`layer_reference`, then
     :func:`audit_preset` per preset), run by :func:`mhanum.parallel.run_tasks` in this process
     or on an ``executor``; a layer's result is the same wherever it ran.
@@ -557,6 +660,8 @@ def audit(
         masks: padding constants: negative numbers, ``-inf``, ``"finfo.min"`` or
             ``"c*finfo.min"``.
         layers: the layer indices to audit (default all).
+        frameworks: framework paths to run too, names from :data:`FRAMEWORKS` (default none;
+            they need ``transformers``: ``pip install 'mhanum[hf]'``).
         executor: where the layers run: ``None`` (in this process), a
             ``concurrent.futures.Executor`` (:func:`mhanum.parallel.default_executor`: spawned
             processes) or a ``distributed.Client``.
@@ -574,6 +679,7 @@ def audit(
     names = _parse_presets(presets)
     tol = _parse_tolerance(tolerance)
     constants = _parse_masks(masks)
+    paths = _parse_frameworks(frameworks)
     checkpoint = load_checkpoint(model)
     n_layers = checkpoint.num_layers
     chosen = (
@@ -590,7 +696,7 @@ def audit(
     heads = checkpoint.config.num_attention_heads
     tasks = [
         (f"layer {i}", (i, checkpoint.attention_params(i), heads, fwd.layer_inputs[i], fwd.batch,
-                        names, constants))
+                        names, constants, str(checkpoint.path), paths))
         for i in chosen
     ]  # fmt: skip
     campaign = {
@@ -598,6 +704,7 @@ def audit(
         "sentences": list(fwd.batch.sentences),
         "presets": list(names),
         "masks": [c if isinstance(c, str) else repr(float(c)) for c in constants],
+        "frameworks": list(paths),
     }
     results = parallel.run_tasks(
         layer_task, tasks, executor=executor, journal=journal, campaign=campaign
@@ -612,7 +719,17 @@ def audit(
         layers=tuple(audited),
         cheapest_measured=_cheapest(names, tol, audited, lambda p: p.error),
         cheapest_certified=_cheapest(names, tol, audited, lambda p: p.bound),
+        frameworks=paths,
     )
+
+
+@functools.lru_cache(maxsize=4)
+def framework_model(directory: str, framework: str) -> Any:
+    """The framework's whole model of the checkpoint in ``directory``, read once per process
+    (every layer's task of an audit takes its layer from it)."""
+    from mhanum.adapters import transformers as hf
+
+    return hf.load_model(directory, path=framework.removeprefix("transformers-"))
 
 
 def _g(x: float | None) -> str:
@@ -634,7 +751,7 @@ def render(result: Audit) -> str:
     lines = [f"model: {result.model}"]
     for s, t in zip(result.sentences, result.tokens, strict=True):
         lines.append(f"sentence ({len(t)} tokens): {s}")
-    width = max(len(name) for name in result.presets) + 2
+    width = max(len(name) for name in (*result.presets, *result.frameworks)) + 2
     for layer in result.layers:
         lines += ["", f"layer {layer.layer}: max |logit| {layer.score_bound:.3g}"]
         widths: tuple[int, ...] = (width, 10, 10, 10, 10, 2)
@@ -643,6 +760,9 @@ def render(result: Audit) -> str:
         for p in layer.presets:
             row = (p.preset, _g(p.error), _g(p.bound), _g(p.ratio), _g(p.a_priori), "")
             lines.append(_row(row, widths) + (p.dominant_term or p.note))
+        for f in layer.frameworks:
+            row = (f.framework, _g(f.error), _g(f.bound), _g(f.ratio), "-", "")
+            lines.append(_row(row, widths) + f"(transformers {f.version}, float32)")
         lines += [
             f"  a priori inf in {p.preset}: {p.a_priori_reasons[0]}"
             for p in layer.presets

@@ -9,7 +9,7 @@ import pytest
 
 from mhanum import InvalidArgument, adapters
 
-FRAMEWORKS = ("torch", "tensorflow", "keras", "flax")
+FRAMEWORKS = ("torch", "tensorflow", "keras", "flax", "transformers")
 
 
 def test_import_mhanum_imports_no_framework():
