@@ -28,9 +28,11 @@ class MHAGradients(NamedTuple):
     :class:`mhanum.MHAParams` holding the gradient of every weight and bias (``None`` where the
     layer has no such bias; summed over the batch), and ``dbias``, the gradient with respect to
     the logits' additive bias, ``(..., H, Lq, Lk)``. For self-attention (``x_q`` and ``x_kv`` the
-    same array) the input's gradient is ``dx_q + dx_kv``."""
+    same array) the input's gradient is ``dx_q + dx_kv``. With sinks, ``dsink``: the gradient
+    of every head's sink logit, ``(..., H)`` (sum it over the batch for a shared sink)."""
 
     dx_q: Any
     dx_kv: Any
     params: Any
     dbias: Any
+    dsink: Any = None

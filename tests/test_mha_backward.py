@@ -175,3 +175,36 @@ def test_torch_multihead_attention_autograd_is_within_theorem_b6(path):
         err = np.abs(x - want)
         assert (err <= b.total).all(), (name, float(np.max(err / b.total)))
         assert np.max(err) > 0, name  # float32 does round
+
+
+@pytest.mark.parametrize("algorithm", ["textbook", "flash2"])
+@pytest.mark.parametrize(
+    "variant", [{"sink": np.array([0.5, -1.0])}, {"softcap": 1.5}, {"sink": 0.3, "softcap": 0.7}]
+)
+def test_sinks_and_soft_caps_are_within_theorem_b6(variant, algorithm):
+    """A sink per head (one more key: zero key and value) with its gradient dsink (..., H), and
+    a soft-cap in every head (Theorem B.7 per head), against the certified reference."""
+    x_q, x_kv, g = _case(seed=12, lk=6)
+    params = _params(8, seed=13)
+    mask = np.tril(np.ones((6, 6), bool))
+    backward = Backward(algorithm, block_q=2, block_k=2) if algorithm == "flash2" else algorithm
+    got = mhanum.mha_grad(
+        x_q, x_kv, params, HEADS, g, mask=mask, numerics="bf16-fp32acc", backward=backward,
+        **variant,
+    )  # fmt: skip
+    exact = reference.mha_grad(x_q, x_kv, params, HEADS, g, mask=mask, digits=17, **variant)
+    bounds = mha_grad_bound(
+        x_q, x_kv, params, HEADS, g, mask=mask, numerics="bf16-fp32acc", backward=backward,
+        **variant,
+    )  # fmt: skip
+    pairs = list(_pairs(got, exact, bounds))
+    if "sink" in variant:
+        assert np.shape(got.dsink) == np.shape(exact.dsink) == (2, HEADS)
+        pairs.append(("dsink", got.dsink, exact.dsink, bounds.dsink))
+        assert np.all(exact.params.bk != 0)  # the sink key is not projected: Σ dK ≠ 0
+    else:
+        assert got.dsink is None
+    for name, x, want, b in pairs:
+        err = np.abs(np.asarray(x, np.float64) - want)
+        assert np.isfinite(b.total).all(), (name, b.reasons)
+        assert (err <= b.total).all(), (name, float(np.max(err / b.total)))

@@ -1721,13 +1721,15 @@ def head_output_bound(
     default_scale: bool,
     errors: tuple[np.ndarray, np.ndarray, np.ndarray],
     given: tuple[np.ndarray, np.ndarray, np.ndarray],
+    softcap: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[str, ...]]:
     """Theorem A.1 for heads whose operands are themselves computed (A.2, step (b)).
 
     ``q, k, v`` ``(..., L, d)`` (any batch of heads) stand in for the exact operands within
     ``given``; the computed ones the kernel reads are within ``errors`` of the exact ones;
     ``keep`` ``(..., Lq, Lk)`` marks the attended keys (every row attends one), ``bias`` is
-    finite where ``keep``. Returns ``(err, o, o_given, reasons)``: ``|Ô - O*| <= err`` (``inf``
+    finite where ``keep``; ``softcap`` as for :func:`attention_bound`. Returns
+    ``(err, o, o_given, reasons)``: ``|Ô - O*| <= err`` (``inf``
     where a stage may overflow, with the reasons), the float64 output ``o`` and ``|o - O*| <=
     o_given``.
     """
@@ -1741,7 +1743,7 @@ def head_output_bound(
             terms, o, o_given, _, ranges = _head_rows(
                 q[i], k[i], v[i], keep[i], None if bias is None else bias[i], num, scale,
                 default_scale, (errors[0][i], errors[1][i], errors[2][i]),
-                (given[0][i], given[1][i], given[2][i]),
+                (given[0][i], given[1][i], given[2][i]), softcap=softcap,
             )  # fmt: skip
         total = np.sum(list(terms.values()), axis=0)
         for name in ("overflow", "vacuous"):

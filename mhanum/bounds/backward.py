@@ -1278,6 +1278,7 @@ class MHAGradientBounds(NamedTuple):
     dx_kv: Bound
     params: dict[str, Bound]
     dbias: Bound
+    dsink: Bound | None = None
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
@@ -1296,6 +1297,8 @@ def mha_grad_bound(
     scale: float | None = None,
     numerics: Numerics | str | None = None,
     backward: Backward | str | None = None,
+    sink: Any = None,
+    softcap: float | None = None,
 ) -> MHAGradientBounds:
     """Componentwise bounds on the error of every gradient of multi-head attention (Theorem B.6).
 
@@ -1321,11 +1324,13 @@ def mha_grad_bound(
     overflow reaches is ``inf``, with the reason in ``Bound.reasons``.
 
     Args:
-        x_q, x_kv, params, num_heads, d_out, mask, bias, scale, numerics, backward: as for
-            :func:`mhanum.emulate.backward.mha_grad`.
+        x_q, x_kv, params, num_heads, d_out, mask, bias, scale, numerics, backward, sink,
+            softcap: as for :func:`mhanum.emulate.backward.mha_grad` (a sink is one more key of
+            every head, B.1/B.2 with it, and ``dsink`` is bounded as in
+            :func:`attention_grad_bound`; a soft-cap by Theorem B.7).
 
     Returns:
-        :class:`MHAGradientBounds`. Each :class:`Bound`'s terms: ``upstream`` (the error of the
+        :class:`MHAGradientBounds` (``dsink``: the sinks' bound, ``(..., H)``, with sinks). Each :class:`Bound`'s terms: ``upstream`` (the error of the
         gradient the last dot reads: ``dQ``, ``dK``/``dV``, ``G``), ``inputs`` (the other
         operand's: weights, inputs, the forward output), ``accumulation`` and ``output``;
         ``dbias`` as :func:`attention_grad_bound`'s.
@@ -1348,15 +1353,23 @@ def mha_grad_bound(
     bw = resolve_backward(backward)
     _check_scope(num, bw)
     xq, xkv, g, heads, batch = V.mha_gradient_inputs(x_q, x_kv, params, num_heads, d_out)
+    lq, lk = xq.shape[-2], xkv.shape[-2]
+    target = (*batch, heads, lq, lk)
+    cap = V.softcap_value(softcap)
+    if cap is not None:
+        num.check_softcap()
+    if sink is not None:  # one more key per head: zero key and value, bias σ, never masked
+        num.check_sink()
+        mask, bias, target = masks.head_sinks(mask, bias, sink, target)
+        batch = tuple(target[:-3])
     xq, xkv, g = (
         np.broadcast_to(np.asarray(a, np.float64), (*batch, *a.shape[-2:])) for a in (xq, xkv, g)
     )
-    lq, lk = xq.shape[-2], xkv.shape[-2]
-    target = (*batch, heads, lq, lk)
-    bw.key_blocks(lk)
+    n_keys = target[-1]
+    bw.key_blocks(n_keys)
     # the mask and the bias, checked as for one attention
     dummy = np.zeros((*target[:-1], 1))
-    x0 = _inputs(dummy, np.zeros((*target[:-2], lk, 1)), np.zeros((*target[:-2], lk, 1)),
+    x0 = _inputs(dummy, np.zeros((*target[:-2], n_keys, 1)), np.zeros((*target[:-2], n_keys, 1)),
                  dummy, mask, bias, scale, num)  # fmt: skip
     c64 = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
     u64 = 0.0
@@ -1408,12 +1421,21 @@ def mha_grad_bound(
         do_mid = g @ wt["wo"].T
         do_rad = _f64_dot(params.d_out) * (ag @ awo)
         # (c) every head's backward, on those enclosures
+        if sink is not None:  # the sink's key and value: exact zeros
+            for n in "kv":
+                proj[n] = tuple(masks.zero_key(np.broadcast_to(a, (*target[:-2], *a.shape[-2:])))
+                                for a in proj[n])  # fmt: skip
+            proj["q"] = tuple(np.broadcast_to(a, (*target[:-2], *a.shape[-2:])) for a in proj["q"])
+            do_mid, do_rad, do_err = (
+                np.broadcast_to(a, (*target[:-3], *np.shape(a)[-2:]))
+                for a in (do_mid, do_rad, np.asarray(do_err))
+            )
         (q, rq, eq), (k, rk, ek), (v, rv, ev) = (proj[n] for n in "qkv")
         keep, hb = x0.keep, x0.bias
         keep = np.broadcast_to(keep, target)
         hb = None if hb is None else np.broadcast_to(hb, target)
         fwd = head_output_bound(
-            q, k, v, keep, hb, num, c64, scale is None, (eq, ek, ev), (rq, rk, rv)
+            q, k, v, keep, hb, num, c64, scale is None, (eq, ek, ev), (rq, rk, rv), cap
         )
         eps_o, o_mid, o_given, fwd_why = fwd
         fail(fwd_why, names)
@@ -1422,9 +1444,12 @@ def mha_grad_bound(
             given=(rq, rk, rv, split_heads(do_rad, heads)),
             errors=(eq, ek, ev, split_heads(np.asarray(do_err), heads)),
             sources=(storage, storage, storage, out),
-            forward=(eps_o, fwd_why),
+            forward=(eps_o, fwd_why), sink=sink is not None, cap=cap,
         )  # fmt: skip
         gb, dsd = _bound(heads_in, mask, bias, scale, num, bw)
+        if sink is not None:  # the sink's row of dk and dv, and its column of dbias, dropped
+            gb = _with_sink(gb, dsd, num, bw, None)
+            dsd = {**dsd, "dk_up": dsd["dk_up"][..., :-1, :], "dv_up": dsd["dv_up"][..., :-1, :]}
         for n, reach in (("dq", ("dx_q", "wq", "bq")), ("dk", ("dx_kv", "wk", "bk")),
                          ("dv", ("dx_kv", "wv", "bv")), ("dbias", ("dbias",))):  # fmt: skip
             b = getattr(gb, n)
@@ -1484,7 +1509,16 @@ def mha_grad_bound(
         bounds["dx_kv"],
         {n: bounds[n] for n in names if n not in ("dx_q", "dx_kv", "dbias")},
         bounds["dbias"],
+        None if sink is None else _finite_or_hit(gb.dsink, hit["dbias"], reasons),
     )
+
+
+def _finite_or_hit(bound: Bound | None, hit: bool, reasons: list[str]) -> Bound | None:
+    """A head stage's bound (``dsink``), infinite where a stage before the heads may overflow."""
+    if bound is None or not hit:
+        return bound
+    total = np.full(np.shape(bound.total), np.inf)
+    return dataclasses.replace(bound, total=total, reasons=tuple(reasons), theorem="B.6")
 
 
 def _grad_dot(

@@ -337,7 +337,9 @@ def _rows(x: jax.Array) -> jax.Array:
     return x.reshape(-1, x.shape[-1])
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "numerics", "backward", "scale"))
+@functools.partial(
+    jax.jit, static_argnames=("num_heads", "numerics", "backward", "scale", "sink", "softcap")
+)
 def _mha_grad_jit(
     x_q: Any,
     x_kv: Any,
@@ -350,6 +352,8 @@ def _mha_grad_jit(
     numerics: Numerics,
     backward: Backward,
     scale: float,
+    sink: bool = False,
+    softcap: float | None = None,
 ) -> tuple[Any, ...]:
     st = Stages(numerics, runtime_zero(x_q))
     x_q, x_kv, g = (to_format(x, st.input) for x in (x_q, x_kv, g))
@@ -359,7 +363,9 @@ def _mha_grad_jit(
         split_heads(project(st, x, w, b, st.storage), num_heads)
         for x, w, b in ((x_q, p.wq, p.bq), (x_kv, p.wk, p.bk), (x_kv, p.wv, p.bv))
     )
-    o = merge_heads(attend(st, q, k, v, mask, bias, scale))
+    if sink:  # the sink's key and value: zeros, the last of every row (masks.with_sink)
+        k, v = masks.zero_key(k, xp=jnp), masks.zero_key(v, xp=jnp)
+    o = merge_heads(attend(st, q, k, v, mask, bias, scale, softcap))
     out = st.output
 
     def grad_dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -371,8 +377,10 @@ def _mha_grad_jit(
     # the heads' cotangent, then every head's backward from its own operands
     d_o = grad_dot(g, _t(p.wo))
     qi, ki, vi, gi = (to_format(x, st.input) for x in (q, k, v, split_heads(d_o, num_heads)))
-    dq, dk, dv, dbias = _core(st, qi, ki, vi, gi, mask, bias, backward, scale, False)
-    dq, dk, dv = (merge_heads(x) for x in (dq, dk, dv))
+    heads = _core(st, qi, ki, vi, gi, mask, bias, backward, scale, sink, softcap)
+    dq, dk, dv = (merge_heads(x) for x in heads[:3])
+    dbias = heads[3]
+    dsink = heads[4].astype(out.jax_dtype) if sink else None
     # the inputs: dx_kv is one dot over [dK dV] against [wk wv] (a packed in-projection)
     dx_q = grad_dot(dq, _t(p.wq))
     dx_kv = grad_dot(jnp.concatenate([dk, dv], -1), _t(jnp.concatenate([p.wk, p.wv], -1)))
@@ -386,7 +394,7 @@ def _mha_grad_jit(
         grads[name] = None if getattr(p, name) is None else grad_sum(d)
     dtype = out.jax_dtype
     cast = {n: None if a is None else a.astype(dtype) for n, a in grads.items()}
-    return dx_q.astype(dtype), dx_kv.astype(dtype), cast, dbias.astype(dtype)
+    return dx_q.astype(dtype), dx_kv.astype(dtype), cast, dbias.astype(dtype), dsink
 
 
 def mha_grad(
@@ -401,6 +409,8 @@ def mha_grad(
     scale: float | None = None,
     numerics: Numerics | str | None = None,
     backward: Backward | str | None = None,
+    sink: Any = None,
+    softcap: float | None = None,
 ) -> MHAGradients:
     r"""The gradients of ``<d_out, multi_head_attention(x_q, x_kv, params, H)>`` with explicit
     numerics: the forward of :func:`mhanum.multi_head_attention`, then
@@ -424,12 +434,16 @@ def mha_grad(
         d_out: the output's cotangent ``(..., Lq, d_out)``, rounded to ``numerics.input``.
         backward: a :class:`mhanum.numerics.Backward` or an algorithm name, as for
             :func:`attention_grad`.
+        sink: attention sinks, one logit per head, as for
+            :func:`mhanum.multi_head_attention`: each head's ``dsink`` as
+            :func:`attention_grad` computes it, ``(..., H)``.
+        softcap: the logit soft-cap of every head, as for :func:`attention_grad`.
 
     Returns:
-        :class:`mhanum.gradients.MHAGradients` ``(dx_q, dx_kv, params, dbias)``, each in the
-        dtype that stores ``numerics.output_format``. Grouped-query layers: expand them with
-        :meth:`MHAParams.expand_kv_heads` (the gradient of a shared key/value head is the sum
-        of its query heads' columns). Sinks and soft-capping are refused by name.
+        :class:`mhanum.gradients.MHAGradients` ``(dx_q, dx_kv, params, dbias[, dsink])``, each
+        in the dtype that stores ``numerics.output_format`` (``dbias`` without the sink's
+        column). Grouped-query layers: expand them with :meth:`MHAParams.expand_kv_heads` (the
+        gradient of a shared key/value head is the sum of its query heads' columns).
 
     Raises:
         InvalidArgument: for bad inputs (named), as :func:`mhanum.multi_head_attention` and
@@ -453,7 +467,14 @@ def mha_grad(
     if mask is not None:
         mask = V.bool_mask(mask, target)
     num.check_bias(bias)
-    bw.key_blocks(x_kv.shape[-2])
+    cap = V.softcap_value(softcap)
+    if cap is not None:
+        num.check_softcap()
+    if sink is not None:
+        num.check_sink()
+        mask, bias, target = masks.head_sinks(mask, bias, sink, target)
+        batch = target[:-3]
+    bw.key_blocks(target[-1])
     if bias is not None:
         bias = bias_array(bias, target, num.format_of("score"))
     factor = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
@@ -462,7 +483,8 @@ def mha_grad(
         jnp.broadcast_to(host_round(x, fmt), (*batch, *np.shape(x)[-2:])) for x in (x_q, x_kv, g)
     )
     params = jax.tree_util.tree_map(lambda w: host_round(w, fmt), params)
-    dx_q, dx_kv, grads, dbias = _mha_grad_jit(
-        xq, xkv, params, gj, mask, bias, num_heads=heads, numerics=num, backward=bw, scale=factor
-    )
-    return MHAGradients(dx_q, dx_kv, MHAParams(**grads), dbias)
+    dx_q, dx_kv, grads, dbias, dsink = _mha_grad_jit(
+        xq, xkv, params, gj, mask, bias, num_heads=heads, numerics=num, backward=bw, scale=factor,
+        sink=sink is not None, softcap=cap,
+    )  # fmt: skip
+    return MHAGradients(dx_q, dx_kv, MHAParams(**grads), dbias, dsink)

@@ -387,6 +387,8 @@ def mha_grad(
     scale: float | None = None,
     digits: int = 20,
     max_prec: int = 8192,
+    sink: Any = None,
+    softcap: float | None = None,
 ) -> MHAGradients:
     """Certified gradients of multi-head attention: the exact backward pass of the given floats.
 
@@ -405,10 +407,14 @@ def mha_grad(
         d_out: the output's cotangent ``(..., Lq, d_out)``.
         scale: the logit scale; default ``1/sqrt(d_k)``.
         digits, max_prec: as for :func:`attention`.
+        sink: attention sinks, one logit per head, as for :func:`multi_head_attention`: each
+            head's sink is one more key (zero key and value, bias ``σ``) whose gradient is
+            ``dsink`` ``(..., H)``, the sum of its column of ``dS``.
+        softcap: the logit soft-cap of every head, as for :func:`attention_grad`.
 
     Returns:
-        :class:`mhanum.gradients.MHAGradients` ``(dx_q, dx_kv, params, dbias)`` in float64, the
-        inputs' gradients broadcast to the batch.
+        :class:`mhanum.gradients.MHAGradients` ``(dx_q, dx_kv, params, dbias[, dsink])`` in
+        float64, the inputs' gradients broadcast to the batch.
 
     Raises:
         InvalidArgument: for bad inputs (named) or a row that attends no key.
@@ -427,17 +433,19 @@ def mha_grad(
     xq64, xkv64, g64, heads, batch = V.mha_gradient_inputs(x_q, x_kv, params, num_heads, d_out)
     xq64, xkv64, g64 = (np.asarray(x, np.float64) for x in (xq64, xkv64, g64))
     shape = (*batch, heads, xq64.shape[-2], xkv64.shape[-2])
+    if sink is not None:
+        mask, bias, shape = masks.head_sinks(mask, bias, sink, shape)
     d_k = params.qk_width // heads
-    spec = _score_spec(mask, bias, _check_scale(scale), shape, d_k, "zero", None)
+    spec = _score_spec(mask, bias, _check_scale(scale), shape, d_k, "zero", softcap)
     if spec.excluded.all(axis=-1).any():
         msg = "mask: expected every row to attend some key (an empty softmax has no gradient)"
         raise InvalidArgument(msg)
     params64 = _params_float64(params)
-    dx_q, dx_kv, dbias, grads = _arb_backend().mha_grad(
-        xq64, xkv64, g64, params64, heads, spec, options
+    dx_q, dx_kv, dbias, grads, dsink = _arb_backend().mha_grad(
+        xq64, xkv64, g64, params64, heads, spec, options, sink=sink is not None
     )
     names = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
-    return MHAGradients(dx_q, dx_kv, MHAParams(**{n: grads.get(n) for n in names}), dbias)
+    return MHAGradients(dx_q, dx_kv, MHAParams(**{n: grads.get(n) for n in names}), dbias, dsink)
 
 
 def multi_head_attention(

@@ -306,6 +306,18 @@ def _columns(flint: Any, m: Any, start: int, width: int) -> Any:
     return flint.arb_mat([[m[i, start + c] for c in range(width)] for i in range(m.nrows())])
 
 
+def _zero_row(flint: Any, m: Any) -> Any:
+    """``m`` with one more row of zeros (a sink's key or value)."""
+    rows = [[m[i, c] for c in range(m.ncols())] for i in range(m.nrows())]
+    return flint.arb_mat([*rows, [0] * m.ncols()])
+
+
+def _first_rows(flint: Any, m: Any, count: int) -> Any:
+    if m.nrows() == count:
+        return m
+    return flint.arb_mat([[m[i, c] for c in range(m.ncols())] for i in range(count)])
+
+
 def _merge(flint: Any, heads: list[Any]) -> Any:
     """The heads' ``(L, d)`` matrices side by side, ``(L, H·d)``."""
     width = heads[0].ncols()
@@ -323,26 +335,32 @@ def mha_grad(
     num_heads: int,
     spec: Any,
     options: Any,
+    sink: bool = False,
 ) -> tuple[Any, ...]:
     """The gradients of ``<d_out, multi_head_attention(...)>``, certified with Arb balls:
     ``(dx_q, dx_kv, dbias, {name: weight or bias gradient})``. The projections, every head's
     backward (:func:`_head_grad`) and the chain rule through the projections run in balls.
     ``db_k`` is exactly 0 (``Σ_j dS_ij = 0`` in every row, so ``Σ_j dK_j = c Σ_i q_i Σ_j
-    dS_ij = 0``; with a soft-cap it is computed)."""
+    dS_ij = 0``; with a soft-cap or a sink it is computed). ``sink``: the last key of every head
+    is its sink (zero key and value; ``spec`` holds its bias column), whose ``dS`` column sum is
+    ``dsink``, ``(..., H)``, returned last."""
     batch = spec.excluded.shape[:-3]
     x_q, x_kv, d_out = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (x_q, x_kv, d_out))
     l_q, l_k = spec.excluded.shape[-2:]
+    keys = l_k - 1 if sink else l_k  # the real keys
     d_k = params.qk_width // num_heads
     d_v = params.v_width // num_heads
     names = [n for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
              if getattr(params, n) is not None]  # fmt: skip
-    shapes = [x_q.shape, x_kv.shape, (*batch, num_heads, l_q, l_k)]
+    shapes = [x_q.shape, x_kv.shape, (*batch, num_heads, l_q, keys)]
     shapes += [np.shape(getattr(params, n)) for n in names]
+    if sink:
+        shapes.append((*batch, num_heads))
     sizes = [math.prod(s) for s in shapes]
 
     def run(flint: Any) -> tuple[np.ndarray, np.ndarray]:
         values: list[Any] = [None] * len(shapes)
-        for i in range(3):
+        for i in (0, 1, 2, len(shapes) - 1):
             values[i] = np.empty(shapes[i], dtype=object)
         total: dict[str, Any] = {}
         scale = _scale(flint, spec.scale, d_k)
@@ -356,11 +374,14 @@ def mha_grad(
             dqs, dks, dvs, outs = [], [], [], []
             for h in range(num_heads):
                 bias = None if spec.bias is None else spec.bias[(*b, h)]
+                k_h, v_h = _columns(flint, k, h * d_k, d_k), _columns(flint, v, h * d_v, d_v)
+                if sink:  # the sink: one more key, zero key and value
+                    k_h, v_h = (_zero_row(flint, m) for m in (k_h, v_h))
                 d_q, d_k_, d_v_, d_s, o = _head_grad(
                     flint,
                     _columns(flint, q, h * d_k, d_k),
-                    _columns(flint, k, h * d_k, d_k),
-                    _columns(flint, v, h * d_v, d_v),
+                    k_h,
+                    v_h,
                     _columns(flint, d_o, h * d_v, d_v),
                     scale,
                     bias,
@@ -368,11 +389,13 @@ def mha_grad(
                     spec.softcap,
                 )
                 dqs.append(d_q)
-                dks.append(d_k_)
-                dvs.append(d_v_)
+                dks.append(_first_rows(flint, d_k_, keys))
+                dvs.append(_first_rows(flint, d_v_, keys))
                 outs.append(o)
-                for i, j in np.ndindex(l_q, l_k):
+                for i, j in np.ndindex(l_q, keys):
                     values[2][(*b, h, i, j)] = d_s[i, j]
+                if sink:
+                    values[-1][(*b, h)] = sum((d_s[i, keys] for i in range(l_q)), flint.arb(0))
             dq, dk, dv, o = (_merge(flint, m) for m in (dqs, dks, dvs, outs))
             dx_q = dq * w["wq"].transpose()
             dx_kv = dk * w["wk"].transpose() + dv * w["wv"].transpose()
@@ -382,7 +405,7 @@ def mha_grad(
                 values[1][(*b, i, j)] = dx_kv[i, j]
             xq, xkv = _matrix(flint, x_q[b]), _matrix(flint, x_kv[b])
             ones_q = flint.arb_mat([[1] * l_q])
-            ones_k = flint.arb_mat([[1] * l_k])
+            ones_k = flint.arb_mat([[1] * keys])
             parts = {
                 "wq": xq.transpose() * dq,
                 "wk": xkv.transpose() * dk,
@@ -395,7 +418,7 @@ def mha_grad(
             }
             for n in names:
                 total[n] = parts[n] if n not in total else total[n] + parts[n]
-        if "bk" in total and spec.softcap is None:  # Σ_j dS_ij = 0: exactly zero
+        if "bk" in total and spec.softcap is None and not sink:  # Σ_j dS_ij = 0: exactly 0
             total["bk"] = flint.arb_mat(1, params.qk_width)
         for t, n in enumerate(names):
             m = total[n]
@@ -411,7 +434,8 @@ def mha_grad(
     for shape, size in zip(shapes, sizes, strict=True):
         out.append(numbers[start : start + size].reshape(shape))
         start += size
-    return out[0], out[1], out[2], dict(zip(names, out[3:], strict=True))
+    grads = dict(zip(names, out[3 : 3 + len(names)], strict=True))
+    return out[0], out[1], out[2], grads, (out[-1] if sink else None)
 
 
 def multi_head_attention(
