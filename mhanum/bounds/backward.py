@@ -1434,9 +1434,13 @@ def mha_grad_bound(
         keep, hb = x0.keep, x0.bias
         keep = np.broadcast_to(keep, target)
         hb = None if hb is None else np.broadcast_to(hb, target)
-        fwd = head_output_bound(
-            q, k, v, keep, hb, num, c64, scale is None, (eq, ek, ev), (rq, rk, rv), cap
+        # the heads' forward output: B.2's D reads it from operands in the input format, the
+        # output projection's gradient from the storage format; the larger errors cover both
+        read = tuple(
+            e + _take(np.abs(m) + r + e, storage, fin)
+            for m, r, e in ((q, rq, eq), (k, rk, ek), (v, rv, ev))
         )
+        fwd = head_output_bound(q, k, v, keep, hb, num, c64, scale is None, read, (rq, rk, rv), cap)
         eps_o, o_mid, o_given, fwd_why = fwd
         fail(fwd_why, names)
         heads_in = _Inputs(
