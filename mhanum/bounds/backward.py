@@ -1436,10 +1436,11 @@ def mha_grad_bound(
         hb = None if hb is None else np.broadcast_to(hb, target)
         # the heads' forward output: B.2's D reads it from operands in the input format, the
         # output projection's gradient from the storage format; the larger errors cover both
-        read = tuple(
-            e + _take(np.abs(m) + r + e, storage, fin)
+        rq_, rk_, rv_ = (
+            np.asarray(e + _take(np.abs(m) + r + e, storage, fin))
             for m, r, e in ((q, rq, eq), (k, rk, ek), (v, rv, ev))
         )
+        read = (rq_, rk_, rv_)
         fwd = head_output_bound(q, k, v, keep, hb, num, c64, scale is None, read, (rq, rk, rv), cap)
         eps_o, o_mid, o_given, fwd_why = fwd
         fail(fwd_why, names)
