@@ -208,3 +208,19 @@ def test_sinks_and_soft_caps_are_within_theorem_b6(variant, algorithm):
         err = np.abs(np.asarray(x, np.float64) - want)
         assert np.isfinite(b.total).all(), (name, b.reasons)
         assert (err <= b.total).all(), (name, float(np.max(err / b.total)))
+
+
+@pytest.mark.parametrize("algorithm", ["textbook", "flash2"])
+def test_a_storage_format_wider_than_the_input_is_read_into_it(algorithm):
+    """tf32 inputs store their projections in float32 and read them back into tf32 for the
+    heads (forward and backward alike): B.6 charges that read."""
+    numerics = mhanum.Numerics(input="tf32", accum="float32")
+    assert numerics.storage_format.name == "float32"
+    x_q, x_kv, g = _case(seed=14, scale=2.0)
+    params = _params(8, seed=15)
+    got = mhanum.mha_grad(x_q, x_kv, params, HEADS, g, numerics=numerics, backward=algorithm)
+    exact = reference.mha_grad(x_q, x_kv, params, HEADS, g, digits=17)
+    bounds = mha_grad_bound(x_q, x_kv, params, HEADS, g, numerics=numerics, backward=algorithm)
+    for name, x, want, b in _pairs(got, exact, bounds):
+        err = np.abs(np.asarray(x, np.float64) - want)
+        assert (err <= b.total).all(), (name, float(np.max(err / b.total)))
