@@ -1627,7 +1627,8 @@ class MHAWorstCase:
 
     def describe(self) -> str:
         """One line: where the worst ratio is, its size and what dominates the bound."""
-        where = f"near {self.near} (unperturbed ratio {self.near_ratio:.3g}), " if self.near else ""
+        start = "not measured" if self.near_ratio is None else f"{self.near_ratio:.3g}"
+        where = f"near {self.near} (unperturbed ratio {start}), " if self.near else ""
         return (
             f"MHA {self.num_heads} heads, {self.numerics.describe()}, {where}"
             f"{self.evaluations} evaluations: ratio {self.ratio:.4g} at {list(self.index)} "

