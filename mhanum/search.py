@@ -1661,6 +1661,39 @@ def _near_layer(near: Any) -> NearLayer:
     raise InvalidArgument(msg)
 
 
+def _mha_stage(
+    draws: st.SearchStrategy[tuple[Any, MHAParams | None, Any]],
+    examples: int,
+    seed: int,
+    label: str,
+    layer: NearLayer | None,
+    stop: int,
+    counts: dict[str, int],
+    evaluate: Callable[..., MHAEvaluation | None],
+) -> None:
+    """One stage of :func:`mha_worst_case`: ``examples`` draws steered by ``target()`` under
+    ``label`` and under one label per dominant term, until ``counts["done"]`` reaches
+    ``stop``."""
+
+    @_search_settings(examples)
+    @hypothesis_seed(seed)
+    @given(draws)
+    def run(draw: tuple[strategies.MHAInputs, MHAParams | None, np.ndarray | None]) -> None:
+        x, params, m = draw
+        if counts["done"] >= stop:
+            return
+        # the layer's weights and mask stay out of Hypothesis (whose reprs they would swell)
+        weights = cast(MHAParams, params) if layer is None else layer.params
+        m = m if layer is None else layer.mask
+        ev = evaluate(x.x_q, x.x_kv, weights, m, tuple(sorted(x.structure)))
+        if ev is not None and math.isfinite(ev.ratio):
+            target(ev.ratio, label=label)
+            target(ev.ratio, label=f"{label} | {ev.dominant_term}")
+
+    with _without_local_constants():
+        run()
+
+
 def mha_worst_case(
     numerics: Numerics | str,
     shape: MHAShape | Mapping[str, int] | None = None,
@@ -1676,11 +1709,12 @@ def mha_worst_case(
     """Search for the multi-head attention input on which ``numerics`` is worst relative to
     Theorem A.2, the whole layer (projections, heads, output projection).
 
-    Without ``near``, Hypothesis draws the inputs (:func:`mhanum.strategies.mha_inputs`, every
-    structure family of :data:`mhanum.strategies.MHA_STRUCTURES` mixed in, self-attention or
-    not), the weights (:func:`mhanum.strategies.mha_params`, in the input format, with or
+    Without ``near``, Hypothesis draws the inputs (:func:`mhanum.strategies.mha_inputs`,
+    self-attention or not), the weights (:func:`mhanum.strategies.mha_params`, in the input format, with or
     without biases, scaled by ``2^j``, ``j`` in ``[-4, 4]``) and a mask of ``mask``'s kind (one
-    for every head). With ``near`` the weights are the real layer's, fixed, and the inputs are
+    for every head), in stages that split the budget as :func:`worst_case` does: plain inputs,
+    then one stage per structure of :data:`mhanum.strategies.MHA_STRUCTURES` (alone or paired
+    with another). With ``near`` the weights are the real layer's, fixed, and the inputs are
     its real input perturbed (:func:`mhanum.strategies.perturbed_inputs`, the perturbations of
     :data:`mhanum.strategies.PERTURBATIONS`) under its own padding mask; the unperturbed input
     is the first evaluation (its ratio is :attr:`MHAWorstCase.near_ratio`).
@@ -1726,7 +1760,7 @@ def mha_worst_case(
     kind = _check_mask(mask)
     start = time.perf_counter()
     layer: NearLayer | None = None
-    draws: st.SearchStrategy[tuple[Any, MHAParams | None, np.ndarray | None]]
+    stages: list[tuple[str, st.SearchStrategy[tuple[Any, MHAParams | None, Any]]]]
     if near is not None:
         given_too = [n for n, v in (("shape", shape), ("num_heads", num_heads), ("mask", kind))
                      if v is not None]  # fmt: skip
@@ -1737,8 +1771,7 @@ def mha_worst_case(
         sizes = MHAShape(layer.x.shape[1], layer.x.shape[1], layer.x.shape[2], layer.x.shape[0])
         heads = layer.num_heads
         perturbed = strategies.perturbed_inputs(x=layer.x, valid=layer.valid)
-        # the layer's weights and mask stay out of Hypothesis (whose reprs they would swell)
-        draws = st.tuples(perturbed, st.none(), st.none())
+        stages = [("near", st.tuples(perturbed, st.none(), st.none()))]
     else:
         if shape is None:
             msg = "shape: expected an MHAShape or a mapping of sizes without near=, got None"
@@ -1746,10 +1779,11 @@ def mha_worst_case(
         sizes = MHAShape.of(shape)
         heads = _check_heads(num_heads, sizes.d_model)
         fmt = num.format_of("input").name
-        inputs = strategies.mha_inputs(
-            q_len=sizes.q_len, kv_len=sizes.kv_len, d_model=sizes.d_model, batch=sizes.batch,
-            fmt=fmt,
-        )  # fmt: skip
+        mixes = strategies.mha_mixes()
+        families = [("plain", st.just(()))] + [
+            (name, st.sampled_from([m for m in mixes if name in m]))
+            for name in strategies.MHA_STRUCTURES
+        ]
         weights = strategies.mha_params(d_model=sizes.d_model, fmt=fmt, bias=st.booleans())
         masks_: st.SearchStrategy[np.ndarray | None] = st.none()
         if kind is not None:
@@ -1757,7 +1791,13 @@ def mha_worst_case(
                 q_len=sizes.q_len, kv_len=int(sizes.kv_len or sizes.q_len), batch=sizes.batch,
                 heads=1, kind=kind,
             )  # fmt: skip
-        draws = st.tuples(inputs, weights, masks_)
+        stages = [
+            (family, st.tuples(strategies.mha_inputs(
+                q_len=sizes.q_len, kv_len=sizes.kv_len, d_model=sizes.d_model,
+                batch=sizes.batch, fmt=fmt, structure=mix,
+            ), weights, masks_))
+            for family, mix in families
+        ]  # fmt: skip
     found: list[tuple[MHAEvaluation, tuple[Any, ...]]] = []
     counts = {"done": 0, "uncertified": 0, "out_of_scope": 0}
 
@@ -1786,23 +1826,12 @@ def mha_worst_case(
         first = evaluate(layer.x, layer.x, layer.params, layer.mask, ())
         near_ratio = None if first is None else first.ratio
 
-    @_search_settings(budget)
-    @hypothesis_seed(seed)
-    @given(draws)
-    def run(draw: tuple[strategies.MHAInputs, MHAParams | None, np.ndarray | None]) -> None:
-        x, params, m = draw
-        if counts["done"] >= budget:
-            return
-        weights = cast(MHAParams, params) if layer is None else layer.params
-        m = m if layer is None else layer.mask
-        ev = evaluate(x.x_q, x.x_kv, weights, m, tuple(sorted(x.structure)))
-        if ev is not None and math.isfinite(ev.ratio):
-            target(ev.ratio, label="mha error/bound")
-            target(ev.ratio, label=f"mha error/bound | {ev.dominant_term}")
-
-    if counts["done"] < budget:
-        with _without_local_constants():
-            run()
+    remaining = budget - counts["done"]
+    for i, (family, draws) in enumerate(stages):
+        share = (remaining * (i + 1)) // len(stages) - (remaining * i) // len(stages)
+        if share > 0:
+            _mha_stage(draws, share, seed * 1000 + i, f"mha error/bound | {family}", layer,
+                       counts["done"] + share, counts, evaluate)  # fmt: skip
     if not found:
         msg = (
             f"numerics: expected some input within the bound's scope, got none in "

@@ -81,6 +81,7 @@ __all__ = [
     "formats",
     "masks",
     "mha_inputs",
+    "mha_mixes",
     "mha_params",
     "numerics",
     "perturbed_inputs",
@@ -1142,6 +1143,12 @@ _MHA_MIXES = (
     *(frozenset({a}) for a in MHA_STRUCTURES),
     *(frozenset(pair) for pair in itertools.combinations(MHA_STRUCTURES, 2)),
 )
+
+
+def mha_mixes() -> tuple[frozenset[str], ...]:
+    """The structure sets :func:`mha_inputs` mixes in by default: none, each of
+    :data:`MHA_STRUCTURES` alone, and each pair."""
+    return _MHA_MIXES
 
 
 @dataclasses.dataclass(frozen=True)
