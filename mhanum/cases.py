@@ -5,6 +5,12 @@ A gradient case (:func:`save_gradient`, from :func:`mhanum.search.gradient_worst
 has ``"kind": "gradient"`` and the ``backward`` fields, and :func:`replay` re-runs it the same
 way (every gradient bit for bit, then Theorem B.1/B.2 against the certified gradients).
 
+A multi-head attention case (:func:`save_mha`, from :func:`mhanum.search.mha_worst_case`) holds
+``x_q``, ``x_kv``, the weights (``wq``, ``wk``, ``wv``, ``wo`` and the biases it has) and the
+computed ``output``; its metadata has ``"kind": "mha"``, ``num_heads`` and, for a search near a
+real layer, ``near`` and ``near_ratio``, and :func:`replay` re-runs the whole layer (the output
+bit for bit, then Theorem A.2 against the certified reference).
+
 A case is two files with the same stem: ``<stem>.npz`` holds the float64 arrays ``q``, ``k``,
 ``v`` and the computed ``output``, and the boolean ``mask`` if the case has one (numeric arrays
 only, so :func:`numpy.load` reads it with ``allow_pickle=False``), and ``<stem>.json`` the
@@ -31,17 +37,29 @@ import numpy as np
 
 from mhanum._errors import InvalidArgument
 from mhanum.numerics import Backward, Numerics
-from mhanum.search import GradientWorstCase, Objective, Shape, WorstCase, gradient_evaluation
+from mhanum.params import MHAParams
+from mhanum.search import (
+    GradientWorstCase,
+    MHAShape,
+    MHAWorstCase,
+    Objective,
+    Shape,
+    WorstCase,
+    gradient_evaluation,
+    mha_evaluation,
+)
 
 __all__ = [
     "Replay",
     "case_paths",
     "load",
     "load_gradient",
+    "load_mha",
     "metadata",
     "replay",
     "save",
     "save_gradient",
+    "save_mha",
 ]
 
 _ARRAYS = ("q", "k", "v", "output")
@@ -140,7 +158,8 @@ def load(path: str | Path) -> WorstCase:
     """Read a case saved by :func:`save` (the arrays with ``allow_pickle=False``).
 
     Raises:
-        InvalidArgument: for a missing file or metadata that does not describe a case.
+        InvalidArgument: for a missing file, metadata that does not describe a case, or a
+            gradient or multi-head attention case (:func:`load_gradient`, :func:`load_mha`).
     """
     npz, meta = case_paths(path)
     for p in (npz, meta):
@@ -148,6 +167,10 @@ def load(path: str | Path) -> WorstCase:
             msg = f"path: expected a saved case, got no file {str(p)!r}"
             raise InvalidArgument(msg)
     info = json.loads(meta.read_text())
+    other = {"gradient": "load_gradient", "mha": "load_mha"}.get(info.get("kind"))
+    if other is not None:
+        msg = f"path: expected a single-attention case, got a {info['kind']} case (read it with {other})"
+        raise InvalidArgument(msg)
     with np.load(npz, allow_pickle=False) as data:
         arrays = {name: np.array(data[name]) for name in _ARRAYS}
         mask = np.array(data["mask"]) if "mask" in data.files else None
@@ -192,14 +215,15 @@ class Replay:
     """The result of :func:`replay`.
 
     Attributes:
-        case: the saved case (a :class:`~mhanum.search.GradientWorstCase` for a gradient case).
+        case: the saved case (a :class:`~mhanum.search.GradientWorstCase` for a gradient case,
+            a :class:`~mhanum.search.MHAWorstCase` for a multi-head attention case).
         bit_for_bit: whether the recomputed output (every gradient) equals the saved one bit
             for bit.
         error, bound, ratio, dominant_term: re-measured against the certified reference with the
             recomputed bound.
     """
 
-    case: WorstCase | GradientWorstCase
+    case: WorstCase | GradientWorstCase | MHAWorstCase
     bit_for_bit: bool
     error: float
     bound: float
@@ -219,7 +243,11 @@ class Replay:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary."""
         case = self.case
-        extra = {"backward": case.backward.algorithm} if isinstance(case, GradientWorstCase) else {}
+        extra: dict[str, Any] = {}
+        if isinstance(case, GradientWorstCase):
+            extra = {"backward": case.backward.algorithm}
+        elif isinstance(case, MHAWorstCase):
+            extra = {"num_heads": case.num_heads}
         return {
             "preset": case.preset,
             "numerics": case.numerics.describe(),
@@ -339,19 +367,136 @@ def load_gradient(path: str | Path) -> GradientWorstCase:
     )  # fmt: skip
 
 
-def _is_gradient_case(path: str | Path) -> bool:
+def _kind(path: str | Path) -> str | None:
+    """The ``kind`` of a saved case's metadata (``None``: a single-attention case)."""
     meta = case_paths(path)[1]
-    return meta.exists() and json.loads(meta.read_text()).get("kind") == "gradient"
+    if not meta.exists():
+        return None
+    kind = json.loads(meta.read_text()).get("kind")
+    return kind if isinstance(kind, str) else None
+
+
+_MHA_ARRAYS = ("x_q", "x_kv", "output")
+_PARAMS = tuple(f.name for f in dataclasses.fields(MHAParams))
+
+
+def save_mha(
+    case: MHAWorstCase, path: str | Path, *, force: bool = False, unique: bool = False
+) -> Path:
+    """Write a multi-head attention case to ``<path>.npz`` and ``<path>.json`` (a directory gets
+    the name ``<preset>-mha<heads>-seed<seed>``, with ``-near`` for a search near a real layer);
+    ``force`` and ``unique`` as for :func:`save`.
+
+    Raises:
+        InvalidArgument: if either file exists and neither ``force`` nor ``unique`` is set.
+    """
+    from mhanum._version import __version__
+
+    target = Path(path)
+    if target.is_dir():
+        near = "" if case.near is None else "-near"
+        target = target / f"{case.preset or 'custom'}-mha{case.num_heads}{near}-seed{case.seed}"
+    npz, meta = _reserve(target, force=force, unique=unique)
+    arrays = {name: np.asarray(getattr(case, name), np.float64) for name in _MHA_ARRAYS}
+    for name in _PARAMS:
+        w = getattr(case.params, name)
+        if w is not None:
+            arrays[name] = np.asarray(w, np.float64)
+    if case.mask is not None:
+        arrays["mask"] = np.asarray(case.mask, bool)
+    with npz.open("wb") as fh:
+        np.savez(fh, **arrays)  # type: ignore[arg-type]
+    info = {
+        "kind": "mha",
+        "mhanum_version": __version__,
+        "numerics": numerics_dict(case.numerics),
+        "preset": case.preset,
+        "shape": case.shape.as_dict(),
+        "num_heads": case.num_heads,
+        "seed": case.seed,
+        "index": list(case.index),
+        "error": _number(case.error),
+        "bound": _number(case.bound),
+        "ratio": _number(case.ratio),
+        "normwise": _number(case.normwise),
+        "dominant_term": case.dominant_term,
+        "violation": case.violation,
+        "budget": case.budget,
+        "evaluations": case.evaluations,
+        "uncertified": case.uncertified,
+        "out_of_scope": case.out_of_scope,
+        "structure": list(case.structure),
+        "near": case.near,
+        "near_ratio": None if case.near_ratio is None else _number(case.near_ratio),
+        "seconds": case.seconds,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "masked": case.mask is not None,
+    }
+    meta.write_text(json.dumps(info, indent=2, allow_nan=False) + "\n")
+    return npz
+
+
+def load_mha(path: str | Path) -> MHAWorstCase:
+    """Read a multi-head attention case saved by :func:`save_mha` (arrays with
+    ``allow_pickle=False``).
+
+    Raises:
+        InvalidArgument: for a missing file or metadata that does not describe such a case.
+    """
+    npz, meta = case_paths(path)
+    for p in (npz, meta):
+        if not p.exists():
+            msg = f"path: expected a saved case, got no file {str(p)!r}"
+            raise InvalidArgument(msg)
+    info = json.loads(meta.read_text())
+    try:
+        if info.get("kind") != "mha":
+            msg = f"kind {info.get('kind')!r} is not 'mha'"
+            raise KeyError(msg)
+        num = Numerics(**info["numerics"])
+        shape = MHAShape.of(info["shape"])
+        with np.load(npz, allow_pickle=False) as data:
+            arrays = {name: np.array(data[name]) for name in _MHA_ARRAYS}
+            params = MHAParams(**{n: np.array(data[n]) for n in _PARAMS if n in data.files})
+            mask = np.array(data["mask"]) if "mask" in data.files else None
+        near_ratio = info.get("near_ratio")
+        return MHAWorstCase(
+            numerics=num, shape=shape, num_heads=int(info["num_heads"]), params=params,
+            mask=mask, error=float(info["error"]), bound=float(info["bound"]),
+            ratio=float(info["ratio"]), normwise=float(info["normwise"]),
+            dominant_term=info["dominant_term"], index=tuple(info["index"]),
+            seed=int(info["seed"]), budget=int(info["budget"]),
+            evaluations=int(info["evaluations"]), seconds=float(info["seconds"]),
+            uncertified=int(info["uncertified"]), out_of_scope=int(info["out_of_scope"]),
+            structure=tuple(info["structure"]), near=info.get("near"),
+            near_ratio=None if near_ratio is None else float(near_ratio), **arrays,
+        )  # fmt: skip
+    except (KeyError, TypeError) as exc:
+        msg = f"path: expected multi-head attention case metadata and arrays, got an error: {exc}"
+        raise InvalidArgument(msg) from None
 
 
 def replay(path: str | Path) -> Replay:
     """Re-run a saved case bit for bit and re-check its bound (a gradient case: every gradient,
-    and Theorem B.1/B.2 against the certified gradients).
+    and Theorem B.1/B.2 against the certified gradients; a multi-head attention case: the
+    layer's output, and Theorem A.2 against the certified layer output).
 
     Raises:
         InvalidArgument: as :func:`load`, or if the case is now outside the bound's scope.
     """
-    if _is_gradient_case(path):
+    kind = _kind(path)
+    if kind == "mha":
+        mcase = load_mha(path)
+        measured = mha_evaluation(
+            mcase.x_q, mcase.x_kv, mcase.params, mcase.num_heads, mcase.mask, mcase.numerics
+        )
+        if measured is None:
+            msg = "path: the saved case is outside the bound's scope (refused or overflowed)"
+            raise InvalidArgument(msg)
+        out, m = measured.output, measured
+        same = out.shape == mcase.output.shape and out.tobytes() == mcase.output.tobytes()
+        return Replay(mcase, same, m.error, m.bound, m.ratio, m.dominant_term)
+    if kind == "gradient":
         gcase = load_gradient(path)
         found = gradient_evaluation(
             gcase.q, gcase.k, gcase.v, gcase.d_out, gcase.mask, gcase.numerics, gcase.backward

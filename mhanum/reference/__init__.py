@@ -543,7 +543,9 @@ def multi_head_attention(
         """Some rows of one batch element: refined (Theorem 2) or recomputed by ``"arb"`` if
         python-flint is installed, else recomputed by ``"exact"``."""
         xq_b, xkv_b = (_batch_element(x, batch, index) for x in (xq64, xkv64))
-        sub = _sub_spec(spec, (*index, slice(None), rows))
+        # the batch element first, then its rows: an integer and an array split by a slice
+        # would move the rows' axis in front of the heads' (numpy's advanced indexing)
+        sub = _sub_spec(_sub_spec(spec, index), (slice(None), rows))
         if _has_flint():
             arb = _arb_backend()
             refined = arb.refine_mha_rows(xq_b[rows], xkv_b, params64, num_heads, sub, options)

@@ -397,3 +397,16 @@ def test_auto_certifies_rows_the_enclosure_misses_by_refining_them(monkeypatch, 
     assert 0 < abs(floats[0, 0]) < 2.0**-40
     np.testing.assert_array_equal(floats, naive_floats)
     _assert_agree(values, naive, 2 * TOL)
+
+
+def test_refined_rows_of_a_batch_element_keep_their_heads_and_mask():
+    """The rows refined in one batch element get that element's mask, head by head (indexing
+    the batch element and the rows at once once put the rows' axis before the heads')."""
+    pytest.importorskip("flint")
+    x, params = _cancelling_layer()
+    mask = np.ones((1, 2, 3, 3), bool)
+    mask[0, 0, :, 2] = False  # head 0 never sees key 2
+    mask[0, 1, 1:, 0] = False  # head 1: rows 1 and 2 never see key 0
+    got = reference.multi_head_attention(x[None], x[None], params, 2, mask=mask)
+    want = reference.multi_head_attention(x[None], x[None], params, 2, mask=mask, backend="mpmath")
+    np.testing.assert_array_equal(got, want)
