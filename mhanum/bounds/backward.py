@@ -1324,10 +1324,12 @@ def mha_grad_bound(
     overflow reaches is ``inf``, with the reason in ``Bound.reasons``.
 
     Args:
-        x_q, x_kv, params, num_heads, d_out, mask, bias, scale, numerics, backward, sink,
-            softcap: as for :func:`mhanum.emulate.backward.mha_grad` (a sink is one more key of
-            every head, B.1/B.2 with it, and ``dsink`` is bounded as in
-            :func:`attention_grad_bound`; a soft-cap by Theorem B.7).
+        x_q, x_kv, params, num_heads, d_out, mask, bias, scale: as for
+            :func:`mhanum.emulate.backward.mha_grad`.
+        numerics, backward: as for :func:`mhanum.emulate.backward.mha_grad`.
+        sink, softcap: as for :func:`mhanum.emulate.backward.mha_grad`: a sink is one more key
+            of every head (B.1/B.2 with it; ``dsink`` bounded as in
+            :func:`attention_grad_bound`), a soft-cap enters every head by Theorem B.7.
 
     Returns:
         :class:`MHAGradientBounds` (``dsink``: the sinks' bound, ``(..., H)``, with sinks). Each :class:`Bound`'s terms: ``upstream`` (the error of the
