@@ -117,8 +117,41 @@ BoundFunction = Callable[..., Bound]
 Progress = Callable[[int, int, float], None]
 
 
+class _Sizes:
+    """Positive integer sizes, checked once (the fields of a frozen dataclass subclass)."""
+
+    def _check_sizes(self) -> None:
+        for name, value in self.as_dict().items():
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                msg = f"shape.{name}: expected a positive integer, got {value!r}"
+                raise InvalidArgument(msg)
+            object.__setattr__(self, name, int(value))
+
+    def as_dict(self) -> dict[str, int]:
+        """The sizes by name (JSON-ready)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def _of(cls, shape: Any) -> Any:
+        if isinstance(shape, cls):
+            return shape
+        if not isinstance(shape, Mapping):
+            article = "an" if cls.__name__[0] in "AEIOUM" else "a"
+            msg = (
+                f"shape: expected {article} {cls.__name__} or a mapping of sizes, got "
+                f"{type(shape).__name__}"
+            )
+            raise InvalidArgument(msg)
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(shape) - names)
+        if unknown:
+            msg = f"shape: expected keys from {sorted(names)}, got {unknown}"
+            raise InvalidArgument(msg)
+        return cls(**shape)
+
+
 @dataclasses.dataclass(frozen=True)
-class Shape:
+class Shape(_Sizes):
     """Sizes of one attention call: q ``(batch, heads, q_len, d_k)``, k/v ``(…, kv_len, d_k/d_v)``.
 
     ``d_v`` defaults to ``d_k``.
@@ -134,15 +167,7 @@ class Shape:
     def __post_init__(self) -> None:
         if self.d_v is None:
             object.__setattr__(self, "d_v", self.d_k)
-        for name, value in self.as_dict().items():
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                msg = f"shape.{name}: expected a positive integer, got {value!r}"
-                raise InvalidArgument(msg)
-            object.__setattr__(self, name, int(value))
-
-    def as_dict(self) -> dict[str, int]:
-        """The sizes by name (JSON-ready)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        self._check_sizes()
 
     @classmethod
     def of(cls, shape: Shape | Mapping[str, int]) -> Shape:
@@ -151,17 +176,7 @@ class Shape:
         Raises:
             InvalidArgument: for an unknown key or a non-positive size.
         """
-        if isinstance(shape, Shape):
-            return shape
-        if not isinstance(shape, Mapping):
-            msg = f"shape: expected a Shape or a mapping of sizes, got {type(shape).__name__}"
-            raise InvalidArgument(msg)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(shape) - names)
-        if unknown:
-            msg = f"shape: expected keys from {sorted(names)}, got {unknown}"
-            raise InvalidArgument(msg)
-        return cls(**shape)
+        return cls._of(shape)
 
     def arrays(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """The shapes of q, k and v."""
@@ -1350,7 +1365,7 @@ def gradient_worst_case(
 
 
 @dataclasses.dataclass(frozen=True)
-class MHAShape:
+class MHAShape(_Sizes):
     """Sizes of one multi-head attention call: ``x_q`` ``(batch, q_len, d_model)``, ``x_kv``
     ``(batch, kv_len, d_model)``; the weights are ``d_model`` square. ``kv_len`` defaults to
     ``q_len``."""
@@ -1363,15 +1378,7 @@ class MHAShape:
     def __post_init__(self) -> None:
         if self.kv_len is None:
             object.__setattr__(self, "kv_len", self.q_len)
-        for name, value in self.as_dict().items():
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                msg = f"shape.{name}: expected a positive integer, got {value!r}"
-                raise InvalidArgument(msg)
-            object.__setattr__(self, name, int(value))
-
-    def as_dict(self) -> dict[str, int]:
-        """The sizes by name (JSON-ready)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        self._check_sizes()
 
     @classmethod
     def of(cls, shape: MHAShape | Mapping[str, int]) -> MHAShape:
@@ -1380,17 +1387,7 @@ class MHAShape:
         Raises:
             InvalidArgument: for an unknown key or a non-positive size.
         """
-        if isinstance(shape, MHAShape):
-            return shape
-        if not isinstance(shape, Mapping):
-            msg = f"shape: expected an MHAShape or a mapping of sizes, got {type(shape).__name__}"
-            raise InvalidArgument(msg)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(shape) - names)
-        if unknown:
-            msg = f"shape: expected keys from {sorted(names)}, got {unknown}"
-            raise InvalidArgument(msg)
-        return cls(**shape)
+        return cls._of(shape)
 
 
 NEAR_SENTENCES = ("A man is eating food.",)
