@@ -118,6 +118,20 @@ def case_paths(path: str | Path) -> tuple[Path, Path]:
     return stem.with_name(stem.name + ".npz"), stem.with_name(stem.name + ".json")
 
 
+def saved_case_paths(path: str | Path) -> tuple[Path, Path]:
+    """:func:`case_paths` of a case that was saved: both files exist.
+
+    Raises:
+        InvalidArgument: naming the file that is missing.
+    """
+    npz, meta = case_paths(path)
+    for p in (npz, meta):
+        if not p.exists():
+            msg = f"path: expected a saved case, got no file {str(p)!r}"
+            raise InvalidArgument(msg)
+    return npz, meta
+
+
 def default_name(case: WorstCase) -> str:
     """``<preset or custom>-<objective>-<method>-seed<seed>``, file-name safe."""
     objective = case.objective.replace("/", "-over-")
@@ -161,11 +175,7 @@ def load(path: str | Path) -> WorstCase:
         InvalidArgument: for a missing file, metadata that does not describe a case, or a
             gradient or multi-head attention case (:func:`load_gradient`, :func:`load_mha`).
     """
-    npz, meta = case_paths(path)
-    for p in (npz, meta):
-        if not p.exists():
-            msg = f"path: expected a saved case, got no file {str(p)!r}"
-            raise InvalidArgument(msg)
+    npz, meta = saved_case_paths(path)
     info = json.loads(meta.read_text())
     other = {"gradient": "load_gradient", "mha": "load_mha"}.get(info.get("kind"))
     if other is not None:
@@ -337,11 +347,7 @@ def load_gradient(path: str | Path) -> GradientWorstCase:
     Raises:
         InvalidArgument: for a missing file or metadata that does not describe a gradient case.
     """
-    npz, meta = case_paths(path)
-    for p in (npz, meta):
-        if not p.exists():
-            msg = f"path: expected a saved case, got no file {str(p)!r}"
-            raise InvalidArgument(msg)
+    npz, meta = saved_case_paths(path)
     info = json.loads(meta.read_text())
     try:
         num = Numerics(**info["numerics"])
@@ -443,11 +449,7 @@ def load_mha(path: str | Path) -> MHAWorstCase:
     Raises:
         InvalidArgument: for a missing file or metadata that does not describe such a case.
     """
-    npz, meta = case_paths(path)
-    for p in (npz, meta):
-        if not p.exists():
-            msg = f"path: expected a saved case, got no file {str(p)!r}"
-            raise InvalidArgument(msg)
+    npz, meta = saved_case_paths(path)
     info = json.loads(meta.read_text())
     try:
         if info.get("kind") != "mha":

@@ -369,7 +369,7 @@ def _search_progress(stream: TextIO) -> Any:
     return update
 
 
-def _add_executor_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+def add_executor_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     """``--workers``, ``--scheduler`` and ``--journal`` (:func:`mhanum.parallel.executor_for`)."""
     parser.add_argument(
         "--workers",
@@ -536,7 +536,7 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="a campaign: this many searches, their seeds spawned from --seed (1)",
     )
-    _add_executor_arguments(search, "searches of a campaign")
+    add_executor_arguments(search, "searches of a campaign")
     search.add_argument("--out", default="cases", help="directory for the case files (cases)")
     search.add_argument("--force", action="store_true", help="overwrite an existing case")
     search.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -611,7 +611,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--print-default-config", action="store_true", help="print the default grid and exit"
     )
-    _add_executor_arguments(report, "grid cells")
+    add_executor_arguments(report, "grid cells")
     report.set_defaults(func=_report)
 
     return parser

@@ -66,26 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a padding constant to analyse; repeat for several (default: -1e4 -1e9 finfo.min "
         "-inf)",
     )
-    parser.add_argument(
-        "--workers",
-        type=int,
-        default=None,
-        help="audit the layers in N spawned processes (default: in this process)",
-    )
-    parser.add_argument(
-        "--scheduler",
-        nargs="?",
-        const="local",
-        default=None,
-        metavar="ADDRESS",
-        help="audit them on Dask: a scheduler address, or without one a LocalCluster of "
-        "--workers processes (pip install 'mhanum[dask]')",
-    )
-    parser.add_argument(
-        "--journal",
-        default=None,
-        help="JSON Lines file of finished layers: a rerun skips them (append-only)",
-    )
+    from mhanum.cli import add_executor_arguments
+
+    add_executor_arguments(parser, "layers")
     parser.add_argument(
         "--framework",
         action="append",

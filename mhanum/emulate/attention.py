@@ -558,6 +558,30 @@ def split_heads(x: jax.Array, heads: int) -> jax.Array:
     return jnp.swapaxes(x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads), -2, -3)
 
 
+def head_logit_inputs(
+    num: Numerics, mask: Any, bias: Any, sink: Any, softcap: Any, target: tuple[int, ...]
+) -> tuple[Any, Any, tuple[int, ...], float | None]:
+    """The mask, bias, sinks and soft-cap of multi-head scores ``target = (..., H, Lq, Lk)``,
+    checked against ``num``: ``(mask, bias, target, cap)`` with a sink's column added (the
+    scores' new shape in ``target``) and the bias rounded into the score format.
+
+    Raises:
+        InvalidArgument: naming the argument that does not fit.
+    """
+    if mask is not None:
+        mask = V.bool_mask(mask, target)
+    num.check_bias(bias)
+    cap = V.softcap_value(softcap)
+    if cap is not None:
+        num.check_softcap()
+    if sink is not None:
+        num.check_sink()
+        mask, bias, target = masks.head_sinks(mask, bias, sink, target)
+    if bias is not None:
+        bias = bias_array(bias, target, num.format_of("score"))
+    return mask, bias, tuple(target), cap
+
+
 def merge_heads(x: jax.Array) -> jax.Array:
     """``(..., H, L, d)`` to ``(..., L, H·d)``, heads in order (the inverse of
     :func:`split_heads`)."""
@@ -655,17 +679,7 @@ def multi_head_attention(
         V.check_finite(x, name)
     batch = V.broadcast({"x_q": x_q.shape[:-2], "x_kv": x_kv.shape[:-2]})
     target = (*batch, heads, x_q.shape[-2], x_kv.shape[-2])
-    if mask is not None:
-        mask = V.bool_mask(mask, target)
-    num.check_bias(bias)
-    cap = V.softcap_value(softcap)
-    if cap is not None:
-        num.check_softcap()
-    if sink is not None:
-        num.check_sink()
-        mask, bias, target = masks.head_sinks(mask, bias, sink, target)
-    if bias is not None:
-        bias = bias_array(bias, target, num.format_of("score"))
+    mask, bias, target, cap = head_logit_inputs(num, mask, bias, sink, softcap, target)
     factor = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
     fmt = num.format_of("input")
     x_q, x_kv = host_round(x_q, fmt), host_round(x_kv, fmt)

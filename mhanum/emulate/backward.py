@@ -33,6 +33,7 @@ from mhanum.emulate.attention import (
     bias_array,
     check_x64,
     format_constant,
+    head_logit_inputs,
     host_round,
     merge_heads,
     partial_attention,
@@ -464,19 +465,9 @@ def mha_grad(
     check_x64(num)
     x_q, x_kv, g, heads, batch = V.mha_gradient_inputs(x_q, x_kv, params, num_heads, d_out)
     target = (*batch, heads, x_q.shape[-2], x_kv.shape[-2])
-    if mask is not None:
-        mask = V.bool_mask(mask, target)
-    num.check_bias(bias)
-    cap = V.softcap_value(softcap)
-    if cap is not None:
-        num.check_softcap()
-    if sink is not None:
-        num.check_sink()
-        mask, bias, target = masks.head_sinks(mask, bias, sink, target)
-        batch = target[:-3]
+    mask, bias, target, cap = head_logit_inputs(num, mask, bias, sink, softcap, target)
+    batch = target[:-3]
     bw.key_blocks(target[-1])
-    if bias is not None:
-        bias = bias_array(bias, target, num.format_of("score"))
     factor = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
     fmt = num.format_of("input")
     xq, xkv, gj = (
