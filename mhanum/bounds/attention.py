@@ -221,6 +221,21 @@ class _Ranges:
         return {name: np.where(hit, np.inf, 0.0) for name, hit in self.where.items()}
 
 
+def _on(where: np.ndarray, x: Any, other: float) -> Any:
+    """``np.where(where, x, other)``, and ``x`` itself (no pass over it) where ``where`` holds
+    everywhere: the same values, since ``x`` broadcasts to ``where``'s shape."""
+    if where.all() and np.shape(x) == np.broadcast_shapes(np.shape(x), where.shape):
+        return x
+    return np.where(where, x, other)
+
+
+def _dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b``, with no product where the (thin) factor ``b`` is zero."""
+    if np.any(b):
+        return a @ b
+    return np.zeros((*a.shape[:-1], b.shape[-1]))
+
+
 def _log_expm1_upper(x: np.ndarray) -> np.ndarray:
     """An upper bound on ``log(e^x - 1)`` for ``x > 0`` that does not overflow."""
     small = np.minimum(x, 30.0)
@@ -230,6 +245,8 @@ def _log_expm1_upper(x: np.ndarray) -> np.ndarray:
 
 def _times_expm1(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """``a·(e^y - 1)`` for ``0 <= a <= 1`` and ``y >= 0``, without ``0·inf``."""
+    if np.max(y, initial=0.0) <= 1.0:  # (NaN fails the test)
+        return a * np.expm1(y)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         out = a * np.expm1(np.minimum(y, 1.0))
         big = y > 1.0
@@ -241,7 +258,9 @@ def _times_expm1(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 def _weighted_expm1(a: np.ndarray, x: np.ndarray, live: np.ndarray) -> np.ndarray:
     """``Σ_j a_j (e^{x_j} - 1)`` over the live keys of each row (keepdims), ``0 <= a <= 1``,
     ``x >= 0``; in log space for a row with an ``x_j > 30`` (the sum may overflow)."""
-    out = np.where(live, a * np.expm1(np.minimum(x, 30.0)), 0.0).sum(axis=-1, keepdims=True)
+    if np.max(x, initial=0.0) <= 30.0:  # (NaN fails the test)
+        return _on(live, a * np.expm1(x), 0.0).sum(axis=-1, keepdims=True)
+    out = _on(live, a * np.expm1(np.minimum(x, 30.0)), 0.0).sum(axis=-1, keepdims=True)
     big = (x > 30.0).any(axis=-1)
     if big.any():
         with np.errstate(divide="ignore", over="ignore"):
@@ -262,8 +281,7 @@ def _extremes(
     errors are at most 1 are evaluated directly (every exponential is within ``e^{±1}`` of
     ``e^{sc}``, whose largest is 1); the others, and rows without a live key, in log space.
     """
-    d_row = np.where(live, delta, 0.0).max(axis=-1)
-    fast = live.any(axis=-1) & (d_row <= 1.0)
+    fast = _direct_rows(delta, live)
     if fast.all():
         return _extremes_direct(sc, delta, live)
     p = np.zeros(sc.shape)
@@ -273,6 +291,11 @@ def _extremes(
         if rows.any():
             p[rows], hi[rows], lo[rows], log_sum[rows] = how(sc[rows], delta[rows], live[rows])
     return p, hi, lo, log_sum
+
+
+def _direct_rows(delta: np.ndarray, live: np.ndarray) -> np.ndarray:
+    """The rows :func:`_extremes` evaluates directly: a live key, and errors at most 1."""
+    return live.any(axis=-1) & (_on(live, delta, 0.0).max(axis=-1) <= 1.0)
 
 
 def _rest(e: np.ndarray, total: np.ndarray) -> np.ndarray:
@@ -299,8 +322,8 @@ def _extremes_direct(
     with np.errstate(invalid="ignore"):
         p_hi = np.minimum(e_hi / (e_hi + _rest(e_lo, s_lo)), 1.0)
         p_lo = e_lo / (e_lo + _rest(e_hi, s_hi))
-    p_hi = np.where(live, p_hi, 0.0)
-    p_lo = np.where(live, p_lo, 0.0)
+    p_hi = _on(live, p_hi, 0.0)
+    p_lo = _on(live, p_lo, 0.0)
     return p, p_hi, p_lo, np.log(s_lo)
 
 
@@ -531,9 +554,15 @@ def _head(
     # Step 3. The logits' errors δ_ij.
     t = q @ k.T
     qk_abs = q_abs @ k_abs.T
-    operands = e_q_op @ k_op.T + q_abs @ e_k_op.T  # e_q|k| + |q|e_k + e_q e_k
+    # e_q|k| + |q|e_k + e_q e_k (no product for operands read exactly)
+    operands = np.zeros_like(t)
+    if np.any(e_q_op):
+        operands = e_q_op @ k_op.T
+    if np.any(e_k_op):
+        operands = operands + q_abs @ e_k_op.T
     f_qk, anchor = unit_factor(num, d_k, lam, bits=bits_qk), tensor_core_anchor(num)
-    qk_op = q_op @ k_op.T
+    # (operands read exactly: q_op = |q|, k_op = |k|, the product already taken)
+    qk_op = qk_abs if not (np.any(e_q_op) or np.any(e_k_op)) else q_op @ k_op.T
     unit = f_qk * qk_op + unit_eta(num, d_k)
     if anchor:
         sums = q_op.sum(axis=-1)[:, None] + k_op.sum(axis=-1)[None, :] + d_k * anchor
@@ -548,7 +577,7 @@ def _head(
     }
     # R.3: QKᵀ in the accumulation format, rounded to the score format, scaled there
     used = np.ones_like(keep) if replaced is None else ~replaced
-    acc_upper = np.where(used, qk_op + unit, 0.0)
+    acc_upper = _on(used, qk_op + unit, 0.0)
     ranges.check(acc_upper, acc, "QKᵀ accumulated")
     ranges.check(acc_upper, fmts["score"], "QKᵀ rounded to the score format")
     s_upper = abs(c_hat) * ((1 + u_s) * acc_upper + eta_s) * (1 + u_s) + eta_s
@@ -579,10 +608,10 @@ def _head(
         eps64 = eps64 + eps_b
         delta = sum(sources.values())
         s_upper = s_upper + np.abs(b0) + e_b
-        ranges.check(np.where(used, s_upper, 0.0), fmts["score"], "the scores plus the bias")
+        ranges.check(_on(used, s_upper, 0.0), fmts["score"], "the scores plus the bias")
     # R.4: the scores read into the softmax format (and its smallest normal)
     ranges.check(
-        np.where(used, s_upper, 0.0), fmts["softmax"], "the scores read into the softmax format"
+        _on(used, s_upper, 0.0), fmts["softmax"], "the scores read into the softmax format"
     )
     if fmts["softmax"].smallest_normal > fmts["score"].smallest_normal:
         sources["scale"] = sources["scale"] + fmts["softmax"].smallest_normal
@@ -684,10 +713,11 @@ def _head(
             b_score = np.sqrt(b_dot**2 + (abs(scale) * math.hypot(u_s, u_mul) * t_hat) ** 2)
             rest_score = rest - abs(scale) * (u_s + u_mul) * t_hat
             across.append((b_score, np.where(live, np.maximum(rest_score, 0.0), 0.0)))
-    delta = np.where(live, delta, 0.0)
-    s = np.where(live, s, -np.inf)
+    delta = _on(live, delta, 0.0)
+    s = _on(live, s, -np.inf)
+    direct = None
     if num.kv_splits is None:
-        terms, p, _ = _softmax_pv(
+        terms, p, _, direct = _softmax_pv(
             s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold, across
         )
     else:
@@ -705,7 +735,7 @@ def _head(
     with np.errstate(invalid="ignore", divide="ignore"):
         shares = {
             name: np.where(
-                row_delta > 0, (p * np.where(live, x, 0.0)).sum(-1, keepdims=True) / row_delta, 0.0
+                row_delta > 0, (p * _on(live, x, 0.0)).sum(-1, keepdims=True) / row_delta, 0.0
             )
             for name, x in sources.items()
         }
@@ -715,23 +745,26 @@ def _head(
     # problem itself (fill: uniform over the keys; add: the unmasked softmax).
     empty = ~keep.any(axis=-1, keepdims=True)
     target = np.where(empty, live, keep)
-    s_t = np.where(target, s, -np.inf)
-    p_t = np.exp(s_t - s_t.max(axis=-1, keepdims=True))
-    p_t /= p_t.sum(axis=-1, keepdims=True)
-    o = p_t @ v
+    if direct is not None and masked is None:
+        # target = keep = live: the softmax _softmax_pv evaluated, on every row
+        p_t, (o, pv_abs) = p, direct
+    else:
+        s_t = np.where(target, s, -np.inf)
+        p_t = np.exp(s_t - s_t.max(axis=-1, keepdims=True))
+        p_t /= p_t.sum(axis=-1, keepdims=True)
+        o, pv_abs = p_t @ v, p_t @ np.abs(v)
     if exclude.any():
         leak = np.where(exclude & ~empty, p, 0.0)
         spread = np.abs(v)[None, :, :] + np.abs(o)[:, None, :]
         floor = np.where(empty, 0.0, n * 2.0**-1022 * spread.max(axis=1))
         terms["mask"] = np.einsum("ij,ijl->il", leak, spread) + floor
     # The float64 logits' own error eps64 moves the target (Theorem S.4).
-    big = np.max(np.where(target, eps64, 0.0), axis=-1, keepdims=True)
-    pv_abs = p_t @ np.abs(v)
+    big = np.max(_on(target, eps64, 0.0), axis=-1, keepdims=True)
     with np.errstate(over="ignore"):
         evaluation = np.expm1(2 * big) * pv_abs
     o_error = ev_rel * pv_abs + evaluation
     if given is not None:
-        given_error = _given_error(q_abs, k_abs, v, p_t, target, scale, given)
+        given_error = _given_error(q_abs, k_abs, v, p_t, pv_abs, target, scale, given)
         evaluation = evaluation + given_error
         o_error = o_error + given_error
     if given is not None or num.scale != "scores" or np.any(evaluation > 0):
@@ -893,13 +926,13 @@ def _softmax_pv(
     # p_j e^{±δ_j} / (p_j e^{±δ_j} + Σ_{l≠j} p_l e^{∓δ_l}).
     top = s.max(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore"):
-        sc = np.where(live, s - np.where(np.isfinite(top), top, 0.0), -np.inf)
+        sc = _on(live, s - np.where(np.isfinite(top), top, 0.0), -np.inf)
     p, p_tilde_hi, p_tilde_lo, log_sum_lo = _extremes(sc, delta, live)
     logits = np.maximum(p_tilde_hi - p, p - p_tilde_lo)
     # Step 5. |ŝ_j - m| <= G_j for the computed maximum m in [lo, hi] (safe, online).
-    lo = np.where(live, sc - delta, -np.inf).max(axis=-1, keepdims=True)
-    hi = np.where(live, sc + delta, -np.inf).max(axis=-1, keepdims=True)
-    gap = np.where(live, np.maximum(hi - sc + delta, np.abs(sc + delta - lo)), 0.0)
+    lo = _on(live, sc - delta, -np.inf).max(axis=-1, keepdims=True)
+    hi = _on(live, sc + delta, -np.inf).max(axis=-1, keepdims=True)
+    gap = _on(live, np.maximum(hi - sc + delta, np.abs(sc + delta - lo)), 0.0)
     if fold is not None:
         gap = gap + fold
     kind = num.softmax_kind
@@ -915,7 +948,7 @@ def _softmax_pv(
         else:
             log_s_lo = np.maximum(0.0, log_sum_lo - np.where(np.isfinite(hi), hi, 0.0))
     # R_j = e^{x_j} - 1: the relative error of the computed (rescaled) exponential of key j.
-    x = np.where(live, x, 0.0)
+    x = _on(live, x, 0.0)
     with np.errstate(over="ignore"):
         r_mean = _weighted_expm1(p_tilde_hi, x, live)
         r_max = np.expm1(x.max(axis=-1, keepdims=True))
@@ -951,18 +984,19 @@ def _softmax_pv(
             "vacuous",
         )
         vacuous = vacuous | flush | over
-    t_safe = np.where(vacuous, 0.0, t_sum)
-    per_sum = np.exp(np.where(vacuous, 0.0, -log_s_lo)) / (1 - t_safe)
+    sound = ~vacuous
+    t_safe = _on(sound, t_sum, 0.0)
+    per_sum = np.exp(_on(sound, -log_s_lo, 0.0)) / (1 - t_safe)
 
     y = x + math.log1p(u_div) - np.log1p(-t_safe)
-    soft = np.where(vacuous, 0.0, _times_expm1(p_tilde_hi, y))  # vacuous rows: flagged
+    soft = _on(sound, _times_expm1(p_tilde_hi, y), 0.0)  # vacuous rows: flagged
     eta_soft = eta_m * (1 + u_div) * per_sum / lift + eta_m
     soft += eta_soft
     # Step 5' (papers/attention.md): p̂_j = p̃_j(1 + ρ_j)(1 + ε_j)/(1 + τ) with the row sum's
     # error τ common to the row, so its share of Σ_j (p̂_j - p̃_j) v_j is at most
     # T/(1 - T)·|Σ_j p̃_j ṽ_j|, not T/(1 - T)·Σ_j p̃_j |ṽ_j|. Online there is no per-key
     # division: the output's one division is charged in scale_out and the output term.
-    rel = np.where(vacuous, 0.0, _times_expm1(p_tilde_hi, x + math.log1p(0.0 if online else u_div)))
+    rel = _on(sound, _times_expm1(p_tilde_hi, x + math.log1p(0.0 if online else u_div)), 0.0)
     p_hat_hi = p_tilde_hi + soft
     rounding_keys: tuple[np.ndarray, float, np.ndarray, float] | None = None
     if online:
@@ -971,7 +1005,8 @@ def _softmax_pv(
         # Step 6: an absolute η_p only where p̂_j may lie below F_p's smallest normal number
         p_hat_lo = p_tilde_lo * (1 - ev_rel) - soft
         normal_p = p_hat_lo >= eta_p
-        prob = u_p * p_hat_hi + np.where(normal_p, 0.0, eta_p)
+        # (x + 0 = x: no pass where every p̂_j is normal)
+        prob = u_p * p_hat_hi if normal_p.all() else u_p * p_hat_hi + np.where(normal_p, 0.0, eta_p)
         if lam is not None and num.dot_kind == "ieee":
             # Theorem A.3'' (papers/attention.md): the relative roundings of p̂_j into F_p and
             # the operand format, keys in their normal ranges, as one martingale per output
@@ -990,6 +1025,7 @@ def _softmax_pv(
     p_hat_hi = p_hat_hi + prob
     operand_p = u_op * p_hat_hi + eta_op
     p_hat_hi = p_hat_hi + operand_p
+    p_hat_v = p_hat_hi @ v_abs  # (the products below are taken once, while their factors hold)
     if anchor:
         # the P·V unit reads p̂ (online: unnormalised weights <= 1, divided by the sum later)
         weights = n if online else p_hat_hi.sum(axis=-1, keepdims=True)
@@ -1026,15 +1062,19 @@ def _softmax_pv(
                 entries=True,
             )
     else:
-        pv_upper = (1 + g_pv) * np.where(vacuous, 0.0, p_hat_hi) @ v_abs + eta_pv
+        pv_upper = (1 + g_pv) * (p_hat_v if sound.all() else np.where(sound, p_hat_hi, 0.0) @ v_abs)
+        pv_upper = pv_upper + eta_pv
         ranges.check(pv_upper, fmts["accum"], "P·V accumulated", entries=True)
-    pl = np.where(live, p, 0.0)
+    pl = _on(live, p, 0.0)
     with np.errstate(invalid="ignore"):
         o = pl @ v
-    ev = ev_rel * (pl @ np.abs(v))
+    v_extra = v_abs - np.abs(v)  # the values' errors (0 for values the dot reads exactly)
+    pv_abs = pl @ np.abs(v)
+    ev = ev_rel * pv_abs
     with np.errstate(over="ignore", invalid="ignore"):
         # |Σ_j p̃_j ṽ_j| <= |o| + Σ_j |p̃_j - p_j| v̄_j + Σ_j p_j (v̄_j - |v_j|)
-        o_tilde = (np.abs(o) + ev + logits @ v_abs + pl @ (v_abs - np.abs(v))) * (1 + ev_rel)
+        logits_v = logits @ v_abs
+        o_tilde = (np.abs(o) + ev + logits_v + _dot(pl, v_extra)) * (1 + ev_rel)
         o_tilde = np.minimum(o_tilde, p_tilde_hi @ v_abs)
         inv = 1 / (1 - t_safe)
         soft_term = (rel @ v_abs) * inv + t_safe * inv * o_tilde + eta_soft * v_abs.sum(axis=0)
@@ -1043,7 +1083,8 @@ def _softmax_pv(
     scale_out = (1 + u_o) * ((1 + u_div) if online else 1.0)
     u_last: Any = u_div  # the online softmax's final division
     single = live.sum(axis=-1, keepdims=True) == 1
-    if kind != "naive" and single.any() and not num.prob_offset:
+    one_key = kind != "naive" and single.any() and not num.prob_offset
+    if one_key:
         # (with prob_offset the one key's weight is exp2(k), which XLA need not return exactly)
         # A row with one live key: ŝ_j - m = 0 exactly, exp(0) = 1 (assumption E of M.5), the
         # sum is 1 and 1/1 = 1, so p̂_j = 1, and P·V sums the one exact product 1·v_j with
@@ -1064,13 +1105,14 @@ def _softmax_pv(
             g_row = g_pv
     else:
         g_row = g_pv
+    if one_key:  # the factors changed on the one-key rows
+        logits_v, p_hat_v = logits @ v_abs, p_hat_hi @ v_abs
     terms = {
-        "logits": scale_out * (logits @ v_abs),
+        "logits": scale_out * logits_v,
         "softmax": scale_out * soft_term,
         "probability_rounding": scale_out * (prob @ v_abs),
-        "operands": scale_out * (operand_p @ v_abs + p_hat_hi @ (v_abs - np.abs(v))),
-        "pv": scale_out
-        * (g_row * (p_hat_hi @ v_abs) + (eta_pv * per_sum / lift if online else eta_pv)),
+        "operands": scale_out * (operand_p @ v_abs + _dot(p_hat_hi, v_extra)),
+        "pv": scale_out * (g_row * p_hat_v + (eta_pv * per_sum / lift if online else eta_pv)),
         "output": (
             u_o * np.abs(o) + eta_o + ((1 + u_o) * (u_last * np.abs(o) + eta_m) if online else 0.0)
         ),
@@ -1089,7 +1131,7 @@ def _softmax_pv(
             alt = (mart + kept_prob + kept_op) * (1 + ev_rel)
             share = np.where(det > 0, det_prob / det, 1.0)
         choose = alt < det
-        rest_v = p_hat_hi @ (v_abs - np.abs(v))
+        rest_v = _dot(p_hat_hi, v_extra)
         terms["probability_rounding"] = scale_out * np.where(choose, alt * share, det_prob)
         terms["operands"] = scale_out * (np.where(choose, alt * (1 - share), det_op) + rest_v)
     if across is not None and lam is not None:
@@ -1120,7 +1162,10 @@ def _softmax_pv(
     # |fl(x) - x| by itself: Theorem A.5' (shared logits) needs it; removed by _head
     terms[_PLAIN] = terms["output"]
     terms["output"] = np.fmin(terms["output"], nearest)
-    return terms, p, np.where(vacuous, np.inf, t_safe)
+    # p = e/Σe on every row (the direct evaluation) is the exact softmax of these logits
+    # evaluated as _head evaluates it: its products with v and |v| are the head's
+    direct = (o, pv_abs) if _direct_rows(delta, live).all() else None
+    return terms, p, np.where(vacuous, np.inf, t_safe), direct
 
 
 def _split_pv(
@@ -1176,7 +1221,7 @@ def _split_pv(
         ls = live[:, cut]
         some = ls.any(axis=-1, keepdims=True)
         mine = _Ranges(*ranges.shape)  # this split's flags, kept only for rows it attends
-        terms, p_s, t_s = _softmax_pv(
+        terms, p_s, t_s, _ = _softmax_pv(
             s[:, cut],
             delta[:, cut],
             v[cut],
@@ -1348,15 +1393,25 @@ def _given_error(
     k_abs: np.ndarray,
     v: np.ndarray,
     p: np.ndarray,
+    pv_abs: np.ndarray,
     keep: np.ndarray,
     scale: float,
     given: tuple[Any, Any, Any],
 ) -> np.ndarray:
-    """``|p v - p* v*|`` for inputs off the exact ones by ``given`` (Theorem S.4 for ``p``)."""
+    """``|p v - p* v*|`` for inputs off the exact ones by ``given`` (Theorem S.4 for ``p``);
+    ``pv_abs = p |v|``.
+
+    The logits move by at most ``|c|(g_q|k| + |q|g_k + g_q g_k)`` (each term non-negative);
+    its largest entry in a row is at most ``|c| Σ_d (g_q (K + G) + |q| G)_d`` with ``K_d`` and
+    ``G_d`` the largest ``|k_jd|`` and ``(g_k)_jd`` over every key (the same for every chunk of
+    rows): ``O(L d)`` instead of an ``L × L × d`` product.
+    """
     g_q, g_k, g_v = given
-    moved = abs(scale) * (g_q @ k_abs.T + q_abs @ np.asarray(g_k).T + g_q @ np.asarray(g_k).T)
-    big = np.max(np.where(keep, moved, 0.0), axis=-1, keepdims=True)
-    return np.expm1(2 * big) * (p @ np.abs(v)) + np.exp(2 * big) * (p @ (g_v * np.ones_like(v)))
+    g_k = np.broadcast_to(np.asarray(g_k, np.float64), k_abs.shape)
+    k_top, g_top = k_abs.max(axis=0, initial=0.0), g_k.max(axis=0, initial=0.0)
+    moved = (np.asarray(g_q) * (k_top + g_top) + q_abs * g_top).sum(axis=-1, keepdims=True)
+    big = np.where(keep.any(axis=-1, keepdims=True), abs(scale) * moved, 0.0)
+    return np.expm1(2 * big) * pv_abs + np.exp(2 * big) * (p @ (g_v * np.ones_like(v)))
 
 
 def attention_bound(

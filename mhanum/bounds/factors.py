@@ -684,7 +684,10 @@ def linear(
     slope = np.abs(w) + e_w_op
     # x̂ = x* + e: its operand rounding adds u_op|x̂| + η_op, |x̂| <= x_bar + e_x
     e0 = u_op * x_bar + eta_op
-    fixed = e0 @ np.abs(w) + x_bar @ e_w_op + e0 @ e_w_op
+    if u_op == 0 and eta_op == 0:  # no operand rounding: e0 = 0 (a product of zeros is 0)
+        fixed = x_bar @ e_w_op
+    else:
+        fixed = e0 @ np.abs(w) + x_bar @ e_w_op + e0 @ e_w_op
     fixed = fixed + g * ((x_bar + e0) @ slope) + unit_eta(num, d)
     anchor = tensor_core_anchor(num)
     if anchor:
@@ -694,7 +697,9 @@ def linear(
     kappa = (1 + u_op) * (1 + g)
     f64 = chain_dot_factor(d + 1, "sequential", 2.0**-53)
     y = x @ w
-    y_given = x_given @ np.abs(w) + f64 * (np.abs(x) @ np.abs(w))
+    y_given = f64 * (np.abs(x) @ np.abs(w))
+    if np.any(x_given):  # (an exact operand adds nothing)
+        y_given = x_given @ np.abs(w) + y_given
     if b is not None:
         y = y + b
         y_given = y_given + f64 * np.abs(b)

@@ -95,3 +95,34 @@ def test_rows_with_large_logit_errors_take_the_log_space_path():
     out = np.asarray(mn.attention(q, K[0], V[0], numerics=num), np.float64)
     exact = np.asarray(mn.reference.attention(q, K[0], V[0]), np.float64)
     assert np.all(np.abs(out - exact) <= mixed.total)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_shortcuts_of_all_live_keys_and_exact_operands_change_nothing(case, monkeypatch):
+    # every key live, operands read exactly, values without error: the bound skips np.where
+    # passes and products with zero factors; evaluated without the shortcuts it is the same, bit
+    # for bit
+    kwargs, numerics = CASES[case]
+    fast = attention_bound(Q, K, V, numerics=numerics, **kwargs)
+    monkeypatch.setattr(attention_module, "_on", lambda where, x, other: np.where(where, x, other))
+    monkeypatch.setattr(attention_module, "_dot", lambda a, b: a @ b)
+    slow = attention_bound(Q, K, V, numerics=numerics, **kwargs)
+    for name in fast.terms:
+        np.testing.assert_array_equal(fast.terms[name], slow.terms[name])
+    np.testing.assert_array_equal(fast.total, slow.total)
+
+
+def test_the_given_errors_move_the_logits_by_at_most_the_charged_amount():
+    # A.2's float64 projections are off the exact ones by `given`; the charge takes the row's
+    # largest logit move as Σ_d g_q (max|k| + max g_k) + |q| max g_k, never below the largest
+    # entry of the L × L product it replaces
+    q, k, v = (np.abs(RNG.standard_normal((24, 8))) for _ in range(3))
+    g = tuple(RNG.random((24, 8)) * 1e-12 for _ in range(3))
+    keep = MASK[0]
+    p = np.where(keep, 1.0, 0.0) / np.maximum(keep.sum(-1, keepdims=True), 1)
+    charged = attention_module._given_error(q, k, v, p, p @ v, keep, 0.5, g)
+    moved = 0.5 * (g[0] @ k.T + q @ g[1].T + g[0] @ g[1].T)
+    big = np.max(np.where(keep, moved, 0.0), axis=-1, keepdims=True)
+    exact_charge = np.expm1(2 * big) * (p @ v) + np.exp(2 * big) * (p @ g[2])
+    assert np.all(charged >= exact_charge)
+    assert np.any(charged > exact_charge)
