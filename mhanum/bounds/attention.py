@@ -896,7 +896,7 @@ def _softmax_pv(
     ranges: _Ranges,
     fold: np.ndarray | None = None,
     across: list[tuple[np.ndarray, np.ndarray]] | None = None,
-) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """Steps 4-7 of A.1 for logits ``s`` (``-inf`` where not live) off by at most ``delta``.
 
     ``fold`` (``exp_form="exp2-folded"``) is the part of ``delta`` that the exponent's argument
@@ -907,8 +907,9 @@ def _softmax_pv(
     A.3''s for each split. The choice, entry by entry, depends on the inputs only, not on the
     roundings, so each entry's bound is still one event.
 
-    Returns the terms (against the exact attention of these logits), its probabilities and the
-    computed row sum's relative error ``T`` (step 5; ``inf`` in a vacuous row); rows whose
+    Returns the terms (against the exact attention of these logits), its probabilities, the
+    computed row sum's relative error ``T`` (step 5; ``inf`` in a vacuous row), and ``(p v,
+    p|v|)`` where ``p`` was evaluated directly on every row (else ``None``); rows whose
     softmax sum may be off by 100%, or (naive) may overflow or flush its reciprocal, and
     sums that may overflow their format are recorded in ``ranges``. Everything is evaluated on
     the logits shifted by the row maximum, so the float64 evaluation does not lose accuracy
