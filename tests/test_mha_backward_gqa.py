@@ -1,0 +1,129 @@
+"""Grouped-query and multi-query attention in the multi-head backward (``num_kv_heads``).
+
+A shared key/value head's gradient is the sum of its query heads' (autograd through
+``repeat_interleave``): the emulation sums the group's stored ``dK_h``/``dV_h`` in ``accum``, the
+reference sums them exactly, and Theorem B.6 charges the sum (``γ_{g-1}`` on the group's
+magnitudes and errors, then the output rounding). The weights' gradients are those of the
+grouped weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mhanum
+from mhanum import Backward, InvalidArgument, MHAParams, reference
+from mhanum.bounds.backward import mha_grad_bound
+
+HEADS, WIDTH = 4, 16
+D = WIDTH // HEADS
+NAMES = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
+
+
+def _layer(kv_heads: int, seed: int = 0):
+    params = MHAParams.random(WIDTH, seed=seed, kv_width=kv_heads * D)
+    rng = np.random.default_rng(seed + 1)
+    x_q, g = (rng.standard_normal((2, 5, WIDTH)) for _ in range(2))
+    return params, x_q, rng.standard_normal((2, 6, WIDTH)), g
+
+
+def _pairs(got, exact, bounds):
+    yield "dx_q", got.dx_q, exact.dx_q, bounds.dx_q
+    yield "dx_kv", got.dx_kv, exact.dx_kv, bounds.dx_kv
+    yield "dbias", got.dbias, exact.dbias, bounds.dbias
+    for name, b in bounds.params.items():
+        yield name, getattr(got.params, name), getattr(exact.params, name), b
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("algorithm", ["textbook", "flash2"])
+@pytest.mark.parametrize(
+    "preset", ["fp32", "bf16-fp32acc", "fp16-fp32acc", "fp16", "tensor-core-bf16"]
+)
+def test_every_grouped_gradient_is_within_theorem_b6(preset, algorithm, kv_heads):
+    """GQA (4 query heads, 2 key/value heads) and MQA (1): every gradient, the grouped weights'
+    included, within its bound; ``fp16`` stores every head's gradient in float16, so the group's
+    sum rounds in float16 too."""
+    params, x_q, x_kv, g = _layer(kv_heads, seed=3)
+    mask = np.tril(np.ones((5, 6), bool), 1)
+    backward = Backward(algorithm, block_q=2, block_k=4) if algorithm == "flash2" else algorithm
+    kw = {"mask": mask, "num_kv_heads": kv_heads}
+    got = mhanum.mha_grad(x_q, x_kv, params, HEADS, g, numerics=preset, backward=backward, **kw)
+    exact = reference.mha_grad(x_q, x_kv, params, HEADS, g, digits=17, **kw)
+    bounds = mha_grad_bound(x_q, x_kv, params, HEADS, g, numerics=preset, backward=backward, **kw)
+    for name, x, want, b in _pairs(got, exact, bounds):
+        assert np.shape(x) == np.shape(want) == np.shape(b.total), name
+        err = np.abs(np.asarray(x, np.float64) - want)
+        assert np.isfinite(b.total).all(), (name, b.reasons)
+        assert (err <= b.total).all(), (name, float(np.max(err / b.total)))
+        assert b.theorem == "B.6"
+    assert got.params.wk.shape == params.wk.shape == (WIDTH, kv_heads * D)
+    assert sorted(bounds.params) == sorted(NAMES)
+
+
+def test_as_many_key_value_heads_as_heads_is_the_plain_call_bit_for_bit():
+    """``num_kv_heads = num_heads``: groups of one head, no sum; every result is the plain
+    call's, bit for bit (emulation, reference and bound)."""
+    params, x_q, x_kv, g = _layer(HEADS, seed=4)
+    numerics, backward = "bf16-fp32acc", Backward("flash2", block_q=2, block_k=4)
+    runs = [
+        (f, kw) for f in (mhanum.mha_grad, mha_grad_bound) for kw in ({}, {"num_kv_heads": HEADS})
+    ]
+    out = [f(x_q, x_kv, params, HEADS, g, numerics=numerics, backward=backward, **kw)
+           for f, kw in runs]  # fmt: skip
+    exact = [reference.mha_grad(x_q, x_kv, params, HEADS, g, digits=17, **kw)
+             for kw in ({}, {"num_kv_heads": HEADS})]  # fmt: skip
+    for a, b in ((out[0], out[1]), (exact[0], exact[1])):
+        for name in ("dx_q", "dx_kv", "dbias"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        for name in NAMES:
+            np.testing.assert_array_equal(getattr(a.params, name), getattr(b.params, name))
+    for name in ("dx_q", "dx_kv", "dbias"):
+        np.testing.assert_array_equal(getattr(out[2], name).total, getattr(out[3], name).total)
+    for name in NAMES:
+        np.testing.assert_array_equal(out[2].params[name].total, out[3].params[name].total)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_the_grouped_weights_gradients_are_the_expanded_ones_summed(kv_heads):
+    """In the reference, the grouped layer's gradients are the expanded layer's with each key/
+    value head's repeated columns summed back; the inputs' gradients are the same (both are
+    certified roundings of the same real numbers: within float64's rounding of each other)."""
+    params, x_q, x_kv, g = _layer(kv_heads, seed=5)
+    group = HEADS // kv_heads
+    grouped = reference.mha_grad(x_q, x_kv, params, HEADS, g, num_kv_heads=kv_heads, digits=17)
+    full = reference.mha_grad(
+        x_q, x_kv, params.expand_kv_heads(HEADS, kv_heads), HEADS, g, digits=17
+    )
+
+    def close(a, b, scale):
+        assert (np.abs(a - b) <= 2.0**-50 * scale + 2.0**-1074).all()
+
+    for name in ("dx_q", "dx_kv", "dbias"):
+        a, b = getattr(grouped, name), getattr(full, name)
+        close(a, b, np.abs(b))
+    for name in NAMES:
+        a, b = getattr(grouped.params, name), getattr(full.params, name)
+        if name in ("wk", "wv", "bk", "bv"):
+            blocks = b.reshape(*b.shape[:-1], kv_heads, group, D)
+            close(
+                a,
+                blocks.sum(axis=-2).reshape(a.shape),
+                np.abs(blocks).sum(axis=-2).reshape(a.shape),
+            )
+        else:
+            close(a, b, np.abs(b))
+    assert np.all(grouped.params.bk == 0)  # every head's Σ_j dK_j is 0, and so their sum
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "width", "match"),
+    [(3, 12, "num_kv_heads:"), (0, 4, "num_kv_heads:"), (2, 12, "params.wk:")],
+)
+def test_bad_grouping_is_refused_by_name(kv_heads, width, match):
+    params = MHAParams.random(WIDTH, seed=0, kv_width=width)
+    x = np.ones((3, WIDTH))
+    for f in (mhanum.mha_grad, reference.mha_grad, mha_grad_bound):
+        with pytest.raises(InvalidArgument, match=match):
+            f(x, x, params, HEADS, x, num_kv_heads=kv_heads)
