@@ -127,3 +127,76 @@ def test_bad_grouping_is_refused_by_name(kv_heads, width, match):
     for f in (mhanum.mha_grad, reference.mha_grad, mha_grad_bound):
         with pytest.raises(InvalidArgument, match=match):
             f(x, x, params, HEADS, x, num_kv_heads=kv_heads)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_torch_sdpa_enable_gqa_sums_the_groups_gradients(kv_heads):
+    """float32 SDPA with ``enable_gqa``: ``dk``, ``dv`` of a shared head are the float32 sums of
+    its query heads' (the same call with ``k``, ``v`` repeated), bit for bit; ``dq`` is the
+    repeated call's."""
+    torch_adapter = pytest.importorskip("mhanum.adapters.torch")
+    rng = np.random.default_rng(6)
+    q, g = (rng.standard_normal((2, HEADS, 6, 8)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((2, kv_heads, 6, 8)).astype(np.float32) for _ in range(2))
+    mask = np.tril(np.ones((6, 6), bool))
+    grouped = torch_adapter.sdpa_grad(q, k, v, g, mask, enable_gqa=True)
+    group = HEADS // kv_heads
+    k_r, v_r = (np.repeat(x, group, axis=-3) for x in (k, v))
+    full = torch_adapter.sdpa_grad(q, k_r, v_r, g, mask)
+    np.testing.assert_array_equal(grouped.dq, full.dq)
+    for name in ("dk", "dv"):
+        parts = getattr(full, name).reshape(2, kv_heads, group, 6, 8).astype(np.float32)
+        total = parts[:, :, 0]
+        for j in range(1, group):  # head order
+            total = total + parts[:, :, j]
+        if group <= 2:  # one addition: every order gives the same float32
+            np.testing.assert_array_equal(getattr(grouped, name), total)
+        else:  # two sums of the same 4 floats in two orders: each within γ_3 of the exact one
+            spread = 2 * (3 * 2.0**-24 / (1 - 3 * 2.0**-24)) * np.abs(parts).sum(axis=2)
+            assert (np.abs(getattr(grouped, name) - total) <= spread).all()
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_torch_grouped_layer_autograd_is_within_theorem_b6(kv_heads):
+    """A float32 grouped-query layer in torch (one packed key/value projection, SDPA with
+    ``enable_gqa`` on the math backend, the output projection) differentiated by autograd:
+    every gradient within B.6 for fp32 and the textbook backward (head size 16: the math
+    path's ``sqrt(1/4)`` on ``q`` and ``k`` is exact, so it computes what the scale on the
+    scores does)."""
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    width, heads, d = 64, 4, 16
+    p = MHAParams.random(width, seed=7, kv_width=kv_heads * d)
+    p = MHAParams(*(np.asarray(getattr(p, n), np.float32).astype(np.float64) for n in NAMES))
+    rng = np.random.default_rng(8)
+    x_q, x_kv, g = (rng.standard_normal((2, n, width)).astype(np.float32) for n in (6, 5, 6))
+    mask = np.tril(np.ones((6, 5), bool), 1)
+    t = {n: torch.tensor(getattr(p, n), dtype=torch.float32, requires_grad=True) for n in NAMES}
+    tq, tkv = (torch.tensor(a, requires_grad=True) for a in (x_q, x_kv))
+
+    def split(y, n):  # (B, L, n*d) -> (B, n, L, d)
+        return y.reshape(*y.shape[:-1], n, d).transpose(-2, -3)
+
+    q = split(tq @ t["wq"] + t["bq"], heads)
+    kv = tkv @ torch.cat([t["wk"], t["wv"]], -1) + torch.cat([t["bk"], t["bv"]], -1)
+    k, v = (split(a, kv_heads) for a in kv.split(kv_heads * d, -1))
+    with sdpa_kernel([SDPBackend.MATH]):
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=torch.from_numpy(mask), enable_gqa=True
+        )
+    out = o.transpose(-2, -3).reshape(2, 6, width) @ t["wo"] + t["bo"]
+    out.backward(torch.from_numpy(g))
+    got = {"dx_q": tq.grad, "dx_kv": tkv.grad, **{n: t[n].grad for n in NAMES}}
+    kw = {"mask": mask, "num_kv_heads": kv_heads}
+    exact = reference.mha_grad(x_q, x_kv, p, heads, g, digits=17, **kw)
+    bounds = mha_grad_bound(
+        x_q, x_kv, p, heads, g, numerics="fp32", backward=Backward("textbook"), **kw
+    )
+    for name, _, want, b in _pairs(exact, exact, bounds):
+        if name == "dbias":
+            continue
+        err = np.abs(got[name].double().numpy() - want)
+        assert (err <= b.total).all(), (name, float(np.max(err / b.total)))
+        if name != "bk":
+            assert np.max(err) > 0, name  # float32 does round

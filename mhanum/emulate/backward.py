@@ -341,8 +341,9 @@ def _rows(x: jax.Array) -> jax.Array:
 def _group_sum(st: Stages, x: jax.Array, group: int) -> jax.Array:
     """The gradients ``(..., H, L, d)`` of ``H`` query heads, stored in ``output_format``, summed
     over each group of ``group`` consecutive heads into ``(..., H / group, L, d)``: read into
-    ``accum``, added in head order, rounded to ``output_format`` (autograd through
-    ``repeat_interleave``: the sum over the repeated axis). One head per group is no sum."""
+    ``accum``, added in head order, rounded to ``output_format`` (FlashAttention-2's ``mha_bwd``:
+    ``dk_expanded`` in the inputs' dtype, then ``at::sum_out`` over the groups; autograd through
+    a ``repeat_interleave`` of ``k``, ``v``). One head per group is no sum."""
     if group == 1:
         return x
     parts = st.acc.take(x)
@@ -465,9 +466,12 @@ def mha_grad(
             key/value head is repeated for the query heads of its group (torch's
             ``enable_gqa``, ``repeat_interleave``), so its gradient is the sum of theirs: the
             group's ``dK_h`` (and ``dV_h``), each stored in ``output_format``, read into
-            ``accum``, added in head order and rounded to ``output_format``, as autograd sums
-            the repeated axis. ``dx_kv`` and the gradients of ``wk``, ``wv``, ``bk``, ``bv`` are
-            then those of the grouped weights, from the summed ``dK`` and ``dV``.
+            ``accum``, added in head order and rounded to ``output_format``, as
+            FlashAttention-2's ``mha_bwd`` does (``dk_expanded`` in the inputs' dtype, then
+            ``at::sum_out`` over the groups; torch's CPU math SDPA sums the float32 heads'
+            gradients before its one rounding, an order the bound covers too). ``dx_kv`` and
+            the gradients of ``wk``, ``wv``, ``bk``, ``bv`` are then those of the grouped
+            weights, from the summed ``dK`` and ``dV``.
 
     Returns:
         :class:`mhanum.gradients.MHAGradients` ``(dx_q, dx_kv, params, dbias[, dsink])``, each
