@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mhanum
 from mhanum import Backward, InvalidArgument, MHAParams, reference
+from mhanum import strategies as mst
 from mhanum.bounds.backward import mha_grad_bound
 
 HEADS, WIDTH = 4, 16
@@ -60,6 +63,40 @@ def test_every_grouped_gradient_is_within_theorem_b6(preset, algorithm, kv_heads
         assert b.theorem == "B.6"
     assert got.params.wk.shape == params.wk.shape == (WIDTH, kv_heads * D)
     assert sorted(bounds.params) == sorted(NAMES)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    data=st.data(),
+    preset=st.sampled_from(["bf16-fp32acc", "fp16"]),
+    algorithm=st.sampled_from(["textbook", "flash2"]),
+    kv_heads=st.sampled_from([1, 2]),
+)
+def test_grouped_gradients_are_within_theorem_b6_on_drawn_inputs(data, preset, algorithm, kv_heads):
+    """Drawn weights and inputs (scaled by up to 2^±4), bands, sinks and soft-caps: every
+    gradient of the grouped layer within its bound, or ``inf`` with its reason."""
+    params, x_q, x_kv, g = _layer(kv_heads, seed=data.draw(st.integers(0, 2**16)))
+    scale = 2.0 ** data.draw(st.integers(-4, 4))
+    band = data.draw(mst.bands(q_len=5, kv_len=6))
+    kw = {
+        "mask": band.array(5, 6),
+        "num_kv_heads": kv_heads,
+        "sink": data.draw(st.none() | st.just(np.array([0.5, -1.0, 2.0, 0.0]))),
+        "softcap": data.draw(st.sampled_from([None, 2.0])),
+    }
+    backward = Backward(algorithm, block_q=2, block_k=4) if algorithm == "flash2" else algorithm
+    x_q, x_kv = scale * x_q, scale * x_kv
+    got = mhanum.mha_grad(x_q, x_kv, params, HEADS, g, numerics=preset, backward=backward, **kw)
+    exact = reference.mha_grad(x_q, x_kv, params, HEADS, g, digits=17, **kw)
+    bounds = mha_grad_bound(x_q, x_kv, params, HEADS, g, numerics=preset, backward=backward, **kw)
+    pairs = list(_pairs(got, exact, bounds))
+    if kw["sink"] is not None:
+        pairs.append(("dsink", got.dsink, exact.dsink, bounds.dsink))
+    for name, x, want, b in pairs:
+        finite = np.isfinite(b.total)
+        err = np.abs(np.asarray(x, np.float64) - want)
+        assert (err[finite] <= b.total[finite]).all(), (name, float(np.max(err / b.total)))
+        assert finite.all() or b.reasons, name
 
 
 def test_as_many_key_value_heads_as_heads_is_the_plain_call_bit_for_bit():
@@ -200,3 +237,25 @@ def test_torch_grouped_layer_autograd_is_within_theorem_b6(kv_heads):
         assert (err <= b.total).all(), (name, float(np.max(err / b.total)))
         if name != "bk":
             assert np.max(err) > 0, name  # float32 does round
+
+
+def test_a_group_sum_that_may_overflow_makes_its_gradients_infinite_with_the_reason():
+    """Two float16 heads' ``dK`` near 40,000 each: their sum may pass float16's 65,504, so the
+    bound of every gradient it reaches is ``inf``, and the reason names the sum."""
+    from mhanum.bounds.backward import _group_sum
+
+    hit: dict[str, list[str]] = {}
+
+    def fail(why, reaches):
+        for name in reaches if why else ():
+            hit.setdefault(name, []).extend(why)
+
+    up = np.full((1, 2, 3, 4), 4.0e4)
+    num = mhanum.Numerics.preset("fp16")
+    total_up, err = _group_sum(up, np.zeros_like(up), 2, num, None, "dk", fail, ("dx_kv", "wk"))
+    assert total_up.shape == err.shape == (1, 1, 3, 4)
+    assert sorted(hit) == ["dx_kv", "wk"]
+    assert "group may overflow float16" in hit["wk"][0]
+    ok: dict[str, list[str]] = {}
+    _group_sum(up / 4, np.zeros_like(up), 2, num, None, "dk", lambda w, r: ok.update({"w": w}), ())
+    assert ok["w"] == []

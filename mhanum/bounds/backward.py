@@ -1,4 +1,4 @@
-"""Componentwise bounds on the error of attention's backward pass: papers/backward.md B.1-B.3.
+"""Componentwise bounds on the error of attention's backward pass: papers/backward.md B.0-B.8.
 
 :func:`attention_grad_bound` bounds ``|ĝ - g|`` for each gradient ``g`` of
 :func:`mhanum.reference.attention_grad` (``dq``, ``dk``, ``dv``, ``dbias``) and ``ĝ`` the one
@@ -6,7 +6,8 @@
 :class:`~mhanum.numerics.Numerics` and :class:`~mhanum.numerics.Backward` say, **whatever order
 its ``dQ`` additions take** (Theorem B.2: FlashAttention-2's ``atomicAdd`` of one partial per key
 block). :func:`dq_order_difference` bounds ``|dq_a - dq_b|`` between two such orders (Theorem
-B.3: run-to-run nondeterminism).
+B.3: run-to-run nondeterminism). :func:`mha_grad_bound` bounds every gradient of multi-head
+attention, grouped-query layers included (Theorem B.6), and its probabilistic variant (B.8).
 
 The bounds are evaluated on the given inputs in float64, each float64 value standing in for an
 exact one with its own enclosure (papers/backward.md, §0). Every stage's rounding is charged
