@@ -200,6 +200,18 @@ def gradient_inputs(
     return q, k, v, g, batch
 
 
+def expanded_params(params: Any, num_heads: Any, num_kv_heads: Any) -> Any:
+    """A grouped-query layer's ``params`` (an :class:`mhanum.MHAParams`) as the multi-head layer
+    that repeats each key/value head for its group, with ``num_heads`` and ``num_kv_heads``
+    checked by name (:meth:`mhanum.MHAParams.expand_kv_heads`)."""
+    from mhanum.params import MHAParams
+
+    if not isinstance(params, MHAParams):
+        msg = f"params: expected an MHAParams, got {type(params).__name__}"
+        raise InvalidArgument(msg)
+    return params.expand_kv_heads(num_heads, num_kv_heads)
+
+
 def mha_gradient_inputs(
     x_q: Any, x_kv: Any, params: Any, num_heads: Any, d_out: Any
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, tuple[int, ...]]:

@@ -345,6 +345,26 @@ def test_the_probabilistic_bound_states_its_probability_and_holds(numerics, back
         assert (np.abs(np.asarray(got, np.float64) - want) <= bound.total).all()
 
 
+@pytest.mark.parametrize(("algorithm", "sink"), [("textbook", None), ("flash2", 0.5)])
+def test_the_probabilistic_bound_counts_one_chain_per_term(algorithm, sink):
+    """B.5's Bound.probability is the union bound over every term of every sum and dot (R.6's
+    corollary), counted by hand: ``q kᵀ``, the row sums, ``G Vᵀ``, ``D``, ``dQ``, ``dK``,
+    ``dV`` and the sink's column sum, per batch element."""
+    from mhanum.bounds.factors import union_failure
+    from mhanum.numerics import resolve
+
+    rng = np.random.default_rng(7)
+    q, k = (rng.standard_normal((3, n, 4)) for n in (6, 5))
+    v, g = (rng.standard_normal((3, n, 2)) for n in (5, 6))
+    b = attention_grad_bound(q, k, v, g, numerics="fp32", backward=algorithm, lam=6.0, sink=sink)
+    lq, n, d, dv = 6, 5 + (sink is not None), 4, 2
+    chains = lq * n * d + lq * n + lq * n * dv  # q kᵀ, the row sums, G Vᵀ
+    chains += lq * (dv if algorithm == "flash2" else n)  # D
+    chains += lq * n * (2 * d + dv) + (lq if sink is not None else 0)  # dQ, dK, dV, dsink
+    want = 1.0 - union_failure(6.0, 3 * chains, resolve("fp32"))
+    assert b.dq.probability == pytest.approx(want, rel=1e-12, abs=0)
+
+
 def test_the_probabilistic_bound_refuses_what_it_does_not_model():
     rng = np.random.default_rng(5)
     q, k, v, g = (rng.standard_normal((4, 2)) for _ in range(4))

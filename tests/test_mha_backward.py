@@ -11,8 +11,9 @@ import pytest
 import mhanum
 from mhanum import Backward, InvalidArgument, MHAParams, reference
 from mhanum.bounds.backward import mha_grad_bound
-from mhanum.bounds.factors import chain
+from mhanum.bounds.factors import chain, lam_or_probability, union_failure
 from mhanum.formats import round_to
+from mhanum.numerics import resolve
 
 HEADS = 2
 NAMES = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
@@ -224,3 +225,95 @@ def test_a_storage_format_wider_than_the_input_is_read_into_it(algorithm):
     for name, x, want, b in _pairs(got, exact, bounds):
         err = np.abs(np.asarray(x, np.float64) - want)
         assert (err <= b.total).all(), (name, float(np.max(err / b.total)))
+
+
+def _mha_chains_by_hand(lq, lk, width, heads, kv_heads, flash, batch):
+    """Theorem B.8's chain count for ``width``-wide inputs, weights with biases and no sink,
+    term by term as papers/backward.md states it."""
+    d, kv, group = width // heads, kv_heads * (width // heads), heads // kv_heads
+    head = lq * lk * (3 * d + 2 * d + 1) + lq * (d if flash else lk)
+    per_element = (
+        lq * width * width  # x_q W_q
+        + 2 * lk * kv * width  # x_kv W_k, x_kv W_v
+        + lq * width * width  # G W_oᵀ
+        + heads * head
+        + (2 * lk * kv * group if group > 1 else 0)  # the groups' sums
+        + lq * width * width  # dx_q
+        + lk * width * 2 * kv  # dx_kv
+        + 2 * lq * width * width
+        + 2 * lk * width * kv  # dW_q, dW_o; dW_k, dW_v
+        + 2 * lq * width
+        + 2 * lk * kv  # db_q, db_o; db_k, db_v
+    )
+    return batch * per_element
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "algorithm"), [(4, "textbook"), (2, "flash2"), (1, "textbook")]
+)
+def test_the_stated_probability_counts_every_chain(kv_heads, algorithm):
+    """Bound.probability is the union bound over the chains counted by hand: the projections',
+    every head's B.5 chains, the groups' sums and the weights' gradients. A count without the
+    projections (or the heads) would state a larger probability."""
+    x_q, x_kv, g = _case(seed=16)
+    params = MHAParams.random(8, seed=17, kv_width=kv_heads * 2)
+    lam = 6.0
+    b = mha_grad_bound(
+        x_q, x_kv, params, 4, g, numerics="fp32", backward=algorithm, lam=lam,
+        num_kv_heads=kv_heads,
+    )  # fmt: skip
+    chains = _mha_chains_by_hand(6, 5, 8, 4, kv_heads, algorithm == "flash2", 2)
+    num = resolve("fp32")
+    want = 1.0 - union_failure(lam, chains, num)
+    for bound in (b.dx_q, b.dx_kv, b.dbias, *b.params.values()):
+        assert bound.theorem == "B.8"
+        assert bound.lam == lam
+        assert bound.probability == pytest.approx(want, rel=1e-12, abs=0)
+        assert any("independent" in a for a in bound.assumptions)
+    projections = 2 * (6 * 64 + 2 * 5 * kv_heads * 2 * 8)
+    assert want < 1.0 - union_failure(lam, chains - projections, num)
+    solved = mha_grad_bound(
+        x_q, x_kv, params, 4, g, numerics="fp32", backward=algorithm, probability=0.99,
+        num_kv_heads=kv_heads,
+    )  # fmt: skip
+    assert solved.dx_q.lam == lam_or_probability(None, 0.99, chains, num)
+    assert solved.dx_q.probability >= 0.99
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("algorithm", ["textbook", "flash2"])
+@pytest.mark.parametrize("preset", ["fp32", "bf16-fp32acc"])
+def test_the_probabilistic_bound_holds_and_is_below_the_deterministic_one(preset, algorithm, seed):
+    """Theorem B.8 at probability 0.99, on random normal inputs long enough (L = 32, width 64)
+    that its chains beat γ: no entry of any gradient exceeds it, it is nowhere above B.6 and
+    below it for every gradient that reads a long dot (``bo``, a plain sum of 32 rows in
+    float32, stays at B.6)."""
+    rng = np.random.default_rng(seed)
+    x_q, x_kv, g = (rng.standard_normal((1, 32, 64)) for _ in range(3))
+    params = MHAParams.random(64, seed=seed + 10, kv_width=32)
+    kw = {"numerics": preset, "backward": algorithm, "num_kv_heads": 2}
+    got = mhanum.mha_grad(x_q, x_kv, params, 4, g, **kw)
+    exact = reference.mha_grad(x_q, x_kv, params, 4, g, num_kv_heads=2, digits=17)
+    prob = mha_grad_bound(x_q, x_kv, params, 4, g, probability=0.99, **kw)
+    det = mha_grad_bound(x_q, x_kv, params, 4, g, **kw)
+    det_by_name = {"dx_q": det.dx_q, "dx_kv": det.dx_kv, "dbias": det.dbias, **det.params}
+    for name, x, want, b in _pairs(got, exact, prob):
+        err = np.abs(np.asarray(x, np.float64) - want)
+        assert np.isfinite(b.total).all(), (name, b.reasons)
+        assert (err <= b.total).all(), (name, float(np.max(err / b.total)))
+        assert (b.total <= det_by_name[name].total).all(), name
+        if name != "bo":
+            assert (b.total < det_by_name[name].total).any(), name
+        assert b.probability >= 0.99
+
+
+def test_the_probabilistic_bound_refuses_what_b5_refuses():
+    x_q, x_kv, g = _case()
+    params = _params(8, seed=1)
+    with pytest.raises(InvalidArgument, match="lam"):
+        mha_grad_bound(x_q, x_kv, params, HEADS, g, numerics="tensor-core-bf16", lam=5.0)
+    with pytest.raises(InvalidArgument, match="lam, probability"):
+        mha_grad_bound(x_q, x_kv, params, HEADS, g, lam=5.0, probability=0.9)
+    for bad in (1.5, 0.0, "0.9"):
+        with pytest.raises(InvalidArgument, match="probability"):
+            mha_grad_bound(x_q, x_kv, params, HEADS, g, probability=bad)

@@ -446,6 +446,7 @@ def sdpa_grad(
     backend: str = "math",
     scale: float | None = None,
     dtype: str = "float32",
+    enable_gqa: bool = False,
 ) -> Gradients:
     """The gradients of ``<d_out, F.scaled_dot_product_attention(q, k, v)>`` by torch autograd.
 
@@ -453,6 +454,9 @@ def sdpa_grad(
         q, k, v, mask, backend, scale, dtype: as for :func:`sdpa` (a boolean mask, **True =
             attend**, or ``None``).
         d_out: the output's cotangent, rounded to ``dtype``.
+        enable_gqa: SDPA's ``enable_gqa``: ``k`` and ``v`` with fewer heads than ``q`` (axis
+            -3, a divisor of ``q``'s); query head ``h`` reads key/value head ``h // (H / H_kv)``,
+            and ``dk``, ``dv`` are those of the grouped ``k``, ``v`` (autograd sums the group's).
 
     Returns:
         :class:`mhanum.gradients.Gradients` of float64 arrays holding the ``dtype`` gradients
@@ -468,18 +472,19 @@ def sdpa_grad(
         raise InvalidArgument(msg)
     chosen = SDPBackend.FLASH_ATTENTION if backend == "flash" else SDPBackend.MATH
     arrays = [np.asarray(a, np.float32) for a in (q, k, v, d_out)]
-    shape = np.broadcast_shapes(*(a.shape[:-2] for a in arrays))
-    full = [np.broadcast_to(a, (*shape, *a.shape[-2:])) for a in arrays]
+    lead = 3 if enable_gqa else 2  # with grouped heads, the head axis keeps its own size
+    shape = np.broadcast_shapes(*(a.shape[:-lead] for a in arrays))
+    full = [np.broadcast_to(a, (*shape, *a.shape[-lead:])) for a in arrays]
     tq, tk, tv, tg = (torch.from_numpy(np.array(_four_d(a))).to(dtypes[dtype]) for a in full)
     for t in (tq, tk, tv):
         t.requires_grad_(True)
     tm = None
     if mask is not None:
-        m = np.broadcast_to(np.asarray(mask, bool), (*shape, tq.shape[-2], tk.shape[-2]))
+        m = np.broadcast_to(np.asarray(mask, bool), (*full[0].shape[:-1], full[1].shape[-2]))
         tm = torch.from_numpy(np.array(_four_d(m)))
     with sdpa_kernel([chosen]):
         out = torch.nn.functional.scaled_dot_product_attention(
-            tq, tk, tv, attn_mask=tm, scale=scale
+            tq, tk, tv, attn_mask=tm, scale=scale, enable_gqa=enable_gqa
         )
         out.backward(tg)
     grads = []

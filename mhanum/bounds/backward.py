@@ -1,4 +1,4 @@
-"""Componentwise bounds on the error of attention's backward pass: papers/backward.md B.1-B.3.
+"""Componentwise bounds on the error of attention's backward pass: papers/backward.md B.0-B.8.
 
 :func:`attention_grad_bound` bounds ``|ĝ - g|`` for each gradient ``g`` of
 :func:`mhanum.reference.attention_grad` (``dq``, ``dk``, ``dv``, ``dbias``) and ``ĝ`` the one
@@ -6,7 +6,8 @@
 :class:`~mhanum.numerics.Numerics` and :class:`~mhanum.numerics.Backward` say, **whatever order
 its ``dQ`` additions take** (Theorem B.2: FlashAttention-2's ``atomicAdd`` of one partial per key
 block). :func:`dq_order_difference` bounds ``|dq_a - dq_b|`` between two such orders (Theorem
-B.3: run-to-run nondeterminism).
+B.3: run-to-run nondeterminism). :func:`mha_grad_bound` bounds every gradient of multi-head
+attention, grouped-query layers included (Theorem B.6), and its probabilistic variant (B.8).
 
 The bounds are evaluated on the given inputs in float64, each float64 value standing in for an
 exact one with its own enclosure (papers/backward.md, §0). Every stage's rounding is charged
@@ -455,6 +456,15 @@ def _spread(
     return out
 
 
+def _head_chains(lq: int, n: int, d: int, dv: int, flash: bool, sink: bool) -> int:
+    """The rounding chains of one attention's backward (Theorem B.5), one per term of every
+    sum and dot (Theorem R.6's corollary: a dot's factor needs each of its terms' chains):
+    ``q kᵀ`` (``L_q n d``), the softmax's row sums (``L_q n``), ``G Vᵀ`` (``L_q n d_v``), the
+    sums of ``D`` (``L_q n``, FlashAttention-2 ``L_q d_v``), ``dQ``, ``dK``, ``dV`` (``L_q n
+    (2d + d_v)``) and, with a sink, ``dsink`` (``L_q``); ``n`` counts the sink's key."""
+    return lq * n * (3 * d + 2 * dv + 1) + lq * (dv if flash else n) + (lq if sink else 0)
+
+
 def attention_grad_bound(
     q: Any,
     k: Any,
@@ -498,7 +508,8 @@ def attention_grad_bound(
     the least such ``λ``), every ``γ`` of a sum or dot chain is Theorem R.6's ``γ̃_h(λ)``:
     under the model that the rounding errors are independent and of mean zero, each chain
     stays within it with probability ``>= P(λ)``, and all of them together, by the union bound
-    over the ``N = 2 L_q L_k + 2 L_q + L_q d_k + L_k (d_k + d_v)`` chains of each batch element,
+    over the ``N = L_q L_k (3 d_k + 2 d_v + 1) + L_q L_k`` (FlashAttention-2: ``+ L_q d_v``)
+    chains of each batch element, one per term of every sum and dot (``+ L_q`` with a sink),
     with probability ``>= 1 - N (1 - P(λ))`` (``Bound.probability``). The float64 evaluation,
     the forward output's bound (B.2's ``D``) and the roundings outside the chains stay
     deterministic. Tensor-core dots are refused (their model has no such factor).
@@ -540,7 +551,8 @@ def attention_grad_bound(
     x = _inputs(q, k, v, d_out, mask, bias, scale, num, sink, softcap)
     bw.key_blocks(x.k.shape[-2])
     lq, n, d, dv_ = x.q.shape[-2], x.k.shape[-2], x.q.shape[-1], x.v.shape[-1]
-    chains = (2 * lq * n + 3 * lq + lq * d + n * (d + dv_)) * math.prod(x.q.shape[:-2])
+    flash = bw.algorithm == "flash2"
+    chains = _head_chains(lq, n, d, dv_, flash, x.sink) * math.prod(x.q.shape[:-2])
     lam = lam_or_probability(lam, probability, chains, num)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         bounds, dsd = _bound(x, mask, bias, scale, num, bw, lam, chains)
@@ -1299,8 +1311,12 @@ def mha_grad_bound(
     backward: Backward | str | None = None,
     sink: Any = None,
     softcap: float | None = None,
+    num_kv_heads: int | None = None,
+    lam: float | None = None,
+    probability: float | None = None,
 ) -> MHAGradientBounds:
-    """Componentwise bounds on the error of every gradient of multi-head attention (Theorem B.6).
+    """Componentwise bounds on the error of every gradient of multi-head attention (Theorems B.6,
+    B.8).
 
     **Theorem B.6.** Let ``g`` be a gradient of ``<d_out, multi_head_attention(x_q, x_kv,
     params, H)>`` (exact: :func:`mhanum.reference.mha_grad`) and ``ĝ`` the one
@@ -1314,7 +1330,15 @@ def mha_grad_bound(
     (b) ``dO = fl_out(Ĝ Ŵ_oᵀ)`` by Theorem B.0 and the output rounding;
     (c) every head's backward by Theorem B.1 / B.2 on those enclosures (the operands are read
     into the input format from their storage formats; B.2's ``D`` reads the heads' forward
-    output, bounded by A.1 on the same enclosures);
+    output, bounded by A.1 on the same enclosures); with ``num_kv_heads``, a shared key/value
+    head's ``dK``, ``dV`` the sum of its group's ``g = H / H_kv`` stored gradients in ``accum``,
+    bounded for any order of the additions by
+
+    .. math::
+
+        \\sum_h r_h + \\gamma_{g-1}(u_a) \\sum_h (|dK_h| + r_h) + g\\,2^{e_{min}} + \\text{output
+        rounding},\\quad r_h = e_h + \\text{read}(F_{out} \\to F_a);
+
     (d) ``dx_q = fl_out(dQ̂ Ŵ_qᵀ)``, ``dx_kv = fl_out([dK̂ dV̂] [Ŵ_k Ŵ_v]ᵀ)``, every weight's
     gradient (one dot over the batch's rows: ``x̂ᵀ dQ̂``, ``Ôᵀ Ĝ``) by B.0, and every bias's
     gradient (a sum over the rows in ``accum``, in the numerics' summation order) by Theorem
@@ -1323,6 +1347,17 @@ def mha_grad_bound(
     Every stage's range is a hypothesis checked on the enclosures: a gradient a stage that may
     overflow reaches is ``inf``, with the reason in ``Bound.reasons``.
 
+    **Theorem B.8 (probabilistic).** With ``lam=λ`` (or ``probability=P``, which solves for the
+    least ``λ`` with the call's own chain count), every ``γ`` of a sum or dot chain is Theorem
+    R.6's ``γ̃_m(λ)``. Under the model that the rounding errors are independent and of mean zero
+    (``Bound.assumptions``; exact for stochastic rounding, a model for round to nearest), every
+    bound holds at once with probability ``>= 1 - N (1 - P(λ))`` (``Bound.probability``, the
+    same on every gradient), ``N`` the union bound's chains, one per term of every sum and dot:
+    the forward projections of the grouped weights, ``G W_oᵀ``, every head's B.5 chains, the
+    groups' sums, ``dx_q``, ``dx_kv`` and the weights' and biases' gradients. The float64
+    evaluation, B.2's forward output, the exponentials, divisions and single roundings stay
+    deterministic. Tensor-core dots are refused.
+
     Args:
         x_q, x_kv, params, num_heads, d_out, mask, bias, scale: as for
             :func:`mhanum.emulate.backward.mha_grad`.
@@ -1330,6 +1365,11 @@ def mha_grad_bound(
         sink, softcap: as for :func:`mhanum.emulate.backward.mha_grad`: a sink is one more key
             of every head (B.1/B.2 with it; ``dsink`` bounded as in
             :func:`attention_grad_bound`), a soft-cap enters every head by Theorem B.7.
+        num_kv_heads: grouped-query attention, as for
+            :func:`mhanum.emulate.backward.mha_grad`: the bounds of ``dx_kv`` and of the grouped
+            weights' gradients, through the groups' sums.
+        lam, probability: the probabilistic variant (Theorem B.8): ``λ > 0``, or the
+            probability ``P`` in ``(0, 1)`` with which every bound holds under the model.
 
     Returns:
         :class:`MHAGradientBounds` (``dsink``: the sinks' bound, ``(..., H)``, with sinks). Each :class:`Bound`'s terms: ``upstream`` (the error of the
@@ -1339,8 +1379,9 @@ def mha_grad_bound(
 
     Raises:
         InvalidArgument: for bad inputs (named), a row that attends no key in some head, a
-            finite masking constant with a mask, the naive softmax, or numerics the backward
-            does not model.
+            finite masking constant with a mask, the naive softmax, numerics the backward does
+            not model, a bad ``num_kv_heads`` (as :meth:`mhanum.MHAParams.expand_kv_heads`),
+            both ``lam`` and ``probability``, or ``lam`` with tensor-core dots.
 
     Examples:
         >>> import numpy as np
@@ -1350,11 +1391,19 @@ def mha_grad_bound(
         >>> b = mha_grad_bound(x, x, params, 2, np.ones((5, 8)), numerics="fp32")
         >>> b.dx_q.theorem, b.dx_q.total.shape, sorted(b.params)
         ('B.6', (5, 8), ['bk', 'bo', 'bq', 'bv', 'wk', 'wo', 'wq', 'wv'])
+        >>> p = mha_grad_bound(x, x, params, 2, np.ones((5, 8)), numerics="fp32", probability=0.99)
+        >>> p.dx_q.theorem, p.dx_q.probability >= 0.99, bool((p.dx_q.total <= b.dx_q.total).all())
+        ('B.8', True, True)
+
+    References:
+        dao2023; higham2019; papers/backward.md Theorems B.6 and B.8.
     """
     num = resolve(numerics)
     bw = resolve_backward(backward)
     _check_scope(num, bw)
-    xq, xkv, g, heads, batch = V.mha_gradient_inputs(x_q, x_kv, params, num_heads, d_out)
+    full = params if num_kv_heads is None else V.expanded_params(params, num_heads, num_kv_heads)
+    xq, xkv, g, heads, batch = V.mha_gradient_inputs(x_q, x_kv, full, num_heads, d_out)
+    group = 1 if num_kv_heads is None else heads // num_kv_heads
     lq, lk = xq.shape[-2], xkv.shape[-2]
     target = (*batch, heads, lq, lk)
     cap = V.softcap_value(softcap)
@@ -1369,6 +1418,11 @@ def mha_grad_bound(
     )
     n_keys = target[-1]
     bw.key_blocks(n_keys)
+    chains = _mha_chains(params, heads, group, (lq, n_keys), math.prod(batch), bw, sink is not None)
+    lam = lam_or_probability(lam, probability, chains, num)
+    if lam is not None and num.dot_kind not in ("ieee", "split"):
+        msg = "lam: the probabilistic bound (Theorem B.8) does not cover tensor-core dot units"
+        raise InvalidArgument(msg)
     # the mask and the bias, checked as for one attention
     dummy = np.zeros((*target[:-1], 1))
     x0 = _inputs(dummy, np.zeros((*target[:-2], n_keys, 1)), np.zeros((*target[:-2], n_keys, 1)),
@@ -1377,9 +1431,11 @@ def mha_grad_bound(
     u64 = 0.0
     if scale is None and not is_power_of_four(params.qk_width // heads):
         u64 = (1 + _U64) / (1 - _U64) - 1
+    # the forward projections of the expanded layer: a grouped key/value head's columns repeated
+    # for each query head of its group, the same dots of the same operands (papers/attention.md)
     w: dict[str, Any] = {
-        f.name: None if getattr(params, f.name) is None else np.asarray(getattr(params, f.name), np.float64)
-        for f in dataclasses.fields(params)
+        f.name: None if getattr(full, f.name) is None else np.asarray(getattr(full, f.name), np.float64)
+        for f in dataclasses.fields(full)
     }  # fmt: skip
     fin, out = num.format_of("input"), num.format_of("output")
     wt = {n: np.asarray(getattr(params, n), np.float64) for n in ("wq", "wk", "wv", "wo")}
@@ -1402,7 +1458,7 @@ def mha_grad_bound(
         for name, xn, wn, bn in (("q", "x_q", "wq", "bq"), ("k", "x_kv", "wk", "bk"),
                                  ("v", "x_kv", "wv", "bv")):  # fmt: skip
             x64 = xq if xn == "x_q" else xkv
-            lin = linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage)
+            lin = linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage, lam)
             _, why = linear_overflow(
                 lin, x64, e_in[xn], w[wn], w[bn], num, storage, f"{name} projection"
             )
@@ -1418,7 +1474,7 @@ def mha_grad_bound(
         fail([] if (ag + e_g <= fin.max_finite).all() else
              [f"d_out: values may overflow the input format {fin.name}"], names)  # fmt: skip
         do_err = sum(
-            _grad_dot(num, ag, e_g, awo, e_wo, (fin, fin), "d_out woᵀ", fail, names).values()
+            _grad_dot(num, ag, e_g, awo, e_wo, (fin, fin), "d_out woᵀ", fail, names, lam).values()
         )
         do_mid = g @ wt["wo"].T
         do_rad = _f64_dot(params.d_out) * (ag @ awo)
@@ -1453,9 +1509,9 @@ def mha_grad_bound(
             sources=(storage, storage, storage, out),
             forward=(eps_o, fwd_why), sink=sink is not None, cap=cap,
         )  # fmt: skip
-        gb, dsd = _bound(heads_in, mask, bias, scale, num, bw)
+        gb, dsd = _bound(heads_in, mask, bias, scale, num, bw, lam, chains)
         if sink is not None:  # the sink's row of dk and dv, and its column of dbias, dropped
-            gb = _with_sink(gb, dsd, num, bw, None)
+            gb = _with_sink(gb, dsd, num, bw, lam)
             dsd = {**dsd, "dk_up": dsd["dk_up"][..., :-1, :], "dv_up": dsd["dv_up"][..., :-1, :]}
         for n, reach in (("dq", ("dx_q", "wq", "bq")), ("dk", ("dx_kv", "wk", "bk")),
                          ("dv", ("dx_kv", "wv", "bv")), ("dbias", ("dbias",))):  # fmt: skip
@@ -1463,8 +1519,13 @@ def mha_grad_bound(
             if not np.isfinite(b.total).all():
                 fail(b.reasons or (f"{n}: infinite",), [r for r in reach if r in hit])
         dq = (merge_heads(dsd["dq_up"]), merge_heads(np.asarray(gb.dq.total)))
-        dk = (merge_heads(dsd["dk_up"]), merge_heads(np.asarray(gb.dk.total)))
-        dv = (merge_heads(dsd["dv_up"]), merge_heads(np.asarray(gb.dv.total)))
+        dk, dv = (
+            tuple(merge_heads(a) for a in _group_sum(
+                dsd[f"{n}_up"], np.asarray(getattr(gb, n).total), group, num, lam, n, fail,
+                tuple(r for r in ("dx_kv", f"w{n[1]}", f"b{n[1]}") if r in hit),
+            ))
+            for n in ("dk", "dv")
+        )  # fmt: skip
         # (d) the inputs' and the parameters' gradients
         ws = {n: (np.abs(wt[n]).T, rounding_error(wt[n], fin).T) for n in ("wq", "wk", "wv")}
         results = {
@@ -1487,14 +1548,17 @@ def mha_grad_bound(
             fmts = (fin, out) if n != "wo" else (out, fin)
             results[n] = _grad_dot(
                 num, _rows(a).T, _rows(a_err).T, _rows(b_[0]), _rows(b_[1]), fmts, where, fail, (n,),
-                swap=True,
+                lam, swap=True,
             )  # fmt: skip
         for n, grad in (("bq", dq), ("bk", dk), ("bv", dv), ("bo", (ag, e_g))):
             if w[n] is not None:
-                results[n] = _grad_sum(num, _rows(grad[0]), _rows(grad[1]), n, fail)
+                results[n] = _grad_sum(num, _rows(grad[0]), _rows(grad[1]), n, fail, lam)
         own_b = np.asarray(gb.dbias.terms.get("output", 0.0))
         results["dbias"] = {"dS": np.asarray(gb.dbias.terms.get("dS", 0.0)), "output": own_b}
     bounds = {}
+    theorem = "B.6" if lam is None else "B.8"
+    stated = 1.0 if lam is None else max(0.0, 1.0 - union_failure(lam, chains, num))
+    assumptions = ASSUMPTIONS if lam is None else (*ASSUMPTIONS, PROBABILISTIC)
     for n, terms in results.items():
         terms = {t: np.asarray(val, np.float64) for t, val in terms.items()}
         total = sum(terms.values())
@@ -1504,19 +1568,24 @@ def mha_grad_bound(
         bounds[n] = Bound(
             total=total,
             terms=terms,
-            theorem="B.6",
-            assumptions=ASSUMPTIONS,
+            theorem=theorem,
+            assumptions=assumptions,
             source="dao2023",
-            probability=1.0,
+            probability=stated,
             reasons=tuple(reasons) if not np.isfinite(total).all() else (),
-            lam=None,
+            lam=lam,
+        )
+    dsink = None if sink is None else _finite_or_hit(gb.dsink, hit["dbias"], reasons)
+    if dsink is not None:  # one event covers every gradient, the sinks' included
+        dsink = dataclasses.replace(
+            dsink, theorem=theorem, assumptions=assumptions, probability=stated, lam=lam
         )
     return MHAGradientBounds(
         bounds["dx_q"],
         bounds["dx_kv"],
         {n: bounds[n] for n in names if n not in ("dx_q", "dx_kv", "dbias")},
         bounds["dbias"],
-        None if sink is None else _finite_or_hit(gb.dsink, hit["dbias"], reasons),
+        dsink,
     )
 
 
@@ -1538,6 +1607,7 @@ def _grad_dot(
     stage: str,
     fail: Any,
     reaches: tuple[str, ...] | list[str],
+    lam: float | None = None,
     swap: bool = False,
 ) -> dict[str, np.ndarray]:
     """B.0 for ``fl_out(Â B̂)``, ``|Â - A| <= a_err``, ``|A| <= a_up`` (B likewise), read from
@@ -1546,7 +1616,7 @@ def _grad_dot(
     acc, out = num.format_of("accum"), num.format_of("output")
     n = a_up.shape[-1]
     bits = (operand_bits(num, fmts[0]), operand_bits(num, fmts[1]))
-    f, eta, _ = _dot_factor(num, n, None, bits)
+    f, eta, _ = _dot_factor(num, n, None, bits, lam)
     from_a, from_b, accumulation = _Dot(num)(a_up, a_err, b_up, b_err, f, eta)
     rng = _Range()
     rng.operands(num, a_up + a_err, b_up + b_err, stage, ("dq",))
@@ -1563,7 +1633,7 @@ def _grad_dot(
 
 
 def _grad_sum(
-    num: Numerics, up: np.ndarray, err: np.ndarray, name: str, fail: Any
+    num: Numerics, up: np.ndarray, err: np.ndarray, name: str, fail: Any, lam: float | None = None
 ) -> dict[str, np.ndarray]:
     """Theorem S.0 for a bias's gradient ``fl_out(Σ_rows x̂)``: the stored gradients ``x̂``
     (``|x̂ - x| <= err``, ``|x| <= up``, ``(N, n)``) read into ``accum`` and summed over the
@@ -1571,7 +1641,7 @@ def _grad_sum(
     acc, out = num.format_of("accum"), num.format_of("output")
     rows = up.shape[0]
     read = err + _take(up + err, out, acc)
-    factor = chain(rows, num.summation, acc.u, None, products=False)
+    factor = chain(rows, num.summation, acc.u, lam, products=False)
     ev = 1 + evaluation_rounding(rows)
     carried = read.sum(axis=0) * ev
     accumulation = factor * (up + read).sum(axis=0) * ev + rows * acc.smallest_normal
@@ -1583,3 +1653,75 @@ def _grad_sum(
             why.append(f"{name}: the sum over the rows may overflow {fmt.name}")
     fail(why, (name,))
     return {"upstream": carried, "accumulation": accumulation, "output": own}
+
+
+def _group_sum(
+    up: np.ndarray,
+    err: np.ndarray,
+    group: int,
+    num: Numerics,
+    lam: float | None,
+    name: str,
+    fail: Any,
+    reaches: tuple[str, ...],
+) -> tuple[np.ndarray, np.ndarray]:
+    """A shared key/value head's gradient ``fl_out(Σ_h x̂_h)`` over its ``group`` query heads
+    (``(..., H, L, d)`` to ``(..., H / group, L, d)``): the stored ``x̂_h`` (``|x̂_h - x_h| <=
+    err``, ``|x_h| <= up``) read into ``accum`` and added **in any order**, each through at most
+    ``group - 1`` additions (``γ_{group-1}``), then rounded to ``output_format``. ``(up, err)``
+    of the sums; one head per group is no sum."""
+    if group == 1:
+        return up, err
+    acc, out = num.format_of("accum"), num.format_of("output")
+
+    def split(x: np.ndarray) -> np.ndarray:
+        return x.reshape(*x.shape[:-3], x.shape[-3] // group, group, *x.shape[-2:])
+
+    up, err = split(up), split(err)
+    read = err + _take(up + err, out, acc)
+    factor = chain(group, "sequential", acc.u, lam, products=False)
+    ev = 1 + evaluation_rounding(group)
+    total_up = up.sum(axis=-3) * ev
+    carried = read.sum(axis=-3) * ev
+    accumulation = factor * (up + read).sum(axis=-3) * ev + group * acc.smallest_normal
+    own = _take(total_up + carried + accumulation, acc, out) + 0 * total_up
+    why = []
+    for fmt in (acc, out):
+        if not (total_up + carried + accumulation + own <= fmt.max_finite).all():
+            why.append(f"{name}: the sum over a key/value head's group may overflow {fmt.name}")
+    fail(why, reaches)
+    return total_up, carried + accumulation + own
+
+
+def _mha_chains(
+    params: Any,
+    heads: int,
+    group: int,
+    lengths: tuple[int, int],
+    batch: int,
+    bw: Backward,
+    sink: bool,
+) -> int:
+    """The rounding chains of a multi-head backward pass (Theorem B.8), one per term of every
+    sum and dot: the forward projections of the grouped weights (``x_q W_q``, ``x_kv W_k``,
+    ``x_kv W_v``), ``G W_oᵀ``, every head's (:func:`_head_chains`, ``lengths`` = ``(L_q, n)``
+    with ``n`` the keys, a sink's included), the groups' sums of ``dK`` and ``dV``, ``dx_q``,
+    ``dx_kv``, the weights' gradients (dots over the batch's rows) and the biases'."""
+    lq, n = lengths
+    keys = n - 1 if sink else n
+    d_q, d_kv, d_o = params.d_q, params.d_kv, params.d_out
+    qk, v_w = params.qk_width, np.shape(params.wo)[0]
+    kv_qk, kv_v = np.shape(params.wk)[-1], np.shape(params.wv)[-1]
+    per_row = (
+        lq * qk * d_q  # q projection
+        + keys * (kv_qk + kv_v) * d_kv  # k, v projections
+        + lq * v_w * d_o  # dO = G W_oᵀ
+        + heads * _head_chains(lq, n, qk // heads, v_w // heads, bw.algorithm == "flash2", sink)
+        + (keys * (kv_qk + kv_v) * group if group > 1 else 0)  # the groups' sums
+        + lq * d_q * qk  # dx_q
+        + keys * d_kv * (kv_qk + kv_v)  # dx_kv
+    )
+    weights = lq * (d_q * qk + v_w * d_o) + keys * d_kv * (kv_qk + kv_v)
+    biases = {"bq": lq * qk, "bk": keys * kv_qk, "bv": keys * kv_v, "bo": lq * d_o}
+    sums = sum(c for b, c in biases.items() if getattr(params, b) is not None)
+    return int(batch * (per_row + weights + sums))

@@ -338,8 +338,25 @@ def _rows(x: jax.Array) -> jax.Array:
     return x.reshape(-1, x.shape[-1])
 
 
+def _group_sum(st: Stages, x: jax.Array, group: int) -> jax.Array:
+    """The gradients ``(..., H, L, d)`` of ``H`` query heads, stored in ``output_format``, summed
+    over each group of ``group`` consecutive heads into ``(..., H / group, L, d)``: read into
+    ``accum``, added in head order, rounded to ``output_format`` (FlashAttention-2's ``mha_bwd``:
+    ``dk_expanded`` in the inputs' dtype, then ``at::sum_out`` over the groups; autograd through
+    a ``repeat_interleave`` of ``k``, ``v``). One head per group is no sum."""
+    if group == 1:
+        return x
+    parts = st.acc.take(x)
+    parts = parts.reshape(*x.shape[:-3], x.shape[-3] // group, group, *x.shape[-2:])
+    total = parts[..., 0, :, :]
+    for j in range(1, group):
+        total = st.acc.add(total, parts[..., j, :, :])
+    return to_format(total, st.output).astype(x.dtype)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("num_heads", "numerics", "backward", "scale", "sink", "softcap")
+    jax.jit,
+    static_argnames=("num_heads", "group", "numerics", "backward", "scale", "sink", "softcap"),
 )
 def _mha_grad_jit(
     x_q: Any,
@@ -350,6 +367,7 @@ def _mha_grad_jit(
     bias: Any,
     *,
     num_heads: int,
+    group: int,
     numerics: Numerics,
     backward: Backward,
     scale: float,
@@ -359,10 +377,12 @@ def _mha_grad_jit(
     st = Stages(numerics, runtime_zero(x_q))
     x_q, x_kv, g = (to_format(x, st.input) for x in (x_q, x_kv, g))
     p = jax.tree_util.tree_map(lambda w: to_format(w, st.input), params)
-    # the forward, as multi_head_attention computes it
-    q, k, v = (
-        split_heads(project(st, x, w, b, st.storage), num_heads)
-        for x, w, b in ((x_q, p.wq, p.bq), (x_kv, p.wk, p.bk), (x_kv, p.wv, p.bv))
+    # the forward, as multi_head_attention computes it; a grouped key/value head repeated for
+    # each query head of its group (the same values as the expanded projection's)
+    q = split_heads(project(st, x_q, p.wq, p.bq, st.storage), num_heads)
+    k, v = (
+        jnp.repeat(split_heads(project(st, x_kv, w, b, st.storage), num_heads // group), group, -3)
+        for w, b in ((p.wk, p.bk), (p.wv, p.bv))
     )
     if sink:  # the sink's key and value: zeros, the last of every row (masks.with_sink)
         k, v = masks.zero_key(k, xp=jnp), masks.zero_key(v, xp=jnp)
@@ -379,7 +399,8 @@ def _mha_grad_jit(
     d_o = grad_dot(g, _t(p.wo))
     qi, ki, vi, gi = (to_format(x, st.input) for x in (q, k, v, split_heads(d_o, num_heads)))
     heads = _core(st, qi, ki, vi, gi, mask, bias, backward, scale, sink, softcap)
-    dq, dk, dv = (merge_heads(x) for x in heads[:3])
+    dq = merge_heads(heads[0])
+    dk, dv = (merge_heads(_group_sum(st, x, group)) for x in heads[1:3])
     dbias = heads[3]
     dsink = heads[4].astype(out.jax_dtype) if sink else None
     # the inputs: dx_kv is one dot over [dK dV] against [wk wv] (a packed in-projection)
@@ -412,6 +433,7 @@ def mha_grad(
     backward: Backward | str | None = None,
     sink: Any = None,
     softcap: float | None = None,
+    num_kv_heads: int | None = None,
 ) -> MHAGradients:
     r"""The gradients of ``<d_out, multi_head_attention(x_q, x_kv, params, H)>`` with explicit
     numerics: the forward of :func:`mhanum.multi_head_attention`, then
@@ -439,16 +461,27 @@ def mha_grad(
             :func:`mhanum.multi_head_attention`: each head's ``dsink`` as
             :func:`attention_grad` computes it, ``(..., H)``.
         softcap: the logit soft-cap of every head, as for :func:`attention_grad`.
+        num_kv_heads: grouped-query attention, as for :func:`mhanum.multi_head_attention`
+            (``wk``, ``bk``, ``wv``, ``bv`` of ``num_kv_heads`` heads; ``1``: multi-query). Each
+            key/value head is repeated for the query heads of its group (torch's
+            ``enable_gqa``, ``repeat_interleave``), so its gradient is the sum of theirs: the
+            group's ``dK_h`` (and ``dV_h``), each stored in ``output_format``, read into
+            ``accum``, added in head order and rounded to ``output_format``, as
+            FlashAttention-2's ``mha_bwd`` does (``dk_expanded`` in the inputs' dtype, then
+            ``at::sum_out`` over the groups; torch's CPU math SDPA sums the float32 heads'
+            gradients before its one rounding, an order the bound covers too). ``dx_kv`` and
+            the gradients of ``wk``, ``wv``, ``bk``, ``bv`` are then those of the grouped
+            weights, from the summed ``dK`` and ``dV``.
 
     Returns:
         :class:`mhanum.gradients.MHAGradients` ``(dx_q, dx_kv, params, dbias[, dsink])``, each
         in the dtype that stores ``numerics.output_format`` (``dbias`` without the sink's
-        column). Grouped-query layers: expand them with :meth:`MHAParams.expand_kv_heads` (the
-        gradient of a shared key/value head is the sum of its query heads' columns).
+        column; ``params`` shaped like the given, grouped, weights).
 
     Raises:
         InvalidArgument: for bad inputs (named), as :func:`mhanum.multi_head_attention` and
-            :func:`attention_grad`.
+            :func:`attention_grad` (``num_kv_heads`` not dividing ``num_heads``, or weights
+            whose widths do not fit it, as :meth:`MHAParams.expand_kv_heads`).
 
     Examples:
         >>> import numpy as np
@@ -456,6 +489,9 @@ def mha_grad(
         >>> params = MHAParams.random(8, seed=0)
         >>> x = np.random.default_rng(0).standard_normal((5, 8))
         >>> g = mha_grad(x, x, params, 2, np.ones((5, 8)), numerics="fp32")
+        >>> grouped = MHAParams.random(8, seed=0, kv_width=4)  # 4 heads of 2, 2 key/value heads
+        >>> mha_grad(x, x, grouped, 4, np.ones((5, 8)), num_kv_heads=2).params.wk.shape
+        (8, 4)
         >>> g.dx_q.shape, g.params.wq.shape, g.dbias.shape
         ((5, 8), (8, 8), (2, 5, 5))
     """
@@ -463,7 +499,9 @@ def mha_grad(
     bw = resolve_backward(backward)
     bw.check_forward(num)
     check_x64(num)
-    x_q, x_kv, g, heads, batch = V.mha_gradient_inputs(x_q, x_kv, params, num_heads, d_out)
+    full = params if num_kv_heads is None else V.expanded_params(params, num_heads, num_kv_heads)
+    x_q, x_kv, g, heads, batch = V.mha_gradient_inputs(x_q, x_kv, full, num_heads, d_out)
+    group = 1 if num_kv_heads is None else heads // num_kv_heads
     target = (*batch, heads, x_q.shape[-2], x_kv.shape[-2])
     mask, bias, target, cap = head_logit_inputs(num, mask, bias, sink, softcap, target)
     batch = target[:-3]
@@ -475,7 +513,7 @@ def mha_grad(
     )
     params = jax.tree_util.tree_map(lambda w: host_round(w, fmt), params)
     dx_q, dx_kv, grads, dbias, dsink = _mha_grad_jit(
-        xq, xkv, params, gj, mask, bias, num_heads=heads, numerics=num, backward=bw, scale=factor,
-        sink=sink is not None, softcap=cap,
+        xq, xkv, params, gj, mask, bias, num_heads=heads, group=group, numerics=num, backward=bw,
+        scale=factor, sink=sink is not None, softcap=cap,
     )  # fmt: skip
     return MHAGradients(dx_q, dx_kv, MHAParams(**grads), dbias, dsink)

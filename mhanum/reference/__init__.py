@@ -389,6 +389,7 @@ def mha_grad(
     max_prec: int = 8192,
     sink: Any = None,
     softcap: float | None = None,
+    num_kv_heads: int | None = None,
 ) -> MHAGradients:
     """Certified gradients of multi-head attention: the exact backward pass of the given floats.
 
@@ -411,10 +412,15 @@ def mha_grad(
             head's sink is one more key (zero key and value, bias ``σ``) whose gradient is
             ``dsink`` ``(..., H)``, the sum of its column of ``dS``.
         softcap: the logit soft-cap of every head, as for :func:`attention_grad`.
+        num_kv_heads: grouped-query attention, as for :func:`multi_head_attention`: head ``h``
+            reads key/value head ``h // (H / H_kv)``, whose ``dK`` and ``dV`` are the exact sums
+            of its group's; ``dx_kv`` and the gradients of ``wk``, ``wv``, ``bk``, ``bv`` are
+            those of the grouped weights.
 
     Returns:
         :class:`mhanum.gradients.MHAGradients` ``(dx_q, dx_kv, params, dbias[, dsink])`` in
-        float64, the inputs' gradients broadcast to the batch.
+        float64, the inputs' gradients broadcast to the batch, ``params`` shaped like the given
+        weights.
 
     Raises:
         InvalidArgument: for bad inputs (named) or a row that attends no key.
@@ -430,7 +436,9 @@ def mha_grad(
         ((3, 4), 0.0)
     """
     options = _check_options(digits, max_prec, "zero", "arb", False)
-    xq64, xkv64, g64, heads, batch = V.mha_gradient_inputs(x_q, x_kv, params, num_heads, d_out)
+    full = params if num_kv_heads is None else V.expanded_params(params, num_heads, num_kv_heads)
+    xq64, xkv64, g64, heads, batch = V.mha_gradient_inputs(x_q, x_kv, full, num_heads, d_out)
+    group = 1 if num_kv_heads is None else heads // num_kv_heads
     xq64, xkv64, g64 = (np.asarray(x, np.float64) for x in (xq64, xkv64, g64))
     shape = (*batch, heads, xq64.shape[-2], xkv64.shape[-2])
     if sink is not None:
@@ -442,7 +450,7 @@ def mha_grad(
         raise InvalidArgument(msg)
     params64 = _params_float64(params)
     dx_q, dx_kv, dbias, grads, dsink = _arb_backend().mha_grad(
-        xq64, xkv64, g64, params64, heads, spec, options, sink=sink is not None
+        xq64, xkv64, g64, params64, heads, spec, options, sink=sink is not None, group=group
     )
     names = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
     return MHAGradients(dx_q, dx_kv, MHAParams(**{n: grads.get(n) for n in names}), dbias, dsink)

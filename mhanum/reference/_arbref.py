@@ -336,6 +336,7 @@ def mha_grad(
     spec: Any,
     options: Any,
     sink: bool = False,
+    group: int = 1,
 ) -> tuple[Any, ...]:
     """The gradients of ``<d_out, multi_head_attention(...)>``, certified with Arb balls:
     ``(dx_q, dx_kv, dbias, {name: weight or bias gradient})``. The projections, every head's
@@ -343,13 +344,15 @@ def mha_grad(
     ``db_k`` is exactly 0 (``Σ_j dS_ij = 0`` in every row, so ``Σ_j dK_j = c Σ_i q_i Σ_j
     dS_ij = 0``; with a soft-cap or a sink it is computed). ``sink``: the last key of every head
     is its sink (zero key and value; ``spec`` holds its bias column), whose ``dS`` column sum is
-    ``dsink``, ``(..., H)``, returned last."""
+    ``dsink``, ``(..., H)``, returned last. ``group``: grouped-query attention, ``params``'s key
+    and value projections of ``H / group`` heads, head ``h`` reading key/value head
+    ``h // group``, whose ``dK`` and ``dV`` are the exact sums of its group's."""
     batch = spec.excluded.shape[:-3]
     x_q, x_kv, d_out = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (x_q, x_kv, d_out))
     l_q, l_k = spec.excluded.shape[-2:]
     keys = l_k - 1 if sink else l_k  # the real keys
     d_k = params.qk_width // num_heads
-    d_v = params.v_width // num_heads
+    d_v = np.shape(params.wo)[0] // num_heads
     names = [n for n in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
              if getattr(params, n) is not None]  # fmt: skip
     shapes = [x_q.shape, x_kv.shape, (*batch, num_heads, l_q, keys)]
@@ -374,7 +377,8 @@ def mha_grad(
             dqs, dks, dvs, outs = [], [], [], []
             for h in range(num_heads):
                 bias = None if spec.bias is None else spec.bias[(*b, h)]
-                k_h, v_h = _columns(flint, k, h * d_k, d_k), _columns(flint, v, h * d_v, d_v)
+                kv = h // group  # the key/value head of the group
+                k_h, v_h = _columns(flint, k, kv * d_k, d_k), _columns(flint, v, kv * d_v, d_v)
                 if sink:  # the sink: one more key, zero key and value
                     k_h, v_h = (_zero_row(flint, m) for m in (k_h, v_h))
                 d_q, d_k_, d_v_, d_s, o = _head_grad(
@@ -396,6 +400,13 @@ def mha_grad(
                     values[2][(*b, h, i, j)] = d_s[i, j]
                 if sink:
                     values[-1][(*b, h)] = sum((d_s[i, keys] for i in range(l_q)), flint.arb(0))
+            dks, dvs = (
+                [
+                    sum(m[j * group + 1 : (j + 1) * group], m[j * group])
+                    for j in range(len(m) // group)
+                ]
+                for m in (dks, dvs)
+            )  # a shared head's gradient: the exact sum of its group's
             dq, dk, dv, o = (_merge(flint, m) for m in (dqs, dks, dvs, outs))
             dx_q = dq * w["wq"].transpose()
             dx_kv = dk * w["wk"].transpose() + dv * w["wv"].transpose()
@@ -419,7 +430,7 @@ def mha_grad(
             for n in names:
                 total[n] = parts[n] if n not in total else total[n] + parts[n]
         if "bk" in total and spec.softcap is None and not sink:  # Σ_j dS_ij = 0: exactly 0
-            total["bk"] = flint.arb_mat(1, params.qk_width)
+            total["bk"] = flint.arb_mat(1, np.shape(params.bk)[-1])
         for t, n in enumerate(names):
             m = total[n]
             values[3 + t] = np.array(
