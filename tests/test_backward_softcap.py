@@ -179,3 +179,55 @@ def test_a_bad_cap_is_refused_by_name_by_b3_and_b4(cap):
     with pytest.raises(InvalidArgument, match="softcap: expected a finite number > 0"):
         attention_grad_bound_a_priori(4, 4, 2, q_norm=1.0, k_norm=1.0, v_max=1.0,
                                       d_out_max=1.0, softcap=cap)  # fmt: skip
+
+
+# the gradient search with a cap, its saved case and the command -------------------------------
+
+
+def test_a_capped_gradient_search_is_saved_and_replayed_bit_for_bit(tmp_path, capsys):
+    """``mhanum search --backward flash2 --softcap C``: every evaluation is capped (emulation,
+    reference and Theorem B.7), the case records the cap and replays with it bit for bit."""
+    import json
+
+    from mhanum import cases, cli
+
+    args = ["search", "--backward", "flash2", "--preset", "bf16-fp32acc", "--q-len", "4",
+            "--kv-len", "8", "--d-k", "4", "--block", "4", "--mask", "causal", "--budget", "6",
+            "--softcap", "0.5", "--out", str(tmp_path)]  # fmt: skip
+    assert cli.main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["softcap"] == 0.5
+    assert 0 <= result["ratio"] <= 1
+    case = cases.load_gradient(result["case"])
+    assert case.softcap == 0.5
+    # the saved measurement is the capped one: re-measured here against the capped reference
+    grads = mhanum.attention_grad(case.q, case.k, case.v, case.d_out, case.mask,
+                                  numerics=case.numerics, backward=case.backward, softcap=0.5)  # fmt: skip
+    for got, saved in zip(grads[:4], case.gradients, strict=True):
+        assert np.asarray(got, np.float64).tobytes() == saved.tobytes()
+    exact = reference.attention_grad(
+        case.q, case.k, case.v, case.d_out, mask=case.mask, softcap=0.5, digits=17
+    )
+    i = ("dq", "dk", "dv", "dbias").index(case.gradient)
+    assert abs(case.gradients[i][case.index] - exact[i][case.index]) == case.error
+    again = cases.replay(result["case"])
+    assert again.bit_for_bit
+    assert again.ratio == case.ratio
+    assert cli.main(["replay", result["case"]]) == 0
+    assert "bit for bit" in capsys.readouterr().out
+    assert cli.main([*args[:-4], "--softcap", "0", "--out", str(tmp_path / "b")]) == 2
+    assert "softcap: expected a finite number > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algorithm", ["textbook", "flash2"])
+def test_a_capped_gradient_search_finds_no_violation(algorithm):
+    from mhanum.search import gradient_worst_case
+
+    backward = Backward(algorithm, block_q=4, block_k=4) if algorithm == "flash2" else algorithm
+    shape = {"q_len": 6, "kv_len": 8, "d_k": 4}
+    case = gradient_worst_case("fp32", shape, backward=backward, budget=12, softcap=2.0)
+    assert case.softcap == 2.0
+    assert case.summary()["softcap"] == 2.0
+    assert not case.violation, (case.gradient, case.index, case.ratio)
+    with pytest.raises(InvalidArgument, match="softcap"):
+        gradient_worst_case("fp32", shape, budget=2, softcap=-1.0)
