@@ -17,7 +17,6 @@ cannot be, the gradient it feeds is ``inf`` with the reason in ``Bound.reasons``
 from __future__ import annotations
 
 import dataclasses
-import fractions
 import math
 from typing import Any, NamedTuple
 
@@ -27,7 +26,12 @@ from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
-from mhanum.bounds.a_priori import CappedLogits, attention_bound_a_priori, softcap_a_priori
+from mhanum.bounds.a_priori import (
+    CappedLogits,
+    attention_bound_a_priori,
+    cap_constant,
+    softcap_a_priori,
+)
 from mhanum.bounds.attention import (
     PROBABILISTIC,
     attention_bound,
@@ -53,7 +57,7 @@ from mhanum.bounds.factors import (
     unit_eta,
     unit_factor,
 )
-from mhanum.formats import Format, get_format, round_to
+from mhanum.formats import Format, get_format
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 
 __all__ = [
@@ -328,15 +332,6 @@ def _sech2(x: np.ndarray) -> np.ndarray:
         return (1 + 2.0**-50) / np.cosh(np.minimum(np.abs(x), 400.0)) ** 2
 
 
-def _constant_error(value: float, fmt: Format) -> tuple[float, float]:
-    """``(v̂, |v̂ - value|)`` for ``value`` rounded into ``fmt`` (a subnormal read as zero)."""
-    hat = float(round_to(value, fmt))
-    err = float(abs(fractions.Fraction(hat) - fractions.Fraction(value))) * (1 + 2.0**-52)
-    if hat < fmt.smallest_normal:
-        err = max(err, abs(value) * (1 + 2.0**-52))
-    return hat, err
-
-
 def _softcap_stage(
     s: _Q, cap: float, num: Numerics, grad: Format, keep: np.ndarray, rng: _Range
 ) -> tuple[_Q, _Q]:
@@ -352,8 +347,8 @@ def _softcap_stage(
     u_s, eta_s = fs.u, fs.smallest_normal
     carrier = fs if fs.name in ("float32", "float64") else get_format("float32")
     u_t, eta_t = 2 * num.tanh_ulps * carrier.u, carrier.smallest_normal
-    c_hat, e_c = _constant_error(cap, fs)
-    r_hat, e_r = _constant_error(1.0 / cap, fs)
+    c_hat, e_c = cap_constant(cap, fs)
+    r_hat, e_r = cap_constant(1.0 / cap, fs)
     e_r = max(e_r, (2 * u_s + 2 * u_s * u_s) / cap * (1 + 2.0**-50))  # fl(1/fl(c)) as well
     if not (math.isfinite(c_hat) and math.isfinite(r_hat) and c_hat > 0 and r_hat > 0):
         rng.check(np.inf, fs, f"softcap: the cap {cap:g} or its reciprocal in {fs.name}",
@@ -402,8 +397,8 @@ def _through_cap(
     the gradient format: ``dŜσ̂ĉr̂ - dSσ = (dŜ - dS)σ̂(1 + ρ) + dS(σ̂ - σ)(1 + ρ) + dSσρ`` with
     ``ĉr̂ = 1 + ρ``, and three roundings."""
     u_g, eta_g = grad.u, grad.smallest_normal
-    c_hat, e_c = _constant_error(cap, grad)
-    r_hat, e_r = _constant_error(1.0 / cap, grad)
+    c_hat, e_c = cap_constant(cap, grad)
+    r_hat, e_r = cap_constant(1.0 / cap, grad)
     rho = e_c * r_hat + cap * e_r
     sig_up, sig_err = slope.up, slope.err
     sig_used = sig_up + sig_err
