@@ -2,6 +2,7 @@
 
     python benchmarks/backward_tightness.py            # L = d = 64, and PyTorch's shapes
     python benchmarks/backward_tightness.py --full     # adds L = 1024, d = 64 (minutes)
+    python benchmarks/backward_tightness.py --search 20   # the search's worst input beside random
 
 Part 1: for each float32-accumulated preset and both algorithms (textbook, FlashAttention-2 with
 blocks of 64), ``--n`` random normal inputs (rounded into the preset's input format, so only the
@@ -9,6 +10,14 @@ computation's error is measured), with and without a causal mask. Per gradient i
 ``max/max``, the largest bound over the largest measured error against
 :func:`mhanum.reference.attention_grad` (the issue's goal: at most 10), and ``violations`` (entries
 whose error exceeds the bound: must be 0; the script exits 1 if any).
+
+``--search BUDGET`` (instead of Parts 1 and 2): for fp32, tf32, bf16-fp32acc and fp16-fp32acc,
+both algorithms, at ``--length`` = ``--d`` (64), :func:`mhanum.search.gradient_worst_case` with
+``BUDGET`` evaluations, no mask. Per gradient it prints ``max/max`` at the search's worst input
+beside the same ratio on ``--n`` random normal inputs, and the search's own figure: the least
+entrywise bound ÷ error (``1/ratio``), the gradient attaining it and the bound's dominant term
+there (``max/max`` over the entries whose bound is finite; ``inf`` where every entry's bound is
+infinite at that input, with its reason).
 
 Part 2: PyTorch's SDPA tests (``test/test_transformers.py``) accept a gradient when
 ``max|test - golden| <= max(1e-5, fudge · max|golden - lp_ref|)`` with ``golden`` the float64 math
@@ -40,6 +49,7 @@ from mhanum.adapters import torch as torch_adapter
 from mhanum.bounds import attention_grad_bound
 from mhanum.formats import round_to
 from mhanum.numerics import PRESETS
+from mhanum.search import gradient_worst_case
 
 GOAL = 10.0
 PRESET_NAMES = ("fp32", "tf32", "bf16-fp32acc", "fp16-fp32acc", "tensor-core-bf16")
@@ -101,6 +111,73 @@ def tightness(length: int, d: int, draws: int) -> bool:
     return ok
 
 
+SEARCH_PRESETS = ("fp32", "tf32", "bf16-fp32acc", "fp16-fp32acc")
+
+
+def _max_over_max(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    exact: tuple[np.ndarray, ...],
+    name: str,
+    bw: Backward | None,
+) -> tuple[dict[str, tuple[float, float]], int]:
+    """Per gradient ``(largest bound, largest error)`` over the entries whose bound is finite
+    (``inf`` for none), and the violations (a NaN or infinite gradient counts as an infinite
+    error: within an infinite bound, which states a possible overflow, not beyond a finite one)."""
+    grads = attention_grad(q, k, v, g, numerics=name, backward=bw)
+    bounds = attention_grad_bound(q, k, v, g, numerics=name, backward=bw)
+    out, bad = {}, 0
+    for n, got, want, b in zip(NAMES, grads, exact, bounds, strict=False):
+        got = np.asarray(got, np.float64)
+        err = np.abs(np.where(np.isfinite(got), got, np.inf) - want)
+        bad += int(np.sum(~(err <= b.total)))
+        finite = np.isfinite(b.total)
+        if not finite.any():
+            out[n] = (np.inf, 1.0)
+            continue
+        out[n] = (float(np.max(b.total[finite])), float(np.max(err[finite])))
+    return out, bad
+
+
+def search_tightness(length: int, d: int, budget: int, draws: int) -> bool:
+    """``--search``: bound/error at the search's worst input beside random inputs."""
+    ok = True
+    print(f"\nL = {length}, d = {d}: max bound / max error, random ({draws} draws, the least of "
+          f"them) | at the search's worst input ({budget} evaluations)")  # fmt: skip
+    print(f"{'preset':14} {'algorithm':9} " + " ".join(f"{'rand ' + n:>9}" for n in NAMES)
+          + " | " + " ".join(f"{'search ' + n:>10}" for n in NAMES)
+          + "   least entry bound/error (gradient, dominant term)  seconds")  # fmt: skip
+    shape = {"q_len": length, "kv_len": length, "d_k": d}
+    for name in SEARCH_PRESETS:
+        fmt = PRESETS[name].input
+        for algorithm in ("textbook", "flash2"):
+            bw = Backward(algorithm, block_q=64, block_k=64) if algorithm == "flash2" else None
+            rand = dict.fromkeys(NAMES, np.inf)
+            for seed in range(draws):
+                q, k, v, g = _draw(seed, (length, d), fmt)
+                exact = _exact(seed, (length, d), fmt, False)
+                ratios, bad = _max_over_max(q, k, v, g, exact, name, bw)
+                ok = ok and bad == 0
+                for n, (b, e) in ratios.items():
+                    rand[n] = min(rand[n], b / e)
+            case = gradient_worst_case(name, shape, backward=bw or "textbook", budget=budget)
+            ok = ok and not case.violation
+            exact = tuple(reference.attention_grad(case.q, case.k, case.v, case.d_out, digits=17))
+            found, bad = _max_over_max(case.q, case.k, case.v, case.d_out, exact, name, bw)
+            ok = ok and bad == 0
+            cells = " ".join(f"{rand[n]:9.1f}" for n in NAMES)
+            cells += " | " + " ".join(
+                f"{b / e if e > 0 else np.inf:10.1f}" for b, e in found.values()
+            )
+            least = 1 / case.ratio if case.ratio > 0 else np.inf
+            where = f"({case.gradient}, {case.dominant_term})"
+            print(f"{name:14} {algorithm:9} {cells}   {least:10.1f} {where:22} "
+                  f"{case.seconds:7.1f}")  # fmt: skip
+    return ok
+
+
 def torch_tolerances() -> bool:
     """Part 2; ``True`` when torch's gradients are all within the bound."""
     ok = True
@@ -136,7 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="add L = 1024, d = 64")
     parser.add_argument("--n", type=int, default=3, help="draws per configuration")
     parser.add_argument("--torch-only", action="store_true", help="Part 2 only")
+    parser.add_argument(
+        "--search", type=int, default=None, metavar="BUDGET",
+        help="the gradient search's worst input beside random inputs (instead of Parts 1, 2)",
+    )  # fmt: skip
+    parser.add_argument("--length", type=int, default=64, help="L = d for --search")
     args = parser.parse_args(argv)
+    if args.search is not None:
+        ok = search_tightness(args.length, args.length, args.search, args.n)
+        print(f"\ngoal: max/max <= {GOAL:g}; every bound holds: {'yes' if ok else 'NO'}")
+        return 0 if ok else 1
     ok = True
     if not args.torch_only:
         ok = tightness(64, 64, args.n)

@@ -336,6 +336,7 @@ def save_gradient(
         "seconds": case.seconds,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "masked": case.mask is not None,
+        **({} if case.softcap is None else {"softcap": case.softcap}),
     }
     meta.write_text(json.dumps(info, indent=2, allow_nan=False) + "\n")
     return npz
@@ -370,6 +371,7 @@ def load_gradient(path: str | Path) -> GradientWorstCase:
         evaluations=int(info["evaluations"]), budget=int(info["budget"]), seed=int(info["seed"]),
         seconds=float(info["seconds"]),
         gradients=tuple(arrays[name] for name in _GRADIENT_NAMES),
+        softcap=info.get("softcap"),
     )  # fmt: skip
 
 
@@ -501,8 +503,9 @@ def replay(path: str | Path) -> Replay:
     if kind == "gradient":
         gcase = load_gradient(path)
         found = gradient_evaluation(
-            gcase.q, gcase.k, gcase.v, gcase.d_out, gcase.mask, gcase.numerics, gcase.backward
-        )
+            gcase.q, gcase.k, gcase.v, gcase.d_out, gcase.mask, gcase.numerics, gcase.backward,
+            gcase.softcap,
+        )  # fmt: skip
         if found is None:
             msg = "path: the saved case is outside the bound's scope (refused or overflowed)"
             raise InvalidArgument(msg)

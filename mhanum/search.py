@@ -1136,6 +1136,7 @@ class GradientWorstCase:
         evaluations, budget, seed, seconds: the search's accounting.
         gradients: the computed ``(dq, dk, dv, dbias)`` at the input (float64 copies of their
             values), for a bit-for-bit replay.
+        softcap: the logit soft-cap of the search (Theorem B.7), or ``None``.
     """
 
     numerics: Numerics
@@ -1157,6 +1158,7 @@ class GradientWorstCase:
     seed: int
     seconds: float
     gradients: tuple[np.ndarray, ...] = dataclasses.field(default=(), repr=False)
+    softcap: float | None = None
 
     @property
     def violation(self) -> bool:
@@ -1183,7 +1185,7 @@ class GradientWorstCase:
             "violation": self.violation,
             "evaluations": self.evaluations,
             "seconds": self.seconds,
-        }
+        } | ({} if self.softcap is None else {"softcap": self.softcap})
 
 
 def gradient_evaluation(
@@ -1194,14 +1196,19 @@ def gradient_evaluation(
     mask: np.ndarray | None,
     numerics: Numerics,
     backward: Backward,
+    softcap: float | None = None,
 ) -> tuple[float, str, tuple[int, ...], float, float, str, tuple[np.ndarray, ...]] | None:
-    """One input's worst ``|ĝ_i - g_i| / B_i`` (Theorems B.1/B.2) against the certified
-    reference: ``(ratio, gradient, index, error, bound, dominant term, computed gradients)``,
-    or ``None`` outside the bound's scope."""
-    ev = _gradient_evaluation(q, k, v, d_out, mask, numerics, backward, attention_grad_bound)
+    """One input's worst ``|ĝ_i - g_i| / B_i`` (Theorems B.1/B.2, with ``softcap`` B.7)
+    against the certified reference: ``(ratio, gradient, index, error, bound, dominant term,
+    computed gradients)``, or ``None`` outside the bound's scope."""
+    ev = _gradient_evaluation(
+        q, k, v, d_out, mask, numerics, backward, attention_grad_bound, softcap
+    )
     if ev is None:
         return None
-    grads = attention_grad(q, k, v, d_out, mask, numerics=numerics, backward=backward)
+    grads = attention_grad(
+        q, k, v, d_out, mask, numerics=numerics, backward=backward, softcap=softcap
+    )
     copies = tuple(np.asarray(x, np.float64) for x in grads[:4])
     return ev.ratio, ev.gradient, ev.index, ev.error, ev.bound, ev.dominant_term, copies
 
@@ -1225,16 +1232,18 @@ def _gradient_evaluation(
     num: Numerics,
     bw: Backward,
     bound: Callable[..., Any],
+    softcap: float | None = None,
 ) -> _GradientEvaluation | None:
     """The worst ``|ĝ - g| / B`` over the gradients (``None`` outside the bound's scope or where
-    every bound is infinite)."""
+    every bound is infinite); the emulation, the reference and the bound all take ``softcap``."""
+    cap = {} if softcap is None else {"softcap": softcap}  # a bound without it stays usable
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            bounds = bound(q, k, v, g, mask, numerics=num, backward=bw)
+            bounds = bound(q, k, v, g, mask, numerics=num, backward=bw, **cap)
     except InvalidArgument:
         return None
-    grads = attention_grad(q, k, v, g, mask, numerics=num, backward=bw)
-    exact = reference.attention_grad(q, k, v, g, mask=mask, digits=17)
+    grads = attention_grad(q, k, v, g, mask, numerics=num, backward=bw, softcap=softcap)
+    exact = reference.attention_grad(q, k, v, g, mask=mask, digits=17, softcap=softcap)
     best: _GradientEvaluation | None = None
     per_gradient = (bounds.dq, bounds.dk, bounds.dv, bounds.dbias)
     for name, got, want, b in zip(_GRADIENTS, grads, exact, per_gradient, strict=False):
@@ -1266,6 +1275,7 @@ def gradient_worst_case(
     seed: int = 0,
     mask: str | None = None,
     bound: Callable[..., Any] | None = None,
+    softcap: float | None = None,
 ) -> GradientWorstCase:
     """Search for the input on which a backward pass is worst relative to its bound (B.1/B.2).
 
@@ -1285,6 +1295,9 @@ def gradient_worst_case(
         mask: a mask kind of :func:`mhanum.strategies.masks`, or ``None``.
         bound: the bound function (default :func:`mhanum.bounds.attention_grad_bound`; a test
             can pass a deliberately wrong one).
+        softcap: a logit soft-cap ``c > 0`` (``c·tanh(s/c)``) in every evaluation: the
+            emulation, the reference and the bound (Theorem B.7) all take it, and the case
+            records it.
 
     Returns:
         A :class:`GradientWorstCase`.
@@ -1303,6 +1316,9 @@ def gradient_worst_case(
     num, bw = resolve(numerics), resolve_backward(backward)
     sizes = Shape.of(shape)
     budget, seed = _check_budget(budget), _check_seed(seed)
+    cap = V.softcap_value(softcap)
+    if cap is not None:
+        num.check_softcap()
     _check_x64()
     kind = _check_mask(mask)
     fmt = num.format_of("input")
@@ -1331,7 +1347,9 @@ def gradient_worst_case(
         rng = np.random.default_rng(cot[0])
         g = round_to(rng.standard_normal((*x.q.shape[:-1], x.v.shape[-1])) * 2.0 ** cot[1], fmt)
         try:
-            ev = _gradient_evaluation(x.q, x.k, x.v, g, m, num, bw, bound or attention_grad_bound)
+            ev = _gradient_evaluation(
+                x.q, x.k, x.v, g, m, num, bw, bound or attention_grad_bound, cap
+            )
         except CertificationError:  # the reference cannot certify it: no measurement, skip it
             uncertified += 1
             return
@@ -1351,13 +1369,13 @@ def gradient_worst_case(
         )
         raise InvalidArgument(msg)
     ev, (q, k, v, g, m) = found[0]
-    grads = attention_grad(q, k, v, g, m, numerics=num, backward=bw)
+    grads = attention_grad(q, k, v, g, m, numerics=num, backward=bw, softcap=cap)
     return GradientWorstCase(
         numerics=num, backward=bw, shape=sizes, q=q, k=k, v=v, d_out=g, mask=m,
         gradient=ev.gradient, index=ev.index, error=ev.error, bound=ev.bound, ratio=ev.ratio,
         dominant_term=ev.dominant_term, evaluations=done, budget=budget, seed=seed,
         seconds=time.perf_counter() - start,
-        gradients=tuple(np.asarray(x, np.float64) for x in grads[:4]),
+        gradients=tuple(np.asarray(x, np.float64) for x in grads[:4]), softcap=cap,
     )  # fmt: skip
 
 

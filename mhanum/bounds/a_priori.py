@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import fractions
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -44,7 +45,7 @@ from mhanum.bounds.factors import (
     unit_factor,
 )
 from mhanum.bounds.softmax import division_error
-from mhanum.formats import Format
+from mhanum.formats import Format, get_format, round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
 
@@ -167,6 +168,93 @@ class _Logits:
     reach: float
     eps64: float
     moved: float
+
+
+_Z_SECH2 = 0.45  # >= max_z z·sech²(z) = 0.4477 (at z = 0.772)
+
+
+class CappedLogits(NamedTuple):
+    """Theorem B.9 (a): the soft-capped logits at their worst over the admissible inputs."""
+
+    reach: float  # >= |a| = c|tanh(s/c)|
+    delta: float  # >= |â - a|
+    tau: float  # >= |tanh(s/c)|
+    e_tau: float  # >= |t̂ - tanh(s/c)|
+    t_used: float  # >= |t̂|
+
+
+def cap_constant(value: float, fmt: Format) -> tuple[float, float]:
+    """``(v̂, e)`` with ``e >= |v̂ - value|`` for ``value`` rounded into ``fmt`` (a subnormal
+    constant may be read as zero: then ``e >= |value|``)."""
+    hat = float(round_to(value, fmt))
+    err = float(abs(fractions.Fraction(hat) - fractions.Fraction(value))) * (1 + 2.0**-52)
+    if hat < fmt.smallest_normal:
+        err = max(err, abs(value) * (1 + 2.0**-52))
+    return hat, err
+
+
+def softcap_a_priori(
+    s_up: float,
+    delta: float,
+    cap: float,
+    num: Numerics,
+    check: Callable[[float, Format, str], None],
+) -> CappedLogits:
+    """Theorem B.9 (a) (papers/backward.md): scaled scores ``|s| <= s_up`` computed within
+    ``delta``, capped as the kernel does, ``â = fl_s(ĉ·fl_s(T(fl_s(ŝ·r̂))))``.
+
+    ``x̂ - s/c = e_a + e_r`` with ``|e_a| <= w_a = δ r̂(1 + u_s) + η_s`` (the scores' error) and
+    ``|e_r| <= w_r|s/c|``, ``w_r = c|r̂ - 1/c| + u_s c r̂`` (the reciprocal's and the product's
+    roundings). ``tanh`` is 1-Lipschitz with range ``(-1, 1)`` and ``y·sech²(y(1 - w_r) - w_a)
+    <= (w_a + 0.45)/(1 - w_r)``, so ``|tanh x̂ - tanh(s/c)| <= min(min(w_a, 2) +
+    w_r·min(s_up/c, (w_a + 0.45)/(1 - w_r)), 2)`` whatever the norms; ``|a| <= c·tanh(s_up/c)
+    <= min(c, s_up)``. ``check(upper, format, stage)`` is called on the
+    stages that may overflow."""
+    fs = num.format_of("score")
+    u_s, eta_s = fs.u, fs.smallest_normal
+    carrier = fs if fs.name in ("float32", "float64") else get_format("float32")
+    u_t, eta_t = 2 * num.tanh_ulps * carrier.u, carrier.smallest_normal
+    c_hat, e_c = cap_constant(cap, fs)
+    r_hat, e_r = cap_constant(1.0 / cap, fs)
+    e_r = max(e_r, (2 * u_s + 2 * u_s * u_s) / cap * (1 + 2.0**-50))  # fl(1/fl(c)) as well
+    if not (math.isfinite(c_hat) and math.isfinite(r_hat) and c_hat > 0 and r_hat > 0):
+        check(math.inf, fs, f"softcap: the cap {cap:g} or its reciprocal in {fs.name}")
+        c_hat, r_hat = cap, 1.0 / cap
+    s_hat = s_up + delta  # >= |ŝ|
+    check(s_hat * r_hat * (1 + u_s) + eta_s, fs, f"the scores times 1/softcap = {r_hat:.4g}")
+    # x̂ - s/c = e_a + e_r: |e_a| <= w_a (the scores' error), |e_r| <= w_r|s/c| (the roundings)
+    w_a = delta * r_hat * (1 + u_s) + eta_s
+    w_r = cap * e_r + u_s * cap * r_hat
+    y_up = s_up / cap * (1 + 2.0**-52)
+    relative = w_r * y_up
+    if w_r < 1:  # |y|·sech²(|y|(1 - w_r) - w_a) <= (w_a + max z·sech² z)/(1 - w_r)
+        relative = min(relative, w_r * (w_a + _Z_SECH2) / (1 - w_r))
+    spread = min(min(w_a, 2.0) + relative, 2.0)  # >= |tanh x̂ - tanh(s/c)|
+    tau = min(1.0, math.tanh(y_up) * (1 + 2.0**-50))
+    t_x = min(1.0, tau + spread)  # >= |tanh x̂|
+    e_t = u_t * t_x + eta_t
+    t_top = t_x + e_t  # >= |T(x̂)|
+    if carrier.name != fs.name:
+        e_t = e_t + u_s * t_top + eta_s
+        t_top = t_top * (1 + u_s) + eta_s
+    e_tau = spread + e_t
+    t_used = min(tau + e_tau, t_top)
+    a_err = e_c * t_used + cap * e_tau + u_s * c_hat * t_used + eta_s
+    check(c_hat * t_used * (1 + u_s) + eta_s, fs, "the capped logits")
+    return CappedLogits(cap * tau * (1 + 2.0**-50), a_err, tau, e_tau, t_used)
+
+
+def _capped(logits: _Logits, cap: float, num: Numerics, rng: _Range) -> _Logits:
+    """A.4's logits soft-capped (Theorem B.9 (a)): the computed capped logits within ``Δ_c`` of
+    ``c·tanh(s̃/c)`` (the stand-in logits ``s̃`` within ``Δ``, ``|s̃| <= ρ``), read again into
+    the softmax format; the stand-ins' own errors carried through ``tanh`` (1-Lipschitz,
+    range 2)."""
+    soft = num.format_of("softmax")
+    capped = softcap_a_priori(logits.reach, logits.delta, cap, num, rng.check)
+    delta = capped.delta
+    if soft.smallest_normal > num.format_of("score").smallest_normal:
+        delta += soft.smallest_normal
+    return _Logits(delta, capped.reach, min(logits.eps64, 2 * cap), min(logits.moved, 2 * cap))
 
 
 def _logit_error(
@@ -507,6 +595,7 @@ def attention_bound_a_priori(
     numerics: Numerics | str | None = None,
     scale: float | None = None,
     min_keys: int | None = None,
+    softcap: float | None = None,
 ) -> Bound:
     """Theorem A.4: an a priori componentwise bound on the error of ``mhanum.attention``.
 
@@ -547,6 +636,10 @@ def attention_bound_a_priori(
         scale: the logit scale; default ``1/sqrt(d_k)``.
         min_keys: the fewest keys a row attends (only the naive softmax uses it); default
             ``kv_len``.
+        softcap: the logit soft-cap ``c`` (``c·tanh(s/c)`` on the scaled scores), or ``None``:
+            A.4 then reads the capped logits, ``|a| <= c·tanh(c_s·q_norm·k_norm/c)`` within the
+            error of Theorem B.9 (a) (papers/backward.md), so the logit range is at most ``2c``
+            however large the norms.
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has shape ``(d_v,)`` (the same bound for
@@ -579,6 +672,9 @@ def attention_bound_a_priori(
         raise InvalidArgument(msg)
     qn, kn = _nonnegative(q_norm, "q_norm"), _nonnegative(k_norm, "k_norm")
     vm = _nonnegative(v_max, "v_max")
+    cap = V.softcap_value(softcap)
+    if cap is not None:
+        num.check_softcap()
     fin = num.format_of("input")
     c = V.scale_value(scale, d_k, placement=num.scale)
     rng = _Range()
@@ -588,6 +684,8 @@ def attention_bound_a_priori(
     v_abs = np.full(d_v, vm)
     with np.errstate(over="ignore"):  # bounds beyond float64 are inf, and flagged
         logits = _logit_error(qo, ko, d_k, num, c, scale is None, rng)
+        if cap is not None:
+            logits = _capped(logits, cap, num, rng)
         v_bar = _values(v_abs, fin.u * v_abs + fin.smallest_normal, num, rng)
         terms = _softmax_pv(logits, n, least, v_abs, v_bar, 0.0, num, rng)
     return _total(terms, "A.4", rng, (d_v,))

@@ -1,4 +1,4 @@
-"""Componentwise bounds on the error of attention's backward pass: papers/backward.md B.0-B.8.
+"""Componentwise bounds on the error of attention's backward pass: papers/backward.md B.0-B.9.
 
 :func:`attention_grad_bound` bounds ``|ĝ - g|`` for each gradient ``g`` of
 :func:`mhanum.reference.attention_grad` (``dq``, ``dk``, ``dv``, ``dbias``) and ``ĝ`` the one
@@ -18,7 +18,6 @@ cannot be, the gradient it feeds is ``inf`` with the reason in ``Bound.reasons``
 from __future__ import annotations
 
 import dataclasses
-import fractions
 import math
 from typing import Any, NamedTuple
 
@@ -28,7 +27,12 @@ from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
-from mhanum.bounds.a_priori import attention_bound_a_priori
+from mhanum.bounds.a_priori import (
+    CappedLogits,
+    attention_bound_a_priori,
+    cap_constant,
+    softcap_a_priori,
+)
 from mhanum.bounds.attention import (
     PROBABILISTIC,
     attention_bound,
@@ -54,7 +58,7 @@ from mhanum.bounds.factors import (
     unit_eta,
     unit_factor,
 )
-from mhanum.formats import Format, get_format, round_to
+from mhanum.formats import Format, get_format
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 
 __all__ = [
@@ -329,15 +333,6 @@ def _sech2(x: np.ndarray) -> np.ndarray:
         return (1 + 2.0**-50) / np.cosh(np.minimum(np.abs(x), 400.0)) ** 2
 
 
-def _constant_error(value: float, fmt: Format) -> tuple[float, float]:
-    """``(v̂, |v̂ - value|)`` for ``value`` rounded into ``fmt`` (a subnormal read as zero)."""
-    hat = float(round_to(value, fmt))
-    err = float(abs(fractions.Fraction(hat) - fractions.Fraction(value))) * (1 + 2.0**-52)
-    if hat < fmt.smallest_normal:
-        err = max(err, abs(value) * (1 + 2.0**-52))
-    return hat, err
-
-
 def _softcap_stage(
     s: _Q, cap: float, num: Numerics, grad: Format, keep: np.ndarray, rng: _Range
 ) -> tuple[_Q, _Q]:
@@ -353,8 +348,8 @@ def _softcap_stage(
     u_s, eta_s = fs.u, fs.smallest_normal
     carrier = fs if fs.name in ("float32", "float64") else get_format("float32")
     u_t, eta_t = 2 * num.tanh_ulps * carrier.u, carrier.smallest_normal
-    c_hat, e_c = _constant_error(cap, fs)
-    r_hat, e_r = _constant_error(1.0 / cap, fs)
+    c_hat, e_c = cap_constant(cap, fs)
+    r_hat, e_r = cap_constant(1.0 / cap, fs)
     e_r = max(e_r, (2 * u_s + 2 * u_s * u_s) / cap * (1 + 2.0**-50))  # fl(1/fl(c)) as well
     if not (math.isfinite(c_hat) and math.isfinite(r_hat) and c_hat > 0 and r_hat > 0):
         rng.check(np.inf, fs, f"softcap: the cap {cap:g} or its reciprocal in {fs.name}",
@@ -382,7 +377,10 @@ def _softcap_stage(
     u_g, eta_g = grad.u, grad.smallest_normal
     e_tg = e_tau + _take(tau_x + e_tau, fs, grad)
     sq = (tau_x + e_tg) ** 2
-    sig_err = e_tg * (2 * tau_x + e_tg) + u_g * sq + eta_g + u_g * (1 + sq) + eta_g
+    # |1 - fl(t̂²)| <= 1 + fl(t̂²) <= 1 + sq(1 + u_g) + η_g
+    sig_err = (
+        e_tg * (2 * tau_x + e_tg) + u_g * sq + eta_g + u_g * (1 + sq * (1 + u_g) + eta_g) + eta_g
+    )
     low = np.maximum(0.0, np.abs(np.tanh(y0)) * (1 - 2.0**-50) - lip * r_y)
     sig_up = np.minimum(1.0, 1 - low * low + 2.0**-50)
     return _Q(a_mid, a_rad, a_err), _Q(np.zeros_like(sig_up), sig_up, sig_err)
@@ -400,8 +398,8 @@ def _through_cap(
     the gradient format: ``dŜσ̂ĉr̂ - dSσ = (dŜ - dS)σ̂(1 + ρ) + dS(σ̂ - σ)(1 + ρ) + dSσρ`` with
     ``ĉr̂ = 1 + ρ``, and three roundings."""
     u_g, eta_g = grad.u, grad.smallest_normal
-    c_hat, e_c = _constant_error(cap, grad)
-    r_hat, e_r = _constant_error(1.0 / cap, grad)
+    c_hat, e_c = cap_constant(cap, grad)
+    r_hat, e_r = cap_constant(1.0 / cap, grad)
     rho = e_c * r_hat + cap * e_r
     sig_up, sig_err = slope.up, slope.err
     sig_used = sig_up + sig_err
@@ -417,6 +415,26 @@ def _through_cap(
     ):
         rng.check(upper, grad, stage, ("dq", "dk"))
     return ds_up * sig_up, carried + own
+
+
+def _slope_a_priori(capped: CappedLogits, num: Numerics, grad: Format) -> _Q:
+    """B.9 (b): ``σ = sech²(s/c) <= 1`` and ``σ̂ = fl_G(1 - fl_G(t̂_G²))`` from the capped
+    logits' ``tanh`` (``|t̂ - tanh| <= e_τ``, ``|t̂| <= t_used``) read into the gradient format.
+
+    B.7's ``|σ̂ - σ| <= e_g(2τ + e_g) + u_G(τ + e_g)² + u_G(1 + (τ + e_g)²) + 2η_G`` with
+    ``τ + e_g`` no more than ``|t̂_G|``'s bound; and, since ``0 <= σ <= 1`` and rounding is
+    monotone (``fl(t̂²) >= 0``, so ``σ̂ <= 1``; ``σ̂ >= -m``), ``|σ̂ - σ| <= 1 + m``."""
+    fs = num.format_of("score")
+    u_g, eta_g = grad.u, grad.smallest_normal
+    tau = capped.tau
+    read = float(np.max(_take(np.asarray(capped.t_used), fs, grad)))
+    e_g = capped.e_tau + read
+    t_g = min(tau + e_g, capped.t_used + read)  # >= |t̂_G|
+    square = t_g**2 * (1 + u_g) + eta_g  # >= fl(t̂_G²) >= 0
+    lipschitz = e_g * (2 * tau + e_g) + u_g * t_g**2 + eta_g + u_g * (1 + square) + eta_g
+    below = max(0.0, square - 1) * (1 + u_g) + eta_g  # σ̂ >= -below
+    err = min(lipschitz, 1 + below)
+    return _Q(np.zeros(()), np.ones(()), np.asarray(err))
 
 
 def _check_scope(num: Numerics, bw: Backward) -> None:
@@ -901,6 +919,7 @@ def dq_order_difference(
     scale: float | None = None,
     numerics: Numerics | str | None = None,
     backward: Backward | str | None = None,
+    softcap: float | None = None,
 ) -> Bound:
     """A bound on ``|dq_a - dq_b|`` between two orders of FlashAttention-2's ``dQ`` additions.
 
@@ -914,11 +933,16 @@ def dq_order_difference(
         |\\hat a - \\hat b| \\le 2\\,((1 + u)^{n_b - 1} - 1)\\,\\sum_j |\\Pi_j| + 2(n_b - 1)\\eta,
 
     and the scaling and the output rounding add ``u_×|ĉ|(|â| + |b̂|)`` and ``u_out`` of each
-    result. ``Σ_j|Π_j|`` is enclosed by ``(1 + γ_B)|dŜ||k̂|`` from B.2's enclosure of ``dŜ``.
-    It is 0 for one key block, and for the textbook backward (one chain, no atomics).
+    result. ``Σ_j|Π_j|`` is enclosed by ``(1 + γ_B)|dŜ||k̂|`` from B.2's enclosure of ``dŜ``
+    (with a soft-cap, of ``dÂ = fl(fl(fl(dŜ·ĉ)·σ̂)·r̂)``, Theorem B.7's step 6c: the partials
+    are dots of ``dÂ``). It is 0 for one key block, and for the textbook backward (one chain,
+    no atomics).
 
     Args:
-        as for :func:`attention_grad_bound`.
+        q, k, v, d_out, mask, bias, scale, numerics, backward: as for
+            :func:`attention_grad_bound`.
+        softcap: the logit soft-cap ``c``, as for :func:`attention_grad_bound`; a bad one
+            (not a finite number > 0) is refused by name.
 
     Returns:
         A :class:`Bound` shaped like ``dq``, terms ``additions`` and ``rounding``.
@@ -936,7 +960,7 @@ def dq_order_difference(
     num = resolve(numerics)
     bw = resolve_backward(backward)
     _check_scope(num, bw)
-    x = _inputs(q, k, v, d_out, mask, bias, scale, num)
+    x = _inputs(q, k, v, d_out, mask, bias, scale, num, softcap=softcap)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         full, dsd = _bound(x, mask, bias, scale, num, bw)
         ds_used = dsd["ds_used"]
@@ -988,6 +1012,7 @@ def attention_grad_bound_a_priori(
     numerics: Numerics | str | None = None,
     backward: Backward | str | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> GradientBounds:
     """Theorem B.4: a priori componentwise bounds on the error of every gradient.
 
@@ -1006,11 +1031,23 @@ def attention_grad_bound_a_priori(
     column sum ``Σ_i P_ij <= q_len``. FlashAttention-2's ``D`` reads the forward output, whose
     error is Theorem A.4's (:func:`~mhanum.bounds.attention_bound_a_priori`).
 
+    **Theorem B.9 (soft-capped).** With ``softcap=c`` the same holds for the capped logits
+    ``a = c·tanh(s/c)`` (:func:`mhanum.emulate.backward.attention_grad`'s ``softcap``): they lie
+    in ``[-c, c]`` whatever the norms, ``|a| <= c·tanh(c_s·q_norm·k_norm/c)``, so every logit
+    gap is at most ``2c·tanh(·) + 2Δ_c``; their error ``Δ_c`` carries the scores' error through
+    ``tanh`` (1-Lipschitz: at most ``min(w, 2)``), the roundings of ``fl(ŝ·r̂)``, of ``tanh``
+    (``numerics.tanh_ulps``) and of ``fl(ĉ·t̂)``. ``dQ`` and ``dK`` read
+    ``dÂ = fl(fl(fl(dŜ·ĉ)·σ̂)·r̂)`` with ``σ = sech²(s/c) <= 1`` and ``σ̂ = fl(1 - fl(t̂²))`` in
+    the gradient format, within ``min(e_g(2τ + e_g) + u_G(τ + e_g)² + u_G(1 + (τ + e_g)²) +
+    2η_G, 1 + m)`` of ``σ`` (``m``: how far ``σ̂`` can fall below 0); ``dB = dS``.
+    FlashAttention-2's ``D`` reads A.4 with the capped logits.
+
     Args:
         q_len, kv_len, d_k, d_v: the shapes (``d_v`` defaults to ``d_k``).
         q_norm, k_norm: bounds on the Euclidean norms of the query and key rows.
         v_max, d_out_max: bounds on the magnitude of every entry of ``v`` and ``d_out``.
         numerics, backward, scale: as for :func:`attention_grad_bound`.
+        softcap: the logit soft-cap ``c > 0`` (Theorem B.9), or ``None``.
 
     Returns:
         :class:`GradientBounds` whose totals have shapes ``(d_k,)`` (``dq``, ``dk``), ``(d_v,)``
@@ -1018,8 +1055,8 @@ def attention_grad_bound_a_priori(
         scalar bounds of ``P``, ``dP``, ``D`` and ``dS`` at one entry.
 
     Raises:
-        InvalidArgument: for non-positive sizes, negative or non-finite norms, or numerics
-            outside the theorem's scope.
+        InvalidArgument: for non-positive sizes, negative or non-finite norms, a soft-cap
+            that is not a finite number > 0, or numerics outside the theorem's scope.
 
     Examples:
         >>> b = attention_grad_bound_a_priori(
@@ -1040,13 +1077,16 @@ def attention_grad_bound_a_priori(
         if not ok or not math.isfinite(value) or value < 0:
             msg = f"{name}: expected a finite number >= 0, got {value!r}"
             raise InvalidArgument(msg)
+    cap = V.softcap_value(softcap)
+    if cap is not None:
+        num.check_softcap()
     bw.key_blocks(n)
     c64 = V.scale_value(scale, d, placement=num.scale)
     u64 = 0.0
     if scale is None and not is_power_of_four(d):
         u64 = (1 + _U64) / (1 - _U64) - 1
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        return _a_priori(lq, n, d, dv_, sizes, num, bw, scale, c64, u64)
+        return _a_priori(lq, n, d, dv_, sizes, num, bw, scale, c64, u64, cap)
 
 
 def _a_priori(
@@ -1060,6 +1100,7 @@ def _a_priori(
     scale: float | None,
     c64: float,
     u64: float,
+    cap: float | None = None,
 ) -> GradientBounds:
     fin, acc, sc = num.format_of("input"), num.format_of("accum"), num.format_of("score")
     sm, prob, out = num.format_of("softmax"), num.format_of("prob"), num.format_of("output")
@@ -1105,6 +1146,14 @@ def _a_priori(
     delta = c * (1 + theta) * t_err + theta * s_up + u_mul * (1 + theta) * c * (t_up + t_err)
     delta += sc.smallest_normal
     rng.check(s_up + delta, sc, "the logits in the score format", everything)
+    capped: CappedLogits | None = None
+    if cap is not None:  # Theorem B.9 (a): |a| <= c·tanh(s_up/c), within Δ_c
+
+        def check(upper: float, fmt: Format, stage: str) -> None:
+            rng.check(upper, fmt, stage, everything)
+
+        capped = softcap_a_priori(s_up, delta, cap, num, check)
+        s_up, delta = capped.reach, capped.delta
     delta += float(_take(np.asarray(s_up + delta), sc, sm))
 
     # Step 3: the probabilities (P <= 1, Σ_j P_ij = 1)
@@ -1131,7 +1180,7 @@ def _a_priori(
             absolute = math.inf
             rng.reasons.append("the softmax's row sum may underflow: its lower bound is not > 0")
     else:
-        r_ell = math.expm1(x_max) * (1 + g_sum) + g_sum + n * eta_m * (1 + g_sum)
+        r_ell = float(np.expm1(x_max)) * (1 + g_sum) + g_sum + n * eta_m * (1 + g_sum)
         lam_ell = float(_log_radius(r_ell))
         log_up = math.log(n) + lam_ell
         err_lse = lam_ell + eps_e * log_up + 2 * eta_m + u_m * (s_up + delta + log_up)
@@ -1139,9 +1188,10 @@ def _a_priori(
         own = err_lse + u_m * gap2 + eta_m + float(_log_radius(eps_e))
         absolute = eta_m
     big_r = own + 2 * delta
-    eps_p = math.expm1(big_r) + absolute  # entry (P <= 1)
-    sum_eps = math.expm1(big_r) + n * absolute  # along a row (Σ P = 1)
-    p_used = math.exp(big_r) + absolute
+    growth = float(np.expm1(big_r))  # inf past float64's range, not an exception
+    eps_p = growth + absolute  # entry (P <= 1)
+    sum_eps = growth + n * absolute  # along a row (Σ P = 1)
+    p_used = growth + 1 + absolute
     pr_extra = float(_take(np.asarray(p_used), sm, prob)) if flash else 0.0
 
     # Step 4: dP = d_out vᵀ (|dP| <= M)
@@ -1170,8 +1220,9 @@ def _a_priori(
         sum_px = sum_pe
     else:
         fwd = attention_bound_a_priori(
-            lq, n, d, dv_, q_norm=qn, k_norm=kn, v_max=vm, numerics=num, scale=scale
-        )
+            lq, n, d, dv_, q_norm=qn, k_norm=kn, v_max=vm, numerics=num, scale=scale,
+            softcap=cap,
+        )  # fmt: skip
         eps_o = float(np.max(fwd.total))
         rng.reasons.extend(f"forward: {r}" for r in fwd.reasons)
         eg_g = u_i * gm + eta_i + float(_take(np.asarray(gm * (1 + u_i) + eta_i), fin, grad))
@@ -1194,10 +1245,20 @@ def _a_priori(
     ds_entry = p_x * t_up + t_err + p_x * t_err + u_g * (1 + p_x) * (t_up + t_err) + eta_g
     ds_row = sum_px * t_up + t_err + sum_px * t_err + u_g * (1 + sum_px) * (t_up + t_err)
     ds_row += n * eta_g
-    rng.check(t_up + ds_entry, dsf, f"dS rounded to {dsf.name}", ("dq", "dk", "dbias"))
-    take_ds = float(_take(np.asarray(t_up + ds_entry), grad, dsf))
-    dsr_entry = ds_entry + take_ds
-    dsr_row = ds_row + float(_take(np.asarray(t_up + ds_row), grad, dsf)) + n * take_ds
+    da_entry, da_row = ds_entry, ds_row
+    if capped is not None and cap is not None:  # B.9 (b): dA = dS·σ, σ <= 1, for dq and dk
+        slope = _slope_a_priori(capped, num, grad)
+        da_entry = float(
+            _through_cap(np.asarray(t_up), np.asarray(ds_entry), slope, cap, grad, rng)[1]
+        )
+        # along a row: linear in (Σ|dS|, Σ err) plus one rounding floor per entry
+        floor = float(_through_cap(np.zeros(()), np.zeros(()), slope, cap, grad, _Range())[1])
+        row = _through_cap(np.asarray(t_up), np.asarray(ds_row), slope, cap, grad, _Range())[1]
+        da_row = float(row) + (n - 1) * floor
+    rng.check(t_up + da_entry, dsf, f"dS rounded to {dsf.name}", ("dq", "dk", "dbias"))
+    take_ds = float(_take(np.asarray(t_up + da_entry), grad, dsf))
+    dsr_entry = da_entry + take_ds
+    dsr_row = da_row + float(_take(np.asarray(t_up + da_row), grad, dsf)) + n * take_ds
 
     ev_all = (1 + evaluation_rounding(max(n, lq, d, dv_))) ** 12
     theorem = "B.4"

@@ -125,8 +125,7 @@ def _gradient_search(args: argparse.Namespace, num: Any, shape: Any) -> int:
 
     unused = [flag for flag, given in (
         ("--random", args.random), ("--against", args.against_preset is not None),
-        ("--objective", args.objective != "error/bound"),
-        ("--softcap", args.softcap is not None), ("--sink", args.sink is not None),
+        ("--objective", args.objective != "error/bound"), ("--sink", args.sink is not None),
         ("--kv-splits", args.kv_splits is not None),
     ) if given]  # fmt: skip
     if unused:
@@ -135,8 +134,9 @@ def _gradient_search(args: argparse.Namespace, num: Any, shape: Any) -> int:
     block = args.block
     backward = Backward(args.backward, block_q=block, block_k=block)
     case = search.gradient_worst_case(
-        num, shape, backward=backward, budget=args.budget, seed=args.seed, mask=args.mask
-    )
+        num, shape, backward=backward, budget=args.budget, seed=args.seed, mask=args.mask,
+        softcap=args.softcap,
+    )  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = cases.save_gradient(case, out, force=args.force, unique=case.violation)
@@ -146,7 +146,8 @@ def _gradient_search(args: argparse.Namespace, num: Any, shape: Any) -> int:
     else:
         verdict = "VIOLATION: error exceeds bound" if case.violation else "within bound"
         print(
-            f"gradient search, {case.numerics.describe()}, backward {args.backward}, "
+            f"gradient search, {case.numerics.describe()}, backward {args.backward}"
+            f"{'' if case.softcap is None else f', softcap {case.softcap:g}'}, "
             f"{case.evaluations} evaluations in {case.seconds:.1f} s\n"
             f"worst error/bound: {case.gradient}{list(case.index)} ratio {case.ratio:.4g} (error "
             f"{case.error:.3g}, bound {case.bound:.3g}, dominant term {case.dominant_term}): "

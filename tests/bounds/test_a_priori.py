@@ -318,3 +318,20 @@ def test_a_priori_covers_a_posteriori_in_float64(softmax, placement):
     assert "evaluation" in prior.terms
     assert np.all(err <= post.total)
     assert np.all(post.total <= prior.total), f"{np.max(post.total / prior.total):.3g}"
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-fp32acc", "fp16-fp32acc"])
+@pytest.mark.parametrize(("size", "cap"), [(1.0, 30.0), (4.0, 2.0), (12.0, 0.5)])
+def test_a_priori_with_a_cap_covers_the_measured_error(preset, size, cap):
+    """A.4 on the capped logits (papers/backward.md B.9 (c)): rows of q and k of one norm,
+    logits from inside the cap to 36 times past it."""
+    rng = np.random.default_rng(5)
+    fmt = PRESETS[preset].input
+    q, k = (rng.standard_normal((8, 4)) for _ in range(2))
+    q, k = (round_to(size * x / np.linalg.norm(x, axis=-1, keepdims=True), fmt) for x in (q, k))
+    v = round_to(rng.uniform(-1, 1, (8, 4)), fmt)
+    prior = attention_bound_a_priori(8, 8, 4, numerics=preset, softcap=cap, **_norms(q, k, v))
+    out = np.asarray(mn.attention(q, k, v, numerics=preset, softcap=cap), np.float64)
+    err = np.abs(out - reference.attention(q, k, v, softcap=cap))
+    assert np.isfinite(prior.total).all(), prior.reasons
+    assert (err <= prior.total).all()
