@@ -47,7 +47,7 @@ def median_time(f: Callable[[], object], repeat: int) -> float:
 
 def floor(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
     """The float64 products and exponentials of Theorem A.1's terms, alone (module docstring)."""
-    step = max(1, 2**17 // k.shape[0])
+    step = max(1, 2**18 // k.shape[0])
     v_abs = np.abs(v)
     for start in range(0, q.shape[0], step):
         qs = q[start : start + step]

@@ -30,7 +30,7 @@ def _case(seed: int = 0, lq: int = 6, lk: int = 5, width: int = 8, scale: float 
     return x_q, x_kv, g
 
 
-def _pairs(got, exact, bounds):
+def gradient_pairs(got, exact, bounds):
     """``(name, computed, exact, bound)`` for every gradient the bound covers."""
     yield "dx_q", got.dx_q, exact.dx_q, bounds.dx_q
     yield "dx_kv", got.dx_kv, exact.dx_kv, bounds.dx_kv
@@ -57,7 +57,7 @@ def test_every_gradient_is_within_theorem_b6(preset, algorithm):
     bounds = mha_grad_bound(
         x_q, x_kv, params, HEADS, g, mask=mask, bias=bias, numerics=preset, backward=backward
     )
-    for name, x, want, b in _pairs(got, exact, bounds):
+    for name, x, want, b in gradient_pairs(got, exact, bounds):
         err = np.abs(np.asarray(x, np.float64) - want)
         if preset.startswith("fp8"):  # dS (up to ~2e3 here) may overflow e4m3: said, not hidden
             assert np.isfinite(b.total).all() or any("dS rounded" in r for r in b.reasons)
@@ -78,7 +78,7 @@ def test_the_bound_holds_or_is_infinite_across_the_exponent_range(exponent):
     got = mhanum.mha_grad(x_q, x_kv, params, HEADS, g, numerics="fp16-fp32acc")
     exact = reference.mha_grad(x_q, x_kv, params, HEADS, g, digits=17)
     bounds = mha_grad_bound(x_q, x_kv, params, HEADS, g, numerics="fp16-fp32acc")
-    for name, x, want, b in _pairs(got, exact, bounds):
+    for name, x, want, b in gradient_pairs(got, exact, bounds):
         x = np.asarray(x, np.float64)
         finite = np.isfinite(b.total)
         assert (np.abs(x - want)[finite] <= b.total[finite]).all(), name
@@ -121,7 +121,7 @@ def test_the_float64_emulation_meets_the_reference_to_rounding():
     got = mhanum.mha_grad(x_q, x_kv, params, HEADS, g, numerics="fp64")
     exact = reference.mha_grad(x_q, x_kv, params, HEADS, g, digits=17)
     bounds = mha_grad_bound(x_q, x_kv, params, HEADS, g, numerics="fp64")
-    for name, x, want, b in _pairs(got, exact, bounds):
+    for name, x, want, b in gradient_pairs(got, exact, bounds):
         assert (np.abs(x - want) <= b.total).all(), name
         assert np.max(b.total) < 1e-11, name
 
@@ -170,7 +170,7 @@ def test_torch_multihead_attention_autograd_is_within_theorem_b6(path):
     bounds = mha_grad_bound(
         x_q, x_kv, params, HEADS, g, mask=mask, numerics=numerics, backward=backward
     )
-    for name, x, want, b in _pairs(got, exact, bounds):
+    for name, x, want, b in gradient_pairs(got, exact, bounds):
         if x is None:  # torch's layer takes no logit bias
             continue
         err = np.abs(x - want)
@@ -198,7 +198,7 @@ def test_sinks_and_soft_caps_are_within_theorem_b6(variant, algorithm):
         x_q, x_kv, params, HEADS, g, mask=mask, numerics="bf16-fp32acc", backward=backward,
         **variant,
     )  # fmt: skip
-    pairs = list(_pairs(got, exact, bounds))
+    pairs = list(gradient_pairs(got, exact, bounds))
     if "sink" in variant:
         assert np.shape(got.dsink) == np.shape(exact.dsink) == (2, HEADS)
         pairs.append(("dsink", got.dsink, exact.dsink, bounds.dsink))
@@ -222,7 +222,7 @@ def test_a_storage_format_wider_than_the_input_is_read_into_it(algorithm):
     got = mhanum.mha_grad(x_q, x_kv, params, HEADS, g, numerics=numerics, backward=algorithm)
     exact = reference.mha_grad(x_q, x_kv, params, HEADS, g, digits=17)
     bounds = mha_grad_bound(x_q, x_kv, params, HEADS, g, numerics=numerics, backward=algorithm)
-    for name, x, want, b in _pairs(got, exact, bounds):
+    for name, x, want, b in gradient_pairs(got, exact, bounds):
         err = np.abs(np.asarray(x, np.float64) - want)
         assert (err <= b.total).all(), (name, float(np.max(err / b.total)))
 
@@ -297,7 +297,7 @@ def test_the_probabilistic_bound_holds_and_is_below_the_deterministic_one(preset
     prob = mha_grad_bound(x_q, x_kv, params, 4, g, probability=0.99, **kw)
     det = mha_grad_bound(x_q, x_kv, params, 4, g, **kw)
     det_by_name = {"dx_q": det.dx_q, "dx_kv": det.dx_kv, "dbias": det.dbias, **det.params}
-    for name, x, want, b in _pairs(got, exact, prob):
+    for name, x, want, b in gradient_pairs(got, exact, prob):
         err = np.abs(np.asarray(x, np.float64) - want)
         assert np.isfinite(b.total).all(), (name, b.reasons)
         assert (err <= b.total).all(), (name, float(np.max(err / b.total)))

@@ -18,6 +18,7 @@ import mhanum
 from mhanum import Backward, InvalidArgument, MHAParams, reference
 from mhanum import strategies as mst
 from mhanum.bounds.backward import mha_grad_bound
+from tests.test_mha_backward import gradient_pairs
 
 HEADS, WIDTH = 4, 16
 D = WIDTH // HEADS
@@ -29,14 +30,6 @@ def _layer(kv_heads: int, seed: int = 0):
     rng = np.random.default_rng(seed + 1)
     x_q, g = (rng.standard_normal((2, 5, WIDTH)) for _ in range(2))
     return params, x_q, rng.standard_normal((2, 6, WIDTH)), g
-
-
-def _pairs(got, exact, bounds):
-    yield "dx_q", got.dx_q, exact.dx_q, bounds.dx_q
-    yield "dx_kv", got.dx_kv, exact.dx_kv, bounds.dx_kv
-    yield "dbias", got.dbias, exact.dbias, bounds.dbias
-    for name, b in bounds.params.items():
-        yield name, getattr(got.params, name), getattr(exact.params, name), b
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
@@ -55,7 +48,7 @@ def test_every_grouped_gradient_is_within_theorem_b6(preset, algorithm, kv_heads
     got = mhanum.mha_grad(x_q, x_kv, params, HEADS, g, numerics=preset, backward=backward, **kw)
     exact = reference.mha_grad(x_q, x_kv, params, HEADS, g, digits=17, **kw)
     bounds = mha_grad_bound(x_q, x_kv, params, HEADS, g, numerics=preset, backward=backward, **kw)
-    for name, x, want, b in _pairs(got, exact, bounds):
+    for name, x, want, b in gradient_pairs(got, exact, bounds):
         assert np.shape(x) == np.shape(want) == np.shape(b.total), name
         err = np.abs(np.asarray(x, np.float64) - want)
         assert np.isfinite(b.total).all(), (name, b.reasons)
@@ -89,7 +82,7 @@ def test_grouped_gradients_are_within_theorem_b6_on_drawn_inputs(data, preset, a
     got = mhanum.mha_grad(x_q, x_kv, params, HEADS, g, numerics=preset, backward=backward, **kw)
     exact = reference.mha_grad(x_q, x_kv, params, HEADS, g, digits=17, **kw)
     bounds = mha_grad_bound(x_q, x_kv, params, HEADS, g, numerics=preset, backward=backward, **kw)
-    pairs = list(_pairs(got, exact, bounds))
+    pairs = list(gradient_pairs(got, exact, bounds))
     if kw["sink"] is not None:
         pairs.append(("dsink", got.dsink, exact.dsink, bounds.dsink))
     for name, x, want, b in pairs:
@@ -230,7 +223,7 @@ def test_torch_grouped_layer_autograd_is_within_theorem_b6(kv_heads):
     bounds = mha_grad_bound(
         x_q, x_kv, p, heads, g, numerics="fp32", backward=Backward("textbook"), **kw
     )
-    for name, _, want, b in _pairs(exact, exact, bounds):
+    for name, _, want, b in gradient_pairs(exact, exact, bounds):
         if name == "dbias":
             continue
         err = np.abs(got[name].double().numpy() - want)

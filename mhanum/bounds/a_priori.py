@@ -193,6 +193,41 @@ def cap_constant(value: float, fmt: Format) -> tuple[float, float]:
     return hat, err
 
 
+class CapRoundings(NamedTuple):
+    """The constants and unit roundings of a soft-cap ``c·tanh(s/c)`` in the score format.
+
+    ``fs`` the score format (``u_s``, ``eta_s``); ``carrier`` the float32 or float64 format tanh
+    is evaluated in, ``u_t``, ``eta_t`` its relative error (``tanh_ulps``) and underflow; ``c_hat``, ``e_c`` the cap
+    rounded into ``fs`` and its error; ``r_hat``, ``e_r`` its reciprocal's, ``e_r`` also covering
+    ``fl(1/fl(c))``; ``finite``: both constants finite and positive in ``fs``.
+    """
+
+    fs: Format
+    carrier: Format
+    u_s: float
+    eta_s: float
+    u_t: float
+    eta_t: float
+    c_hat: float
+    e_c: float
+    r_hat: float
+    e_r: float
+    finite: bool
+
+
+def cap_roundings(cap: float, num: Numerics) -> CapRoundings:
+    """:class:`CapRoundings` of ``cap`` under ``num`` (Theorems B.7 and B.9)."""
+    fs = num.format_of("score")
+    u_s, eta_s = fs.u, fs.smallest_normal
+    carrier = fs if fs.name in ("float32", "float64") else get_format("float32")
+    u_t, eta_t = 2 * num.tanh_ulps * carrier.u, carrier.smallest_normal
+    c_hat, e_c = cap_constant(cap, fs)
+    r_hat, e_r = cap_constant(1.0 / cap, fs)
+    e_r = max(e_r, (2 * u_s + 2 * u_s * u_s) / cap * (1 + 2.0**-50))  # fl(1/fl(c)) as well
+    finite = math.isfinite(c_hat) and math.isfinite(r_hat) and c_hat > 0 and r_hat > 0
+    return CapRoundings(fs, carrier, u_s, eta_s, u_t, eta_t, c_hat, e_c, r_hat, e_r, finite)
+
+
 def softcap_a_priori(
     s_up: float,
     delta: float,
@@ -210,14 +245,8 @@ def softcap_a_priori(
     w_r·min(s_up/c, (w_a + 0.45)/(1 - w_r)), 2)`` whatever the norms; ``|a| <= c·tanh(s_up/c)
     <= min(c, s_up)``. ``check(upper, format, stage)`` is called on the
     stages that may overflow."""
-    fs = num.format_of("score")
-    u_s, eta_s = fs.u, fs.smallest_normal
-    carrier = fs if fs.name in ("float32", "float64") else get_format("float32")
-    u_t, eta_t = 2 * num.tanh_ulps * carrier.u, carrier.smallest_normal
-    c_hat, e_c = cap_constant(cap, fs)
-    r_hat, e_r = cap_constant(1.0 / cap, fs)
-    e_r = max(e_r, (2 * u_s + 2 * u_s * u_s) / cap * (1 + 2.0**-50))  # fl(1/fl(c)) as well
-    if not (math.isfinite(c_hat) and math.isfinite(r_hat) and c_hat > 0 and r_hat > 0):
+    fs, carrier, u_s, eta_s, u_t, eta_t, c_hat, e_c, r_hat, e_r, finite = cap_roundings(cap, num)
+    if not finite:
         check(math.inf, fs, f"softcap: the cap {cap:g} or its reciprocal in {fs.name}")
         c_hat, r_hat = cap, 1.0 / cap
     s_hat = s_up + delta  # >= |ŝ|

@@ -781,7 +781,7 @@ def _head(
     return terms, o, o_error, parts, ranges
 
 
-_CHUNK = 2**17  # logits per chunk of query rows: the float64 temporaries stay in cache
+_CHUNK = 2**18  # logits per chunk of query rows: the float64 temporaries stay small
 _PLAIN = "output:plain"  # the plain output term, carried with the logits' parts out of _head
 
 

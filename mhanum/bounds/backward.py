@@ -31,6 +31,7 @@ from mhanum.bounds.a_priori import (
     CappedLogits,
     attention_bound_a_priori,
     cap_constant,
+    cap_roundings,
     softcap_a_priori,
 )
 from mhanum.bounds.attention import (
@@ -58,7 +59,7 @@ from mhanum.bounds.factors import (
     unit_eta,
     unit_factor,
 )
-from mhanum.formats import Format, get_format
+from mhanum.formats import Format
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 
 __all__ = [
@@ -344,14 +345,8 @@ def _softcap_stage(
     most ``sech²(max(0, |y₀| - R))`` per unit there, so ``|t̂ - tanh(s/c)| <= L·w + e_T`` for
     ``|x̂ - s/c| <= w = |ŝ - s| r̂ + |s||r̂ - 1/c| + u_s|ŝ|r̂ + η_s`` and ``tanh``'s rounding
     ``e_T`` (``tanh_ulps`` of its carrier, then the score format)."""
-    fs = num.format_of("score")
-    u_s, eta_s = fs.u, fs.smallest_normal
-    carrier = fs if fs.name in ("float32", "float64") else get_format("float32")
-    u_t, eta_t = 2 * num.tanh_ulps * carrier.u, carrier.smallest_normal
-    c_hat, e_c = cap_constant(cap, fs)
-    r_hat, e_r = cap_constant(1.0 / cap, fs)
-    e_r = max(e_r, (2 * u_s + 2 * u_s * u_s) / cap * (1 + 2.0**-50))  # fl(1/fl(c)) as well
-    if not (math.isfinite(c_hat) and math.isfinite(r_hat) and c_hat > 0 and r_hat > 0):
+    fs, carrier, u_s, eta_s, u_t, eta_t, c_hat, e_c, r_hat, e_r, finite = cap_roundings(cap, num)
+    if not finite:
         rng.check(np.inf, fs, f"softcap: the cap {cap:g} or its reciprocal in {fs.name}",
                   ("dq", "dk", "dv", "dbias"))  # fmt: skip
         c_hat, r_hat = cap, 1.0 / cap
