@@ -45,7 +45,7 @@ from mhanum.units import (
 __all__ = ["PRESETS", "Backward", "Numerics", "resolve", "resolve_backward"]
 
 _SCALES = ("scores", "q", "qk")
-_EXP_FORMS = ("exp", "exp2-folded")
+_EXP_FORMS = ("exp", "exp2-folded", "exp2-scaled")
 _ONLINE_SUMS = ("block", "running")
 _FINFO = re.compile(r"^(?:(\d*\.?\d+)\s*\*\s*)?finfo\.min$")
 
@@ -103,6 +103,13 @@ class Numerics:
             unscaled scores ``t``, and the online rescaling ``exp2(fl(fl(m - m')·c2))``, all in
             ``softmax_format``). It needs ``scale="scores"``, the safe or online softmax and
             ``-inf`` masking (a bias is not taken: it would be scaled with the scores).
+            ``"exp2-scaled"`` (the Triton tutorial kernel): the scores scaled into base 2 once,
+            ``x = fl(t·c2)`` with the kernel's own constant ``c2 = fl(fl(scale)·fl(log2 e))``
+            (each factor and the product rounded into ``softmax_format``), the maximum ``M`` of
+            those, ``exp2(fl(x - M))`` and the rescaling ``exp2(fl(M - M'))``: the same
+            exponentials as ``"exp2-folded"`` (``fl(m·c2)`` is the largest ``fl(t·c2)``,
+            rounding being monotone), another rescaling. The same restrictions, and no
+            ``kv_splits``.
         online_sums: how the online softmax carries its sums across key blocks: ``"block"`` (each
             block's row sum and P·V product formed, then added to the running ones) or
             ``"running"`` (FlashAttention-2/3: the rescaled running sum is the first term of the
@@ -208,14 +215,16 @@ class Numerics:
             raise _bad("scale", f"one of {_SCALES}", self.scale)
         if self.exp_form not in _EXP_FORMS:
             raise _bad("exp_form", f"one of {_EXP_FORMS}", self.exp_form)
-        if self.exp_form == "exp2-folded":
+        if self.exp2:
+            form = f"exp_form={self.exp_form!r}"
             if self.scale != "scores":
-                raise _bad("scale", "'scores' with exp_form='exp2-folded'", self.scale)
+                raise _bad("scale", f"'scores' with {form}", self.scale)
             if self.softmax_kind == "naive":
-                raise _bad("softmax", "'safe' or 'online(B)' with exp_form='exp2-folded'",
-                           self.softmax)  # fmt: skip
+                raise _bad("softmax", f"'safe' or 'online(B)' with {form}", self.softmax)
             if self.mask_value != -math.inf:
-                raise _bad("mask_value", "-inf with exp_form='exp2-folded'", self.mask_value)
+                raise _bad("mask_value", f"-inf with {form}", self.mask_value)
+            if self.exp_form == "exp2-scaled" and self.kv_splits is not None:
+                raise _bad("kv_splits", f"None with {form}", self.kv_splits)
         if self.online_sums not in _ONLINE_SUMS:
             raise _bad("online_sums", f"one of {_ONLINE_SUMS}", self.online_sums)
         if self.online_sums == "running":
@@ -361,6 +370,12 @@ class Numerics:
         return self.softmax_algorithm.block
 
     @property
+    def exp2(self) -> bool:
+        """Whether the exponentials are ``exp2`` with the scale folded into their argument
+        (``exp_form`` ``"exp2-folded"`` or ``"exp2-scaled"``)."""
+        return self.exp_form != "exp"
+
+    @property
     def descale_format(self) -> Format:
         """The format the output is in before an fp8 descale multiplies it (``descale=``): the
         softmax format after the online softmax's division, ``accum`` after the P·V dot (or the
@@ -395,10 +410,10 @@ class Numerics:
         Raises:
             InvalidArgument: for a bias under ``exp_form="exp2-folded"``.
         """
-        if bias is not None and self.exp_form == "exp2-folded":
+        if bias is not None and self.exp2:
             msg = (
-                "bias: expected None with numerics.exp_form='exp2-folded' (the scale is folded "
-                "into the exponent and would scale the bias too)"
+                f"bias: expected None with numerics.exp_form={self.exp_form!r} (the scale is "
+                "folded into the exponent and would scale the bias too)"
             )
             raise InvalidArgument(msg)
 
@@ -409,10 +424,10 @@ class Numerics:
         Raises:
             InvalidArgument: for a soft-cap under ``exp_form="exp2-folded"``.
         """
-        if self.exp_form == "exp2-folded":
+        if self.exp2:
             msg = (
-                "softcap: expected None with numerics.exp_form='exp2-folded' (the scaled scores "
-                "are not formed; a kernel's folded soft-cap is not modelled)"
+                f"softcap: expected None with numerics.exp_form={self.exp_form!r} (the scaled "
+                "scores are not formed; a kernel's folded soft-cap is not modelled)"
             )
             raise InvalidArgument(msg)
 
@@ -423,10 +438,10 @@ class Numerics:
         Raises:
             InvalidArgument: for a sink under ``exp_form="exp2-folded"``.
         """
-        if self.exp_form == "exp2-folded":
+        if self.exp2:
             msg = (
-                "sink: expected None with numerics.exp_form='exp2-folded' (a kernel with the "
-                "scale folded into exp2 adds its sink unscaled; that is not modelled)"
+                f"sink: expected None with numerics.exp_form={self.exp_form!r} (a kernel with "
+                "the scale folded into exp2 adds its sink unscaled; that is not modelled)"
             )
             raise InvalidArgument(msg)
 

@@ -331,8 +331,9 @@ def numerics(
             finite constants (one the score format represents or rounds to ``-inf``).
         scale: the scale placement of custom numerics (``"scores"``, ``"q"``, ``"qk"``, or a
             strategy; default: all three).
-        exp_form: the exponential of custom numerics (``"exp"``, ``"exp2-folded"`` or a
-            strategy; default ``"exp"``). ``"exp2-folded"`` brings the scale on the scores,
+        exp_form: the exponential of custom numerics (``"exp"``, ``"exp2-folded"``,
+            ``"exp2-scaled"`` or a strategy; default ``"exp"``). Either exp2 form brings the
+            scale on the scores,
             ``-inf`` masking and the safe or online softmax with it, and takes no bias: draw
             inputs without ``bias_range`` and ``softmax_sum`` for it.
         online_sums: how custom numerics carry the online softmax's sums (``"block"``,
@@ -487,8 +488,9 @@ def _custom_numerics(draw: Any, fields: dict[str, Any], bounded: bool) -> Numeri
         "mask_mode": draw(st.sampled_from(("fill", "add"))),
         "mask_value": draw(st.sampled_from(_MASK_VALUES)),
     }
-    if pick("exp_form", ("exp",)) == "exp2-folded":
-        kw.update(scale="scores", exp_form="exp2-folded", mask_value=-math.inf)
+    form = pick("exp_form", ("exp",))
+    if form in ("exp2-folded", "exp2-scaled"):
+        kw.update(scale="scores", exp_form=form, mask_value=-math.inf)
         if kw["softmax"] == "naive":
             kw["softmax"] = draw(st.sampled_from(("safe", "online(4)", "online(16)")))
     if pick("online_sums", ("block",)) == "running":
@@ -512,7 +514,7 @@ def _custom_numerics(draw: Any, fields: dict[str, Any], bounded: bool) -> Numeri
         try:
             num.mask_constant()
         except _MhanumInvalid:  # NaN in a format without infinity: its finfo.min instead
-            if num.exp_form == "exp2-folded":  # -inf masking: a score format with infinity
+            if num.exp2:  # -inf masking: a score format with infinity
                 num = num.replace(score_format=num.accum)
             else:
                 num = num.replace(mask_value="finfo.min")

@@ -515,29 +515,41 @@ def _head(
     # Step 2. The constant: the float64 value of 1/sqrt(d_k) (two float64 roundings unless
     # d_k = 4^m) or the given scale, rounded once into the score format; the product by it is
     # exact when it is a normal power of two; a subnormal constant may be read as zero.
-    folded = num.exp_form == "exp2-folded"
+    folded = num.exp2
     if folded:
         # Step 2''. c2 = fl_m(scale·log2(e)): the float64 product (one rounding), then rounded
         # into the softmax format; no product with the scores is stored (they stay unscaled).
-        c2_hat, u_c, _ = scale_rounding(scale * LOG2E, fmts["softmax"])
+        # exp2-scaled: the kernel's own fl_m(fl_m(scale)·fl_m(log2 e)), three roundings.
+        if num.exp_form == "exp2-scaled":
+            s_hat, u_s1, _ = scale_rounding(scale, fmts["softmax"])
+            l_hat, u_l, _ = scale_rounding(LOG2E, fmts["softmax"])
+            c2_hat, u_p, _ = scale_rounding(s_hat * l_hat, fmts["softmax"])
+            u_c = (1 + u_s1) * (1 + u_l) * (1 + u_p) - 1
+            tiny_factor = min(abs(s_hat), abs(scale)) < fmts["softmax"].smallest_normal
+        else:
+            c2_hat, u_c, _ = scale_rounding(scale * LOG2E, fmts["softmax"])
+            tiny_factor = False
         u_c = (1 + 2.0**-53) * (1 + u_c) - 1
         c_hat, u_mul = c2_hat / LOG2E, 0.0
+        form = num.exp_form
         if c2_hat < 0:
             # the shift is the maximum of the unscaled scores: the largest logit only for a
             # positive scale; a masked or padding key's -inf·c2 is +inf
             ranges.flag(
                 True,
-                f"exp2-folded with the negative scale {scale:.4g}: the shift is the maximum of "
+                f"{form} with the negative scale {scale:.4g}: the shift is the maximum of "
                 "the unscaled scores, and -inf·c2 is +inf",
             )
-        elif abs(c2_hat) < fmts["softmax"].smallest_normal:
-            # R.3'': a c2 that may be read as zero makes -inf·c2 (a masked or padding key)
-            # NaN, as in the kernels
+        elif tiny_factor or abs(c2_hat) < fmts["softmax"].smallest_normal:
+            # R.3'': a c2 (or, exp2-scaled, its factor fl(scale)) that may be read as zero
+            # makes -inf·c2 (a masked or padding key) NaN, as in the kernels
             ranges.flag(
                 True,
-                f"exp2-folded: c2 = fl(scale·log2 e) = {c2_hat:.4g} is subnormal or zero in "
+                f"{form}: c2 = {c2_hat:.4g} or its factor fl(scale) is subnormal or zero in "
                 f"{fmts['softmax'].name} and may be read as zero: -inf·c2 is NaN",
             )
+        elif not math.isfinite(c2_hat):
+            ranges.flag(True, f"{form}: c2 = fl(scale·log2 e) overflows {fmts['softmax'].name}")
     else:
         c_hat, u_c, u_mul = scale_rounding(scale, fmts["score"])
     if default_scale and not is_power_of_four(d_k):
@@ -584,7 +596,7 @@ def _head(
     if folded:
         # R.3'': the products t·c2 and m·c2 in the softmax format (m is one of the t)
         t_c2 = abs(c2_hat) * ((1 + u_s) * acc_upper + eta_s) * (1 + fmts["softmax"].u)
-        ranges.check(t_c2, fmts["softmax"], f"the scores times c2 = {c2_hat:.4g} (exp2-folded)")
+        ranges.check(t_c2, fmts["softmax"], f"the scores times c2 = {c2_hat:.4g} ({num.exp_form})")
     elif num.scale == "scores":
         ranges.check(s_upper, fmts["score"], f"the scores times the scale {c_hat:.4g}")
     delta = sum(sources.values())

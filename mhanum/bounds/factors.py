@@ -487,7 +487,11 @@ def exp_and_sum_factors(
     assert num.softmax_block is not None
     # exp2-folded: each rescaling's argument fl(fl(m - m')·c2) is rounded twice, and the
     # arguments still telescope to gap (papers/attention.md, step 3'')
-    arg = u_m * (2 + u_m) if num.exp_form == "exp2-folded" else u_m
+    # exp2-scaled: each rescaling's argument fl(M - M') is rounded once, but the scaled maxima
+    # telescope to at most gap + 2·u_m·R (R the row's largest |s|), whose excess u_m²·2R lies
+    # within the shift term u_m·R that step 3'' charges each key and exp2-scaled never incurs
+    # (its shifts are the x_k themselves: papers/attention.md, step 3'')
+    arg = u_m * (2 + u_m) if num.exp2 else u_m
     width = min(num.softmax_block, n)
     blocks = -(-n // num.softmax_block)
     if num.online_sums == "running":

@@ -87,13 +87,20 @@ class Stages:
         self.prob = num.format_of("prob")
         self.output = num.format_of("output")
         self.operand = num.operand_rounding
-        self.folded = num.exp_form == "exp2-folded"
-        self.c2: jax.Array | None = None  # exp2-folded: fl(scale·log2(e)), set by fold()
+        self.folded = num.exp2
+        self.c2: jax.Array | None = None  # exp2: the folded constant, set by fold()
         self.c_lse: jax.Array | None = None  # exp2-folded: fl(scale), a split's lse factor
 
     def fold(self, scale: float) -> None:
-        """Set the folded constant ``c2 = fl(scale·log2(e))`` (the float64 product, rounded)."""
-        if self.folded:
+        """Set the folded constant: ``c2 = fl(scale·log2(e))`` (the float64 product, rounded;
+        ``exp2-folded``) or ``fl(fl(scale)·fl(log2(e)))`` (the kernel's own product in the
+        softmax format; ``exp2-scaled``)."""
+        if self.num.exp_form == "exp2-scaled":
+            fmt = self.soft.fmt
+            factors = float(round_to(scale, fmt)) * float(round_to(_LOG2E, fmt))
+            self.c2 = format_constant(self.soft, factors)
+            self.c_lse = format_constant(self.soft, scale)
+        elif self.folded:
             self.c2 = format_constant(self.soft, scale * _LOG2E)
             self.c_lse = format_constant(self.soft, scale)
 
@@ -110,7 +117,9 @@ class Stages:
         return sm.exp2(sm.sub(sm.mul(x, self.c2), top))
 
     def rescale(self, m: jax.Array, shift: jax.Array) -> jax.Array:
-        """The online rescaling ``exp(m - m')``, or (folded) ``exp2(fl(fl(m - m')·c2))``.
+        """The online rescaling ``exp(m - m')``, or (``exp2-folded``) ``exp2(fl(fl(m - m')·c2))``,
+        or (``exp2-scaled``) ``exp2(fl(fl(m·c2) - fl(m'·c2)))``, the difference of the scaled
+        maxima.
 
         Folded, a row that has seen no finite score yet (``m = -inf``: FlashAttention's first
         block) is not rescaled: its sum and accumulator are 0 and the factor is 0 (``-inf·c2``
@@ -120,7 +129,10 @@ class Stages:
         if not self.folded:
             return sm.exp(sm.sub(m, shift))
         assert self.c2 is not None
-        factor = sm.exp2(sm.mul(sm.sub(m, shift), self.c2))
+        if self.num.exp_form == "exp2-scaled":
+            factor = sm.exp2(sm.sub(sm.mul(m, self.c2), sm.mul(shift, self.c2)))
+        else:
+            factor = sm.exp2(sm.mul(sm.sub(m, shift), self.c2))
         return jnp.where(jnp.isneginf(m), jnp.zeros_like(factor), factor)
 
     def dot(self, a: jax.Array, b: jax.Array) -> jax.Array:

@@ -300,12 +300,66 @@ def attention_oracle(
     kw: dict[str, Any] = {"bias": b64, "scale": scale, "softcap": softcap, "sink": sink}
     bounds = [attention_bound(q64, k64, v64, m, numerics=n, **kw) for n in candidates]
     oracle = _fold(exact, bounds, dead, kern, fmt)
+    if kern.mask_add is not None and m is not None:
+        oracle = _added_mask(oracle, q64, k64, m, scale, candidates[0])
     if layout == "bhld":
         return oracle
     exact, tol, term = (
         np.swapaxes(a, -3, -2) for a in (oracle.exact, oracle.tolerance, oracle.term)
     )
     return dataclasses.replace(oracle, exact=exact, tolerance=tol, term=term)
+
+
+_LEAK_ARGUMENT = 151.0  # fl(x_j - M) <= -151: exp2 below 2^-146 within 8 ulps of float32
+
+
+def _added_mask(
+    oracle: Oracle, q: np.ndarray, k: np.ndarray, mask: np.ndarray, scale: float | None,
+    num: Any,
+) -> Oracle:  # fmt: skip
+    """A kernel that masks by adding ``C = kernel.mask_add`` to its base-2 scaled scores
+    ``x_j = fl(t_j·c2)`` (papers/attention.md, "A finite mask added in base 2").
+
+    With ``T`` an upper bound of the row's ``|x_j|`` (from ``Σ|q||k|``), a masked key's
+    argument is ``fl(fl(x_j + C) - M) <= 2T + u(|C| + T) - |C|`` (the row maximum ``M`` is at
+    least a live key's ``-T``). Where that is at most ``-151`` the masked exponential is below
+    ``2^-146`` (any ``exp2`` within ``exp_ulps <= 8`` ulps, subnormals counted), rounds to 0 in
+    a probability format whose smallest subnormal exceeds ``2^-145`` (float16: ``2^-24``;
+    another is not proved), so that ``P V`` never sees it, and adds at most ``n·2^-146`` to a row sum of at least 1/2: the output moves by a relative
+    ``n·2^-145`` at most, which the tolerance adds. A row where that is not proved, or that
+    attends no key, gets an infinite tolerance and says why.
+    """
+    from mhanum.formats import round_to
+
+    const = float(oracle.kernel.mask_add)  # type: ignore[arg-type]
+    fm = num.format_of("softmax")
+    d = q.shape[-1]
+    c = 1.0 / np.sqrt(d) if scale is None else float(scale)
+    c2 = abs(float(round_to(float(round_to(c, fm)) * float(round_to(np.log2(np.e), fm)), fm)))
+    top = (np.abs(q) @ np.swapaxes(np.abs(k), -1, -2)).max(axis=-1)
+    t_row = top * c2 * (1 + (d + 4) * 2.0**-23)
+    u = fm.u
+    ok = t_row * (2 + u) <= abs(const) * (1 - u) - _LEAK_ARGUMENT
+    lead = oracle.exact.shape[:-1]
+    full = np.broadcast_to(mask, (*lead[:-1], lead[-1], k.shape[-2]))
+    masked_keys = (~full).sum(axis=-1)
+    live = full.any(axis=-1)
+    ok = np.broadcast_to(ok, lead)
+    prob = num.format_of("prob")
+    if prob.smallest_subnormal / 2 <= 2.0**-146:
+        ok = np.zeros(lead, bool)  # a probability format that could hold the leak
+    bad = (masked_keys > 0) & ~(ok & live)
+    leak = masked_keys * 2.0**-145
+    tol = oracle.tolerance
+    with np.errstate(invalid="ignore"):
+        size = np.where(np.isfinite(oracle.exact), np.abs(oracle.exact), 0.0) + tol
+        tol = np.where(bad[..., None], np.inf, tol + leak[..., None] * size)
+    why = (
+        f"mask_add: a masked key's exponential (scores + {const:g} in base 2) is not proved "
+        "to vanish, or the row attends no key"
+    )
+    term = np.where(bad[..., None], why, oracle.term)
+    return dataclasses.replace(oracle, tolerance=tol, term=term)
 
 
 def _grouped(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -375,6 +429,12 @@ def mha_oracle(
 
     kern = get_kernel(kernel)
     fmt = _format_of(x_q, dtype)
+    if kern.mask_add is not None and mask is not None:
+        msg = (
+            f"mask: expected None for kernel {kern.name!r} in mha_oracle (it masks by adding "
+            f"{kern.mask_add:g} to its base-2 scores, which attention_oracle checks per head)"
+        )
+        raise InvalidArgument(msg)
     xq, xkv = _as_float64(x_q, "x_q"), _as_float64(x_kv, "x_kv")
     m = None if mask is None else _mask(mask, False, xq.shape[-2], xkv.shape[-2])
     policy, dead = kern.fully_masked, None

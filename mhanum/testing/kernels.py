@@ -48,6 +48,11 @@ class Kernel:
         fully_masked: one of :data:`FULLY_MASKED`.
         evidence: where each modelling choice was read or measured (files, functions, versions).
         notes: what the model leaves out or assumes.
+        mask_add: for a kernel that masks by adding this finite constant to its base-2 scaled
+            scores (the Triton tutorial's ``-1.0e6``) rather than by ``-inf``: the candidates
+            model ``-inf`` masking, and :func:`mhanum.testing.attention_oracle` proves on the
+            concrete inputs that every masked key's exponential vanishes in the output, or
+            gives its row an infinite tolerance with the reason. ``None``: ``-inf`` masking.
     """
 
     name: str
@@ -55,6 +60,7 @@ class Kernel:
     fully_masked: str
     evidence: tuple[str, ...]
     notes: str = ""
+    mask_add: float | None = None
 
     def __post_init__(self) -> None:
         if self.fully_masked not in FULLY_MASKED:
@@ -62,6 +68,11 @@ class Kernel:
             raise InvalidArgument(msg)
         if not self.models or not all(self.models.values()):
             msg = "models: expected at least one candidate numerics for each input format"
+            raise InvalidArgument(msg)
+        if self.mask_add is not None and not (
+            isinstance(self.mask_add, (int, float)) and -math.inf < self.mask_add < 0
+        ):
+            msg = f"mask_add: expected None or a finite negative number, got {self.mask_add!r}"
             raise InvalidArgument(msg)
 
     @property
@@ -88,6 +99,7 @@ class Kernel:
             "fully_masked": self.fully_masked,
             "evidence": list(self.evidence),
             "notes": self.notes,
+            "mask_add": self.mask_add,
         }
 
 
@@ -297,6 +309,50 @@ def _torch_sdpa_flash_cuda() -> Kernel:
     )
 
 
+def _triton_tutorial() -> Kernel:
+    # FlashAttention-2's float16 candidates (tensor-core models, key blocks, running sums),
+    # with the scores scaled into base 2 and a true division
+    models = tuple(n.replace(exp_form="exp2-scaled", div_ulps=2.0) for n in _fa2_models("float16"))
+    return Kernel(
+        "triton-tutorial",
+        {"float16": models},
+        "zero",
+        (
+            (
+                "triton python/tutorials/06-fused-attention.py (triton 3.x, _attn_fwd and "
+                "_attn_fwd_inner): qk = tl.dot(q, k) in float32 from float16 operands; "
+                "qk_scale = sm_scale * 1.44269504 in float32 (the literal rounds to "
+                "fl32(log2 e)); off the diagonal m_ij = max(m_i, max(qk) * qk_scale) and "
+                "p = exp2(qk * qk_scale - m_ij); on the causal diagonal qk * qk_scale + "
+                "where(mask, 0, -1.0e6) first; alpha = exp2(m_i - m_ij); l_i = l_i * alpha + "
+                "sum(p); acc = acc * alpha, then tl.dot(p.to(float16), v, acc); at the end "
+                "acc / l_i, stored as float16"
+            ),
+            (
+                "candidates: the A100 and H100 tensor-core models and key blocks of 32, 64 and "
+                "128 (BLOCK_N of the autotuned configurations, with and without TMA)"
+            ),
+            (
+                "exp_form='exp2-scaled': the maximum of the scaled scores (max fl(t*c2) = "
+                "fl(max(t)*c2), rounding being monotone) and the rescaling exp2 of the "
+                "difference of two such maxima; exp2 as ex2.approx (exp_ulps = 4); the "
+                "division acc / l_i within 2 ulps (div.full.f32 or a correctly rounded "
+                "quotient: div_ulps = 2)"
+            ),
+            (
+                "the row sum l_i * alpha + sum(p) (a tree over the block, then the carried "
+                "term, maybe fused) is one of the orders the running chain of the bound covers "
+                "in the native order; a fused multiply-add rounds a subset of what the model "
+                "charges"
+            ),
+        ),
+        "float16 only (its probabilities are converted to float16); the fp8 path (float8e5 "
+        "values and probabilities) is not modelled. Its causal mask adds -1.0e6 to the base-2 "
+        "scores: mask_add",
+        mask_add=-1.0e6,
+    )
+
+
 def _jax_xla_tf32() -> Kernel:
     base = _jax_xla().models["float32"][0].replace(operand_format="tf32")
     return Kernel(
@@ -329,6 +385,7 @@ KERNELS: Mapping[str, Kernel] = {
         _jax_xla_tf32(),
         _flash_attention_2(),
         _torch_sdpa_flash_cuda(),
+        _triton_tutorial(),
     )
 }
 """The registered kernels, by name."""
@@ -342,11 +399,11 @@ NOT_MODELLED: Mapping[str, str] = {
     "are not read to the rounding yet",
     "torch-sdpa-cudnn": "cuDNN's fused kernel: not documented to the rounding",
     "jax-cudnn": "cuDNN's fused kernel: not documented to the rounding",
-    "triton-tutorial": "its causal blocks mask by adding -1.0e6 to the scaled scores, a finite "
-    "constant under the folded exp2 that mhanum does not model (the rest of its arithmetic, "
-    "maxima of fl(t·c2), rescaling by exp2 of their difference, P·V carried in the dot, rounds "
-    "a subset of what flash-attention-2's model charges)",
-    "flex-attention": "a generated Triton kernel, as triton-tutorial",
+    "triton-tutorial-fp8": "the Triton tutorial's fp8 path (float8e5 values, probabilities "
+    "converted to float8e5): its per-tensor scaling is not read to the rounding yet",
+    "flex-attention": "a kernel generated from the user's score_mod and mask_mod: its scores "
+    "are scaled, modified, then multiplied by 1/ln 2 (two roundings, or q pre-scaled with "
+    "PRESCALE_QK), which no exp_form models yet",
 }
 """Kernels without a descriptor yet, and why (their tolerance could not be stated as a theorem)."""
 

@@ -27,7 +27,10 @@ def _fold(**kw: object) -> Numerics:
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        ({"exp_form": "exp3"}, r"^numerics.exp_form: expected one of \('exp', 'exp2-folded'\)"),
+        (
+            {"exp_form": "exp3"},
+            r"^numerics.exp_form: expected one of \('exp', 'exp2-folded', 'exp2-scaled'\)",
+        ),
         ({"exp_form": "exp2-folded", "scale": "q"}, r"^numerics.scale: expected 'scores'"),
         ({"exp_form": "exp2-folded", "softmax": "naive"}, r"^numerics.softmax: expected 'safe'"),
         ({"exp_form": "exp2-folded", "mask_value": -1e9}, r"^numerics.mask_value: expected -inf"),

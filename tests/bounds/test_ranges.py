@@ -269,15 +269,17 @@ def test_biases_across_the_score_formats_range(data):
     _check_drawn(data, num, structure=structure)
 
 
+EXP2_FORMS = st.sampled_from(("exp2-folded", "exp2-scaled"))
 WITHOUT_BIAS = tuple((s,) for s in mst.RANGE_STRUCTURES if s not in ("bias_range", "softmax_sum"))
 
 
 @RANGE_SETTINGS
 @given(data=st.data())
 def test_folded_exp2_at_the_range_edges(data):
-    # exp2 of fl(fl(t·c2) - fl(m·c2)): the argument's error grows with the row maximum
+    # exp2 of fl(fl(t·c2) - fl(m·c2)): the argument's error grows with the row maximum; the
+    # scaled form rescales by the difference of the scaled maxima
     num = data.draw(
-        mst.numerics(presets=False, free=False, custom=True, bounded=True, exp_form="exp2-folded")
+        mst.numerics(presets=False, free=False, custom=True, bounded=True, exp_form=EXP2_FORMS)
     )
     structure = data.draw(st.sampled_from((*WITHOUT_BIAS, None)))
     _check_drawn(data, num, structure=structure)
@@ -287,7 +289,7 @@ def test_folded_exp2_at_the_range_edges(data):
 @given(data=st.data())
 def test_running_online_sums_at_the_range_edges(data):
     # FlashAttention's carried sums: one chain over every key, with or without the folded exp2
-    form = data.draw(st.sampled_from(("exp", "exp2-folded")))
+    form = data.draw(st.sampled_from(("exp", "exp2-folded", "exp2-scaled")))
     num = data.draw(
         mst.numerics(
             presets=False,
@@ -509,7 +511,7 @@ def test_masked_logits_read_as_minus_inf_drop_their_keys_in_rows_that_attend_som
 @given(data=st.data())
 def test_folded_exp2_at_the_range_edges_on_long_rows(data):
     num = data.draw(
-        mst.numerics(presets=False, free=False, custom=True, bounded=True, exp_form="exp2-folded")
+        mst.numerics(presets=False, free=False, custom=True, bounded=True, exp_form=EXP2_FORMS)
     )
     structure = data.draw(st.sampled_from((*WITHOUT_BIAS, None)))
     _check_drawn(data, num, shapes=LONG_SHAPES, structure=structure)

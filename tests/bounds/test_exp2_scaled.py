@@ -1,0 +1,125 @@
+"""``exp_form="exp2-scaled"``: the scores scaled into base 2 once (the Triton tutorial kernel).
+
+The kernel forms ``c2 = fl(fl(scale)·fl(log2 e))`` itself, takes the maximum ``M`` of the scaled
+scores ``x = fl(t·c2)``, and rescales by ``exp2(fl(M - M'))``, the difference of two scaled
+maxima, where FlashAttention-2 scales the difference of the unscaled ones. Its exponentials
+are those of ``"exp2-folded"``; Theorem A.1 charges it as the folded form (step 3'').
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mhanum as mn
+from mhanum import InvalidArgument, Numerics
+from mhanum.bounds import attention_bound
+from mhanum.emulate._arith import runtime_zero
+from mhanum.emulate.attention import Stages
+
+LOG2E = math.log2(math.e)
+ZERO = runtime_zero(jnp.zeros((1,), jnp.float32))
+
+
+def _scaled(**kw: object) -> Numerics:
+    return Numerics(exp_form="exp2-scaled", **kw)
+
+
+def test_the_constant_is_the_kernels_own_product():
+    # a scale whose c2 differs between one rounding of scale·log2(e) and the kernel's three
+    f32 = np.float32
+    scale = next(
+        s
+        for s in (1 / math.sqrt(d) for d in range(2, 400))
+        if f32(f32(s) * f32(LOG2E)) != f32(s * LOG2E)
+    )
+    st = Stages(_scaled(softmax="online(4)"), ZERO)
+    st.fold(scale)
+    assert float(st.c2) == float(f32(f32(scale) * f32(LOG2E)))
+    folded = Stages(Numerics(exp_form="exp2-folded"), ZERO)
+    folded.fold(scale)
+    assert float(folded.c2) == float(f32(scale * LOG2E)) != float(st.c2)
+
+
+def test_the_rescaling_is_exp2_of_the_difference_of_the_scaled_maxima():
+    st = Stages(_scaled(softmax="online(4)"), ZERO)
+    st.fold(0.125)
+    c2 = np.float32(st.c2)
+    # maxima far from zero and close together: fl(m·c2) - fl(m'·c2) and fl(m - m')·c2 differ
+    m = np.asarray([[-np.inf], [1000.3], [77.77], [3.0e4]], np.float32)
+    m2 = np.asarray([[5.0], [1000.9], [80.01], [3.00007e4]], np.float32)
+    got = np.asarray(st.rescale(jnp.asarray(m), jnp.asarray(m2)))
+    arg = np.float32(m * c2) - np.float32(m2 * c2)
+    want = np.array(st.soft.exp2(jnp.asarray(arg)))
+    want[0] = 0.0  # a row that has seen no finite score is not rescaled
+    np.testing.assert_array_equal(got, want)
+    folded = np.asarray(st.soft.exp2(jnp.asarray(np.float32(np.float32(m - m2) * c2))))
+    assert np.any(got[1:] != folded[1:])
+
+
+def test_the_safe_softmax_equals_the_folded_form_under_a_shared_constant():
+    # one block: no rescaling, and with scale 1/2 both forms take the same c2
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((12, 8)) * 4 for _ in range(3))
+    a = mn.attention(q, k, v, numerics=_scaled(softmax="safe"), scale=0.5)
+    b = mn.attention(q, k, v, numerics=Numerics(exp_form="exp2-folded"), scale=0.5)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"scale": "q"}, r"^numerics.scale: expected 'scores' with exp_form='exp2-scaled'"),
+        ({"softmax": "naive"}, r"^numerics.softmax: expected 'safe' or 'online\(B\)'"),
+        ({"mask_value": -1e9}, r"^numerics.mask_value: expected -inf with exp_form='exp2-scaled'"),
+        ({"kv_splits": 2, "softmax": "online(4)"}, r"^numerics.kv_splits: expected None with"),
+        ({"prob_offset": 8, "softmax": "online(4)"}, r"^numerics.prob_offset: expected 0 unless"),
+    ],
+)
+def test_bad_combinations_raise_naming_the_field(kw, match):
+    with pytest.raises(InvalidArgument, match=match):
+        _scaled(**kw)
+
+
+CASES = [
+    (fmt, softmax)
+    for fmt in ("float32", "bfloat16", "float16")
+    for softmax in ("safe", "online(4)", "online(3)")
+]
+
+
+@pytest.mark.parametrize(("fmt", "softmax"), CASES)
+def test_growing_maxima_and_large_logits_are_covered(fmt, softmax):
+    # logits that grow along the keys (every block raises the maximum: a rescaling per block)
+    # on top of a large offset (the roundings of t·c2 and of the maxima about u·A)
+    rng = np.random.default_rng(len(fmt) * 7 + len(softmax))
+    num = _scaled(input=fmt, accum="float32", softmax=softmax, prob_format=fmt, output_format=fmt)
+    ratios = []
+    for offset in (0.0, 1e2, 3e4):
+        a = float(mn.round_to(offset, fmt))
+        q = np.zeros((10, 4))
+        q[:, 0], q[:, 1] = a, np.asarray(mn.round_to(rng.uniform(0.5, 2, 10), fmt))
+        k = np.zeros((24, 4))
+        k[:, 0] = 1.0
+        k[:, 1] = np.asarray(mn.round_to(np.linspace(0, 6, 24) + rng.uniform(0, 0.3, 24), fmt))
+        v = np.asarray(mn.round_to(rng.standard_normal((24, 4)), fmt), np.float64)
+        mask = rng.random((10, 24)) < 0.85
+        mask[:, -1] = True
+        bound = attention_bound(q, k, v, mask, numerics=num, scale=0.7)
+        out = np.asarray(mn.attention(q, k, v, mask, numerics=num, scale=0.7), np.float64)
+        exact = np.asarray(mn.reference.attention(q, k, v, mask=mask, scale=0.7), np.float64)
+        assert np.all(np.isfinite(bound.total))
+        ratios.append(float(np.max(np.abs(out - exact) / bound.total)))
+    assert max(ratios) <= 1, ratios
+
+
+def test_tiny_factors_of_the_constant_are_infinite_with_the_reason():
+    q, k, v = (np.ones((2, 4)) for _ in range(3))
+    # fl(scale) subnormal in float32 while the product c2 is normal: a kernel that flushes the
+    # factor reads c2 as zero, and a masked key's -inf·0 is NaN
+    bound = attention_bound(q, k, v, numerics=_scaled(softmax="online(2)"), scale=1.0e-38)
+    assert np.all(np.isinf(bound.total))
+    assert any("fl(scale) is subnormal or zero" in r for r in bound.reasons)
