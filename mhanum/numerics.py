@@ -45,7 +45,7 @@ from mhanum.units import (
 __all__ = ["PRESETS", "Backward", "Numerics", "resolve", "resolve_backward"]
 
 _SCALES = ("scores", "q", "qk")
-_EXP_FORMS = ("exp", "exp2-folded", "exp2-scaled")
+_EXP_FORMS = ("exp", "exp2", "exp2-folded", "exp2-scaled")
 _ONLINE_SUMS = ("block", "running")
 _FINFO = re.compile(r"^(?:(\d*\.?\d+)\s*\*\s*)?finfo\.min$")
 
@@ -109,7 +109,12 @@ class Numerics:
             those, ``exp2(fl(x - M))`` and the rescaling ``exp2(fl(M - M'))``: the same
             exponentials as ``"exp2-folded"`` (``fl(m·c2)`` is the largest ``fl(t·c2)``,
             rounding being monotone), another rescaling. The same restrictions, and no
-            ``kv_splits``.
+            ``kv_splits``. ``"exp2"`` (xFormers' memory-efficient kernel, PyTorch's
+            flex_attention): the logits formed as under ``"exp"`` (scale, bias, soft-cap, mask),
+            then taken into base 2 by one product with ``fl(log2 e)`` in ``softmax_format``,
+            ``x = fl(s·fl(log2 e))``; the maximum of those, ``exp2(fl(x - M))`` and the
+            rescaling ``exp2(fl(M - M'))``. It takes a bias and a soft-cap; the softmax must be
+            safe or online, masks ``-inf``, and no sink or ``kv_splits``.
         online_sums: how the online softmax carries its sums across key blocks: ``"block"`` (each
             block's row sum and P·V product formed, then added to the running ones) or
             ``"running"`` (FlashAttention-2/3: the rescaled running sum is the first term of the
@@ -217,13 +222,13 @@ class Numerics:
             raise _bad("exp_form", f"one of {_EXP_FORMS}", self.exp_form)
         if self.exp2:
             form = f"exp_form={self.exp_form!r}"
-            if self.scale != "scores":
+            if self.folds_scale and self.scale != "scores":
                 raise _bad("scale", f"'scores' with {form}", self.scale)
             if self.softmax_kind == "naive":
                 raise _bad("softmax", f"'safe' or 'online(B)' with {form}", self.softmax)
             if self.mask_value != -math.inf:
                 raise _bad("mask_value", f"-inf with {form}", self.mask_value)
-            if self.exp_form == "exp2-scaled" and self.kv_splits is not None:
+            if self.exp_form != "exp2-folded" and self.kv_splits is not None:
                 raise _bad("kv_splits", f"None with {form}", self.kv_splits)
         if self.online_sums not in _ONLINE_SUMS:
             raise _bad("online_sums", f"one of {_ONLINE_SUMS}", self.online_sums)
@@ -372,8 +377,14 @@ class Numerics:
     @property
     def exp2(self) -> bool:
         """Whether the exponentials are ``exp2`` with the scale folded into their argument
-        (``exp_form`` ``"exp2-folded"`` or ``"exp2-scaled"``)."""
+        (any ``exp_form`` but ``"exp"``)."""
         return self.exp_form != "exp"
+
+    @property
+    def folds_scale(self) -> bool:
+        """Whether the scores stay unscaled and the scale enters the exponent's constant
+        (``exp_form`` ``"exp2-folded"`` or ``"exp2-scaled"``)."""
+        return self.exp_form in ("exp2-folded", "exp2-scaled")
 
     @property
     def descale_format(self) -> Format:
@@ -410,7 +421,7 @@ class Numerics:
         Raises:
             InvalidArgument: for a bias under ``exp_form="exp2-folded"``.
         """
-        if bias is not None and self.exp2:
+        if bias is not None and self.folds_scale:
             msg = (
                 f"bias: expected None with numerics.exp_form={self.exp_form!r} (the scale is "
                 "folded into the exponent and would scale the bias too)"
@@ -424,7 +435,7 @@ class Numerics:
         Raises:
             InvalidArgument: for a soft-cap under ``exp_form="exp2-folded"``.
         """
-        if self.exp2:
+        if self.folds_scale:
             msg = (
                 f"softcap: expected None with numerics.exp_form={self.exp_form!r} (the scaled "
                 "scores are not formed; a kernel's folded soft-cap is not modelled)"
@@ -440,8 +451,8 @@ class Numerics:
         """
         if self.exp2:
             msg = (
-                f"sink: expected None with numerics.exp_form={self.exp_form!r} (a kernel with "
-                "the scale folded into exp2 adds its sink unscaled; that is not modelled)"
+                f"sink: expected None with numerics.exp_form={self.exp_form!r} (a sink under "
+                "an exp2 softmax is not modelled)"
             )
             raise InvalidArgument(msg)
 

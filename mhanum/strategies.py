@@ -331,11 +331,11 @@ def numerics(
             finite constants (one the score format represents or rounds to ``-inf``).
         scale: the scale placement of custom numerics (``"scores"``, ``"q"``, ``"qk"``, or a
             strategy; default: all three).
-        exp_form: the exponential of custom numerics (``"exp"``, ``"exp2-folded"``,
-            ``"exp2-scaled"`` or a strategy; default ``"exp"``). Either exp2 form brings the
-            scale on the scores,
-            ``-inf`` masking and the safe or online softmax with it, and takes no bias: draw
-            inputs without ``bias_range`` and ``softmax_sum`` for it.
+        exp_form: the exponential of custom numerics (``"exp"``, ``"exp2"``, ``"exp2-folded"``,
+            ``"exp2-scaled"`` or a strategy; default ``"exp"``). Every exp2 form brings ``-inf``
+            masking and the safe or online softmax; the folding ones also bring the scale on
+            the scores and take no bias: draw inputs without ``bias_range`` and
+            ``softmax_sum`` for them.
         online_sums: how custom numerics carry the online softmax's sums (``"block"``,
             ``"running"`` or a strategy; default ``"block"``). ``"running"`` brings the online
             softmax, the native or sequential order and no split dot with it.
@@ -489,8 +489,10 @@ def _custom_numerics(draw: Any, fields: dict[str, Any], bounded: bool) -> Numeri
         "mask_value": draw(st.sampled_from(_MASK_VALUES)),
     }
     form = pick("exp_form", ("exp",))
-    if form in ("exp2-folded", "exp2-scaled"):
-        kw.update(scale="scores", exp_form=form, mask_value=-math.inf)
+    if form != "exp":
+        kw.update(exp_form=form, mask_value=-math.inf)
+        if form != "exp2":  # the scale folded into the exponent's constant
+            kw["scale"] = "scores"
         if kw["softmax"] == "naive":
             kw["softmax"] = draw(st.sampled_from(("safe", "online(4)", "online(16)")))
     if pick("online_sums", ("block",)) == "running":

@@ -515,7 +515,7 @@ def _head(
     # Step 2. The constant: the float64 value of 1/sqrt(d_k) (two float64 roundings unless
     # d_k = 4^m) or the given scale, rounded once into the score format; the product by it is
     # exact when it is a normal power of two; a subnormal constant may be read as zero.
-    folded = num.exp2
+    folded = num.folds_scale
     if folded:
         # Step 2''. c2 = fl_m(scale·log2(e)): the float64 product (one rounding), then rounded
         # into the softmax format; no product with the scores is stored (they stay unscaled).
@@ -698,8 +698,30 @@ def _head(
             fold = fold + np.where(live, u_m * ((1 + u_c) * (1 + u_m) * r_row + k_ln2) + eta_m, 0.0)
         sources["exp_fold"] = fold
         delta = delta + fold
+    elif num.exp2:
+        # Step 3'' (exp2): the logits, as under exp, taken into base 2 by x = fl(ŝ·L̂) with
+        # L̂ = fl_m(log2 e): a relative (1 + u_L)(1 + u_m) - 1 of each |ŝ| (natural units), an
+        # underflow η_m; the shifts are x values themselves, and the rescalings' excess over
+        # u_m(2 + u_m)·gap is at most 2u_m²R (papers/attention.md, step 3'', exp2)
+        u_m, eta_m = fmts["softmax"].u, fmts["softmax"].smallest_normal
+        u_l = (1 + 2.0**-53) * (1 + u_m) - 1
+        s_abs = np.where(live, np.abs(s) + delta, 0.0)
+        r_row = s_abs.max(axis=-1, keepdims=True)
+        ranges.check(
+            s_abs * LOG2E * (1 + u_l) * (1 + u_m), fmts["softmax"], "the logits times fl(log2 e)"
+        )
+        rel = (1 + u_l) * (1 + u_m) - 1
+        fold = np.where(live, rel * s_abs + 2 * u_m**2 * (1 + rel) * r_row + 2 * eta_m, 0.0)
+        sources["exp_fold"] = fold
+        delta = delta + fold
     across: list[tuple[np.ndarray, np.ndarray]] | None = None
-    if lam is not None and num.dot_kind == "ieee" and masked is None and not folded and not softcap:
+    if (
+        lam is not None
+        and num.dot_kind == "ieee"
+        and masked is None
+        and not num.exp2
+        and not softcap
+    ):
         # Theorem A.3': the QKᵀ dots' roundings as one martingale across the keys. A dot's
         # error is Σ_k δ_k T_k over its <= 2d_k - 1 roundings (twice as many in the native order
         # of a format XLA may carry in float32), |T_k| <= (1 + g)Σ|q_i||k_i|; the later roundings

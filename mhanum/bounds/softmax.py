@@ -82,6 +82,10 @@ class _Model:
             self.arg_flush = 0.0
         self.order = num.summation
         self.kind = num.summation_kind
+        # the exp2 forms (scale 1 in the softmax alone): x = fl(x̂·L̂), L̂ = fl(log2 e), a
+        # relative rel2 of each logit in natural units; differences rounded in base 2
+        self.base2 = num.exp2
+        self.rel2 = (1 + 2.0**-53) * (1 + self.u) ** 2 - 1 if self.base2 else 0.0
 
     def gamma(self, n: int) -> float:
         return summation_gamma(n, self.order, self.u)
@@ -91,8 +95,10 @@ class _Model:
         return 2 * _summation_ops(n, self.kind) * self.eta
 
     def exp_rel(self, sigma: np.ndarray) -> np.ndarray:
-        """``e^σ (1 + ε_exp) - 1``: relative error of ``exp`` of an argument off by ``<= σ``."""
-        return np.expm1(sigma) + self.eps_exp * np.exp(sigma)
+        """``e^σ (1 + ε_exp) - 1``: relative error of ``exp`` of an argument off by ``<= σ``
+        (``inf`` past float64's range)."""
+        with np.errstate(over="ignore"):
+            return np.expm1(sigma) + self.eps_exp * np.exp(sigma)
 
 
 def _rounded_difference(a: np.ndarray, b: np.ndarray, model: _Model) -> np.ndarray:
@@ -102,6 +108,8 @@ def _rounded_difference(a: np.ndarray, b: np.ndarray, model: _Model) -> np.ndarr
     format represents is computed without error. Otherwise the a priori ``u|a - b|``.
     """
     d = a - b
+    if model.base2:  # rounded in base 2: no exactness shortcut
+        return model.u * (1 + model.rel2) * np.abs(d) * (1 + 2.0**-50) + model.arg_flush
     bv = d - a
     err = (a - (d - bv)) + (-b - bv)
     exact = (err == 0) & np.isfinite(d)
@@ -110,6 +118,17 @@ def _rounded_difference(a: np.ndarray, b: np.ndarray, model: _Model) -> np.ndarr
     apriori = model.u * np.abs(d) * (1 + 2.0**-50)
     out = np.where(rep, 0.0, np.where(exact, error, apriori))
     return out + model.arg_flush
+
+
+def _base2_charge(xr: np.ndarray, finite: np.ndarray, model: _Model) -> np.ndarray:
+    """The exp2 forms' argument error beyond the subtraction (papers/softmax.md, §4): each
+    logit's conversion ``fl(x̂_j·L̂)`` and the shift's, ``rel2(|x̂_j| + R)`` with ``R`` the row's
+    largest ``|x̂|``, and an underflow ``2^emin`` for each (0 for the natural ``exp``)."""
+    if not model.base2:
+        return np.zeros_like(xr)
+    r = float(np.max(np.abs(xr[finite]))) if finite.any() else 0.0
+    tiny = 2 * model.fmt.smallest_normal
+    return np.where(finite, model.rel2 * (np.abs(xr) + r) * (1 + 2.0**-50) + tiny, 0.0)
 
 
 def _exact_softmax(t: np.ndarray) -> tuple[np.ndarray, float, float]:
@@ -185,6 +204,7 @@ def _naive_or_safe(xs: np.ndarray, xr: np.ndarray, model: _Model, safe: bool) ->
     sigma = np.where(finite, np.abs(xr - xs), 0.0)
     if safe:
         sigma = sigma + np.where(finite, _rounded_difference(xr, np.full_like(xr, m), model), 0.0)
+        sigma = sigma + _base2_charge(xr, finite, model)
     elif model.flushes:
         sigma = sigma + np.where(finite, model.fmt.smallest_normal, 0.0)
     a = np.where(finite, model.exp_rel(sigma), 0.0)
@@ -220,6 +240,7 @@ def _online(xs: np.ndarray, xr: np.ndarray, model: _Model, block: int) -> tuple[
     xs, xr = np.where(finite, xs, 0.0), np.where(finite, xr, 0.0)
     n_blocks = -(-n // block)
     gamma_b = model.gamma(block)
+    base2 = _base2_charge(xr, finite, model)
     u = model.u
     # Per-term log(1 + Φ_j), j already summed; Φ the relative error bound of the term in d̂_k.
     log_phi = np.zeros(n)
@@ -235,6 +256,8 @@ def _online(xs: np.ndarray, xr: np.ndarray, model: _Model, block: int) -> tuple[
         if started:
             # ĉ = exp(fl(m_prev - m_new)); d̂·ĉ rounded, then the block sum added, rounded.
             sig_c = float(_rounded_difference(np.array([m_prev]), np.array([m_new]), model)[0])
+            if model.base2:  # exp2-folded rounds fl(m - m') and its product by c2
+                sig_c = sig_c * (2 + model.u)
             kappa = float(model.exp_rel(np.array(sig_c)))
             step = math.log1p(kappa) + 2 * math.log1p(u)
             done = np.arange(n) < k * block
@@ -247,6 +270,7 @@ def _online(xs: np.ndarray, xr: np.ndarray, model: _Model, block: int) -> tuple[
             psi = (model.eta_exp * d_old_hi + psi * c_hi) * (1 + u) + model.eta
         if fin.any():
             sig = _rounded_difference(blk[fin], np.full(int(fin.sum()), m_new), model)
+            sig = sig + base2[sl][fin]
             idx = np.arange(sl.start, sl.stop)[fin]
             log_phi[idx] = np.log1p(model.exp_rel(sig)) + math.log1p(gamma_b)
             psi_block = block * model.eta_exp * (1 + gamma_b) + model.sum_abs(block)
@@ -264,6 +288,7 @@ def _online(xs: np.ndarray, xr: np.ndarray, model: _Model, block: int) -> tuple[
     inv_s = math.exp(-log_s)
     sigma = np.where(finite, np.abs(xr - xs), 0.0)
     sigma = sigma + np.where(finite, _rounded_difference(xr, np.full_like(xr, m), model), 0.0)
+    sigma = sigma + base2
     a = np.where(finite, model.exp_rel(sigma), 0.0)
     phi = np.where(finite, np.expm1(log_phi), 0.0)
     # the shifted logits relative to m_K: x̂_j - m against x_j - m is the input rounding; Φ
@@ -275,8 +300,10 @@ def _online(xs: np.ndarray, xr: np.ndarray, model: _Model, block: int) -> tuple[
     eta_num = np.where(finite, model.eta_exp * inv_s, 0.0)
     total = _row_bound(p, p_rel, a, eta_num, den_lo, den_hi, model)
     terms = _first_order_terms(p, sigma, model, gamma_b)
-    rescaling = pf * float(np.sum(pf * np.expm1(rescale_log)))
-    underflow = eta_num + psi * inv_s * pf + model.eta_div
+    with np.errstate(over="ignore", invalid="ignore"):
+        rescaling = pf * float(np.sum(np.where(pf > 0, pf * np.expm1(rescale_log), 0.0)))
+        underflow = eta_num + np.where(pf > 0, psi * inv_s * pf, 0.0) + model.eta_div
+    rescaling = np.where(pf > 0, rescaling, 0.0)
     return total, {**terms, "rescaling": rescaling}, underflow
 
 

@@ -87,15 +87,18 @@ class Stages:
         self.prob = num.format_of("prob")
         self.output = num.format_of("output")
         self.operand = num.operand_rounding
-        self.folded = num.exp2
-        self.c2: jax.Array | None = None  # exp2: the folded constant, set by fold()
+        self.base2 = num.exp2
+        self.folded = num.folds_scale
+        self.c2: jax.Array | None = None  # exp2: the base-2 constant, set by fold()
         self.c_lse: jax.Array | None = None  # exp2-folded: fl(scale), a split's lse factor
 
     def fold(self, scale: float) -> None:
         """Set the folded constant: ``c2 = fl(scale·log2(e))`` (the float64 product, rounded;
         ``exp2-folded``) or ``fl(fl(scale)·fl(log2(e)))`` (the kernel's own product in the
-        softmax format; ``exp2-scaled``)."""
-        if self.num.exp_form == "exp2-scaled":
+        softmax format; ``exp2-scaled``), or ``fl(log2(e))`` on the scaled scores (``exp2``)."""
+        if self.num.exp_form == "exp2":
+            self.c2 = format_constant(self.soft, _LOG2E)
+        elif self.num.exp_form == "exp2-scaled":
             fmt = self.soft.fmt
             factors = float(round_to(scale, fmt)) * float(round_to(_LOG2E, fmt))
             self.c2 = format_constant(self.soft, factors)
@@ -108,7 +111,7 @@ class Stages:
         """``exp(x - shift)``, or (folded) ``exp2(fl(fl(x·c2) - fl(shift·c2)))``, with
         ``prob_offset = k``: ``exp2(fl(fl(x·c2) - fl(fl(shift·c2) - k)))``."""
         sm = self.soft
-        if not self.folded:
+        if not self.base2:
             return sm.exp(sm.sub(x, shift))
         assert self.c2 is not None
         top = sm.mul(shift, self.c2)
@@ -126,10 +129,10 @@ class Stages:
         would be NaN for a ``c2`` read as zero).
         """
         sm = self.soft
-        if not self.folded:
+        if not self.base2:
             return sm.exp(sm.sub(m, shift))
         assert self.c2 is not None
-        if self.num.exp_form == "exp2-scaled":
+        if self.num.exp_form != "exp2-folded":
             factor = sm.exp2(sm.sub(sm.mul(m, self.c2), sm.mul(shift, self.c2)))
         else:
             factor = sm.exp2(sm.mul(sm.sub(m, shift), self.c2))
@@ -251,7 +254,7 @@ def stage_probabilities(st: Stages, s: jax.Array) -> jax.Array:
         m, d = _online_normaliser(st, x)
         shift = jnp.where(jnp.isneginf(m), jnp.zeros_like(m), m)
         return sm.div(st.exp_shifted(x, shift), d)
-    if kind == "safe" and st.folded:
+    if kind == "safe" and st.base2:
         top = jnp.max(x, axis=-1, keepdims=True)
         e = st.exp_shifted(x, jnp.where(jnp.isneginf(top), jnp.zeros_like(top), top))
         return sm.div(e, st.sum(e))

@@ -281,6 +281,7 @@ def attention_oracle(
         raise InvalidArgument(msg)
     if enable_gqa:
         k64, v64 = _grouped(q64, k64, v64)
+    kern.check_head_dims(q64.shape[-1], v64.shape[-1])
     m = _mask(mask, is_causal, q64.shape[-2], k64.shape[-2])
     policy, dead = kern.fully_masked, None
     ref_mask = m
@@ -436,6 +437,8 @@ def mha_oracle(
         )
         raise InvalidArgument(msg)
     xq, xkv = _as_float64(x_q, "x_q"), _as_float64(x_kv, "x_kv")
+    if num_heads >= 1 and xq.shape[-1] % num_heads == 0:
+        kern.check_head_dims(xq.shape[-1] // num_heads)
     m = None if mask is None else _mask(mask, False, xq.shape[-2], xkv.shape[-2])
     policy, dead = kern.fully_masked, None
     if m is not None:

@@ -53,6 +53,8 @@ class Kernel:
             model ``-inf`` masking, and :func:`mhanum.testing.attention_oracle` proves on the
             concrete inputs that every masked key's exponential vanishes in the output, or
             gives its row an infinite tolerance with the reason. ``None``: ``-inf`` masking.
+        max_head_dim: the largest head dimension (of q·k and of v) the candidates cover, for a
+            kernel that runs another algorithm past it; ``None`` for any.
     """
 
     name: str
@@ -61,6 +63,7 @@ class Kernel:
     evidence: tuple[str, ...]
     notes: str = ""
     mask_add: float | None = None
+    max_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.fully_masked not in FULLY_MASKED:
@@ -73,6 +76,11 @@ class Kernel:
             isinstance(self.mask_add, (int, float)) and -math.inf < self.mask_add < 0
         ):
             msg = f"mask_add: expected None or a finite negative number, got {self.mask_add!r}"
+            raise InvalidArgument(msg)
+        if self.max_head_dim is not None and not (
+            isinstance(self.max_head_dim, int) and self.max_head_dim >= 1
+        ):
+            msg = f"max_head_dim: expected None or an integer >= 1, got {self.max_head_dim!r}"
             raise InvalidArgument(msg)
 
     @property
@@ -100,7 +108,21 @@ class Kernel:
             "evidence": list(self.evidence),
             "notes": self.notes,
             "mask_add": self.mask_add,
+            "max_head_dim": self.max_head_dim,
         }
+
+    def check_head_dims(self, *dims: int) -> None:
+        """Refuse head dimensions past :attr:`max_head_dim`.
+
+        Raises:
+            InvalidArgument: naming ``q`` and the kernel's limit.
+        """
+        if self.max_head_dim is not None and max(dims) > self.max_head_dim:
+            msg = (
+                f"q: expected head dimensions <= {self.max_head_dim} for kernel {self.name!r} "
+                f"(it runs another algorithm past them), got {max(dims)}"
+            )
+            raise InvalidArgument(msg)
 
 
 def _half_variants(base: Numerics, fmt: str, **stored: str) -> tuple[Numerics, ...]:
@@ -242,7 +264,7 @@ _FA2_SOURCE = (
 )
 
 
-def _fa2_models(fmt: str) -> tuple[Numerics, ...]:
+def _fa2_models(fmt: str, blocks: tuple[int, ...] = (32, 64, 128)) -> tuple[Numerics, ...]:
     short = {"bfloat16": "bf16", "float16": "fp16"}[fmt]
     return tuple(
         Numerics(
@@ -262,7 +284,7 @@ def _fa2_models(fmt: str) -> tuple[Numerics, ...]:
             exp_ulps=4.0,
         )
         for arch in ("a100", "h100")
-        for block in (32, 64, 128)
+        for block in blocks
     )
 
 
@@ -353,6 +375,112 @@ def _triton_tutorial() -> Kernel:
     )
 
 
+_MEM_EFF_SOURCE = (
+    "aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernel_forward.h (torch 2.x, "
+    "xFormers' CUTLASS kernel, built with bias support): S = Q K^T on tensor cores "
+    "(gemm_kernel_utils.h: DefaultGemmType of 16-bit types, OpMultiplyAdd), accum = "
+    "p.scale * accum in float, the bias (the input type) added, the causal mask -inf; "
+    "iterative_softmax: frag * (1.0f * kLog2e), the row maximum of those (atomicMaxFloat), "
+    "exp2f(m_prime - mi) rescaling s_prime and the register accumulator, exp2f(frag - mi), "
+    "the warps' partial row sums added to the rescaled s_prime; P stored in the input type "
+    "(accumToSmem) for P V, accumulated into the register accumulator (kKeepOutputInRF when "
+    "kMaxK <= kKeysPerBlock)"
+)
+
+
+def _torch_sdpa_efficient() -> Kernel:
+    def models(fmt: str) -> tuple[Numerics, ...]:
+        # FlashAttention-2's candidates on the A100 model, with the logits taken into base 2
+        # and the reciprocal of the row sum within 2 ulps
+        fa2 = _fa2_models(fmt, (64, 128))
+        return tuple(n.replace(exp_form="exp2", div_ulps=2.0) for n in fa2 if "a100" in str(n.dot))
+
+    return Kernel(
+        "torch-sdpa-efficient",
+        {f: models(f) for f in _HALF},
+        "zero",
+        (
+            _MEM_EFF_SOURCE,
+            (
+                "epilogue/epilogue_rescale_output.h (MemoryEfficientAttentionNormalize): "
+                "alpha = 1 / s_prime (1 for a row whose sum is 0: a row that attends no key "
+                "returns 0), the output alpha * accumulator: a reciprocal then a product, "
+                "div_ulps = 2 covers a correctly rounded or an approximate reciprocal"
+            ),
+            (
+                "kernels/cutlassF*.cu: the Sm80 kernels 64x64 (head dimensions <= 64) and "
+                "64x128 (<= 128) keep the output in registers (online_sums='running', key "
+                "blocks 64 and 128); past 128 a 32x128 kernel accumulates in global memory "
+                "through the epilogue, which is not modelled (max_head_dim = 128)"
+            ),
+            (
+                "the row sum: the rescaled s_prime, then each warp's partial sum, is one of the "
+                "orders the running chain covers in the native order; exp2f within 4 ulps "
+                "(ex2.approx under fast math)"
+            ),
+        ),
+        "half inputs; float32 runs 3xTF32 tensor-core products (OpMultiplyAddFastF32), which "
+        "no dot unit of mhanum models. Hopper runs the same Sm80 kernel (mma.sync in steps of 8 "
+        "products): the A100 model is assumed for it. A float bias reaches the kernel in the "
+        "input type (SDPA converts it): pass it in that type",
+        max_head_dim=128,
+    )
+
+
+def _flex_attention() -> Kernel:
+    blocks = (16, 32, 64, 128)
+    half = {
+        f: tuple(n.replace(exp_form="exp2", div_ulps=2.0) for n in _fa2_models(f, blocks))
+        for f in _HALF
+    }
+    single = tuple(
+        Numerics(
+            input="float32",
+            accum="float32",
+            softmax=f"online({block})",
+            online_sums="running",
+            exp_form="exp2",
+            mask_value=-math.inf,
+            div_ulps=2.0,
+            exp_ulps=4.0,
+        )
+        for block in blocks
+    )
+    return Kernel(
+        "flex-attention",
+        {"float32": single, **half},
+        "zero",
+        (
+            (
+                "torch/_inductor/kernel/flex/templates/common.py.jinja (torch 2.13, "
+                "forward_block_mn): qk = tl.dot(q, k, input_precision=FLOAT32_PRECISION) in "
+                "float32, qk *= SM_SCALE, the score_mod, masked scores -inf, then "
+                "post_mod_scores *= RCP_LN2 (1.44269504, fl32(log2 e)); m_ij = max(m_i, "
+                "max(post_mod_scores)), alpha = exp2(m_i - m_ij), p = exp2(post_mod_scores - "
+                "m_ij) (a row with every score -inf shifted by 0), l_i = l_i * alpha + sum(p), "
+                "acc = acc * alpha, then tl.dot(p.to(MATMUL_PRECISION), v, acc): the "
+                "probabilities in the input type, the output carried in the dot"
+            ),
+            (
+                "templates/flex_attention.py.jinja: l_i = 1 where it is 0 (a row that attends "
+                "no key returns 0), acc / l_i (div.full.f32 or a correctly rounded quotient: "
+                "div_ulps = 2), stored in the input type"
+            ),
+            (
+                "candidates: BLOCK_N of 16, 32, 64 and 128 (template_heuristics/triton.py, the "
+                "default and autotuned FlexConfigs), the A100 and H100 tensor-core models for "
+                "half inputs; float32 dots with FLOAT32_PRECISION 'ieee' (the default: "
+                "torch.backends.cuda.matmul.allow_tf32 off) are fused multiply-adds, a subset of "
+                "the roundings of the 'ieee' dot unit"
+            ),
+        ),
+        "the CUDA (Triton) kernel with score_mod the identity, an additive bias (bias=) or a "
+        "soft-cap (softcap=), and a mask_mod (mask=, -inf); not PRESCALE_QK (q pre-scaled by "
+        "scale*log2 e), not the TF32 dots of allow_tf32, not the CPU kernel (flex_cpu.py) nor "
+        "the eager reference",
+    )
+
+
 def _jax_xla_tf32() -> Kernel:
     base = _jax_xla().models["float32"][0].replace(operand_format="tf32")
     return Kernel(
@@ -386,6 +514,8 @@ KERNELS: Mapping[str, Kernel] = {
         _flash_attention_2(),
         _torch_sdpa_flash_cuda(),
         _triton_tutorial(),
+        _torch_sdpa_efficient(),
+        _flex_attention(),
     )
 }
 """The registered kernels, by name."""
@@ -395,15 +525,14 @@ NOT_MODELLED: Mapping[str, str] = {
     "pipelining, whose accumulation is not probed yet (its fp8 arithmetic around the dots is "
     "modelled: Numerics.prob_offset for the lifted probabilities, descale= for per-tensor "
     "descaling; per-block descaling is not)",
-    "torch-sdpa-efficient": "xFormers' CUTLASS kernel: its block sizes and accumulation order "
-    "are not read to the rounding yet",
+    "torch-sdpa-efficient-float32": "xFormers' CUTLASS kernel on float32 inputs: 3xTF32 "
+    "tensor-core products (OpMultiplyAddFastF32), which no dot unit of mhanum models",
     "torch-sdpa-cudnn": "cuDNN's fused kernel: not documented to the rounding",
     "jax-cudnn": "cuDNN's fused kernel: not documented to the rounding",
     "triton-tutorial-fp8": "the Triton tutorial's fp8 path (float8e5 values, probabilities "
     "converted to float8e5): its per-tensor scaling is not read to the rounding yet",
-    "flex-attention": "a kernel generated from the user's score_mod and mask_mod: its scores "
-    "are scaled, modified, then multiplied by 1/ln 2 (two roundings, or q pre-scaled with "
-    "PRESCALE_QK), which no exp_form models yet",
+    "flex-attention-prescaled": "flex_attention with PRESCALE_QK: q multiplied by "
+    "scale*log2(e) and rounded to its type before the dot, which no scale placement models",
 }
 """Kernels without a descriptor yet, and why (their tolerance could not be stated as a theorem)."""
 

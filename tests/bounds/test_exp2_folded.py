@@ -29,7 +29,7 @@ def _fold(**kw: object) -> Numerics:
     [
         (
             {"exp_form": "exp3"},
-            r"^numerics.exp_form: expected one of \('exp', 'exp2-folded', 'exp2-scaled'\)",
+            r"^numerics.exp_form: expected one of \('exp', 'exp2', 'exp2-folded', 'exp2-scaled'\)",
         ),
         ({"exp_form": "exp2-folded", "scale": "q"}, r"^numerics.scale: expected 'scores'"),
         ({"exp_form": "exp2-folded", "softmax": "naive"}, r"^numerics.softmax: expected 'safe'"),

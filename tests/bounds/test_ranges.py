@@ -269,7 +269,7 @@ def test_biases_across_the_score_formats_range(data):
     _check_drawn(data, num, structure=structure)
 
 
-EXP2_FORMS = st.sampled_from(("exp2-folded", "exp2-scaled"))
+EXP2_FORMS = st.sampled_from(("exp2-folded", "exp2-scaled", "exp2"))
 WITHOUT_BIAS = tuple((s,) for s in mst.RANGE_STRUCTURES if s not in ("bias_range", "softmax_sum"))
 
 
@@ -287,9 +287,22 @@ def test_folded_exp2_at_the_range_edges(data):
 
 @RANGE_SETTINGS
 @given(data=st.data())
+def test_base2_logits_with_biases_and_soft_caps_at_the_range_edges(data):
+    # exp_form="exp2": the logits formed as under exp (biases across the exponent range, a
+    # soft-cap), then one more product by fl(log2 e) before exp2
+    num = data.draw(
+        mst.numerics(presets=False, free=False, custom=True, bounded=True, exp_form="exp2")
+    )
+    cap = data.draw(st.sampled_from([None, 0.5, 30.0]), label="softcap")
+    _check_drawn(data, num, structure=data.draw(st.sampled_from((*mst.RANGE_STRUCTURES, None))),
+                 softcap=cap)  # fmt: skip
+
+
+@RANGE_SETTINGS
+@given(data=st.data())
 def test_running_online_sums_at_the_range_edges(data):
     # FlashAttention's carried sums: one chain over every key, with or without the folded exp2
-    form = data.draw(st.sampled_from(("exp", "exp2-folded", "exp2-scaled")))
+    form = data.draw(st.sampled_from(("exp", "exp2-folded", "exp2-scaled", "exp2")))
     num = data.draw(
         mst.numerics(
             presets=False,

@@ -185,7 +185,10 @@ def test_every_descriptor_states_its_evidence_and_models():
     assert KERNELS["flash-attention-2"].formats == ("bfloat16", "float16")
 
 
-@pytest.mark.parametrize("kernel", ["flash-attention-2", "torch-sdpa-flash-cuda"])
+@pytest.mark.parametrize(
+    "kernel",
+    ["flash-attention-2", "torch-sdpa-flash-cuda", "torch-sdpa-efficient", "flex-attention"],
+)
 @pytest.mark.parametrize("fmt", ["bfloat16", "float16"])
 def test_every_flash_attention_candidate_meets_the_descriptors_tolerance(kernel, fmt):
     # no GPU here: each candidate's emulation (the kernel's arithmetic as modelled, tensor
@@ -267,3 +270,48 @@ def test_torch_multihead_attention_with_a_fully_masked_row():
     wrong[1, 3] += 1e-6  # the convention's answer is exact: any change is caught
     with pytest.raises(AttentionMismatch, match=r"index \(1, 3, "):
         assert_mha_close(wrong, x, x, p32, 4, mask=mask[:, None], kernel="torch-sdpa-flash-cpu")
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16"])
+def test_the_memory_efficient_kernel_with_a_bias(fmt):
+    # xFormers' kernel takes an additive bias (a boolean mask arrives as -inf in it), in the
+    # input type; each candidate's emulation meets the tolerance with one, and past head
+    # dimension 128 (another algorithm) no tolerance is offered
+    import mhanum as mn
+
+    dt = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[fmt]
+    rng = np.random.default_rng(14)
+    q, k, v = (rng.standard_normal((2, 40, 16)).astype(np.float32).astype(dt) for _ in range(3))
+    bias = (rng.standard_normal((2, 40, 40)) * 3).astype(np.float32).astype(dt)
+    bias[:, :, 7] = -np.inf
+    oracle = attention_oracle(q, k, v, bias=bias, kernel="torch-sdpa-efficient")
+    assert np.all(np.isfinite(oracle.tolerance))
+    q64, k64, v64, b64 = (np.asarray(a, np.float64) for a in (q, k, v, bias))
+    for num in get_kernel("torch-sdpa-efficient").candidates(fmt):
+        out = np.asarray(mn.attention(q64, k64, v64, bias=b64, numerics=num), np.float64)
+        failing, ratio = oracle.check(out)
+        assert not failing.any(), (num.describe(), float(ratio.max()))
+    wide = np.zeros((3, 160), dt)
+    with pytest.raises(InvalidArgument, match=r"^q: expected head dimensions <= 128 for kernel"):
+        attention_tolerance(wide, wide, wide, kernel="torch-sdpa-efficient")
+
+
+def test_flex_attentions_float32_candidates_with_a_bias_and_a_soft_cap():
+    # flex_attention's score_mod as an additive bias or a soft-cap, then the base-2 softmax;
+    # float32 dots are fused multiply-adds, within the 'ieee' dot's charge
+    import mhanum as mn
+
+    rng = np.random.default_rng(15)
+    q, k, v = (rng.standard_normal((2, 40, 16)).astype(np.float32) for _ in range(3))
+    bias = (rng.standard_normal((2, 40, 40)) * 3).astype(np.float32)
+    mask = rng.random((2, 40, 40)) < 0.7
+    mask[..., 0] = True
+    q64, k64, v64, b64 = (np.asarray(a, np.float64) for a in (q, k, v, bias))
+    for kw in ({"bias": bias}, {"softcap": 2.0}):
+        oracle = attention_oracle(q, k, v, mask=mask, kernel="flex-attention", **kw)
+        assert np.all(np.isfinite(oracle.tolerance))
+        emu = {"bias": b64} if "bias" in kw else kw
+        for num in get_kernel("flex-attention").candidates("float32"):
+            out = np.asarray(mn.attention(q64, k64, v64, mask, numerics=num, **emu), np.float64)
+            failing, ratio = oracle.check(out)
+            assert not failing.any(), (num.describe(), kw, float(ratio.max()))

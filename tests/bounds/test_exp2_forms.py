@@ -1,9 +1,13 @@
-"""``exp_form="exp2-scaled"``: the scores scaled into base 2 once (the Triton tutorial kernel).
+"""The base-2 softmaxes beyond FlashAttention's folded one (step 3'').
 
-The kernel forms ``c2 = fl(fl(scale)·fl(log2 e))`` itself, takes the maximum ``M`` of the scaled
-scores ``x = fl(t·c2)``, and rescales by ``exp2(fl(M - M'))``, the difference of two scaled
-maxima, where FlashAttention-2 scales the difference of the unscaled ones. Its exponentials
-are those of ``"exp2-folded"``; Theorem A.1 charges it as the folded form (step 3'').
+``exp_form="exp2-scaled"`` (the Triton tutorial kernel) forms ``c2 = fl(fl(scale)·fl(log2 e))``
+itself, takes the maximum ``M`` of the scaled scores ``x = fl(t·c2)``, and rescales by
+``exp2(fl(M - M'))``, the difference of two scaled maxima, where FlashAttention-2 scales the
+difference of the unscaled ones. Its exponentials are those of ``"exp2-folded"``; Theorem A.1
+charges it as the folded form. ``exp_form="exp2"`` (xFormers' memory-efficient kernel,
+flex_attention) forms the logits as ``"exp"`` does (scale, bias, soft-cap) and takes them into
+base 2 by one more product, ``fl(s·fl(log2 e))``. The softmax alone (``softmax_bound``) charges
+every form.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import pytest
 import mhanum as mn
 from mhanum import InvalidArgument, Numerics
 from mhanum.bounds import attention_bound
+from mhanum.bounds.softmax import softmax_bound
 from mhanum.emulate._arith import runtime_zero
 from mhanum.emulate.attention import Stages
 
@@ -123,3 +128,74 @@ def test_tiny_factors_of_the_constant_are_infinite_with_the_reason():
     bound = attention_bound(q, k, v, numerics=_scaled(softmax="online(2)"), scale=1.0e-38)
     assert np.all(np.isinf(bound.total))
     assert any("fl(scale) is subnormal or zero" in r for r in bound.reasons)
+
+
+def _base2(**kw: object) -> Numerics:
+    return Numerics(exp_form="exp2", **kw)
+
+
+def test_the_three_base2_forms_agree_where_they_should():
+    # the softmax alone has scale 1: every form's constant is fl(log2 e) and its exponentials
+    # exp2(fl(fl(x·c2) - fl(m·c2))) are the same numbers; one block rescales nothing, so the
+    # safe softmaxes agree bit for bit, and online the scaled and the base-2 forms still do
+    rng = np.random.default_rng(2)
+    x = np.asarray(mn.round_to(rng.standard_normal((5, 12)) * 30 + 100, "float32"), np.float64)
+    for softmax in ("safe", "online(4)"):
+        out = {f: np.asarray(mn.softmax(x, numerics=Numerics(exp_form=f, softmax=softmax)))
+               for f in ("exp2-folded", "exp2-scaled", "exp2")}  # fmt: skip
+        np.testing.assert_array_equal(out["exp2-scaled"], out["exp2"])
+        if softmax == "safe":
+            np.testing.assert_array_equal(out["exp2-folded"], out["exp2"])
+    st = Stages(_base2(softmax="safe"), ZERO)
+    st.fold(0.125)  # the scale is on the scores: the constant is fl(log2 e) whatever it is
+    assert float(st.c2) == float(np.float32(LOG2E))
+
+
+@pytest.mark.parametrize(("fmt", "softmax"), CASES)
+def test_the_base2_form_with_a_bias_and_large_logits_is_covered(fmt, softmax):
+    rng = np.random.default_rng(len(fmt) * 3 + len(softmax))
+    num = _base2(input=fmt, accum="float32", softmax=softmax, prob_format=fmt, output_format=fmt)
+    for offset in (0.0, 1e2, 3e4):
+        q = np.asarray(mn.round_to(rng.standard_normal((10, 8)), fmt), np.float64)
+        k = np.asarray(mn.round_to(rng.standard_normal((24, 8)), fmt), np.float64)
+        v = np.asarray(mn.round_to(rng.standard_normal((24, 4)), fmt), np.float64)
+        # a large common bias per row: logits near the offset with a spread of a few units
+        bias = offset + np.sort(rng.uniform(0, 4, (10, 24)), axis=-1)
+        bias = np.asarray(mn.round_to(bias, fmt), np.float64)
+        bias[:, 5] = -np.inf
+        bound = attention_bound(q, k, v, bias=bias, numerics=num)
+        out = np.asarray(mn.attention(q, k, v, bias=bias, numerics=num), np.float64)
+        exact = np.asarray(mn.reference.attention(q, k, v, bias=bias), np.float64)
+        assert np.all(np.isfinite(bound.total))
+        assert np.all(np.abs(out - exact) <= bound.total), offset
+    assert "exp_fold" in bound.parts["logits"]
+
+
+def test_the_base2_form_refuses_what_it_does_not_model():
+    with pytest.raises(InvalidArgument, match=r"^numerics.mask_value: expected -inf with exp_fo"):
+        _base2(mask_value=-1e9)
+    with pytest.raises(InvalidArgument, match=r"^numerics.kv_splits: expected None with exp_fo"):
+        _base2(softmax="online(4)", kv_splits=2)
+    q = np.ones((2, 4))
+    with pytest.raises(InvalidArgument, match=r"^sink: expected None with numerics.exp_form"):
+        mn.attention(q, q, q, sink=np.zeros(1), numerics=_base2())
+
+
+FORMS = ("exp2-folded", "exp2-scaled", "exp2")
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("softmax", ["safe", "online(4)", "online(1)"])
+def test_the_softmax_alone_charges_every_base2_form(form, softmax):
+    # logits near 3e4 with a spread of 4: the conversion into base 2 and the shifts' roundings
+    # (about u·3e4 = 2e-3) dwarf the spread's; without their charge the bound is exceeded
+    rng = np.random.default_rng(5)
+    x = np.asarray(mn.round_to(3e4 + rng.uniform(0, 4, (6, 16)), "float32"), np.float64)
+    x[:, 3] = -np.inf
+    num = Numerics(exp_form=form, softmax=softmax)
+    got = np.asarray(mn.softmax(x, numerics=num), np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    exact = e / e.sum(axis=-1, keepdims=True)
+    bound = softmax_bound(x, num)
+    assert np.all(np.abs(got - exact) <= bound.total)
+    assert np.max(np.abs(got - exact) / bound.total) > 0.01  # and not vacuous
