@@ -519,12 +519,13 @@ KERNELS: Mapping[str, Kernel] = {
 """The registered kernels, by name."""
 
 NOT_MODELLED: Mapping[str, str] = {
-    "flash-attention-3": "its Hopper main loop is not read to the rounding yet: with "
-    "IntraWGOverlap the output is rescaled after the previous block's P·V rather than before, "
-    "its key blocks run from 64 to 224, and per-block fp8 descaling is not modelled (its "
-    "softmax is FlashAttention-2's, softmax.h; the H100 tensor-core model matches cuBLAS's "
-    "wgmma products bit for bit, papers/tensorcore.md; the fp8 pieces are modelled: "
-    "Numerics.prob_offset for the lifted probabilities, descale= for per-tensor descaling)",
+    "flash-attention-3": "not read to the rounding yet: its split heuristic (num_splits=0 may "
+    "cut the keys and merge them with its own combine kernel), fp8's two-level accumulation "
+    "(hopper/utils.h: each block's wgmma from zero, then added to the accumulator), its "
+    "soft-cap folded into the scale. Read so far: its softmax is FlashAttention-2's "
+    "(hopper/softmax.h), IntraWGOverlap only moves the rescaling of O in time (the same "
+    "sequence of products and sums), key blocks run from 64 to 224 (tile_size.h), and the H100 "
+    "tensor-core model matches cuBLAS's wgmma products bit for bit (papers/tensorcore.md)",
     "torch-sdpa-efficient-float32": "xFormers' CUTLASS kernel on float32 inputs: 3xTF32 "
     "tensor-core products (OpMultiplyAddFastF32), which no dot unit of mhanum models",
     "torch-sdpa-cudnn": "cuDNN's fused kernel: not documented to the rounding",
