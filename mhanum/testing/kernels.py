@@ -318,6 +318,40 @@ def _flash_attention_2() -> Kernel:
     return _fa2_kernel("flash-attention-2", ())
 
 
+def _flash_attention_3() -> Kernel:
+    blocks = (64, 80, 96, 112, 128, 144, 160, 176, 192, 224)
+    models = {f: tuple(n for n in _fa2_models(f, blocks) if "h100" in str(n.dot)) for f in _HALF}
+    return Kernel(
+        "flash-attention-3",
+        models,
+        "zero",
+        (
+            (
+                "flash-attention hopper/softmax.h (FlashAttention-3): scale_apply_exp2, "
+                "exp2f(x * scale_log2 - max * scale_log2) with the maximum of the unscaled "
+                "scores, the rescaling exp2f((max_prev - max) * softmax_scale_log2), row_sum "
+                "rescaled then each block's sum added; finalize: 1.f / sum (0 for a row whose "
+                "sum is 0), the output times it (rescale_o)"
+            ),
+            (
+                "hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp: S = Q K^T and O += P V on wgmma "
+                "with float32 accumulators (the H100 tensor-core model, which matches cuBLAS's "
+                "wgmma products bit for bit: papers/tensorcore.md), P converted to the input "
+                "type; IntraWGOverlap moves the rescaling of O after the previous block's P V "
+                "in time only, the same sequence of products and sums"
+            ),
+            (
+                "candidates: key blocks of 64 to 224 (hopper/tile_size.h, tile_size_fwd_sm90, "
+                "16-bit inputs), the H100 models; div_ulps = 2 (1.f / sum under fast math) "
+                "and exp_ulps = 4"
+            ),
+        ),
+        "bfloat16 and float16 with num_splits=1 (the default 0 lets a heuristic split the keys "
+        "and merge them with its own combine kernel, not modelled), no soft-cap (folded into "
+        "the scale) and no fp8 (its two-level accumulation is not modelled)",
+    )
+
+
 def _torch_sdpa_flash_cuda() -> Kernel:
     return _fa2_kernel(
         "torch-sdpa-flash-cuda",
@@ -514,18 +548,18 @@ KERNELS: Mapping[str, Kernel] = {
         _triton_tutorial(),
         _torch_sdpa_efficient(),
         _flex_attention(),
+        _flash_attention_3(),
     )
 }
 """The registered kernels, by name."""
 
 NOT_MODELLED: Mapping[str, str] = {
-    "flash-attention-3": "not read to the rounding yet: its split heuristic (num_splits=0 may "
-    "cut the keys and merge them with its own combine kernel), fp8's two-level accumulation "
-    "(hopper/utils.h: each block's wgmma from zero, then added to the accumulator), its "
-    "soft-cap folded into the scale. Read so far: its softmax is FlashAttention-2's "
-    "(hopper/softmax.h), IntraWGOverlap only moves the rescaling of O in time (the same "
-    "sequence of products and sums), key blocks run from 64 to 224 (tile_size.h), and the H100 "
-    "tensor-core model matches cuBLAS's wgmma products bit for bit (papers/tensorcore.md)",
+    "flash-attention-3-fp8": "FlashAttention-3 on fp8 inputs: its two-level accumulation "
+    "(hopper/utils.h: each block's wgmma from zero, then added to the accumulator) is not "
+    "modelled (its lifted probabilities are: Numerics.prob_offset; and its per-tensor "
+    "descaling: descale=)",
+    "flash-attention-3-split": "FlashAttention-3 with num_splits != 1 (0, the default, lets a "
+    "heuristic decide): its combine kernel is not read to the rounding yet",
     "torch-sdpa-efficient-float32": "xFormers' CUTLASS kernel on float32 inputs: 3xTF32 "
     "tensor-core products (OpMultiplyAddFastF32), which no dot unit of mhanum models",
     "torch-sdpa-cudnn": "cuDNN's fused kernel: not documented to the rounding",

@@ -159,8 +159,8 @@ def test_a_nan_where_a_number_is_due_fails():
 
 def test_bad_input_names_the_argument():
     q, k, v = _inputs(9, 3, 3, 8, "float32")
-    with pytest.raises(InvalidArgument, match=r"^kernel: .*flash-attention-3 is not modelled"):
-        attention_tolerance(q, k, v, kernel="flash-attention-3")
+    with pytest.raises(InvalidArgument, match=r"^kernel: .*flash-attention-3-fp8 is not modelled"):
+        attention_tolerance(q, k, v, kernel="flash-attention-3-fp8")
     with pytest.raises(InvalidArgument, match=r"^dtype: expected one of \('bfloat16', 'float16'\)"):
         attention_tolerance(q, k, v, kernel="flash-attention-2")
     with pytest.raises(InvalidArgument, match=r"^kernel: expected one of"):
@@ -187,7 +187,13 @@ def test_every_descriptor_states_its_evidence_and_models():
 
 @pytest.mark.parametrize(
     "kernel",
-    ["flash-attention-2", "torch-sdpa-flash-cuda", "torch-sdpa-efficient", "flex-attention"],
+    [
+        "flash-attention-2",
+        "torch-sdpa-flash-cuda",
+        "torch-sdpa-efficient",
+        "flex-attention",
+        "flash-attention-3",
+    ],
 )
 @pytest.mark.parametrize("fmt", ["bfloat16", "float16"])
 def test_every_flash_attention_candidate_meets_the_descriptors_tolerance(kernel, fmt):
