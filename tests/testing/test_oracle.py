@@ -208,7 +208,13 @@ def test_every_flash_attention_candidate_meets_the_descriptors_tolerance(kernel,
     assert np.all(np.isfinite(oracle.tolerance))
     keep = np.tril(np.ones((70, 70), bool))
     q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
+    seen = set()
     for num in get_kernel(kernel).candidates(fmt):
+        # key blocks of 70 or more are one block here: the same arithmetic, emulated once
+        key = (num.dot, min(num.softmax_block or 70, 70))
+        if key in seen:
+            continue
+        seen.add(key)
         out = np.asarray(mn.attention(q64, k64, v64, keep, numerics=num), np.float64)
         failing, ratio = oracle.check(out)
         assert not failing.any(), (num.describe(), float(ratio.max()))
