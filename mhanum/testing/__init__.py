@@ -28,6 +28,7 @@ mhanum.testing.AttentionMismatch: 1 of 64 elements outside the certified toleran
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -326,8 +327,9 @@ def _added_mask(
     least a live key's ``-T``). Where that is at most ``-151`` the masked exponential is below
     ``2^-146`` (any ``exp2`` within ``exp_ulps <= 8`` ulps, subnormals counted), rounds to 0 in
     a probability format whose smallest subnormal exceeds ``2^-145`` (float16: ``2^-24``;
-    another is not proved), so that ``P V`` never sees it, and adds at most ``n·2^-146`` to a row sum of at least 1/2: the output moves by a relative
-    ``n·2^-145`` at most, which the tolerance adds. A row where that is not proved, or that
+    another is not proved), so that ``P V`` never sees it, and adds at most ``n·2^-146`` to a
+    row sum of at least 1/2: the output moves by a relative ``n·2^-145`` at most, which the
+    tolerance adds. A row where that is not proved, or that
     attends no key, gets an infinite tolerance and says why.
     """
     from mhanum.formats import round_to
@@ -335,8 +337,8 @@ def _added_mask(
     const = float(oracle.kernel.mask_add)  # type: ignore[arg-type]
     fm = num.format_of("softmax")
     d = q.shape[-1]
-    c = 1.0 / np.sqrt(d) if scale is None else float(scale)
-    c2 = abs(float(round_to(float(round_to(c, fm)) * float(round_to(np.log2(np.e), fm)), fm)))
+    c = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    c2 = abs(float(round_to(float(round_to(c, fm)) * float(round_to(math.log2(math.e), fm)), fm)))
     top = (np.abs(q) @ np.swapaxes(np.abs(k), -1, -2)).max(axis=-1)
     t_row = top * c2 * (1 + (d + 4) * 2.0**-23)
     u = fm.u
