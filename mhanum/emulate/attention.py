@@ -102,7 +102,6 @@ class Stages:
             fmt = self.soft.fmt
             factors = float(round_to(scale, fmt)) * float(round_to(_LOG2E, fmt))
             self.c2 = format_constant(self.soft, factors)
-            self.c_lse = format_constant(self.soft, scale)
         elif self.folded:
             self.c2 = format_constant(self.soft, scale * _LOG2E)
             self.c_lse = format_constant(self.soft, scale)
