@@ -723,13 +723,14 @@ def _head(
         and not softcap
     ):
         # Theorem A.3': the QKᵀ dots' roundings as one martingale across the keys. A dot's
-        # error is Σ_k δ_k T_k over its <= 2d_k - 1 roundings (twice as many in the native order
-        # of a format XLA may carry in float32), |T_k| <= (1 + g)Σ|q_i||k_i|; the later roundings
-        # of the logit (1 + θ, the bias's) and the dots' underflow stay deterministic.
+        # error is Σ_k δ_k T_k over its roundings: at most d_k of products and d_k - 1 of sums
+        # (each twice in the native order of a format XLA may carry in float32), in any order;
+        # the later roundings of the logit (1 + θ, the bias's) and the dots' underflow stay
+        # deterministic.
         u_a = acc.u
         g_det = unit_factor(num, d_k, None, bits=bits_qk)
-        nodes = (2 * d_k - 1) * (2 if num.summation_kind == "native" and u_a > 2.0**-24 else 1)
-        b_dot = abs(scale) * u_a * (1 + g_det) * math.sqrt(nodes) * qk_op
+        twice = 2 if num.summation_kind == "native" and u_a > 2.0**-24 else 1
+        b_dot = abs(scale) * u_a * _dot_increments(q_op, k_op, t, operands, qk_op, g_det, twice)
         k_b = (1 + theta) * (k_add if bias is not None else 1.0)
         rest = (
             delta
@@ -1357,6 +1358,38 @@ def _split_pv(
         terms["output"] = terms["output"] + fo.u * upper + fo.smallest_normal
     terms[_PLAIN] = terms["output"]
     return terms, p, np.zeros_like(r, dtype=np.float64)
+
+
+def _dot_increments(
+    q_op: np.ndarray,
+    k_op: np.ndarray,
+    t: np.ndarray,
+    operands: np.ndarray,
+    qk_op: np.ndarray,
+    g_det: float,
+    twice: int,
+) -> np.ndarray:
+    """``(Σ_k T̄_k²)^½`` over one QKᵀ dot's roundings ``fl(T_k) = T_k(1 + δ_k)``, any order.
+
+    A product's ``|T| <= (1 + u)|q̂_t k̂_t|``; a sum's value is the exact sum of a subset of
+    the products, which lies in ``[-N, P]`` (``P``, ``N`` the sums of the positive and of the
+    negative products, ``max(P, N) = (Σ|q̂_t k̂_t| + |q̂·k̂|)/2``), plus its operands' errors,
+    at most ``g·Σ|q̂||k̂|``, times ``(1 + u)`` for a second rounding (papers/attention.md,
+    A.3'); ``|q̂·k̂| <= |t| + operands`` and float64's error of ``t``. Each is also at most the
+    cruder ``(1 + g)Σ|q̂||k̂|``, and the smaller is taken. ``1 + u <= 1 + g``.
+    """
+    d_k = q_op.shape[-1]
+    exact = np.abs(t) + operands + F64_DOT * (d_k + 2) * qk_op
+    subset = np.minimum(qk_op, 0.5 * (qk_op + exact))
+    sums = math.sqrt(d_k - 1) * (1 + g_det) * np.minimum(qk_op, subset + g_det * qk_op)
+    # (Σ_t q_t² k_t²)^½ with the rows scaled to at most 1 first, and the root-sum-square as a
+    # hypot, so that no square overflows where the values themselves do not
+    rows_q = q_op.max(axis=-1, keepdims=True, initial=0.0)
+    rows_k = k_op.max(axis=-1, keepdims=True, initial=0.0)
+    rows_q, rows_k = np.where(rows_q > 0, rows_q, 1.0), np.where(rows_k > 0, rows_k, 1.0)
+    unit_q, unit_k = q_op / rows_q, k_op / rows_k
+    products = np.sqrt((unit_q * unit_q) @ (unit_k * unit_k).T) * rows_q * rows_k.T
+    return math.sqrt(twice) * np.hypot((1 + g_det) * products, sums)
 
 
 def _logits_across_keys(

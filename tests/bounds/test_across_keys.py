@@ -17,6 +17,7 @@ import mhanum as mn
 import mhanum.bounds.attention as attention_module
 from mhanum import reference
 from mhanum.bounds import attention_bound
+from mhanum.bounds.factors import gamma
 
 CASES = [
     ("fp32", "native"),
@@ -127,3 +128,50 @@ def test_the_probabilities_roundings_as_a_martingale_on_long_rows():
         out = np.asarray(mn.attention(q, k, v, numerics=num), np.float64)
         err = np.abs(out - np.asarray(reference.attention(q, k, v), np.float64))
         assert np.all(err <= bound.total)
+
+
+def _roundings(products: np.ndarray, order: str) -> list[float]:
+    """The value ``T`` before each rounding ``fl(T)`` of a float32 dot of these products, summed
+    in ``order`` (float64 holds every product and sum of two float32 numbers exactly)."""
+    values = [float(np.float32(x)) for x in products]
+    seen = [float(x) for x in products]  # each product rounded once
+    while len(values) > 1:
+        if order == "sequential":
+            exact = values[0] + values[1]
+            seen.append(exact)
+            values = [float(np.float32(exact)), *values[2:]]
+        else:  # pairwise
+            pairs = [values[i] + values[i + 1] for i in range(0, len(values) - 1, 2)]
+            seen += pairs
+            rest = values[-1:] if len(values) % 2 else []
+            values = [float(np.float32(x)) for x in pairs] + rest
+    return seen
+
+
+@pytest.mark.parametrize("arrangement", ["random", "positives first", "all positive"])
+@pytest.mark.parametrize("order", ["sequential", "pairwise"])
+def test_a_dots_roundings_lie_within_the_increments_in_any_order(arrangement, order):
+    # A.3''s increments: Σ_k T_k² over a dot's roundings is at most (Σ|q_t k_t|² + (d - 1)·
+    # ((1 + g)·min(A, (A + |q·k|)/2 + g·A))²)^½ squared, whatever the order of the sums; the
+    # arrangement that puts every positive product first makes the partial sums largest
+    d = 64
+    rng = np.random.default_rng(sorted(["random", "positives first", "all positive"]).index(
+        arrangement) + 10 * len(order))  # fmt: skip
+    q = rng.standard_normal((3, d)).astype(np.float32).astype(np.float64)
+    k = rng.standard_normal((5, d)).astype(np.float32).astype(np.float64)
+    if arrangement == "all positive":
+        q, k = np.abs(q), np.abs(k)
+    g = gamma(d, 2.0**-24)
+    t, qk = q @ k.T, np.abs(q) @ np.abs(k).T
+    b = attention_module._dot_increments(np.abs(q), np.abs(k), t, np.zeros_like(t), qk, g, 1)
+    crude = (1 + g) * math.sqrt(2 * d - 1) * qk
+    assert np.all(b <= crude)
+    for i in range(3):
+        for j in range(5):
+            products = q[i] * k[j]
+            if arrangement == "positives first":
+                products = np.concatenate([products[products > 0], products[products <= 0]])
+            seen = np.asarray(_roundings(products, order))
+            assert math.sqrt(float(np.sum(seen**2))) <= b[i, j]
+    if arrangement == "random":  # the products' signs cancel: about half the crude increments
+        assert np.median(b / crude) < 0.6
