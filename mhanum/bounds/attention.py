@@ -657,6 +657,15 @@ def _head(
                 finite = (np.abs(s_add) + delta) * (1 + u_s) <= narrow.max_finite
                 gone = (np.abs(s_add) - delta) * (1 - u_s) >= narrow.max_finite * (1 + narrow.u)
             candidates, leaky = masked & open_bias, s_add
+            if not (fmts["score"].has_inf and fmts["softmax"].has_inf):
+                # a format without an infinity (float8_e4m3fn) rounds an overflow to NaN, not
+                # -inf: the key does not drop out, it makes the row NaN
+                ranges.flag(
+                    (candidates & ~finite).any(axis=-1, keepdims=True),
+                    f"the masked logits s + {const:g} may overflow {narrow.name}, and a format "
+                    "without an infinity rounds an overflow to NaN",
+                )
+                gone = np.zeros_like(gone)
             dropped = candidates & gone
             unsure = candidates & ~finite & ~gone
             absorbed = u_s * np.abs(s_add) + eta_s

@@ -557,3 +557,20 @@ def test_outputs_of_opposite_signs_near_the_largest_float64_under_an_infinite_bo
     with np.errstate(over="ignore"):
         assert np.isinf(out - ref).any()
     _theorem(q, k, v, num, bias=bias, skip=False)
+
+
+def test_an_added_mask_that_overflows_float8_e4m3fn_is_nan_not_minus_inf():
+    # found by the full profile (seed 303): s + finfo.min = -100.6 - 448 overflows e4m3fn,
+    # which has no infinity, so the masked logit is NaN and the naive softmax's row with it
+    q = np.array([[43.19565729, -45.38571833, 220.02249806, 36.03930281],
+                  [-184.03364331, 124.22897162, 448.0, 325.37749754]])  # fmt: skip
+    k = np.array([[-0.70373524, -1.26542147, -0.62327446, 0.04132598],
+                  [-2.32503077, -0.21879166, -1.24591095, -0.73226735],
+                  [-0.54425898, -0.31630016, 0.41163054, 1.04251337],
+                  [-0.12853466, 1.36646347, -0.66519467, 0.35151007]])  # fmt: skip
+    v = np.array([[0.90347018, 0.0940123], [-0.74349925, -0.92172538],
+                  [-0.45772583, 0.22019512], [-1.00961818, -0.20917557]])  # fmt: skip
+    mask = np.array([[True, True, True, False], [True, True, True, True]])
+    num = Numerics(input="float64", accum="float64", softmax="naive",
+                   score_format="float8_e4m3fn", mask_mode="add", mask_value="finfo.min")  # fmt: skip
+    _theorem(q, k, v, num, mask, skip=False)
