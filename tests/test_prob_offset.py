@@ -14,6 +14,7 @@ import pytest
 import mhanum as mn
 from mhanum import InvalidArgument, Numerics, reference
 from mhanum.bounds import attention_bound
+from mhanum.bounds.softmax import softmax_bound
 
 FA3_FP8 = Numerics(
     input="float16",
@@ -74,3 +75,31 @@ def test_a_lift_past_the_largest_e4m3_value_is_infinite_with_its_reason():
 def test_the_offset_is_refused_where_it_is_not_modelled(change):
     with pytest.raises(InvalidArgument, match=r"numerics\.prob_offset"):
         FA3_FP8.replace(**change)
+
+
+@pytest.mark.parametrize("centre", [3e4, 1e6])
+@pytest.mark.parametrize("offset", [1, 8, 20])
+def test_the_softmax_alone_charges_the_lift(centre, offset):
+    # the shift fl(fl(m·c2) - k) is one more rounding, of up to half an ulp of m·c2 (0.06 near
+    # 1e6 in float32): every exponent may be off by that much more
+    rng = np.random.default_rng(7)
+    x = np.asarray(mn.round_to(centre + rng.uniform(0, 4, (6, 16)), "float32"), np.float64)
+    num = Numerics(softmax="online(4)", exp_form="exp2-folded", prob_offset=offset)
+    got = np.asarray(mn.softmax(x, numerics=num), np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    bound = softmax_bound(x, num)
+    err = np.abs(got - e / e.sum(axis=-1, keepdims=True))
+    assert np.all(err <= bound.total)
+    assert np.max(err / bound.total) > 0.01  # and not vacuous
+
+
+def test_a_lift_past_the_softmax_format_is_infinite_with_its_reason():
+    # 2^20 overflows a float16 softmax format (largest finite 65504): the kernel's row is NaN
+    x = np.array([[0.0, 1.0, 2.0, 3.0]])
+    num = Numerics(input="float16", accum="float32", softmax="online(2)",
+                   softmax_format="float16", exp_form="exp2-folded", prob_offset=20)  # fmt: skip
+    assert np.isnan(np.asarray(mn.softmax(x, numerics=num))).any()
+    bound = softmax_bound(x, num)
+    assert np.isinf(bound.total).all()
+    assert any("prob_offset" in reason for reason in bound.reasons)
+    assert np.isfinite(softmax_bound(x, num.replace(prob_offset=8)).total).all()

@@ -635,6 +635,8 @@ def _head(
     # infinite where it is not, or where it leaves a row that attends no key without a finite
     # logit (NaN) or without the leaky problem's value.
     live, exclude = keep, np.zeros_like(keep)
+    lift_arg = None  # prob_offset: the largest argument of a lifted exponential (natural units)
+    nan_row = False  # an overflow of the masked logits is NaN (flagged), not -inf
     if masked is not None:
         const = num.mask_constant()
         open_bias = np.ones_like(keep) if bias is None else ~np.isneginf(bias)
@@ -657,6 +659,8 @@ def _head(
                 finite = (np.abs(s_add) + delta) * (1 + u_s) <= narrow.max_finite
                 gone = (np.abs(s_add) - delta) * (1 - u_s) >= narrow.max_finite * (1 + narrow.u)
             candidates, leaky = masked & open_bias, s_add
+            dropped = candidates & gone
+            unsure = candidates & ~finite & ~gone
             if not (fmts["score"].has_inf and fmts["softmax"].has_inf):
                 # a format without an infinity (float8_e4m3fn) rounds an overflow to NaN, not
                 # -inf: the key does not drop out, it makes the row NaN
@@ -665,9 +669,7 @@ def _head(
                     f"the masked logits s + {const:g} may overflow {narrow.name}, and a format "
                     "without an infinity rounds an overflow to NaN",
                 )
-                gone = np.zeros_like(gone)
-            dropped = candidates & gone
-            unsure = candidates & ~finite & ~gone
+                dropped, nan_row = np.zeros_like(gone), True
             absorbed = u_s * np.abs(s_add) + eta_s
             delta = np.where(masked, (1 + u_s) * delta + absorbed, delta)
             sources = {n: np.where(masked, (1 + u_s) * x, x) for n, x in sources.items()}
@@ -679,7 +681,7 @@ def _head(
         live = keep | (candidates & ~out)
         s = np.where(masked, np.where(out, -np.inf, leaky), s)
         ranges.flag(
-            unsure.any(axis=-1, keepdims=True),
+            unsure.any(axis=-1, keepdims=True) & (not nan_row),
             f"the masked logits s + {const:g}: may or may not overflow {narrow.name} "
             "(a key that drops out of the softmax is not charged)",
         )
@@ -704,7 +706,11 @@ def _head(
             # FlashAttention-3's offset: fl(fl(m·c2) - k), one more rounding of a value at most
             # (|m·c2| + k) in base 2, (1 + u_c)(1 + u_m)R + k·ln 2 in natural units
             k_ln2 = num.prob_offset * math.log(2.0)
-            fold = fold + np.where(live, u_m * ((1 + u_c) * (1 + u_m) * r_row + k_ln2) + eta_m, 0.0)
+            lifted_by = u_m * ((1 + u_c) * (1 + u_m) * r_row + k_ln2) + eta_m
+            fold = fold + np.where(live, lifted_by, 0.0)
+            # R.5, lifted: fl(t·c2) <= fl(m·c2) for t <= m, so the computed argument is at most
+            # (k·ln 2 + that rounding)(1 + u_m), not k·ln 2: the exponentials' largest value
+            lift_arg = (k_ln2 + lifted_by) * (1 + u_m)
         sources["exp_fold"] = fold
         delta = delta + fold
     elif num.exp2:
@@ -762,8 +768,9 @@ def _head(
     direct = None
     if num.kv_splits is None:
         terms, p, _, direct = _softmax_pv(
-            s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold, across
-        )
+            s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold, across,
+            lift_arg,
+        )  # fmt: skip
     else:
         # folded: a split's lse is fl(fl(m·ĉ) + log ℓ) with ĉ = fl(scale), while its exponents
         # scale by c2 = fl(scale·log2 e): the two constants differ by u_m + u_c (and float64's)
@@ -771,7 +778,7 @@ def _head(
         lse_scale = (1 + u_m) ** 2 * (1 + u_c) * (1 + 2.0**-51) - 1 if folded else 0.0
         terms, p, _ = _split_pv(
             s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold, across,
-            lse_scale,
+            lse_scale, lift_arg,
         )  # fmt: skip
     plain = terms.pop(_PLAIN)
     # The logits term apportioned to the sources of δ by their p-weighted share in each row.
@@ -940,6 +947,7 @@ def _softmax_pv(
     ranges: _Ranges,
     fold: np.ndarray | None = None,
     across: list[tuple[np.ndarray, np.ndarray]] | None = None,
+    lift_arg: np.ndarray | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """Steps 4-7 of A.1 for logits ``s`` (``-inf`` where not live) off by at most ``delta``.
 
@@ -949,7 +957,9 @@ def _softmax_pv(
     roundings in a martingale across the keys (increments bounded by ``b_ij``), and the rest of
     each logit's error, at most ``δ'_ij``; the logits term is then the smallest of step 4's and
     A.3''s for each split. The choice, entry by entry, depends on the inputs only, not on the
-    roundings, so each entry's bound is still one event.
+    roundings, so each entry's bound is still one event. ``lift_arg`` (``prob_offset = k``) is
+    each row's largest argument of a lifted exponential, natural units: ``k·ln 2`` and the
+    rounding of ``fl(m·c2) - k`` (step 3''), which the ranges of step R.5 take.
 
     Returns the terms (against the exact attention of these logits), its probabilities, the
     computed row sum's relative error ``T`` (step 5; ``inf`` in a vacuous row), and ``(p v,
@@ -1083,14 +1093,18 @@ def _softmax_pv(
     if online:
         eps_e = 2 * num.exp_ulps * fm.u
         growth = ((1 + eps_e) * (1 + fm.u) * (1 + fmts["accum"].u) ** 2) ** (blocks + 1)
+        # prob_offset: a computed exponential is at most e^lift_arg·(1 + ε_e), more than 2^k
+        # where fl(fl(m·c2) - k) rounds (|m·c2| past 2^p·k)
+        with np.errstate(over="ignore"):
+            lift_hi = lift if lift_arg is None else np.exp(lift_arg)
         ranges.check(
-            np.where(rows_live, lift * n * growth * (1 + g_sum) + n * blocks * eta_m, 0.0),
+            np.where(rows_live, lift_hi * n * growth * (1 + g_sum) + n * blocks * eta_m, 0.0),
             fm,
             "online softmax: the running sum",
         )
         if num.prob_offset:
             # the lifted weights in the probability format, then the dot's operand format
-            lifted = np.where(rows_live, lift * growth * (1 + u_p), 0.0)
+            lifted = np.where(rows_live, lift_hi * growth * (1 + u_p), 0.0)
             for fmt in (fmts["prob"], num.operand_rounding):
                 if fmt is not None:
                     ranges.check(
@@ -1098,10 +1112,10 @@ def _softmax_pv(
                         fmt,
                         f"the exponentials lifted by 2^{num.prob_offset} (prob_offset)",
                     )
-        acc_upper = lift * growth * (1 + u_p) * (1 + g_pv) * v_abs.sum(axis=0) + eta_pv
+        acc_upper = lift_hi * growth * (1 + u_p) * (1 + g_pv) * v_abs.sum(axis=0) + eta_pv
         for fmt in (fmts["accum"], fm):
             ranges.check(
-                np.where(rows_live, acc_upper[None, :], 0.0),
+                np.where(rows_live, acc_upper, 0.0),
                 fmt,
                 "online softmax: the unnormalised P·V accumulator",
                 entries=True,
@@ -1228,6 +1242,7 @@ def _split_pv(
     fold: np.ndarray | None = None,
     across: list[tuple[np.ndarray, np.ndarray]] | None = None,
     lse_scale: float = 0.0,
+    lift_arg: np.ndarray | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """Theorem A.6 (papers/attention.md): :func:`_softmax_pv` under split-KV.
 
@@ -1280,6 +1295,7 @@ def _split_pv(
             mine,
             None if fold is None else fold[:, cut],
             None if across is None else [(b[:, cut], d[:, cut]) for b, d in across],
+            lift_arg,
         )
         ranges.merge(mine, some)  # a split a row does not attend is exact (lse -inf, o 0)
         terms.pop(_PLAIN)
@@ -1389,7 +1405,7 @@ def _dot_increments(
     """
     d_k = q_op.shape[-1]
     exact = np.abs(t) + operands + F64_DOT * (d_k + 2) * qk_op
-    subset = np.minimum(qk_op, 0.5 * (qk_op + exact))
+    subset = 0.5 * (qk_op + exact)
     sums = math.sqrt(d_k - 1) * (1 + g_det) * np.minimum(qk_op, subset + g_det * qk_op)
     # (Σ_t q_t² k_t²)^½ with the rows scaled to at most 1 first, and the root-sum-square as a
     # hypot, so that no square overflows where the values themselves do not

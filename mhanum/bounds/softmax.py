@@ -86,6 +86,8 @@ class _Model:
         # relative rel2 of each logit in natural units; differences rounded in base 2
         self.base2 = num.exp2
         self.rel2 = (1 + 2.0**-53) * (1 + self.u) ** 2 - 1 if self.base2 else 0.0
+        # prob_offset k (exp2-folded, online): every exponent lifted by k, in natural units
+        self.lift = num.prob_offset * math.log(2.0)
 
     def gamma(self, n: int) -> float:
         return summation_gamma(n, self.order, self.u)
@@ -128,7 +130,27 @@ def _base2_charge(xr: np.ndarray, finite: np.ndarray, model: _Model) -> np.ndarr
         return np.zeros_like(xr)
     r = float(np.max(np.abs(xr[finite]))) if finite.any() else 0.0
     tiny = 2 * model.fmt.smallest_normal
-    return np.where(finite, model.rel2 * (np.abs(xr) + r) * (1 + 2.0**-50) + tiny, 0.0)
+    return (
+        np.where(finite, model.rel2 * (np.abs(xr) + r) * (1 + 2.0**-50) + tiny, 0.0)
+        + _lifted(r, model)[0]
+    )
+
+
+def _lifted(r: float, model: _Model) -> tuple[float, float]:
+    """``prob_offset = k`` (papers/softmax.md, §3''): the exponent's extra error, natural units,
+    and the largest computed exponent ``A``; ``(0, 0)`` without a lift.
+
+    The shift is ``fl(M - k)`` with ``|M| <= (1 + ρ)R``: one more rounding, ``u(|M| + k ln 2)``,
+    and the argument, up to ``k`` larger, is rounded on that much more, ``u(1 + ρ)k ln 2``.
+    ``fl(t·c2) <= M`` for every key of the block, so the argument is at most
+    ``(k ln 2 + u(|M| + k ln 2) + η)(1 + u)``.
+    """
+    if not model.lift:
+        return 0.0, 0.0
+    u, tiny = model.u, model.fmt.smallest_normal
+    shift = u * ((1 + model.rel2) * r + model.lift) * (1 + 2.0**-50) + tiny
+    charge = shift + u * (1 + model.rel2) * model.lift * (1 + 2.0**-50)
+    return charge, (model.lift + shift) * (1 + u) * (1 + 2.0**-50)
 
 
 def _exact_softmax(t: np.ndarray) -> tuple[np.ndarray, float, float]:
@@ -307,6 +329,19 @@ def _online(xs: np.ndarray, xr: np.ndarray, model: _Model, block: int) -> tuple[
     return total, {**terms, "rescaling": rescaling}, underflow
 
 
+def _online_sum_upper(xr: np.ndarray, model: _Model, block: int) -> float:
+    """An enclosure of every exponential and running sum of the online softmax on ``xr``: each
+    exponential at most ``e^A(1 + ε_exp)`` (``A = 0`` without a lift), a block's sum within its
+    ``γ``, and each of the ``K`` rescalings and additions ``(1 + ε_exp)(1 + u)²`` more."""
+    finite = np.isfinite(xr)
+    r = float(np.max(np.abs(xr[finite]))) if finite.any() else 0.0
+    n, blocks = xr.size, -(-xr.size // block)
+    growth = ((1 + model.eps_exp) * (1 + model.u) ** 2) ** blocks
+    with np.errstate(over="ignore"):
+        top = math.exp(_lifted(r, model)[1]) if model.lift else 1.0
+        return n * top * (1 + model.eps_exp) * (1 + model.gamma(block)) * growth
+
+
 def _logits(x: Any, num: Numerics) -> np.ndarray:
     try:
         arr = np.asarray(x)
@@ -376,7 +411,9 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
         A :class:`Bound` shaped like ``x``: ``total`` and the terms ``shift``, ``exp``, ``sum``,
         ``division``, ``underflow``, ``rescaling`` (online), ``second_order`` (the rest of the
         rigorous total). ``inf`` where overflow or total underflow of the naive sum cannot be
-        excluded.
+        excluded, or (online) an exponential or the running sum may overflow: with
+        ``prob_offset = k`` they are lifted by ``2^k`` and more where the shift
+        ``fl(fl(m·c2) - k)`` rounds (papers/softmax.md, §3').
 
     Raises:
         InvalidArgument: for a bad ``numerics``, NaN/+inf or a row of ``-inf`` in ``x``, or
@@ -403,13 +440,18 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
     kind = num.softmax_kind
     totals, unders = [], []
     terms: dict[str, list[np.ndarray]] = {}
+    over, vacuous = False, False  # (online) an overflow, and a row infinite otherwise
     for xs, xr in zip(rows_x, rows_r, strict=True):
         if kind == "online":
             block = num.softmax_block
             assert block is not None
             total, t, under = _online(xs, xr, model, block)
+            vacuous |= not np.isfinite(total).all()
+            if not _online_sum_upper(xr, model, block) <= model.fmt.max_finite:
+                total, over = np.full_like(total, np.inf), True
         else:
             total, t, under = _naive_or_safe(xs, xr, model, safe=kind == "safe")
+            vacuous |= not np.isfinite(total).all()
         totals.append(total)
         unders.append(under)
         for name, value in t.items():
@@ -422,7 +464,7 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
     out["second_order"] = np.where(np.isfinite(rest), np.maximum(rest, 0.0), 0.0)
     label = {"naive": "S.1", "safe": "S.2", "online": "S.3"}[kind]
     reasons: tuple[str, ...] = ()
-    if not np.isfinite(total_arr).all():
+    if vacuous:
         why = (
             f"exp of an unshifted logit or the row sum may overflow {model.fmt.name}, or the sum "
             "exceed 2^-emin of the reciprocal's format (flushed to zero), or the computed sum "
@@ -431,6 +473,13 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
             else "the computed row sum may be off by 100% (its error factor reaches 1)"
         )
         reasons = (f"{kind} softmax: {why}",)
+    if over:
+        lifted = f" (exponentials lifted by 2^{num.prob_offset}, prob_offset)" * bool(model.lift)
+        why = (
+            f"online softmax: an exponential or the running sum{lifted} may overflow "
+            f"{model.fmt.name} (largest finite {model.fmt.max_finite:.6g})"
+        )
+        reasons = (*reasons, why)
     return Bound(
         reasons=reasons,
         total=total_arr,

@@ -574,3 +574,21 @@ def test_an_added_mask_that_overflows_float8_e4m3fn_is_nan_not_minus_inf():
     num = Numerics(input="float64", accum="float64", softmax="naive",
                    score_format="float8_e4m3fn", mask_mode="add", mask_value="finfo.min")  # fmt: skip
     _theorem(q, k, v, num, mask, skip=False)
+
+
+def test_lifted_exponentials_past_2_to_the_k_where_the_shift_rounds():
+    # found by the dev profile: logits near 2.7e8 in float32 (an ulp of 16) with prob_offset 8,
+    # so fl(fl(m·c2) - 8) rounds by 16 and the largest weight is 2^16, past float8_e5m2's
+    # largest finite value: inf, rescaled by 0 in the next block, is NaN
+    q = np.array([[5529.04394531, -5809.37207031, 28162.88085938, 4613.03076172],
+                  [-23556.30664062, 15901.30957031, 57344.0, 41648.3203125]])  # fmt: skip
+    k = np.array([[-17356.75585938, -31210.05078125, -15372.29101562, 1019.25396729],
+                  [-57344.0, -5396.22509766, -30728.84960938, -18060.46679688],
+                  [-13423.47363281, -7801.15087891, 10152.35644531, 25712.29882812],
+                  [-3170.14794922, 33702.125, -16406.20117188, 8669.55957031]])  # fmt: skip
+    v = np.array([[0.90347016, 0.0940123], [-0.74349928, -0.92172539],
+                  [-0.45772582, 0.22019513], [-1.00961816, -0.20917557]])  # fmt: skip
+    num = Numerics(input="float32", accum="float32", softmax="online(1)", dot="bf16x1",
+                   exp_form="exp2-folded", exp_ulps=2.0, div_ulps=1.0, prob_offset=8,
+                   prob_format="float8_e5m2")  # fmt: skip
+    _theorem(q, k, v, num, skip=False)
