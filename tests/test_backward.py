@@ -445,3 +445,20 @@ def test_scores_that_overflow_the_score_format_before_a_small_scale_are_named():
     assert not np.isfinite(np.asarray(grads.dq)).all()
     assert np.isinf(bounds.dq.total).all()
     assert any("q kᵀ rounded to the score format" in r for r in bounds.dq.reasons)
+
+
+@pytest.mark.parametrize("backward", ["textbook", FLASH], ids=["textbook", "flash2"])
+def test_a_scale_past_the_score_formats_range_makes_every_bound_infinite(backward):
+    # found by the range-edge property test: 3.4028236692e38 rounds to inf in float32, so the
+    # logits are inf (or NaN) and every gradient is NaN; dv's bound was finite (P <= 1)
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal((L, D)) for _ in range(4))
+    q, k = q * 2.0**-62, k * 2.0**-62
+    scale = 3.402823669209385e38
+    grads = attention_grad(q, k, v, g, scale=scale, numerics="fp32", backward=backward)
+    bounds = attention_grad_bound(q, k, v, g, scale=scale, numerics="fp32", backward=backward)
+    assert np.isnan(np.asarray(grads.dv, np.float64)).any()
+    for name in ("dq", "dk", "dv", "dbias"):
+        b = getattr(bounds, name)
+        assert np.isinf(b.total).all()
+        assert any("the scale 3.40282e+38 rounded" in r for r in b.reasons)

@@ -231,3 +231,19 @@ def test_a_capped_gradient_search_finds_no_violation(algorithm):
     assert not case.violation, (case.gradient, case.index, case.ratio)
     with pytest.raises(InvalidArgument, match="softcap"):
         gradient_worst_case("fp32", shape, budget=2, softcap=-1.0)
+
+
+@pytest.mark.parametrize("cap", [2.0**-20, 2.0**20])
+def test_a_cap_past_the_score_formats_range_is_infinite_with_its_reason(cap):
+    # 2^20 or its reciprocal overflows float16 (largest finite 65504): the kernel's dq is NaN,
+    # and every bound is infinite with the reason (not an OverflowError from the constant)
+    q, k, v, g = _inputs(1.0)
+    got = mhanum.attention_grad(q, k, v, g, MASK, numerics="fp16", softcap=cap)
+    bounds = attention_grad_bound(q, k, v, g, MASK, numerics="fp16", softcap=cap)
+    apriori = attention_grad_bound_a_priori(6, 6, 4, q_norm=4.0, k_norm=4.0, v_max=4.0,
+                                            d_out_max=4.0, numerics="fp16", softcap=cap)  # fmt: skip
+    for b in (bounds, apriori):
+        for name in ("dq", "dk", "dv"):
+            assert np.isinf(getattr(b, name).total).all()
+            assert any("softcap" in r for r in getattr(b, name).reasons)
+    assert np.isnan(np.asarray(got.dq, np.float64)).any()

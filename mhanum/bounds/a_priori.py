@@ -185,8 +185,11 @@ class CappedLogits(NamedTuple):
 
 def cap_constant(value: float, fmt: Format) -> tuple[float, float]:
     """``(v̂, e)`` with ``e >= |v̂ - value|`` for ``value`` rounded into ``fmt`` (a subnormal
-    constant may be read as zero: then ``e >= |value|``)."""
+    constant may be read as zero: then ``e >= |value|``; one past the format's range rounds to
+    ``inf``, and so is ``e``)."""
     hat = float(round_to(value, fmt))
+    if not math.isfinite(hat):
+        return hat, math.inf
     err = float(abs(fractions.Fraction(hat) - fractions.Fraction(value))) * (1 + 2.0**-52)
     if hat < fmt.smallest_normal:
         err = max(err, abs(value) * (1 + 2.0**-52))

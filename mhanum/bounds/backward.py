@@ -676,7 +676,9 @@ def _bound(
     rng.check(t.used, sc, "q kᵀ rounded to the score format", everything)
     t.err = t.err + _take(t.used, acc, sc)
     c, c64 = x.c64, x.c64
-    _, u_r, u_mul = scale_rounding(c64, sc)
+    c_hat, u_r, u_mul = scale_rounding(c64, sc)
+    if not math.isfinite(c_hat):  # u_r is inf: so is every error the scale enters
+        rng.check(np.inf, sc, f"the scale {c64:.6g} rounded to the score format", everything)
     theta = (1 + x.u64) * (1 + u_r) - 1
     s_mid = c64 * t_mid
     s_rad = abs(c64) * t_rad * (1 + 2 * _U64) + (x.u64 + 2 * _U64) * np.abs(s_mid)

@@ -445,8 +445,12 @@ def scale_rounding(f64: float, fmt: Format) -> tuple[float, float, float]:
     computation uses, and a product by it is rounded with relative ``u_mul``. A factor that is
     subnormal in ``fmt`` (or rounds to zero) may be read as zero (XLA treats denormals as zero),
     so ``u_r = 1`` and its product, if not flushed, is rounded like any other (``u_mul = u``).
+    A factor past ``fmt``'s range rounds to ``inf``: ``u_r = inf``, and every error it enters
+    is infinite (the stages' range checks then name it).
     """
     f_hat = float(round_to(f64, fmt))
+    if not math.isfinite(f_hat):
+        return f_hat, math.inf, fmt.u
     if min(abs(f_hat), abs(f64)) < fmt.smallest_normal:  # subnormal, or rounded up to 2^emin
         return f_hat, 1.0, fmt.u
     u_r = 0.0 if f_hat == f64 else fmt.u
