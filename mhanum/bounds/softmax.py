@@ -137,7 +137,7 @@ def _base2_charge(xr: np.ndarray, finite: np.ndarray, model: _Model) -> np.ndarr
 
 
 def _lifted(r: float, model: _Model) -> tuple[float, float]:
-    """``prob_offset = k`` (papers/softmax.md, §3''): the exponent's extra error, natural units,
+    """``prob_offset = k`` (papers/softmax.md, §3'): the exponent's extra error, natural units,
     and the largest computed exponent ``A``; ``(0, 0)`` without a lift.
 
     The shift is ``fl(M - k)`` with ``|M| <= (1 + ρ)R``: one more rounding, ``u(|M| + k ln 2)``,
@@ -338,7 +338,7 @@ def _online_sum_upper(xr: np.ndarray, model: _Model, block: int) -> float:
     n, blocks = xr.size, -(-xr.size // block)
     growth = ((1 + model.eps_exp) * (1 + model.u) ** 2) ** blocks
     with np.errstate(over="ignore"):
-        top = math.exp(_lifted(r, model)[1]) if model.lift else 1.0
+        top = float(np.exp(_lifted(r, model)[1])) if model.lift else 1.0  # inf past float64
         return n * top * (1 + model.eps_exp) * (1 + model.gamma(block)) * growth
 
 
