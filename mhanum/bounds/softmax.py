@@ -53,6 +53,26 @@ _FLUSHING = ("float32", "bfloat16", "float64")
 _EVAL_SLACK = 1.0 + 2.0**-40
 
 
+def _times(weight: Any, rel: Any, log_weight: Any, log_factor: Any) -> np.ndarray:
+    """``weight·rel`` for a weight ``w = e^(log_weight) >= 0`` and a relative error
+    ``rel = e^(log_factor) - 1 >= 0``, never NaN.
+
+    Where ``rel`` fits float64 it is the product. Where it overflows (an argument error past
+    709, so an argument at least ``709/u`` below the row's maximum: ``w`` has underflowed, and
+    ``0·inf`` would read NaN) it is the upper bound ``e^(log_weight + log_factor)``, its
+    exponent rounded up by ``2^-51`` of the magnitudes it sums (float64 evaluation), plus the
+    smallest subnormal: an exponential of a shifted logit that overflowed the format to
+    ``-inf`` (computed as 0) is covered, as its argument's upper enclosure stays valid.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        fits = np.isfinite(rel)
+        direct = np.asarray(weight, np.float64) * np.where(fits, rel, 0.0)
+        top = log_weight + log_factor
+        top = top + 2.0**-51 * (np.abs(log_weight) + np.abs(log_factor))
+        spaced = np.where(np.isneginf(log_weight), 0.0, np.exp(top) + 2.0**-1074)
+    return np.where(fits, direct, spaced)
+
+
 def _summation_ops(n: int, kind: str) -> int:
     """Roundings a sum of ``n`` terms performs (each may flush to zero)."""
     return 4 * n if kind == "kahan" else max(n - 1, 0)
@@ -102,12 +122,21 @@ class _Model:
         with np.errstate(over="ignore"):
             return np.expm1(sigma) + self.eps_exp * np.exp(sigma)
 
+    def log_exp_factor(self, sigma: Any, rel: Any) -> Any:
+        """``log(1 + rel)`` for ``rel = exp_rel(σ)``, as ``σ + log(1 + ε_exp)`` where ``rel``
+        overflows float64 (an argument off by more than 709: finite in log space)."""
+        with np.errstate(over="ignore"):
+            return np.where(np.isfinite(rel), np.log1p(rel), sigma + math.log1p(self.eps_exp))
+
 
 def _rounded_difference(a: np.ndarray, b: np.ndarray, model: _Model) -> np.ndarray:
     """A bound on ``|fl(a - b) - (a - b)|`` in the softmax format, a posteriori.
 
     The float64 difference is checked to be exact by TwoSum; an exact difference that the
-    format represents is computed without error. Otherwise the a priori ``u|a - b|``.
+    format represents is computed without error. Otherwise the a priori ``u|a - b|``; also
+    where the difference overflows the format (to ``-inf`` for ``a <= b``, its exponential 0):
+    the upper side of the argument stays within it, and ``u|a - b| >= u·max_finite > ln 2``
+    makes the relative error of the exponential at least 1, so the lower side holds too.
     """
     d = a - b
     if model.base2:  # rounded in base 2: no exactness shortcut
@@ -118,7 +147,7 @@ def _rounded_difference(a: np.ndarray, b: np.ndarray, model: _Model) -> np.ndarr
     rep = exact & representable(np.where(exact, d, 0.0), model.fmt)
     error = np.where(exact, np.abs(round_to(np.where(exact, d, 0.0), model.fmt) - d), 0.0)
     apriori = model.u * np.abs(d) * (1 + 2.0**-50)
-    out = np.where(rep, 0.0, np.where(exact, error, apriori))
+    out = np.where(rep, 0.0, np.where(exact & np.isfinite(error), error, apriori))
     return out + model.arg_flush
 
 
@@ -156,14 +185,17 @@ def _lifted(r: float, model: _Model) -> tuple[float, float]:
 def _exact_softmax(t: np.ndarray) -> tuple[np.ndarray, float, float]:
     """``p`` (in long double), ``log S`` with ``S = Σ e^t``, and a bound on ``p``'s relative error.
 
-    ``t <= 0`` are the shifted logits (``-inf`` allowed; ``max t = 0``).
+    ``t <= 0`` are the shifted logits (``-inf`` allowed; ``max t = 0``). The relative error
+    counts the span of the ``t`` whose exponentials are normal in long double; below, ``p_i``
+    is smaller than long double's smallest normal (``S >= 1``), far below every ``η`` the
+    bounds add (at least ``2^-1074`` of float64's arithmetic).
     """
     ld = np.longdouble
     tl = t.astype(ld)
     e = np.exp(tl)
     s = e.sum()
     p = e / s
-    finite = np.isfinite(t)
+    finite = np.isfinite(t) & (t >= float(np.log(np.finfo(ld).tiny)))
     span = float(np.max(np.abs(t[finite]))) if finite.any() else 0.0
     rel = (t.size + 8 + 2 * span) * float(np.finfo(ld).eps)
     return p, float(np.log(s)), rel
@@ -172,7 +204,7 @@ def _exact_softmax(t: np.ndarray) -> tuple[np.ndarray, float, float]:
 def _row_bound(
     p: np.ndarray,
     p_rel: float,
-    a_num: np.ndarray,
+    excess: np.ndarray,
     eta_num: np.ndarray,
     den_lo: float,
     den_hi: float,
@@ -184,17 +216,19 @@ def _row_bound(
     (``den_lo = Λ``, ``den_hi = M``; the absolute parts already divided by ``S``), the quotient
     rounded with ``ε_div`` and ``η_div``::
 
-        p̂_i - p_i <= p_i (a_i + ε + a_i ε + Λ)/(1 - Λ) + ηe/S (1 + ε)/(1 - Λ) + η_div
-        p_i - p̂_i <= p_i (a_i + ε + M)/(1 + M) + ηe/S/(1 + M) + η_div
+        p̂_i - p_i <= (p_i a_i (1 + ε) + p_i (ε + Λ))/(1 - Λ) + ηe/S (1 + ε)/(1 - Λ) + η_div
+        p_i - p̂_i <= min((p_i a_i + p_i (ε + M))/(1 + M) + ηe/S/(1 + M), p_i) + η_div
+
+    (``p̂_i >= 0``). ``excess`` is ``p_i(1 + p_rel)·a_i`` from :func:`_times`.
     """
     eps = model.eps_div
     if den_lo >= 1 or not math.isfinite(den_lo) or not math.isfinite(den_hi):
         return np.full(p.shape, math.inf)
     pu = p.astype(np.float64) * (1 + p_rel)
-    up = pu * (a_num + eps + a_num * eps + den_lo) / (1 - den_lo)
+    up = (excess * (1 + eps) + pu * (eps + den_lo)) / (1 - den_lo)
     up = up + eta_num * (1 + eps) / (1 - den_lo)
-    down = pu * (a_num + eps + den_hi) / (1 + den_hi) + eta_num / (1 + den_hi)
-    return (np.maximum(up, down) + model.eta_div) * _EVAL_SLACK
+    down = (excess + pu * (eps + den_hi)) / (1 + den_hi) + eta_num / (1 + den_hi)
+    return (np.maximum(up, np.minimum(down, pu)) + model.eta_div) * _EVAL_SLACK
 
 
 def _first_order_terms(
@@ -230,16 +264,18 @@ def _naive_or_safe(xs: np.ndarray, xr: np.ndarray, model: _Model, safe: bool) ->
     elif model.flushes:
         sigma = sigma + np.where(finite, model.fmt.smallest_normal, 0.0)
     a = np.where(finite, model.exp_rel(sigma), 0.0)
+    log_p = t - log_s + math.log1p(p_rel)
+    excess = _times(p * (1 + p_rel), a, log_p, model.log_exp_factor(sigma, a))
     shift = 0.0 if safe else m
     with np.errstate(over="ignore"):
         inv_s = float(np.exp(np.float64(-log_s - shift)))  # 1/S in the units of the exps
     eta_e = model.eta_exp * inv_s
     gamma = model.gamma(n)
-    weighted = float(np.sum(p.astype(np.float64) * (1 + p_rel) * a))
+    weighted = float(np.sum(excess))
     in_sum = weighted + n * eta_e
     den_hi = in_sum + gamma + in_sum * gamma + model.sum_abs(n) * inv_s
     den_lo = in_sum + gamma * (1 + in_sum) + model.sum_abs(n) * inv_s
-    log_top = m + max(math.log1p(float(np.max(a))), log_s + math.log1p(den_hi))
+    log_top = m + max(float(np.max(model.log_exp_factor(sigma, a))), log_s + math.log1p(den_hi))
     carrier_emin = -1022 if model.fmt.name == "float64" else -126  # XLA's carrier: f64 or f32
     reciprocal_flush = -carrier_emin * math.log(2) - 1
     if not safe and (log_top >= math.log(model.fmt.max_finite) or log_top >= reciprocal_flush):
@@ -248,7 +284,7 @@ def _naive_or_safe(xs: np.ndarray, xr: np.ndarray, model: _Model, safe: bool) ->
         # flushed to zero, so every probability of the row becomes 0 (papers/softmax.md S.1).
         den_lo = math.inf
     eta_num = np.where(finite, eta_e, 0.0)
-    total = _row_bound(p, p_rel, a, eta_num, den_lo, den_hi, model)
+    total = _row_bound(p, p_rel, excess, eta_num, den_lo, den_hi, model)
     terms = _first_order_terms(p, sigma, model, gamma)
     underflow = eta_num + n * eta_e * p.astype(np.float64) + model.eta_div
     underflow = underflow + model.sum_abs(n) * inv_s * p.astype(np.float64)
@@ -280,21 +316,27 @@ def _online(xs: np.ndarray, xr: np.ndarray, model: _Model, block: int) -> tuple[
             sig_c = float(_rounded_difference(np.array([m_prev]), np.array([m_new]), model)[0])
             if model.base2:  # exp2-folded rounds fl(m - m') and its product by c2
                 sig_c = sig_c * (2 + model.u)
-            kappa = float(model.exp_rel(np.array(sig_c)))
-            step = math.log1p(kappa) + 2 * math.log1p(u)
+            kappa = model.exp_rel(np.array(sig_c))
+            step = float(model.log_exp_factor(sig_c, kappa)) + 2 * math.log1p(u)
             done = np.arange(n) < k * block
             # D_{k-1}^hi, in the units of m_prev, before this rescaling
             shifted_old = np.where(done & finite, xr - m_prev, -np.inf)
-            d_old_hi = float(np.sum(np.exp(shifted_old) * np.exp(np.where(done, log_phi, 0.0))))
+            old_phi = np.where(done, log_phi, 0.0)
+            old = np.exp(shifted_old)
+            with np.errstate(over="ignore"):
+                old_rel = np.expm1(old_phi)
+            d_old_hi = float(np.sum(old + _times(old, old_rel, shifted_old, old_phi)))
             log_phi = np.where(done, log_phi + step, log_phi)
             rescale_log = np.where(done, rescale_log + step, rescale_log)
-            c_hi = math.exp(m_prev - m_new) * (1 + kappa) + model.eta_exp
+            gap = m_prev - m_new  # e^gap (1 + κ): in log space where κ overflows
+            c_hat = _times(math.exp(gap), kappa, gap, model.log_exp_factor(sig_c, kappa))
+            c_hi = math.exp(gap) + float(c_hat) + model.eta_exp
             psi = (model.eta_exp * d_old_hi + psi * c_hi) * (1 + u) + model.eta
         if fin.any():
             sig = _rounded_difference(blk[fin], np.full(int(fin.sum()), m_new), model)
             sig = sig + base2[sl][fin]
             idx = np.arange(sl.start, sl.stop)[fin]
-            log_phi[idx] = np.log1p(model.exp_rel(sig)) + math.log1p(gamma_b)
+            log_phi[idx] = model.log_exp_factor(sig, model.exp_rel(sig)) + math.log1p(gamma_b)
             psi_block = block * model.eta_exp * (1 + gamma_b) + model.sum_abs(block)
             if started:
                 log_phi[idx] += math.log1p(u)
@@ -312,15 +354,21 @@ def _online(xs: np.ndarray, xr: np.ndarray, model: _Model, block: int) -> tuple[
     sigma = sigma + np.where(finite, _rounded_difference(xr, np.full_like(xr, m), model), 0.0)
     sigma = sigma + base2
     a = np.where(finite, model.exp_rel(sigma), 0.0)
-    phi = np.where(finite, np.expm1(log_phi), 0.0)
+    with np.errstate(over="ignore"):
+        phi = np.where(finite, np.expm1(log_phi), 0.0)
     # the shifted logits relative to m_K: x̂_j - m against x_j - m is the input rounding; Φ
     # already holds the subtraction and exp errors against x̂_j - m_k.
     input_rel = np.where(finite, np.expm1(np.abs(xr - xs)), 0.0)
-    weighted = float(np.sum(pf * (1 + p_rel) * ((1 + phi) * (1 + input_rel) - 1)))
+    log_p = t - log_s + math.log1p(p_rel)
+    with np.errstate(over="ignore", invalid="ignore"):
+        term_rel = np.where(finite, (1 + phi) * (1 + input_rel) - 1, 0.0)
+    log_term = np.where(finite, log_phi + np.abs(xr - xs), 0.0)
+    weighted = float(np.sum(_times(pf * (1 + p_rel), term_rel, log_p, log_term)))
     den_hi = weighted + psi * inv_s
     den_lo = den_hi
     eta_num = np.where(finite, model.eta_exp * inv_s, 0.0)
-    total = _row_bound(p, p_rel, a, eta_num, den_lo, den_hi, model)
+    excess = _times(pf * (1 + p_rel), a, log_p, model.log_exp_factor(sigma, a))
+    total = _row_bound(p, p_rel, excess, eta_num, den_lo, den_hi, model)
     terms = _first_order_terms(p, sigma, model, gamma_b)
     with np.errstate(over="ignore", invalid="ignore"):
         rescaling = pf * float(np.sum(np.where(pf > 0, pf * np.expm1(rescale_log), 0.0)))
@@ -340,6 +388,22 @@ def _online_sum_upper(xr: np.ndarray, model: _Model, block: int) -> float:
     with np.errstate(over="ignore"):
         top = float(np.exp(_lifted(r, model)[1])) if model.lift else 1.0  # inf past float64
         return n * top * (1 + model.eps_exp) * (1 + model.gamma(block)) * growth
+
+
+def _scaled_maxima_fit(xr: np.ndarray, model: _Model, block: int | None) -> bool:
+    """The exp2 forms compute ``fl(m·L̂)`` (less ``k``, ``prob_offset``) for the row's maximum,
+    or (online) every running maximum: whether each provably stays finite. Past the range
+    it is ``±inf``, and the maximum's own argument ``inf - inf`` is NaN."""
+    finite = np.isfinite(xr)
+    if block is None:
+        tops = xr[finite].max(keepdims=True)
+    else:
+        pad = -(-xr.size // block) * block - xr.size
+        blocks = np.pad(np.where(finite, xr, -np.inf), (0, pad), constant_values=-np.inf)
+        running = np.maximum.accumulate(blocks.reshape(-1, block).max(axis=1))
+        tops = running[np.isfinite(running)]
+    top = float(np.max(np.abs(tops))) * math.log2(math.e) * (1 + model.rel2) * (1 + 2.0**-50)
+    return (top + model.lift / math.log(2.0)) * (1 + model.u) <= model.fmt.max_finite
 
 
 def _logits(x: Any, num: Numerics) -> np.ndarray:
@@ -440,17 +504,24 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
     kind = num.softmax_kind
     totals, unders = [], []
     terms: dict[str, list[np.ndarray]] = {}
-    over, vacuous = False, False  # (online) an overflow, and a row infinite otherwise
+    # an overflow of (online) the sums or (exp2 forms) a maximum times log2 e; a row infinite
+    # otherwise
+    over, scaled_over, vacuous = False, False, False
+    block = num.softmax_block
     for xs, xr in zip(rows_x, rows_r, strict=True):
         if kind == "online":
-            block = num.softmax_block
             assert block is not None
             total, t, under = _online(xs, xr, model, block)
-            vacuous |= not np.isfinite(total).all()
-            if not _online_sum_upper(xr, model, block) <= model.fmt.max_finite:
-                total, over = np.full_like(total, np.inf), True
         else:
             total, t, under = _naive_or_safe(xs, xr, model, safe=kind == "safe")
+        if model.base2 and kind != "naive" and not _scaled_maxima_fit(xr, model, block):
+            total, scaled_over = np.full_like(total, np.inf), True
+        elif (
+            kind == "online"
+            and not _online_sum_upper(xr, model, block or 1) <= model.fmt.max_finite
+        ):
+            total, over = np.full_like(total, np.inf), True
+        else:
             vacuous |= not np.isfinite(total).all()
         totals.append(total)
         unders.append(under)
@@ -473,6 +544,13 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
             else "the computed row sum may be off by 100% (its error factor reaches 1)"
         )
         reasons = (f"{kind} softmax: {why}",)
+    if scaled_over:
+        why = (
+            f"{kind} softmax ({num.exp_form}): a row's (running) maximum times log2 e may "
+            f"overflow {model.fmt.name} (largest finite {model.fmt.max_finite:.6g}), and "
+            "inf - inf is NaN"
+        )
+        reasons = (*reasons, why)
     if over:
         lifted = f" (exponentials lifted by 2^{num.prob_offset}, prob_offset)" * bool(model.lift)
         why = (
@@ -507,7 +585,9 @@ def _lse_row(xs: np.ndarray, xr: np.ndarray, model: _Model, shifted: bool, eps_l
         rel = np.where(others, model.exp_rel(sigma), 0.0)
         n_sum = max(n - 1, 1)
         gamma = model.gamma(n_sum)
-        dev = float(np.sum(np.where(others, e, 0) * rel))  # Σ e_i a_i
+        fits = np.isfinite(rel)
+        far = _times(0.0, rel, np.where(others, t, -np.inf), model.log_exp_factor(sigma, rel))
+        dev = float(np.sum(np.where(others & fits, e, 0) * np.where(fits, rel, 0)) + np.sum(far))
         delta_s = (s_prime + dev) * gamma + dev + (n - 1) * model.eta_exp * (1 + gamma)
         delta_s = (delta_s + model.sum_abs(n_sum)) * _EVAL_SLACK
         ell = delta_s / (1 + max(s_prime * (1 - 1e-15) - delta_s, 0.0))

@@ -321,3 +321,68 @@ def test_naive_softmax_whose_sum_flushes_the_reciprocal_is_vacuous():
     out = np.asarray(mhanum.softmax(x, numerics=num), np.float64)
     assert np.all(out == 0.0)
     assert np.all(np.isinf(softmax_bound(x, num).total))
+
+
+def _edge_rows(fmt: str) -> np.ndarray:
+    """Rows whose shifted logits ``x - max`` overflow ``fmt`` (computed ``-inf``, exp 0) or
+    reach past ``709/u``, where the exponential's relative error overflows float64."""
+    big = get_format(fmt).max_finite
+    rows = [[big, big, -big, 0.0], [0.85 * big, 0.0, -1.0, 5.0], [0.3 * big, 0.3 * big, -big, 0.0]]
+    return np.asarray(round_to(np.array(rows), fmt), np.float64)
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("alg", ["safe", "online(2)"])
+def test_shifted_logits_past_the_formats_range_keep_a_finite_bound(fmt: str, alg: str) -> None:
+    # The keys far below the maximum contribute e^(x - m) = 0 to every digit: the output is
+    # accurate, and the bound is finite (it read 0·inf as NaN, then inf, with a warning).
+    num = _numerics(fmt, alg, "sequential")
+    x = _edge_rows(fmt)
+    bound = softmax_bound(x, num)
+    assert np.isfinite(bound.total).all()
+    assert not bound.reasons
+    got = np.asarray(mhanum.softmax(x, numerics=num), np.float64)
+    exact = np.stack([_exact_softmax(row) for row in x])
+    assert np.all(np.abs(got - exact) <= bound.total)
+    # and the far keys cost nothing but their underflow charges (a few η = u·2^emin each):
+    # the bound is that of the row with them masked
+    near = x >= x.max(axis=-1, keepdims=True) - 100
+    masked = softmax_bound(np.where(near, x, -np.inf), num).total
+    eta = get_format(fmt).u * get_format(fmt).smallest_normal
+    assert np.allclose(bound.total[near], masked[near], rtol=2.0**-30, atol=8 * x.size * eta)
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "float16"])
+def test_lse_bound_on_shifted_logits_past_the_formats_range_is_finite_not_nan(fmt: str) -> None:
+    num = _numerics(fmt, "safe", "sequential")
+    for x in _edge_rows(fmt):
+        bound = float(lse_bound(x, num, algorithm="shifted", log_ulps=1).total)
+        assert math.isfinite(bound)  # it was NaN
+        assert abs(_lse_emulated(x, fmt, True) - _exact_lse(x)) <= bound
+        # the final addition's rounding, u|y|, and little more
+        assert bound <= 3 * get_format(fmt).u * abs(_exact_lse(x))
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("form", ["exp2", "exp2-folded"])
+@pytest.mark.parametrize("alg", ["safe", "online(2)"])
+def test_exp2_forms_whose_maximum_times_log2e_overflows_are_infinite_with_the_reason(
+    form: str, alg: str
+) -> None:
+    # fl(m·log2 e) = inf for m = 0.85·3.4e38 in float32, and the maximum's argument inf - inf is
+    # NaN: the output is NaN, the bound infinite, and it says why.
+    num = Numerics(softmax=alg, exp_form=form)
+    x = _edge_rows("float32")[1:2]
+    assert np.isnan(np.asarray(mhanum.softmax(x, numerics=num))).all()
+    bound = softmax_bound(x, num)
+    assert np.isinf(bound.total).all()
+    assert any("times log2 e may overflow float32" in r for r in bound.reasons)
+    # an online row whose first block's maximum is past -max/log2 e: NaN too (-inf - -inf)
+    y = np.asarray(round_to(np.array([[-0.85 * 3.4e38, -0.85 * 3.4e38, 0.0, 1.0]]), "float32"))
+    if alg.startswith("online"):
+        assert np.isnan(np.asarray(mhanum.softmax(y, numerics=num))).all()
+        assert np.isinf(softmax_bound(y, num).total).all()
+    else:  # the safe form shifts by the row's maximum only: no overflow there
+        assert not any("log2 e" in r for r in softmax_bound(y.astype(np.float64), num).reasons)
