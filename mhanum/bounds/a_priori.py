@@ -31,6 +31,7 @@ from mhanum.bounds.attention import ASSUMPTIONS
 from mhanum.bounds.factors import (
     EVALUATION,
     F64_DOT,
+    compound,
     conversion_eta,
     exp_and_sum_factors,
     is_power_of_four,
@@ -336,8 +337,8 @@ def _logit_error(
     # Step 2: the constant (a subnormal one may be read as zero: u_c = 1)
     c_hat, u_c, u_mul = scale_rounding(scale, score)
     if default_scale and not is_power_of_four(d_k):
-        u_c = (1 + 2.0**-53) / (1 - 2.0**-53) * (1 + u_c) - 1
-    theta = (1 + u_s) * (1 + u_c) * (1 + u_mul) - 1
+        u_c = compound(2.0**-53, u_c, over=(2.0**-53,))
+    theta = compound(u_s, u_c, u_mul)
     # Step 0: the float64 logits are off the stand-ins' exact logits by at most eps64
     c = abs(scale)
     eps64 = F64_DOT * (d_k + 2) * c * pq
@@ -371,16 +372,16 @@ def _scaled_bounds(
     fmt = num.format_of("scale")
     u64 = 0.0
     if default_scale and not is_power_of_four(d_k):
-        u64 = (1 + 2.0**-53) / (1 - 2.0**-53) - 1
+        u64 = compound(2.0**-53, over=(2.0**-53,))
     f64 = scale
     if num.scale == "qk":
         f64 = math.sqrt(scale)
         if fractions.Fraction(f64) ** 2 != fractions.Fraction(scale):
-            u64 = (1 + u64) * (1 + 2.0**-53) - 1
+            u64 = compound(u64, 2.0**-53)
     f_hat, u_r, u_mul = scale_rounding(f64, fmt)
     # the operand is first read into the scale format (rounded if that is less precise)
     u_t = fmt.u if fmt.precision < num.storage_format.precision else 0.0
-    theta = (1 + u_r) * (1 + u_t) * (1 + u_mul) - 1
+    theta = compound(u_r, u_t, u_mul)
     up = abs(f64) * (1 + 2.0**-52)  # >= |fl64(f64·x)| / |x|
     # the read's underflow, times f̂ and rounded in the product, then the product's own
     eta = fmt.smallest_normal * (1 + up * (1 + u_r) * (1 + u_mul))
@@ -506,7 +507,7 @@ def _softmax_pv(
         log_s_lo = math.log(min_keys) - top  # > -log(max F_m): its exp is finite
     r = _expm1(x)
     underflow = n * eta_m * math.exp(-log_s_lo)
-    t_sum = (1 + r + underflow) * (1 + g_sum) - 1 + underflow
+    t_sum = compound(r + underflow, g_sum) + underflow
     if not t_sum < 1:
         rng.flag(
             "softmax: the computed row sum may be off by 100% (its error factor T >= 1)", "vacuous"

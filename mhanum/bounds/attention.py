@@ -30,6 +30,7 @@ from mhanum.bounds._result import Bound
 from mhanum.bounds.factors import (
     F64_DOT,
     LOG2E,
+    compound,
     conversion_eta,
     evaluation_rounding,
     exp_and_sum_factors,
@@ -118,15 +119,15 @@ def _scale_operands(
     source = num.storage_format
     u64 = 0.0
     if default_scale and not is_power_of_four(q.shape[-1]):
-        u64 = (1 + 2.0**-53) / (1 - 2.0**-53) - 1
+        u64 = compound(2.0**-53, over=(2.0**-53,))
     f64 = scale
     if num.scale == "qk":
         f64 = math.sqrt(scale)
         if fractions.Fraction(f64) ** 2 != fractions.Fraction(scale):
-            u64 = (1 + u64) * (1 + 2.0**-53) - 1
+            u64 = compound(u64, 2.0**-53)
     f_hat, u_r, u_mul = scale_rounding(f64, fmt)
     u_t = fmt.u if fmt.precision < source.precision else 0.0
-    theta = (1 + u_r) * (1 + u_t) * (1 + u_mul) - 1
+    theta = compound(u_r, u_t, u_mul)
     up = abs(f64) * (1 + 2.0**-52)
     eta = fmt.smallest_normal * (1 + up * (1 + u_r) * (1 + u_mul))
     exact_product = power_of_two(f64)
@@ -524,12 +525,12 @@ def _head(
             s_hat, u_s1, _ = scale_rounding(scale, fmts["softmax"])
             l_hat, u_l, _ = scale_rounding(LOG2E, fmts["softmax"])
             c2_hat, u_p, _ = scale_rounding(s_hat * l_hat, fmts["softmax"])
-            u_c = (1 + u_s1) * (1 + u_l) * (1 + u_p) - 1
+            u_c = compound(u_s1, u_l, u_p)
             tiny_factor = min(abs(s_hat), abs(scale)) < fmts["softmax"].smallest_normal
         else:
             c2_hat, u_c, _ = scale_rounding(scale * LOG2E, fmts["softmax"])
             tiny_factor = False
-        u_c = (1 + 2.0**-53) * (1 + u_c) - 1
+        u_c = compound(2.0**-53, u_c)
         c_hat, u_mul = c2_hat / LOG2E, 0.0
         form = num.exp_form
         if c2_hat < 0:
@@ -554,14 +555,14 @@ def _head(
         c_hat, u_c, u_mul = scale_rounding(scale, fmts["score"])
     if default_scale and not is_power_of_four(d_k):
         # irrational: fl(1/fl(sqrt(d))) = c(1+δ2)/(1+δ1) in float64, then rounded into F_score
-        u_c = (1 + 2.0**-53) / (1 - 2.0**-53) * (1 + u_c) - 1
+        u_c = compound(2.0**-53, u_c, over=(2.0**-53,))
     if loose_constant:
         # the kernel forms its constant itself (scale·d_q·d_k, in float32): any value within three
         # roundings of the exact one, and the product by it rounded
         u_f = fmts["softmax"].u if folded else fmts["score"].u
-        u_c = max(u_c, (1 + u_f) ** 3 * (1 + 2.0**-53) ** 3 - 1)
+        u_c = max(u_c, compound(powers=((u_f, 3), (2.0**-53, 3))))
         u_mul = u_mul if folded else u_f
-    theta = (1 + u_s) * (1 + u_c) * (1 + u_mul) - 1
+    theta = compound(u_s, u_c, u_mul)
 
     # Step 3. The logits' errors δ_ij.
     t = q @ k.T
@@ -719,13 +720,13 @@ def _head(
         # underflow η_m; the shifts are x values themselves, and the rescalings' excess over
         # u_m(2 + u_m)·gap is at most 2u_m²R (papers/attention.md, step 3'', exp2)
         u_m, eta_m = fmts["softmax"].u, fmts["softmax"].smallest_normal
-        u_l = (1 + 2.0**-53) * (1 + u_m) - 1
+        u_l = compound(2.0**-53, u_m)
         s_abs = np.where(live, np.abs(s) + delta, 0.0)
         r_row = s_abs.max(axis=-1, keepdims=True)
         ranges.check(
             s_abs * LOG2E * (1 + u_l) * (1 + u_m), fmts["softmax"], "the logits times fl(log2 e)"
         )
-        rel = (1 + u_l) * (1 + u_m) - 1
+        rel = compound(u_l, u_m)
         fold = np.where(live, rel * s_abs + 2 * u_m**2 * (1 + rel) * r_row + 2 * eta_m, 0.0)
         sources["exp_fold"] = fold
         delta = delta + fold
@@ -775,7 +776,7 @@ def _head(
         # folded: a split's lse is fl(fl(m·ĉ) + log ℓ) with ĉ = fl(scale), while its exponents
         # scale by c2 = fl(scale·log2 e): the two constants differ by u_m + u_c (and float64's)
         u_m = fmts["softmax"].u
-        lse_scale = (1 + u_m) ** 2 * (1 + u_c) * (1 + 2.0**-51) - 1 if folded else 0.0
+        lse_scale = compound(u_m, u_m, u_c, 2.0**-51) if folded else 0.0
         terms, p, _ = _split_pv(
             s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold, across,
             lse_scale, lift_arg,
@@ -1010,7 +1011,7 @@ def _softmax_pv(
     r_bar = np.minimum(r_mean, r_max)
     with np.errstate(over="ignore"):
         underflow = n * eta_m * np.exp(-log_s_lo) / lift
-        t_sum = (1 + r_bar + underflow) * (1 + g_sum) - 1 + underflow
+        t_sum = compound(r_bar + underflow, g_sum) + underflow
     vacuous = ~np.isfinite(t_sum) | (t_sum >= 1)
     ranges.flag(
         vacuous,
@@ -1338,7 +1339,7 @@ def _split_pv(
     gap = np.where(on, np.abs(sc) + big_e + e_max, 0.0)  # >= |lse_σ - M|
     grow = np.where(on, _times_expm1(pi_hi, math.log1p(eps_e) + u_m * gap + eta_m), 0.0)
     tau1 = grow.sum(axis=-1, keepdims=True) + r * eta_m
-    tau_w = (1 + gamma(max(len(cuts) - 1, 0), u_m)) * (1 + tau1) - 1
+    tau_w = compound(gamma(max(len(cuts) - 1, 0), u_m), tau1)
     ranges.flag(tau_w >= 1, "split-KV: the merge's sum of weights may be off by 100%", "vacuous")
     tau_w = np.minimum(tau_w, 0.5)
     log_w = np.log(np.maximum(r, 1)) + np.log1p(tau_w)  # >= log Ŵ >= 0

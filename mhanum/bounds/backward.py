@@ -43,6 +43,7 @@ from mhanum.bounds.attention import (
 )
 from mhanum.bounds.factors import (
     chain,
+    compound,
     division_error,
     evaluation_rounding,
     exp_and_sum_factors,
@@ -241,7 +242,7 @@ def _scaled_output(
     scaling's and the output's roundings)``."""
     acc, out = num.format_of("accum"), num.format_of("output")
     _, u_r, u_mul = scale_rounding(c64, acc)
-    theta = (1 + u64) * (1 + u_r) - 1
+    theta = compound(u64, u_r)
     a = abs(c)
     carried = a * (1 + theta) * (1 + u_mul) * x_err
     y_up = a * x_up
@@ -324,7 +325,7 @@ def _inputs(
     c64 = V.scale_value(scale, q.shape[-1], placement=num.scale)
     u64 = 0.0
     if scale is None and not is_power_of_four(q.shape[-1]):
-        u64 = (1 + _U64) / (1 - _U64) - 1  # 1/sqrt(d): two float64 roundings
+        u64 = compound(_U64, over=(_U64,))  # 1/sqrt(d): two float64 roundings
     return _Inputs(q, k, v, g, keep, b, c64, u64, sink is not None, cap=cap)
 
 
@@ -401,7 +402,7 @@ def _through_cap(
     ds_used = ds_up + ds_err
     carried = (ds_err * sig_used + ds_up * sig_err) * (1 + rho) + ds_up * sig_up * rho
     magnitude = ds_used * c_hat * sig_used * r_hat
-    own = ((1 + u_g) ** 3 - 1) * magnitude + eta_g * (
+    own = compound(powers=((u_g, 3),)) * magnitude + eta_g * (
         sig_used * r_hat * (1 + u_g) ** 2 + r_hat * (1 + u_g) + 1
     )
     for stage, upper in (
@@ -679,7 +680,7 @@ def _bound(
     c_hat, u_r, u_mul = scale_rounding(c64, sc)
     if not math.isfinite(c_hat):  # u_r is inf: so is every error the scale enters
         rng.check(np.inf, sc, f"the scale {c64:.6g} rounded to the score format", everything)
-    theta = (1 + x.u64) * (1 + u_r) - 1
+    theta = compound(x.u64, u_r)
     s_mid = c64 * t_mid
     s_rad = abs(c64) * t_rad * (1 + 2 * _U64) + (x.u64 + 2 * _U64) * np.abs(s_mid)
     s_err = abs(c) * (1 + theta) * t.err + theta * abs(c) * t.up
@@ -1081,7 +1082,7 @@ def attention_grad_bound_a_priori(
     c64 = V.scale_value(scale, d, placement=num.scale)
     u64 = 0.0
     if scale is None and not is_power_of_four(d):
-        u64 = (1 + _U64) / (1 - _U64) - 1
+        u64 = compound(_U64, over=(_U64,))
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         return _a_priori(lq, n, d, dv_, sizes, num, bw, scale, c64, u64, cap)
 
@@ -1138,7 +1139,7 @@ def _a_priori(
     t_err += float(_take(np.asarray(t_up + t_err), acc, sc))
     c = abs(c64)
     _, u_r, u_mul = scale_rounding(c64, sc)
-    theta = (1 + u64) * (1 + u_r) - 1
+    theta = compound(u64, u_r)
     s_up = c * t_up
     delta = c * (1 + theta) * t_err + theta * s_up + u_mul * (1 + theta) * c * (t_up + t_err)
     delta += sc.smallest_normal
@@ -1488,7 +1489,7 @@ def mha_grad_bound(
     c64 = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
     u64 = 0.0
     if scale is None and not is_power_of_four(params.qk_width // heads):
-        u64 = (1 + _U64) / (1 - _U64) - 1
+        u64 = compound(_U64, over=(_U64,))
     # the forward projections of the expanded layer: a grouped key/value head's columns repeated
     # for each query head of its group, the same dots of the same operands (papers/attention.md)
     w: dict[str, Any] = {

@@ -304,6 +304,30 @@ def chain_dot_factor(n: int, order: str, u: float, lam: float | None = None) -> 
     return chain(n, order, u, lam, products=True)
 
 
+def compound(
+    *rels: Any, powers: tuple[tuple[Any, int], ...] = (), over: tuple[Any, ...] = ()
+) -> Any:
+    """``Π(1 + r_i) · Π(1 + r_j)^k_j / Π(1 - s_l) - 1``, rounded up, for ``r >= 0``,
+    ``0 <= s < 1`` (floats or arrays).
+
+    Evaluated as ``expm1`` of a sum of ``log1p``: the plain product ``(1 + r)(1 + r') - 1``
+    loses every ``r`` below ``2^-53`` to the rounding of ``1 + r``, so float64's own unit
+    roundoff would read as 0. Within a few ulps, then rounded up by ``2^-50`` relative.
+
+    Examples:
+        >>> compound(2.0**-53, 2.0**-53) >= 2.0**-52  # (1 + 2^-53)**2 - 1 == 0.0 in float64
+        True
+        >>> compound(powers=((2.0**-24, 3),)) >= (1 + 2.0**-24) ** 3 - 1
+        True
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        log = sum((np.log1p(r) for r in rels), start=np.float64(0.0))
+        log = log + sum((k * np.log1p(r) for r, k in powers), start=np.float64(0.0))
+        log = log - sum((np.log1p(-s) for s in over), start=np.float64(0.0))
+        out = np.expm1(log) * (1 + 2.0**-50)
+    return float(out) if np.ndim(out) == 0 else out
+
+
 def product_gamma(n: int, u: float) -> float:
     """A factor for ``n`` roundings ``1 + δ_i`` with no division (Corollary R.1'), every ``n``.
 
@@ -343,7 +367,7 @@ def chain(
     g_det = summation_gamma(n, order, u)
     if kind != "kahan" and not g_det < 1:
         g_det = product_gamma(tree_height(n, order), native_unit(u) if kind == "native" else u)
-    g = (1 + g_det) * (1 + u) ** (extra + int(products)) - 1
+    g = compound(g_det, powers=((u, extra + int(products)),))
     if lam is not None and kind != "kahan":
         length = tree_height(n, order) + extra + int(products)
         if kind == "native" and u > 2.0**-24:
@@ -399,13 +423,13 @@ def unit_factor(
     if kind == "split":
         c, tau = split_constants(num.dot_passes)
         g = chain(n, order, acc.u, lam, products=False, extra=num.dot_passes - 1)
-        return (1 + g * c + tau) * (1 + acc.u) ** extra - 1
+        return compound(g * c + tau, powers=((acc.u, extra),))
     if lam is not None:
         msg = "lam: the probabilistic bound (Theorem A.3) does not cover tensor-core dot units"
         raise InvalidArgument(msg)
     model = get_model(num.dot_model or "")
     f = tensor_core_factor(model, max(n, 1), order=num.summation)
-    return (1 + f) * (1 + acc.u) ** extra - 1
+    return compound(f, powers=((acc.u, extra),))
 
 
 def tensor_core_anchor(num: Numerics) -> float:

@@ -34,7 +34,7 @@ import numpy as np
 
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
-from mhanum.bounds.factors import division_error, summation_gamma
+from mhanum.bounds.factors import compound, division_error, summation_gamma
 from mhanum.formats import Format, representable, round_to
 from mhanum.numerics import Numerics, resolve
 
@@ -105,7 +105,7 @@ class _Model:
         # the exp2 forms (scale 1 in the softmax alone): x = fl(x̂·L̂), L̂ = fl(log2 e), a
         # relative rel2 of each logit in natural units; differences rounded in base 2
         self.base2 = num.exp2
-        self.rel2 = (1 + 2.0**-53) * (1 + self.u) ** 2 - 1 if self.base2 else 0.0
+        self.rel2 = compound(2.0**-53, self.u, self.u) if self.base2 else 0.0
         # prob_offset k (exp2-folded, online): every exponent lifted by k, in natural units
         self.lift = num.prob_offset * math.log(2.0)
 
@@ -273,8 +273,9 @@ def _naive_or_safe(xs: np.ndarray, xr: np.ndarray, model: _Model, safe: bool) ->
     gamma = model.gamma(n)
     weighted = float(np.sum(excess))
     in_sum = weighted + n * eta_e
-    den_hi = in_sum + gamma + in_sum * gamma + model.sum_abs(n) * inv_s
-    den_lo = in_sum + gamma * (1 + in_sum) + model.sum_abs(n) * inv_s
+    sum_eta = model.sum_abs(n) * inv_s if model.sum_abs(n) else 0.0  # no rounding: none
+    den_hi = in_sum + gamma + in_sum * gamma + sum_eta
+    den_lo = in_sum + gamma * (1 + in_sum) + sum_eta
     log_top = m + max(float(np.max(model.log_exp_factor(sigma, a))), log_s + math.log1p(den_hi))
     carrier_emin = -1022 if model.fmt.name == "float64" else -126  # XLA's carrier: f64 or f32
     reciprocal_flush = -carrier_emin * math.log(2) - 1
@@ -286,8 +287,9 @@ def _naive_or_safe(xs: np.ndarray, xr: np.ndarray, model: _Model, safe: bool) ->
     eta_num = np.where(finite, eta_e, 0.0)
     total = _row_bound(p, p_rel, excess, eta_num, den_lo, den_hi, model)
     terms = _first_order_terms(p, sigma, model, gamma)
-    underflow = eta_num + n * eta_e * p.astype(np.float64) + model.eta_div
-    underflow = underflow + model.sum_abs(n) * inv_s * p.astype(np.float64)
+    pf = p.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # 1/S = inf where every exponential underflows
+        underflow = eta_num + np.where(pf > 0, (n * eta_e + sum_eta) * pf, 0.0) + model.eta_div
     return total, terms, underflow
 
 
@@ -361,7 +363,7 @@ def _online(xs: np.ndarray, xr: np.ndarray, model: _Model, block: int) -> tuple[
     input_rel = np.where(finite, np.expm1(np.abs(xr - xs)), 0.0)
     log_p = t - log_s + math.log1p(p_rel)
     with np.errstate(over="ignore", invalid="ignore"):
-        term_rel = np.where(finite, (1 + phi) * (1 + input_rel) - 1, 0.0)
+        term_rel = np.where(finite, compound(phi, input_rel), 0.0)
     log_term = np.where(finite, log_phi + np.abs(xr - xs), 0.0)
     weighted = float(np.sum(_times(pf * (1 + p_rel), term_rel, log_p, log_term)))
     den_hi = weighted + psi * inv_s
@@ -388,6 +390,23 @@ def _online_sum_upper(xr: np.ndarray, model: _Model, block: int) -> float:
     with np.errstate(over="ignore"):
         top = float(np.exp(_lifted(r, model)[1])) if model.lift else 1.0  # inf past float64
         return n * top * (1 + model.eps_exp) * (1 + model.gamma(block)) * growth
+
+
+_EVAL_RANGE = 2.0**1021  # a quarter of float64's largest finite value
+_UNEVALUABLE = (
+    "logits beyond 2^1021 in magnitude (float64 formats only): the differences and sums that "
+    "the bound is evaluated with in float64 may overflow it"
+)
+
+
+def _past_evaluation_range(xs: np.ndarray, xr: np.ndarray) -> bool:
+    """Whether a row reaches past ``2^1021``: differences of two logits, and sums of four
+    magnitudes, may then overflow the float64 the bound is evaluated in (only a float64 score
+    or softmax format holds such logits)."""
+    finite = np.isfinite(xr)
+    return bool(
+        finite.any() and max(np.max(np.abs(xr[finite])), np.max(np.abs(xs[finite]))) > _EVAL_RANGE
+    )
 
 
 def _scaled_maxima_fit(xr: np.ndarray, model: _Model, block: int | None) -> bool:
@@ -508,21 +527,27 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
     # otherwise
     over, scaled_over, vacuous = False, False, False
     block = num.softmax_block
+    unevaluable = False  # a float64 row past a quarter of float64's range
     for xs, xr in zip(rows_x, rows_r, strict=True):
-        if kind == "online":
-            assert block is not None
-            total, t, under = _online(xs, xr, model, block)
+        if _past_evaluation_range(xs, xr):
+            infinite = np.full(xr.shape, np.inf)
+            names = ("shift", "exp", "sum", "division") + ("rescaling",) * (kind == "online")
+            total, t, under = infinite, dict.fromkeys(names, infinite), infinite
+            unevaluable = True
         else:
-            total, t, under = _naive_or_safe(xs, xr, model, safe=kind == "safe")
-        if model.base2 and kind != "naive" and not _scaled_maxima_fit(xr, model, block):
-            total, scaled_over = np.full_like(total, np.inf), True
-        elif (
-            kind == "online"
-            and not _online_sum_upper(xr, model, block or 1) <= model.fmt.max_finite
-        ):
-            total, over = np.full_like(total, np.inf), True
-        else:
-            vacuous |= not np.isfinite(total).all()
+            if kind == "online":
+                assert block is not None
+                total, t, under = _online(xs, xr, model, block)
+            else:
+                total, t, under = _naive_or_safe(xs, xr, model, safe=kind == "safe")
+            if model.base2 and kind != "naive" and not _scaled_maxima_fit(xr, model, block):
+                total, scaled_over = np.full_like(total, np.inf), True
+            elif kind == "online" and not (
+                _online_sum_upper(xr, model, block or 1) <= model.fmt.max_finite
+            ):
+                total, over = np.full_like(total, np.inf), True
+            else:
+                vacuous |= not np.isfinite(total).all()
         totals.append(total)
         unders.append(under)
         for name, value in t.items():
@@ -544,6 +569,8 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
             else "the computed row sum may be off by 100% (its error factor reaches 1)"
         )
         reasons = (f"{kind} softmax: {why}",)
+    if unevaluable:
+        reasons = (*reasons, _UNEVALUABLE)
     if scaled_over:
         why = (
             f"{kind} softmax ({num.exp_form}): a row's (running) maximum times log2 e may "
@@ -570,6 +597,9 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
 
 def _lse_row(xs: np.ndarray, xr: np.ndarray, model: _Model, shifted: bool, eps_log: float) -> Any:
     """One row of Theorem S.5: (total, terms) for the basic or shifted log-sum-exp."""
+    if _past_evaluation_range(xs, xr):
+        names = ("input", "sum", "log") + ("add",) * shifted
+        return math.inf, dict.fromkeys(names, math.inf)
     finite = np.isfinite(xr)
     xs, xr = np.where(finite, xs, 0.0), np.where(finite, xr, 0.0)
     n = int(finite.sum())
@@ -605,11 +635,12 @@ def _lse_row(xs: np.ndarray, xr: np.ndarray, model: _Model, shifted: bool, eps_l
             inv_s = float(np.exp(np.float64(-log_s - a)))
         gamma = model.gamma(n)
         in_sum = float(np.sum(e * rel)) / s_rel + n * model.eta_exp * inv_s
-        m_up = in_sum + gamma + in_sum * gamma + model.sum_abs(n) * inv_s
-        lam = in_sum + gamma * (1 + in_sum) + model.sum_abs(n) * inv_s
+        sum_eta = model.sum_abs(n) * inv_s if model.sum_abs(n) else 0.0  # no rounding: none
+        m_up = in_sum + gamma + in_sum * gamma + sum_eta
+        lam = in_sum + gamma * (1 + in_sum) + sum_eta
         y = a + log_s
         top = a + max(math.log1p(float(np.max(rel))), log_s + math.log1p(m_up))
-        if lam >= 1 or top >= math.log(model.fmt.max_finite):
+        if not (lam < 1 and top < math.log(model.fmt.max_finite)):  # NaN: infinite
             return math.inf, {"input": inputs, "sum": math.inf, "log": math.inf}
         ell = max(math.log1p(m_up), -math.log1p(-lam)) * _EVAL_SLACK
         total = inputs + ell + eps_log * (abs(y) + inputs + ell)
@@ -659,8 +690,8 @@ def lse_bound(
 
     Returns:
         A :class:`Bound` with ``total`` shaped ``x.shape[:-1]`` (``inf`` where the basic
-        algorithm may overflow or its sum underflow entirely) and terms ``input``, ``sum``,
-        ``log`` (and ``add`` for shifted).
+        algorithm may overflow or its sum underflow entirely, with the reason in ``reasons``)
+        and terms ``input``, ``sum``, ``log`` (and ``add`` for shifted).
 
     Raises:
         InvalidArgument: as :func:`softmax_bound`, for an unknown ``algorithm`` or a bad
@@ -684,16 +715,27 @@ def lse_bound(
         msg = f"x: expected logits within the range of the softmax format {model.fmt.name}"
         raise InvalidArgument(msg)
     eps_log = 2 * log_ulps * model.u
+    rows_x, rows_r = arr.reshape(-1, arr.shape[-1]), rounded.reshape(-1, arr.shape[-1])
     rows = [
         _lse_row(xs, xr, model, algorithm == "shifted", eps_log)
-        for xs, xr in zip(
-            arr.reshape(-1, arr.shape[-1]), rounded.reshape(-1, arr.shape[-1]), strict=True
-        )
+        for xs, xr in zip(rows_x, rows_r, strict=True)
     ]
     shape = arr.shape[:-1]
     names = rows[0][1].keys()
+    total = np.array([r[0] for r in rows]).reshape(shape)
+    reasons: tuple[str, ...] = ()
+    if not np.isfinite(total).all():
+        why = (
+            "an exponential or the sum may overflow, or every exponential underflow (log 0)"
+            if algorithm == "basic"
+            else "the sum's error may exceed the sum"
+        )
+        reasons = (f"{algorithm} log-sum-exp in {model.fmt.name}: {why}",)
+        if any(_past_evaluation_range(*r) for r in zip(rows_x, rows_r, strict=True)):
+            reasons = (*reasons, _UNEVALUABLE)
     return Bound(
-        total=np.array([r[0] for r in rows]).reshape(shape),
+        reasons=reasons,
+        total=total,
         terms={k: np.array([r[1][k] for r in rows]).reshape(shape) for k in names},
         theorem="papers/softmax.md Theorem S.5",
         assumptions=(*_ASSUMPTIONS, "log and log1p within log_ulps ulps"),

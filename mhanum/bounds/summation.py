@@ -42,6 +42,7 @@ from mhanum.bounds._result import Bound
 from mhanum.bounds.factors import (
     check_count,
     check_lam,
+    compound,
     gamma,
     kahan_constants,
     kahan_factor,
@@ -187,7 +188,7 @@ def dot_factor(
             f = tensor_core_factor(dunit.model or "", n, order=order)
             unit_in = get_format(dunit.operand_format or "")
             given = acc if input is None else get_format(input, argname="input")
-            return f if _subset(given, unit_in) else (1 + f) * (1 + unit_in.u) ** 2 - 1
+            return f if _subset(given, unit_in) else compound(f, unit_in.u, unit_in.u)
         if dunit.kind == "ieee":  # bf16x1
             return dot_factor(n, order, acc, input=input, operand="bfloat16")
         passes = dunit.passes
@@ -196,7 +197,7 @@ def dot_factor(
             kahan_constants(n, acc.u)[0] if kind == "kahan" else gamma(tree_height(n, order), unit)
         )
         c, tau = split_constants(passes)
-        return ((1 + base) * (1 + acc.u) ** (passes - 1) - 1) * c + tau
+        return compound(base, powers=((acc.u, passes - 1),)) * c + tau
     fin = None if input is None else get_format(input, argname="input")
     fop = None if operand is None else get_format(operand, argname="operand")
     bits = [acc.precision] + [f.precision for f in (fin, fop) if f is not None]
@@ -211,7 +212,7 @@ def dot_factor(
     else:
         unit = native_unit(acc.u) if kind == "native" else acc.u
         phi = gamma(tree_height(n, order) + (0 if exact else 1), unit)
-    return phi if u_op == 0 else (1 + phi) * (1 + u_op) ** 2 - 1
+    return phi if u_op == 0 else compound(phi, u_op, u_op)
 
 
 # Evaluation helpers ----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import mpmath
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 import mhanum
@@ -386,3 +386,108 @@ def test_exp2_forms_whose_maximum_times_log2e_overflows_are_infinite_with_the_re
         assert np.isinf(softmax_bound(y, num).total).all()
     else:  # the safe form shifts by the row's maximum only: no overflow there
         assert not any("log2 e" in r for r in softmax_bound(y.astype(np.float64), num).reasons)
+
+
+@st.composite
+def _edge_row(draw: st.DrawFn, fmt: str, n: int) -> np.ndarray:
+    """A row of logits representable in ``fmt``, each near a range edge of it: its largest
+    finite value and square root, its smallest normal and subnormals, small values, ``-inf``."""
+    f = get_format(fmt)
+    sub = f.smallest_normal * 2.0 ** -(f.precision - 1)
+    kinds = st.sampled_from(["max", "big", "sqrt", "tiny", "sub", "small", "zero", "masked"])
+    row = []
+    for _ in range(n):
+        kind, sign = draw(kinds), draw(st.sampled_from([1.0, -1.0]))
+        j = draw(st.integers(0, 4))
+        value = {
+            "max": f.max_finite * (1 - j * f.u),
+            "big": f.max_finite * 2.0 ** -draw(st.integers(1, 12)),
+            "sqrt": math.sqrt(f.max_finite) * (1 + j / 8),
+            "tiny": f.smallest_normal * (1 + j),
+            "sub": sub * (1 + j),
+            "small": draw(st.floats(-40, 40)),
+            "zero": 0.0,
+            "masked": -math.inf,
+        }[kind]
+        row.append(value if kind == "masked" else sign * value)
+    x = np.asarray(round_to(np.array(row), fmt), np.float64)
+    x[np.isinf(x) & (x > 0)] = f.max_finite
+    if not np.isfinite(x).any():
+        x[draw(st.integers(0, n - 1))] = 0.0
+    return x
+
+
+@pytest.mark.filterwarnings("error")
+@given(
+    data=st.data(),
+    fmt=st.sampled_from(("float32", "bfloat16", "float16", "float64")),
+    alg=st.sampled_from(("naive", "safe", "online(1)", "online(3)")),
+    form=st.sampled_from(("exp", "exp2", "exp2-folded")),
+    order=st.sampled_from(("sequential", "pairwise")),
+    n=st.sampled_from([4, 7]),
+)
+def test_softmax_and_lse_bounds_at_the_range_edges(
+    data: st.DataObject, fmt: str, alg: str, form: str, order: str, n: int
+) -> None:
+    """Where the bound is finite the computed softmax is finite and within it of the exact
+    one; where it is infinite it says why; neither bound is ever NaN (nor warns)."""
+    try:
+        num = Numerics(input=fmt, accum=fmt, softmax=alg, summation=order, exp_form=form)
+    except InvalidArgument:
+        num = _numerics(fmt, alg, order)
+    x = data.draw(_edge_row(fmt, n), label="x")
+    bound = softmax_bound(x, num)
+    assert not np.isnan(bound.total).any()
+    if not np.isfinite(bound.total).all():
+        assert bound.reasons
+    finite = np.isfinite(bound.total)
+    event(f"finite bound on {finite.mean():.0%} of the row")
+    got = np.asarray(mhanum.softmax(x, numerics=num), np.float64)
+    assert np.isfinite(got[finite]).all(), (x, num)
+    err = np.abs(got - _exact_softmax(x))
+    assert np.all(err[finite] <= bound.total[finite]), (x.tolist(), num)
+    lse_num = _numerics(fmt, "safe", "sequential")  # the emulation's order
+    for alg_lse in ("shifted", "basic"):
+        assert not np.isnan(lse_bound(x, num, algorithm=alg_lse).total)
+        lse_b = lse_bound(x, lse_num, algorithm=alg_lse, log_ulps=1)
+        lse = float(lse_b.total)
+        assert not math.isnan(lse)
+        assert math.isfinite(lse) or lse_b.reasons
+        if math.isfinite(lse):
+            with np.errstate(over="ignore"):
+                y = _lse_emulated(x, fmt, alg_lse == "shifted")
+            assert abs(y - _exact_lse(x)) <= lse, (x, alg_lse)
+
+
+@pytest.mark.filterwarnings("error")
+def test_rows_found_at_the_range_edges_are_infinite_with_reasons_not_nan() -> None:
+    big32, big64 = get_format("float32").max_finite, get_format("float64").max_finite
+    # every exponential of the naive softmax underflows (1/S = inf; the underflow term read
+    # 0·inf), and the basic log-sum-exp is log 0 (its bound was NaN: 0 roundings times inf)
+    x = np.asarray(round_to(np.array([-big32, -big32, -big32, -0.99 * big32]), "float32"))
+    assert np.isnan(np.asarray(mhanum.softmax(x, numerics=Numerics(softmax="naive")))).all()
+    bound = softmax_bound(x.astype(np.float64), Numerics(softmax="naive"))
+    assert np.isinf(bound.total).all()
+    assert bound.reasons
+    assert not np.isnan(bound.terms["underflow"]).any()
+    lse = lse_bound(np.array([-big32, -np.inf]), "fp32", algorithm="basic")
+    assert np.isinf(lse.total)
+    assert "log 0" in lse.reasons[0]
+    # float64 logits past 2^1021: the bound's own float64 differences would overflow
+    y = np.array([big64, big64, -big64, 0.0])
+    num = _numerics("float64", "safe", "sequential")
+    for b in (softmax_bound(y, num), lse_bound(y, num)):
+        assert np.isinf(b.total).all()
+        assert any("beyond 2^1021" in r for r in b.reasons)
+
+
+@pytest.mark.filterwarnings("error")
+def test_float64_exp2_charges_its_own_unit_roundoff() -> None:
+    # ρ = (1 + 2^-53)(1 + u)² - 1 evaluated in float64 is 0 for u = 2^-53 (1 + 2^-53 rounds to
+    # 1): the base-2 conversion went uncharged, and this row's error (5.29e-23 on its third
+    # entry) exceeded the bound (4.86e-23). Products of (1 + r) are now taken in log space.
+    x = np.array([-(2.0**1021), 18.078125, 2.0**-1022, -(2.0**512)])
+    num = Numerics(input="float64", accum="float64", softmax="safe", exp_form="exp2")
+    got = np.asarray(mhanum.softmax(x, numerics=num), np.float64)
+    bound = softmax_bound(x, num).total
+    assert np.all(np.abs(got - _exact_softmax(x)) <= bound)
