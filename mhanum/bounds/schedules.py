@@ -21,7 +21,7 @@ import numpy as np
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.bounds.attention import attention_bound
-from mhanum.bounds.factors import evaluation_rounding
+from mhanum.bounds.factors import compound, evaluation_rounding
 from mhanum.bounds.softmax import division_error
 from mhanum.numerics import Numerics, resolve
 
@@ -173,14 +173,15 @@ def _around_computed_logits(bound: Bound, num: Numerics, keys: int) -> dict[str,
     """
     soft = num.format_of("softmax").u
     online = num.softmax_kind == "online"
-    kappa = (1 + num.format_of("output").u) * (1 + (division_error(num.div_ulps, soft) if online
-                                                    else 0.0))  # fmt: skip
+    div = division_error(num.div_ulps, soft) if online else 0.0
+    # κ(1 + ε) - 1 in log space (a float64 output's u = 2^-53 is lost to 1 + u), with the
+    # evaluation factor of at least as many keys as A.1 summed over (a sink's one more)
+    c = compound(num.format_of("output").u, div, evaluation_rounding(keys))
     kept = {n: t for n, t in bound.terms.items() if n not in ("logits", "evaluation", "mask")}
     with np.errstate(invalid="ignore"):
         if "logits" in bound.terms:
             logits = np.asarray(bound.terms["logits"], np.float64)
-            # the evaluation factor of at least as many keys as A.1 summed over (a sink's
-            # one more): subtracting less than L is safe
-            kept["logits"] = logits - logits / (kappa * (1 + evaluation_rounding(keys)))
+            # L - L/(κ(1 + ε)) = L·c/(1 + c), rounded up: subtracting less than L is safe
+            kept["logits"] = logits * (c / (1 + c)) * (1 + 2.0**-50)
         kept["output"] = np.asarray(bound.parts["output"]["rounding"], np.float64)
     return kept
