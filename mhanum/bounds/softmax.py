@@ -185,20 +185,24 @@ def _lifted(r: float, model: _Model) -> tuple[float, float]:
 def _exact_softmax(t: np.ndarray) -> tuple[np.ndarray, float, float]:
     """``p`` (in long double), ``log S`` with ``S = Σ e^t``, and a bound on ``p``'s relative error.
 
-    ``t <= 0`` are the shifted logits (``-inf`` allowed; ``max t = 0``). The relative error
-    counts the span of the ``t`` whose exponentials are normal in long double; below, ``p_i``
-    is smaller than long double's smallest normal (``S >= 1``), far below every ``η`` the
-    bounds add (at least ``2^-1074`` of float64's arithmetic).
+    ``t`` are the shifted logits (``-inf`` allowed; ``max t = 0`` where the logits are already
+    in the softmax format, otherwise off 0 by their rounding into it): shifted once more by
+    their maximum, in long double. The relative error counts the span of the ``t`` whose
+    exponentials are normal in long double; below, ``p_i`` is smaller than long double's
+    smallest normal (``S >= 1`` in the shifted units), far below every ``η`` the bounds add (at
+    least ``2^-1074`` of float64's arithmetic).
     """
     ld = np.longdouble
     tl = t.astype(ld)
+    top = np.max(tl)
+    tl = tl - top
     e = np.exp(tl)
     s = e.sum()
     p = e / s
-    finite = np.isfinite(t) & (t >= float(np.log(np.finfo(ld).tiny)))
-    span = float(np.max(np.abs(t[finite]))) if finite.any() else 0.0
+    finite = np.isfinite(tl) & (tl >= np.log(np.finfo(ld).tiny))
+    span = float(np.max(np.abs(tl[finite]))) if finite.any() else 0.0
     rel = (t.size + 8 + 2 * span) * float(np.finfo(ld).eps)
-    return p, float(np.log(s)), rel
+    return p, float(top + np.log(s)), rel
 
 
 def _row_bound(
@@ -351,7 +355,8 @@ def _online(xs: np.ndarray, xr: np.ndarray, model: _Model, block: int) -> tuple[
     t = np.where(finite, xs - m, -np.inf)
     p, log_s, p_rel = _exact_softmax(t)
     pf = p.astype(np.float64)
-    inv_s = math.exp(-log_s)
+    with np.errstate(over="ignore"):  # inf where the rounding into the format is past 709
+        inv_s = float(np.exp(np.float64(-log_s)))
     sigma = np.where(finite, np.abs(xr - xs), 0.0)
     sigma = sigma + np.where(finite, _rounded_difference(xr, np.full_like(xr, m), model), 0.0)
     sigma = sigma + base2
@@ -360,7 +365,8 @@ def _online(xs: np.ndarray, xr: np.ndarray, model: _Model, block: int) -> tuple[
         phi = np.where(finite, np.expm1(log_phi), 0.0)
     # the shifted logits relative to m_K: x̂_j - m against x_j - m is the input rounding; Φ
     # already holds the subtraction and exp errors against x̂_j - m_k.
-    input_rel = np.where(finite, np.expm1(np.abs(xr - xs)), 0.0)
+    with np.errstate(over="ignore"):  # an input rounding past 709: inf, then log space
+        input_rel = np.where(finite, np.expm1(np.abs(xr - xs)), 0.0)
     log_p = t - log_s + math.log1p(p_rel)
     with np.errstate(over="ignore", invalid="ignore"):
         term_rel = np.where(finite, compound(phi, input_rel), 0.0)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import mpmath
 import numpy as np
 import pytest
-from hypothesis import event, example, given
+from hypothesis import event, example, given, reject
 from hypothesis import strategies as st
 
 import mhanum
@@ -421,21 +421,34 @@ def _edge_row(draw: st.DrawFn, fmt: str, n: int) -> np.ndarray:
 @given(
     data=st.data(),
     fmt=st.sampled_from(("float32", "bfloat16", "float16", "float64")),
+    soft=st.sampled_from((None, "float32", "bfloat16", "float16", "float64")),
     alg=st.sampled_from(("naive", "safe", "online(1)", "online(3)")),
     form=st.sampled_from(("exp", "exp2", "exp2-folded")),
     order=st.sampled_from(("sequential", "pairwise")),
     n=st.sampled_from([4, 7]),
 )
 def test_softmax_and_lse_bounds_at_the_range_edges(
-    data: st.DataObject, fmt: str, alg: str, form: str, order: str, n: int
+    data: st.DataObject, fmt: str, soft: str | None, alg: str, form: str, order: str, n: int
 ) -> None:
     """Where the bound is finite the computed softmax is finite and within it of the exact
-    one; where it is infinite it says why; neither bound is ever NaN (nor warns)."""
+    one; where it is infinite it says why; neither bound is ever NaN (nor warns). The logits
+    are in ``fmt``, the softmax runs in ``soft`` (``None``: ``fmt`` too)."""
+    fields = {"input": fmt, "accum": fmt, "summation": order, "softmax": alg}
+    if soft is not None:
+        fields |= {"accum": "float32", "score_format": fmt, "softmax_format": soft}
     try:
-        num = Numerics(input=fmt, accum=fmt, softmax=alg, summation=order, exp_form=form)
+        num = Numerics(**fields, exp_form=form)
     except InvalidArgument:
-        num = _numerics(fmt, alg, order)
+        try:
+            num = Numerics(**fields)
+        except InvalidArgument:
+            reject()
     x = data.draw(_edge_row(fmt, n), label="x")
+    if np.isinf(round_to(x[np.isfinite(x)], num.format_of("softmax"))).any():
+        # the one refusal: logits the softmax format cannot read
+        with pytest.raises(InvalidArgument, match="within the range of the softmax format"):
+            softmax_bound(x, num)
+        reject()
     bound = softmax_bound(x, num)
     assert not np.isnan(bound.total).any()
     if not np.isfinite(bound.total).all():
@@ -446,6 +459,8 @@ def test_softmax_and_lse_bounds_at_the_range_edges(
     assert np.isfinite(got[finite]).all(), (x, num)
     err = np.abs(got - _exact_softmax(x))
     assert np.all(err[finite] <= bound.total[finite]), (x.tolist(), num)
+    if soft is not None:
+        return
     lse_num = _numerics(fmt, "safe", "sequential")  # the emulation's order
     for alg_lse in ("shifted", "basic"):
         assert not np.isnan(lse_bound(x, num, algorithm=alg_lse).total)
@@ -473,6 +488,17 @@ def test_rows_found_at_the_range_edges_are_infinite_with_reasons_not_nan() -> No
     lse = lse_bound(np.array([-big32, -np.inf]), "fp32", algorithm="basic")
     assert np.isinf(lse.total)
     assert "log 0" in lse.reasons[0]
+    # float32 logits that a bfloat16 softmax format rounds by 2^104: the exact shifted logits
+    # x - max(x̂) reach e^(±2^104) (inf/inf was NaN, and 1/S overflowed math.exp)
+    up = float(np.nextafter(np.float32(2.0**127), np.float32(np.inf)))
+    down = float(np.nextafter(np.float32(2.0**127), np.float32(0)))
+    for alg in ("naive", "safe", "online(2)"):
+        num = Numerics(accum="float32", score_format="float32", softmax_format="bfloat16",
+                       softmax=alg)  # fmt: skip
+        for row in ([up, up, 0.0, 1.0], [down, down, 0.0, 1.0]):
+            b = softmax_bound(np.array(row), num)
+            assert not np.isnan(b.total).any()
+            assert np.isfinite(b.total).all() or b.reasons
     # float64 logits past 2^1021: the bound's own float64 differences would overflow
     y = np.array([big64, big64, -big64, 0.0])
     num = _numerics("float64", "safe", "sequential")
