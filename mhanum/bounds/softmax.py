@@ -116,6 +116,11 @@ class _Model:
         """Absolute underflow error of a sum of ``n`` terms (``2η`` per rounding, generously)."""
         return 2 * _summation_ops(n, self.kind) * self.eta
 
+    def sum_eta(self, n: int, inv_s: float) -> float:
+        """:meth:`sum_abs` in the units of ``S`` (``inv_s = 1/S``, ``inf`` where every
+        exponential underflows); 0 for a sum that rounds nothing (not ``0·inf``)."""
+        return self.sum_abs(n) * inv_s if self.sum_abs(n) else 0.0
+
     def exp_rel(self, sigma: np.ndarray) -> np.ndarray:
         """``e^σ (1 + ε_exp) - 1``: relative error of ``exp`` of an argument off by ``<= σ``
         (``inf`` past float64's range)."""
@@ -277,7 +282,7 @@ def _naive_or_safe(xs: np.ndarray, xr: np.ndarray, model: _Model, safe: bool) ->
     gamma = model.gamma(n)
     weighted = float(np.sum(excess))
     in_sum = weighted + n * eta_e
-    sum_eta = model.sum_abs(n) * inv_s if model.sum_abs(n) else 0.0  # no rounding: none
+    sum_eta = model.sum_eta(n, inv_s)
     den_hi = in_sum + gamma + in_sum * gamma + sum_eta
     den_lo = in_sum + gamma * (1 + in_sum) + sum_eta
     log_top = m + max(float(np.max(model.log_exp_factor(sigma, a))), log_s + math.log1p(den_hi))
@@ -641,7 +646,7 @@ def _lse_row(xs: np.ndarray, xr: np.ndarray, model: _Model, shifted: bool, eps_l
             inv_s = float(np.exp(np.float64(-log_s - a)))
         gamma = model.gamma(n)
         in_sum = float(np.sum(e * rel)) / s_rel + n * model.eta_exp * inv_s
-        sum_eta = model.sum_abs(n) * inv_s if model.sum_abs(n) else 0.0  # no rounding: none
+        sum_eta = model.sum_eta(n, inv_s)
         m_up = in_sum + gamma + in_sum * gamma + sum_eta
         lam = in_sum + gamma * (1 + in_sum) + sum_eta
         y = a + log_s
