@@ -41,6 +41,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import numpy as np
@@ -384,6 +385,12 @@ def main() -> int:
         "percentile of the error over N random normal inputs per preset, at the first size",
     )
     parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also print, per preset at the first size, the least any deterministic bound can be "
+        "(benchmarks/rounding_floor.py: a worst-case rounding realised) beside A.1 and the error",
+    )
+    parser.add_argument(
         "--mha",
         action="store_true",
         help="also print A.2 and A.4 against the measured error at the README demo size "
@@ -520,6 +527,8 @@ def main() -> int:
             print(f"  {name}: {len(items)} inputs, e.g. {items[0]}")
     if args.search:
         print_search(rows, args.search, args.seed)
+    if args.floor:
+        print_floor(presets, sizes[0], args.seed)
     if args.probabilistic:
         print_probabilistic(presets, sizes[0], args.probabilistic, args.seed)
     if args.mha:
@@ -555,6 +564,60 @@ def print_search(rows: list[tuple[Config, Result]], budget: int, seed: int) -> N
         )
 
 
+def _floor_module() -> Any:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import rounding_floor
+
+    return rounding_floor
+
+
+def _entries(rng: np.random.Generator, shape: tuple[int, ...], *first: Any) -> list[Any]:
+    """The given entries, then 14 more drawn at random."""
+    picks = [np.unravel_index(int(np.argmax(a)), shape) for a in first]
+    picks += [np.unravel_index(int(i), shape) for i in rng.choice(math.prod(shape), 14)]
+    return [tuple(int(i) for i in e) for e in dict.fromkeys(tuple(p) for p in picks)]
+
+
+def print_floor(presets: list[str], size: tuple[int, int], seed: int) -> None:
+    """A.1 against the floor (a realised worst-case rounding) and the measured error."""
+    floor = _floor_module()
+    L, d = size
+    print()
+    print(f"The floor on one random normal input per preset, L={L} d={d}: F = the error of a")
+    print("worst-case rounding of the standard model, run (benchmarks/rounding_floor.py); no sound")
+    print("deterministic bound is below F. At the entry of the largest error and the largest A.1,")
+    print("then the median over them and 14 random entries: A.1/F is the derivation's own slack,")
+    print("F/err what no deterministic bound can remove")
+    head = ("preset", "max error", "max A.1", "A.1/err", "F/err", "A.1/F", "med A.1/F")
+    print(f"{head[0]:<18} {head[1]:>10} {head[2]:>10} {head[3]:>9} {head[4]:>9} {head[5]:>8} "
+          f"{head[6]:>9}")  # fmt: skip
+    for preset in presets:
+        num = Numerics.preset(preset)
+        fmt = get_format(num.input)
+        rng = np.random.default_rng(seed)
+        q, k, v = (
+            np.asarray(mn.round_to(rng.standard_normal((L, d)), fmt), np.float64) for _ in range(3)
+        )
+        out = np.asarray(mn.attention(q, k, v, numerics=num), np.float64)
+        err = np.abs(out - np.asarray(reference.attention(q, k, v), np.float64))
+        a1 = np.asarray(attention_bound(q, k, v, numerics=num).total)
+        entries = _entries(rng, err.shape, err, a1)
+        try:
+            f = floor.attention_floor(q, k, v, num, entries)
+        except InvalidArgument:
+            print(
+                f"{preset:<18} {'-':>10}  not modelled by the floor (operand roundings, exp2, ...)"
+            )
+            continue
+        big = np.abs(f.realised)
+        at = [float(a1[e]) for e in entries]
+        print(
+            f"{preset:<18} {err.max():10.3g} {a1.max():10.3g} {fmt_ratio(ratio(a1.max(), err.max())):>9} "
+            f"{fmt_ratio(ratio(big.max(), err.max())):>9} {fmt_ratio(ratio(at[0], big[0])):>8} "
+            f"{fmt_ratio(float(np.median(np.array(at) / big))):>9}"
+        )
+
+
 def lam_for(probability: float, numerics: Numerics, L: int, d: int) -> tuple[float, float]:
     """The λ that A.1 solves for ``probability`` at this size, and the probability it states
     (both depend on the number of rounding chains only, not on the values)."""
@@ -571,9 +634,12 @@ def print_probabilistic(presets: list[str], size: tuple[int, int], n: int, seed:
     print(f"Theorem A.3 on {n} random normal inputs per preset, L={L} d={d} (goal: A.3 <= 3× p99,")
     print("stated probability >= 0.99); A.3 and A.1 as the median over entries, beside the")
     print("99th percentile of the error over every entry; 'over' counts entries above A.3")
-    head = ("preset", "lam", "prob", "p99 error", "A.3", "A.3/p99", "A.1/p99", "over")
+    print("'ideal/p99': the least an Azuma-Hoeffding bound with this lam can be (the exact")
+    print("first-order sensitivities, benchmarks/rounding_floor.py), median over 16 entries of the")
+    print("first input")
+    head = ("preset", "lam", "prob", "p99 error", "A.3", "A.3/p99", "A.1/p99", "over", "ideal/p99")
     print(f"{head[0]:<18} {head[1]:>6} {head[2]:>7} {head[3]:>10} {head[4]:>10} {head[5]:>8} "
-          f"{head[6]:>8} {head[7]:>6}")  # fmt: skip
+          f"{head[6]:>8} {head[7]:>6} {head[8]:>9}")  # fmt: skip
     for preset in presets:
         num = Numerics.preset(preset)
         fmt = get_format(num.input)
@@ -583,12 +649,13 @@ def print_probabilistic(presets: list[str], size: tuple[int, int], n: int, seed:
             print(f"{preset:<18} {'-':>6} {'-':>7}  not covered: {exc}")
             continue
         rng = np.random.default_rng(seed)
-        errs, a3, a1 = [], [], []
+        errs, a3, a1, first = [], [], [], None
         for _ in range(n):
             q, k, v = (
                 np.asarray(mn.round_to(rng.standard_normal((L, d)), fmt), np.float64)
                 for _ in range(3)
             )
+            first = first or (q, k, v)
             out = np.asarray(mn.attention(q, k, v, numerics=num), np.float64)
             errs.append(np.abs(out - np.asarray(reference.attention(q, k, v), np.float64)))
             a3.append(attention_bound(q, k, v, numerics=num, lam=lam).total)
@@ -598,8 +665,24 @@ def print_probabilistic(presets: list[str], size: tuple[int, int], n: int, seed:
         print(
             f"{preset:<18} {lam:6.2f} {prob:7.4f} {p99:10.3g} {np.median(b3):10.3g} "
             f"{fmt_ratio(np.median(b3) / p99):>8} {fmt_ratio(np.median(b1) / p99):>8} "
-            f"{int(np.sum(e > b3)):>6}"
+            f"{int(np.sum(e > b3)):>6} {ideal_ratio(num, first, lam, p99, seed):>9}"
         )
+
+
+def ideal_ratio(
+    num: Numerics, qkv: tuple[np.ndarray, ...] | None, lam: float, p99: float, seed: int
+) -> str:
+    """The median over 16 entries of the least Azuma-Hoeffding bound with ``lam``, ÷ ``p99``."""
+    if qkv is None:
+        return "-"
+    q = qkv[0]
+    try:
+        f = _floor_module().attention_floor(
+            *qkv, num, _entries(np.random.default_rng(seed), (q.shape[0], qkv[2].shape[1]))
+        )
+    except InvalidArgument:
+        return "-"
+    return fmt_ratio(float(np.median(f.hoeffding(lam))) / p99)
 
 
 def print_mha(presets: list[str], seed: int) -> None:
@@ -615,8 +698,12 @@ def print_mha(presets: list[str], seed: int) -> None:
     print()
     print(f"MHA at the README demo size (d_model {width}, {heads} heads, L {length}; goals: "
           "A.2 <= 30× and A.4 <= 100× the measured error)")  # fmt: skip
+    print("F: the error of a worst-case rounding, run, at the entry of the largest error (no sound")
+    print("deterministic bound is below it; benchmarks/rounding_floor.py); ideal: the least an")
+    print("Azuma-Hoeffding bound with A.3's lam can be there")
     print(f"{'preset':<18} {'max error':>10} {'max A.2':>10} {'A.2/err':>9} {'A.3/err':>9} "
-          f"{'A.4':>10} {'A.4/err':>9} {'A.2 dominant':<14}")  # fmt: skip
+          f"{'A.4':>10} {'A.4/err':>9} {'F/err':>8} {'A.2/F':>8} {'ideal/err':>9} "
+          f"{'A.2 dominant':<14}")  # fmt: skip
     for preset in presets:
         num = Numerics.preset(preset)
         xr = np.asarray(mn.round_to(x, num.input), np.float64)
@@ -624,9 +711,22 @@ def print_mha(presets: list[str], seed: int) -> None:
         exact_r = exact if num.input == "float64" else np.asarray(
             reference.multi_head_attention(xr, xr, params, heads), np.float64
         )  # fmt: skip
-        err = float(np.max(np.abs(out - exact_r)))
+        errs = np.abs(out - exact_r)
+        err = float(np.max(errs))
         a2 = mha_bound(xr, xr, params, heads, numerics=num)
-        a3 = float(np.max(mha_bound(xr, xr, params, heads, numerics=num, probability=0.99).total))
+        b3 = mha_bound(xr, xr, params, heads, numerics=num, probability=0.99)
+        a3 = float(np.max(b3.total))
+        at = np.unravel_index(int(np.argmax(errs)), errs.shape)
+        try:
+            f = _floor_module().mha_floor(xr[0], params, heads, num, [at[1:]])
+            assert b3.lam is not None
+            big, ideal = abs(float(f.realised[0])), float(f.hoeffding(b3.lam)[0])
+            floor_cols = (
+                f"{fmt_ratio(ratio(big, err)):>8} {fmt_ratio(ratio(float(a2.total[at]), big)):>8} "
+                f"{fmt_ratio(ratio(ideal, err)):>9}"
+            )
+        except InvalidArgument:
+            floor_cols = f"{'-':>8} {'-':>8} {'-':>9}"
         a4 = mha_bound_a_priori(
             params, heads, length, length, x_max=float(np.abs(xr).max()), numerics=num
         )
@@ -635,7 +735,7 @@ def print_mha(presets: list[str], seed: int) -> None:
         print(
             f"{preset:<18} {err:10.3g} {a2max:10.3g} {fmt_ratio(ratio(a2max, err)):>9} "
             f"{fmt_ratio(ratio(a3, err)):>9} {a4max:10.3g} {fmt_ratio(ratio(a4max, err)):>9} "
-            f"{top:<14}"
+            f"{floor_cols} {top:<14}"
         )
 
 

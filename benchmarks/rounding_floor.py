@@ -1,0 +1,375 @@
+"""The least a deterministic rounding-error bound can be on given inputs, found by realising a
+worst-case rounding.
+
+A deterministic bound in the standard model (every operation ``fl(x op y) = (x op y)(1 + δ)``,
+``|δ| ≤ u`` of its format) must hold for **every** choice of the ``δ``, not only for the ones a
+real run makes. So on a given input, a choice of the ``δ`` whose error is ``F`` proves that no
+sound bound of that model is below ``F`` there, whatever its derivation; a bound's looseness is
+``bound / error = (bound / F) · (F / error)``: the first factor is the derivation's own slack,
+the second the model's (no deterministic bound can remove it).
+
+This module builds that choice for attention (:func:`attention_floor`) and multi-head attention
+(:func:`mha_floor`) as ``mhanum.attention``/``mhanum.multi_head_attention`` compute them with the
+safe softmax, ``exp``, the scale on the scores, IEEE dots, no mask and no bias, with every sum in
+sequential order (which a ``native`` bound covers, since it holds for every order):
+
+1. the first-order error of one output entry ``m`` is linear in the ``δ``: ``Σ_k g_k δ_k`` with
+   ``g_k`` the derivative of entry ``m`` with respect to the value rounded at site ``k`` times
+   that value (a sum's partial sums ``S_k`` for its ``k``-th addition), plus the known,
+   deterministic roundings (the weights into the input format, the scale constant);
+2. ``δ_k = u_k · sign(g_k)`` (times the sign of the known part) maximises it: the first-order
+   worst case ``W_m``;
+3. the computation is then **run** with those ``δ`` (in float64, every sum as its sequential
+   recurrence, each partial sum times its own ``1 + δ``): its error ``F_m`` at entry ``m`` is a
+   standard-model error, exact up to float64's own, with no first-order caveat.
+
+Sites left out only lower ``F`` (a floor with fewer roundings is still a floor): products are
+taken exact (a fused multiply-add), exp and division as correctly rounded (``u``, not the
+numerics' ``exp_ulps``/``div_ulps``), and no underflow. Operand roundings (``operand_format``,
+TF32) are not modelled: those numerics are refused.
+
+For the probabilistic bounds (A.3: Azuma–Hoeffding on ``|δ_k| ≤ u_k``, some roundings taken
+deterministically), :meth:`Floor.hoeffding` gives what a bound of that form reaches with the
+exact first-order sensitivities in place of every bound a derivation must take on them:
+``|known| + Σ_{k ≤ t} c_k + λ·sqrt(Σ_{k > t} c_k²)`` over the increments ``c_k = |g_k| u_k``,
+largest first, ``t`` chosen best.
+
+``python benchmarks/tightness.py --mha`` and ``--floor`` print these beside the bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+jax.config.update("jax_enable_x64", True)
+
+import mhanum as mn
+from mhanum import InvalidArgument, Numerics
+from mhanum.formats import Format
+
+Sites = dict[str, Any]
+
+
+def _narrows(src: Format, dst: Format) -> bool:
+    return dst.precision < src.precision
+
+
+def _check(num: Numerics) -> None:
+    plain = (
+        num.softmax == "safe"
+        and num.exp_form == "exp"
+        and num.scale == "scores"
+        and num.dot == "ieee"
+        and num.operand_format is None
+        and num.kv_splits is None
+        and num.prob_offset == 0
+    )
+    if not plain:
+        msg = (
+            f"numerics: the floor models the safe softmax, exp, scale on the scores, IEEE dots "
+            f"and no operand rounding; got {num}"
+        )
+        raise InvalidArgument(msg)
+
+
+def _rounded(x: np.ndarray, fmt: Format) -> np.ndarray:
+    return np.asarray(mn.round_to(x, fmt), np.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Formats:
+    u: dict[str, float]  # the unit roundoff of every site that rounds
+
+    @classmethod
+    def of(cls, num: Numerics, heads: bool, c: float) -> _Formats:
+        f = {s: num.format_of(s) for s in ("accum", "score", "softmax", "prob", "output")}
+        st = num.storage_format
+        u: dict[str, float] = {"qk_dot": f["accum"].u, "pv_dot": f["accum"].u}
+        if _narrows(f["accum"], f["score"]):
+            u["score_take"] = f["score"].u
+        if math.frexp(c)[0] != 0.5:  # times a power of two is exact (no underflow here)
+            u["scale_mul"] = f["score"].u
+        if _narrows(f["score"], f["softmax"]):
+            u["soft_take"] = f["softmax"].u
+        u |= {"shift": f["softmax"].u, "exp": f["softmax"].u, "sum": f["softmax"].u}
+        u["div"] = f["softmax"].u
+        if _narrows(f["softmax"], f["prob"]):
+            u["prob_take"] = f["prob"].u
+        if _narrows(f["accum"], f["output"]):
+            u["out_take"] = f["output"].u
+        if heads:
+            for z in "qkv":
+                u[f"{z}_dot"] = u[f"{z}_bias"] = f["accum"].u
+                if _narrows(f["accum"], st):
+                    u[f"{z}_store"] = st.u
+            u["y_dot"] = u["y_bias"] = f["accum"].u
+            if _narrows(f["accum"], f["output"]):
+                u["y_store"] = f["output"].u
+        return cls(u)
+
+
+def _partial_sums(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``S[k, ..., i, j] = Σ_{t ≤ k} a[..., i, t] b[..., t, j]``: a sequential dot's partial sums."""
+    return jnp.moveaxis(jnp.cumsum(a[..., :, :, None] * b[..., None, :, :], axis=-2), -2, 0)
+
+
+class _Run:
+    """One computation with perturbed roundings.
+
+    ``mode="linear"``: every rounding adds ``E[site]`` (zero at the call; its derivative is the
+    sensitivity); ``mode="real"``: every rounding multiplies by ``1 + D[site]`` (a sum's
+    ``D[site]`` has one ``δ`` per partial sum, leading axis).
+    """
+
+    def __init__(self, pert: Sites, mode: str) -> None:
+        self.pert, self.mode = pert, mode
+
+    def round(self, name: str, x: jax.Array) -> jax.Array:
+        if name not in self.pert:
+            return x
+        if self.mode == "linear":
+            return x + self.pert[name]
+        return x * (1 + self.pert[name])
+
+    def dot(self, name: str, a: jax.Array, b: jax.Array) -> jax.Array:
+        if name not in self.pert or self.mode == "linear":
+            return self.round(name, a @ b)
+        deltas = self.pert[name]  # (n, ..., i, j): the k-th addition's δ (k ≥ 1; row 0 unused)
+
+        def step(acc: jax.Array, tk: tuple[jax.Array, jax.Array, jax.Array]) -> Any:
+            at, bt, dk = tk
+            return (acc + at[..., :, None] * bt[..., None, :]) * (1 + dk), None
+
+        a_t = jnp.moveaxis(a, -1, 0)
+        b_t = jnp.moveaxis(b, -2, 0)
+        first = a_t[0][..., :, None] * b_t[0][..., None, :]
+        return jax.lax.scan(step, first, (a_t[1:], b_t[1:], deltas[1:]))[0]
+
+    def sum(self, name: str, e: jax.Array) -> jax.Array:
+        if name not in self.pert or self.mode == "linear":
+            return self.round(name, jnp.sum(e, axis=-1, keepdims=True))
+        deltas = self.pert[name]  # (n, ..., 1)
+        e_t = jnp.moveaxis(e, -1, 0)[..., None]
+
+        def step(acc: jax.Array, tk: tuple[jax.Array, jax.Array]) -> Any:
+            return (acc + tk[0]) * (1 + tk[1]), None
+
+        return jax.lax.scan(step, e_t[0], (e_t[1:], deltas[1:]))[0]
+
+
+def _attend(run: _Run, q: jax.Array, k: jax.Array, v: jax.Array, c: float) -> jax.Array:
+    t = run.round("score_take", run.dot("qk_dot", q, jnp.swapaxes(k, -1, -2)))
+    a = run.round("soft_take", run.round("scale_mul", t * c))
+    d = run.round("shift", a - jnp.max(a, axis=-1, keepdims=True))
+    e = run.round("exp", jnp.exp(d))
+    p = run.round("prob_take", run.round("div", e / run.sum("sum", e)))
+    return run.round("out_take", run.dot("pv_dot", p, v))
+
+
+def _split(x: jax.Array, heads: int) -> jax.Array:
+    return jnp.swapaxes(x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads), -2, -3)
+
+
+def _merge(x: jax.Array) -> jax.Array:
+    x = jnp.swapaxes(x, -2, -3)
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+def _mha(run: _Run, x: jax.Array, w: dict[str, Any], heads: int, c: float) -> jax.Array:
+    def proj(z: str, inp: jax.Array, wz: Any, bz: Any) -> jax.Array:
+        y = run.dot(f"{z}_dot", inp, wz)
+        return run.round(f"{z}_store", run.round(f"{z}_bias", y + bz))
+
+    q, k, v = (_split(proj(z, x, w[f"w{z}"], w[f"b{z}"]), heads) for z in "qkv")
+    o = _merge(_attend(run, q, k, v, c))
+    return proj("y", o, w["wo"], w["bo"])
+
+
+_TOP = 64  # the largest increments kept per entry (a bound with lam < 16 needs at most lam²/4)
+
+
+@dataclasses.dataclass
+class Floor:
+    """The realised worst-case rounding of chosen output entries.
+
+    Attributes:
+        entries: the output entries (index tuples).
+        known: per entry, the error of the known roundings alone (weights, scale constant).
+        worst: per entry, the first-order worst case ``W = |known| + Σ_k |g_k| u_k``.
+        realised: per entry, the error of the computation run with the maximising ``δ``
+            (``F``, the floor).
+        spread: per entry, ``sqrt(Σ_k g_k² u_k²)`` (the exact sensitivities' root sum of squares).
+        top: per entry, the ``_TOP`` largest increments ``|g_k| u_k``, largest first.
+    """
+
+    entries: list[tuple[int, ...]]
+    known: np.ndarray
+    worst: np.ndarray
+    realised: np.ndarray
+    spread: np.ndarray
+    top: np.ndarray
+
+    def hoeffding(self, lam: float) -> np.ndarray:
+        """Per entry, the least bound of A.3's form on the exact sensitivities: the ``t`` largest
+        increments ``|g_k| u_k`` taken deterministically, Azuma–Hoeffding with ``lam`` on the
+        rest, ``t`` chosen best (an increment ``c`` is worth taking out only if
+        ``c > 2·spread/lam``, which at most ``lam²/4`` can be)."""
+        if not 0 <= lam < 16:
+            msg = f"lam: expected 0 <= lam < 16, got {lam}"
+            raise InvalidArgument(msg)
+        out = []
+        for known, spread, top in zip(self.known, self.spread, self.top, strict=True):
+            taken = np.concatenate([[0.0], np.cumsum(top)])
+            rest = np.maximum(spread**2 - np.concatenate([[0.0], np.cumsum(top**2)]), 0.0)
+            out.append(abs(known) + float(np.min(taken + lam * np.sqrt(rest))))
+        return np.array(out)
+
+
+def _floor(
+    fwd: Callable[[_Run], jax.Array],
+    exact: np.ndarray,
+    masses: dict[str, tuple[jax.Array, bool]],
+    u: dict[str, float],
+    entries: list[tuple[int, ...]],
+) -> Floor:
+    """``masses[site] = (values, is_sum)``: a sum's partial sums (leading axis) or the rounded
+    values themselves."""
+    zeros = {s: jnp.zeros(m.shape[1:] if is_sum else m.shape) for s, (m, is_sum) in masses.items()}
+    y0, vjp = jax.vjp(lambda e: fwd(_Run(e, "linear")), zeros)
+    known = np.asarray(y0) - exact
+    worst, realised, spread, tops = [], [], [], []
+    real = jax.jit(lambda d: fwd(_Run(d, "real")))
+    for m in entries:
+        cot = jnp.zeros_like(y0).at[m].set(1.0)
+        (g,) = vjp(cot)
+        sign = 1.0 if known[m] >= 0 else -1.0
+        deltas, incs = {}, []
+        for s, (vals, is_sum) in masses.items():
+            if is_sum:  # δ_k S_k for k ≥ 1 (the first partial sum is a product, not rounded)
+                coef = g[s][None] * vals
+                coef = coef.at[0].set(0.0)
+            else:
+                coef = g[s] * vals
+            incs.append(u[s] * np.abs(np.asarray(coef)).ravel())
+            deltas[s] = sign * u[s] * jnp.sign(coef)
+        inc = np.concatenate(incs)
+        top = -np.sort(-np.partition(inc, -_TOP)[-_TOP:]) if inc.size > _TOP else -np.sort(-inc)
+        tops.append(np.pad(top, (0, _TOP - top.size)))
+        worst.append(abs(known[m]) + float(np.sum(inc)))
+        realised.append(float(real(deltas)[m]) - exact[m])
+        spread.append(math.sqrt(float(np.sum(inc**2))))
+    return Floor(
+        entries,
+        np.array([known[m] for m in entries]),
+        np.array(worst),
+        np.array(realised),
+        np.array(spread),
+        np.array(tops),
+    )
+
+
+def attention_floor(
+    q: Any, k: Any, v: Any, numerics: Numerics | str, entries: list[tuple[int, ...]]
+) -> Floor:
+    """The floor of :func:`mhanum.attention` on ``(L, d)`` inputs already in the input format,
+    default scale ``1/sqrt(d)``, at ``entries`` of the output."""
+    num = Numerics.preset(numerics) if isinstance(numerics, str) else numerics
+    _check(num)
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    fmt = num.format_of("input")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not np.array_equal(_rounded(x, fmt), x):
+            msg = f"{name}: expected values of the input format {fmt.name}"
+            raise InvalidArgument(msg)
+    c = 1.0 / math.sqrt(q.shape[-1])
+    c_hat = float(_rounded(np.array(c), num.format_of("score")))
+    u = _Formats.of(num, heads=False, c=c_hat).u
+    exact = np.asarray(mn.reference.attention(q, k, v), np.float64)
+
+    def fwd(run: _Run) -> jax.Array:
+        return _attend(run, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), c_hat)
+
+    masses = _attention_masses(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), c_hat, u)
+    return _floor(fwd, exact, masses, u, entries)
+
+
+def _attention_masses(
+    q: jax.Array, k: jax.Array, v: jax.Array, c: float, u: dict[str, float]
+) -> dict[str, tuple[jax.Array, bool]]:
+    """Every site's values at the unperturbed point (exact arithmetic, known roundings in)."""
+    t = q @ jnp.swapaxes(k, -1, -2)
+    a = t * c
+    d = a - jnp.max(a, axis=-1, keepdims=True)
+    e = jnp.exp(d)
+    p = e / jnp.sum(e, axis=-1, keepdims=True)
+    vals: dict[str, tuple[jax.Array, bool]] = {
+        "qk_dot": (_partial_sums(q, jnp.swapaxes(k, -1, -2)), True),
+        "score_take": (t, False),
+        "scale_mul": (a, False),
+        "soft_take": (a, False),
+        "shift": (d, False),
+        "exp": (e, False),
+        "sum": (jnp.moveaxis(jnp.cumsum(e, axis=-1), -1, 0)[..., None], True),
+        "div": (p, False),
+        "prob_take": (p, False),
+        "pv_dot": (_partial_sums(p, v), True),
+        "out_take": (p @ v, False),
+    }
+    return {s: m for s, m in vals.items() if s in u}
+
+
+def mha_floor(
+    x: Any, params: mn.MHAParams, heads: int, numerics: Numerics | str,
+    entries: list[tuple[int, ...]],
+) -> Floor:  # fmt: skip
+    """The floor of :func:`mhanum.multi_head_attention` (self-attention on ``x`` ``(L, d_model)``,
+    already in the input format; the weights are rounded into it as the emulation does) at
+    ``entries`` of the output."""
+    num = Numerics.preset(numerics) if isinstance(numerics, str) else numerics
+    _check(num)
+    x = np.asarray(x, np.float64)
+    fmt = num.format_of("input")
+    if not np.array_equal(_rounded(x, fmt), x):
+        msg = f"x: expected values of the input format {fmt.name}"
+        raise InvalidArgument(msg)
+    names = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
+    w_exact = {n: np.asarray(getattr(params, n), np.float64) for n in names}
+    w_hat = {n: jnp.asarray(_rounded(a, fmt)) for n, a in w_exact.items()}
+    dk = w_exact["wq"].shape[1] // heads
+    c = 1.0 / math.sqrt(dk)
+    c_hat = float(_rounded(np.array(c), num.format_of("score")))
+    u = _Formats.of(num, heads=True, c=c_hat).u
+    exact = np.asarray(mn.reference.multi_head_attention(x, x, params, heads), np.float64)
+    xj = jnp.asarray(x)
+
+    def fwd(run: _Run) -> jax.Array:
+        return _mha(run, xj, w_hat, heads, c_hat)
+
+    masses: dict[str, tuple[jax.Array, bool]] = {}
+    proj = {}
+    for z in "qkv":
+        s = _partial_sums(xj, w_hat[f"w{z}"])
+        proj[z] = s[-1] + w_hat[f"b{z}"]
+        masses |= {
+            f"{z}_dot": (s, True),
+            f"{z}_bias": (proj[z], False),
+            f"{z}_store": (proj[z], False),
+        }
+    q, k, v = (_split(proj[z], heads) for z in "qkv")
+    masses |= _attention_masses(q, k, v, c_hat, u)
+    t = q @ jnp.swapaxes(k, -1, -2)
+    a = t * c_hat
+    p = jax.nn.softmax(a, axis=-1)
+    o = _merge(p @ v)
+    s = _partial_sums(o, w_hat["wo"])
+    y = s[-1] + w_hat["bo"]
+    masses |= {"y_dot": (s, True), "y_bias": (y, False), "y_store": (y, False)}
+    masses = {n: m for n, m in masses.items() if n in u}
+    return _floor(fwd, exact, masses, u, entries)

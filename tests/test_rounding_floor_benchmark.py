@@ -1,0 +1,115 @@
+"""``benchmarks/rounding_floor.py``: a worst-case rounding of the standard model, run, against
+the bounds.
+
+The floor's rounding is one the bounds' model allows (every ``|δ| ≤ u`` of its format, sums in
+sequential order, which a ``native`` bound covers; a product by a power of two exact), so a sound
+bound is at least its error at every entry: an adversarial check of A.1 and A.2 with roundings
+chosen against them, entry by entry, rather than drawn.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mhanum as mn
+from mhanum import InvalidArgument
+from mhanum.bounds import attention_bound, mha_bound
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "rounding_floor.py"
+_spec = importlib.util.spec_from_file_location("rounding_floor", _PATH)
+assert _spec is not None
+assert _spec.loader is not None
+floor = importlib.util.module_from_spec(_spec)
+sys.modules["rounding_floor"] = floor  # its dataclasses look their module up
+_spec.loader.exec_module(floor)
+
+# every preset the floor models (safe softmax, exp, scale on the scores, IEEE dots)
+PRESETS = [
+    "fp64",
+    "fp32",
+    "bf16",
+    "bf16-fp32acc",
+    "fp16",
+    "fp16-fp32acc",
+    "fp8-e4m3-fp32acc",
+    "fp8-e5m2-fp32acc",
+]
+
+
+def _float64_slack(ops: int, mass: float) -> float:
+    """The float64 run's own rounding (``ops`` roundings along any chain, ``γ_ops(2⁻⁵³)``, on
+    values whose absolute sums are at most ``mass``) and the reference's rounding to float64."""
+    u = 2.0**-53
+    return (ops * u / (1 - ops * u) + u) * mass
+
+
+def _inputs(rng: np.random.Generator, fmt: str, L: int, d: int, family: str) -> list[np.ndarray]:
+    size = {"normal": 1.0, "large": 3.0, "peaked": 6.0}[family]
+    q, k, v = (rng.standard_normal((L, d)) for _ in range(3))
+    if family != "normal":
+        q, k = size * q, size * k  # logits of deviation 9 or 36: peaked rows
+    return [np.asarray(mn.round_to(x, fmt), np.float64) for x in (q, k, v)]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a1_covers_a_worst_case_rounding_at_every_entry(preset):
+    num = mn.Numerics.preset(preset)
+    rng = np.random.default_rng(7)
+    L = d = 8
+    for family in ("normal", "large", "peaked"):
+        q, k, v = _inputs(rng, num.input, L, d, family)
+        bound = np.asarray(attention_bound(q, k, v, numerics=num).total)
+        entries = [tuple(int(i) for i in e) for e in np.ndindex(bound.shape)]
+        f = floor.attention_floor(q, k, v, num, entries)
+        slack = _float64_slack(2 * (L + d) + 8, float(np.abs(v).sum(axis=0).max()))
+        for e, realised in zip(entries, f.realised, strict=True):
+            assert abs(realised) <= bound[e] + slack, (preset, family, e, realised, bound[e])
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a2_covers_a_worst_case_rounding(preset):
+    num = mn.Numerics.preset(preset)
+    rng = np.random.default_rng(11)
+    width, heads, L = 16, 2, 6
+    x = np.asarray(mn.round_to(rng.standard_normal((1, L, width)), num.input), np.float64)
+    params = mn.MHAParams.random(width, seed=3)
+    bound = np.asarray(mha_bound(x, x, params, heads, numerics=num).total)[0]
+    picks = rng.choice(bound.size, 8, replace=False)
+    entries = [tuple(int(i) for i in np.unravel_index(j, bound.shape)) for j in picks]
+    f = floor.mha_floor(x[0], params, heads, num, entries)
+    y = np.asarray(mn.reference.multi_head_attention(x, x, params, heads), np.float64)
+    slack = _float64_slack(4 * (width + L) + 16, float(np.abs(y).max()) + 1.0)
+    for e, realised in zip(entries, f.realised, strict=True):
+        assert abs(realised) <= bound[e] + slack, (preset, e, realised, bound[e])
+
+
+def test_hoeffding_takes_the_largest_increments_out_only_where_that_helps():
+    # one increment of 10 and fifty of 1
+    f = floor.Floor(
+        entries=[(0,)],
+        known=np.array([0.5]),
+        worst=np.array([60.5]),
+        realised=np.array([60.5]),
+        spread=np.array([math.sqrt(100 + 50)]),
+        top=np.array([[10.0] + [1.0] * 50 + [0.0] * 13]),
+    )
+    # lam = 1: all in the martingale, sqrt(150) < 10 + sqrt(50) < 60; lam = 6: the 10 out,
+    # 10 + 6·sqrt(50) = 52.4 < 60 (all out) < 6·sqrt(150) = 73.5
+    assert f.hoeffding(1.0)[0] == pytest.approx(0.5 + math.sqrt(150))
+    assert f.hoeffding(6.0)[0] == pytest.approx(0.5 + 10 + 6 * math.sqrt(50))
+    with pytest.raises(InvalidArgument, match="lam"):
+        f.hoeffding(20.0)
+
+
+def test_refuses_what_it_does_not_model():
+    q = np.ones((2, 2))
+    with pytest.raises(InvalidArgument, match="numerics"):
+        floor.attention_floor(q, q, q, "tf32", [(0, 0)])
+    with pytest.raises(InvalidArgument, match="q: expected values of the input format"):
+        floor.attention_floor(q * 0.1, q, q, "bf16", [(0, 0)])
