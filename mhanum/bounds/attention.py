@@ -622,10 +622,10 @@ def _head(
         delta = sum(sources.values())
         s_upper = s_upper + np.abs(b0) + e_b
         ranges.check(_on(used, s_upper, 0.0), fmts["score"], "the scores plus the bias")
-    # R.4: the scores read into the softmax format (and its smallest normal)
-    ranges.check(
-        _on(used, s_upper, 0.0), fmts["softmax"], "the scores read into the softmax format"
-    )
+    # R.4: the scores read into the softmax format (and its smallest normal); folded, the
+    # unscaled ones (no bias, no cap): with c2 < 1 they reach further than their products
+    read = (1 + u_s) * acc_upper + eta_s if folded else s_upper
+    ranges.check(_on(used, read, 0.0), fmts["softmax"], "the scores read into the softmax format")
     if fmts["softmax"].smallest_normal > fmts["score"].smallest_normal:
         sources["scale"] = sources["scale"] + fmts["softmax"].smallest_normal
         delta = sum(sources.values())

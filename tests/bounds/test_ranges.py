@@ -592,3 +592,24 @@ def test_lifted_exponentials_past_2_to_the_k_where_the_shift_rounds():
                    exp_form="exp2-folded", exp_ulps=2.0, div_ulps=1.0, prob_offset=8,
                    prob_format="float8_e5m2")  # fmt: skip
     _theorem(q, k, v, num, skip=False)
+
+
+@pytest.mark.parametrize("form", ["exp2-folded", "exp2-scaled"])
+def test_folded_scores_that_overflow_the_softmax_format_unscaled(form):
+    # found by the full profile (seed 1111): the folded forms read the *unscaled* scores into
+    # the softmax format; with c2 = scale·log2 e < 1 a score of 75,000 overflows float16 there
+    # (inf - inf: NaN) while its product by c2, 54,000, fits. The range check took the scaled
+    # scores and the bound was finite (0.21) on a NaN row
+    num = Numerics(
+        input="float32", accum="float32", score_format="tf32", softmax_format="float16",
+        exp_form=form,
+    )  # fmt: skip
+    q = np.array([[300.0, 0, 0, 0], [1.0, 0, 0, 0]])
+    k = np.array([[250.0, 0, 0, 0], [1.0, 0, 0, 0]])
+    v = np.array([[1.0, 2.0], [3.0, 4.0]])
+    out = np.asarray(mn.attention(q, k, v, numerics=num), np.float64)
+    assert np.isnan(out[0]).all()
+    bound = attention_bound(q, k, v, numerics=num)
+    assert np.isinf(bound.total[0]).all()
+    assert any("the scores read into the softmax format" in r for r in bound.reasons)
+    _theorem(q, k, v, num, skip=False)  # the second row: finite and within its bound
