@@ -447,6 +447,7 @@ def _head(
     replaced: np.ndarray | None = None,
     softcap: float | None = None,
     loose_constant: bool = False,
+    project: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray], _Ranges]:
     """The terms of Theorem A.1 for one head, the float64 output ``o = p v``, ``|o - o*|``, the
     logits term apportioned to the sources of the logit errors (``Bound.parts``) and the output
@@ -770,7 +771,7 @@ def _head(
     if num.kv_splits is None:
         terms, p, _, direct = _softmax_pv(
             s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold, across,
-            lift_arg,
+            lift_arg, project,
         )  # fmt: skip
     else:
         # folded: a split's lse is fl(fl(m·ĉ) + log ℓ) with ĉ = fl(scale), while its exponents
@@ -782,6 +783,7 @@ def _head(
             lse_scale, lift_arg,
         )  # fmt: skip
     plain = terms.pop(_PLAIN)
+    projected = terms.pop(_PROJECTED, None)
     # The logits term apportioned to the sources of δ by their p-weighted share in each row.
     row_delta = (p * delta).sum(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -793,6 +795,8 @@ def _head(
         }
     parts = {name: share * terms["logits"] * (1 + ev_rel) for name, share in shares.items()}
     parts[_PLAIN] = plain * (1 + ev_rel)
+    if projected is not None:
+        parts[_PROJECTED] = projected * (1 + ev_rel)
     # The target: the exact attention over the attended keys; in a row with none, the leaky
     # problem itself (fill: uniform over the keys; add: the unmasked softmax).
     empty = ~keep.any(axis=-1, keepdims=True)
@@ -835,6 +839,8 @@ def _head(
 
 _CHUNK = 2**18  # logits per chunk of query rows: the float64 temporaries stay small
 _PLAIN = "output:plain"  # the plain output term, carried with the logits' parts out of _head
+# A.2: the logits term through the output projection's weights (step (c')), carried likewise
+_PROJECTED = "logits:projected"
 
 
 def _head_rows(
@@ -853,6 +859,7 @@ def _head_rows(
     replaced: np.ndarray | None = None,
     softcap: float | None = None,
     loose_constant: bool = False,
+    project: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray], _Ranges]:
     """:func:`_head`, evaluated on chunks of query rows.
 
@@ -879,6 +886,7 @@ def _head_rows(
             replaced,
             softcap,
             loose_constant,
+            project,
         )
 
     def cut(x: Any, sl: slice) -> Any:
@@ -906,6 +914,7 @@ def _head_rows(
                 cut(replaced, sl),
                 softcap,
                 loose_constant,
+                project,
             )
         )
     ranges = _Ranges(rows, v.shape[-1])
@@ -922,7 +931,7 @@ def _head_rows(
         return {
             n: np.concatenate(
                 [
-                    np.broadcast_to(d.get(n, 0.0), shape)
+                    d[n] if n == _PROJECTED else np.broadcast_to(d.get(n, 0.0), shape)
                     for d, shape in zip(dicts, shapes, strict=True)
                 ]
             )
@@ -949,6 +958,7 @@ def _softmax_pv(
     fold: np.ndarray | None = None,
     across: list[tuple[np.ndarray, np.ndarray]] | None = None,
     lift_arg: np.ndarray | None = None,
+    project: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """Steps 4-7 of A.1 for logits ``s`` (``-inf`` where not live) off by at most ``delta``.
 
@@ -960,7 +970,11 @@ def _softmax_pv(
     A.3''s for each split. The choice, entry by entry, depends on the inputs only, not on the
     roundings, so each entry's bound is still one event. ``lift_arg`` (``prob_offset = k``) is
     each row's largest argument of a lifted exponential, natural units: ``k·ln 2`` and the
-    rounding of ``fl(m·c2) - k`` (step 3''), which the ranges of step R.5 take.
+    rounding of ``fl(m·c2) - k`` (step 3''), which the ranges of step R.5 take. ``project``
+    (A.2, step (c')) is ``(B, W)``: ``B_jm >= |v_j·ŵ_m - c_m|`` for the output projection's
+    weights ``ŵ`` as the kernel reads them and a constant ``c_m``, and ``W >= |ŵ|``; the terms
+    then carry ``Λ = L B + (κ - 1)(L|v|) W`` (``L`` the logits' per-key deviations of step 4,
+    ``κ`` the output's rounding factor), a bound on ``|Σ_l (ô - o)^logits_l ŵ_lm|``.
 
     Returns the terms (against the exact attention of these logits), its probabilities, the
     computed row sum's relative error ``T`` (step 5; ``inf`` in a vacuous row), and ``(p v,
@@ -1131,9 +1145,12 @@ def _softmax_pv(
     v_extra = v_abs - np.abs(v)  # the values' errors (0 for values the dot reads exactly)
     pv_abs = pl @ np.abs(v)
     ev = ev_rel * pv_abs
+    # Σ_j (p̃_j - p_j) = 0: the logits' part of the output is Σ_j (p̃_j - p_j)(v_j - c) for
+    # the keys' median c, at most Σ_j L_j |v_j - c| (step 4, centred)
+    v_dev = _centred(v, v_extra)
     with np.errstate(over="ignore", invalid="ignore"):
-        # |Σ_j p̃_j ṽ_j| <= |o| + Σ_j |p̃_j - p_j| v̄_j + Σ_j p_j (v̄_j - |v_j|)
-        logits_v = logits @ v_abs
+        # |Σ_j p̃_j ṽ_j| <= |o| + Σ_j |p̃_j - p_j| |v_j - c| + Σ_j p_j (v̄_j - |v_j|)
+        logits_v = logits @ v_dev
         o_tilde = (np.abs(o) + ev + logits_v + _dot(pl, v_extra)) * (1 + ev_rel)
         o_tilde = np.minimum(o_tilde, p_tilde_hi @ v_abs)
         inv = 1 / (1 - t_safe)
@@ -1166,7 +1183,7 @@ def _softmax_pv(
     else:
         g_row = g_pv
     if one_key:  # the factors changed on the one-key rows
-        logits_v, p_hat_v = logits @ v_abs, p_hat_hi @ v_abs
+        logits_v, p_hat_v = logits @ v_dev, p_hat_hi @ v_abs
     terms = {
         "logits": scale_out * logits_v,
         "softmax": scale_out * soft_term,
@@ -1225,7 +1242,25 @@ def _softmax_pv(
     # p = e/Σe on every row (the direct evaluation) is the exact softmax of these logits
     # evaluated as _head evaluates it: its products with v and |v| are the head's
     direct = (o, pv_abs) if _direct_rows(delta, live).all() else None
+    if project is not None:
+        # A.2 (c'): Σ_j (p̃_j - p_j) = 0, so the logits' part of the output, through the
+        # projection, is Σ_j (p̃_j - p_j)(v_j·ŵ_m - c_m), each output entry's rounding
+        # (1 + δ_l) apart: at most L B + (κ - 1) Σ_l (L|v|)_l |ŵ_lm|
+        b_proj, w_abs = project
+        with np.errstate(over="ignore", invalid="ignore"):
+            terms[_PROJECTED] = logits @ b_proj + (scale_out - 1) * (logits_v @ w_abs)
     return terms, p, np.where(vacuous, np.inf, t_safe), direct
+
+
+def _centred(v: np.ndarray, v_extra: np.ndarray) -> np.ndarray:
+    """``|v_j - c| + e_j`` (with the float64 subtraction's rounding) for ``c`` the median of
+    ``v`` over the keys, per column: a bound on ``|ṽ_j - c|`` for any ``|ṽ_j - v_j| <= e_j``.
+    Every ``c`` will do where the weights' deviations sum to zero (step 4); the median makes
+    ``Σ_j |v_j - c|`` least, and removes what the values share (a bias of the projection)."""
+    with np.errstate(invalid="ignore"):
+        finite = np.where(np.isfinite(v), v, 0.0)
+        centre = np.median(finite, axis=-2, keepdims=True)
+        return np.abs(v - centre) * (1 + 2.0**-51) + v_extra
 
 
 def _split_pv(
@@ -1904,6 +1939,100 @@ def head_output_bound(
     return err, out, out_given, tuple(dict.fromkeys(_reasons(reasons)))
 
 
+_INPUT_ROUNDING = ("auto", "exact", "bounded")
+_EXACT_LOGITS = 2**20  # "auto": the reference's cost, logits per call
+
+
+def _rounded_inputs(
+    x_q: Any, x_kv: Any, params: MHAParams, num: Numerics, how: str, scale: Any, heads: Any
+) -> tuple[np.ndarray, np.ndarray, MHAParams] | None:
+    """The inputs and weights rounded into ``numerics.input``, where A.2 takes their rounding
+    exactly (``input_rounding``); ``None`` where it bounds it instead: nothing rounds, a custom
+    scale (the reference's is ``1/sqrt(d_k)``), a rounded value that is not finite, or (auto)
+    more than ``2^20`` logits. Checks nothing else: the bound's own checks follow."""
+    if scale is not None:
+        return None
+    fmt = num.format_of("input")
+    try:
+        xs = [np.asarray(x, np.float64) for x in (x_q, x_kv)]
+        weights = {
+            f.name: np.asarray(getattr(params, f.name), np.float64)
+            for f in dataclasses.fields(params)
+            if getattr(params, f.name) is not None
+        }
+        outer = np.broadcast_shapes(xs[0].shape[:-2], xs[1].shape[:-2])
+        logits = math.prod(outer) * xs[0].shape[-2] * xs[1].shape[-2] * int(heads)
+    except (TypeError, ValueError):
+        return None  # the bound's checks name the argument
+    if how == "auto" and logits > _EXACT_LOGITS:
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        rx = [round_to(x, fmt).astype(np.float64) for x in xs]
+        rw = {n: round_to(a, fmt).astype(np.float64) for n, a in weights.items()}
+    values = [*rx, *rw.values()]
+    if not all(np.isfinite(a).all() for a in values):
+        return None
+    originals = [*xs, *weights.values()]
+    if all(np.array_equal(a, b) for a, b in zip(values, originals, strict=True)):
+        return None
+    return rx[0], rx[1], dataclasses.replace(params, **rw)
+
+
+def _rounding_effect(
+    given: tuple[Any, Any, MHAParams],
+    rounded: tuple[np.ndarray, np.ndarray, MHAParams],
+    heads: int,
+    options: dict[str, Any],
+) -> np.ndarray:
+    """``|y(x̂, ŵ) - y(x, w)|``, bounded above: two certified references, each the exact
+    value rounded to float64 (within ``2^-53`` relative, and 0 only where it is exactly),
+    their difference and its rounding; 0 on a fully masked row (the bound is inf there)."""
+    from mhanum import reference  # the certified exact values (no attention of mhanum's)
+
+    ys = [
+        np.asarray(
+            reference.multi_head_attention(x, x_kv, p, heads, fully_masked="zero", **options),
+            np.float64,
+        )
+        for x, x_kv, p in (rounded, given)
+    ]
+    return (np.abs(ys[0] - ys[1]) + 2.0**-52 * (np.abs(ys[0]) + np.abs(ys[1]))) * (1 + 2.0**-50)
+
+
+def _projected_values(v: np.ndarray, given: Any, wo: np.ndarray, num: Numerics) -> np.ndarray:
+    """A.2 (c'): ``B_jm >= |v*_j·ŵ_op,m - c_m|`` for one head's values ``v`` (float64, off the
+    exact ones by at most ``given``) and its rows ``wo`` of the output projection's weights as
+    rounded to the input format, read through the operand format (``ŵ_op``), with
+    ``c_m`` the median over the keys of ``v_j·ŵ_m`` (any constant will do: the deviations of the
+    probabilities sum to zero)."""
+    u_op, eta_op = operand_error(num)
+    vw = v @ wo
+    centre = np.median(vw, axis=0, keepdims=True)
+    v_abs, w_abs = np.abs(v), np.abs(wo)
+    # the float64 product's rounding, the values' own error and the operand rounding of ŵ
+    spread = evaluation_rounding(v.shape[-1]) * v_abs + np.broadcast_to(given, v.shape)
+    extra = spread @ ((1 + u_op) * w_abs + eta_op)
+    if u_op or eta_op:
+        extra = extra + v_abs @ (u_op * w_abs + eta_op)
+    return np.abs(vw - centre) * (1 + 2.0**-51) + extra
+
+
+def _logits_through_projection(
+    term: np.ndarray, linear: np.ndarray, projected: np.ndarray, ev: float
+) -> np.ndarray:
+    """A.2 (c'): the logits term ``κ (t L|v|) |ŵ|`` of step (c), with its linear part
+    ``Σ_l t_l|ŵ_lm|`` (``linear``) replaced where the heads' ``Λ`` (``projected``, step (c'))
+    is smaller: ``term - (linear - Λ)``, the factor ``κ >= 1`` kept on the rest. ``ev`` is the
+    float64 evaluation's relative rounding of both."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        gain = np.where(
+            np.isfinite(linear) & np.isfinite(projected),
+            np.fmax(linear * (1 - ev) - projected * (1 + ev), 0.0),
+            0.0,
+        )
+        return np.where(gain > 0, (term - gain) * (1 + 2.0**-51), term)
+
+
 def mha_bound(
     x_q: Any,
     x_kv: Any,
@@ -1919,6 +2048,7 @@ def mha_bound(
     num_kv_heads: int | None = None,
     sink: Any = None,
     softcap: float | None = None,
+    input_rounding: str = "auto",
 ) -> Bound:
     """Theorem A.2: a componentwise bound on ``|multi_head_attention(...) − exact|``.
 
@@ -1937,7 +2067,18 @@ def mha_bound(
     (b) Theorem A.1 for every head, with its operands off the exact projections by the bounds of
     (a) (A.1, step 1) and a term ``evaluation`` for the float64 stand-ins of the exact ones;
 
-    (c) the output projection as in (a), with the per-head outputs off by the totals of (b).
+    (c) the output projection as in (a), with the per-head outputs off by the totals of (b);
+    (c') the logits term of (b) through the weights: the probabilities' deviations sum to zero,
+    so their part of the output is ``Σ_j (p̃_j - p_j)(v_j ŵ_o - c)``, at most
+    ``Σ_j L_j|v_j ŵ_o - c|`` (``L`` step 4's deviations) where that is smaller than (c)'s.
+
+    With ``input_rounding="exact"`` the rounding of the inputs and weights into
+    ``numerics.input`` is not bounded but computed: the bound is A.2 for the rounded inputs
+    and weights (what the computation reads, exactly) plus the term ``input_rounding``,
+    ``|y(x̂, ŵ) - y(x, w)|`` of two certified references (each within ``2^-53`` relative).
+    That costs two evaluations of :func:`mhanum.reference.multi_head_attention`; the
+    default ``"auto"`` takes it where something rounds and there are at most ``2^20``
+    logits, ``"bounded"`` never.
 
     The terms are those of A.1 propagated through the output projection
     (``attention.logits``, ``attention.softmax``, ...) and ``output_projection``, the error of
@@ -1967,6 +2108,10 @@ def mha_bound(
             are counted in ``Bound.probability``).
         probability: instead of ``lam``, the probability the bound should state, as for
             :func:`attention_bound`.
+        input_rounding: ``"auto"``, ``"exact"`` or ``"bounded"``: how the rounding of the
+            inputs and weights into ``numerics.input`` is charged (above). ``"exact"`` needs
+            the default scale and falls back to ``"bounded"`` where a rounded value is not
+            finite (the range check then says so).
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape ``(..., Lq, d_out)``.
@@ -1979,9 +2124,27 @@ def mha_bound(
         higham2002 (§3.1); blanchard2021; papers/attention.md Theorems A.1 and A.2.
     """
     num = resolve(numerics)
+    if input_rounding not in _INPUT_ROUNDING:
+        msg = f"input_rounding: expected one of {_INPUT_ROUNDING}, got {input_rounding!r}"
+        raise InvalidArgument(msg)
     if not isinstance(params, MHAParams):
         msg = f"params: expected an MHAParams, got {type(params).__name__}"
         raise InvalidArgument(msg)
+    if input_rounding != "bounded":
+        rounded = _rounded_inputs(x_q, x_kv, params, num, input_rounding, scale, num_heads)
+        if rounded is not None:
+            options = {"mask": mask, "bias": bias, "num_kv_heads": num_kv_heads, "sink": sink}
+            options["softcap"] = softcap
+            inner = mha_bound(
+                *rounded, num_heads, numerics=num, lam=lam, probability=probability,
+                input_rounding="bounded", **options,
+            )  # fmt: skip
+            effect = _rounding_effect((x_q, x_kv, params), rounded, num_heads, options)
+            return dataclasses.replace(
+                inner,
+                total=inner.total + effect,
+                terms={**inner.terms, "input_rounding": effect},
+            )
     if num_kv_heads is not None:
         params = params.expand_kv_heads(num_heads, num_kv_heads)
     heads = V.positive_int(num_heads, "num_heads")
@@ -2057,10 +2220,18 @@ def mha_bound(
         if sink is not None and name != "q":  # the sink's key and value: exact zeros
             proj[name] = tuple(masks.zero_key(x) for x in proj[name])
     c = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
+    d_v = params.v_width // heads
+    wo_hat = round_to(w["wo"], fmt_in).astype(np.float64)  # the weights the kernel reads
+    u_op, eta_op = operand_error(num)
+    wo_slope = (1 + u_op) * np.abs(wo_hat) + eta_op  # >= |ŵ_op|
     results = {}
     for i in np.ndindex(*outer, heads):
         (q, eq, gq), (k, ek, gk), (v, ev, gv) = (proj[n] for n in "qkv")
+        cols = slice(i[-1] * d_v, (i[-1] + 1) * d_v)
         with _quiet():
+            project = None
+            if num.kv_splits is None:
+                project = (_projected_values(v[i], gv[i], wo_hat[cols], num), wo_slope[cols])
             results[i] = _head_rows(
                 q[i],
                 k[i],
@@ -2076,8 +2247,9 @@ def mha_bound(
                 None if masked is None else masked[i],
                 None if replaced is None else replaced[i],
                 cap,
+                project=project,
             )
-    shape = (*outer, heads, rows, params.v_width // heads)
+    shape = (*outer, heads, rows, d_v)
 
     def gather(pick: Any) -> np.ndarray:
         return merge_heads(
@@ -2086,7 +2258,7 @@ def mha_bound(
 
     names = sorted({name for r in results.values() for name in r[0]})
     head_terms = {n: gather(lambda r, n=n: r[0].get(n, np.zeros_like(r[1]))) for n in names}
-    sources = sorted({name for r in results.values() for name in r[3]} - {_PLAIN})
+    sources = sorted({name for r in results.values() for name in r[3]} - {_PLAIN, _PROJECTED})
     head_parts = {n: gather(lambda r, n=n: r[3].get(n, np.zeros_like(r[1]))) for n in sources}
     o, o_given = gather(lambda r: r[1]), gather(lambda r: r[2])
     out = linear(o, o_given, w["wo"], w["bo"], num, num.format_of("output"), lam)
@@ -2101,6 +2273,22 @@ def mha_bound(
     )
     reasons += why
     terms = {f"attention.{n}": out.kappa * (t @ out.slope) for n, t in head_terms.items()}
+    logits = {n: out.kappa * (t @ out.slope) for n, t in head_parts.items()}
+    if num.kv_splits is None and "logits" in head_terms:
+        kept = _logits_through_projection(
+            terms["attention.logits"],
+            head_terms["logits"] @ out.slope,
+            np.sum([results[i][3][_PROJECTED] for i in np.ndindex(heads)], axis=0)
+            if not outer
+            else np.stack([results[i][3][_PROJECTED] for i in np.ndindex(*outer, heads)])
+            .reshape(*outer, heads, rows, -1)
+            .sum(axis=-3),
+            evaluation_rounding(max(params.v_width, keys)),
+        )
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = np.where(terms["attention.logits"] > 0, kept / terms["attention.logits"], 0.0)
+        logits = {n: np.where(np.isfinite(share), share * x, x) for n, x in logits.items()}
+        terms["attention.logits"] = kept
     terms["output_projection"] = out.fixed
     full = terms["output_projection"].shape
     overflow = (
@@ -2113,7 +2301,6 @@ def mha_bound(
     for n, hit in (("overflow", overflow), ("vacuous", vacuous), ("fully_masked", dead_rows)):
         if hit.any():
             terms[n] = np.where(hit, np.inf, 0.0)
-    logits = {n: out.kappa * (t @ out.slope) for n, t in head_parts.items()}
     total = sum(terms.values())
     reasons = list(dict.fromkeys(reasons))
     return _result(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -466,3 +468,67 @@ def test_a_negative_scale_is_bounded():
         out = np.asarray(mn.attention(x, x, x, scale=scale, numerics="bf16-fp32acc"), np.float64)
         assert np.isfinite(bound.total).all()
         assert np.all(np.abs(out - reference.attention(x, x, x, scale=scale)) <= bound.total)
+
+
+def test_mha_bound_computes_the_rounding_of_inputs_and_weights():
+    # bfloat16 inputs: the float64 weights and inputs round, and A.2 (d) takes that rounding's
+    # effect from two certified references instead of bounding it
+    rng = np.random.default_rng(21)
+    params = mn.MHAParams.random(16, seed=4)
+    x = rng.standard_normal((6, 16))
+    num = Numerics.preset("bf16-fp32acc")
+    exact = mha_bound(x, x, params, 2, numerics=num)
+    bounded = mha_bound(x, x, params, 2, numerics=num, input_rounding="bounded")
+    out = np.asarray(mn.multi_head_attention(x, x, params, 2, numerics=num), np.float64)
+    err = np.abs(out - reference.multi_head_attention(x, x, params, 2))
+    assert np.all(err <= exact.total)
+    assert np.all(err <= bounded.total)
+    assert "input_rounding" not in bounded.terms
+    # the term is the references' difference, with their rounding (2^-52 relative) added
+    fmt = num.format_of("input")
+    xr = np.asarray(mn.round_to(x, fmt), np.float64)
+    pr = dataclasses.replace(
+        params,
+        **{
+            f.name: np.asarray(mn.round_to(getattr(params, f.name), fmt), np.float64)
+            for f in dataclasses.fields(params)
+        },
+    )
+    r_hat, r = (
+        reference.multi_head_attention(xr, xr, pr, 2),
+        reference.multi_head_attention(x, x, params, 2),
+    )
+    diff = np.abs(r_hat - r)
+    term = exact.terms["input_rounding"]
+    assert np.all(term >= diff)
+    assert np.all(term <= (diff + 2.0**-52 * (np.abs(r_hat) + np.abs(r))) * (1 + 2.0**-49))
+    # its remaining terms are A.2 of the rounded inputs and weights, which nothing rounds
+    inner = mha_bound(xr, xr, pr, 2, numerics=num)
+    assert "input_rounding" not in inner.terms
+    np.testing.assert_array_equal(exact.total, inner.total + term)
+    # inputs that are values of the format: nothing to compute, the same bound either way
+    np.testing.assert_array_equal(
+        inner.total, mha_bound(xr, xr, pr, 2, numerics=num, input_rounding="exact").total
+    )
+    with pytest.raises(InvalidArgument, match="input_rounding: expected one of"):
+        mha_bound(x, x, params, 2, numerics=num, input_rounding="reference")
+
+
+def test_mha_logits_term_ignores_what_the_values_share():
+    # A.2 (c'): the probabilities' deviations sum to zero, so a value bias common to every key
+    # moves no output through the logits; the term must not grow with it (it grew as |v|)
+    rng = np.random.default_rng(22)
+    base = mn.MHAParams.random(16, seed=5)
+    x = rng.standard_normal((8, 16))
+    terms = []
+    for shift in (0.0, 100.0):
+        params = mn.MHAParams(
+            base.wq, base.wk, base.wv, base.wo, base.bq, base.bk, base.bv + shift, base.bo
+        )
+        bound = mha_bound(x, x, params, 2, numerics="fp32")
+        out = np.asarray(mn.multi_head_attention(x, x, params, 2, numerics="fp32"), np.float64)
+        err = np.abs(out - reference.multi_head_attention(x, x, params, 2))
+        assert np.all(err <= bound.total)
+        terms.append(np.max(bound.terms["attention.logits"]))
+    # what stays: the float64 slack on v·ŵ (2^-40 of |v||ŵ|) and the output rounding's share
+    assert terms[1] <= 2 * terms[0]
