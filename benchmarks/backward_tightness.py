@@ -208,6 +208,51 @@ def torch_tolerances() -> bool:
     return ok
 
 
+def floor_tightness(length: int, d: int) -> bool:
+    """B.1 (textbook) against the floor: one random normal input per preset; per gradient, the
+    largest error and bound, ``F/err`` (the floor's error at the entry of the largest error
+    over that error: what no deterministic bound removes) and ``B/F`` at the entry of the
+    largest bound and the median over 16 entries (the derivation's own slack)."""
+    import os
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import rounding_floor
+
+    print(f"B.1 (textbook) against the floor, one random normal input, L = d = {length}:")
+    print(f"{'preset':<14} {'grad':<4} {'max err':>10} {'max B':>10} {'B/err':>8} {'F/err':>8} "
+          f"{'B/F':>7} {'med B/F':>8}")  # fmt: skip
+    ok = True
+    for preset in ("fp32", "bf16-fp32acc", "fp16-fp32acc"):
+        fmt = PRESETS[preset].format_of("input")
+        rng = np.random.default_rng(0)
+        q, k, v, g = (
+            np.asarray(round_to(rng.standard_normal((length, d)), fmt), np.float64)
+            for _ in range(4)
+        )
+        out = attention_grad(q, k, v, g, numerics=preset)
+        ref = reference.attention_grad(q, k, v, g)
+        bounds = attention_grad_bound(q, k, v, g, numerics=preset)
+        for name in NAMES:
+            err = np.abs(np.asarray(getattr(out, name), np.float64) - getattr(ref, name))
+            bound = np.asarray(getattr(bounds, name).total)
+            ok = ok and bool(np.all(err <= bound))
+            top_e = tuple(int(i) for i in np.unravel_index(np.argmax(err), err.shape))
+            top_b = tuple(int(i) for i in np.unravel_index(np.argmax(bound), bound.shape))
+            picks = rng.choice(bound.size, 14, replace=False)
+            rest = [tuple(int(i) for i in np.unravel_index(j, bound.shape)) for j in picks]
+            entries = list(dict.fromkeys([top_e, top_b, *rest]))
+            f = rounding_floor.attention_grad_floor(q, k, v, g, preset, name, entries)
+            big = np.abs(f.realised)
+            at = np.array([bound[e] for e in entries])
+            print(
+                f"{preset:<14} {name:<4} {err.max():10.3g} {bound.max():10.3g} "
+                f"{bound.max() / err.max():8.3g} {big[0] / err.max():8.3g} "
+                f"{bound[top_b] / big[entries.index(top_b)]:7.3g} "
+                f"{float(np.median(at / big)):8.3g}"
+            )
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="add L = 1024, d = 64")
@@ -217,8 +262,15 @@ def main(argv: list[str] | None = None) -> int:
         "--search", type=int, default=None, metavar="BUDGET",
         help="the gradient search's worst input beside random inputs (instead of Parts 1, 2)",
     )  # fmt: skip
-    parser.add_argument("--length", type=int, default=64, help="L = d for --search")
+    parser.add_argument("--length", type=int, default=64, help="L = d for --search and --floor")
+    parser.add_argument(
+        "--floor", action="store_true",
+        help="the textbook bounds against the floor (benchmarks/rounding_floor.py; instead of "
+        "Parts 1, 2)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.floor:
+        return 0 if floor_tightness(args.length, args.length) else 1
     if args.search is not None:
         ok = search_tightness(args.length, args.length, args.search, args.n)
         print(f"\ngoal: max/max <= {GOAL:g}; every bound holds: {'yes' if ok else 'NO'}")

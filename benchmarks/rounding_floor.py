@@ -8,8 +8,8 @@ sound bound of that model is below ``F`` there, whatever its derivation; a bound
 ``bound / error = (bound / F) · (F / error)``: the first factor is the derivation's own slack,
 the second the model's (no deterministic bound can remove it).
 
-This module builds that choice for attention (:func:`attention_floor`) and multi-head attention
-(:func:`mha_floor`) as ``mhanum.attention``/``mhanum.multi_head_attention`` compute them with the
+This module builds that choice for attention (:func:`attention_floor`), multi-head attention
+(:func:`mha_floor`) and attention's textbook backward (:func:`attention_grad_floor`) as ``mhanum.attention``/``mhanum.multi_head_attention`` compute them with the
 safe softmax, ``exp``, the scale on the scores, IEEE dots, no mask and no bias, with every sum in
 sequential order (which a ``native`` bound covers, since it holds for every order):
 
@@ -372,4 +372,106 @@ def mha_floor(
     y = s[-1] + w_hat["bo"]
     masses |= {"y_dot": (s, True), "y_bias": (y, False), "y_store": (y, False)}
     masses = {n: m for n, m in masses.items() if n in u}
+    return _floor(fwd, exact, masses, u, entries)
+
+
+def _grad_formats(num: Numerics, c: float) -> dict[str, float]:
+    """The sites of the textbook backward (Backward's default formats) and the forward's up
+    to the stored probabilities."""
+    u = _Formats.of(num, heads=False, c=c).u
+    for site in ("pv_dot", "out_take"):
+        u.pop(site, None)
+    acc, out = num.format_of("accum"), num.format_of("output")
+    grad, prob = num.format_of("softmax"), num.format_of("prob")
+    u |= {"dv_dot": acc.u, "dp_dot": acc.u, "dq_dot": acc.u, "dk_dot": acc.u}
+    if _narrows(acc, grad):
+        u["dp_take"] = grad.u
+    if _narrows(prob, grad):
+        u["pg_take"] = grad.u
+    u |= {"dpp_mul": grad.u, "d_sum": grad.u, "diff_sub": grad.u, "ds_mul": grad.u}
+    if _narrows(acc, out):
+        u |= {"dq_out": out.u, "dk_out": out.u, "dv_out": out.u}
+    if math.frexp(c)[0] != 0.5:  # fl_acc(ĉ·acc) at the end of dq and dk
+        u |= {"dq_scale": acc.u, "dk_scale": acc.u}
+    return u
+
+
+def _grad(run: _Run, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, c: float) -> Any:
+    t = run.round("score_take", run.dot("qk_dot", q, k.T))
+    a = run.round("soft_take", run.round("scale_mul", t * c))
+    d = run.round("shift", a - jnp.max(a, axis=-1, keepdims=True))
+    e = run.round("exp", jnp.exp(d))
+    p = run.round("prob_take", run.round("div", e / run.sum("sum", e)))
+    dv = run.round("dv_out", run.dot("dv_dot", p.T, g))
+    dp = run.round("dp_take", run.dot("dp_dot", g, v.T))
+    pg = run.round("pg_take", p)
+    big_d = run.sum("d_sum", run.round("dpp_mul", dp * pg))
+    ds = run.round("ds_mul", pg * run.round("diff_sub", dp - big_d))
+    dq = run.round("dq_out", run.round("dq_scale", run.dot("dq_dot", ds, k) * c))
+    dk = run.round("dk_out", run.round("dk_scale", run.dot("dk_dot", ds.T, q) * c))
+    return {"dq": dq, "dk": dk, "dv": dv}
+
+
+def attention_grad_floor(
+    q: Any, k: Any, v: Any, d_out: Any, numerics: Numerics | str, which: str,
+    entries: list[tuple[int, ...]],
+) -> Floor:  # fmt: skip
+    """The floor of the gradient ``which`` (``"dq"``, ``"dk"``, ``"dv"``) of
+    :func:`mhanum.attention_grad` with the textbook backward and its default formats, on
+    ``(L, d)`` inputs and ``d_out`` already in the input format, default scale, no mask."""
+    num = Numerics.preset(numerics) if isinstance(numerics, str) else numerics
+    _check(num)
+    if which not in ("dq", "dk", "dv"):
+        msg = f"which: expected 'dq', 'dk' or 'dv', got {which!r}"
+        raise InvalidArgument(msg)
+    arrays = [np.asarray(x, np.float64) for x in (q, k, v, d_out)]
+    fmt = num.format_of("input")
+    for name, x in zip(("q", "k", "v", "d_out"), arrays, strict=True):
+        if not np.array_equal(_rounded(x, fmt), x):
+            msg = f"{name}: expected values of the input format {fmt.name}"
+            raise InvalidArgument(msg)
+    q, k, v, g = (jnp.asarray(x) for x in arrays)
+    c = 1.0 / math.sqrt(q.shape[-1])
+    c_hat = float(_rounded(np.array(c), num.format_of("score")))
+    u = _grad_formats(num, c_hat)
+    exact = np.asarray(getattr(mn.reference.attention_grad(*arrays), which), np.float64)
+
+    def fwd(run: _Run) -> jax.Array:
+        return _grad(run, q, k, v, g, c_hat)[which]
+
+    t = q @ k.T
+    a = t * c_hat
+    d = a - jnp.max(a, axis=-1, keepdims=True)
+    e = jnp.exp(d)
+    p = e / jnp.sum(e, axis=-1, keepdims=True)
+    dp = g @ v.T
+    big_d = jnp.sum(dp * p, axis=-1, keepdims=True)
+    ds = p * (dp - big_d)
+    vals: dict[str, tuple[jax.Array, bool]] = {
+        "qk_dot": (_partial_sums(q, k.T), True),
+        "score_take": (t, False),
+        "scale_mul": (a, False),
+        "soft_take": (a, False),
+        "shift": (d, False),
+        "exp": (e, False),
+        "sum": (jnp.moveaxis(jnp.cumsum(e, axis=-1), -1, 0)[..., None], True),
+        "div": (p, False),
+        "prob_take": (p, False),
+        "dv_dot": (_partial_sums(p.T, g), True),
+        "dv_out": (p.T @ g, False),
+        "dp_dot": (_partial_sums(g, v.T), True),
+        "dp_take": (dp, False),
+        "pg_take": (p, False),
+        "dpp_mul": (dp * p, False),
+        "d_sum": (jnp.moveaxis(jnp.cumsum(dp * p, axis=-1), -1, 0)[..., None], True),
+        "diff_sub": (dp - big_d, False),
+        "ds_mul": (ds, False),
+        "dq_dot": (_partial_sums(ds, k), True),
+        "dq_scale": (ds @ k * c_hat, False),
+        "dq_out": (ds @ k * c_hat, False),
+        "dk_dot": (_partial_sums(ds.T, q), True),
+        "dk_scale": (ds.T @ q * c_hat, False),
+        "dk_out": (ds.T @ q * c_hat, False),
+    }
+    masses = {n: m for n, m in vals.items() if n in u}
     return _floor(fwd, exact, masses, u, entries)

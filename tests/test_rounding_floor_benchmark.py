@@ -19,7 +19,7 @@ import pytest
 
 import mhanum as mn
 from mhanum import InvalidArgument
-from mhanum.bounds import attention_bound, mha_bound
+from mhanum.bounds import attention_bound, attention_grad_bound, mha_bound
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "rounding_floor.py"
 _spec = importlib.util.spec_from_file_location("rounding_floor", _PATH)
@@ -113,3 +113,23 @@ def test_refuses_what_it_does_not_model():
         floor.attention_floor(q, q, q, "tf32", [(0, 0)])
     with pytest.raises(InvalidArgument, match="q: expected values of the input format"):
         floor.attention_floor(q * 0.1, q, q, "bf16", [(0, 0)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["fp32", "bf16-fp32acc", "fp16-fp32acc", "bf16"])
+def test_b1_covers_a_worst_case_rounding_of_every_gradient(preset):
+    num = mn.Numerics.preset(preset)
+    rng = np.random.default_rng(13)
+    L = d = 8
+    for family in ("normal", "large"):
+        q, k, v = _inputs(rng, num.input, L, d, family)
+        g = np.asarray(mn.round_to(rng.standard_normal((L, d)), num.input), np.float64)
+        bounds = attention_grad_bound(q, k, v, g, numerics=num)
+        mass = float(np.abs(v).sum() * np.abs(g).max() * (1 + np.abs(q).max() + np.abs(k).max()))
+        slack = _float64_slack(4 * (L + d) + 16, mass)
+        for name in ("dq", "dk", "dv"):
+            bound = np.asarray(getattr(bounds, name).total)
+            entries = [tuple(int(i) for i in e) for e in np.ndindex(bound.shape)]
+            f = floor.attention_grad_floor(q, k, v, g, num, name, entries)
+            for e, realised in zip(entries, f.realised, strict=True):
+                assert abs(realised) <= bound[e] + slack, (preset, family, name, e, realised)
