@@ -439,24 +439,12 @@ def attention_grad_floor(
     def fwd(run: _Run) -> jax.Array:
         return _grad(run, q, k, v, g, c_hat)[which]
 
-    t = q @ k.T
-    a = t * c_hat
-    d = a - jnp.max(a, axis=-1, keepdims=True)
-    e = jnp.exp(d)
-    p = e / jnp.sum(e, axis=-1, keepdims=True)
+    masses = _attention_masses(q, k, v, c_hat, u)  # the forward's sites up to P
+    p = jax.nn.softmax(q @ k.T * c_hat, axis=-1)
     dp = g @ v.T
     big_d = jnp.sum(dp * p, axis=-1, keepdims=True)
     ds = p * (dp - big_d)
     vals: dict[str, tuple[jax.Array, bool]] = {
-        "qk_dot": (_partial_sums(q, k.T), True),
-        "score_take": (t, False),
-        "scale_mul": (a, False),
-        "soft_take": (a, False),
-        "shift": (d, False),
-        "exp": (e, False),
-        "sum": (jnp.moveaxis(jnp.cumsum(e, axis=-1), -1, 0)[..., None], True),
-        "div": (p, False),
-        "prob_take": (p, False),
         "dv_dot": (_partial_sums(p.T, g), True),
         "dv_out": (p.T @ g, False),
         "dp_dot": (_partial_sums(g, v.T), True),
@@ -473,5 +461,5 @@ def attention_grad_floor(
         "dk_scale": (ds.T @ q * c_hat, False),
         "dk_out": (ds.T @ q * c_hat, False),
     }
-    masses = {n: m for n, m in vals.items() if n in u}
+    masses |= {n: m for n, m in vals.items() if n in u}
     return _floor(fwd, exact, masses, u, entries)
