@@ -1955,6 +1955,8 @@ def _rounded_inputs(
     fmt = num.format_of("input")
     try:
         xs = [np.asarray(x, np.float64) for x in (x_q, x_kv)]
+        if min(x.ndim for x in xs) < 2:
+            return None
         weights = {
             f.name: np.asarray(getattr(params, f.name), np.float64)
             for f in dataclasses.fields(params)

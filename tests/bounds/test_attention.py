@@ -331,6 +331,11 @@ def test_mha_bound_terms_and_one_head_against_attention_bound():
         ((np.zeros((3, 7)), np.zeros((3, 8)), None, 2), "x_q: expected last dimension 8"),
         ((np.zeros((3, 8)), np.zeros((3, 8)), None, 3), "num_heads"),
         ((np.full((3, 8), np.nan), np.zeros((3, 8)), None, 2), "x_q: expected finite values"),
+        # before the inputs' rounding is taken exactly (A.2 (d)), not an IndexError there
+        (
+            (np.full(8, 0.1), np.zeros((3, 8)), None, 2),
+            "x_q: expected an array with at least 2 dimensions",
+        ),
     ],
 )
 def test_mha_bound_bad_arguments(args, match):
