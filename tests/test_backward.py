@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from mhanum import InvalidArgument, reference
 from mhanum.bounds.backward import attention_grad_bound, dq_order_difference
 from mhanum.emulate.backward import attention_grad
+from mhanum.formats import round_to
 from mhanum.numerics import Backward, Numerics
 
 L, D = 12, 4  # one shape for every example: one compilation per numerics and algorithm
@@ -128,6 +129,36 @@ def test_the_terms_add_up_to_the_total_and_name_the_stages(numerics):
     assert set(b.stages) == {"P", "dP", "D", "dS"}
     assert b.dq.theorem == "B.2"
     assert attention_grad_bound(q, k, v, g, numerics=numerics).dq.theorem == "B.1"
+
+
+def test_stored_probabilities_carry_their_rounding_relatively():
+    """B.1 step 3: the rounding of ``P`` into bfloat16 is ``u_p·P`` on a normal entry, not an
+    absolute ``u_p``. Every logit is 0, so ``P = 1/64`` exactly, and the float32 softmax's own
+    roundings are within ``64·2⁻²⁴``, 0.1% of ``u_p = 2⁻⁸``."""
+    rng = np.random.default_rng(2)
+    q = np.zeros((64, 16))
+    k, v, g = (round_to(rng.standard_normal((64, 16)), "bfloat16") for _ in range(3))
+    bad, _ = _violations(q, k, v, g, numerics="bf16-fp32acc")
+    assert not bad, bad
+    eps_p = attention_grad_bound(q, k, v, g, numerics="bf16-fp32acc").stages["P"]
+    u_p, p = 2.0**-8, 1 / 64
+    assert (eps_p >= u_p * p).all()
+    assert (eps_p <= 1.01 * u_p * p).all()
+
+
+def test_logit_errors_of_improbable_keys_do_not_move_the_probable_ones():
+    """B.1 step 3's ``W``: a bias of -40.3 on half the keys rounds into bfloat16 with an error
+    near ``2⁻⁸·40``, but those keys' probability is ``e^-40``, so the other keys' ``P = 1/32``
+    keep the bound of exact logits (within 1%, as above). ``max Δ`` would charge them 0.16."""
+    rng = np.random.default_rng(3)
+    q = np.zeros((64, 16))
+    k, v, g = (round_to(rng.standard_normal((64, 16)), "bfloat16") for _ in range(3))
+    bias = np.zeros((64, 64))
+    bias[:, 32:] = -40.3
+    bad, _ = _violations(q, k, v, g, bias=bias, numerics="bf16-fp32acc")
+    assert not bad, bad
+    eps_p = attention_grad_bound(q, k, v, g, bias=bias, numerics="bf16-fp32acc").stages["P"]
+    assert (eps_p[:, :32] <= 1.01 * 2.0**-8 / 32).all()
 
 
 def _fp32_problem():

@@ -162,12 +162,74 @@ class _Range:
 
 
 def _take(upper: np.ndarray, src: Format, dst: Format) -> np.ndarray | float:
-    """The error of reading a value of ``src`` (``|x| <= upper``) into ``dst``."""
+    """The error of reading a value of ``src`` (``|x| <= upper``) into ``dst``: ``u|x|`` in
+    ``dst``'s normal range; below it at most ``min(|x|, η)`` (flushed or rounded to a
+    subnormal number, 0 being a candidate), ``η`` ``dst``'s smallest normal number."""
     if dst.precision >= src.precision and dst.smallest_normal <= src.smallest_normal:
         return 0.0
     u = dst.u if dst.precision < src.precision else 0.0
-    eta = dst.smallest_normal if dst.smallest_normal > src.smallest_normal else 0.0
-    return u * upper + eta
+    return u * upper + np.minimum(upper, _flush(src, dst))
+
+
+def _shift(p_up: np.ndarray, delta: np.ndarray, keep: np.ndarray, top: np.ndarray) -> np.ndarray:
+    """B.1 step 3's ``W_i >= |log Σ_k p_k e^{δ_k}|`` for logit errors ``|δ_k| <= Δ_k`` and the
+    exact softmax ``p`` of the row: ``min(max_k Δ_k, log Σ_k p̄_k e^{Δ_k})`` with ``p̄ >= p``
+    (papers/backward.md, step 3), evaluated upward in float64 (``top`` is ``max_k Δ_k``)."""
+    n = delta.shape[-1]
+    with np.errstate(over="ignore", invalid="ignore"):
+        lse = np.where(keep, p_up * np.exp(delta), 0.0).sum(axis=-1, keepdims=True)
+        w = np.log(lse) * (1 + 4 * _U64) + (n + 4) * _U64
+    return np.where(np.isfinite(w) & (w < top), np.maximum(w, 0.0), top)
+
+
+def _coupled_dq(
+    p_mid: np.ndarray,
+    p_up: np.ndarray,
+    pe: np.ndarray,
+    t: np.ndarray,
+    t_rad: np.ndarray,
+    dp: _Q,
+    k: np.ndarray,
+    k_rad: np.ndarray | None,
+) -> np.ndarray:
+    """B.1 step 7': ``>= |Σ_j π_ij (t_ij k_jc - dP_ij k̄_ic)|`` for ``|π| <= pe``, the exact
+    ``t = dP - D``, ``dP`` and ``k`` within their radii of the float64 stand-ins ``t``,
+    ``dp.mid`` and ``k``, and ``k̄ = Σ_j P_ij k_j`` with ``|P - p_mid| <= p_up - p_mid``.
+    ``O(L_q L_k d)`` work, in chunks of query rows."""
+    lq, n, d = p_mid.shape[-2], p_mid.shape[-1], k.shape[-1]
+    outer = np.broadcast_shapes(p_mid.shape[:-2], k.shape[:-2], t.shape[:-2])
+    kr = np.zeros_like(k) if k_rad is None else np.broadcast_to(k_rad, k.shape)
+
+    def flat(a: np.ndarray, tail: tuple[int, ...]) -> np.ndarray:
+        return np.broadcast_to(a, outer + tail).reshape((-1, *tail))
+
+    p_mid, p_up, pe = (flat(a, (lq, n)) for a in (p_mid, p_up, pe))
+    t, t_rad, dpm, dpr = (flat(a, (lq, n)) for a in (t, t_rad, dp.mid, dp.rad))
+    k, kr = flat(k, (n, d)), flat(kr, (n, d))
+    ka = np.abs(k)
+    kbar = p_mid @ k
+    kbar_rad = (p_up - p_mid) @ (ka + kr) + p_mid @ kr + _f64_dot(n) * (p_mid @ ka)
+    out = np.empty((k.shape[0], lq, d))
+    step = max(1, 2**22 // max(1, n * d))
+    for b in range(k.shape[0]):
+        for i in range(0, lq, step):
+            sl = slice(i, i + step)
+            tk = t[b, sl, :, None] * k[b, None]
+            dk = dpm[b, sl, :, None] * kbar[b, sl, None, :]
+            term = np.abs(tk - dk) + 3 * _U64 * (np.abs(tk) + np.abs(dk))
+            term += t_rad[b, sl, :, None] * (ka[b, None] + kr[b, None])
+            term += np.abs(t[b, sl, :, None]) * kr[b, None]
+            term += dpr[b, sl, :, None] * (np.abs(kbar[b, sl, None, :]) + kbar_rad[b, sl, None, :])
+            term += np.abs(dpm[b, sl, :, None]) * kbar_rad[b, sl, None, :]
+            out[b, sl] = np.einsum("ij,ijc->ic", pe[b, sl], term)
+    return out.reshape((*outer, lq, d))
+
+
+def _flush(src: Format, dst: Format) -> float:
+    """The absolute part ``η`` of reading a value of ``src`` into ``dst`` (its relative part
+    ``u`` is carried as a ratio): ``dst``'s smallest normal number where that is above
+    ``src``'s, else 0."""
+    return dst.smallest_normal if dst.smallest_normal > src.smallest_normal else 0.0
 
 
 def _log_radius(r: Any) -> Any:
@@ -198,14 +260,24 @@ class _Dot:
         b_err: np.ndarray,
         factor: float,
         eta: float,
+        coupled: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(from a, from b, accumulation)`` with ``|Ĉ - a b| <=`` their sum, for operands
-        ``|â - a| <= a_err``, ``|a| <= a_up`` (``b`` likewise) rounded to the operand format."""
+        ``|â - a| <= a_err``, ``|a| <= a_up`` (``b`` likewise) rounded to the operand format.
+
+        ``coupled=(rest, bound)``: ``â - a = x + y`` with ``|y| <= rest`` and
+        ``|x b| <= bound`` (B.1 step 7, the coupled ``dS``); ``|(â - a) b|`` is then also within
+        ``(rest + operand rounding) |b| + bound``, and the smaller is taken."""
         n = a_up.shape[-1]
         a_e = a_err + self.u_op * (a_up + a_err) + self.eta_op
         b_e = b_err + self.u_op * (b_up + b_err) + self.eta_op
         ev = 1 + evaluation_rounding(n)
-        from_a = (a_e @ (b_up + b_e)) * ev
+        from_a = (a_e @ b_up) * ev
+        if coupled is not None:
+            rest, bound = coupled
+            a_rest = rest + self.u_op * (a_up + a_err) + self.eta_op
+            from_a = np.minimum(from_a, (a_rest @ b_up + bound) * ev)
+        from_a = from_a + (a_e @ b_e) * ev
         from_b = (a_up @ b_e) * ev
         au, bu = a_up + a_e, b_up + b_e
         acc = factor * (au @ bu) * ev + eta
@@ -732,11 +804,8 @@ def _bound(
             _log_radius(np.expm1(xs)) + _log_radius(np.expm1(x_max)) + _log_radius(eps_div)
             + _log_radius(g_sum) + _log_radius(u_p)
         )  # fmt: skip
-        absolute = (
-            ((n + 1) * eta_m * (1 + g_sum) / np.maximum(ell_low, 0)) * (1 + eps_div) * (1 + u_p)
-            + eta_m * (1 + u_p)
-            + _take(np.ones(1), sm, prob)
-        )
+        flushed = (n + 1) * eta_m * (1 + g_sum) / np.maximum(ell_low, 0)
+        absolute = (flushed * (1 + eps_div) + eta_m) * (1 + u_p)
         absolute = np.where(ell_low > 0, absolute, np.inf)
         if not (ell_low > 0).all():
             rng.reasons.append("the softmax's row sum may underflow: its lower bound is not > 0")
@@ -751,7 +820,11 @@ def _bound(
         gap2 = arg + math.log(n) + spread + worst(spread) + err_lse
         own = err_lse + u_m * gap2 + eta_m + _log_radius(eps_e)
         absolute = eta_m * np.ones_like(x_max)
-    big_r = own + delta + worst(delta)
+    big_r = own + delta + _shift(p_up, delta, keep, worst(delta))
+    if not flash:  # the rounding into prob_format flushes only below its smallest normal
+        p_low = p_mid * np.exp(-omega - big_r) - absolute
+        below = np.minimum(p_up * np.exp(big_r) + absolute, _flush(sm, prob))
+        absolute = absolute + np.where(p_low >= prob.smallest_normal, 0.0, below)
     eps_p = np.where(keep, p_up * np.expm1(big_r) + absolute, 0.0)
     p_used_up = np.where(keep, p_up * np.exp(big_r) + absolute, 0.0)
     # FlashAttention-2 rounds its recomputed P to the probability format for dV
@@ -776,8 +849,10 @@ def _bound(
         d_mid = (dp.mid * p_mid).sum(axis=-1, keepdims=True)
         d_rad = (dp.rad * p_up + np.abs(dp.mid) * (p_up - p_mid)).sum(axis=-1, keepdims=True)
         d_rad = d_rad + _f64_dot(n) * (np.abs(dp.mid) * p_mid).sum(axis=-1, keepdims=True)
-        d_err = (dp.err * p_up + dp.up * pe + dp.err * pe).sum(axis=-1, keepdims=True)
-        d_err = d_err + g_d * (dp.used * (p_up + pe)).sum(axis=-1, keepdims=True) + 2 * n * eta_g
+        d_rest = (dp.err * (p_up + pe)).sum(axis=-1, keepdims=True)
+        d_rest = d_rest + g_d * (dp.used * (p_up + pe)).sum(axis=-1, keepdims=True) + 2 * n * eta_g
+        d_lin = (dp.up * pe).sum(axis=-1, keepdims=True)  # >= |Σ_k dP_k π_k|
+        d_err = d_rest + d_lin
         d_upper = (dp.used * (p_up + pe)).sum(axis=-1, keepdims=True) * (1 + g_d)
         p_x_err = pe
     else:
@@ -816,7 +891,8 @@ def _bound(
     t_rad2 = dp.rad + d_q.rad + _U64 * np.abs(t_mid2)
     t_up = np.abs(t_mid2) + t_rad2
     t_err = dp.err + d_q.err
-    t_err = t_err + u_g * (t_up + t_err) + eta_g
+    rho_t = u_g * (t_up + t_err) + eta_g
+    t_err = t_err + rho_t
     rng.check(t_up + t_err, grad, "dP - D in the gradient format", ("dq", "dk", "dbias"))
     ds_up = np.where(keep, p_up * t_up, 0.0)
     ds_err = p_x_err * t_up + p_up * t_err + p_x_err * t_err
@@ -827,8 +903,20 @@ def _bound(
     if slope is not None and x.cap is not None:
         da_up, da_err = _through_cap(ds_up, ds_err, slope, x.cap, grad, rng)
         da_up, da_err = np.where(keep, da_up, 0.0), np.where(keep, da_err, 0.0)
-    ds_r_err = da_err + np.where(keep, _take(da_up + da_err, grad, dsf), 0.0)
+    ds_take = np.where(keep, _take(da_up + da_err, grad, dsf), 0.0)
+    ds_r_err = da_err + ds_take
     rng.check(da_up + da_err, dsf, f"dS rounded to {dsf.name}", ("dq", "dk", "dbias"))
+    coupled = None
+    if not flash and slope is None:
+        # Step 7': dŜ - dS = π_j t_j - P_j Σ_k dP_k π_k + rest (π = P̂ - P), whose first part
+        # carried through k is Σ_j π_j (t_j k_j - dP_j k̄), k̄ = Σ_j P_j k_j
+        p_hat = p_up + p_x_err
+        rest = p_x_err * d_lin + p_hat * (dp.err + d_rest + rho_t) + u_g * p_hat * (t_up + t_err)
+        rest = np.where(keep, rest + eta_g, 0.0) + ds_take
+        bound = _coupled_dq(
+            p_mid, p_up, np.where(keep, p_x_err, 0.0), t_mid2, t_rad2, dp, x.k, rad["k"]
+        )
+        coupled = (rest, bound)
 
     # Step 7: the gradients
     bits_ds = operand_bits(num, dsf)
@@ -866,10 +954,11 @@ def _bound(
         bits: tuple[int, int],
         scaled: bool,
         stage: str,
+        coupled: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """B.0 on the last dot, then the scale (dq, dk) and the output rounding."""
         f, eta, _ = _dot_factor(num, a_up.shape[-1], block if flash else None, bits, lam)
-        from_a, from_b, accumulation = dot(a_up, a_err, b_up, b_err, f, eta)
+        from_a, from_b, accumulation = dot(a_up, a_err, b_up, b_err, f, eta, coupled)
         x_up = a_up @ b_up
         rng.operands(num, a_up + a_err, b_up + b_err, stage, (name,))
         rng.check((1 + f) * ((a_up + a_err) @ (b_up + b_err)) + eta, acc, stage, (name,))
@@ -889,7 +978,7 @@ def _bound(
 
     ups: dict[str, np.ndarray] = {}  # >= |g| for the exact gradients (B.6)
     bits = (bits_ds, bits_in)
-    gradient("dq", da_up, ds_r_err, ak, e["k"], bw.block_k, bits, True, "dS k accumulated")
+    gradient("dq", da_up, ds_r_err, ak, e["k"], bw.block_k, bits, True, "dS k accumulated", coupled)
     gradient("dk", _t(da_up), _t(ds_r_err), aq, e["q"], bw.block_q, bits, True, "dSᵀ q accumulated")
     bits = (bits_p, bits_in)
     gradient(
@@ -1172,7 +1261,7 @@ def _a_priori(
         absolute = (
             ((n + 1) * eta_m * (1 + g_sum) / ell_low) * (1 + eps_div) * (1 + u_p)
             + eta_m * (1 + u_p)
-            + float(np.max(_take(np.ones(1), sm, prob)))
+            + _flush(sm, prob)
         )
         if not ell_low > 0:
             absolute = math.inf
