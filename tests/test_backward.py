@@ -161,6 +161,21 @@ def test_logit_errors_of_improbable_keys_do_not_move_the_probable_ones():
     assert (eps_p[:, :32] <= 1.01 * 2.0**-8 / 32).all()
 
 
+def test_dq_keeps_the_probabilities_error_coupled_through_d():
+    """B.1 step 7': P̂'s error π enters dS through P̂_j and through D̂, and through k it is
+    Σ_j π_j (t_j k_j - dP_j k̄). With uniform probabilities (q = 0) over keys ±K, k̄ = 0, so
+    the second part vanishes, where step 6's entrywise bound carries Σ_j err_dS,j |k_j| in
+    full: here the coupled form is below 3/4 of that."""
+    rng = np.random.default_rng(4)
+    half = round_to(rng.standard_normal((32, 16)), "bfloat16")
+    q, k = np.zeros((64, 16)), np.concatenate([half, -half])
+    v, g = (round_to(rng.standard_normal((64, 16)), "bfloat16") for _ in range(2))
+    bad, bounds = _violations(q, k, v, g, numerics="bf16-fp32acc")
+    assert not bad, bad
+    entrywise = 0.25 * (bounds.stages["dS"] @ np.abs(k))  # c = 1/4
+    assert (bounds.dq.terms["upstream"] < 0.75 * entrywise).all()
+
+
 def _fp32_problem():
     rng = np.random.default_rng(1)
     return tuple(rng.standard_normal((64, 16)) for _ in range(4))
