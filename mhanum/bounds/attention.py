@@ -1072,11 +1072,13 @@ def _softmax_pv(
     if online:
         prob = u_p * p_hat_hi + (eta_p * per_sum + blocks * eta_m * per_sum) / lift
     else:
-        # Step 6: an absolute η_p only where p̂_j may lie below F_p's smallest normal number
+        # Step 6: an absolute min(p̂_j, η_p) only where p̂_j may lie below F_p's smallest
+        # normal number (0 is a candidate of the rounding there)
         p_hat_lo = p_tilde_lo * (1 - ev_rel) - soft
         normal_p = p_hat_lo >= eta_p
         # (x + 0 = x: no pass where every p̂_j is normal)
-        prob = u_p * p_hat_hi if normal_p.all() else u_p * p_hat_hi + np.where(normal_p, 0.0, eta_p)
+        below = np.where(normal_p, 0.0, np.minimum(p_hat_hi, eta_p))
+        prob = u_p * p_hat_hi if normal_p.all() else u_p * p_hat_hi + below
         if lam is not None and num.dot_kind == "ieee":
             # Theorem A.3'' (papers/attention.md): the relative roundings of p̂_j into F_p and
             # the operand format, keys in their normal ranges, as one martingale per output

@@ -3,7 +3,8 @@
 Step 5': the row sum's error is one number for the whole row, so it is charged against
 ``|Σ_j p̃_j v_j|`` and not against ``Σ_j p̃_j |v_j|``: where the values cancel, a long row's sum
 error costs almost nothing. Step 6: a probability format's absolute underflow term is charged
-only for keys whose probability may lie below its smallest normal number. Each test would fail
+only for keys whose probability may lie below its smallest normal number, and there it is at
+most the probability itself. Each test would fail
 under the charge it replaces, and each checks the bound against the measured error.
 """
 
@@ -58,10 +59,14 @@ def test_normal_probabilities_in_float16_carry_no_underflow_term():
     assert np.all(_error(q, k, v, num) <= bound.total)
 
 
-def test_probabilities_below_the_smallest_normal_are_still_charged():
+def test_probabilities_below_the_smallest_normal_are_charged_what_flushing_moves():
     # One key holds the row; the others have probability e^-24 ~ 4e-11, far below float16's
     # 2^-14 (6.1e-5), and large values, so whether the format flushes or keeps subnormals
-    # moves the output by up to 63·4e-11·6e4 ~ 1.5e-4: the bound charges η_p for those keys.
+    # moves the output by up to 63·4e-11·6e4 ~ 1.5e-4. Below the normal range a rounding moves
+    # a value by at most min(|x|, η_p) (0 is a candidate): the bound charges that, at least
+    # the flush's own effect and at most it plus u_p on the key that holds the row (1% for the
+    # float32 softmax's roundings); an absolute η_p per key (63·6.1e-5·6e4 = 230) was the old
+    # charge.
     num = Numerics.preset("fp16-fp32acc")
     n, d = 64, 4
     q = np.full((1, d), 4.0)
@@ -70,6 +75,9 @@ def test_probabilities_below_the_smallest_normal_are_still_charged():
     v = np.full((n, d), 60000.0)
     v[0] = 1.0
     bound = attention_bound(q, k, v, numerics=num)
-    eta = get_format("float16").smallest_normal
-    assert np.min(bound.terms["probability_rounding"]) >= eta * (n - 1) * 60000.0
+    p_small = np.exp(-24.0) / (1 + (n - 1) * np.exp(-24.0))
+    flushed = (n - 1) * p_small * 60000.0
+    term = bound.terms["probability_rounding"]
+    assert np.min(term) >= flushed
+    assert np.max(term) <= 1.01 * (flushed * (1 + 2.0**-11) + 2.0**-11)
     assert np.all(_error(q, k, v, num) <= bound.total)
