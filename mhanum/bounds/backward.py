@@ -276,7 +276,7 @@ class _Dot:
         if coupled is not None:
             rest, bound = coupled
             a_rest = rest + self.u_op * (a_up + a_err) + self.eta_op
-            from_a = np.minimum(from_a, (a_rest @ b_up + bound) * ev)
+            from_a = np.fmin(from_a, (a_rest @ b_up + bound) * ev)  # a NaN alternative: no bound
         from_a = from_a + (a_e @ b_e) * ev
         from_b = (a_up @ b_e) * ev
         au, bu = a_up + a_e, b_up + b_e
