@@ -195,7 +195,8 @@ def _coupled_dq(
     """B.1 step 7': ``>= |Σ_j π_ij (t_ij k_jc - dP_ij k̄_ic)|`` for ``|π| <= pe``, the exact
     ``t = dP - D``, ``dP`` and ``k`` within their radii of the float64 stand-ins ``t``,
     ``dp.mid`` and ``k``, and ``k̄ = Σ_j P_ij k_j`` with ``|P - p_mid| <= p_up - p_mid``.
-    ``O(L_q L_k d)`` work, in chunks of query rows."""
+    The radii's shares are matrix products; ``Σ_j pe_ij |t_ij k_jc - dP_ij k̄_ic|`` is
+    ``O(L_q L_k d)`` elementwise work, in chunks of query rows."""
     lq, n, d = p_mid.shape[-2], p_mid.shape[-1], k.shape[-1]
     outer = np.broadcast_shapes(p_mid.shape[:-2], k.shape[:-2], t.shape[:-2])
     kr = np.zeros_like(k) if k_rad is None else np.broadcast_to(k_rad, k.shape)
@@ -209,19 +210,20 @@ def _coupled_dq(
     ka = np.abs(k)
     kbar = p_mid @ k
     kbar_rad = (p_up - p_mid) @ (ka + kr) + p_mid @ kr + _f64_dot(n) * (p_mid @ ka)
-    out = np.empty((k.shape[0], lq, d))
+    pe_t = pe * np.abs(t)
+    pe_dp = (pe * np.abs(dpm)).sum(axis=-1, keepdims=True)
+    pe_dpr = (pe * dpr).sum(axis=-1, keepdims=True)
+    # Σ_j pe_j T_jc with T_jc = |t k - dP k̄| of the stand-ins, plus 4u64(|t k| + |dP k̄|)
+    # for its float64 evaluation, plus each stand-in's radius times the other factor
+    out = 4 * _U64 * (pe_t @ ka + pe_dp * np.abs(kbar))
+    out += (pe * t_rad) @ (ka + kr) + pe_t @ kr
+    out += pe_dpr * (np.abs(kbar) + kbar_rad) + pe_dp * kbar_rad
     step = max(1, 2**22 // max(1, n * d))
     for b in range(k.shape[0]):
         for i in range(0, lq, step):
             sl = slice(i, i + step)
-            tk = t[b, sl, :, None] * k[b, None]
-            dk = dpm[b, sl, :, None] * kbar[b, sl, None, :]
-            term = np.abs(tk - dk) + 3 * _U64 * (np.abs(tk) + np.abs(dk))
-            term += t_rad[b, sl, :, None] * (ka[b, None] + kr[b, None])
-            term += np.abs(t[b, sl, :, None]) * kr[b, None]
-            term += dpr[b, sl, :, None] * (np.abs(kbar[b, sl, None, :]) + kbar_rad[b, sl, None, :])
-            term += np.abs(dpm[b, sl, :, None]) * kbar_rad[b, sl, None, :]
-            out[b, sl] = np.einsum("ij,ijc->ic", pe[b, sl], term)
+            diff = t[b, sl, :, None] * k[b, None] - dpm[b, sl, :, None] * kbar[b, sl, None, :]
+            out[b, sl] += np.einsum("ij,ijc->ic", pe[b, sl], np.abs(diff))
     return out.reshape((*outer, lq, d))
 
 
