@@ -161,6 +161,20 @@ def test_logit_errors_of_improbable_keys_do_not_move_the_probable_ones():
     assert (eps_p[:, :32] <= 1.01 * 2.0**-8 / 32).all()
 
 
+def test_flash_probabilities_in_the_normal_range_are_not_charged_a_flush():
+    """B.2's rounding of the recomputed ``P`` into float16 for ``dV``: ``u_p·P`` where ``P``
+    lies in float16's normal range, not ``u_p·P + η_p`` (``η_p = 2⁻¹⁴``, 8 times ``u_p/64``).
+    Every logit is 0, so ``P = 1/64``; the scores' underflow allowance ``η_s = 2⁻¹⁴`` on each
+    logit adds at most ``e^{2η_s} - 1 < 0.5·u_p`` to ``P``'s ratio."""
+    rng = np.random.default_rng(5)
+    q = np.zeros((64, 16))
+    k, v, g = (round_to(rng.standard_normal((64, 16)), "float16") for _ in range(3))
+    bad, bounds = _violations(q, k, v, g, numerics="fp16-fp32acc", backward=FLASH)
+    assert not bad, bad
+    rounding = 2.0**-11 / 64 * np.abs(g).sum(axis=0)
+    assert (bounds.dv.terms["upstream"] <= 1.6 * rounding).all()
+
+
 def test_dq_keeps_the_probabilities_error_coupled_through_d():
     """B.1 step 7': P̂'s error π enters dS through P̂_j and through D̂, and through k it is
     Σ_j π_j (t_j k_j - dP_j k̄). With uniform probabilities (q = 0) over keys ±K, k̄ = 0, so

@@ -823,14 +823,20 @@ def _bound(
         own = err_lse + u_m * gap2 + eta_m + _log_radius(eps_e)
         absolute = eta_m * np.ones_like(x_max)
     big_r = own + delta + _shift(p_up, delta, keep, worst(delta))
-    if not flash:  # the rounding into prob_format flushes only below its smallest normal
-        p_low = p_mid * np.exp(-omega - big_r) - absolute
+    # P̂ before its rounding into prob_format is at least p_low, which flushes (§0) only where
+    # that may lie below prob_format's smallest normal number
+    p_low = p_mid * np.exp(-omega - big_r) - absolute
+    normal_p = p_low >= prob.smallest_normal
+    if not flash:
         below = np.minimum(p_up * np.exp(big_r) + absolute, _flush(sm, prob))
-        absolute = absolute + np.where(p_low >= prob.smallest_normal, 0.0, below)
+        absolute = absolute + np.where(normal_p, 0.0, below)
     eps_p = np.where(keep, p_up * np.expm1(big_r) + absolute, 0.0)
     p_used_up = np.where(keep, p_up * np.exp(big_r) + absolute, 0.0)
-    # FlashAttention-2 rounds its recomputed P to the probability format for dV
-    eps_pr = eps_p + np.where(keep, _take(p_used_up, sm, prob), 0.0) if flash else eps_p
+    eps_pr = eps_p
+    if flash:  # FlashAttention-2 rounds its recomputed P to the probability format for dV
+        u_pr = prob.u if prob.precision < sm.precision else 0.0
+        flush_pr = np.where(normal_p, 0.0, np.minimum(p_used_up, _flush(sm, prob)))
+        eps_pr = eps_p + np.where(keep, u_pr * p_used_up + flush_pr, 0.0)
 
     # Step 4: dP = d_out vᵀ
     f, eta, _ = _dot_factor(num, dv_, None, (bits_in, bits_in), lam)
