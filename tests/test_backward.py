@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mhanum import InvalidArgument, reference
+from mhanum.bounds.attention import attention_bound
 from mhanum.bounds.backward import attention_grad_bound, dq_order_difference
 from mhanum.emulate.backward import attention_grad
 from mhanum.formats import round_to
@@ -188,6 +189,40 @@ def test_dq_keeps_the_probabilities_error_coupled_through_d():
     assert not bad, bad
     entrywise = 0.25 * (bounds.stages["dS"] @ np.abs(k))  # c = 1/4
     assert (bounds.dq.terms["upstream"] < 0.75 * entrywise).all()
+
+
+def test_flash_dq_carries_d_error_as_common_to_the_row():
+    """B.2 step 7'': D̂'s error e_D is one number per row, so its share -P_j e_D of dŜ_j is,
+    through k, -e_D k̄. Over keys ±K with uniform probabilities k̄ = 0, and dq's upstream term
+    is the entrywise one less that share, Σ_j P_j e_D |k_j| (with dS kept in float32, so
+    that no rounding of dS hides it); here that share is most of dS's error."""
+    rng = np.random.default_rng(4)
+    half = round_to(rng.standard_normal((32, 16)), "bfloat16")
+    q, k = np.zeros((64, 16)), np.concatenate([half, -half])
+    v, g = (round_to(rng.standard_normal((64, 16)), "bfloat16") for _ in range(2))
+    bw = Backward("flash2", block_q=16, block_k=16, ds_format="float32")
+    for preset in ("bf16-fp32acc", "fp16-fp32acc"):
+        bad, bounds = _violations(q, k, v, g, numerics=preset, backward=bw)
+        assert not bad, bad
+        share = bounds.stages["D"] / 64  # P_j = 1/64 exactly (every logit is 0)
+        assert (share > 0.5 * bounds.stages["dS"]).all()
+        without = 0.25 * ((bounds.stages["dS"] - share) @ np.abs(k))  # c = 1/4
+        assert (bounds.dq.terms["upstream"] <= 1.001 * without).all()
+
+
+def test_flash_d_reads_the_forward_error_along_d_out():
+    """B.2 step 5 through Theorem A.1g: D = Σ_c G_c Ô_c carries the forward output's error
+    along each row's G, where the logits' share Σ_j (p̃_j - p_j) G·v_j cancels over the
+    columns; on random normal bf16 inputs at L = d = 64 D's error is below 0.4 of the
+    entrywise Σ_c |G_c| ε_O,c (0.16-0.26 measured)."""
+    rng = np.random.default_rng(0)
+    q, k, v, g = (round_to(rng.standard_normal((64, 64)), "bfloat16") for _ in range(4))
+    bad, bounds = _violations(
+        q, k, v, g, numerics="bf16-fp32acc", backward=Backward("flash2", block_q=32, block_k=32)
+    )
+    assert not bad, bad
+    forward = attention_bound(q, k, v, numerics="bf16-fp32acc").total
+    assert (bounds.stages["D"] < 0.4 * (np.abs(g) * forward).sum(axis=-1, keepdims=True)).all()
 
 
 def _fp32_problem():

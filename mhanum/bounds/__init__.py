@@ -7,7 +7,7 @@ number (in ``papers/``), its assumptions and its source.
 from mhanum.bounds import heads, masking, summation
 from mhanum.bounds._result import Bound
 from mhanum.bounds.a_priori import attention_bound_a_priori, mha_bound_a_priori
-from mhanum.bounds.attention import attention_bound, mha_bound
+from mhanum.bounds.attention import attention_bound, attention_bound_along, mha_bound
 from mhanum.bounds.backward import (
     GradientBounds,
     MHAGradientBounds,
@@ -39,6 +39,7 @@ __all__ = [
     "analyze_numerics",
     "attention_bound",
     "attention_bound_a_priori",
+    "attention_bound_along",
     "attention_grad_bound",
     "attention_grad_bound_a_priori",
     "dot_bound",

@@ -448,6 +448,7 @@ def _head(
     softcap: float | None = None,
     loose_constant: bool = False,
     project: tuple[np.ndarray, np.ndarray] | None = None,
+    along: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray], _Ranges]:
     """The terms of Theorem A.1 for one head, the float64 output ``o = p v``, ``|o - o*|``, the
     logits term apportioned to the sources of the logit errors (``Bound.parts``) and the output
@@ -771,7 +772,7 @@ def _head(
     if num.kv_splits is None:
         terms, p, _, direct = _softmax_pv(
             s, delta, v, v_abs, live, num, lam, bits_pv, anchor, u_div, ranges, fold, across,
-            lift_arg, project,
+            lift_arg, project, along,
         )  # fmt: skip
     else:
         # folded: a split's lse is fl(fl(m·ĉ) + log ℓ) with ĉ = fl(scale), while its exponents
@@ -784,6 +785,7 @@ def _head(
         )  # fmt: skip
     plain = terms.pop(_PLAIN)
     projected = terms.pop(_PROJECTED, None)
+    along_rows = terms.pop(_ALONG, None)
     # The logits term apportioned to the sources of δ by their p-weighted share in each row.
     row_delta = (p * delta).sum(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -797,6 +799,8 @@ def _head(
     parts[_PLAIN] = plain * (1 + ev_rel)
     if projected is not None:
         parts[_PROJECTED] = projected * (1 + ev_rel)
+    if along_rows is not None:
+        parts[_ALONG] = along_rows
     # The target: the exact attention over the attended keys; in a row with none, the leaky
     # problem itself (fill: uniform over the keys; add: the unmasked softmax).
     empty = ~keep.any(axis=-1, keepdims=True)
@@ -841,6 +845,8 @@ _CHUNK = 2**18  # logits per chunk of query rows: the float64 temporaries stay s
 _PLAIN = "output:plain"  # the plain output term, carried with the logits' parts out of _head
 # A.2: the logits term through the output projection's weights (step (c')), carried likewise
 _PROJECTED = "logits:projected"
+# Theorem A.1g: the output's error along a direction g per row, less its entrywise form
+_ALONG = "along:coupled"
 
 
 def _head_rows(
@@ -860,6 +866,7 @@ def _head_rows(
     softcap: float | None = None,
     loose_constant: bool = False,
     project: tuple[np.ndarray, np.ndarray] | None = None,
+    along: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray], _Ranges]:
     """:func:`_head`, evaluated on chunks of query rows.
 
@@ -887,6 +894,7 @@ def _head_rows(
             softcap,
             loose_constant,
             project,
+            along,
         )
 
     def cut(x: Any, sl: slice) -> Any:
@@ -915,6 +923,7 @@ def _head_rows(
                 softcap,
                 loose_constant,
                 project,
+                None if along is None else (cut(along[0], sl), cut(along[1], sl)),
             )
         )
     ranges = _Ranges(rows, v.shape[-1])
@@ -931,7 +940,7 @@ def _head_rows(
         return {
             n: np.concatenate(
                 [
-                    d[n] if n == _PROJECTED else np.broadcast_to(d.get(n, 0.0), shape)
+                    d[n] if n in (_PROJECTED, _ALONG) else np.broadcast_to(d.get(n, 0.0), shape)
                     for d, shape in zip(dicts, shapes, strict=True)
                 ]
             )
@@ -959,6 +968,7 @@ def _softmax_pv(
     across: list[tuple[np.ndarray, np.ndarray]] | None = None,
     lift_arg: np.ndarray | None = None,
     project: tuple[np.ndarray, np.ndarray] | None = None,
+    along: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """Steps 4-7 of A.1 for logits ``s`` (``-inf`` where not live) off by at most ``delta``.
 
@@ -975,6 +985,9 @@ def _softmax_pv(
     weights ``ŵ`` as the kernel reads them and a constant ``c_m``, and ``W >= |ŵ|``; the terms
     then carry ``Λ = L B + (κ - 1)(L|v|) W`` (``L`` the logits' per-key deviations of step 4,
     ``κ`` the output's rounding factor), a bound on ``|Σ_l (ô - o)^logits_l ŵ_lm|``.
+    ``along`` (Theorem A.1g, deterministic only) is ``(g, ḡ)``, one direction per query row
+    with ``ḡ >= |g*|`` for the exact one: the terms then carry, per row, the coupled bound on
+    ``|Σ_c g*_c (ô_c - o_c)|`` less its entrywise form ``Σ_c ḡ_c (terms)_c`` (``_ALONG``).
 
     Returns the terms (against the exact attention of these logits), its probabilities, the
     computed row sum's relative error ``T`` (step 5; ``inf`` in a vacuous row), and ``(p v,
@@ -1244,6 +1257,10 @@ def _softmax_pv(
     # p = e/Σe on every row (the direct evaluation) is the exact softmax of these logits
     # evaluated as _head evaluates it: its products with v and |v| are the head's
     direct = (o, pv_abs) if _direct_rows(delta, live).all() else None
+    if along is not None and lam is None:
+        # (online: the logits' bracket only)
+        rounding = np.zeros_like(prob) if online else prob + operand_p
+        terms[_ALONG] = _along(along, v, v_abs, logits, rounding, logits_v)
     if project is not None:
         # A.2 (c'): Σ_j (p̃_j - p_j) = 0, so the logits' part of the output, through the
         # projection, is Σ_j (p̃_j - p_j)(v_j·ŵ_m - c_m), each output entry's rounding
@@ -1252,6 +1269,40 @@ def _softmax_pv(
         with np.errstate(over="ignore", invalid="ignore"):
             terms[_PROJECTED] = logits @ b_proj + (scale_out - 1) * (logits_v @ w_abs)
     return terms, p, np.where(vacuous, np.inf, t_safe), direct
+
+
+def _along(
+    along: tuple[np.ndarray, np.ndarray],
+    v: np.ndarray,
+    v_abs: np.ndarray,
+    logits: np.ndarray,
+    rounding: np.ndarray,
+    logits_v: np.ndarray,
+) -> np.ndarray:
+    """Theorem A.1g (papers/attention.md): per row, ``C - Σ_c ḡ_c X_c`` (``-inf`` to ``inf``),
+    with ``C >= |Σ_c g*_c X*_c|`` for the output's brackets ``X*`` that are sums over the keys
+    (the logits': ``Σ_j (p̃_j - p_j) ṽ_j``, the roundings of ``p̂`` into the probability and
+    operand formats: ``Σ_j r_j ṽ_j``, ``|r_j| <= rounding_j``), and ``X`` their entrywise
+    bounds ``logits_v`` and ``rounding·v_abs`` that the terms carry. ``g`` is the float64
+    direction of each row, ``ḡ >= |g*|`` for the exact one, ``ṽ_j`` the values as read
+    (``|ṽ_j| <= v_abs_j``, within ``v_abs - |v|`` of ``v``).
+
+    ``Σ_j (p̃_j - p_j) = 0``, so ``|Σ_j (p̃_j - p_j) g*·ṽ_j| <= Σ_j L_j |g*·ṽ_j - c|`` for the
+    row's median ``c`` of ``g·v_j``; ``|Σ_j r_j g*·ṽ_j| <= Σ_j |r_j| |g*·ṽ_j|``. The float64
+    products are charged their rounding; ``C`` rounds up and the entrywise form down."""
+    g, g_up = along
+    ev = evaluation_rounding(max(v.shape))
+    v_extra = v_abs - np.abs(v)
+    with np.errstate(over="ignore", invalid="ignore"):
+        gv = g @ v.T
+        # |g*·ṽ_j - g·v_j| <= ḡ·v_extra_j + (ḡ - |g|)·|v_j| + γ |g|·|v_j| (float64)
+        spread = g_up @ v_extra.T + (g_up - np.abs(g)) @ np.abs(v).T
+        spread = (spread + ev * (np.abs(g) @ np.abs(v).T)) * (1 + ev)
+        centre = np.median(np.where(np.isfinite(gv), gv, 0.0), axis=-1, keepdims=True)
+        dev = np.abs(gv - centre) * (1 + 2.0**-51) + spread
+        coupled = (logits * dev + rounding * (np.abs(gv) + spread)).sum(axis=-1, keepdims=True)
+        linear = (g_up * (logits_v + rounding @ v_abs)).sum(axis=-1, keepdims=True)
+        return coupled * (1 + ev) - linear * (1 - ev)
 
 
 def _centred(v: np.ndarray, v_extra: np.ndarray) -> np.ndarray:
@@ -1648,6 +1699,93 @@ def attention_bound(
     References:
         blanchard2021; higham2002 (§3.1); papers/attention.md Theorem A.1.
     """
+    bound, _ = _attention_bound(
+        q, k, v, mask, bias, numerics, scale, lam, probability, sink, softcap, descale, None
+    )
+    return bound
+
+
+def attention_bound_along(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    mask: Any = None,
+    *,
+    g_error: Any = None,
+    bias: Any = None,
+    numerics: Numerics | str | None = None,
+    scale: float | None = None,
+    sink: Any = None,
+    softcap: float | None = None,
+) -> tuple[Bound, np.ndarray]:
+    """Theorem A.1g: Theorem A.1's bound, and a bound on the output's error along ``g``,
+    ``|Σ_c g_ic (ô_ic − o_ic)|`` for every query row ``i``.
+
+    ``g`` is one direction per query row, of the output's shape, for instance the gradient of
+    a loss with respect to the attention's output, whose first-order change is then
+    ``Σ_c g_ic (ô_ic − o_ic)``; FlashAttention-2's backward reads it as ``D = rowsum(g ∘ ô)``.
+    The entrywise bound gives ``Σ_c |g_ic| total_ic``. A.1g keeps two of its brackets coupled
+    over the keys instead of over the output's columns: the logits' share
+    ``Σ_j (p̃_j − p_j) ṽ_j`` of the output's error, whose weights sum to zero, is at most
+    ``Σ_j L_j |g·ṽ_j − c_i|`` along ``g`` (``L`` step 4's per-key deviations, ``c_i`` the row's
+    median of ``g·v_j``), and the roundings ``r_j`` of the probabilities into the probability
+    and operand formats (safe and naive softmax) at most ``Σ_j |r_j| |g·ṽ_j|``; every other
+    term is carried entrywise, as is the output rounding's share of these two. Where the
+    ``g·v_j`` cancel (``|g·v_j| ≪ Σ_c |g_c||v_jc|``, as for random directions), this is several
+    times below ``Σ_c |g_ic| total_ic``, which it never exceeds (the smaller is returned).
+
+    Assumptions, range checks and reasons are Theorem A.1's (:func:`attention_bound`, which
+    this calls with ``lam=None``: the bound is deterministic); a row with an infinite entry
+    along a nonzero ``g`` gets ``inf``. Split-KV numerics (``kv_splits``) carry the entrywise
+    form only.
+
+    Args:
+        q, k, v, mask, bias, numerics, scale, sink, softcap: as for :func:`attention_bound`.
+        g: the directions, float64, broadcastable to the output's shape ``(..., Lq, d_v)``.
+        g_error: optional bound on ``|g − g*|`` for the exact directions ``g*`` (a computed
+            gradient, say), broadcastable likewise; default 0.
+
+    Returns:
+        ``(bound, along)``: A.1's :class:`~mhanum.bounds.Bound`, and ``along`` of shape
+        ``(..., Lq)``, ``>= |Σ_c g*_ic (ô_ic − o_ic)|``.
+
+    Example:
+        >>> import numpy as np
+        >>> from mhanum.bounds import attention_bound_along
+        >>> rng = np.random.default_rng(0)
+        >>> q, k, v, g = (rng.standard_normal((16, 8)) for _ in range(4))
+        >>> b, along = attention_bound_along(q, k, v, g, numerics="bf16-fp32acc")
+        >>> along.shape, bool((along <= (np.abs(g) * b.total).sum(-1)).all())
+        ((16,), True)
+
+    References:
+        papers/attention.md Theorem A.1g.
+    """
+    bound, along = _attention_bound(
+        q, k, v, mask, bias, numerics, scale, None, None, sink, softcap, None, (g, g_error)
+    )
+    assert along is not None
+    return bound, along
+
+
+def _attention_bound(
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    bias: Any,
+    numerics: Numerics | str | None,
+    scale: float | None,
+    lam: float | None,
+    probability: float | None,
+    sink: Any,
+    softcap: float | None,
+    descale: Any,
+    direction: tuple[Any, Any] | None,
+) -> tuple[Bound, np.ndarray | None]:
+    """:func:`attention_bound`; with ``direction = (g, g_error)``, also A.1g's per-row bound
+    (:func:`attention_bound_along`)."""
     num = resolve(numerics)
     q, k, v = (V.float_array(x, name, min_ndim=2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
@@ -1684,6 +1822,10 @@ def attention_bound(
     chains *= _split_count(num, keys)
     lam = lam_or_probability(lam, probability, chains, num)
     qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
+    out_shape = (*batch, rows, v.shape[-1])
+    gb = gu = None
+    if direction is not None:
+        gb, gu = _directions(direction, out_shape)
     fmt_in = num.format_of("input")
     errors = tuple(rounding_error(x, fmt_in) for x in (qb, kb, vb))
     with _quiet():  # overflow in the float64 evaluation is caught by the range checks
@@ -1704,10 +1846,11 @@ def attention_bound(
                 replaced=None if replaced is None else replaced[i],
                 softcap=cap,
                 loose_constant=factors is not None,
+                along=None if gb is None or gu is None or factors else (gb[i], gu[i]),
             )
             for i in np.ndindex(*batch)
         ]
-    out_shape = (*batch, rows, v.shape[-1])
+    coupled = [h[3].pop(_ALONG, None) for h in heads]
     if factors is not None:
         heads = [_descaled(h, factors[2], num, num_y) for h in heads]
     terms = _stack([{**h[0], **h[4].terms()} for h in heads], out_shape)
@@ -1723,7 +1866,41 @@ def attention_bound(
         reasons = (*reasons, _DEAD)
     total = sum(terms.values())
     theorem = "A.1" if num.kv_splits is None else "A.6"
-    return _result(total, terms, theorem, num, lam, chains, parts, reasons)
+    bound = _result(total, terms, theorem, num, lam, chains, parts, reasons)
+    if gu is None:
+        return bound, None
+    ev = evaluation_rounding(v.shape[-1])
+    with _quiet():
+        plain = (gu * bound.total).sum(axis=-1) * (1 + ev)
+        present = [c for c in coupled if c is not None]
+        if len(present) == len(coupled):
+            adjust = np.stack(present).reshape(plain.shape)
+            plain = np.fmin(plain, plain * (1 + ev) + adjust)
+    return bound, plain
+
+
+def _directions(direction: tuple[Any, Any], shape: tuple[int, ...]) -> tuple[Any, Any]:
+    """A.1g's ``g`` (float64) and ``ḡ >= |g*|``, each broadcast to the output's ``shape``."""
+    g, g_error = direction
+    g = V.float_array(g, "g", min_ndim=2)
+    V.check_finite(g, "g")
+    try:
+        gb = np.broadcast_to(np.asarray(g, np.float64), shape)
+    except ValueError:
+        msg = f"g: expected a shape broadcastable to the output's {shape}, got {g.shape}"
+        raise InvalidArgument(msg) from None
+    gu = np.abs(gb)
+    if g_error is not None:
+        err = np.asarray(g_error, np.float64)
+        if not (np.isfinite(err).all() and (err >= 0).all()):
+            msg = "g_error: expected finite values >= 0"
+            raise InvalidArgument(msg)
+        try:
+            gu = gu + np.broadcast_to(err, shape)
+        except ValueError:
+            msg = f"g_error: expected a shape broadcastable to {shape}, got {err.shape}"
+            raise InvalidArgument(msg) from None
+    return gb, gu
 
 
 def _constant_given(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any) -> tuple[Any, ...]:

@@ -36,7 +36,7 @@ from mhanum.bounds.a_priori import (
 )
 from mhanum.bounds.attention import (
     PROBABILISTIC,
-    attention_bound,
+    attention_bound_along,
     head_output_bound,
     merge_heads,
     split_heads,
@@ -225,6 +225,20 @@ def _coupled_dq(
             diff = t[b, sl, :, None] * k[b, None] - dpm[b, sl, :, None] * kbar[b, sl, None, :]
             out[b, sl] += np.einsum("ij,ijc->ic", pe[b, sl], np.abs(diff))
     return out.reshape((*outer, lq, d))
+
+
+def _kbar_upper(
+    p_mid: np.ndarray, p_up: np.ndarray, k: np.ndarray, k_rad: np.ndarray | None
+) -> np.ndarray:
+    """``>= |Σ_j P_ij k_jc|`` for ``|P - p_mid| <= p_up - p_mid`` and ``k`` within ``k_rad`` of
+    the float64 stand-in (``|k̄ - p_mid k| <= (p_up - p_mid)(|k| + r) + p_mid r + γ p_mid|k|``)."""
+    ka = np.abs(k)
+    kr = 0.0 if k_rad is None else k_rad
+    kbar = p_mid @ k
+    rad = (p_up - p_mid) @ (ka + kr) + _f64_dot(p_mid.shape[-1]) * (p_mid @ ka)
+    if k_rad is not None:
+        rad = rad + p_mid @ k_rad
+    return (np.abs(kbar) + rad) * (1 + 4 * _U64)
 
 
 def _flush(src: Format, dst: Format) -> float:
@@ -869,13 +883,16 @@ def _bound(
         p_x_err = pe
     else:
         if x.forward is None:
-            fwd = attention_bound(
-                x.q, x.k, x.v, None if x.keep.all() else x.keep, bias=x.bias, scale=scale,
-                numerics=num, softcap=x.cap,
+            # Theorem A.1g: the forward output's error along the exact d_out, row by row
+            fwd, along = attention_bound_along(
+                x.q, x.k, x.v, x.g, None if x.keep.all() else x.keep, g_error=rad["d_out"],
+                bias=x.bias, scale=scale, numerics=num, softcap=x.cap,
             )  # fmt: skip
             eps_o, why = np.asarray(fwd.total, np.float64), fwd.reasons
+            o_along = along[..., None]
         else:
             eps_o, why = x.forward
+            o_along = (ag * eps_o).sum(axis=-1, keepdims=True) * (1 + evaluation_rounding(dv_))
         rng.reasons.extend(f"forward: {r}" for r in why)
         o_mid = p_mid @ x.v
         o_rad = (
@@ -883,13 +900,14 @@ def _bound(
         )
         o_up = np.abs(o_mid) + o_rad
         eg = e["d_out"] + _take(ag + e["d_out"], fin, grad)
-        eo = eps_o + _take(o_up + eps_o, out, grad)
+        o_take = _take(o_up + eps_o, out, grad)  # Ô read into the gradient format
+        eo = eps_o + o_take
         g_d = chain(dv_, num.summation, u_g, lam, products=True)
         d_mid = (x.g * o_mid).sum(axis=-1, keepdims=True)
         d_rad = ag * o_rad + (0.0 if rad["d_out"] is None else rad["d_out"] * np.abs(o_mid))
         d_rad = d_rad.sum(axis=-1, keepdims=True)
         d_rad = d_rad + _f64_dot(dv_) * (mg * np.abs(o_mid)).sum(axis=-1, keepdims=True)
-        d_err = (eg * o_up + ag * eo + eg * eo).sum(axis=-1, keepdims=True)
+        d_err = (eg * (o_up + eo) + ag * o_take).sum(axis=-1, keepdims=True) + o_along
         d_err = (
             d_err + g_d * ((ag + eg) * (o_up + eo)).sum(axis=-1, keepdims=True) + 2 * dv_ * eta_g
         )
@@ -929,6 +947,13 @@ def _bound(
             p_mid, p_up, np.where(keep, p_x_err, 0.0), t_mid2, t_rad2, dp, x.k, rad["k"]
         )
         coupled = (rest, bound)
+    elif slope is None:
+        # Step 7'' (B.2): D̂'s error e_D is common to the row, so its share -P_j e_D of
+        # dŜ_j - dS_j is, carried through k, -e_D k̄ with k̄ = Σ_j P_j k_j
+        rest = p_x_err * (t_up + t_err) + p_up * (dp.err + rho_t)
+        rest = rest + u_g * (p_up + p_x_err) * (t_up + t_err)
+        rest = np.where(keep, rest + eta_g, 0.0) + ds_take
+        coupled = (rest, d_q.err * _kbar_upper(p_mid, p_up, x.k, rad["k"]))
 
     # Step 7: the gradients
     bits_ds = operand_bits(num, dsf)
