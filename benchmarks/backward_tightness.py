@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import statistics
 import sys
 import time
@@ -209,7 +210,8 @@ def torch_tolerances() -> bool:
 
 
 def floor_tightness(length: int, d: int) -> bool:
-    """B.1 (textbook) against the floor: one random normal input per preset; per gradient, the
+    """B.1 (textbook) and B.2 (FlashAttention-2, one block of 64) against the floor: one random
+    normal input per preset; per gradient, the
     largest error and bound, ``F/err`` (the floor's error at the entry of the largest error
     over that error: what no deterministic bound removes) and ``B/F`` at the entry of the
     largest bound and the median over 16 entries (the derivation's own slack)."""
@@ -218,20 +220,24 @@ def floor_tightness(length: int, d: int) -> bool:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import rounding_floor
 
-    print(f"B.1 (textbook) against the floor, one random normal input, L = d = {length}:")
-    print(f"{'preset':<14} {'grad':<4} {'max err':>10} {'max B':>10} {'B/err':>8} {'F/err':>8} "
-          f"{'B/F':>7} {'med B/F':>8}")  # fmt: skip
+    print(f"B.1 and B.2 against the floor, one random normal input, L = d = {length}:")
+    print(f"{'preset':<14} {'algorithm':<9} {'grad':<4} {'max err':>10} {'max B':>10} "
+          f"{'B/err':>8} {'F/err':>8} {'B/F':>7} {'med B/F':>8}")  # fmt: skip
     ok = True
-    for preset in ("fp32", "bf16-fp32acc", "fp16-fp32acc"):
+    algorithms = ("textbook", "flash2") if length <= 64 else ("textbook",)
+    for preset, algorithm in itertools.product(
+        ("fp32", "bf16-fp32acc", "fp16-fp32acc"), algorithms
+    ):
         fmt = PRESETS[preset].format_of("input")
         rng = np.random.default_rng(0)
         q, k, v, g = (
             np.asarray(round_to(rng.standard_normal((length, d)), fmt), np.float64)
             for _ in range(4)
         )
-        out = attention_grad(q, k, v, g, numerics=preset)
+        bw = Backward(algorithm)
+        out = attention_grad(q, k, v, g, numerics=preset, backward=bw)
         ref = reference.attention_grad(q, k, v, g)
-        bounds = attention_grad_bound(q, k, v, g, numerics=preset)
+        bounds = attention_grad_bound(q, k, v, g, numerics=preset, backward=bw)
         for name in NAMES:
             err = np.abs(np.asarray(getattr(out, name), np.float64) - getattr(ref, name))
             bound = np.asarray(getattr(bounds, name).total)
@@ -241,11 +247,11 @@ def floor_tightness(length: int, d: int) -> bool:
             picks = rng.choice(bound.size, 14, replace=False)
             rest = [tuple(int(i) for i in np.unravel_index(j, bound.shape)) for j in picks]
             entries = list(dict.fromkeys([top_e, top_b, *rest]))
-            f = rounding_floor.attention_grad_floor(q, k, v, g, preset, name, entries)
+            f = rounding_floor.attention_grad_floor(q, k, v, g, preset, name, entries, algorithm)
             big = np.abs(f.realised)
             at = np.array([bound[e] for e in entries])
             print(
-                f"{preset:<14} {name:<4} {err.max():10.3g} {bound.max():10.3g} "
+                f"{preset:<14} {algorithm:<9} {name:<4} {err.max():10.3g} {bound.max():10.3g} "
                 f"{bound.max() / err.max():8.3g} {big[0] / err.max():8.3g} "
                 f"{bound[top_b] / big[entries.index(top_b)]:7.3g} "
                 f"{float(np.median(at / big)):8.3g}"

@@ -375,20 +375,36 @@ def mha_floor(
     return _floor(fwd, exact, masses, u, entries)
 
 
-def _grad_formats(num: Numerics, c: float) -> dict[str, float]:
-    """The sites of the textbook backward (Backward's default formats) and the forward's up
-    to the stored probabilities."""
+def _grad_formats(num: Numerics, c: float, flash: bool = False) -> dict[str, float]:
+    """The sites of the backward (Backward's default formats) and the forward's: up to the
+    stored probabilities (textbook), or the whole forward and its log-sum-exp (FlashAttention-2,
+    which recomputes ``P`` from it and reads the output in ``D``)."""
     u = _Formats.of(num, heads=False, c=c).u
-    for site in ("pv_dot", "out_take"):
-        u.pop(site, None)
     acc, out = num.format_of("accum"), num.format_of("output")
     grad, prob = num.format_of("softmax"), num.format_of("prob")
+    if flash:
+        sm, fin = num.format_of("softmax"), num.format_of("input")
+        u |= {"log": sm.u, "lse_add": sm.u, "lse_sub": sm.u, "p_exp": sm.u}
+        if _narrows(sm, prob):
+            u["pr_take"] = prob.u
+        if _narrows(out, grad):
+            u["og_take"] = grad.u
+        u["go_mul"] = grad.u
+        if _narrows(grad, fin):  # dS to the input format before the dots
+            u["ds_take"] = fin.u
+        src = sm
+    else:
+        for site in ("pv_dot", "out_take"):
+            u.pop(site, None)
+        src = prob
     u |= {"dv_dot": acc.u, "dp_dot": acc.u, "dq_dot": acc.u, "dk_dot": acc.u}
     if _narrows(acc, grad):
         u["dp_take"] = grad.u
-    if _narrows(prob, grad):
+    if _narrows(src, grad):
         u["pg_take"] = grad.u
-    u |= {"dpp_mul": grad.u, "d_sum": grad.u, "diff_sub": grad.u, "ds_mul": grad.u}
+    u |= {"d_sum": grad.u, "diff_sub": grad.u, "ds_mul": grad.u}
+    if not flash:
+        u["dpp_mul"] = grad.u
     if _narrows(acc, out):
         u |= {"dq_out": out.u, "dk_out": out.u, "dv_out": out.u}
     if math.frexp(c)[0] != 0.5:  # fl_acc(ĉ·acc) at the end of dq and dk
@@ -412,17 +428,45 @@ def _grad(run: _Run, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, c: 
     return {"dq": dq, "dk": dk, "dv": dv}
 
 
+def _grad_flash(run: _Run, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, c: float) -> Any:
+    """FlashAttention-2's backward with one block of queries and of keys (every dot one chain)."""
+    t = run.round("score_take", run.dot("qk_dot", q, k.T))
+    a = run.round("soft_take", run.round("scale_mul", t * c))
+    top = jnp.max(a, axis=-1, keepdims=True)
+    d = run.round("shift", a - top)
+    e = run.round("exp", jnp.exp(d))
+    ell = run.sum("sum", e)
+    p = run.round("prob_take", run.round("div", e / ell))
+    o = run.round("out_take", run.dot("pv_dot", p, v))
+    lse = run.round("lse_add", top + run.round("log", jnp.log(ell)))
+    pr = run.round("p_exp", jnp.exp(run.round("lse_sub", a - lse)))
+    dv = run.round("dv_out", run.dot("dv_dot", run.round("pr_take", pr).T, g))
+    dp = run.round("dp_take", run.dot("dp_dot", g, v.T))
+    big_d = run.sum("d_sum", run.round("go_mul", g * run.round("og_take", o)))
+    pg = run.round("pg_take", pr)
+    ds = run.round("ds_take", run.round("ds_mul", pg * run.round("diff_sub", dp - big_d)))
+    dq = run.round("dq_out", run.round("dq_scale", run.dot("dq_dot", ds, k) * c))
+    dk = run.round("dk_out", run.round("dk_scale", run.dot("dk_dot", ds.T, q) * c))
+    return {"dq": dq, "dk": dk, "dv": dv}
+
+
 def attention_grad_floor(
     q: Any, k: Any, v: Any, d_out: Any, numerics: Numerics | str, which: str,
-    entries: list[tuple[int, ...]],
+    entries: list[tuple[int, ...]], algorithm: str = "textbook",
 ) -> Floor:  # fmt: skip
     """The floor of the gradient ``which`` (``"dq"``, ``"dk"``, ``"dv"``) of
-    :func:`mhanum.attention_grad` with the textbook backward and its default formats, on
-    ``(L, d)`` inputs and ``d_out`` already in the input format, default scale, no mask."""
+    :func:`mhanum.attention_grad` with the ``algorithm``'s backward (``"textbook"``, or
+    ``"flash2"`` with one block: ``L <= 64``, Backward's default blocks) and its default
+    formats, on ``(L, d)`` inputs and ``d_out`` already in the input format, default scale, no
+    mask."""
     num = Numerics.preset(numerics) if isinstance(numerics, str) else numerics
     _check(num)
     if which not in ("dq", "dk", "dv"):
         msg = f"which: expected 'dq', 'dk' or 'dv', got {which!r}"
+        raise InvalidArgument(msg)
+    flash = algorithm == "flash2"
+    if algorithm not in ("textbook", "flash2") or (flash and np.shape(q)[-2] > 64):
+        msg = f"algorithm: expected 'textbook', or 'flash2' with L <= 64, got {algorithm!r}"
         raise InvalidArgument(msg)
     arrays = [np.asarray(x, np.float64) for x in (q, k, v, d_out)]
     fmt = num.format_of("input")
@@ -433,25 +477,40 @@ def attention_grad_floor(
     q, k, v, g = (jnp.asarray(x) for x in arrays)
     c = 1.0 / math.sqrt(q.shape[-1])
     c_hat = float(_rounded(np.array(c), num.format_of("score")))
-    u = _grad_formats(num, c_hat)
+    u = _grad_formats(num, c_hat, flash)
     exact = np.asarray(getattr(mn.reference.attention_grad(*arrays), which), np.float64)
 
     def fwd(run: _Run) -> jax.Array:
-        return _grad(run, q, k, v, g, c_hat)[which]
+        return (_grad_flash if flash else _grad)(run, q, k, v, g, c_hat)[which]
 
-    masses = _attention_masses(q, k, v, c_hat, u)  # the forward's sites up to P
-    p = jax.nn.softmax(q @ k.T * c_hat, axis=-1)
+    masses = _attention_masses(q, k, v, c_hat, u)  # the forward's sites
+    a = q @ k.T * c_hat
+    top = jnp.max(a, axis=-1, keepdims=True)
+    ell = jnp.sum(jnp.exp(a - top), axis=-1, keepdims=True)
+    p = jax.nn.softmax(a, axis=-1)
+    o = p @ v
     dp = g @ v.T
-    big_d = jnp.sum(dp * p, axis=-1, keepdims=True)
+    big_d = jnp.sum(dp * p, axis=-1, keepdims=True)  # = Σ_c g_c o_c
     ds = p * (dp - big_d)
     vals: dict[str, tuple[jax.Array, bool]] = {
+        "log": (jnp.log(ell), False),
+        "lse_add": (top + jnp.log(ell), False),
+        "lse_sub": (a - top - jnp.log(ell), False),
+        "p_exp": (p, False),
+        "pr_take": (p, False),
+        "og_take": (o, False),
+        "go_mul": (g * o, False),
+        "ds_take": (ds, False),
         "dv_dot": (_partial_sums(p.T, g), True),
         "dv_out": (p.T @ g, False),
         "dp_dot": (_partial_sums(g, v.T), True),
         "dp_take": (dp, False),
         "pg_take": (p, False),
         "dpp_mul": (dp * p, False),
-        "d_sum": (jnp.moveaxis(jnp.cumsum(dp * p, axis=-1), -1, 0)[..., None], True),
+        "d_sum": (
+            jnp.moveaxis(jnp.cumsum(g * o if flash else dp * p, axis=-1), -1, 0)[..., None],
+            True,
+        ),
         "diff_sub": (dp - big_d, False),
         "ds_mul": (ds, False),
         "dq_dot": (_partial_sums(ds, k), True),

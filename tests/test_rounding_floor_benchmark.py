@@ -113,23 +113,27 @@ def test_refuses_what_it_does_not_model():
         floor.attention_floor(q, q, q, "tf32", [(0, 0)])
     with pytest.raises(InvalidArgument, match="q: expected values of the input format"):
         floor.attention_floor(q * 0.1, q, q, "bf16", [(0, 0)])
+    long = np.ones((65, 2))
+    with pytest.raises(InvalidArgument, match="algorithm"):
+        floor.attention_grad_floor(long, long, long, long, "fp32", "dq", [(0, 0)], "flash2")
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["textbook", "flash2"])
 @pytest.mark.parametrize("preset", ["fp32", "bf16-fp32acc", "fp16-fp32acc", "bf16"])
-def test_b1_covers_a_worst_case_rounding_of_every_gradient(preset):
+def test_b1_and_b2_cover_a_worst_case_rounding_of_every_gradient(preset, algorithm):
     num = mn.Numerics.preset(preset)
     rng = np.random.default_rng(13)
     L = d = 8
     for family in ("normal", "large"):
         q, k, v = _inputs(rng, num.input, L, d, family)
         g = np.asarray(mn.round_to(rng.standard_normal((L, d)), num.input), np.float64)
-        bounds = attention_grad_bound(q, k, v, g, numerics=num)
+        bounds = attention_grad_bound(q, k, v, g, numerics=num, backward=mn.Backward(algorithm))
         mass = float(np.abs(v).sum() * np.abs(g).max() * (1 + np.abs(q).max() + np.abs(k).max()))
         slack = _float64_slack(4 * (L + d) + 16, mass)
         for name in ("dq", "dk", "dv"):
             bound = np.asarray(getattr(bounds, name).total)
             entries = [tuple(int(i) for i in e) for e in np.ndindex(bound.shape)]
-            f = floor.attention_grad_floor(q, k, v, g, num, name, entries)
+            f = floor.attention_grad_floor(q, k, v, g, num, name, entries, algorithm)
             for e, realised in zip(entries, f.realised, strict=True):
                 assert abs(realised) <= bound[e] + slack, (preset, family, name, e, realised)

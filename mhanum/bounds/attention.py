@@ -1869,14 +1869,22 @@ def _attention_bound(
     bound = _result(total, terms, theorem, num, lam, chains, parts, reasons)
     if gu is None:
         return bound, None
-    ev = evaluation_rounding(v.shape[-1])
+    present = [c for c in coupled if c is not None]
+    adjust = None
+    if len(present) == len(coupled):
+        adjust = np.stack(present).reshape((*out_shape[:-1], 1))
     with _quiet():
-        plain = (gu * bound.total).sum(axis=-1) * (1 + ev)
-        present = [c for c in coupled if c is not None]
-        if len(present) == len(coupled):
-            adjust = np.stack(present).reshape(plain.shape)
-            plain = np.fmin(plain, plain * (1 + ev) + adjust)
-    return bound, plain
+        return bound, _along_rows(gu, bound.total, adjust)
+
+
+def _along_rows(g_up: np.ndarray, total: np.ndarray, adjust: np.ndarray | None) -> np.ndarray:
+    """Theorem A.1g per row: ``Σ_c ḡ_c total_c`` rounded up, less the coupled brackets' gain
+    ``adjust`` (``_ALONG``, ``(..., Lq, 1)``) where that is smaller (the first where NaN)."""
+    ev = evaluation_rounding(total.shape[-1])
+    plain = (g_up * total).sum(axis=-1) * (1 + ev)
+    if adjust is None:
+        return plain
+    return np.fmin(plain, plain * (1 + ev) + adjust[..., 0])
 
 
 def _directions(direction: tuple[Any, Any], shape: tuple[int, ...]) -> tuple[Any, Any]:
@@ -2085,37 +2093,44 @@ def head_output_bound(
     errors: tuple[np.ndarray, np.ndarray, np.ndarray],
     given: tuple[np.ndarray, np.ndarray, np.ndarray],
     softcap: float | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[str, ...]]:
+    along: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[str, ...], np.ndarray | None]:
     """Theorem A.1 for heads whose operands are themselves computed (A.2, step (b)).
 
     ``q, k, v`` ``(..., L, d)`` (any batch of heads) stand in for the exact operands within
     ``given``; the computed ones the kernel reads are within ``errors`` of the exact ones;
     ``keep`` ``(..., Lq, Lk)`` marks the attended keys (every row attends one), ``bias`` is
-    finite where ``keep``; ``softcap`` as for :func:`attention_bound`. Returns
-    ``(err, o, o_given, reasons)``: ``|Ô - O*| <= err`` (``inf``
-    where a stage may overflow, with the reasons), the float64 output ``o`` and ``|o - O*| <=
-    o_given``.
+    finite where ``keep``; ``softcap`` as for :func:`attention_bound`; ``along = (g, ḡ)``
+    (``(..., Lq, d_v)``), Theorem A.1g's directions (:func:`attention_bound_along`). Returns
+    ``(err, o, o_given, reasons, along)``: ``|Ô - O*| <= err`` (``inf`` where a stage may
+    overflow, with the reasons), the float64 output ``o``, ``|o - O*| <= o_given`` and
+    ``(..., Lq)`` bounds on ``|Σ_c g*_c (Ô_c - O*_c)|`` (``None`` without ``along``).
     """
     batch = keep.shape[:-2]
     rows = q.shape[-2]
     err = np.zeros((*batch, rows, v.shape[-1]))
     out, out_given = np.zeros_like(err), np.zeros_like(err)
+    rows_along = None if along is None else np.zeros((*batch, rows))
     reasons: list[Any] = []
     for i in np.ndindex(*batch):
         with _quiet():
-            terms, o, o_given, _, ranges = _head_rows(
+            terms, o, o_given, parts, ranges = _head_rows(
                 q[i], k[i], v[i], keep[i], None if bias is None else bias[i], num, scale,
                 default_scale, (errors[0][i], errors[1][i], errors[2][i]),
                 (given[0][i], given[1][i], given[2][i]), softcap=softcap,
+                along=None if along is None else (along[0][i], along[1][i]),
             )  # fmt: skip
-        total = np.sum(list(terms.values()), axis=0)
-        for name in ("overflow", "vacuous"):
-            hit = ranges.where.get(name)
-            if hit is not None:
-                total = np.where(hit, np.inf, total)
+            total = np.sum(list(terms.values()), axis=0)
+            for name in ("overflow", "vacuous"):
+                hit = ranges.where.get(name)
+                if hit is not None:
+                    total = np.where(hit, np.inf, total)
+            total = np.where(np.isnan(total), np.inf, total)
+            if along is not None and rows_along is not None:
+                rows_along[i] = _along_rows(along[1][i], total, parts.get(_ALONG))
         err[i], out[i], out_given[i] = total, o, o_given
         reasons.append(ranges)
-    return err, out, out_given, tuple(dict.fromkeys(_reasons(reasons)))
+    return err, out, out_given, tuple(dict.fromkeys(_reasons(reasons))), rows_along
 
 
 _INPUT_ROUNDING = ("auto", "exact", "bounded")

@@ -360,7 +360,8 @@ class _Inputs(NamedTuple):
     given: tuple[np.ndarray, ...] | None = None
     errors: tuple[np.ndarray, ...] | None = None
     sources: tuple[Format, ...] | None = None
-    forward: tuple[np.ndarray, tuple[str, ...]] | None = None  # |Ô - O| and its reasons
+    # |Ô - O|, its reasons, and (or None) A.1g's bound along g per row
+    forward: tuple[np.ndarray, tuple[str, ...], np.ndarray | None] | None = None
     cap: float | None = None  # the logit soft-cap
 
 
@@ -891,8 +892,10 @@ def _bound(
             eps_o, why = np.asarray(fwd.total, np.float64), fwd.reasons
             o_along = along[..., None]
         else:
-            eps_o, why = x.forward
+            eps_o, why, given_along = x.forward
             o_along = (ag * eps_o).sum(axis=-1, keepdims=True) * (1 + evaluation_rounding(dv_))
+            if given_along is not None:
+                o_along = np.fmin(o_along, given_along[..., None])
         rng.reasons.extend(f"forward: {r}" for r in why)
         o_mid = p_mid @ x.v
         o_rad = (
@@ -1684,15 +1687,20 @@ def mha_grad_bound(
             for m, r, e in ((q, rq, eq), (k, rk, ek), (v, rv, ev))
         )
         read = (rq_, rk_, rv_)
-        fwd = head_output_bound(q, k, v, keep, hb, num, c64, scale is None, read, (rq, rk, rv), cap)
-        eps_o, o_mid, o_given, fwd_why = fwd
+        g_mid, g_rad = split_heads(do_mid, heads), split_heads(do_rad, heads)
+        # B.2's D: the heads' forward error along their d_out (Theorem A.1g)
+        along = (g_mid, np.abs(g_mid) + g_rad) if bw.algorithm == "flash2" else None
+        fwd = head_output_bound(
+            q, k, v, keep, hb, num, c64, scale is None, read, (rq, rk, rv), cap, along
+        )
+        eps_o, o_mid, o_given, fwd_why, o_along = fwd
         fail(fwd_why, names)
         heads_in = _Inputs(
-            q, k, v, split_heads(do_mid, heads), keep, hb, c64, u64,
-            given=(rq, rk, rv, split_heads(do_rad, heads)),
+            q, k, v, g_mid, keep, hb, c64, u64,
+            given=(rq, rk, rv, g_rad),
             errors=(eq, ek, ev, split_heads(np.asarray(do_err), heads)),
             sources=(storage, storage, storage, out),
-            forward=(eps_o, fwd_why), sink=sink is not None, cap=cap,
+            forward=(eps_o, fwd_why, o_along), sink=sink is not None, cap=cap,
         )  # fmt: skip
         gb, dsd = _bound(heads_in, mask, bias, scale, num, bw, lam, chains)
         if sink is not None:  # the sink's row of dk and dv, and its column of dbias, dropped
