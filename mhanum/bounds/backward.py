@@ -603,12 +603,13 @@ def attention_grad_bound(
     division and the relative rounding into ``prob_format``; B.2: the stored log-sum-exp's error
     and the recomputed exponential; ``A`` the underflow allowance, with ``min(P̄, η_p)`` only
     where ``P`` may lie below ``prob_format``'s smallest normal number); ``dP``, ``D`` (textbook
-    from ``dP`` and ``P``, B.2 from ``d_out`` and the forward output, whose error is
-    :func:`attention_bound`'s), ``dP - D`` and ``dS`` each with their rounding; and the last dots
-    by B.0, of one chain (textbook) or of blocks whose results are added in any order (B.2:
-    ``(1 + γ_B)(1 + u)^{n_b - 1} - 1``), then the scale and the output rounding. The textbook's
-    ``dq`` also takes step 7': ``P̂``'s error kept coupled through ``D``,
-    ``Σ_j π_j (t_j k_j - dP_j k̄)``, where that is smaller. The float64
+    from ``dP`` and ``P``; B.2 from ``d_out`` and the forward output, whose error along each
+    row of ``d_out`` is :func:`attention_bound_along`'s, Theorem A.1g), ``dP - D`` and ``dS``
+    each with their rounding; and the last dots by B.0, of one chain (textbook) or of blocks
+    whose results are added in any order (B.2: ``(1 + γ_B)(1 + u)^{n_b - 1} - 1``), then the
+    scale and the output rounding. The textbook's ``dq`` also takes step 7': ``P̂``'s error
+    kept coupled through ``D``, ``Σ_j π_j (t_j k_j - dP_j k̄)``, where that is smaller; B.2's
+    ``dq`` step 7'': ``D̂``'s error is common to the row, ``e_D k̄`` through ``k``. The float64
     evaluation is widened by ``(1 + evaluation_rounding(n))^12``.
 
     **Theorem B.5 (probabilistic).** With ``lam=λ`` (or ``probability=P``, which solves for
