@@ -1733,7 +1733,8 @@ def attention_bound_along(
     and operand formats (safe and naive softmax) at most ``Σ_j |r_j| |g·ṽ_j|``; every other
     term is carried entrywise, as is the output rounding's share of these two. Where the
     ``g·v_j`` cancel (``|g·v_j| ≪ Σ_c |g_c||v_jc|``, as for random directions), this is several
-    times below ``Σ_c |g_ic| total_ic``, which it never exceeds (the smaller is returned).
+    times below ``Σ_c |g_ic| total_ic``, which it never exceeds beyond that sum's float64 rounding
+    (the smaller of the two is returned).
 
     Assumptions, range checks and reasons are Theorem A.1's (:func:`attention_bound`, which
     this calls with ``lam=None``: the bound is deterministic); a row with an infinite entry
