@@ -1295,9 +1295,16 @@ def _along(
     v_extra = v_abs - np.abs(v)
     with np.errstate(over="ignore", invalid="ignore"):
         gv = g @ v.T
-        # |g*·ṽ_j - g·v_j| <= ḡ·v_extra_j + (ḡ - |g|)·|v_j| + γ |g|·|v_j| (float64)
-        spread = g_up @ v_extra.T + (g_up - np.abs(g)) @ np.abs(v).T
-        spread = (spread + ev * (np.abs(g) @ np.abs(v).T)) * (1 + ev)
+        # |g*·ṽ_j - g·v_j| <= ḡ·v_extra_j + (ḡ - |g|)·|v_j| + γ |g|·|v_j| (float64); the first
+        # two are 0 for values read exactly and an exact direction
+        g_abs, v_mag = np.abs(g), np.abs(v)
+        spread = ev * (g_abs @ v_mag.T)
+        if v_extra.any():
+            spread = spread + g_up @ v_extra.T
+        g_rad = g_up - g_abs
+        if g_rad.any():
+            spread = spread + g_rad @ v_mag.T
+        spread = spread * (1 + ev)
         centre = np.median(np.where(np.isfinite(gv), gv, 0.0), axis=-1, keepdims=True)
         dev = np.abs(gv - centre) * (1 + 2.0**-51) + spread
         coupled = (logits * dev + rounding * (np.abs(gv) + spread)).sum(axis=-1, keepdims=True)
