@@ -847,6 +847,7 @@ _PLAIN = "output:plain"  # the plain output term, carried with the logits' parts
 _PROJECTED = "logits:projected"
 # Theorem A.1g: the output's error along a direction g per row, less its entrywise form
 _ALONG = "along:coupled"
+_TINY = 2.0**-1074  # float64's smallest subnormal number
 
 
 def _head_rows(
@@ -1309,7 +1310,9 @@ def _along(
         dev = np.abs(gv - centre) * (1 + 2.0**-51) + spread
         coupled = (logits * dev + rounding * (np.abs(gv) + spread)).sum(axis=-1, keepdims=True)
         linear = (g_up * (logits_v + rounding @ v_abs)).sum(axis=-1, keepdims=True)
-        return coupled * (1 + ev) - linear * (1 - ev)
+        # underflow: each of the n (d_v) products and additions loses at most 2^-1075
+        tiny = 4 * (v.shape[-2] + 1) * (v.shape[-1] + 1) * _TINY
+        return coupled * (1 + ev) - linear * (1 - ev) + tiny
 
 
 def _centred(v: np.ndarray, v_extra: np.ndarray) -> np.ndarray:
@@ -1745,8 +1748,10 @@ def attention_bound_along(
 
     Assumptions, range checks and reasons are Theorem A.1's (:func:`attention_bound`, which
     this calls with ``lam=None``: the bound is deterministic); a row with an infinite entry
-    along a nonzero ``g`` gets ``inf``. Split-KV numerics (``kv_splits``) carry the entrywise
-    form only.
+    along a nonzero ``g`` gets ``inf`` (``Bound.reasons`` says why), as does a row whose bound
+    along ``g`` exceeds float64's largest finite number. A float64 product or sum that
+    underflows is charged ``2^-1074`` each. Split-KV numerics (``kv_splits``) carry the
+    entrywise form only.
 
     Args:
         q, k, v, mask, bias, numerics, scale, sink, softcap: as for :func:`attention_bound`.
@@ -1889,7 +1894,8 @@ def _along_rows(g_up: np.ndarray, total: np.ndarray, adjust: np.ndarray | None) 
     """Theorem A.1g per row: ``Σ_c ḡ_c total_c`` rounded up, less the coupled brackets' gain
     ``adjust`` (``_ALONG``, ``(..., Lq, 1)``) where that is smaller (the first where NaN)."""
     ev = evaluation_rounding(total.shape[-1])
-    plain = (g_up * total).sum(axis=-1) * (1 + ev)
+    # a product or sum that underflows float64 loses up to 2^-1075 (relative errors: ev)
+    plain = (g_up * total).sum(axis=-1) * (1 + ev) + (2 * total.shape[-1] + 2) * _TINY
     if adjust is None:
         return plain
     return np.fmin(plain, plain * (1 + ev) + adjust[..., 0])
