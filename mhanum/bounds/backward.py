@@ -208,8 +208,7 @@ def _coupled_dq(
     t, t_rad, dpm, dpr = (flat(a, (lq, n)) for a in (t, t_rad, dp.mid, dp.rad))
     k, kr = flat(k, (n, d)), flat(kr, (n, d))
     ka = np.abs(k)
-    kbar = p_mid @ k
-    kbar_rad = (p_up - p_mid) @ (ka + kr) + p_mid @ kr + _f64_dot(n) * (p_mid @ ka)
+    kbar, kbar_rad = _kbar(p_mid, p_up, k, kr)
     pe_t = pe * np.abs(t)
     pe_dp = (pe * np.abs(dpm)).sum(axis=-1, keepdims=True)
     pe_dpr = (pe * dpr).sum(axis=-1, keepdims=True)
@@ -227,18 +226,18 @@ def _coupled_dq(
     return out.reshape((*outer, lq, d))
 
 
-def _kbar_upper(
+def _kbar(
     p_mid: np.ndarray, p_up: np.ndarray, k: np.ndarray, k_rad: np.ndarray | None
-) -> np.ndarray:
-    """``>= |Σ_j P_ij k_jc|`` for ``|P - p_mid| <= p_up - p_mid`` and ``k`` within ``k_rad`` of
-    the float64 stand-in (``|k̄ - p_mid k| <= (p_up - p_mid)(|k| + r) + p_mid r + γ p_mid|k|``)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(p_mid k, rad)`` with ``|Σ_j P_ij k_jc - (p_mid k)_ic| <= rad`` for
+    ``|P - p_mid| <= p_up - p_mid`` and ``k`` within ``k_rad`` of the float64 stand-in:
+    ``(p_up - p_mid)(|k| + r) + p_mid r + γ p_mid|k|``."""
     ka = np.abs(k)
-    kr = 0.0 if k_rad is None else k_rad
     kbar = p_mid @ k
-    rad = (p_up - p_mid) @ (ka + kr) + _f64_dot(p_mid.shape[-1]) * (p_mid @ ka)
-    if k_rad is not None:
-        rad = rad + p_mid @ k_rad
-    return (np.abs(kbar) + rad) * (1 + 4 * _U64)
+    rad = _f64_dot(p_mid.shape[-1]) * (p_mid @ ka)
+    if k_rad is None:
+        return kbar, rad + (p_up - p_mid) @ ka
+    return kbar, rad + (p_up - p_mid) @ (ka + k_rad) + p_mid @ k_rad
 
 
 def _flush(src: Format, dst: Format) -> float:
@@ -957,7 +956,8 @@ def _bound(
         rest = p_x_err * (t_up + t_err) + p_up * (dp.err + rho_t)
         rest = rest + u_g * (p_up + p_x_err) * (t_up + t_err)
         rest = np.where(keep, rest + eta_g, 0.0) + ds_take
-        coupled = (rest, d_q.err * _kbar_upper(p_mid, p_up, x.k, rad["k"]))
+        kbar, kbar_rad = _kbar(p_mid, p_up, x.k, rad["k"])
+        coupled = (rest, d_q.err * (np.abs(kbar) + kbar_rad) * (1 + 4 * _U64))
 
     # Step 7: the gradients
     bits_ds = operand_bits(num, dsf)
