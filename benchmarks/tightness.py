@@ -15,7 +15,7 @@ Tightness is printed two ways:
   where it is closest), skipping entries whose error is zero.
 
 ``dominant`` is the term of the bound (``Bound.terms``) with the largest finite value over all
-inputs of the configuration (an infinite bound is reported as ``vacuous``). The issue's goal is
+inputs of the configuration (an infinite bound is reported as ``vacuous``). The goal is
 ``max/max <= 10`` at ``L, d <= 64``; the script lists the configurations above it and what
 dominates there. It marks nothing as passed or failed, but it prints loudly, with a command that
 reproduces it, every input whose measured error the bound does not cover, and exits with status
