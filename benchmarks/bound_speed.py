@@ -2,6 +2,7 @@
 
     python benchmarks/bound_speed.py            # L = 1024 and 4096, attention and MHA
     python benchmarks/bound_speed.py --quick    # L = 1024, attention only
+    python benchmarks/bound_speed.py --blas-threads   # and attention_bound with BLAS's threads
 
 ``attention_bound`` (Theorem A.1) and ``mha_bound`` (A.2) against ``mhanum.attention`` and
 ``mhanum.multi_head_attention`` with the same numerics (``fp32``: XLA's own dot and reduce), on
@@ -15,7 +16,10 @@ on the same chunks of query rows: the two ``L × L × d`` products of the logits
 the terms (``p v``, ``p|v|``, and one each for the logits, softmax, probability-rounding, operand,
 P·V, ``p̃|v|`` and the row-sum terms), and five exponentials of ``L × L`` arrays (``e^s``, ``e^δ``
 and the ``expm1`` of the per-key factors). The rest of the bound's time is its elementwise passes
-over ``L × L`` arrays: without them, this evaluation would still cost the floor.
+over ``L × L`` arrays: without them, this evaluation would still cost the floor. The floor runs
+with one BLAS thread, as the bounds do (``mhanum/bounds/_threads.py``); ``--blas-threads`` runs
+``attention_bound`` a second time with the BLAS library's own number of threads (one per core
+by default), in the row ``BLAS threads``, for comparison.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 import mhanum
 from mhanum.bounds import attention_bound, mha_bound
@@ -47,6 +52,11 @@ def median_time(f: Callable[[], object], repeat: int) -> float:
 
 def floor(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
     """The float64 products and exponentials of Theorem A.1's terms, alone (module docstring)."""
+    with threadpool_limits(limits=1, user_api="blas"):
+        _floor(q, k, v)
+
+
+def _floor(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
     step = max(1, 2**18 // k.shape[0])
     v_abs = np.abs(v)
     for start in range(0, q.shape[0], step):
@@ -63,6 +73,10 @@ def floor(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="L = 1024, attention only")
+    parser.add_argument(
+        "--blas-threads", action="store_true",
+        help="attention_bound also with the BLAS library's own threads",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     num = mhanum.Numerics.preset("fp32")
     rng = np.random.default_rng(0)
@@ -79,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         t_a = median_time(attend, repeat)
         t_b = median_time(lambda q=q, k=k, v=v: attention_bound(q, k, v, numerics=num), repeat)
         print(f"{f'attention L={length} d=64':32s} {t_a:12.4f} {t_b:10.4f} {t_b / t_a:16.1f}")
+        if args.blas_threads:
+            own = attention_bound.__wrapped__  # type: ignore[attr-defined]
+            t_o = median_time(lambda q=q, k=k, v=v, f=own: f(q, k, v, numerics=num), repeat)
+            print(f"{f'  BLAS threads L={length} d=64':32s} {t_a:12.4f} {t_o:10.4f} "
+                  f"{t_o / t_a:16.1f}")  # fmt: skip
         t_f = median_time(lambda q=q, k=k, v=v: floor(q, k, v), repeat)
         print(f"{f'  floor L={length} d=64':32s} {t_a:12.4f} {t_f:10.4f} {t_f / t_a:16.1f}")
         if args.quick:

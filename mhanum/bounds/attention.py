@@ -27,6 +27,7 @@ from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
+from mhanum.bounds._threads import one_blas_thread
 from mhanum.bounds.factors import (
     F64_DOT,
     LOG2E,
@@ -1606,6 +1607,7 @@ def _given_error(
     return np.expm1(2 * big) * pv_abs + np.exp(2 * big) * (p @ (g_v * np.ones_like(v)))
 
 
+@one_blas_thread
 def attention_bound(
     q: Any,
     k: Any,
@@ -1715,6 +1717,7 @@ def attention_bound(
     return bound
 
 
+@one_blas_thread
 def attention_bound_along(
     q: Any,
     k: Any,
@@ -2095,6 +2098,7 @@ def merge_heads(x: np.ndarray) -> np.ndarray:
     return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
 
 
+@one_blas_thread
 def head_output_bound(
     q: np.ndarray,
     k: np.ndarray,
@@ -2243,6 +2247,7 @@ def _logits_through_projection(
         return np.where(gain > 0, (term - gain) * (1 + 2.0**-51), term)
 
 
+@one_blas_thread
 def mha_bound(
     x_q: Any,
     x_kv: Any,

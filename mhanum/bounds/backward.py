@@ -27,6 +27,7 @@ from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
+from mhanum.bounds._threads import one_blas_thread
 from mhanum.bounds.a_priori import (
     CappedLogits,
     attention_bound_a_priori,
@@ -567,6 +568,7 @@ def _head_chains(lq: int, n: int, d: int, dv: int, flash: bool, sink: bool) -> i
     return lq * n * (3 * d + 2 * dv + 1) + lq * (dv if flash else n) + (lq if sink else 0)
 
 
+@one_blas_thread
 def attention_grad_bound(
     q: Any,
     k: Any,
@@ -1036,6 +1038,7 @@ def _bound(
     return bounds, dsd | {f"{name}_up": up for name, up in ups.items()}
 
 
+@one_blas_thread
 def dq_order_difference(
     q: Any,
     k: Any,
@@ -1486,6 +1489,7 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1])
 
 
+@one_blas_thread
 def mha_grad_bound(
     x_q: Any,
     x_kv: Any,

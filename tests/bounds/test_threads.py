@@ -1,0 +1,62 @@
+"""The bounds' float64 products run with one BLAS thread, and the caller's setting comes back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from threadpoolctl import ThreadpoolController, threadpool_limits
+
+import mhanum.bounds.attention as attention_module
+import mhanum.bounds.backward as backward_module
+from mhanum.bounds import (
+    attention_bound,
+    attention_bound_along,
+    attention_grad_bound,
+    dq_order_difference,
+    mha_bound,
+    mha_grad_bound,
+)
+from mhanum.params import MHAParams
+
+
+def _blas_threads() -> list[int]:
+    return [
+        lib["num_threads"] for lib in ThreadpoolController().info() if lib["user_api"] == "blas"
+    ]
+
+
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The BLAS libraries' threads each time a head's or a backward's evaluation starts."""
+    calls: list[list[int]] = []
+    for module, name in ((attention_module, "_head"), (backward_module, "_bound")):
+        inner = getattr(module, name)
+
+        def spy(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+            calls.append(_blas_threads())
+            return _inner(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def test_every_bound_evaluates_with_one_blas_thread_and_restores_the_callers(seen):
+    assert _blas_threads(), "numpy's BLAS is not visible to threadpoolctl"
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal((6, 4)) for _ in range(4))
+    x = rng.standard_normal((1, 6, 8))
+    params = MHAParams.random(8, seed=0)
+    with threadpool_limits(limits=2, user_api="blas"):
+        before = _blas_threads()
+        assert set(before) == {2}
+        attention_bound(q, k, v, numerics="bf16-fp32acc")
+        attention_bound_along(q, k, v, g, numerics="bf16-fp32acc")
+        mha_bound(x, x, params, 2, numerics="bf16-fp32acc")
+        attention_grad_bound(q, k, v, g, numerics="bf16-fp32acc")
+        dq_order_difference(q, k, v, g, numerics="fp32")
+        mha_grad_bound(x, x, params, 2, np.ones((1, 6, 8)), numerics="bf16-fp32acc")
+        assert _blas_threads() == before
+    assert len(seen) >= 6
+    assert all(set(threads) == {1} for threads in seen)
