@@ -17,7 +17,7 @@ the terms (``p v``, ``p|v|``, and one each for the logits, softmax, probability-
 P·V, ``p̃|v|`` and the row-sum terms), and five exponentials of ``L × L`` arrays (``e^s``, ``e^δ``
 and the ``expm1`` of the per-key factors). The rest of the bound's time is its elementwise passes
 over ``L × L`` arrays: without them, this evaluation would still cost the floor. The floor runs
-with one BLAS thread, as the bounds do (``mhanum/bounds/_threads.py``); ``--blas-threads`` runs
+with one BLAS thread, as the bounds do (``mhanum/_threads.py``); ``--blas-threads`` runs
 ``attention_bound`` a second time with the BLAS library's own number of threads (one per core
 by default), in the row ``BLAS threads``, for comparison.
 """

@@ -1,7 +1,9 @@
 """Speed of the certified reference: every backend, side by side, in one run.
 
 Run with ``python benchmarks/reference_speed.py`` (``--quick`` skips ``auto`` and ``arb`` on the
-MHA layer; on a machine with shared cores set ``OPENBLAS_NUM_THREADS=1``). Prints medians of wall-clock time (``time.perf_counter``) and ratios
+MHA layer). The reference runs its products with one BLAS thread by itself; with
+``OPENBLAS_NUM_THREADS=1`` the numpy float64 baseline does too (the figures in README.md and
+docs/performance.md). Prints medians of wall-clock time (``time.perf_counter``) and ratios
 measured in the same run:
 
 * attention with ``L = 64``, ``d_k = d_v = 64`` (one head, standard normal inputs): the naive

@@ -26,8 +26,8 @@ import numpy as np
 from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import InvalidArgument
+from mhanum._threads import one_blas_thread
 from mhanum.bounds._result import Bound
-from mhanum.bounds._threads import one_blas_thread
 from mhanum.bounds.factors import (
     F64_DOT,
     LOG2E,

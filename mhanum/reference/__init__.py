@@ -86,6 +86,7 @@ import numpy as np
 from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import CertificationError, InvalidArgument
+from mhanum._threads import one_blas_thread
 from mhanum.gradients import Gradients, MHAGradients
 from mhanum.params import MHAParams
 from mhanum.reference import _dd, _exact, _fastref
@@ -153,6 +154,7 @@ class _ScoreSpec:
     softcap: float | None = None
 
 
+@one_blas_thread
 def attention(
     q: Any,
     k: Any,
@@ -292,6 +294,7 @@ def attention(
     return _fast_certified(out, undefined, batch, exact_rows, options)
 
 
+@one_blas_thread
 def attention_grad(
     q: Any,
     k: Any,
@@ -375,6 +378,7 @@ def attention_grad(
     return Gradients(dq, dk[..., :keys, :], dv[..., :keys, :], dbias[..., :keys], dsink[..., 0, 0])
 
 
+@one_blas_thread
 def mha_grad(
     x_q: Any,
     x_kv: Any,
@@ -456,6 +460,7 @@ def mha_grad(
     return MHAGradients(dx_q, dx_kv, MHAParams(**{n: grads.get(n) for n in names}), dbias, dsink)
 
 
+@one_blas_thread
 def multi_head_attention(
     x_q: Any,
     x_kv: Any,

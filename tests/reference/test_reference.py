@@ -448,6 +448,7 @@ def test_the_reference_imports_no_implementation_under_test():
         "mhanum.reference",
         "mhanum.reference._dd",
         "mhanum._errors",
+        "mhanum._threads",  # how many BLAS threads its products run on: no arithmetic
         "mhanum._validate",
         "mhanum.masks",  # which keys a mask attends: data, checked against the frameworks
         "mhanum.params",

@@ -1,4 +1,5 @@
-"""The bounds' float64 products run with one BLAS thread, and the caller's setting comes back."""
+"""The bounds' and the reference's float64 products run with one BLAS thread, and the caller's
+setting comes back."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from threadpoolctl import ThreadpoolController, threadpool_limits
 
 import mhanum.bounds.attention as attention_module
 import mhanum.bounds.backward as backward_module
+import mhanum.reference._fastref as fastref_module
+from mhanum import reference
 from mhanum.bounds import (
     attention_bound,
     attention_bound_along,
@@ -29,9 +32,15 @@ def _blas_threads() -> list[int]:
 
 @pytest.fixture
 def seen(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
-    """The BLAS libraries' threads each time a head's or a backward's evaluation starts."""
+    """The BLAS libraries' threads each time a head's or a backward's evaluation, or the
+    double-double reference, starts."""
     calls: list[list[int]] = []
-    for module, name in ((attention_module, "_head"), (backward_module, "_bound")):
+    for module, name in (
+        (attention_module, "_head"),
+        (backward_module, "_bound"),
+        (fastref_module, "attention"),
+        (fastref_module, "multi_head_attention"),
+    ):
         inner = getattr(module, name)
 
         def spy(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
@@ -42,7 +51,7 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     return calls
 
 
-def test_every_bound_evaluates_with_one_blas_thread_and_restores_the_callers(seen):
+def test_bounds_and_references_run_with_one_blas_thread_and_restore_the_callers(seen):
     assert _blas_threads(), "numpy's BLAS is not visible to threadpoolctl"
     rng = np.random.default_rng(0)
     q, k, v, g = (rng.standard_normal((6, 4)) for _ in range(4))
@@ -57,6 +66,8 @@ def test_every_bound_evaluates_with_one_blas_thread_and_restores_the_callers(see
         attention_grad_bound(q, k, v, g, numerics="bf16-fp32acc")
         dq_order_difference(q, k, v, g, numerics="fp32")
         mha_grad_bound(x, x, params, 2, np.ones((1, 6, 8)), numerics="bf16-fp32acc")
+        reference.attention(q, k, v)
+        reference.multi_head_attention(x, x, params, 2)
         assert _blas_threads() == before
-    assert len(seen) >= 6
+    assert len(seen) >= 8
     assert all(set(threads) == {1} for threads in seen)
