@@ -1201,11 +1201,14 @@ def _softmax_pv(
         g_row = g_pv
     if one_key:  # the factors changed on the one-key rows
         logits_v, p_hat_v = logits @ v_dev, p_hat_hi @ v_abs
+    prob_v = prob @ v_abs
+    # (no product where the operand format reads p̂ exactly: operand_p is 0 then)
+    op_v = operand_p @ v_abs if u_op or np.any(eta_op) else np.zeros_like(prob_v)
     terms = {
         "logits": scale_out * logits_v,
         "softmax": scale_out * soft_term,
-        "probability_rounding": scale_out * (prob @ v_abs),
-        "operands": scale_out * (operand_p @ v_abs + _dot(p_hat_hi, v_extra)),
+        "probability_rounding": scale_out * prob_v,
+        "operands": scale_out * (op_v + _dot(p_hat_hi, v_extra)),
         "pv": scale_out * (g_row * p_hat_v + (eta_pv * per_sum / lift if online else eta_pv)),
         "output": (
             u_o * np.abs(o) + eta_o + ((1 + u_o) * (u_last * np.abs(o) + eta_m) if online else 0.0)
@@ -1220,7 +1223,7 @@ def _softmax_pv(
             mart = lam * np.sqrt(c2 * ((w_keys * w_keys) @ (v_abs * v_abs)))
             kept_prob = np.where(normal, 0.0, prob) @ v_abs
             kept_op = np.where(normal, eta_conv, operand_p) @ v_abs
-            det_prob, det_op = prob @ v_abs, operand_p @ v_abs
+            det_prob, det_op = prob_v, op_v
             det = det_prob + det_op
             alt = (mart + kept_prob + kept_op) * (1 + ev_rel)
             share = np.where(det > 0, det_prob / det, 1.0)
