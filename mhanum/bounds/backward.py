@@ -843,7 +843,8 @@ def _bound(
         gap2 = arg + math.log(n) + spread + worst(spread) + err_lse
         own = err_lse + u_m * gap2 + eta_m + _log_radius(eps_e)
         absolute = eta_m * np.ones_like(x_max)
-    big_r = own + delta + _shift(p_up, delta, keep, worst(delta))
+    shift = _shift(p_up, delta, keep, worst(delta))
+    big_r = own + delta + shift
     # P̂ before its rounding into prob_format is at least p_low, which flushes (§0) only where
     # that may lie below prob_format's smallest normal number
     p_low = p_mid * np.exp(-omega - big_r) - absolute
@@ -873,7 +874,8 @@ def _bound(
 
     # Step 5: D, the row vector (textbook rowsum(dP ∘ P); FlashAttention-2 rowsum(d_out ∘ O))
     if not flash:
-        pe = eps_p + _take(p_used_up, prob, grad)
+        p_read = _take(p_used_up, prob, grad)  # P̂ read into the gradient format
+        pe = eps_p + p_read
         g_d = chain(n, num.summation, u_g, lam, products=True)
         d_mid = (dp.mid * p_mid).sum(axis=-1, keepdims=True)
         d_rad = (dp.rad * p_up + np.abs(dp.mid) * (p_up - p_mid)).sum(axis=-1, keepdims=True)
@@ -881,6 +883,17 @@ def _bound(
         d_rest = (dp.err * (p_up + pe)).sum(axis=-1, keepdims=True)
         d_rest = d_rest + g_d * (dp.used * (p_up + pe)).sum(axis=-1, keepdims=True) + 2 * n * eta_g
         d_lin = (dp.up * pe).sum(axis=-1, keepdims=True)  # >= |Σ_k dP_k π_k|
+        # Step 5': π = (p(Ŝ) - P) + (P̂' - p(Ŝ)). The logits' share sums to 0 over the row, so
+        # Σ_k dP_k (p_k(Ŝ) - P_k) = Σ_k t_k P_k (e^{δ_k} - 1) / Σ_l P_l e^{δ_l} (t = dP - D,
+        # Σ_k t_k P_k = 0), at most e^W Σ_k |t_k| P̄_k (e^{Δ_k} - 1); the rest keeps |dP|
+        t_abs = (np.abs(dp.mid - d_mid) + dp.rad + d_rad) * (1 + 4 * _U64)  # >= |t|
+        with np.errstate(over="ignore", invalid="ignore"):
+            logits_share = np.where(keep, p_up * np.expm1(delta), 0.0)
+            centred = np.exp(shift) * (t_abs * logits_share).sum(axis=-1, keepdims=True)
+            rest_share = np.where(keep, p_up * np.exp(delta + shift) * np.expm1(own), 0.0)
+            rest_share = rest_share + p_read + np.where(keep, absolute, 0.0)
+            split = centred + (dp.up * rest_share).sum(axis=-1, keepdims=True)
+        d_lin = np.fmin(d_lin, np.where(np.isnan(split), np.inf, split))
         d_err = d_rest + d_lin
         d_upper = (dp.used * (p_up + pe)).sum(axis=-1, keepdims=True) * (1 + g_d)
         p_x_err = pe
