@@ -465,15 +465,22 @@ def _softmax_pv(
         return {}
     evaluation = (math.expm1(2 * eps64) + math.expm1(2 * moved)) * v_abs
     evaluation = evaluation + math.exp(2 * moved) * np.asarray(g_v)
+    gap = 2 * reach + 2 * delta
+    x, blocks, g_sum, g_pv, eta_pv = exp_and_sum_factors(num, n, gap, None, bits_pv)
+    # step W: the computed output's magnitude, whatever the logit errors (safe softmax)
+    whole = None
+    t_0 = _sum_error(n, g_sum, eta_m)
+    if kind == "safe" and not num.prob_offset and t_0 < 1:
+        whole = _magnitudes(1 / (1 - t_0), n, v_abs, v_bar, g_pv, eta_pv, num)
     if not (2 * delta <= 700 and reach < math.inf):
+        if whole is not None:
+            return _whole_only(whole, n, g_sum, num, rng)
         rng.flag(
             "the logit errors may reach Δ = {:.4g}: the softmax perturbation e^(2Δ) is not finite",
             "vacuous",
             delta,
         )
         return {"evaluation": evaluation}
-    gap = 2 * reach + 2 * delta
-    x, blocks, g_sum, g_pv, eta_pv = exp_and_sum_factors(num, n, gap, None, bits_pv)
     log_s_lo = 0.0
     if kind == "naive":
         # R.4: no shift: exp of a logit up to ρ + Δ, the row sum up to 2n·e^(ρ+Δ) (T < 1),
@@ -509,6 +516,8 @@ def _softmax_pv(
     underflow = n * eta_m * math.exp(-log_s_lo)
     t_sum = compound(r + underflow, g_sum) + underflow
     if not t_sum < 1:
+        if whole is not None:
+            return _whole_only(whole, n, g_sum, num, rng)
         rng.flag(
             "softmax: the computed row sum may be off by 100% (its error factor T >= 1)", "vacuous"
         )
@@ -538,8 +547,21 @@ def _softmax_pv(
         "evaluation": evaluation,
     }
     if not all(np.isfinite(t).all() for t in terms.values()):
+        if whole is not None:
+            return _whole_only(whole, n, g_sum, num, rng)
         rng.flag("the softmax and P·V terms are not finite in float64", "vacuous")
         return {"evaluation": evaluation}
+    if whole is not None:
+        return _least(
+            terms,
+            whole,
+            (1 + g_pv) * p_hat * v_bar + pv_eta,
+            v_abs + (1 + EVALUATION) * sum(terms.values()),
+            n,
+            g_sum,
+            num,
+            rng,
+        )
     # R.5: the sums of step 5 and 7
     if online:
         eps_e = 2 * num.exp_ulps * u_m
@@ -558,6 +580,86 @@ def _softmax_pv(
     if online:
         rng.check(upper, fm, "the output divided in the softmax format")
     return terms
+
+
+class _Whole(NamedTuple):
+    """The computed output's magnitude whatever the logit errors (papers/attention.md, A.4
+    (whole)): ``acc >= |P·V accumulated|``, ``out >= |ô|``, ``total = out + |v| >= |ô - o|``
+    and the ``P·V`` underflow ``pv_eta`` they include."""
+
+    acc: np.ndarray
+    out: np.ndarray
+    total: np.ndarray
+    pv_eta: Any
+
+
+def _sum_error(n: int, g_sum: float, eta_m: float) -> float:
+    """``T_0 >= |Ŝ - Σ_j ê_j| / Σ_j ê_j`` for the safe softmax's computed row sum ``Ŝ`` of its
+    computed exponentials (``Σ_j ê_j >= 1``: the row maximum's ``exp(0) = 1``)."""
+    return compound(n * eta_m, g_sum) + n * eta_m
+
+
+def _magnitudes(
+    ratio: float,
+    n: int,
+    v_abs: np.ndarray,
+    v_bar: np.ndarray,
+    g_pv: float,
+    eta_pv: Any,
+    num: Numerics,
+) -> _Whole:
+    """:class:`_Whole` from ``ratio >= Σ_j ê_j / Ŝ``: the divided weights sum to at most
+    ``(1 + ε_÷)·ratio + n·η_m``, then each rounding into the probability and operand formats."""
+    fm, fp, fo = (num.format_of(r) for r in ("softmax", "prob", "output"))
+    u_op, eta_op = operand_error(num)
+    eta_op += conversion_eta(num, num.operand_rounding or fp)
+    p_div = (1 + division_error(num.div_ulps, fm.u)) * ratio + n * fm.smallest_normal
+    p_op = (1 + u_op) * ((1 + fp.u) * p_div + n * fp.smallest_normal) + n * eta_op
+    anchor = tensor_core_anchor(num)
+    pv_eta = eta_pv + (g_pv * anchor * (p_op + n * v_bar + n * anchor) if anchor else 0.0)
+    acc = (1 + g_pv) * p_op * v_bar + pv_eta
+    out = (1 + fo.u) * acc + fo.smallest_normal
+    return _Whole(acc, out, out + v_abs, pv_eta)
+
+
+def _whole_checks(
+    whole: _Whole, acc_upper: Any, out_upper: Any, n: int, g_sum: float, num: Numerics, rng: _Range
+) -> None:
+    """R.5 and R.6 with the least enclosures (``whole``'s or the terms'): the safe softmax's row
+    sum, ``P·V`` accumulated, the output."""
+    fm = num.format_of("softmax")
+    if num.softmax_kind == "safe":  # every ê_j <= (1 + ε_e): the exponent is at most 0
+        e_hat = 1 + 2 * num.exp_ulps * fm.u
+        rng.check(n * e_hat * (1 + g_sum) + n * fm.smallest_normal, fm, "the softmax's row sum")
+    rng.check(np.fmin(acc_upper, whole.acc), num.format_of("accum"), "P·V accumulated")
+    rng.check(np.fmin(out_upper, whole.out), num.format_of("output"), "the output")
+
+
+def _whole_only(whole: _Whole, n: int, g_sum: float, num: Numerics, rng: _Range) -> dict[str, Any]:
+    """The bound where the logit errors leave only the magnitudes: ``|ô - o| <= |ô| + |o|``."""
+    _whole_checks(whole, math.inf, math.inf, n, g_sum, num, rng)
+    return {"magnitudes": whole.total}
+
+
+def _least(
+    terms: dict[str, Any],
+    whole: _Whole,
+    acc_upper: Any,
+    out_upper: Any,
+    n: int,
+    g_sum: float,
+    num: Numerics,
+    rng: _Range,
+) -> dict[str, Any]:
+    """The terms, or entrywise the magnitudes where they are smaller than the terms' sum."""
+    _whole_checks(whole, acc_upper, out_upper, n, g_sum, num, rng)
+    total = sum(terms.values())
+    take = whole.total < total
+    if not take.any():
+        return terms
+    kept = {name: np.where(take, 0.0, t) for name, t in terms.items()}
+    kept["magnitudes"] = np.where(take, whole.total, 0.0)
+    return kept
 
 
 def _check_a_priori_scope(num: Numerics) -> None:

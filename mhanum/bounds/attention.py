@@ -787,6 +787,7 @@ def _head(
     plain = terms.pop(_PLAIN)
     projected = terms.pop(_PROJECTED, None)
     along_rows = terms.pop(_ALONG, None)
+    whole = terms.pop(_WHOLE, None)
     # The logits term apportioned to the sources of δ by their p-weighted share in each row.
     row_delta = (p * delta).sum(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -834,12 +835,45 @@ def _head(
     # R.6: the output, |o_hat| <= |o| + the bound, in the output format (online: and the
     # softmax format it is divided in)
     upper = np.abs(o) + sum(terms.values())
+    if whole is not None:
+        upper = np.fmin(upper, whole)
     ranges.check(upper, num.format_of("output"), "the output", entries=True)
+    if whole is not None:
+        # |o*| <= max_j |v*_j| too: the target is a convex combination of the exact values
+        v_star = np.abs(v) if given is None else np.abs(v) + np.asarray(given[2])
+        o_star = np.fmin(np.abs(o) + o_error, v_star.max(axis=0, initial=0.0))
+        terms = _at_most_magnitudes(terms, parts, whole + o_star * (1 + ev_rel))
     if num.softmax_kind == "online":
         ranges.check(
             upper, fmts["softmax"], "the output divided in the softmax format", entries=True
         )
     return terms, o, o_error, parts, ranges
+
+
+def _at_most_magnitudes(
+    terms: dict[str, np.ndarray], parts: dict[str, Any], magnitudes: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Step W: ``|ô - o| <= |ô| + |o|`` (``magnitudes``) replaces the terms of the entries where
+    it is smaller than their sum (term ``magnitudes``). The logits' parts there are 0, and the
+    rows with such an entry drop A.2 (c')'s and A.1g's coupled forms (``parts``, in place),
+    which bound the logits' part of every entry of the row together."""
+    total = sum(terms.values())
+    with np.errstate(invalid="ignore"):
+        # (a NaN sum, inf·0 in a row whose softmax step 5 cannot bound, takes them too)
+        take = (magnitudes < total) | (np.isnan(total) & np.isfinite(magnitudes))
+    if not take.any():
+        return terms
+    kept = {name: np.where(take, 0.0, t) for name, t in terms.items()}
+    kept["magnitudes"] = np.where(take, magnitudes, 0.0)
+    rows = take.any(axis=-1, keepdims=True)
+    for name, x in parts.items():
+        if name == _PLAIN:
+            continue
+        if name in (_PROJECTED, _ALONG):
+            parts[name] = np.where(rows, np.inf, x)
+        else:
+            parts[name] = np.where(take, 0.0, x)
+    return kept
 
 
 _CHUNK = 2**18  # logits per chunk of query rows: the float64 temporaries stay small
@@ -849,6 +883,8 @@ _PROJECTED = "logits:projected"
 # Theorem A.1g: the output's error along a direction g per row, less its entrywise form
 _ALONG = "along:coupled"
 _TINY = 2.0**-1074  # float64's smallest subnormal number
+# Step W: the computed output's magnitude, whatever the logit errors (safe softmax)
+_WHOLE = "output:whole"
 
 
 def _head_rows(
@@ -1042,8 +1078,19 @@ def _softmax_pv(
         underflow = n * eta_m * np.exp(-log_s_lo) / lift
         t_sum = compound(r_bar + underflow, g_sum) + underflow
     vacuous = ~np.isfinite(t_sum) | (t_sum >= 1)
+    # Step W: the safe softmax's output is bounded whatever the logit errors; a row whose
+    # row sum step 5 cannot bound keeps that bound alone (its softmax term infinite)
+    whole = None
+    rescued: Any = False
+    if kind == "safe" and not num.prob_offset:
+        # (deterministic: it holds with probability 1, so also beside A.3's terms)
+        factors = (g_sum, g_pv, eta_pv)
+        if lam is not None:
+            factors = exp_and_sum_factors(num, n, gap, None, bits_pv)[2:]
+        whole = _whole(live, v_abs, *factors, anchor, u_div, num)
+        rescued = vacuous & np.isfinite(whole[1]).all(axis=-1, keepdims=True)
     ranges.flag(
-        vacuous,
+        vacuous & ~rescued,
         "softmax: the computed row sum may be off by 100% (its error factor T >= 1)",
         "vacuous",
     )
@@ -1155,6 +1202,8 @@ def _softmax_pv(
     else:
         pv_upper = (1 + g_pv) * (p_hat_v if sound.all() else np.where(sound, p_hat_hi, 0.0) @ v_abs)
         pv_upper = pv_upper + eta_pv
+        if whole is not None:
+            pv_upper = np.fmin(pv_upper, whole[0])
         ranges.check(pv_upper, fmts["accum"], "P·V accumulated", entries=True)
     pl = _on(live, p, 0.0)
     with np.errstate(invalid="ignore"):
@@ -1266,6 +1315,10 @@ def _softmax_pv(
         # (online: the logits' bracket only)
         rounding = np.zeros_like(prob) if online else prob + operand_p
         terms[_ALONG] = _along(along, v, v_abs, logits, rounding, logits_v)
+    if whole is not None:
+        terms[_WHOLE] = whole[1]
+        if np.any(rescued):
+            terms["softmax"] = np.where(rescued, np.inf, terms["softmax"])
     if project is not None:
         # A.2 (c'): Σ_j (p̃_j - p_j) = 0, so the logits' part of the output, through the
         # projection, is Σ_j (p̃_j - p_j)(v_j·ŵ_m - c_m), each output entry's rounding
@@ -1274,6 +1327,41 @@ def _softmax_pv(
         with np.errstate(over="ignore", invalid="ignore"):
             terms[_PROJECTED] = logits @ b_proj + (scale_out - 1) * (logits_v @ w_abs)
     return terms, p, np.where(vacuous, np.inf, t_safe), direct
+
+
+def _whole(
+    live: np.ndarray,
+    v_abs: np.ndarray,
+    g_sum: Any,
+    g_pv: Any,
+    eta_pv: Any,
+    anchor: float,
+    u_div: float,
+    num: Numerics,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Step W (papers/attention.md): the safe softmax's computed output whatever the logit
+    errors, ``(acc, out)`` with ``acc >= |P·V accumulated|`` and ``out >= |ô|``.
+
+    Every computed exponential is ``fl(exp(ŝ_j - m̂)) <= 1 + ε_e`` (its argument is at most 0),
+    the row maximum's is ``exp(0) = 1``, so the computed row sum is at least ``(1 - T_0)`` times
+    the exponentials' sum, ``T_0 = (1 + nη_m)(1 + g) - 1 + nη_m``. The divided weights then sum
+    to at most ``(1 + ε_÷)/(1 - T_0) + nη_m``, which the roundings into the probability and
+    operand formats carry on (``n`` the row's live keys); ``P V`` reads them against
+    ``max_j |v̄_jl|``."""
+    fm, fp, fo = (num.format_of(r) for r in ("softmax", "prob", "output"))
+    n_live = live.sum(axis=-1, keepdims=True)
+    t_0 = compound(n_live * fm.smallest_normal, g_sum) + n_live * fm.smallest_normal
+    u_op, eta_op = operand_error(num)
+    eta_op += conversion_eta(num, num.operand_rounding or fp)
+    with np.errstate(divide="ignore"):
+        p_div = np.where(t_0 < 1, (1 + u_div) / (1 - t_0), np.inf) + n_live * fm.smallest_normal
+    w_row = (1 + u_op) * ((1 + fp.u) * p_div + n_live * fp.smallest_normal) + n_live * eta_op
+    v_top = v_abs.max(axis=0, initial=0.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if anchor:
+            eta_pv = eta_pv + g_pv * anchor * (w_row + v_abs.sum(axis=0) + v_abs.shape[0] * anchor)
+        acc = (1 + g_pv) * w_row * v_top + eta_pv
+    return acc, (1 + fo.u) * acc + fo.smallest_normal
 
 
 def _along(
@@ -1402,6 +1490,7 @@ def _split_pv(
         )
         ranges.merge(mine, some)  # a split a row does not attend is exact (lse -inf, o 0)
         terms.pop(_PLAIN)
+        terms.pop(_WHOLE, None)
         terms = {name: np.where(some, x, 0.0) for name, x in terms.items()}
         split_terms.append(terms)
         bounds.append(sum(terms.values()))

@@ -359,7 +359,10 @@ def test_probabilistic_variant_is_smaller_and_holds_on_random_data(preset):
     assert det.probability == 1.0
     assert 0.98 <= prob.probability < 1.0
     assert prob.source == "higham2019"
-    assert np.all(prob.terms["pv"] < det.terms["pv"])
+    # step W's |ô| + |o| is deterministic and caps both; the P·V terms compare where it does not
+    assert np.all(prob.total <= det.total)
+    free = (det.terms.get("magnitudes", 0.0) == 0) & (prob.terms.get("magnitudes", 0.0) == 0)
+    assert np.all(prob.terms["pv"][free] < det.terms["pv"][free])
     err = np.abs(
         np.asarray(mn.attention(q, k, v, numerics=num), np.float64) - reference.attention(q, k, v)
     )

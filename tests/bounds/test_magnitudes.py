@@ -1,0 +1,106 @@
+"""Step W: the safe softmax's output is bounded whatever the logit errors, ``|ô - o| <= |ô| + |o|``
+with ``|ô|`` enclosed from the computed weights' sum alone (papers/attention.md, step W)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mhanum as mn
+from mhanum import MHAParams, reference
+from mhanum.bounds import (
+    attention_bound,
+    attention_bound_a_priori,
+    mha_bound,
+    mha_bound_a_priori,
+)
+from tests._numerics import configured
+
+# presets whose scores are float32 (logits up to 1e4 fit): the logit errors, not the range, limit
+WIDE_SCORES = ["bf16", "bf16-fp32acc", "tf32", "fp8-e4m3-fp32acc", "tpu-bf16-1pass"]
+
+
+def _near_ties(rng: np.random.Generator, size: float, n: int, d: int) -> tuple[np.ndarray, ...]:
+    """One query against ``n`` keys whose logits (about ``size²/√d``) differ by O(1): their
+    rounding errors, about ``u·size²``, decide the softmax, and the values differ widely."""
+    q = np.zeros((2, d))
+    q[:, 0] = size
+    k = np.zeros((n, d))
+    k[:, 0] = size + rng.uniform(-1, 1, n) / size
+    k[:, 1:] = rng.uniform(-1, 1, (n, d - 1))
+    v = rng.uniform(-4, 4, (n, 3))
+    return q, k, v
+
+
+@settings(max_examples=12)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    preset=st.sampled_from(WIDE_SCORES),
+    size=st.sampled_from([30.0, 100.0, 300.0]),
+)
+def test_the_bound_holds_and_stays_finite_whatever_the_logit_errors(seed, preset, size):
+    num = configured(preset, softmax="safe")
+    q, k, v = (
+        np.asarray(mn.round_to(x, num.input), np.float64)
+        for x in _near_ties(np.random.default_rng(seed), size, 12, 8)
+    )
+    bound = attention_bound(q, k, v, numerics=num)
+    # no refusal: the range fits every format, and step W bounds the rows step 5 cannot
+    assert np.isfinite(bound.total).all(), bound.reasons
+    out = np.asarray(mn.attention(q, k, v, numerics=num), np.float64)
+    err = np.abs(out - reference.attention(q, k, v))
+    assert np.all(err <= bound.total)
+    # A.4 on the same norms is finite too, and at least A.1
+    prior = attention_bound_a_priori(
+        2,
+        12,
+        8,
+        3,
+        q_norm=float(np.linalg.norm(q, axis=-1).max()),
+        k_norm=float(np.linalg.norm(k, axis=-1).max()),
+        v_max=float(np.abs(v).max()),
+        numerics=num,
+    )
+    assert np.isfinite(prior.total).all(), prior.reasons
+    assert np.all(bound.total <= prior.total)
+
+
+def test_rows_step_5_cannot_bound_are_bounded_by_the_magnitudes():
+    # bfloat16 softmax: the exponent's argument |ŝ_j - m| up to 2·300² / √8 is rounded with
+    # u = 2^-8, so the computed row sum's error factor T exceeds 1 (step 5 is vacuous); the
+    # computed weights still sum to at most (1 + ε_÷)/(1 - T_0)
+    num = configured("bf16", softmax="safe")
+    q, k, v = (
+        np.asarray(mn.round_to(x, num.input), np.float64)
+        for x in _near_ties(np.random.default_rng(5), 300.0, 12, 8)
+    )
+    bound = attention_bound(q, k, v, numerics=num)
+    assert not bound.reasons
+    assert set(np.flatnonzero(bound.terms["magnitudes"])) == set(range(bound.total.size))
+    out = np.asarray(mn.attention(q, k, v, numerics=num), np.float64)
+    o = reference.attention(q, k, v)
+    assert np.all(np.abs(out - o) <= bound.total)
+    # the bound is |ô|'s enclosure plus |o|'s: at least the two magnitudes it stands for
+    assert np.all(bound.total >= np.abs(out) + np.abs(o))
+
+
+@pytest.mark.parametrize("preset", ["bf16-fp32acc", "tf32"])
+def test_mha_a_priori_is_finite_where_the_logit_errors_swamp_the_softmax(preset):
+    # x_max = 40 on a 16-wide layer: the logits may reach ~10^4, their errors e^(2Δ) overflow
+    # float64; step W leaves every head's output within |ô| + |o|
+    num = configured(preset, softmax="safe")
+    params = MHAParams.random(16, seed=3)
+    prior = mha_bound_a_priori(params, 2, 6, 9, x_max=40.0, numerics=num)
+    assert np.isfinite(prior.total).all(), prior.reasons
+    assert "attention.magnitudes" in prior.terms
+    rng = np.random.default_rng(7)
+    # admissible inputs: uniform, and every entry at ±x_max (the logits' largest reach)
+    for x in (rng.uniform(-40, 40, (6, 16)), 40.0 * np.sign(rng.standard_normal((6, 16)))):
+        x_kv = np.concatenate([x, x[:3]])
+        post = mha_bound(x, x_kv, params, 2, numerics=num)
+        assert np.all(post.total <= prior.total)
+        out = np.asarray(mn.multi_head_attention(x, x_kv, params, 2, numerics=num), np.float64)
+        err = np.abs(out - reference.multi_head_attention(x, x_kv, params, 2))
+        assert np.all(err <= post.total)
