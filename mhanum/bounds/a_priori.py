@@ -11,7 +11,8 @@ Each step of A.1 is replaced by its worst case over the admissible inputs: ``|q_
 ``Σ_j p̃_j <= e^{2Δ}`` and ``Σ_j p_j |v_j| <= max |v|``; the float64 evaluation error of A.1's
 logits (step 0) is included the same way, so A.4 is at least A.1 on every admissible input. The
 no-overflow hypothesis is proved from the same bounds, stage by stage (papers/attention.md, R);
-where it cannot be, every entry is infinite and ``Bound.reasons`` says why.
+where it cannot be, every entry is infinite and ``Bound.reasons`` says why. With the safe softmax,
+step W (``|ô| + |o|`` from the computed weights' sum alone) caps every entry, as it caps A.1.
 """
 
 from __future__ import annotations
@@ -759,6 +760,11 @@ def attention_bound_a_priori(
     stage may overflow, every entry is ``inf`` (term ``overflow``; ``vacuous`` where the
     softmax cannot be bounded: the naive softmax's overflow or flushed reciprocal, or a row sum
     that may be off by 100%), and ``Bound.reasons`` says which stage, format and value.
+
+    With the safe softmax, step W's ``|ô| + |o|`` (the computed weights sum to a little over 1
+    whatever the logits, papers/attention.md) replaces the terms where it is smaller and where
+    the softmax could not be bounded (term ``magnitudes``): large norms give a finite bound, of
+    about twice ``v_max``, wherever no stage may overflow.
 
     Assumptions: those of Theorem A.1, no bias, masks with ``-inf`` (a finite masking constant is
     refused: its leakage depends on the logits, use :func:`~mhanum.bounds.attention_bound`).

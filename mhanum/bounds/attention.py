@@ -1748,9 +1748,12 @@ def attention_bound(
     reads into the operand and accumulation formats, ``Q Kᵀ``, the scale, the bias, the read
     into the softmax format, the sums of the softmax and of ``P V`` and the output. Entries that
     a stage which may overflow reaches get an infinite bound (term ``overflow``), as do rows
-    whose computed softmax sum may be off by 100% (term ``vacuous``); ``Bound.reasons`` says
-    why, one sentence per cause, and ``str(bound)`` shows it. Large logits are not refused: the
-    float64 evaluation's own error is part of the bound (step 0).
+    whose computed softmax sum may be off by 100% (term ``vacuous``) unless the softmax is safe;
+    ``Bound.reasons`` says why, one sentence per cause, and ``str(bound)`` shows it. Large
+    logits are not refused: the float64 evaluation's own error is part of the bound (step 0).
+    With the safe softmax, step W bounds the output whatever the logit errors: ``|ô - o| <=
+    |ô| + |o|``, ``|ô|`` from the computed weights' sum alone, replaces the terms of an entry
+    where it is smaller (term ``magnitudes``, papers/attention.md).
 
     Args:
         q, k, v: 2-D or batched inputs as for :func:`mhanum.attention` (float64 values; if they
