@@ -134,7 +134,7 @@ def schedule_difference(
     }
     shared = shares_logits(sides["a"], sides["b"])
     per_side = {
-        name: _around_computed_logits(b, sides[name], np.shape(k)[-2] + 1)
+        name: _around_computed_logits(b, sides[name], np.shape(k)[-2] + 1, v)
         if shared
         else dict(b.terms)
         for name, b in bounds.items()
@@ -162,7 +162,7 @@ def schedule_difference(
     )
 
 
-def _around_computed_logits(bound: Bound, num: Numerics, keys: int) -> dict[str, Any]:
+def _around_computed_logits(bound: Bound, num: Numerics, keys: int, v: Any) -> dict[str, Any]:
     """Theorem A.5': A.1's terms around the exact attention of the computed logits.
 
     ``logits`` carries ``κ(1 + ε)L`` (``κ`` the output's rounding factor, ``ε`` the evaluation's)
@@ -170,6 +170,9 @@ def _around_computed_logits(bound: Bound, num: Numerics, keys: int) -> dict[str,
     ``L`` goes, ``(κ(1 + ε) - 1)L`` stays (it covers ``u_o L`` of the last rounding, whose
     argument is bounded through the exact attention); ``evaluation`` and ``mask`` (the target's
     own distances) go; the output's rounding takes its plain bound, which holds by itself.
+    Step W's ``magnitudes`` (``|ô| + |o|``, ``|o|`` possibly through the exact attention's
+    float64 value) takes the largest ``|v_jl|`` for ``|o|``: the exact attention of the computed
+    logits is a convex combination of the values too (a sink's value is 0).
     """
     soft = num.format_of("softmax").u
     online = num.softmax_kind == "online"
@@ -184,4 +187,8 @@ def _around_computed_logits(bound: Bound, num: Numerics, keys: int) -> dict[str,
             # L - L/(κ(1 + ε)) = L·c/(1 + c), rounded up: subtracting less than L is safe
             kept["logits"] = logits * (c / (1 + c)) * (1 + 2.0**-50)
         kept["output"] = np.asarray(bound.parts["output"]["rounding"], np.float64)
+        if "magnitudes" in kept:
+            mag = np.asarray(kept["magnitudes"], np.float64)
+            v_top = np.abs(np.asarray(v, np.float64)).max(axis=-2, keepdims=True)
+            kept["magnitudes"] = np.where(mag > 0, (mag + v_top) * (1 + 2.0**-52), 0.0)
     return kept

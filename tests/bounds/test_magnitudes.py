@@ -15,6 +15,8 @@ from mhanum.bounds import (
     attention_bound_a_priori,
     mha_bound,
     mha_bound_a_priori,
+    schedule_difference,
+    shares_logits,
 )
 from tests._numerics import configured
 
@@ -104,3 +106,21 @@ def test_mha_a_priori_is_finite_where_the_logit_errors_swamp_the_softmax(preset)
         out = np.asarray(mn.multi_head_attention(x, x_kv, params, 2, numerics=num), np.float64)
         err = np.abs(out - reference.multi_head_attention(x, x_kv, params, 2))
         assert np.all(err <= post.total)
+
+
+@pytest.mark.parametrize("size", [30.0, 300.0])
+def test_two_schedules_sharing_their_logits_differ_within_a5_prime(size):
+    # A.5' takes each side around the exact attention of the computed logits: an entry that
+    # takes step W pays the values' largest magnitude for that attention
+    a = configured("bf16", summation="sequential", softmax="safe")
+    b = a.replace(prob_format="float16", output_format="float32")
+    assert shares_logits(a, b)
+    q, k, v = (
+        np.asarray(mn.round_to(x, a.input), np.float64)
+        for x in _near_ties(np.random.default_rng(11), size, 12, 8)
+    )
+    diff = schedule_difference(q, k, v, numerics_a=a, numerics_b=b)
+    assert diff.theorem == "A.5'"
+    assert np.isfinite(diff.total).all(), diff.reasons
+    out_a, out_b = (np.asarray(mn.attention(q, k, v, numerics=n), np.float64) for n in (a, b))
+    assert np.all(np.abs(out_a - out_b) <= diff.total)
