@@ -522,6 +522,31 @@ def _slope_a_priori(capped: CappedLogits, num: Numerics, grad: Format) -> _Q:
     return _Q(np.zeros(()), np.ones(()), np.asarray(err))
 
 
+def _stored_weights(
+    keep: np.ndarray,
+    n: int,
+    gap: np.ndarray,
+    bits: tuple[int, int],
+    eps_e: float,
+    eps_div: float,
+    u_p: float,
+    num: Numerics,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Step W of B.1: ``(P̂ᵐᵃˣ, W)`` with ``P̂_ij <= P̂ᵐᵃˣ_i`` and ``Σ_j P̂_ij <= W_i`` for the
+    probabilities a safe softmax stores, whatever the logit errors (papers/attention.md, Lemma
+    W: every computed exponential is at most ``1 + ε_e``, the row maximum's is 1, so the
+    computed row sum is at least ``1 - T_0``; deterministic, so beside B.5's terms too)."""
+    sm, prob = num.format_of("softmax"), num.format_of("prob")
+    g_sum = exp_and_sum_factors(num, n, gap, None, bits)[2]
+    n_live = keep.sum(axis=-1, keepdims=True)
+    t_0 = compound(n_live * sm.smallest_normal, g_sum) + n_live * sm.smallest_normal
+    with np.errstate(divide="ignore"):
+        inv = np.where(t_0 < 1, (1 + eps_div) / (1 - t_0), np.inf)
+    entry = (inv * (1 + eps_e) + sm.smallest_normal) * (1 + u_p) + prob.smallest_normal
+    total = (inv + n_live * sm.smallest_normal) * (1 + u_p) + n_live * prob.smallest_normal
+    return entry, total
+
+
 def _check_scope(num: Numerics, bw: Backward) -> None:
     bw.check_forward(num)
     if num.softmax_kind == "naive":
@@ -852,8 +877,15 @@ def _bound(
     if not flash:
         below = np.minimum(p_up * np.exp(big_r) + absolute, _flush(sm, prob))
         absolute = absolute + np.where(normal_p, 0.0, below)
-    eps_p = np.where(keep, p_up * np.expm1(big_r) + absolute, 0.0)
-    p_used_up = np.where(keep, p_up * np.exp(big_r) + absolute, 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        eps_p = np.where(keep, p_up * np.expm1(big_r) + absolute, 0.0)
+        p_used_up = np.where(keep, p_up * np.exp(big_r) + absolute, 0.0)
+    whole = None
+    if not flash and num.softmax_kind == "safe" and not num.prob_offset:
+        # Step W (papers/backward.md): the stored P̂ of a safe softmax, whatever the logit errors
+        whole = _stored_weights(keep, n, gap, (bits_p, bits_in), eps_e, eps_div, u_p, num)
+        p_used_up = np.fmin(p_used_up, np.where(keep, whole[0], 0.0))
+        eps_p = np.fmin(eps_p, np.where(keep, np.maximum(whole[0], p_up), 0.0))
     eps_pr = eps_p
     if flash:  # FlashAttention-2 rounds its recomputed P to the probability format for dV
         u_pr = prob.u if prob.precision < sm.precision else 0.0
@@ -894,8 +926,17 @@ def _bound(
             rest_share = rest_share + p_read + np.where(keep, absolute, 0.0)
             split = centred + (dp.up * rest_share).sum(axis=-1, keepdims=True)
         d_lin = np.fmin(d_lin, np.where(np.isnan(split), np.inf, split))
-        d_err = d_rest + d_lin
         d_upper = (dp.used * (p_up + pe)).sum(axis=-1, keepdims=True) * (1 + g_d)
+        if whole is not None:
+            # step W: Σ_k |P̂'_k - P_k||a_k| <= max_k |a_k|(W' + 1), Σ_k P̂'_k |a_k| <= max|a| W'
+            # (P̂' = P̂ read into the gradient format, W' its row sum's bound)
+            w_read = whole[1] * (1 + u_g) + n * eta_g
+            d_lin = np.fmin(d_lin, worst(dp.up) * (w_read + 1))
+            d_rest = np.fmin(
+                d_rest, (worst(dp.err) + g_d * worst(dp.used)) * w_read + 2 * n * eta_g
+            )
+            d_upper = np.fmin(d_upper, worst(dp.used) * w_read * (1 + g_d) + 2 * n * eta_g)
+        d_err = d_rest + d_lin
         p_x_err = pe
     else:
         if x.forward is None:

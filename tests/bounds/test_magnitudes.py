@@ -13,6 +13,7 @@ from mhanum import MHAParams, reference
 from mhanum.bounds import (
     attention_bound,
     attention_bound_a_priori,
+    attention_grad_bound,
     mha_bound,
     mha_bound_a_priori,
     schedule_difference,
@@ -124,3 +125,30 @@ def test_two_schedules_sharing_their_logits_differ_within_a5_prime(size):
     assert np.isfinite(diff.total).all(), diff.reasons
     out_a, out_b = (np.asarray(mn.attention(q, k, v, numerics=n), np.float64) for n in (a, b))
     assert np.all(np.abs(out_a - out_b) <= diff.total)
+
+
+@settings(max_examples=8)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    preset=st.sampled_from(["bf16", "bf16-fp32acc", "tf32"]),
+    size=st.sampled_from([30.0, 300.0]),
+)
+def test_textbook_gradients_stay_finite_whatever_the_logit_errors(seed, preset, size):
+    # B.1 step 3W: the stored P̂ of a safe softmax is at most P̂max per entry and W per row, so
+    # the gradients' bounds stay finite (they overflowed float64, or D's range failed, before)
+    num = configured(preset, softmax="safe")
+    rng = np.random.default_rng(seed)
+    q, k, v = (
+        np.asarray(mn.round_to(x, num.input), np.float64) for x in _near_ties(rng, size, 12, 8)
+    )
+    d_out = np.asarray(mn.round_to(rng.standard_normal((2, 3)), num.input), np.float64)
+    bounds = attention_grad_bound(q, k, v, d_out, numerics=num, backward="textbook")
+    got = mn.attention_grad(q, k, v, d_out, numerics=num, backward="textbook")
+    exact = reference.attention_grad(q, k, v, d_out)
+    for name in ("dq", "dk", "dv"):
+        b = getattr(bounds, name)
+        assert np.isfinite(b.total).all(), (name, b.reasons)
+        err = np.abs(np.asarray(getattr(got, name), np.float64) - np.asarray(getattr(exact, name)))
+        assert np.all(err <= b.total), name
+    # dV = Pᵀ d_out: its bound is of the size of Σ_i |d_out_i| (P̂ <= P̂max, P <= 1)
+    assert np.all(bounds.dv.total <= 4 * np.abs(d_out).sum(axis=0))
