@@ -577,3 +577,27 @@ def test_a_scale_past_the_score_formats_range_makes_every_bound_infinite(backwar
         b = getattr(bounds, name)
         assert np.isinf(b.total).all()
         assert any("the scale 3.40282e+38 rounded" in r for r in b.reasons)
+
+
+@pytest.mark.parametrize("backward", ["textbook", "flash2"])
+def test_the_output_rounding_is_charged_on_the_gradient_not_its_magnitude_sum(backward):
+    # Step 8: d_out rows g and -g against uniform probabilities make dV = Pᵀ d_out = 0 while
+    # Σ_i P|d_out| is |g|/4. The output's rounding is charged on an enclosure of |dV| from the
+    # float64 midpoints, so it is second order in u: at most 2u_o times the other terms (it was
+    # u_o·P|d_out|, first order, before)
+    num = Numerics.preset("bf16-fp32acc")  # accumulated in float32, rounded to bfloat16
+    rng = np.random.default_rng(3)
+    q, k = np.zeros((2, 8)), round_to(rng.standard_normal((8, 8)), "bfloat16")
+    v = round_to(rng.standard_normal((8, 4)), "bfloat16")
+    g = round_to(rng.standard_normal(4), "bfloat16")
+    d_out = np.stack([g, -g])
+    bounds = attention_grad_bound(q, k, v, d_out, numerics=num, backward=backward)
+    got = attention_grad(q, k, v, d_out, numerics=num, backward=backward)
+    exact = reference.attention_grad(q, k, v, d_out)
+    assert np.all(np.asarray(exact.dv) == 0)
+    dv = bounds.dv
+    assert np.all(np.abs(np.asarray(got.dv, np.float64)) <= dv.total)
+    u_o, eta_o = num.format_of("output").u, num.format_of("output").smallest_normal
+    rest = dv.terms["upstream"] + dv.terms["inputs"] + dv.terms["accumulation"]
+    assert np.all(dv.terms["output"] <= 2 * u_o * rest + 2 * eta_o)
+    assert np.all(dv.terms["output"] < u_o * np.abs(g) / 4)

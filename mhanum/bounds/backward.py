@@ -1052,11 +1052,24 @@ def _bound(
         scaled: bool,
         stage: str,
         coupled: tuple[np.ndarray, np.ndarray] | None = None,
+        mids: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
-        """B.0 on the last dot, then the scale (dq, dk) and the output rounding."""
+        """B.0 on the last dot, then the scale (dq, dk) and the output rounding. ``mids``: the
+        float64 midpoints of ``a`` and ``b`` (``|a - a_mid| <= a_up - |a_mid|``, likewise
+        ``b``), which enclose ``|a b|`` with its signs (step 8)."""
         f, eta, _ = _dot_factor(num, a_up.shape[-1], block if flash else None, bits, lam)
         from_a, from_b, accumulation = dot(a_up, a_err, b_up, b_err, f, eta, coupled)
         x_up = a_up @ b_up
+        if mids is not None:
+            # step 8: |a b| <= |a_mid b_mid| + (a_up - |a_mid|) b_up + |a_mid| (b_up - |b_mid|),
+            # the float64 product of the midpoints within γ_n of a_up b_up
+            a_mid, b_mid = mids
+            m_a, m_b = np.abs(a_mid), np.abs(b_mid)
+            with np.errstate(invalid="ignore", over="ignore"):
+                signed = np.abs(a_mid @ b_mid) + _f64_dot(a_up.shape[-1]) * x_up
+                signed = signed + (a_up - m_a) @ b_up + m_a @ (b_up - m_b)
+                signed = signed * (1 + evaluation_rounding(a_up.shape[-1]))
+            x_up = np.fmin(x_up, np.where(np.isnan(signed), np.inf, signed))
         rng.operands(num, a_up + a_err, b_up + b_err, stage, (name,))
         rng.check((1 + f) * ((a_up + a_err) @ (b_up + b_err)) + eta, acc, stage, (name,))
         err = from_a + from_b + accumulation
@@ -1075,12 +1088,20 @@ def _bound(
 
     ups: dict[str, np.ndarray] = {}  # >= |g| for the exact gradients (B.6)
     bits = (bits_ds, bits_in)
-    gradient("dq", da_up, ds_r_err, ak, e["k"], bw.block_k, bits, True, "dS k accumulated", coupled)
-    gradient("dk", _t(da_up), _t(ds_r_err), aq, e["q"], bw.block_q, bits, True, "dSᵀ q accumulated")
+    ds_mid = None if slope is not None else np.where(keep, p_mid * t_mid2, 0.0)
+    gradient(
+        "dq", da_up, ds_r_err, ak, e["k"], bw.block_k, bits, True, "dS k accumulated", coupled,
+        None if ds_mid is None else (ds_mid, x.k),
+    )  # fmt: skip
+    gradient(
+        "dk", _t(da_up), _t(ds_r_err), aq, e["q"], bw.block_q, bits, True, "dSᵀ q accumulated",
+        None, None if ds_mid is None else (_t(ds_mid), x.q),
+    )  # fmt: skip
     bits = (bits_p, bits_in)
     gradient(
-        "dv", _t(p_up), _t(eps_pr), ag, e["d_out"], bw.block_q, bits, False, "Pᵀ d_out accumulated"
-    )
+        "dv", _t(p_up), _t(eps_pr), ag, e["d_out"], bw.block_q, bits, False,
+        "Pᵀ d_out accumulated", None, (_t(p_mid), x.g),
+    )  # fmt: skip
 
     own_b = np.where(keep, _take(ds_up + ds_err, grad, out), 0.0)
     rng.check(ds_up + ds_err + own_b, out, "dbias rounded to the output format", ("dbias",))
