@@ -276,21 +276,20 @@ class _Dot:
         b_err: np.ndarray,
         factor: float,
         eta: float,
-        coupled: tuple[np.ndarray, np.ndarray] | None = None,
+        coupled: list[tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(from a, from b, accumulation)`` with ``|Ĉ - a b| <=`` their sum, for operands
         ``|â - a| <= a_err``, ``|a| <= a_up`` (``b`` likewise) rounded to the operand format.
 
-        ``coupled=(rest, bound)``: ``â - a = x + y`` with ``|y| <= rest`` and
-        ``|x b| <= bound`` (B.1 step 7, the coupled ``dS``); ``|(â - a) b|`` is then also within
-        ``(rest + operand rounding) |b| + bound``, and the smaller is taken."""
+        ``coupled=[(rest, bound), ...]``: each a split ``â - a = x + y`` with ``|y| <= rest`` and
+        ``|x b| <= bound`` (B.1 steps 7′ and 3W, the coupled ``dS``); ``|(â - a) b|`` is then
+        also within ``(rest + operand rounding) |b| + bound``, and the smallest is taken."""
         n = a_up.shape[-1]
         a_e = a_err + self.u_op * (a_up + a_err) + self.eta_op
         b_e = b_err + self.u_op * (b_up + b_err) + self.eta_op
         ev = 1 + evaluation_rounding(n)
         from_a = (a_e @ b_up) * ev
-        if coupled is not None:
-            rest, bound = coupled
+        for rest, bound in coupled or []:
             a_rest = rest + self.u_op * (a_up + a_err) + self.eta_op
             from_a = np.fmin(from_a, (a_rest @ b_up + bound) * ev)  # a NaN alternative: no bound
         from_a = from_a + (a_e @ b_e) * ev
@@ -995,7 +994,15 @@ def _bound(
     ds_take = np.where(keep, _take(da_up + da_err, grad, dsf), 0.0)
     ds_r_err = da_err + ds_take
     rng.check(da_up + da_err, dsf, f"dS rounded to {dsf.name}", ("dq", "dk", "dbias"))
-    coupled = None
+    coupled: list[tuple[np.ndarray, np.ndarray]] = []
+    if whole is not None and slope is None:
+        # Step 3W for dQ: dŜ_j - dS_j = π_j t̂_j + P_j(t̂_j - t_j) + ρ_j with Σ_j |π_j| <= W' + 1
+        # (π = P̂' - P), so Σ_j π_j t̂_j k_j is at most (W' + 1) max_j |t̂_j| max_j |k_j|
+        t_hat = np.where(keep, t_up + t_err, 0.0)
+        rest_w = p_up * t_err + u_g * (p_up + p_x_err) * (t_up + t_err) + eta_g
+        rest_w = np.where(keep, rest_w, 0.0) + ds_take
+        reach = (w_read + 1) * t_hat.max(axis=-1, keepdims=True) * (1 + 2 * _U64)
+        coupled.append((rest_w, reach * ak.max(axis=-2, keepdims=True, initial=0.0)))
     if not flash and slope is None:
         # Step 7': dŜ - dS = π_j t_j - P_j Σ_k dP_k π_k + rest (π = P̂ - P), whose first part
         # carried through k is Σ_j π_j (t_j k_j - dP_j k̄), k̄ = Σ_j P_j k_j
@@ -1005,7 +1012,7 @@ def _bound(
         bound = _coupled_dq(
             p_mid, p_up, np.where(keep, p_x_err, 0.0), t_mid2, t_rad2, dp, x.k, rad["k"]
         )
-        coupled = (rest, bound)
+        coupled.append((rest, bound))
     elif slope is None:
         # Step 7'' (B.2): D̂'s error e_D is common to the row, so its share -P_j e_D of
         # dŜ_j - dS_j is, carried through k, -e_D k̄ with k̄ = Σ_j P_j k_j
@@ -1013,7 +1020,7 @@ def _bound(
         rest = rest + u_g * (p_up + p_x_err) * (t_up + t_err)
         rest = np.where(keep, rest + eta_g, 0.0) + ds_take
         kbar, kbar_rad = _kbar(p_mid, p_up, x.k, rad["k"])
-        coupled = (rest, d_q.err * (np.abs(kbar) + kbar_rad) * (1 + 4 * _U64))
+        coupled.append((rest, d_q.err * (np.abs(kbar) + kbar_rad) * (1 + 4 * _U64)))
 
     # Step 7: the gradients
     bits_ds = operand_bits(num, dsf)
@@ -1051,7 +1058,7 @@ def _bound(
         bits: tuple[int, int],
         scaled: bool,
         stage: str,
-        coupled: tuple[np.ndarray, np.ndarray] | None = None,
+        coupled: list[tuple[np.ndarray, np.ndarray]] | None = None,
         mids: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """B.0 on the last dot, then the scale (dq, dk) and the output rounding. ``mids``: the

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import mhanum as mn
-from mhanum import MHAParams, reference
+from mhanum import CertificationError, MHAParams, reference
 from mhanum.bounds import (
     attention_bound,
     attention_bound_a_priori,
@@ -25,6 +25,16 @@ from tests._numerics import configured
 WIDE_SCORES = ["bf16", "bf16-fp32acc", "tf32", "fp8-e4m3-fp32acc", "tpu-bf16-1pass"]
 
 
+def _certified(function, *args):
+    """The certified reference, or the draw rejected where it cannot certify its digits (an
+    output that cancels to near 0 against terms of e^(logit))."""
+    try:
+        return function(*args)
+    except CertificationError:
+        assume(False)
+        raise  # unreachable: assume(False) raises
+
+
 def _near_ties(rng: np.random.Generator, size: float, n: int, d: int) -> tuple[np.ndarray, ...]:
     """One query against ``n`` keys whose logits (about ``size²/√d``) differ by O(1): their
     rounding errors, about ``u·size²``, decide the softmax, and the values differ widely."""
@@ -37,7 +47,6 @@ def _near_ties(rng: np.random.Generator, size: float, n: int, d: int) -> tuple[n
     return q, k, v
 
 
-@settings(max_examples=12)
 @given(
     seed=st.integers(0, 2**32 - 1),
     preset=st.sampled_from(WIDE_SCORES),
@@ -53,7 +62,7 @@ def test_the_bound_holds_and_stays_finite_whatever_the_logit_errors(seed, preset
     # no refusal: the range fits every format, and step W bounds the rows step 5 cannot
     assert np.isfinite(bound.total).all(), bound.reasons
     out = np.asarray(mn.attention(q, k, v, numerics=num), np.float64)
-    err = np.abs(out - reference.attention(q, k, v))
+    err = np.abs(out - _certified(reference.attention, q, k, v))
     assert np.all(err <= bound.total)
     # A.4 on the same norms is finite too, and at least A.1
     prior = attention_bound_a_priori(
@@ -127,7 +136,6 @@ def test_two_schedules_sharing_their_logits_differ_within_a5_prime(size):
     assert np.all(np.abs(out_a - out_b) <= diff.total)
 
 
-@settings(max_examples=8)
 @given(
     seed=st.integers(0, 2**32 - 1),
     preset=st.sampled_from(["bf16", "bf16-fp32acc", "tf32"]),
@@ -144,7 +152,7 @@ def test_textbook_gradients_stay_finite_whatever_the_logit_errors(seed, preset, 
     d_out = np.asarray(mn.round_to(rng.standard_normal((2, 3)), num.input), np.float64)
     bounds = attention_grad_bound(q, k, v, d_out, numerics=num, backward="textbook")
     got = mn.attention_grad(q, k, v, d_out, numerics=num, backward="textbook")
-    exact = reference.attention_grad(q, k, v, d_out)
+    exact = _certified(reference.attention_grad, q, k, v, d_out)
     for name in ("dq", "dk", "dv"):
         b = getattr(bounds, name)
         assert np.isfinite(b.total).all(), (name, b.reasons)
