@@ -81,3 +81,20 @@ class Bound:
             "reasons": list(self.reasons),
             "lam": self.lam,
         }
+
+
+def where_smaller(
+    terms: Mapping[str, Any], alternative: Any, name: str
+) -> tuple[dict[str, Any], Any]:
+    """``terms``, with every entry where ``alternative`` (another bound on the same error) is
+    smaller than their sum, or where that sum is NaN and ``alternative`` finite, replaced by
+    one term ``name`` equal to ``alternative`` (the others 0 there); and the mask of those
+    entries (``None`` where there is none)."""
+    total = sum(terms.values())
+    with np.errstate(invalid="ignore"):
+        take = (alternative < total) | (np.isnan(total) & np.isfinite(alternative))
+    if not np.any(take):
+        return dict(terms), None
+    kept = {key: np.where(take, 0.0, t) for key, t in terms.items()}
+    kept[name] = np.where(take, alternative, 0.0)
+    return kept, take

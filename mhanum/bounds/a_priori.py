@@ -27,7 +27,7 @@ import numpy as np
 
 from mhanum import _validate as V
 from mhanum._errors import InvalidArgument
-from mhanum.bounds._result import Bound
+from mhanum.bounds._result import Bound, where_smaller
 from mhanum.bounds.attention import ASSUMPTIONS
 from mhanum.bounds.factors import (
     EVALUATION,
@@ -41,7 +41,9 @@ from mhanum.bounds.factors import (
     operand_bits,
     operand_error,
     power_of_two,
+    safe_weight_sums,
     scale_rounding,
+    step_w_output,
     tensor_core_anchor,
     unit_eta,
     unit_factor,
@@ -470,9 +472,11 @@ def _softmax_pv(
     x, blocks, g_sum, g_pv, eta_pv = exp_and_sum_factors(num, n, gap, None, bits_pv)
     # step W: the computed output's magnitude, whatever the logit errors (safe softmax)
     whole = None
-    t_0 = _sum_error(n, g_sum, eta_m)
-    if kind == "safe" and not num.prob_offset and t_0 < 1:
-        whole = _magnitudes(1 / (1 - t_0), n, v_abs, v_bar, g_pv, eta_pv, num)
+    if kind == "safe" and not num.prob_offset:
+        _, row = safe_weight_sums(n, g_sum, u_div, fm)
+        if np.isfinite(row):
+            acc, out = step_w_output(row, n, n, v_bar, n * v_bar, g_pv, eta_pv, num)
+            whole = _Whole(acc, out, out + v_abs)
     if not (2 * delta <= 700 and reach < math.inf):
         if whole is not None:
             return _whole_only(whole, n, g_sum, num, rng)
@@ -584,43 +588,12 @@ def _softmax_pv(
 
 
 class _Whole(NamedTuple):
-    """The computed output's magnitude whatever the logit errors (papers/attention.md, A.4
-    (whole)): ``acc >= |P·V accumulated|``, ``out >= |ô|``, ``total = out + |v| >= |ô - o|``
-    and the ``P·V`` underflow ``pv_eta`` they include."""
+    """Lemma W (papers/attention.md, step W) at the bounds: ``acc >= |P·V accumulated|``,
+    ``out >= |ô|``, ``total = out + |v| >= |ô - o|``, whatever the logit errors."""
 
     acc: np.ndarray
     out: np.ndarray
     total: np.ndarray
-    pv_eta: Any
-
-
-def _sum_error(n: int, g_sum: float, eta_m: float) -> float:
-    """``T_0 >= |Ŝ - Σ_j ê_j| / Σ_j ê_j`` for the safe softmax's computed row sum ``Ŝ`` of its
-    computed exponentials (``Σ_j ê_j >= 1``: the row maximum's ``exp(0) = 1``)."""
-    return compound(n * eta_m, g_sum) + n * eta_m
-
-
-def _magnitudes(
-    ratio: float,
-    n: int,
-    v_abs: np.ndarray,
-    v_bar: np.ndarray,
-    g_pv: float,
-    eta_pv: Any,
-    num: Numerics,
-) -> _Whole:
-    """:class:`_Whole` from ``ratio >= Σ_j ê_j / Ŝ``: the divided weights sum to at most
-    ``(1 + ε_÷)·ratio + n·η_m``, then each rounding into the probability and operand formats."""
-    fm, fp, fo = (num.format_of(r) for r in ("softmax", "prob", "output"))
-    u_op, eta_op = operand_error(num)
-    eta_op += conversion_eta(num, num.operand_rounding or fp)
-    p_div = (1 + division_error(num.div_ulps, fm.u)) * ratio + n * fm.smallest_normal
-    p_op = (1 + u_op) * ((1 + fp.u) * p_div + n * fp.smallest_normal) + n * eta_op
-    anchor = tensor_core_anchor(num)
-    pv_eta = eta_pv + (g_pv * anchor * (p_op + n * v_bar + n * anchor) if anchor else 0.0)
-    acc = (1 + g_pv) * p_op * v_bar + pv_eta
-    out = (1 + fo.u) * acc + fo.smallest_normal
-    return _Whole(acc, out, out + v_abs, pv_eta)
 
 
 def _whole_checks(
@@ -654,13 +627,7 @@ def _least(
 ) -> dict[str, Any]:
     """The terms, or entrywise the magnitudes where they are smaller than the terms' sum."""
     _whole_checks(whole, acc_upper, out_upper, n, g_sum, num, rng)
-    total = sum(terms.values())
-    take = whole.total < total
-    if not take.any():
-        return terms
-    kept = {name: np.where(take, 0.0, t) for name, t in terms.items()}
-    kept["magnitudes"] = np.where(take, whole.total, 0.0)
-    return kept
+    return where_smaller(terms, whole.total, "magnitudes")[0]
 
 
 def _check_a_priori_scope(num: Numerics) -> None:

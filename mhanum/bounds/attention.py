@@ -27,7 +27,7 @@ from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum._threads import one_blas_thread
-from mhanum.bounds._result import Bound
+from mhanum.bounds._result import Bound, where_smaller
 from mhanum.bounds.factors import (
     F64_DOT,
     LOG2E,
@@ -44,7 +44,9 @@ from mhanum.bounds.factors import (
     operand_error,
     power_of_two,
     rounding_error,
+    safe_weight_sums,
     scale_rounding,
+    step_w_output,
     tensor_core_anchor,
     union_failure,
     unit_eta,
@@ -857,14 +859,9 @@ def _at_most_magnitudes(
     it is smaller than their sum (term ``magnitudes``). The logits' parts there are 0, and the
     rows with such an entry drop A.2 (c')'s and A.1g's coupled forms (``parts``, in place),
     which bound the logits' part of every entry of the row together."""
-    total = sum(terms.values())
-    with np.errstate(invalid="ignore"):
-        # (a NaN sum, inf·0 in a row whose softmax step 5 cannot bound, takes them too)
-        take = (magnitudes < total) | (np.isnan(total) & np.isfinite(magnitudes))
-    if not take.any():
-        return terms
-    kept = {name: np.where(take, 0.0, t) for name, t in terms.items()}
-    kept["magnitudes"] = np.where(take, magnitudes, 0.0)
+    kept, take = where_smaller(terms, magnitudes, "magnitudes")
+    if take is None:
+        return kept
     rows = take.any(axis=-1, keepdims=True)
     for name, x in parts.items():
         if name == _PLAIN:
@@ -1087,7 +1084,13 @@ def _softmax_pv(
         factors = (g_sum, g_pv, eta_pv)
         if lam is not None:
             factors = exp_and_sum_factors(num, n, gap, None, bits_pv)[2:]
-        whole = _whole(live, v_abs, *factors, anchor, u_div, num)
+        g_w, g_pv_w, eta_pv_w = factors
+        n_live = live.sum(axis=-1, keepdims=True)
+        _, row = safe_weight_sums(n_live, g_w, u_div, fmts["softmax"])
+        whole = step_w_output(
+            row, n_live, n, v_abs.max(axis=0, initial=0.0), v_abs.sum(axis=0), g_pv_w,
+            eta_pv_w, num,
+        )  # fmt: skip
         rescued = vacuous & np.isfinite(whole[1]).all(axis=-1, keepdims=True)
     ranges.flag(
         vacuous & ~rescued,
@@ -1327,41 +1330,6 @@ def _softmax_pv(
         with np.errstate(over="ignore", invalid="ignore"):
             terms[_PROJECTED] = logits @ b_proj + (scale_out - 1) * (logits_v @ w_abs)
     return terms, p, np.where(vacuous, np.inf, t_safe), direct
-
-
-def _whole(
-    live: np.ndarray,
-    v_abs: np.ndarray,
-    g_sum: Any,
-    g_pv: Any,
-    eta_pv: Any,
-    anchor: float,
-    u_div: float,
-    num: Numerics,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Step W (papers/attention.md): the safe softmax's computed output whatever the logit
-    errors, ``(acc, out)`` with ``acc >= |P·V accumulated|`` and ``out >= |ô|``.
-
-    Every computed exponential is ``fl(exp(ŝ_j - m̂)) <= 1 + ε_e`` (its argument is at most 0),
-    the row maximum's is ``exp(0) = 1``, so the computed row sum is at least ``(1 - T_0)`` times
-    the exponentials' sum, ``T_0 = (1 + nη_m)(1 + g) - 1 + nη_m``. The divided weights then sum
-    to at most ``(1 + ε_÷)/(1 - T_0) + nη_m``, which the roundings into the probability and
-    operand formats carry on (``n`` the row's live keys); ``P V`` reads them against
-    ``max_j |v̄_jl|``."""
-    fm, fp, fo = (num.format_of(r) for r in ("softmax", "prob", "output"))
-    n_live = live.sum(axis=-1, keepdims=True)
-    t_0 = compound(n_live * fm.smallest_normal, g_sum) + n_live * fm.smallest_normal
-    u_op, eta_op = operand_error(num)
-    eta_op += conversion_eta(num, num.operand_rounding or fp)
-    with np.errstate(divide="ignore"):
-        p_div = np.where(t_0 < 1, (1 + u_div) / (1 - t_0), np.inf) + n_live * fm.smallest_normal
-    w_row = (1 + u_op) * ((1 + fp.u) * p_div + n_live * fp.smallest_normal) + n_live * eta_op
-    v_top = v_abs.max(axis=0, initial=0.0)
-    with np.errstate(invalid="ignore", over="ignore"):
-        if anchor:
-            eta_pv = eta_pv + g_pv * anchor * (w_row + v_abs.sum(axis=0) + v_abs.shape[0] * anchor)
-        acc = (1 + g_pv) * w_row * v_top + eta_pv
-    return acc, (1 + fo.u) * acc + fo.smallest_normal
 
 
 def _along(

@@ -55,6 +55,7 @@ from mhanum.bounds.factors import (
     operand_bits,
     operand_error,
     rounding_error,
+    safe_weight_sums,
     scale_rounding,
     tensor_core_anchor,
     union_failure,
@@ -538,12 +539,9 @@ def _stored_weights(
     sm, prob = num.format_of("softmax"), num.format_of("prob")
     g_sum = exp_and_sum_factors(num, n, gap, None, bits)[2]
     n_live = keep.sum(axis=-1, keepdims=True)
-    t_0 = compound(n_live * sm.smallest_normal, g_sum) + n_live * sm.smallest_normal
-    with np.errstate(divide="ignore"):
-        inv = np.where(t_0 < 1, (1 + eps_div) / (1 - t_0), np.inf)
+    inv, row = safe_weight_sums(n_live, g_sum, eps_div, sm)
     entry = (inv * (1 + eps_e) + sm.smallest_normal) * (1 + u_p) + prob.smallest_normal
-    total = (inv + n_live * sm.smallest_normal) * (1 + u_p) + n_live * prob.smallest_normal
-    return entry, total
+    return entry, row * (1 + u_p) + n_live * prob.smallest_normal
 
 
 def _check_scope(num: Numerics, bw: Backward) -> None:

@@ -551,6 +551,51 @@ def _lifted_argument(num: Numerics) -> float:
     return u_m * (1 + u_m) * num.prob_offset * math.log(2.0)
 
 
+def safe_weight_sums(n: Any, g_sum: Any, u_div: float, fm: Format) -> tuple[Any, Any]:
+    """Lemma W (papers/attention.md, step W): the safe softmax's computed weights over ``n``
+    live keys, whatever the logit errors: ``(inv, row)`` with every quotient
+    ``fl_m(ê_j/Ŝ) <= inv·ê_j/Σ_l ê_l + η_m`` and their sum at most ``row = inv + n·η_m``.
+
+    Every computed exponential ``ê_j = fl(exp(fl(ŝ_j - m̂)))`` is at most ``1 + ε_e`` (its
+    argument is at most 0) and the row maximum's is ``exp(0) = 1`` (assumption E of M.5), so
+    ``Σ_j ê_j >= 1`` and the computed row sum (factor ``g_sum``) is
+    ``Ŝ >= (1 - T_0)·Σ_j ê_j``, ``T_0 = (1 + nη_m)(1 + g_sum) - 1 + nη_m``; the division within
+    ``u_div``: ``inv = (1 + u_div)/(1 - T_0)``, ``inf`` where ``T_0 >= 1``. ``n`` and ``g_sum``
+    may be arrays (per row)."""
+    eta = fm.smallest_normal
+    t_0 = compound(n * eta, g_sum) + n * eta
+    with np.errstate(divide="ignore"):
+        inv = np.where(t_0 < 1, (1 + u_div) / (1 - t_0), np.inf)
+    return inv, inv + n * eta
+
+
+def step_w_output(
+    row: Any,
+    n: Any,
+    keys: int,
+    v_top: Any,
+    v_sum: Any,
+    g_pv: Any,
+    eta_pv: Any,
+    num: Numerics,
+) -> tuple[Any, Any]:
+    """Lemma W's output bound: ``(acc, out)`` with ``acc >= |P·V accumulated|`` (every partial
+    sum) and ``out >= |ô|``, for divided weights of ``n`` live keys summing to at most ``row``
+    (:func:`safe_weight_sums`), rounded into the probability and operand formats, against
+    values ``|v̄_jl| <= v_top_l``; ``v_sum_l >= Σ_j |v̄_jl|`` over the ``keys`` keys enters a
+    tensor core's anchor term. ``g_pv``, ``eta_pv``: step 7's factor and underflow."""
+    fp, fo = num.format_of("prob"), num.format_of("output")
+    u_op, eta_op = operand_error(num)
+    eta_op += conversion_eta(num, num.operand_rounding or fp)
+    w_row = (1 + u_op) * ((1 + fp.u) * row + n * fp.smallest_normal) + n * eta_op
+    anchor = tensor_core_anchor(num)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if anchor:
+            eta_pv = eta_pv + g_pv * anchor * (w_row + v_sum + keys * anchor)
+        acc = (1 + g_pv) * w_row * v_top + eta_pv
+    return acc, (1 + fo.u) * acc + fo.smallest_normal
+
+
 def division_error(div_ulps: float, u: float) -> float:
     """``ε_div = (1 + u)^(2·div_ulps) - 1``: the relative error of a division within ``div_ulps``.
 
