@@ -472,14 +472,17 @@ def _softmax_pv(
     x, blocks, g_sum, g_pv, eta_pv = exp_and_sum_factors(num, n, gap, None, bits_pv)
     # step W: the computed output's magnitude, whatever the logit errors (safe softmax)
     whole = None
-    if kind == "safe" and not num.prob_offset:
+    if kind == "safe":  # (prob_offset is online only)
+        # R.5: the row sum of the computed exponentials, each at most 1 + ε_e (Lemma W)
+        e_top = 1 + 2 * num.exp_ulps * u_m
+        rng.check(n * e_top * (1 + g_sum) + n * eta_m, fm, "the softmax's row sum")
         _, row = safe_weight_sums(n, g_sum, u_div, fm)
         if np.isfinite(row):
             acc, out = step_w_output(row, n, n, v_bar, n * v_bar, g_pv, eta_pv, num)
             whole = _Whole(acc, out, out + v_abs)
     if not (2 * delta <= 700 and reach < math.inf):
         if whole is not None:
-            return _whole_only(whole, n, g_sum, num, rng)
+            return _whole_only(whole, num, rng)
         rng.flag(
             "the logit errors may reach Δ = {:.4g}: the softmax perturbation e^(2Δ) is not finite",
             "vacuous",
@@ -522,7 +525,7 @@ def _softmax_pv(
     t_sum = compound(r + underflow, g_sum) + underflow
     if not t_sum < 1:
         if whole is not None:
-            return _whole_only(whole, n, g_sum, num, rng)
+            return _whole_only(whole, num, rng)
         rng.flag(
             "softmax: the computed row sum may be off by 100% (its error factor T >= 1)", "vacuous"
         )
@@ -553,7 +556,7 @@ def _softmax_pv(
     }
     if not all(np.isfinite(t).all() for t in terms.values()):
         if whole is not None:
-            return _whole_only(whole, n, g_sum, num, rng)
+            return _whole_only(whole, num, rng)
         rng.flag("the softmax and P·V terms are not finite in float64", "vacuous")
         return {"evaluation": evaluation}
     if whole is not None:
@@ -562,8 +565,6 @@ def _softmax_pv(
             whole,
             (1 + g_pv) * p_hat * v_bar + pv_eta,
             v_abs + (1 + EVALUATION) * sum(terms.values()),
-            n,
-            g_sum,
             num,
             rng,
         )
@@ -597,21 +598,17 @@ class _Whole(NamedTuple):
 
 
 def _whole_checks(
-    whole: _Whole, acc_upper: Any, out_upper: Any, n: int, g_sum: float, num: Numerics, rng: _Range
+    whole: _Whole, acc_upper: Any, out_upper: Any, num: Numerics, rng: _Range
 ) -> None:
-    """R.5 and R.6 with the least enclosures (``whole``'s or the terms'): the safe softmax's row
-    sum, ``P·V`` accumulated, the output."""
-    fm = num.format_of("softmax")
-    if num.softmax_kind == "safe":  # every ê_j <= (1 + ε_e): the exponent is at most 0
-        e_hat = 1 + 2 * num.exp_ulps * fm.u
-        rng.check(n * e_hat * (1 + g_sum) + n * fm.smallest_normal, fm, "the softmax's row sum")
+    """R.5 and R.6 with the least enclosures (``whole``'s or the terms'): ``P·V`` accumulated,
+    the output."""
     rng.check(np.fmin(acc_upper, whole.acc), num.format_of("accum"), "P·V accumulated")
     rng.check(np.fmin(out_upper, whole.out), num.format_of("output"), "the output")
 
 
-def _whole_only(whole: _Whole, n: int, g_sum: float, num: Numerics, rng: _Range) -> dict[str, Any]:
+def _whole_only(whole: _Whole, num: Numerics, rng: _Range) -> dict[str, Any]:
     """The bound where the logit errors leave only the magnitudes: ``|ô - o| <= |ô| + |o|``."""
-    _whole_checks(whole, math.inf, math.inf, n, g_sum, num, rng)
+    _whole_checks(whole, math.inf, math.inf, num, rng)
     return {"magnitudes": whole.total}
 
 
@@ -620,13 +617,11 @@ def _least(
     whole: _Whole,
     acc_upper: Any,
     out_upper: Any,
-    n: int,
-    g_sum: float,
     num: Numerics,
     rng: _Range,
 ) -> dict[str, Any]:
     """The terms, or entrywise the magnitudes where they are smaller than the terms' sum."""
-    _whole_checks(whole, acc_upper, out_upper, n, g_sum, num, rng)
+    _whole_checks(whole, acc_upper, out_upper, num, rng)
     return where_smaller(terms, whole.total, "magnitudes")[0]
 
 

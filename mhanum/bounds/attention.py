@@ -1079,7 +1079,7 @@ def _softmax_pv(
     # row sum step 5 cannot bound keeps that bound alone (its softmax term infinite)
     whole = None
     rescued: Any = False
-    if kind == "safe" and not num.prob_offset:
+    if kind == "safe":  # (prob_offset is online only)
         # (deterministic: it holds with probability 1, so also beside A.3's terms)
         factors = (g_sum, g_pv, eta_pv)
         if lam is not None:
@@ -1092,6 +1092,11 @@ def _softmax_pv(
             eta_pv_w, num,
         )  # fmt: skip
         rescued = vacuous & np.isfinite(whole[1]).all(axis=-1, keepdims=True)
+        # R.5: the row sum of the computed exponentials, each at most 1 + ε_e (Lemma W), in
+        # F_m (a pairwise sum of 2^16 float16 ones reaches inf; the output is then 0)
+        e_top = 1 + 2 * num.exp_ulps * fmts["softmax"].u
+        sum_upper = n_live * e_top * (1 + g_w) + n_live * fmts["softmax"].smallest_normal
+        ranges.check(sum_upper, fmts["softmax"], "the softmax's row sum", rows="q")
     ranges.flag(
         vacuous & ~rescued,
         "softmax: the computed row sum may be off by 100% (its error factor T >= 1)",

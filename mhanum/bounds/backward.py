@@ -878,7 +878,7 @@ def _bound(
         eps_p = np.where(keep, p_up * np.expm1(big_r) + absolute, 0.0)
         p_used_up = np.where(keep, p_up * np.exp(big_r) + absolute, 0.0)
     whole = None
-    if not flash and num.softmax_kind == "safe" and not num.prob_offset:
+    if not flash and num.softmax_kind == "safe":
         # Step W (papers/backward.md): the stored P̂ of a safe softmax, whatever the logit errors
         whole = _stored_weights(keep, n, gap, (bits_p, bits_in), eps_e, eps_div, u_p, num)
         p_used_up = np.fmin(p_used_up, np.where(keep, whole[0], 0.0))

@@ -13,7 +13,7 @@ import pytest
 
 import mhanum as mn
 from mhanum import InvalidArgument, Numerics, reference
-from mhanum.bounds import attention_bound, mha_bound
+from mhanum.bounds import attention_bound, attention_bound_a_priori, mha_bound
 from mhanum.bounds.softmax import division_error
 
 RNG = np.random.default_rng(20261124)
@@ -271,3 +271,26 @@ def test_one_subnormal_input_charges_only_the_entries_it_reaches():
     assert np.all(np.abs(out - reference.attention(q, k, v_sub)) <= bound)
     np.testing.assert_array_equal(bound[:, [0, 2]], plain[:, [0, 2]])
     assert np.all(bound[:, 1] > plain[:, 1])
+
+
+def test_a_safe_row_sum_that_may_overflow_its_format_is_infinite_with_its_reason():
+    # 2^16 equal logits, float16 softmax, pairwise sums: the row sum of the ones reaches inf,
+    # 1/inf = 0 and the output is 0 where the exact one is 1 (every value is 1). Each computed
+    # exponential is at most 1 + ε_e (Lemma W), so below 65504 keys the sum is proved finite.
+    num = Numerics(softmax_format="float16", score_format="float16", summation="pairwise")
+    for n, overflows in ((65536, True), (60000, False)):
+        q, k, v = np.zeros((1, 2)), np.zeros((n, 2)), np.ones((n, 1))
+        out = np.asarray(mn.attention(q, k, v, numerics=num), np.float64)
+        bound = attention_bound(q, k, v, numerics=num)
+        prior = attention_bound_a_priori(
+            1, n, 2, 1, q_norm=0.0, k_norm=0.0, v_max=1.0, numerics=num
+        )
+        if overflows:
+            assert out.item() == 0.0
+            for b in (bound, prior):
+                assert np.isinf(b.total).all()
+                assert any("the softmax's row sum" in r for r in b.reasons), b.reasons
+        else:
+            assert np.isfinite(bound.total).all(), bound.reasons
+            assert abs(out.item() - 1.0) <= bound.total.item()
+            assert not any("the softmax's row sum" in r for r in prior.reasons)
