@@ -375,6 +375,9 @@ def mha_floor(
     return _floor(fwd, exact, masses, u, entries)
 
 
+_LOGIT_SITES = ("qk_dot", "score_take", "scale_mul", "soft_take")
+
+
 def _grad_formats(num: Numerics, c: float, flash: bool = False) -> dict[str, float]:
     """The sites of the backward (Backward's default formats) and the forward's: up to the
     stored probabilities (textbook), or the whole forward and its log-sum-exp (FlashAttention-2,
@@ -385,6 +388,7 @@ def _grad_formats(num: Numerics, c: float, flash: bool = False) -> dict[str, flo
     if flash:
         sm, fin = num.format_of("softmax"), num.format_of("input")
         u |= {"log": sm.u, "lse_add": sm.u, "lse_sub": sm.u, "p_exp": sm.u}
+        u |= {f"{site}_b": u[site] for site in _LOGIT_SITES if site in u}
         if _narrows(sm, prob):
             u["pr_take"] = prob.u
         if _narrows(out, grad):
@@ -439,7 +443,11 @@ def _grad_flash(run: _Run, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
     p = run.round("prob_take", run.round("div", e / ell))
     o = run.round("out_take", run.dot("pv_dot", p, v))
     lse = run.round("lse_add", top + run.round("log", jnp.log(ell)))
-    pr = run.round("p_exp", jnp.exp(run.round("lse_sub", a - lse)))
+    # the logits recomputed: B.2 holds for every order of their dot, so their roundings are
+    # the backward's own, not the forward's
+    t2 = run.round("score_take_b", run.dot("qk_dot_b", q, k.T))
+    a2 = run.round("soft_take_b", run.round("scale_mul_b", t2 * c))
+    pr = run.round("p_exp", jnp.exp(run.round("lse_sub", a2 - lse)))
     dv = run.round("dv_out", run.dot("dv_dot", run.round("pr_take", pr).T, g))
     dp = run.round("dp_take", run.dot("dp_dot", g, v.T))
     big_d = run.sum("d_sum", run.round("go_mul", g * run.round("og_take", o)))
@@ -520,5 +528,7 @@ def attention_grad_floor(
         "dk_scale": (ds.T @ q * c_hat, False),
         "dk_out": (ds.T @ q * c_hat, False),
     }
+    if flash:  # the recomputed logits' sites hold the forward's values
+        vals |= {f"{site}_b": masses[site] for site in _LOGIT_SITES if site in masses}
     masses |= {n: m for n, m in vals.items() if n in u}
     return _floor(fwd, exact, masses, u, entries)

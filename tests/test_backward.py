@@ -601,3 +601,22 @@ def test_the_output_rounding_is_charged_on_the_gradient_not_its_magnitude_sum(ba
     rest = dv.terms["upstream"] + dv.terms["inputs"] + dv.terms["accumulation"]
     assert np.all(dv.terms["output"] <= 2 * u_o * rest + 2 * eta_o)
     assert np.all(dv.terms["output"] < u_o * np.abs(g) / 4)
+
+
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 40), ties=st.booleans())
+def test_pair_sums_enclose_the_direct_sum(seed, n, ties):
+    # Step 6′'s Σ_{l≠j} w_l |a_j + a_l| by one sort per row: never below the direct O(n²) sum,
+    # and above it by no more than its float64 allowance (4n + 16)u64 on the magnitudes
+    from mhanum.bounds.backward import _pair_sums
+
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((3, n)) * 2.0 ** rng.integers(-30, 30, (3, 1))
+    if ties:  # equal, opposite and zero values: a_l = -a_j splits exactly at a tie
+        a = np.round(a / np.abs(a).max() * 3) * 2.0**-3
+    w = rng.random((3, n)) * (rng.random((3, n)) < 0.8)  # masked keys weigh 0
+    got = _pair_sums(w, a)
+    pair = np.abs(a[:, :, None] + a[:, None, :]) * w[:, None, :]
+    direct = pair.sum(axis=-1) - np.diagonal(pair, axis1=1, axis2=2)
+    mass = np.abs(a) * w.sum(axis=-1, keepdims=True) + (w * np.abs(a)).sum(-1, keepdims=True)
+    assert np.all(got >= direct - (n + 2) * 2.0**-53 * mass)  # the direct sum's own rounding
+    assert np.all(got <= direct + (8 * n + 40) * 2.0**-53 * mass)

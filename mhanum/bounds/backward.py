@@ -163,14 +163,20 @@ class _Range:
                     )  # fmt: skip
 
 
-def _take(upper: np.ndarray, src: Format, dst: Format) -> np.ndarray | float:
+def _take(
+    upper: np.ndarray, src: Format, dst: Format, lower: np.ndarray | None = None
+) -> np.ndarray | float:
     """The error of reading a value of ``src`` (``|x| <= upper``) into ``dst``: ``u|x|`` in
     ``dst``'s normal range; below it at most ``min(|x|, η)`` (flushed or rounded to a
-    subnormal number, 0 being a candidate), ``η`` ``dst``'s smallest normal number."""
+    subnormal number, 0 being a candidate), ``η`` ``dst``'s smallest normal number. With
+    ``lower <= |x|``, the second part only where ``lower < η`` (the value may lie below it)."""
     if dst.precision >= src.precision and dst.smallest_normal <= src.smallest_normal:
         return 0.0
     u = dst.u if dst.precision < src.precision else 0.0
-    return u * upper + np.minimum(upper, _flush(src, dst))
+    flush = np.minimum(upper, _flush(src, dst))
+    if lower is not None:
+        flush = np.where(lower >= _flush(src, dst), 0.0, flush)
+    return u * upper + flush
 
 
 def _shift(p_up: np.ndarray, delta: np.ndarray, keep: np.ndarray, top: np.ndarray) -> np.ndarray:
@@ -182,6 +188,34 @@ def _shift(p_up: np.ndarray, delta: np.ndarray, keep: np.ndarray, top: np.ndarra
         lse = np.where(keep, p_up * np.exp(delta), 0.0).sum(axis=-1, keepdims=True)
         w = np.log(lse) * (1 + 4 * _U64) + (n + 4) * _U64
     return np.where(np.isfinite(w) & (w < top), np.maximum(w, 0.0), top)
+
+
+def _pair_sums(w: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """``>= Σ_{l ≠ j} w_l |a_j + a_l|`` along the last axis, for ``w >= 0``: the keys sorted by
+    ``a`` once per row, each ``j`` split at ``a_l = -a_j`` (``O(n log n)`` per row, where the
+    direct sum is ``O(n²)``), plus the float64 evaluation of the prefix sums,
+    ``(4n + 16)u64 (|a_j| Σ w + Σ w|a|)`` (each partial sum is within ``γ_n`` of its terms'
+    magnitudes; a few operations combine them)."""
+    n = a.shape[-1]
+    order = np.argsort(a, axis=-1, kind="stable")
+    a_s = np.take_along_axis(a, order, axis=-1)
+    w_s = np.take_along_axis(w, order, axis=-1)
+    zero = np.zeros((*a.shape[:-1], 1))
+    cw = np.concatenate([zero, np.cumsum(w_s, axis=-1)], axis=-1)
+    cwa = np.concatenate([zero, np.cumsum(w_s * a_s, axis=-1)], axis=-1)
+    # below[..., j]: how many keys have a_l < -a_j
+    below = np.empty(a.shape, dtype=np.intp)
+    flat_a, flat_s, flat_b = a.reshape(-1, n), a_s.reshape(-1, n), below.reshape(-1, n)
+    for r in range(flat_a.shape[0]):
+        flat_b[r] = np.searchsorted(flat_s[r], -flat_a[r], side="left")
+    w_lo = np.take_along_axis(cw, below, axis=-1)
+    wa_lo = np.take_along_axis(cwa, below, axis=-1)
+    w_all, wa_all = cw[..., -1:], cwa[..., -1:]
+    total = a * (w_all - 2 * w_lo) + (wa_all - 2 * wa_lo)  # Σ_l w_l |a_j + a_l|
+    mass = np.abs(a) * w_all + (w * np.abs(a)).sum(axis=-1, keepdims=True)
+    total = np.maximum(total, 0.0) + (4 * n + 16) * _U64 * mass
+    # less the l = j term 2 w_j |a_j|, taken low
+    return np.maximum(total - 2 * w * np.abs(a) * (1 - 4 * _U64), 0.0)
 
 
 def _coupled_dq(
@@ -863,7 +897,8 @@ def _bound(
         lse_up = np.abs(m_mid) + worst(spread) + log_up
         err_lse = lam_ell + eps_log * log_up + eta_m + u_m * lse_up + eta_m
         gap2 = arg + math.log(n) + spread + worst(spread) + err_lse
-        own = err_lse + u_m * gap2 + eta_m + _log_radius(eps_e)
+        own_entry = u_m * gap2 + eta_m + _log_radius(eps_e)  # ŝ - lse's rounding, exp's
+        own = err_lse + own_entry
         absolute = eta_m * np.ones_like(x_max)
     shift = _shift(p_up, delta, keep, worst(delta))
     big_r = own + delta + shift
@@ -984,12 +1019,35 @@ def _bound(
     ds_err = p_x_err * t_up + p_up * t_err + p_x_err * t_err
     ds_err = ds_err + u_g * (p_up + p_x_err) * (t_up + t_err) + eta_g
     ds_err = np.where(keep, ds_err, 0.0)  # masked: P = 0 exactly, so dS = 0 exactly
+    if not flash:
+        # Step 6′ (B.1): π = λ + μ (step 5′) in dŜ_j - dS_j = λ_j t_j - P_j Σ_l t_l λ_l
+        # + μ_j t_j - P_j Σ_l dP_l μ_l + Y_j (step 7′'s Y); the logits' part is
+        # (P_j/Z)[t_j(1 - 2P_j)(e^{δ_j} - 1) - Σ_{l≠j} P_l (e^{δ_l} - 1)(t_j + t_l)]
+        with np.errstate(over="ignore", invalid="ignore"):
+            w_l = np.where(keep, p_up * np.expm1(delta), 0.0) * (1 + 4 * _U64)
+            pairs = _pair_sums(w_l, np.where(keep, t_mid2, 0.0))
+            pairs = pairs + t_rad2 * w_l.sum(axis=-1, keepdims=True)
+            pairs = pairs + (w_l * t_rad2).sum(axis=-1, keepdims=True)
+            lam_part = np.exp(shift) * p_up * (t_up * np.expm1(delta) + pairs)
+            mu_part = rest_share * t_up + p_up * (dp.up * rest_share).sum(axis=-1, keepdims=True)
+            p_hat = p_up + p_x_err
+            y_part = p_x_err * d_lin + p_hat * (dp.err + d_rest + rho_t)
+            y_part = y_part + u_g * p_hat * (t_up + t_err) + eta_g
+            alt = (lam_part + mu_part + y_part) * (1 + evaluation_rounding(n)) ** 2
+        ds_err = np.fmin(ds_err, np.where(keep & ~np.isnan(alt), alt, np.where(keep, np.inf, 0.0)))
     # Step 6c: through the soft-cap, dA = fl(fl(fl(dS·ĉ)·σ̂)·r̂) for dq and dk
     da_up, da_err = ds_up, ds_err
     if slope is not None and x.cap is not None:
         da_up, da_err = _through_cap(ds_up, ds_err, slope, x.cap, grad, rng)
         da_up, da_err = np.where(keep, da_up, 0.0), np.where(keep, da_err, 0.0)
-    ds_take = np.where(keep, _take(da_up + da_err, grad, dsf), 0.0)
+    ds_mid = None if slope is not None else np.where(keep, p_mid * t_mid2, 0.0)
+    ds_low = None
+    if ds_mid is not None:
+        # |dŜ| >= |P̃t̃| - (P̄T̄ - |P̃t̃|) - err (step 8's enclosure), evaluated low: the rounding
+        # into ds_format flushes nothing where that is at least its smallest normal number
+        m_ds = np.abs(ds_mid)
+        ds_low = (2 * m_ds - da_up - da_err) - 4 * _U64 * (2 * m_ds + da_up + da_err)
+    ds_take = np.where(keep, _take(da_up + da_err, grad, dsf, ds_low), 0.0)
     ds_r_err = da_err + ds_take
     rng.check(da_up + da_err, dsf, f"dS rounded to {dsf.name}", ("dq", "dk", "dbias"))
     coupled: list[tuple[np.ndarray, np.ndarray]] = []
@@ -1018,8 +1076,25 @@ def _bound(
         rest = rest + u_g * (p_up + p_x_err) * (t_up + t_err)
         rest = np.where(keep, rest + eta_g, 0.0) + ds_take
         kbar, kbar_rad = _kbar(p_mid, p_up, x.k, rad["k"])
-        coupled.append((rest, d_q.err * (np.abs(kbar) + kbar_rad) * (1 + 4 * _U64)))
-
+        e_d = d_q.err * (np.abs(kbar) + kbar_rad) * (1 + 4 * _U64)
+        coupled.append((rest, e_d))
+        # Step 7‴ (B.2): P̂_j = P_j e^{δ_j + ν_j - ω} + a_j with ω = lse - LSE(S), one number
+        # per row (|ω| <= W + E), so π's share of Σ_j π_j t_j k_j through ω is
+        # (e^{-ω} - 1) Σ_j P_j t_j k_j, dQ's own sum (step 8's signed enclosure)
+        assert ds_mid is not None  # no soft-cap here
+        common = shift + err_lse
+        with np.errstate(over="ignore", invalid="ignore"):
+            own_share = np.where(keep, (p_up * np.expm1(delta + own_entry) + absolute) * t_up, 0.0)
+            m_ds, m_k = np.abs(ds_mid), np.abs(x.k)
+            signed = np.abs(ds_mid @ x.k) + _f64_dot(n) * (ds_up @ ak)
+            signed = signed + (ds_up - m_ds) @ ak + m_ds @ (ak - m_k)
+            through = np.exp(common) * (own_share @ ak) + np.expm1(common) * signed
+            through = through * (1 + evaluation_rounding(n)) ** 2
+        p_read3 = _take(p_used_up, sm, grad)  # P̂ read into the gradient format, entrywise
+        rest3 = p_read3 * t_up + p_x_err * t_err + p_up * (dp.err + rho_t)
+        rest3 = rest3 + u_g * (p_up + p_x_err) * (t_up + t_err)
+        rest3 = np.where(keep, rest3 + eta_g, 0.0) + ds_take
+        coupled.append((rest3, e_d + np.where(np.isnan(through), np.inf, through)))
     # Step 7: the gradients
     bits_ds = operand_bits(num, dsf)
     ev_all = (1 + evaluation_rounding(max(n, lq, d, dv_))) ** 12
@@ -1093,7 +1168,6 @@ def _bound(
 
     ups: dict[str, np.ndarray] = {}  # >= |g| for the exact gradients (B.6)
     bits = (bits_ds, bits_in)
-    ds_mid = None if slope is not None else np.where(keep, p_mid * t_mid2, 0.0)
     gradient(
         "dq", da_up, ds_r_err, ak, e["k"], bw.block_k, bits, True, "dS k accumulated", coupled,
         None if ds_mid is None else (ds_mid, x.k),
