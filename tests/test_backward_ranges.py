@@ -107,3 +107,22 @@ def test_custom_numerics_gradients_at_the_range_edges(algorithm, data):
 @given(data=st.data(), softcap=CAPS)
 def test_soft_capped_gradients_at_the_range_edges(preset, algorithm, data, softcap):
     _theorem(data, Numerics.preset(preset), algorithm, softcap)
+
+
+def test_an_operand_rounded_past_the_accumulation_format_is_named():
+    # float16's largest finite 65504 rounds to 65536 in a bfloat16 operand format, which a
+    # float16 accumulator cannot hold: the emulated dV is inf, and its bound must say so (it was
+    # finite: the operand was checked against float16 before its rounding into bfloat16)
+    num = Numerics(input="float16", accum="float16", operand_format="bfloat16")
+    q = np.array([[0.125, -0.125, 0.625, 0.125], [-0.5, 0.375, 1.25, 0.875]])
+    k = np.array([[-0.75, -1.25, -0.625, 0.0625], [-2.25, -0.25, -1.25, -0.75],
+                  [-0.5, -0.3125, 0.375, 1.0], [-0.125, 1.375, -0.625, 0.375]])  # fmt: skip
+    v = np.array(
+        [[58592.0, 6096.0], [-48256.0, -59808.0], [-29696.0, 14288.0], [-65504.0, -13576.0]]
+    )
+    d_out = np.array([[12856.0, -13504.0], [65504.0, 10728.0]])
+    got = mhanum.attention_grad(q, k, v, d_out, numerics=num, backward=ALGORITHMS["textbook"])
+    assert not np.isfinite(np.asarray(got.dv, np.float64)).all()
+    bounds = attention_grad_bound(q, k, v, d_out, numerics=num, backward=ALGORITHMS["textbook"])
+    assert not np.isfinite(bounds.dv.total).any()
+    assert any("read into the accumulation format" in r for r in bounds.dv.reasons)

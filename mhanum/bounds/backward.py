@@ -150,17 +150,20 @@ class _Range:
     ) -> None:
         """A dot's operands, ``|â| <= a_used`` and ``|b̂| <= b_used``, read into its operand
         format (tf32, a tensor core's input, bfloat16 pieces: it may round the largest float32
-        values up to inf) and into the accumulation format."""
-        for fmt, where in (
-            (num.operand_rounding, "operand"),
-            (num.format_of("accum"), "accumulation"),
-        ):
-            if fmt is not None:
-                for side, used in (("first", a_used), ("second", b_used)):
-                    self.check(
-                        np.max(np.asarray(used, np.float64), initial=0.0), fmt,
-                        f"{stage}: the {side} operand read into the {where} format", reaches,
-                    )  # fmt: skip
+        values up to inf) and then, rounded (``(1 + u_op)|x| + η_op``, at most the operand
+        format's largest finite number), into the accumulation format: float16's 65504 is
+        65536 in bfloat16, past float16's range."""
+        op, acc = num.operand_rounding, num.format_of("accum")
+        u_op, eta_op = operand_error(num)
+        for side, used in (("first", a_used), ("second", b_used)):
+            top = float(np.max(np.asarray(used, np.float64), initial=0.0))
+            read = top * (1 + u_op) + eta_op
+            if op is not None:
+                where = f"{stage}: the {side} operand read into the operand format"
+                self.check(top, op, where, reaches)
+                read = min(read, op.max_finite)
+            where = f"{stage}: the {side} operand read into the accumulation format"
+            self.check(read, acc, where, reaches)
 
 
 def _take(
