@@ -4,6 +4,7 @@
     python benchmarks/backward_tightness.py --full     # adds L = 1024, d = 64 (minutes)
     python benchmarks/backward_tightness.py --search 20   # the search's worst input beside random
     python benchmarks/backward_tightness.py --floor       # B.1, B.2 against the rounding floor
+    python benchmarks/backward_tightness.py --floor --causal   # the same with a causal mask
     python benchmarks/backward_tightness.py --probabilistic 20   # B.5 against the 99th percentile
 
 Part 1: for each float32-accumulated preset and both algorithms (textbook, FlashAttention-2 with
@@ -22,7 +23,10 @@ there (``max/max`` over the entries whose bound is finite; ``inf`` where every e
 infinite at that input, with its reason).
 
 ``--floor`` (instead of Parts 1 and 2): B.1 and B.2 (one block) against the rounding floor of
-``benchmarks/rounding_floor.py`` on one random normal input per preset (``--length``).
+``benchmarks/rounding_floor.py`` on one random normal input per preset (``--length``), with a
+causal mask under ``--causal``. ``Fmax/err`` is the largest floor over the entries evaluated (the
+four largest bounds, the largest error, 14 random entries) ÷ the largest error: no sound bound of
+the model has max/max below it on that input.
 
 ``--probabilistic N`` (instead of Parts 1 and 2): Theorem B.5 with a stated probability of at
 least 0.99, the median over every entry of ``N`` random normal inputs ÷ the 99th percentile of the
@@ -298,14 +302,16 @@ def torch_tolerances() -> bool:
     return ok
 
 
-def floor_tightness(length: int, d: int) -> bool:
+def floor_tightness(length: int, d: int, causal: bool = False) -> bool:
     """B.1 (textbook) and B.2 (FlashAttention-2, one block of 64) against the floor: one random
     normal input per preset; per gradient, the
     largest error and bound, ``F/err`` (the floor's error at the entry of the largest error
     over that error: what no deterministic bound removes) and ``B/F`` at the entry of the
     largest bound and the median over 16 entries (the derivation's own slack)."""
     rounding_floor = _floor_module()
-    print(f"B.1 and B.2 against the floor, one random normal input, L = d = {length}:")
+    mask = np.tril(np.ones((length, length), bool)) if causal else None
+    print(f"B.1 and B.2 against the floor, one random normal input, L = d = {length}"
+          + (", causal mask:" if causal else ":"))  # fmt: skip
     print(f"{'preset':<14} {'algorithm':<9} {'grad':<4} {'max err':>10} {'max B':>10} "
           f"{'B/err':>8} {'F/err':>8} {'Fmax/err':>8} {'B/F':>7} {'med B/F':>8}")  # fmt: skip
     ok = True
@@ -320,9 +326,9 @@ def floor_tightness(length: int, d: int) -> bool:
             for _ in range(4)
         )
         bw = Backward(algorithm)
-        out = attention_grad(q, k, v, g, numerics=preset, backward=bw)
-        ref = reference.attention_grad(q, k, v, g)
-        bounds = attention_grad_bound(q, k, v, g, numerics=preset, backward=bw)
+        out = attention_grad(q, k, v, g, mask, numerics=preset, backward=bw)
+        ref = reference.attention_grad(q, k, v, g, mask=mask)
+        bounds = attention_grad_bound(q, k, v, g, mask, numerics=preset, backward=bw)
         for name in NAMES:
             err = np.abs(np.asarray(getattr(out, name), np.float64) - getattr(ref, name))
             bound = np.asarray(getattr(bounds, name).total)
@@ -334,7 +340,9 @@ def floor_tightness(length: int, d: int) -> bool:
             picks = rng.choice(bound.size, 14, replace=False)
             rest = [tuple(int(i) for i in np.unravel_index(j, bound.shape)) for j in picks]
             entries = list(dict.fromkeys([top_e, *tops, *rest]))
-            f = rounding_floor.attention_grad_floor(q, k, v, g, preset, name, entries, algorithm)
+            f = rounding_floor.attention_grad_floor(
+                q, k, v, g, preset, name, entries, algorithm, mask
+            )
             big = np.abs(f.realised)
             at = np.array([bound[e] for e in entries])
             print(
@@ -356,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the gradient search's worst input beside random inputs (instead of Parts 1, 2)",
     )  # fmt: skip
     parser.add_argument("--length", type=int, default=64, help="L = d for --search and --floor")
+    parser.add_argument("--causal", action="store_true", help="--floor with a causal mask")
     parser.add_argument(
         "--floor", action="store_true",
         help="the bounds against the floor (benchmarks/rounding_floor.py; instead of "
@@ -371,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = probabilistic_tightness(args.length, args.length, args.probabilistic)
         return 0 if ok else 1
     if args.floor:
-        return 0 if floor_tightness(args.length, args.length) else 1
+        return 0 if floor_tightness(args.length, args.length, args.causal) else 1
     if args.search is not None:
         ok = search_tightness(args.length, args.length, args.search, args.n)
         print(f"\ngoal: max/max <= {GOAL:g}; every bound holds: {'yes' if ok else 'NO'}")

@@ -116,8 +116,30 @@ class _Formats:
 
 
 def _partial_sums(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``S[k, ..., i, j] = Σ_{t ≤ k} a[..., i, t] b[..., t, j]``: a sequential dot's partial sums."""
-    return jnp.moveaxis(jnp.cumsum(a[..., :, :, None] * b[..., None, :, :], axis=-2), -2, 0)
+    """``S[k, ..., i, j] = Σ_{t ≤ k} a[..., i, t] b[..., t, j]``: a sequential dot's partial sums,
+    0 where the ``k``-th addend is exactly 0 (adding it is exact: a masked key's, say)."""
+    terms = a[..., :, :, None] * b[..., None, :, :]
+    return jnp.moveaxis(jnp.where(terms == 0, 0.0, jnp.cumsum(terms, axis=-2)), -2, 0)
+
+
+def _cumulative(e: jax.Array) -> jax.Array:
+    """A row sum's partial sums (leading axis), 0 where the addend is exactly 0."""
+    return jnp.moveaxis(jnp.where(e == 0, 0.0, jnp.cumsum(e, axis=-1)), -1, 0)[..., None]
+
+
+def _live(a: jax.Array, keep: jax.Array | None) -> jax.Array:
+    """The logits with the masked ones at ``-inf`` (``exp(-inf) = 0``, exactly)."""
+    return a if keep is None else jnp.where(keep, a, -jnp.inf)
+
+
+# a site's unit roundoff -> the format it rounds into, as a dtype (to tell an exact result)
+_DTYPES = {
+    2.0**-24: jnp.float32,
+    2.0**-11: jnp.float16,
+    2.0**-8: jnp.bfloat16,
+    2.0**-4: jnp.float8_e4m3fn,
+    2.0**-3: jnp.float8_e5m2,
+}
 
 
 class _Run:
@@ -128,15 +150,24 @@ class _Run:
     ``D[site]`` has one ``δ`` per partial sum, leading axis).
     """
 
-    def __init__(self, pert: Sites, mode: str) -> None:
-        self.pert, self.mode = pert, mode
+    def __init__(self, pert: Sites, mode: str, exact: dict[str, Any] | None = None) -> None:
+        self.pert, self.mode, self.exact = pert, mode, exact or {}
+
+    def _delta(self, name: str, x: jax.Array, delta: jax.Array) -> jax.Array:
+        """``delta``, or 0 where ``x`` is a number of the site's format (round to nearest
+        leaves it exact, and the bounds may rely on it: ``exp(0) = 1``, a one-key row's
+        ``P = 1``)."""
+        dtype = self.exact.get(name)
+        if dtype is None:
+            return delta
+        return jnp.where(x.astype(dtype).astype(x.dtype) == x, 0.0, delta)
 
     def round(self, name: str, x: jax.Array) -> jax.Array:
         if name not in self.pert:
             return x
         if self.mode == "linear":
             return x + self.pert[name]
-        return x * (1 + self.pert[name])
+        return x * (1 + self._delta(name, x, self.pert[name]))
 
     def dot(self, name: str, a: jax.Array, b: jax.Array) -> jax.Array:
         if name not in self.pert or self.mode == "linear":
@@ -145,7 +176,8 @@ class _Run:
 
         def step(acc: jax.Array, tk: tuple[jax.Array, jax.Array, jax.Array]) -> Any:
             at, bt, dk = tk
-            return (acc + at[..., :, None] * bt[..., None, :]) * (1 + dk), None
+            x = acc + at[..., :, None] * bt[..., None, :]
+            return x * (1 + self._delta(name, x, dk)), None
 
         a_t = jnp.moveaxis(a, -1, 0)
         b_t = jnp.moveaxis(b, -2, 0)
@@ -159,7 +191,8 @@ class _Run:
         e_t = jnp.moveaxis(e, -1, 0)[..., None]
 
         def step(acc: jax.Array, tk: tuple[jax.Array, jax.Array]) -> Any:
-            return (acc + tk[0]) * (1 + tk[1]), None
+            x = acc + tk[0]
+            return x * (1 + self._delta(name, x, tk[1])), None
 
         return jax.lax.scan(step, e_t[0], (e_t[1:], deltas[1:]))[0]
 
@@ -245,7 +278,8 @@ def _floor(
     y0, vjp = jax.vjp(lambda e: fwd(_Run(e, "linear")), zeros)
     known = np.asarray(y0) - exact
     worst, realised, spread, tops = [], [], [], []
-    real = jax.jit(lambda d: fwd(_Run(d, "real")))
+    exact_in = {s: _DTYPES[u[s]] for s in masses if u[s] in _DTYPES}
+    real = jax.jit(lambda d: fwd(_Run(d, "real", exact_in)))
     for m in entries:
         cot = jnp.zeros_like(y0).at[m].set(1.0)
         (g,) = vjp(cot)
@@ -301,13 +335,17 @@ def attention_floor(
 
 
 def _attention_masses(
-    q: jax.Array, k: jax.Array, v: jax.Array, c: float, u: dict[str, float]
-) -> dict[str, tuple[jax.Array, bool]]:
-    """Every site's values at the unperturbed point (exact arithmetic, known roundings in)."""
+    q: jax.Array, k: jax.Array, v: jax.Array, c: float, u: dict[str, float],
+    keep: jax.Array | None = None,
+) -> dict[str, tuple[jax.Array, bool]]:  # fmt: skip
+    """Every site's values at the unperturbed point (exact arithmetic, known roundings in);
+    ``keep``: the attended keys (a masked logit's sites are 0)."""
     t = q @ jnp.swapaxes(k, -1, -2)
     a = t * c
-    d = a - jnp.max(a, axis=-1, keepdims=True)
+    live = _live(a, keep)
+    d = live - jnp.max(live, axis=-1, keepdims=True)
     e = jnp.exp(d)
+    d = jnp.where(jnp.isfinite(d), d, 0.0)
     p = e / jnp.sum(e, axis=-1, keepdims=True)
     vals: dict[str, tuple[jax.Array, bool]] = {
         "qk_dot": (_partial_sums(q, jnp.swapaxes(k, -1, -2)), True),
@@ -316,7 +354,7 @@ def _attention_masses(
         "soft_take": (a, False),
         "shift": (d, False),
         "exp": (e, False),
-        "sum": (jnp.moveaxis(jnp.cumsum(e, axis=-1), -1, 0)[..., None], True),
+        "sum": (_cumulative(e), True),
         "div": (p, False),
         "prob_take": (p, False),
         "pv_dot": (_partial_sums(p, v), True),
@@ -416,9 +454,12 @@ def _grad_formats(num: Numerics, c: float, flash: bool = False) -> dict[str, flo
     return u
 
 
-def _grad(run: _Run, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, c: float) -> Any:
+def _grad(
+    run: _Run, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, c: float,
+    keep: jax.Array | None = None,
+) -> Any:  # fmt: skip
     t = run.round("score_take", run.dot("qk_dot", q, k.T))
-    a = run.round("soft_take", run.round("scale_mul", t * c))
+    a = _live(run.round("soft_take", run.round("scale_mul", t * c)), keep)
     d = run.round("shift", a - jnp.max(a, axis=-1, keepdims=True))
     e = run.round("exp", jnp.exp(d))
     p = run.round("prob_take", run.round("div", e / run.sum("sum", e)))
@@ -432,10 +473,13 @@ def _grad(run: _Run, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, c: 
     return {"dq": dq, "dk": dk, "dv": dv}
 
 
-def _grad_flash(run: _Run, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, c: float) -> Any:
+def _grad_flash(
+    run: _Run, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, c: float,
+    keep: jax.Array | None = None,
+) -> Any:  # fmt: skip
     """FlashAttention-2's backward with one block of queries and of keys (every dot one chain)."""
     t = run.round("score_take", run.dot("qk_dot", q, k.T))
-    a = run.round("soft_take", run.round("scale_mul", t * c))
+    a = _live(run.round("soft_take", run.round("scale_mul", t * c)), keep)
     top = jnp.max(a, axis=-1, keepdims=True)
     d = run.round("shift", a - top)
     e = run.round("exp", jnp.exp(d))
@@ -446,7 +490,7 @@ def _grad_flash(run: _Run, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
     # the logits recomputed: B.2 holds for every order of their dot, so their roundings are
     # the backward's own, not the forward's
     t2 = run.round("score_take_b", run.dot("qk_dot_b", q, k.T))
-    a2 = run.round("soft_take_b", run.round("scale_mul_b", t2 * c))
+    a2 = _live(run.round("soft_take_b", run.round("scale_mul_b", t2 * c)), keep)
     pr = run.round("p_exp", jnp.exp(run.round("lse_sub", a2 - lse)))
     dv = run.round("dv_out", run.dot("dv_dot", run.round("pr_take", pr).T, g))
     dp = run.round("dp_take", run.dot("dp_dot", g, v.T))
@@ -460,13 +504,13 @@ def _grad_flash(run: _Run, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
 
 def attention_grad_floor(
     q: Any, k: Any, v: Any, d_out: Any, numerics: Numerics | str, which: str,
-    entries: list[tuple[int, ...]], algorithm: str = "textbook",
+    entries: list[tuple[int, ...]], algorithm: str = "textbook", mask: Any = None,
 ) -> Floor:  # fmt: skip
     """The floor of the gradient ``which`` (``"dq"``, ``"dk"``, ``"dv"``) of
     :func:`mhanum.attention_grad` with the ``algorithm``'s backward (``"textbook"``, or
     ``"flash2"`` with one block: ``L <= 64``, Backward's default blocks) and its default
-    formats, on ``(L, d)`` inputs and ``d_out`` already in the input format, default scale, no
-    mask."""
+    formats, on ``(L, d)`` inputs and ``d_out`` already in the input format, default scale;
+    ``mask`` (``(L, L)`` booleans, True where attended, every row keeping a key) or none."""
     num = Numerics.preset(numerics) if isinstance(numerics, str) else numerics
     _check(num)
     if which not in ("dq", "dk", "dv"):
@@ -486,13 +530,20 @@ def attention_grad_floor(
     c = 1.0 / math.sqrt(q.shape[-1])
     c_hat = float(_rounded(np.array(c), num.format_of("score")))
     u = _grad_formats(num, c_hat, flash)
-    exact = np.asarray(getattr(mn.reference.attention_grad(*arrays), which), np.float64)
+    keep = None
+    if mask is not None:
+        keep_np = np.asarray(mask, bool)
+        if keep_np.shape != (q.shape[-2], k.shape[-2]) or not keep_np.any(axis=-1).all():
+            msg = f"mask: expected {(q.shape[-2], k.shape[-2])} booleans, a key in every row"
+            raise InvalidArgument(msg)
+        keep = jnp.asarray(keep_np)
+    exact = np.asarray(getattr(mn.reference.attention_grad(*arrays, mask=mask), which), np.float64)
 
     def fwd(run: _Run) -> jax.Array:
-        return (_grad_flash if flash else _grad)(run, q, k, v, g, c_hat)[which]
+        return (_grad_flash if flash else _grad)(run, q, k, v, g, c_hat, keep)[which]
 
-    masses = _attention_masses(q, k, v, c_hat, u)  # the forward's sites
-    a = q @ k.T * c_hat
+    masses = _attention_masses(q, k, v, c_hat, u, keep)  # the forward's sites
+    a = _live(q @ k.T * c_hat, keep)
     top = jnp.max(a, axis=-1, keepdims=True)
     ell = jnp.sum(jnp.exp(a - top), axis=-1, keepdims=True)
     p = jax.nn.softmax(a, axis=-1)
@@ -503,7 +554,7 @@ def attention_grad_floor(
     vals: dict[str, tuple[jax.Array, bool]] = {
         "log": (jnp.log(ell), False),
         "lse_add": (top + jnp.log(ell), False),
-        "lse_sub": (a - top - jnp.log(ell), False),
+        "lse_sub": (jnp.where(p > 0, a - top - jnp.log(ell), 0.0), False),
         "p_exp": (p, False),
         "pr_take": (p, False),
         "og_take": (o, False),
@@ -515,10 +566,7 @@ def attention_grad_floor(
         "dp_take": (dp, False),
         "pg_take": (p, False),
         "dpp_mul": (dp * p, False),
-        "d_sum": (
-            jnp.moveaxis(jnp.cumsum(g * o if flash else dp * p, axis=-1), -1, 0)[..., None],
-            True,
-        ),
+        "d_sum": (_cumulative(g * o if flash else dp * p), True),
         "diff_sub": (dp - big_d, False),
         "ds_mul": (ds, False),
         "dq_dot": (_partial_sums(ds, k), True),

@@ -116,6 +116,10 @@ def test_refuses_what_it_does_not_model():
     long = np.ones((65, 2))
     with pytest.raises(InvalidArgument, match="algorithm"):
         floor.attention_grad_floor(long, long, long, long, "fp32", "dq", [(0, 0)], "flash2")
+    square = np.ones((2, 2))
+    with pytest.raises(InvalidArgument, match="mask: expected"):
+        floor.attention_grad_floor(square, square, square, square, "fp32", "dq", [(0, 0)],
+                                   mask=np.array([[True, False], [False, False]]))  # fmt: skip
 
 
 @pytest.mark.slow
@@ -125,16 +129,18 @@ def test_b1_and_b2_cover_a_worst_case_rounding_of_every_gradient(preset, algorit
     num = mn.Numerics.preset(preset)
     rng = np.random.default_rng(13)
     L = d = 8
-    for family in ("normal", "large"):
+    causal = np.tril(np.ones((L, L), bool))
+    for family, mask in (("normal", None), ("large", None), ("normal", causal)):
         q, k, v = _inputs(rng, num.input, L, d, family)
         g = np.asarray(mn.round_to(rng.standard_normal((L, d)), num.input), np.float64)
-        bounds = attention_grad_bound(q, k, v, g, numerics=num, backward=mn.Backward(algorithm))
+        bw = mn.Backward(algorithm)
+        bounds = attention_grad_bound(q, k, v, g, mask, numerics=num, backward=bw)
         mass = float(np.abs(v).sum() * np.abs(g).max() * (1 + np.abs(q).max() + np.abs(k).max()))
         slack = _float64_slack(4 * (L + d) + 16, mass)
         for name in ("dq", "dk", "dv"):
             bound = np.asarray(getattr(bounds, name).total)
             entries = [tuple(int(i) for i in e) for e in np.ndindex(bound.shape)]
-            f = floor.attention_grad_floor(q, k, v, g, num, name, entries, algorithm)
+            f = floor.attention_grad_floor(q, k, v, g, num, name, entries, algorithm, mask)
             for e, realised in zip(entries, f.realised, strict=True):
                 assert abs(realised) <= bound[e] + slack, (preset, family, name, e, realised)
 
