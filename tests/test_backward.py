@@ -230,9 +230,10 @@ def test_textbook_d_charges_the_logits_share_against_dp_minus_d():
     D = Σ_k dP_k P̂_k as Σ_k (dP_k - D) π_k, not Σ_k |dP_k| |π_k|. Values nearly alike over
     the keys make dP_ij nearly constant along each row (so dP - D is small), and bf16 scores
     make the logits' error the largest part of P̂'s: D's error then stays below the entrywise
-    Σ_k |dP_k| ε_P,k, which bounded it before (ratio >= 1 on every row; now 0.07 in the
-    median row, 0.45 in the worst, where P̂'s rounding into bf16, which keeps |dP|, weighs
-    most), and every gradient within its bound."""
+    Σ_k |dP_k| ε_P,k, which bounded it before (ratio >= 1 on every row; 0.23 in the median row
+    and 0.87 in the worst, where P̂'s rounding into bf16, which keeps |dP|, weighs most, against
+    step 3′'s ε_P, itself smaller on probable keys: 0.07 and 0.45 against the ε_P before it),
+    and every gradient within its bound."""
     rng = np.random.default_rng(3)
     q, k, g = (round_to(2 * rng.standard_normal((32, 16)), "bfloat16") for _ in range(3))
     v = round_to(1 + 2.0**-6 * rng.standard_normal((32, 16)), "bfloat16")
@@ -241,8 +242,8 @@ def test_textbook_d_charges_the_logits_share_against_dp_minus_d():
     d_p = np.abs(g @ v.T)
     entrywise = (d_p * bounds.stages["P"]).sum(axis=-1, keepdims=True)
     ratio = bounds.stages["D"] / entrywise
-    assert ratio.max() < 0.6
-    assert np.median(ratio) < 0.15
+    assert ratio.max() < 0.95
+    assert np.median(ratio) < 0.35
 
 
 def _fp32_problem():

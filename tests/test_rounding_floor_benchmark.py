@@ -192,3 +192,34 @@ def test_b2_dq_and_dk_against_the_worst_case_rounding(preset, name, within):
     ratios = np.array([bound[e] for e in entries]) / np.abs(f.realised)
     assert np.all(ratios >= 1), ratios
     assert np.all(ratios <= within), ratios
+
+
+@pytest.mark.parametrize(
+    ("preset", "name", "within"),
+    [
+        ("bf16-fp32acc", "dv", 1.7),
+        ("fp16-fp32acc", "dv", 1.75),
+        ("bf16-fp32acc", "dk", 1.45),
+        ("fp16-fp32acc", "dk", 1.55),
+    ],
+)
+def test_b1_keeps_one_minus_p_on_a_probable_key(preset, name, within):
+    """B.1 step 3′: the logits' share of P̂_j's error is (P_j/Z)[(1 − P_j)(e^{δ_j} − 1) −
+    Σ_{l≠j} P_l (e^{δ_l} − 1)], where P̄(e^{Δ_j + W} − 1) charges a probable key its own error
+    twice (once in W); and step 6′ joins the j = l term of the softmax's own share, μ_j(t_j −
+    P_j dP_j). A causal mask gives short rows with probable keys: on random normal inputs at
+    L = d = 16, at the four largest entries of the bound, B.1 is within 1.56 (bf16 dV), 1.64
+    (fp16 dV), 1.36 (bf16 dK) and 1.47 (fp16 dK) times the worst-case rounding's error there,
+    against 2.71, 2.97, 1.80 and 1.82 before; and never below it."""
+    num = mn.Numerics.preset(preset)
+    rng = np.random.default_rng(5)
+    q, k, v, g = (np.asarray(mn.round_to(rng.standard_normal((16, 16)), num.input), np.float64)
+                  for _ in range(4))  # fmt: skip
+    causal = np.tril(np.ones((16, 16), bool))
+    bound = np.asarray(getattr(attention_grad_bound(q, k, v, g, causal, numerics=num), name).total)
+    top = np.argsort(bound, axis=None)[::-1][:4]
+    entries = [tuple(int(i) for i in np.unravel_index(j, bound.shape)) for j in top]
+    f = floor.attention_grad_floor(q, k, v, g, num, name, entries, mask=causal)
+    ratios = np.array([bound[e] for e in entries]) / np.abs(f.realised)
+    assert np.all(ratios >= 1), ratios
+    assert np.all(ratios <= within), ratios

@@ -915,6 +915,20 @@ def _bound(
     with np.errstate(over="ignore", invalid="ignore"):
         eps_p = np.where(keep, p_up * np.expm1(big_r) + absolute, 0.0)
         p_used_up = np.where(keep, p_up * np.exp(big_r) + absolute, 0.0)
+    if not flash:
+        # Step 3′ (B.1): the logits' share λ_j = (P_j/Z)[(1 - P_j)(e^{δ_j} - 1)
+        # - Σ_{l≠j} P_l (e^{δ_l} - 1)] (|log Z| <= W) keeps the 1 - P_j that e^{Δ_j + W} - 1
+        # loses on a probable key; the softmax's own share μ as in step 5′
+        with np.errstate(over="ignore", invalid="ignore"):
+            w_k = np.where(keep, p_up * np.expm1(delta), 0.0)
+            others = w_k.sum(axis=-1, keepdims=True) * (1 + evaluation_rounding(n)) - w_k
+            p_lo = np.where(keep, p_mid * np.exp(-omega), 0.0)
+            lam_k = p_up * (np.maximum(1 - p_lo, 0.0) * np.expm1(delta) + np.maximum(others, 0.0))
+            mu_k = p_up * np.exp(delta + shift) * np.expm1(own) + absolute
+            split_p = (np.exp(shift) * lam_k + mu_k) * (1 + 8 * _U64)
+            split_p = np.where(keep & ~np.isnan(split_p), split_p, np.where(keep, np.inf, 0.0))
+        eps_p = np.fmin(eps_p, split_p)
+        p_used_up = np.fmin(p_used_up, np.where(keep, p_up + eps_p, 0.0))
     whole = None
     if not flash and num.softmax_kind == "safe":
         # Step W (papers/backward.md): the stored P̂ of a safe softmax, whatever the logit errors
@@ -1032,7 +1046,15 @@ def _bound(
             pairs = pairs + t_rad2 * w_l.sum(axis=-1, keepdims=True)
             pairs = pairs + (w_l * t_rad2).sum(axis=-1, keepdims=True)
             lam_part = np.exp(shift) * p_up * (t_up * np.expm1(delta) + pairs)
-            mu_part = rest_share * t_up + p_up * (dp.up * rest_share).sum(axis=-1, keepdims=True)
+            # μ's part μ_j t_j - P_j Σ_l dP_l μ_l: its j = l term joins the first, as
+            # μ_j (t_j - P_j dP_j), enclosed from the float64 stand-ins
+            a_l = dp.up * rest_share
+            s_up = a_l.sum(axis=-1, keepdims=True) * (1 + evaluation_rounding(n))
+            mu_part = rest_share * t_up + p_up * s_up
+            own_j = np.abs(t_mid2 - p_mid * dp.mid) + t_rad2 + (p_up - p_mid) * np.abs(dp.mid)
+            own_j = own_j + p_up * dp.rad + 4 * _U64 * (np.abs(t_mid2) + p_mid * np.abs(dp.mid))
+            pairwise = rest_share * own_j + p_up * np.maximum(s_up - a_l * (1 - 4 * _U64), 0.0)
+            mu_part = np.fmin(mu_part, pairwise)
             p_hat = p_up + p_x_err
             y_part = p_x_err * d_lin + p_hat * (dp.err + d_rest + rho_t)
             y_part = y_part + u_g * p_hat * (t_up + t_err) + eta_g
