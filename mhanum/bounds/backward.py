@@ -206,11 +206,13 @@ def _pair_sums(w: np.ndarray, a: np.ndarray) -> np.ndarray:
     zero = np.zeros((*a.shape[:-1], 1))
     cw = np.concatenate([zero, np.cumsum(w_s, axis=-1)], axis=-1)
     cwa = np.concatenate([zero, np.cumsum(w_s * a_s, axis=-1)], axis=-1)
-    # below[..., j]: how many keys have a_l < -a_j
-    below = np.empty(a.shape, dtype=np.intp)
-    flat_a, flat_s, flat_b = a.reshape(-1, n), a_s.reshape(-1, n), below.reshape(-1, n)
-    for r in range(flat_a.shape[0]):
-        flat_b[r] = np.searchsorted(flat_s[r], -flat_a[r], side="left")
+    # below[..., j]: how many keys have a_l < -a_j, from one stable sort of (-a, sorted a):
+    # each -a_j is preceded by the a_l below it (a tie adds |a_j + a_l| = 0 either way)
+    merged = np.argsort(np.concatenate([-a, a_s], axis=-1), axis=-1, kind="stable")
+    is_key = merged >= n
+    ranks = np.empty(merged.shape, dtype=np.intp)
+    np.put_along_axis(ranks, merged, np.cumsum(is_key, axis=-1) - is_key, axis=-1)
+    below = ranks[..., :n]
     w_lo = np.take_along_axis(cw, below, axis=-1)
     wa_lo = np.take_along_axis(cwa, below, axis=-1)
     w_all, wa_all = cw[..., -1:], cwa[..., -1:]
@@ -219,6 +221,21 @@ def _pair_sums(w: np.ndarray, a: np.ndarray) -> np.ndarray:
     total = np.maximum(total, 0.0) + (4 * n + 16) * _U64 * mass
     # less the l = j term 2 w_j |a_j|, taken low
     return np.maximum(total - 2 * w * np.abs(a) * (1 - 4 * _U64), 0.0)
+
+
+def _signed_product(
+    a_mid: np.ndarray, a_up: np.ndarray, b_mid: np.ndarray, b_up: np.ndarray
+) -> np.ndarray:
+    """Step 8: ``>= |a b|`` for ``|a - a_mid| <= a_up - |a_mid|``, ``|b - b_mid| <= b_up -
+    |b_mid|``: ``|a_mid b_mid| + (a_up - |a_mid|) b_up + |a_mid| (b_up - |b_mid|)``, the float64
+    product of the midpoints within ``γ_n`` of ``a_up b_up``; NaN where an operand is not
+    finite."""
+    n = a_up.shape[-1]
+    m_a, m_b = np.abs(a_mid), np.abs(b_mid)
+    with np.errstate(invalid="ignore", over="ignore"):
+        signed = np.abs(a_mid @ b_mid) + _f64_dot(n) * (a_up @ b_up)
+        signed = signed + (a_up - m_a) @ b_up + m_a @ (b_up - m_b)
+        return signed * (1 + evaluation_rounding(n))
 
 
 def _coupled_dq(
@@ -920,11 +937,12 @@ def _bound(
         # - Σ_{l≠j} P_l (e^{δ_l} - 1)] (|log Z| <= W) keeps the 1 - P_j that e^{Δ_j + W} - 1
         # loses on a probable key; the softmax's own share μ as in step 5′
         with np.errstate(over="ignore", invalid="ignore"):
-            w_k = np.where(keep, p_up * np.expm1(delta), 0.0)
+            w_k = np.where(keep, p_up * np.expm1(delta), 0.0)  # >= P_k |e^{δ_k} - 1|
             others = w_k.sum(axis=-1, keepdims=True) * (1 + evaluation_rounding(n)) - w_k
             p_lo = np.where(keep, p_mid * np.exp(-omega), 0.0)
             lam_k = p_up * (np.maximum(1 - p_lo, 0.0) * np.expm1(delta) + np.maximum(others, 0.0))
-            mu_k = p_up * np.exp(delta + shift) * np.expm1(own) + absolute
+            # >= |μ_k| = |P̂_k - p_k(Ŝ)| (steps 5′, 6′ add P̂'s reading into the gradient format)
+            mu_k = np.where(keep, p_up * np.exp(delta + shift) * np.expm1(own) + absolute, 0.0)
             split_p = (np.exp(shift) * lam_k + mu_k) * (1 + 8 * _U64)
             split_p = np.where(keep & ~np.isnan(split_p), split_p, np.where(keep, np.inf, 0.0))
         eps_p = np.fmin(eps_p, split_p)
@@ -971,8 +989,7 @@ def _bound(
         with np.errstate(over="ignore", invalid="ignore"):
             logits_share = np.where(keep, p_up * np.expm1(delta), 0.0)
             centred = np.exp(shift) * (t_abs * logits_share).sum(axis=-1, keepdims=True)
-            rest_share = np.where(keep, p_up * np.exp(delta + shift) * np.expm1(own), 0.0)
-            rest_share = rest_share + p_read + np.where(keep, absolute, 0.0)
+            rest_share = mu_k + p_read
             split = centred + (dp.up * rest_share).sum(axis=-1, keepdims=True)
         d_lin = np.fmin(d_lin, np.where(np.isnan(split), np.inf, split))
         d_upper = (dp.used * (p_up + pe)).sum(axis=-1, keepdims=True) * (1 + g_d)
@@ -1020,7 +1037,8 @@ def _bound(
             d_err + g_d * ((ag + eg) * (o_up + eo)).sum(axis=-1, keepdims=True) + 2 * dv_ * eta_g
         )
         d_upper = ((ag + eg) * (o_up + eo)).sum(axis=-1, keepdims=True) * (1 + g_d)
-        p_x_err = eps_p + _take(p_used_up, sm, grad)
+        p_read = _take(p_used_up, sm, grad)  # P̂ read into the gradient format
+        p_x_err = eps_p + p_read
     d_q = _Q(d_mid, d_rad, d_err)
     rng.check(d_upper, grad, "D in the gradient format", ("dq", "dk", "dbias"))
 
@@ -1041,7 +1059,7 @@ def _bound(
         # + μ_j t_j - P_j Σ_l dP_l μ_l + Y_j (step 7′'s Y); the logits' part is
         # (P_j/Z)[t_j(1 - 2P_j)(e^{δ_j} - 1) - Σ_{l≠j} P_l (e^{δ_l} - 1)(t_j + t_l)]
         with np.errstate(over="ignore", invalid="ignore"):
-            w_l = np.where(keep, p_up * np.expm1(delta), 0.0) * (1 + 4 * _U64)
+            w_l = w_k * (1 + 4 * _U64)
             pairs = _pair_sums(w_l, np.where(keep, t_mid2, 0.0))
             pairs = pairs + t_rad2 * w_l.sum(axis=-1, keepdims=True)
             pairs = pairs + (w_l * t_rad2).sum(axis=-1, keepdims=True)
@@ -1110,13 +1128,10 @@ def _bound(
         common = shift + err_lse
         with np.errstate(over="ignore", invalid="ignore"):
             own_share = np.where(keep, (p_up * np.expm1(delta + own_entry) + absolute) * t_up, 0.0)
-            m_ds, m_k = np.abs(ds_mid), np.abs(x.k)
-            signed = np.abs(ds_mid @ x.k) + _f64_dot(n) * (ds_up @ ak)
-            signed = signed + (ds_up - m_ds) @ ak + m_ds @ (ak - m_k)
+            signed = _signed_product(ds_mid, ds_up, x.k, ak)
             through = np.exp(common) * (own_share @ ak) + np.expm1(common) * signed
             through = through * (1 + evaluation_rounding(n)) ** 2
-        p_read3 = _take(p_used_up, sm, grad)  # P̂ read into the gradient format, entrywise
-        rest3 = p_read3 * t_up + p_x_err * t_err + p_up * (dp.err + rho_t)
+        rest3 = p_read * t_up + p_x_err * t_err + p_up * (dp.err + rho_t)
         rest3 = rest3 + u_g * (p_up + p_x_err) * (t_up + t_err)
         rest3 = np.where(keep, rest3 + eta_g, 0.0) + ds_take
         coupled.append((rest3, e_d + np.where(np.isnan(through), np.inf, through)))
@@ -1165,15 +1180,8 @@ def _bound(
         f, eta, _ = _dot_factor(num, a_up.shape[-1], block if flash else None, bits, lam)
         from_a, from_b, accumulation = dot(a_up, a_err, b_up, b_err, f, eta, coupled)
         x_up = a_up @ b_up
-        if mids is not None:
-            # step 8: |a b| <= |a_mid b_mid| + (a_up - |a_mid|) b_up + |a_mid| (b_up - |b_mid|),
-            # the float64 product of the midpoints within γ_n of a_up b_up
-            a_mid, b_mid = mids
-            m_a, m_b = np.abs(a_mid), np.abs(b_mid)
-            with np.errstate(invalid="ignore", over="ignore"):
-                signed = np.abs(a_mid @ b_mid) + _f64_dot(a_up.shape[-1]) * x_up
-                signed = signed + (a_up - m_a) @ b_up + m_a @ (b_up - m_b)
-                signed = signed * (1 + evaluation_rounding(a_up.shape[-1]))
+        if mids is not None:  # step 8: the signed enclosure from the float64 midpoints
+            signed = _signed_product(mids[0], a_up, mids[1], b_up)
             x_up = np.fmin(x_up, np.where(np.isnan(signed), np.inf, signed))
         rng.operands(num, a_up + a_err, b_up + b_err, stage, (name,))
         rng.check((1 + f) * ((a_up + a_err) @ (b_up + b_err)) + eta, acc, stage, (name,))
