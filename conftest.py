@@ -1,27 +1,63 @@
-"""Doctest collection (``--doctest-modules`` over ``mhanum/``): an adapter module imports its
-framework, so it is collected only where that framework is installed. And the bound on the
-memory mappings of a test process, for the doctests and the tests alike."""
+"""Collection of modules that need an optional dependency, and the bound on the memory mappings
+of a test process, for the doctests (``--doctest-modules`` over ``mhanum/``) and the tests alike."""
 
 from __future__ import annotations
 
 import gc
 import importlib.util
 import sys
+from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ADAPTER_FRAMEWORKS = {
-    "mhanum/adapters/torch.py": "torch",
-    "mhanum/adapters/keras.py": "keras",
-    "mhanum/adapters/flax.py": "flax",
+OPTIONAL_DEPENDENCIES: dict[str, tuple[str, ...]] = {
+    "mhanum/adapters/flax.py": ("flax",),
+    "mhanum/adapters/keras.py": ("keras", "tensorflow"),
+    "mhanum/adapters/torch.py": ("torch",),
+    "mhanum/adapters/transformers.py": ("torch", "transformers"),
 }
+"""Module (relative to the root) -> the top-level packages its import needs beyond mhanum's own
+dependencies and the ``test`` extra. Where one is missing the module's doctests are skipped,
+with the reason, instead of failing to import (tests/test_optional_dependencies.py keeps the
+table complete)."""
 
-collect_ignore = [
-    path
-    for path, framework in ADAPTER_FRAMEWORKS.items()
-    if importlib.util.find_spec(framework) is None
-]
+
+def _missing(module: str) -> list[str]:
+    return [
+        package
+        for package in OPTIONAL_DEPENDENCIES.get(module, ())
+        if importlib.util.find_spec(package) is None
+    ]
+
+
+class _MissingDependency(pytest.File):
+    """A module whose optional dependency is not installed: collecting it is a skip."""
+
+    def __init__(self, *, reason: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reason = reason
+
+    def collect(self) -> list[pytest.Item]:
+        pytest.skip(self.reason)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collect_file(
+    file_path: Path, parent: pytest.Collector
+) -> Generator[None, list[pytest.Collector], list[pytest.Collector]]:
+    """A module of :data:`OPTIONAL_DEPENDENCIES` whose packages are missing is collected as a skip
+    that names them (the doctest plugin would import it and fail)."""
+    collectors = yield
+    if not collectors or not file_path.is_relative_to(parent.config.rootpath):
+        return collectors
+    module = file_path.relative_to(parent.config.rootpath).as_posix()
+    missing = _missing(module)
+    if not missing:
+        return collectors
+    reason = f"{module} needs {', '.join(missing)} (not installed)"
+    return [_MissingDependency.from_parent(parent, path=file_path, reason=reason)]
 
 
 def _max_map_count() -> int | None:

@@ -13,7 +13,6 @@ import ml_dtypes
 import numpy as np
 
 from mhanum._errors import InvalidArgument
-from mhanum.masks import Band
 
 
 def is_traced(x: Any) -> bool:
@@ -81,22 +80,6 @@ def check_broadcastable_to(x: Any, name: str, target: tuple[int, ...]) -> None:
     if not ok:
         msg = f"{name}: expected a shape broadcastable to {target}, got {shape}"
         raise InvalidArgument(msg)
-
-
-def bool_mask(mask: Any, target: tuple[int, ...]) -> Any:
-    """A boolean mask (True = attend) broadcastable to ``target``, or a structured
-    :class:`mhanum.masks.Band` (as given: its shape is ``target``'s last two lengths)."""
-    if isinstance(mask, Band):
-        return mask
-    arr = mask if isinstance(mask, jax.Array) else np.asarray(mask)
-    if arr.dtype != np.bool_:
-        msg = (
-            f"mask: expected a boolean array (True = attend), got dtype {arr.dtype}; "
-            "pass an additive float mask as bias="
-        )
-        raise InvalidArgument(msg)
-    check_broadcastable_to(arr, "mask", target)
-    return arr
 
 
 def positive_int(value: Any, name: str) -> int:

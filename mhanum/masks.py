@@ -47,7 +47,9 @@ __all__ = [
     "alibi_slopes",
     "bottom_right",
     "causal",
+    "dense",
     "head_sinks",
+    "normalise",
     "sink_column",
     "sliding_window",
     "window",
@@ -152,10 +154,82 @@ def bottom_right(band: Band, q_len: int, k_len: int) -> Band:
     return dataclasses.replace(band, offset=band.offset + k_len - q_len)
 
 
-def resolve(mask: Any, q_len: int, k_len: int) -> Any:
-    """``mask`` as a boolean array: a :class:`Band` formed for these lengths, anything else as
-    given (checked where it is used)."""
-    return mask.array(q_len, k_len) if isinstance(mask, Band) else mask
+def normalise(mask: Any, target: tuple[int, ...]) -> Any:
+    """``mask`` read once, at the boundary, for scores shaped ``target = (..., Lq, Lk)``:
+    ``None``, a :class:`Band` (kept as structure), or a boolean array broadcastable to
+    ``target`` (numpy, or JAX's, kept as given). Every public function that takes ``mask=``
+    calls this and nothing downstream reads the argument again; :func:`dense` gives the array.
+
+    Examples:
+        >>> normalise(causal(), (2, 3)) == causal()
+        True
+        >>> normalise(np.ones((1, 3), bool), (2, 3)).shape
+        (1, 3)
+        >>> normalise(np.ones((2, 3)), (2, 3))
+        Traceback (most recent call last):
+        ...
+        mhanum._errors.InvalidArgument: mask: expected a boolean array (True = attend), got dtype float64; pass an additive float mask as bias=
+
+    Raises:
+        InvalidArgument: for anything else: a non-boolean array (an additive mask belongs in
+            ``bias=``), a shape that does not broadcast to ``target``, or another type.
+    """
+    if mask is None or isinstance(mask, Band):
+        return mask
+    if isinstance(mask, (str, bytes, dict, set)) or not (
+        hasattr(mask, "__array__") or isinstance(mask, (list, tuple))
+    ):
+        msg = (
+            "mask: expected None, a boolean array or a mhanum.masks.Band, got "
+            f"{type(mask).__name__} {mask!r:.60}"
+        )
+        raise InvalidArgument(msg)
+    arr = mask if _is_jax_array(mask) else np.asarray(mask)
+    if arr.dtype != np.bool_:
+        msg = (
+            f"mask: expected a boolean array (True = attend), got dtype {arr.dtype}; "
+            "pass an additive float mask as bias="
+        )
+        raise InvalidArgument(msg)
+    if not _fits(tuple(arr.shape), tuple(target)):
+        msg = f"mask: expected a shape broadcastable to {tuple(target)}, got {tuple(arr.shape)}"
+        raise InvalidArgument(msg)
+    return arr
+
+
+def dense(mask: Any, target: tuple[int, ...], *, xp: Any = np) -> Any:
+    """A :func:`normalise`-d mask as the boolean array ``target``-shaped (True = attend; all
+    True for ``None``): a band formed for ``target``'s last two lengths, an array broadcast.
+
+    Examples:
+        >>> dense(causal(offset=1), (2, 2, 3)).astype(int)[1]
+        array([[1, 1, 0],
+               [1, 1, 1]])
+    """
+    if mask is None:
+        return xp.ones(target, bool)
+    return xp.broadcast_to(resolve(mask, target[-2], target[-1], xp=xp), target)
+
+
+def resolve(mask: Any, q_len: int, k_len: int, *, xp: Any = np) -> Any:
+    """``mask`` as a boolean array: a :class:`Band` formed for these lengths, anything else (a
+    :func:`normalise`-d array or ``None``) as given."""
+    return mask.array(q_len, k_len, xp=xp) if isinstance(mask, Band) else mask
+
+
+def _fits(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` without enlarging it."""
+    try:
+        return np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        return False
+
+
+def _is_jax_array(x: Any) -> bool:
+    import sys
+
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.Array | jax.core.Tracer)
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -266,11 +340,12 @@ def head_sinks(
     if np.shape(sig)[-1:] not in ((), (1,), (heads,)):
         msg = f"sink: expected one logit per head ({heads},), got shape {np.shape(sig)}"
         raise InvalidArgument(msg)
-    try:
-        batch = np.broadcast_shapes(tuple(scores[:-2]), np.shape(sig))
-    except ValueError as err:
-        msg = f"sink: expected a shape broadcastable to (..., H), got {np.shape(sig)}"
-        raise InvalidArgument(msg) from err
+    batch = tuple(scores[:-2])
+    if not _fits(np.shape(sig), batch):
+        msg = (
+            f"sink: expected a shape broadcastable to the heads' batch {batch}, got {np.shape(sig)}"
+        )
+        raise InvalidArgument(msg)
     full = (*batch, *scores[-2:])
     mask2, bias2 = sink_column(mask, bias, sig, full)
     return mask2, bias2, (*full[:-1], full[-1] + 1)
@@ -295,11 +370,17 @@ def _concrete(x: Any) -> Any:
 def _sink_batch(
     sink: Any, shapes: list[Any], mask: Any, bias: Any, lq: int, lk: int, xp: Any
 ) -> tuple[int, ...]:
+    """The batch dimensions of the inputs, the mask and the bias, which the sink must fit: a
+    sink never adds batch dimensions of its own (a ``(3,)`` sink with 2-D ``q`` would broadcast
+    the output to ``(3, Lq, dv)``)."""
     sig = _finite_sink(sink, xp)
     mask = resolve(mask, lq, lk)
     extra = [np.shape(x)[:-2] for x in (mask, bias) if x is not None]
-    try:
-        return tuple(np.broadcast_shapes(*shapes, np.shape(sig), *extra))
-    except ValueError as err:
-        msg = f"sink: expected a shape broadcastable to the batch dimensions, got {np.shape(sig)}"
-        raise InvalidArgument(msg) from err
+    batch = tuple(np.broadcast_shapes(*shapes, *extra))
+    if not _fits(np.shape(sig), batch):
+        msg = (
+            f"sink: expected one logit per batch element or head, a shape broadcastable to the "
+            f"inputs' batch dimensions {batch}, got {np.shape(sig)}"
+        )
+        raise InvalidArgument(msg)
+    return batch

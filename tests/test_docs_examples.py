@@ -1,11 +1,25 @@
-"""Every ```python block of every docs page runs, in order, one namespace per page, and prints what
-the page says it prints.
+"""Every ```python block of every docs page (and of ``papers/measurements/README.md``) runs, in
+order, one namespace per page, and prints what the page says it prints.
 
 A page that begins with ``<!-- requires: mod1 mod2 -->`` is skipped when one of those modules
 is not importable (framework tutorials); a page holding ``<!-- slow -->`` is marked slow (as are
 the pages in ``SLOW``, which build reports or measure). Pages run with the working directory set to a fresh
 temporary directory holding a link to ``papers/``, so examples may read the committed
 measurements and write files without touching the repository.
+
+A ```python block that starts worker processes (``parallel.dask_executor``,
+``parallel.default_executor``, Dask's ``LocalCluster``, a ``ProcessPoolExecutor``), or that holds
+``if __name__ == "__main__":``, is a script: it is saved to a file and run by a fresh interpreter,
+as its reader would run it: Dask and ``mhanum.parallel`` spawn their processes, and a spawned
+process imports the main module, running again whatever that guard does not protect. A script
+shares no names with the page's other blocks.
+
+A page holding ``<!-- torch CPU kernels: AVX2 -->`` shows what PyTorch prints with those CPU
+kernels: torch picks its vectorised kernels (softmax, ``exp``, reductions) by the instruction set
+it finds, so its float32 rounding errors differ between, say, AVX2 and AVX-512 CPUs, and the page
+says so beside the figures. Its examples run where torch uses those kernels: here if it does,
+else in a fresh interpreter with ``ATEN_CPU_CAPABILITY`` naming them, or not at all (a skip
+naming the instruction set) where the CPU has no such kernels.
 
 Printed output is checked where a page shows it, in a ```text block that follows, with nothing
 but blank lines between:
@@ -30,18 +44,33 @@ import dataclasses
 import importlib.util
 import io
 import math
+import os
 import re
 import shlex
+import subprocess
+import sys
+import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PAGES = sorted(p for p in DOCS.rglob("*.md") if "_hooks" not in p.parts)
+PAGES = [
+    *sorted(p for p in DOCS.rglob("*.md") if "_hooks" not in p.parts),
+    ROOT / "papers" / "measurements" / "README.md",  # the records' figures, on the site
+]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 REQUIRES = re.compile(r"\A<!--\s*requires:\s*([\w.\s]+?)\s*-->")
 SLOW = {"getting-started.md", "report.md", "tutorials/devices.md"}  # build reports / measure
+SCRIPT = re.compile(
+    r"^if __name__ == [\"']__main__[\"']:|"
+    r"\b(?:dask_executor|default_executor|LocalCluster|ProcessPoolExecutor)\(",
+    re.MULTILINE,
+)
+TORCH_KERNELS = re.compile(r"<!--\s*torch CPU kernels:\s*(\w+)\s*-->")
+NO_SUCH_KERNELS = 3  # the exit status of ``python -m tests.test_docs_examples`` on such a CPU
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 OUTPUT_OF = re.compile(r"<!--\s*output of:\s*(mhanum\b[^\n]*?)\s*-->\s*\Z")
@@ -54,7 +83,7 @@ class Example:
     """A runnable block of a page: Python source, or a ``mhanum`` command line; and the output
     the page shows for it (None when it shows none)."""
 
-    kind: str  # "python" or "command"
+    kind: str  # "python", "script" (a python block run as a saved file) or "command"
     source: str
     line: int  # the first line of the source in the page (1-based)
     expected: str | None
@@ -73,7 +102,7 @@ def examples(text: str) -> list[Example]:
         if following and following[0] == "text" and not text[fences[i][4] : following[3]].strip():
             shown = following[1]
         if lang == "python":
-            found.append(Example("python", body, line, shown))
+            found.append(Example("script" if SCRIPT.search(body) else "python", body, line, shown))
         elif lang in ("bash", "sh", "") and shown is not None:
             commands = [c for c in body.splitlines() if c.strip() and not c.startswith("#")]
             if len(commands) == 1 and commands[0].startswith("mhanum "):
@@ -194,6 +223,22 @@ def run_command(command: str) -> str:
     return out.getvalue()
 
 
+def run_script(path: Path, example: Example) -> str:
+    """What a script block prints, saved to a file and run by a fresh interpreter in the working
+    directory."""
+    with tempfile.TemporaryDirectory() as folder:
+        # Blank lines keep tracebacks pointing at the page's own line numbers.
+        script = Path(folder) / f"{path.stem}_line_{example.line}.py"
+        script.write_text("\n" * (example.line - 1) + example.source)
+        done = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, check=False
+        )
+    if done.returncode != 0:
+        msg = f"{path.name}:{example.line}: the script exits {done.returncode}:\n{done.stderr}"
+        raise AssertionError(msg)
+    return done.stdout
+
+
 def run_examples(path: Path, found: list[Example], namespace: dict[str, object]) -> None:
     """Run every example in order in one namespace, checking the output each one shows."""
     for example in found:
@@ -205,10 +250,47 @@ def run_examples(path: Path, found: list[Example], namespace: dict[str, object])
             with contextlib.redirect_stdout(out):
                 exec(code, namespace)  # noqa: S102
             printed = out.getvalue()
+        elif example.kind == "script":
+            printed = run_script(path, example)
         else:
             printed = run_command(example.source)
         if example.expected is not None:
             check_output(example.expected, printed, where)
+
+
+def torch_kernels(text: str) -> str | None:
+    """The instruction set of the torch CPU kernels whose output the page shows, or None."""
+    found = TORCH_KERNELS.search(text)
+    return found.group(1).upper() if found else None
+
+
+def _torch_capability() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def run_page(path: Path, kinds: tuple[str, ...]) -> None:
+    """Run the page's examples of these kinds (module docstring), where torch uses the CPU
+    kernels the page names; a skip where it cannot."""
+    text = path.read_text()
+    kernels = torch_kernels(text)
+    if kernels is None or _torch_capability() == kernels:
+        found = [e for e in examples(text) if e.kind in kinds]
+        run_examples(path, found, {"__name__": "__main__"})
+        return
+    env = {
+        **os.environ,
+        "ATEN_CPU_CAPABILITY": kernels.lower(),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    argv = [sys.executable, "-m", "tests.test_docs_examples", str(path), *kinds]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+    if done.returncode == NO_SUCH_KERNELS:
+        pytest.skip(f"{path.name} shows torch's {kernels} CPU kernels, which this CPU cannot run")
+    if done.returncode != 0:
+        msg = f"{path.name}, run with torch's {kernels} CPU kernels:\n{done.stderr[-6000:]}"
+        raise AssertionError(msg)
 
 
 def _blocks(page: Path) -> list[tuple[int, str]]:
@@ -216,8 +298,12 @@ def _blocks(page: Path) -> list[tuple[int, str]]:
     return [(text.count("\n", 0, m.start()) + 2, m.group(1)) for m in BLOCK.finditer(text)]
 
 
+def _name(page: Path) -> str:
+    return page.relative_to(DOCS if page.is_relative_to(DOCS) else ROOT).as_posix()
+
+
 def _param(page: Path) -> object:
-    name = page.relative_to(DOCS).as_posix()
+    name = _name(page)
     marks = [pytest.mark.slow] if name in SLOW or "<!-- slow -->" in page.read_text() else []
     return pytest.param(page, id=name, marks=marks)
 
@@ -231,25 +317,28 @@ def test_python_blocks_run(page, tmp_path, monkeypatch):
             pytest.skip(f"{page.name} requires {', '.join(missing)}")
     (tmp_path / "papers").symlink_to(ROOT / "papers")
     monkeypatch.chdir(tmp_path)
-    run_examples(page, examples(page.read_text()), {"__name__": "__main__"})
+    run_page(page, ("python", "script", "command"))
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(DOCS).as_posix() for p in PAGES])
+@pytest.mark.parametrize("page", PAGES, ids=[_name(p) for p in PAGES])
 def test_prose_quotes_only_figures_its_output_prints(page):
     assert unprinted_prose_figures(page.read_text()) == []
 
 
 def test_the_pages_with_examples_are_found():
-    names = {p.relative_to(DOCS).as_posix() for p in PAGES if _blocks(p)}
-    assert {"tutorials/heads.md", "tutorials/mask-constants.md", "getting-started.md"} <= names
+    names = {_name(p) for p in PAGES if _blocks(p)}
+    assert {
+        "tutorials/heads.md",
+        "tutorials/mask-constants.md",
+        "getting-started.md",
+        "papers/measurements/README.md",
+    } <= names
 
 
 def test_the_pages_show_what_their_examples_print():
     """The pages whose prose quotes figures show the output those figures come from."""
     shown = {
-        p.relative_to(DOCS).as_posix()
-        for p in PAGES
-        if any(e.expected is not None for e in examples(p.read_text()))
+        _name(p) for p in PAGES if any(e.expected is not None for e in examples(p.read_text()))
     }
     assert {
         "tutorials/heads.md",
@@ -259,6 +348,9 @@ def test_the_pages_show_what_their_examples_print():
         "frameworks.md",
         "numerics.md",
         "search.md",
+        "audit.md",
+        "scaleout.md",
+        "papers/measurements/README.md",
     } <= shown
 
 
@@ -303,6 +395,26 @@ def test_prose_figures_are_checked_against_the_output_before_them():
     assert unprinted_prose_figures(text) == [(9, "0.75")]
 
 
+def test_a_block_that_starts_processes_runs_as_a_saved_script(tmp_path, monkeypatch):
+    """Run in this process, a block that spawns workers works without the main-module guard;
+    saved and run as a script, as its reader runs it, it fails."""
+    monkeypatch.chdir(tmp_path)
+    head = "from concurrent.futures import ProcessPoolExecutor\nimport multiprocessing\n"
+    body = (
+        'spawn = multiprocessing.get_context("spawn")\n'
+        "with ProcessPoolExecutor(1, mp_context=spawn) as pool:\n"
+        "    print(pool.submit(abs, -2).result())\n"
+    )
+    guarded = head + 'if __name__ == "__main__":\n' + textwrap.indent(body, "    ")
+    shown = "```text\n2\n```\n"
+    page = f"```python\n{head + body}```\n{shown}\n```python\n{guarded}```\n{shown}"
+    unguarded, script = examples(page)
+    assert unguarded.kind == script.kind == "script"
+    with pytest.raises(AssertionError, match="the script exits 1"):
+        run_examples(tmp_path / "page.md", [unguarded], {})
+    run_examples(tmp_path / "page.md", [script], {})
+
+
 def test_examples_pair_code_with_its_output():
     text = (
         "```python\nprint(1)\n```\n\n```text\n1\n```\n\n"
@@ -319,3 +431,19 @@ def test_examples_pair_code_with_its_output():
         ("command", "mhanum compare --seed-example", "table\n"),
     ]
     assert found[0].line == 2
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m tests.test_docs_examples PAGE KIND...``: run the page's examples of those kinds
+    here, with the torch CPU kernels this interpreter was started with (:func:`run_page`)."""
+    page = Path(argv[0])
+    kernels = torch_kernels(page.read_text())
+    if kernels is not None and _torch_capability() != kernels:
+        return NO_SUCH_KERNELS
+    found = [e for e in examples(page.read_text()) if e.kind in argv[1:]]
+    run_examples(page, found, {"__name__": "__main__"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

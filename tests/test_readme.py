@@ -8,7 +8,13 @@ import pathlib
 
 import pytest
 
-from tests.test_docs_examples import examples, run_examples, unprinted_prose_figures
+from tests.test_docs_examples import (
+    examples,
+    run_examples,
+    run_page,
+    torch_kernels,
+    unprinted_prose_figures,
+)
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 FRAMEWORKS = ("torch", "tensorflow", "keras")
@@ -29,7 +35,14 @@ def test_readme_shows_what_its_commands_print():
     assert {"mhanum demo", "mhanum compare --seed-example"} <= shown
     if any(importlib.util.find_spec(m) is None for m in FRAMEWORKS):
         found = [e for e in found if "compare" not in e.source]  # needs torch and keras
-    run_examples(README, found, {})
+        run_examples(README, found, {})
+    else:
+        run_page(README, ("command",))  # with the torch CPU kernels the README names
+
+
+def test_readme_names_the_torch_kernels_of_its_figures():
+    """``mhanum compare`` prints torch's rounding error, which depends on torch's CPU kernels."""
+    assert torch_kernels(README.read_text()) == "AVX2"
 
 
 def test_readme_prose_quotes_only_figures_its_output_prints():

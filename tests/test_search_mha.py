@@ -158,7 +158,7 @@ def test_a_changed_output_does_not_replay(tmp_path):
         ({"num_heads": 2, "budget": 0}, "budget"),
         ({"num_heads": 2, "seed": -1}, "seed"),
         ({"num_heads": 2, "mask": "diagonal"}, "mask"),
-        ({"num_heads": 2, "shape": {"d_model": 0}}, "shape.d_model"),
+        ({"num_heads": 2, "shape": {"q_len": 2, "d_model": 0}}, "shape.d_model"),
         ({"num_heads": 2, "shape": {"heads": 2}}, "shape"),
         ({"num_heads": 2, "shape": None}, "shape"),
         ({"num_heads": 2, "near": "layer 0", "shape": None}, "num_heads"),

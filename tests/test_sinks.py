@@ -9,6 +9,8 @@ refused by name.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
 import mpmath
 import numpy as np
@@ -162,3 +164,28 @@ def test_the_bound_holds_with_sinks_across_the_exponent_range(data, preset, soft
     exact = np.asarray(reference.attention(q, k, v, mask=band, sink=sink), np.float64)
     finite = np.isfinite(bound.total)
     assert np.all(np.abs(out - exact)[finite] <= bound.total[finite])
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda q, k, v, s: mn.attention(q, k, v, sink=s),
+        lambda q, k, v, s: mn.reference.attention(q, k, v, sink=s),
+        lambda q, k, v, s: mn.bounds.attention_bound(q, k, v, sink=s),
+        lambda q, k, v, s: mn.attention_grad(q, k, v, np.ones((4, 8)), sink=s),
+        lambda q, k, v, s: mn.bounds.attention_grad_bound(q, k, v, np.ones((4, 8)), sink=s),
+    ],
+)
+def test_a_sink_never_adds_batch_dimensions(call: Any) -> None:
+    """A ``(3,)`` sink with 2-D inputs would broadcast the output to ``(3, Lq, dv)``: refused."""
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((4, 8)), rng.standard_normal((5, 8)), rng.standard_normal((5, 8))
+    with pytest.raises(mn.InvalidArgument, match=r"^sink: expected one logit per batch element"):
+        call(q, k, v, np.zeros(3))
+
+
+def test_a_head_sink_never_adds_batch_dimensions() -> None:
+    x = np.random.default_rng(0).standard_normal((3, 8))
+    params = mn.MHAParams.random(8, seed=0)
+    with pytest.raises(mn.InvalidArgument, match=r"^sink: expected a shape broadcastable to the"):
+        mn.multi_head_attention(x, x, params, 2, sink=np.zeros((5, 2)))

@@ -2100,7 +2100,7 @@ def _keep_and_bias(
     keep = np.ones(target, bool)
     masked = replaced = None
     if mask is not None:
-        m = np.asarray(masks.resolve(V.bool_mask(mask, target), *target[-2:]), bool)
+        m = masks.dense(masks.normalise(mask, target), target)
         keep = keep & m
         if num.mask_mode == "fill":
             replaced = ~np.broadcast_to(m, target)

@@ -441,7 +441,7 @@ def _inputs(
     )
     keep = np.ones(target, bool)
     if mask is not None:
-        keep = np.broadcast_to(V.bool_mask(mask, target), target)
+        keep = masks.dense(masks.normalise(mask, target), target)
         if not math.isinf(num.mask_constant()):
             msg = (
                 "numerics.mask_value: the backward bound (Theorem B.1) needs -inf masking, got "

@@ -490,8 +490,7 @@ def attention(
     target = (*batch, q.shape[-2], k.shape[-2])
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         V.check_finite(x, name)
-    if mask is not None:
-        mask = V.bool_mask(mask, target)
+    mask = masks.normalise(mask, target)
     num.check_bias(bias)
     cap = V.softcap_value(softcap)
     if cap is not None:
@@ -554,8 +553,7 @@ def softmax(x: Any, mask: Any = None, *, numerics: Numerics | str | None = None)
     check_x64(num)
     x = V.float_array(x, "x", min_ndim=1)
     V.check_finite(x, "x", allow_neg_inf=True)
-    if mask is not None:
-        mask = V.bool_mask(mask, tuple(x.shape))
+    mask = masks.normalise(mask, tuple(x.shape))
     return _softmax_jit(host_round(x, num.format_of("score")), mask, numerics=num)
 
 
@@ -582,8 +580,7 @@ def head_logit_inputs(
     Raises:
         InvalidArgument: naming the argument that does not fit.
     """
-    if mask is not None:
-        mask = V.bool_mask(mask, target)
+    mask = masks.normalise(mask, target)
     num.check_bias(bias)
     cap = V.softcap_value(softcap)
     if cap is not None:

@@ -309,8 +309,7 @@ def attention_grad(
     check_x64(num)
     q, k, v, g, batch = V.gradient_inputs(q, k, v, d_out)
     target = (*batch, q.shape[-2], k.shape[-2])
-    if mask is not None:
-        mask = V.bool_mask(mask, target)
+    mask = masks.normalise(mask, target)
     num.check_bias(bias)
     cap = V.softcap_value(softcap)
     if cap is not None:

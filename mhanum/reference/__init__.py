@@ -17,18 +17,17 @@ formed exactly from the rounded probabilities and rounded once.
 
 **Certified by doubling the precision.** The whole computation runs at ``p`` and at ``2p`` bits,
 starting from ``p = ceil(digits * log2(10)) + 32``, and is accepted only if every output component
-agrees: ``|r_p - r_2p| <= 10**-digits * |r_2p|``. Two zeros agree only where the exact value is
-provably 0 (every group of keys with equal logits has values summing to 0, which by the
-Lindemann-Weierstrass theorem is also necessary for attention; for MHA a sufficient test that
-also merges heads with equal probabilities), since probabilities that differ by less than
-``2**-2p`` round alike and their cancelling outputs are 0 at both ``p`` and ``2p``; an unproved
-zero keeps doubling (the value ``-4.7e-569`` is found at 3168 bits). Otherwise both precisions
-are doubled, while ``p <= max_prec``; then :class:`~mhanum.CertificationError` says how many digits
-were reached and where. This is the classical precision-doubling check, not an interval
-enclosure: it is sound when the error at ``2p`` is much smaller than the error at ``p``. That holds
-here because nothing exact is rounded before the end. Rounding an exact number is what fools
-the check: the logit ``-1e60 - 1`` rounded to 100 or to 200 bits loses the ``- 1`` both times, and
-the two runs agree on a wrong ``exp``. The rounded numbers are approximations of irrational
+agrees: ``|r_p - r_2p| <= 10**-digits * |r_2p|``, or its exact value is proved 0 (see **Zeros**
+below; it is then exactly 0). Two zeros do not agree by themselves, since probabilities that
+differ by less than ``2**-2p`` round alike and their cancelling outputs are 0 at both ``p`` and
+``2p``; an unproved zero keeps doubling (the value ``-4.7e-569`` is found at 3168 bits).
+Otherwise both precisions are doubled, while ``p <= max_prec``; then
+:class:`~mhanum.CertificationError` says how many digits were reached and where. This is the
+classical precision-doubling check, not an interval enclosure: it is sound when the error at
+``2p`` is much smaller than the error at ``p``. That holds here because nothing exact is rounded
+before the end. Rounding an exact number is what fools the check: the logit ``-1e60 - 1``
+rounded to 100 or to 200 bits loses the ``- 1`` both times, and the two runs agree on a wrong
+``exp``. The rounded numbers are approximations of irrational
 numbers, whose errors shrink by about ``2**-p`` when ``p`` doubles, and mpmath exponents are
 unbounded, so nothing underflows. Terms are dropped from a sum only where a bound proves them
 below ``2**-p`` of the result; otherwise the sum is exact.
@@ -56,6 +55,39 @@ fraction of the layer instead of all key projections; the rows that still do not
 ``"arb"``. It always certifies ``digits``. ``backend="arb"`` uses python-flint's
 rigorous balls (the optional extra ``arb``) with precision doubling until the radii certify.
 
+**Zeros.** No relative accuracy can be certified at an exact 0, nor from an enclosure that
+contains 0, however small. An output is therefore certified when (``papers/reference.md``, §6)
+
+1. its relative error is at most ``10**-digits`` (above), or
+2. its exact value is *proved* to be 0, by exact rational arithmetic on the given floats: it is
+   then returned as exactly ``0`` (float64 and mpf), by every backend of :func:`attention` and
+   :func:`multi_head_attention`. A row's output is ``sum_g e**(l_g) W_g / Z`` over the groups
+   ``g`` of keys with equal logits, ``W_g`` the sum of their values; without a soft-cap the
+   logits are algebraic, and by the Lindemann-Weierstrass theorem the ``e**(l_g)`` of distinct
+   ones are linearly independent over the algebraic numbers, so the output is 0 if and only if
+   every ``W_g`` is 0: for attention without a soft-cap the test is complete (with one, keys
+   are grouped by equal score and bias, and the test is sufficient). For multi-head attention
+   it is sufficient only: a head whose ``W_g`` are proportional to its group sizes is a
+   rational constant, and heads whose logits agree up to a shift are merged; the exact zeros
+   it misses are certified by 3 where that applies; or
+3. (the Arb balls: ``backend="arb"``, the rows ``"auto"`` refines or recomputes with Arb, and
+   the gradients :func:`attention_grad`, :func:`mha_grad`, which have no proof of 2 and rely on
+   3) its rigorous enclosure lies within ``[-2**-1075, 2**-1075]``, half the smallest
+   subnormal: every real number there rounds to a float64 zero, so ``0.0`` is the correctly
+   rounded exact value, whatever it is. The output is returned as 0 (the mpf too,
+   within ``2**-1075`` of the exact value; the sign of the zero is not certified). The radii
+   shrink like ``2**-p`` times the size of the terms, so an exact zero is certified by 3 once
+   ``p`` exceeds about ``1075 + log2`` of that size (1584 bits for terms near 1, well within
+   the default ``max_prec``). The doubling backends (``"mpmath"``, ``"exact"``) have no
+   enclosure, and ``"dd"`` adds an underflow term of ``2**-1060`` to its radii: they use 1 and 2
+   only.
+
+No other absolute tolerance is used: an output that is small next to the values it cancels,
+but not provably 0 and not below ``2**-1075``, is certified to ``digits`` digits relative to
+itself, at the precision that takes. So the float64 results below stay correctly rounded,
+and a downstream test of ``|kernel - reference|`` against a tolerance sees at most the error
+of the rounding to float64.
+
 Sums that can cancel are never left to ``mpmath.fsum``/``fdot``: those drop a term more than
 ``2*prec`` bits below the running sum even if the sum later cancels (``fsum([1, 2**-1000, -1])``
 is 0 at 100 and at 200 bits, a wrong value that doubling the precision would certify).
@@ -63,7 +95,8 @@ is 0 at 100 and at 200 bits, a wrong value that doubling the precision would cer
 **Rounding to float64.** The returned float64 array is the higher-precision value ``r_2p`` rounded
 to nearest (ties to even, subnormals rounded once, magnitudes past the float64 range become
 ``±inf``). It is the correctly rounded exact result unless the exact result lies within the
-certified tolerance ``10**-digits`` (relative) of a float64 rounding boundary.
+certified tolerance ``10**-digits`` (relative) of a float64 rounding boundary; an output
+certified as a zero (**Zeros**, 2 and 3) is ``0.0``, its correctly rounded value.
 
 **Fully-masked rows.** A row whose keys are all excluded (``mask`` False or ``bias`` ``-inf``) has
 no softmax: the softmax over the empty set is undefined. ``fully_masked="nan"`` (default) returns
@@ -257,30 +290,30 @@ def attention(
         mask, bias, _check_scale(scale), shape, q64.shape[-1], options.fully_masked, softcap
     )
     _check_softcap_backend(spec, options)
+    zeros = _attention_zeros(q64, k64, v64, spec)
     if options.backend == "arb":
-        return _arb_backend().attention(q64, k64, v64, spec, options)
+        return _arb_backend().attention(q64, k64, v64, spec, options, zeros)
     if options.backend == "mpmath":
         floating = _exact.Floating.from_float64
         compute = _bind_naive_attention(floating(q64), floating(k64), floating(v64), spec)
-        return _certified(compute, options, _attention_zeros(q64, k64, v64, spec))
+        return _certified(compute, options, zeros)
 
     def exact_rows(index: tuple[int, ...], rows: Any) -> np.ndarray:
         """Some rows of one batch element, certified by ``"arb"`` if installed, else ``"exact"``."""
         q_b, k_b, v_b = (_batch_element(x, batch, index) for x in (q64, k64, v64))
         sub = _sub_spec(spec, (*index, rows))
+        sub_zeros = _attention_zeros(q_b[rows], k_b, v_b, sub)
         if _has_flint():
             with_mpf = dataclasses.replace(options, return_mpf=True)
-            return _arb_backend().attention(q_b[rows], k_b, v_b, sub, with_mpf)[1]
+            return _arb_backend().attention(q_b[rows], k_b, v_b, sub, with_mpf, sub_zeros)[1]
         dyadic = _exact.Dyadic.from_float64
         core = _exact_attention(dyadic(q_b[rows]), dyadic(k_b), dyadic(v_b), sub)
-        return _certify(
-            _floating_outputs(core), options, _attention_zeros(q_b[rows], k_b, v_b, sub)
-        )
+        return _certify(_floating_outputs(core), options, sub_zeros)
 
     if options.backend == "exact" or spec.softcap is not None or not _fast_path_applies(options):
         dyadic = _exact.Dyadic.from_float64
         core = _exact_attention(dyadic(q64), dyadic(k64), dyadic(v64), spec)
-        return _certified(_floating_outputs(core), options, _attention_zeros(q64, k64, v64, spec))
+        return _certified(_floating_outputs(core), options, zeros)
     with np.errstate(all="ignore"):
         out, undefined = _fastref.attention(
             q64,
@@ -291,7 +324,7 @@ def attention(
             _fastref.scale_ball(spec.scale, spec.d_k),
             spec.fully_masked,
         )
-    return _fast_certified(out, undefined, batch, exact_rows, options)
+    return _fast_certified(out, undefined, batch, exact_rows, options, zeros)
 
 
 @one_blas_thread
@@ -316,8 +349,11 @@ def attention_grad(
     ``dS = P ∘ (d_out vᵀ - rowsum(P ∘ d_out vᵀ))``, ``dq = scale·dS k``, ``dk = scale·dSᵀ q`` and
     ``dbias = dS``. They are computed in python-flint's Arb balls (every input float exact,
     ``exp`` and the sums rigorous) and certified when every ball's radius is at most
-    ``2**-ceil(digits log2 10) / 2`` of its midpoint, doubling the precision up to ``max_prec``
-    (the forward reference's ``backend="arb"``): backward kernels are measured against it.
+    ``2**-ceil(digits log2 10) / 2`` of its midpoint, or the ball lies within
+    ``[-2**-1075, 2**-1075]`` (an exact zero, say: the entry is then ``0.0``, its correctly
+    rounded value; see **Zeros** in the module docstring), doubling the precision up to
+    ``max_prec`` (the forward reference's ``backend="arb"``): backward kernels are measured
+    against it.
 
     Args:
         q, k, v: as for :func:`attention` (batch dimensions broadcast).
@@ -331,8 +367,8 @@ def attention_grad(
     Raises:
         InvalidArgument: for bad inputs (named), a ``d_out`` of another shape than the output,
             or a row that attends no key.
-        CertificationError: if a gradient is not certified by ``max_prec`` bits (an entry
-            that cancels to exactly 0 without being exact in the balls, for one).
+        CertificationError: if a gradient is not certified by ``max_prec`` bits (an exact
+            zero needs about ``1075 + log2`` of the size of the terms that cancel).
 
     Examples:
         >>> import numpy as np
@@ -546,11 +582,13 @@ def multi_head_attention(
     spec = _score_spec(mask, bias, None, shape, d_k, options.fully_masked, softcap)
     _check_softcap_backend(spec, options)
     params64 = _params_float64(params)
+    zeros = _mha_zeros(xq64, xkv64, params64, num_heads, spec)
     if options.backend == "arb":
-        return _arb_backend().multi_head_attention(xq64, xkv64, params64, num_heads, spec, options)
+        arb = _arb_backend()
+        return arb.multi_head_attention(xq64, xkv64, params64, num_heads, spec, options, zeros)
     if options.backend == "mpmath":
         compute = _bind_naive_mha(xq64, xkv64, params64, num_heads, spec)
-        return _certified(compute, options, _mha_zeros(xq64, xkv64, params64, num_heads, spec))
+        return _certified(compute, options, zeros)
 
     def exact_rows(index: tuple[int, ...], rows: Any) -> np.ndarray:
         """Some rows of one batch element: refined (Theorem 2) or recomputed by ``"arb"`` if
@@ -559,28 +597,30 @@ def multi_head_attention(
         # the batch element first, then its rows: an integer and an array split by a slice
         # would move the rows' axis in front of the heads' (numpy's advanced indexing)
         sub = _sub_spec(_sub_spec(spec, index), (slice(None), rows))
+        sub_zeros = _mha_zeros(xq_b[rows], xkv_b, params64, num_heads, sub)
         if _has_flint():
             arb = _arb_backend()
-            refined = arb.refine_mha_rows(xq_b[rows], xkv_b, params64, num_heads, sub, options)
+            refined = arb.refine_mha_rows(
+                xq_b[rows], xkv_b, params64, num_heads, sub, options, sub_zeros
+            )
             if refined is not None:
                 return refined
             with_mpf = dataclasses.replace(options, return_mpf=True)
-            return arb.multi_head_attention(xq_b[rows], xkv_b, params64, num_heads, sub, with_mpf)[
-                1
-            ]
+            return arb.multi_head_attention(
+                xq_b[rows], xkv_b, params64, num_heads, sub, with_mpf, sub_zeros
+            )[1]
         core = _exact_mha(xq_b[rows], xkv_b, params64, num_heads, sub)
-        zeros = _mha_zeros(xq_b[rows], xkv_b, params64, num_heads, sub)
-        return _certify(_floating_outputs(core), options, zeros)
+        return _certify(_floating_outputs(core), options, sub_zeros)
 
     if options.backend == "exact" or spec.softcap is not None or not _fast_path_applies(options):
         compute = _floating_outputs(_exact_mha(xq64, xkv64, params64, num_heads, spec))
-        return _certified(compute, options, _mha_zeros(xq64, xkv64, params64, num_heads, spec))
+        return _certified(compute, options, zeros)
     weights = {f.name: getattr(params64, f.name) for f in dataclasses.fields(params64)}
     with np.errstate(all="ignore"):
         out, undefined = _fastref.multi_head_attention(
             xq64, xkv64, weights, num_heads, spec.excluded, spec.bias, spec.fully_masked
         )
-    return _fast_certified(out, undefined, batch, exact_rows, options)
+    return _fast_certified(out, undefined, batch, exact_rows, options, zeros)
 
 
 # --- validation --------------------------------------------------------------------------------
@@ -694,17 +734,7 @@ def _score_spec(
     softcap: Any = None,
 ) -> _ScoreSpec:
     """Check ``mask``, ``bias`` and ``softcap`` against the scores ``shape`` and combine them."""
-    mask = masks.resolve(mask, shape[-2], shape[-1])
-    excluded = np.zeros(shape, dtype=bool)
-    if mask is not None:
-        mask_arr = np.asarray(mask)
-        if mask_arr.dtype != np.bool_:
-            msg = (
-                f"mask: expected a boolean array (True means attend; pass an additive float "
-                f"mask as bias=), got dtype {mask_arr.dtype}"
-            )
-            raise InvalidArgument(msg)
-        excluded = ~_broadcast_to(mask_arr, "mask", shape)
+    excluded = ~np.asarray(masks.dense(masks.normalise(mask, shape), shape))
     bias64 = None
     if bias is not None:
         bias_arr = _float_array(bias, "bias", 0)
@@ -856,18 +886,21 @@ def _fast_certified(
     batch: tuple[int, ...],
     exact_rows: _ExactRows,
     options: _Options,
+    exact_zero: _ExactZero,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """The enclosed outputs where they certify ``digits``; elsewhere the exact rows (or raise).
 
-    An undefined row is NaN. A row with a component the enclosure does not certify is
+    An undefined row is NaN. A component whose enclosure contains 0 without certifying it is
+    exactly 0 where ``exact_zero`` proves it. A row with a component still not certified is
     recomputed by ``exact_rows`` (``"auto"``: refined or recomputed with ``"arb"`` where
     python-flint is installed, else recomputed with ``"exact"``); with ``"dd"`` that raises
     :class:`~mhanum.CertificationError`.
     """
     good = _fastref.certified(out, options.digits) | undefined[..., None]
+    out, good = _proved_zeros(out, good, exact_zero)
     floats = np.where(undefined[..., None], np.nan, out.hi)
     values = _dd_to_mpf(out.hi, out.lo, undefined) if options.return_mpf else None
-    failed = ~good.all(axis=-1)
+    failed = ~np.asarray(good.all(axis=-1))
     if failed.any() and options.backend == "dd":
         first = tuple(int(i) for i in np.argwhere(~good)[0])
         msg = (
@@ -883,6 +916,26 @@ def _fast_certified(
             if values is not None:
                 values[(*index, rows)] = exact
     return (floats, values) if values is not None else floats
+
+
+def _proved_zeros(out: Ball, good: np.ndarray, exact_zero: _ExactZero) -> tuple[Ball, np.ndarray]:
+    """``out`` set to exactly 0 where a component not ``good`` is proved 0, and the new ``good``.
+
+    An exact 0 lies in its enclosure, so only the enclosures that may contain 0 are looked up:
+    ``|hi + lo| <= rad`` implies ``|hi| <= 2 rad`` (``|lo| <= u |hi|``).
+    """
+    rad = np.zeros_like(out.hi) if out.rad is None else out.rad
+    with np.errstate(invalid="ignore", over="ignore"):
+        candidates = ~good & (np.abs(out.hi) <= 2 * rad)
+    zero = np.zeros(good.shape, dtype=bool)
+    for index in np.argwhere(candidates):
+        zero[tuple(index)] = exact_zero(tuple(int(i) for i in index))
+    if not zero.any():
+        return out, good
+    cleared = Ball(
+        np.where(zero, 0.0, out.hi), np.where(zero, 0.0, out.lo), np.where(zero, 0.0, rad)
+    )
+    return cleared, good | zero
 
 
 def _dd_to_mpf(hi: np.ndarray, lo: np.ndarray, undefined: np.ndarray) -> np.ndarray:
@@ -933,21 +986,31 @@ def _certified(
 
 
 def _certify(compute: _Compute, options: _Options, exact_zero: _ExactZero) -> np.ndarray:
-    """Values at ``2p`` that agree with those at ``p``; a zero only where ``exact_zero`` proves it.
+    """Values at ``2p`` that agree with those at ``p``, or exactly 0 where ``exact_zero`` proves it.
 
     Two zeros do not agree by themselves: probabilities that differ by less than ``2**-2p`` round
     to the same numbers at ``p`` and at ``2p`` bits, and values that cancel then give 0 at both.
+    Nor is a proved zero always computed as 0 (equal values weighted by probabilities whose
+    rounded sum is not 1), so a component that does not agree is looked up in the proof.
     """
+    proved = _memoized(exact_zero)
     prec = _start_prec(options.digits)
     low = _with_nan(compute, _context(prec))
     while True:
         ctx = _context(2 * prec)
         high = _with_nan(compute, ctx)
-        worst = _worst_disagreement(ctx, low, high, options.digits, exact_zero)
-        if worst is None:
+        unproved = {}
+        for index, error in _disagreements(ctx, low, high, options.digits).items():
+            if proved(index):
+                high[index] = ctx.zero
+            else:
+                unproved[index] = error
+        if not unproved:
             return high
         if 2 * prec > options.max_prec:
-            index, agreed = worst
+            index = max(unproved, key=unproved.__getitem__)
+            error = unproved[index]
+            agreed = max(0.0, -float(ctx.log10(error))) if error != ctx.inf else 0.0
             msg = (
                 f"could not certify {options.digits} digits within max_prec={options.max_prec} "
                 f"bits: at {prec} and {2 * prec} bits the worst component, at index {index}, "
@@ -957,6 +1020,18 @@ def _certify(compute: _Compute, options: _Options, exact_zero: _ExactZero) -> np
         low, prec = high, 2 * prec
 
 
+def _memoized(exact_zero: _ExactZero) -> _ExactZero:
+    """``exact_zero`` computed once per index (a component may be looked up at every doubling)."""
+    known: dict[tuple[int, ...], bool] = {}
+
+    def proved(index: tuple[int, ...]) -> bool:
+        if index not in known:
+            known[index] = exact_zero(index)
+        return known[index]
+
+    return proved
+
+
 def _with_nan(compute: _Compute, ctx: mpmath.MPContext) -> np.ndarray:
     """The outputs of ``compute`` with its undefined rows set to NaN."""
     values, undefined = compute(ctx)
@@ -964,30 +1039,18 @@ def _with_nan(compute: _Compute, ctx: mpmath.MPContext) -> np.ndarray:
     return values
 
 
-def _worst_disagreement(
-    ctx: mpmath.MPContext, low: np.ndarray, high: np.ndarray, digits: int, exact_zero: _ExactZero
-) -> tuple[tuple[int, ...], float] | None:
-    """``None`` if every component agrees to ``digits`` digits, else the worst index and digits.
-
-    Two zeros agree only where ``exact_zero`` proves the exact value 0.
-    """
+def _disagreements(
+    ctx: mpmath.MPContext, low: np.ndarray, high: np.ndarray, digits: int
+) -> dict[tuple[int, ...], Any]:
+    """The components that do not agree to ``digits`` digits, with their relative disagreement
+    (``inf`` where the value at ``2p`` is 0, two zeros included)."""
     tolerance = ctx.mpf(10) ** -digits
-    worst_index, worst_error = None, ctx.zero
+    found = {}
     for index, hi in np.ndenumerate(high):
-        if ctx.isnan(hi):
+        if ctx.isnan(hi) or (hi and abs(low[index] - hi) <= tolerance * abs(hi)):
             continue
-        if not hi and not low[index]:
-            if exact_zero(index):
-                continue
-        elif abs(low[index] - hi) <= tolerance * abs(hi):
-            continue
-        error = abs(low[index] - hi) / abs(hi) if hi else ctx.inf
-        if error > worst_error:
-            worst_index, worst_error = index, error
-    if worst_index is None:
-        return None
-    agreed = max(0.0, -float(ctx.log10(worst_error))) if worst_error != ctx.inf else 0.0
-    return tuple(int(i) for i in worst_index), agreed
+        found[tuple(int(i) for i in index)] = abs(low[index] - hi) / abs(hi) if hi else ctx.inf
+    return found
 
 
 def _to_float64(values: np.ndarray) -> np.ndarray:
@@ -1004,13 +1067,38 @@ def _to_float64(values: np.ndarray) -> np.ndarray:
 # logits ``l_g`` (``W_g`` the sum of their values, rational; the logits algebraic, since the scale
 # is a float or ``1/sqrt(d_k)``). By the Lindemann-Weierstrass theorem the ``e**(l_g)`` of distinct
 # algebraic ``l_g`` are linearly independent over the algebraic numbers, so ``o = 0`` exactly iff
-# every ``W_g = 0``. Keys are grouped by their exact ``(q.k_j, b_j)``: equal pairs have equal
-# logits, and splitting a group only makes the test stricter. A zero is accepted only when so
-# proved; otherwise the precision keeps doubling.
+# every ``W_g = 0``. Keys are grouped by an exact key of their logit (:func:`_logit_key`): equal
+# keys have equal logits, and distinct keys distinct logits unless there is a soft-cap (splitting
+# a group only makes the test stricter). A zero is accepted only when so proved; otherwise the
+# precision keeps doubling.
 
 
 def _fraction(x: float) -> Fraction:
     return Fraction(float(x))
+
+
+def _rational_scale(spec: _ScoreSpec) -> Fraction | None:
+    """The scale as a Fraction where it is rational (given, or ``1/sqrt(d_k)`` of a square)."""
+    if spec.scale is not None:
+        man, exp = spec.scale
+        return man * Fraction(2) ** exp
+    root = math.isqrt(spec.d_k)
+    return Fraction(1, root) if root * root == spec.d_k else None
+
+
+def _logit_key(
+    dot: Fraction, bias: Fraction, scale: Fraction | None, spec: _ScoreSpec
+) -> tuple[Fraction, Fraction]:
+    """An exact pair, equal for two keys of one row exactly where their logits are equal.
+
+    The logit is ``scale·dot + bias`` (soft-capped: ``c·tanh(scale·dot/c) + bias``). With an
+    irrational scale, ``1/sqrt(d_k)``, it determines ``(dot, bias)``; with a rational one it is
+    itself rational, ``(0, scale·dot + bias)``. With a soft-cap, equal pairs ``(dot, bias)`` give
+    equal logits (the converse is not claimed). Differences of keys are differences of logits.
+    """
+    if scale is None or spec.softcap is not None:
+        return dot, bias
+    return Fraction(0), scale * dot + bias
 
 
 def _attention_zeros(q: np.ndarray, k: np.ndarray, v: np.ndarray, spec: _ScoreSpec) -> _ExactZero:
@@ -1037,20 +1125,21 @@ def _attention_zeros(q: np.ndarray, k: np.ndarray, v: np.ndarray, spec: _ScoreSp
 def _logit_groups(
     q_row: np.ndarray, keys: np.ndarray, spec: _ScoreSpec, row: tuple[int, ...]
 ) -> Any:
-    """Keys of one row grouped by exact ``(q.k_j, b_j)``; ``None`` for an output that is 0.
+    """Keys of one row grouped by :func:`_logit_key`; ``None`` for an output that is 0.
 
     A fully-masked row is 0 (``"zero"``, ``"nan"``) or uniform (one group of every key).
     """
     keep = np.flatnonzero(~spec.excluded[row])
     if not keep.size:
         return None if spec.fully_masked != "uniform" else [list(range(keys.shape[0]))]
+    scale = _rational_scale(spec)
     by_logit: dict[tuple[Fraction, Fraction], list[int]] = {}
     for j in keep:
         dot = sum(
             (_fraction(a) * _fraction(b) for a, b in zip(q_row, keys[j], strict=True)), Fraction(0)
         )
         bias = Fraction(0) if spec.bias is None else _fraction(spec.bias[(*row, j)])
-        by_logit.setdefault((dot, bias), []).append(int(j))
+        by_logit.setdefault(_logit_key(dot, bias, scale, spec), []).append(int(j))
     return list(by_logit.values())
 
 
@@ -1059,15 +1148,19 @@ def _mha_zeros(
 ) -> _ExactZero:
     """Whether an output of multi-head attention is provably exactly 0.
 
-    ``y_c = bo_c + sum_h sum_j p_hj A_hjc`` with ``A_hj = v_hj wo_h`` exact. A head with a single
-    group of equal logits has ``p_hj = 1/n`` (rational); the other heads' terms are merged by
-    (the head's logits relative to their least pair, the key's relative pair), which identifies
-    equal probabilities across heads. ``y_c`` is 0 if the rational part cancels ``bo_c`` and every
-    merged sum is 0 (a sufficient test: other zeros are not proved).
+    ``y_c = bo_c + sum_h o_hc`` with ``o_hc = sum_j p_hj A_hjc`` and ``A_hj = v_hj wo_h`` exact.
+    Within a head, keys are grouped by :func:`_logit_key`; ``o_hc = sum_g e**(l_g) W_g / sum_g
+    e**(l_g) n_g`` (``W_g`` the group's sum of ``A_hjc``, ``n_g`` its size) is the rational ``r``
+    if every ``W_g = r n_g`` (a single group, or equal paths). The other heads' terms are merged
+    by (the head's logit keys relative to their least, with the group sizes; the group's
+    relative key), which identifies equal probabilities across heads (with a soft-cap, by the
+    keys themselves). ``y_c`` is 0 if the rational parts cancel ``bo_c`` and every merged sum is
+    0 (a sufficient test: other zeros are not proved).
     """
     batch = spec.excluded.shape[:-3]
     x_q, x_kv = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (x_q, x_kv))
     d_k, d_v = params.qk_width // num_heads, params.v_width // num_heads
+    scale = _rational_scale(spec)
     cache: dict[tuple[int, ...], Any] = {}
 
     def projections(b: tuple[int, ...]) -> Any:
@@ -1105,21 +1198,24 @@ def _mha_zeros(
                 if spec.fully_masked == "uniform":
                     total += sum(paths, Fraction(0)) / len(paths)
                 continue
-            pairs = {
-                int(j): (
-                    sum((a * e for a, e in zip(q[i, keys], k[j, keys], strict=True)), Fraction(0)),
-                    Fraction(0) if spec.bias is None else _fraction(spec.bias[(*row, j)]),
-                )
-                for j in keep
+            groups: dict[tuple[Fraction, Fraction], list[int]] = {}
+            for j in keep:
+                dot = sum((a * e for a, e in zip(q[i, keys], k[j, keys], strict=True)), Fraction(0))
+                bias = Fraction(0) if spec.bias is None else _fraction(spec.bias[(*row, j)])
+                groups.setdefault(_logit_key(dot, bias, scale, spec), []).append(int(j))
+            sums = {
+                key: sum((paths[j] for j in group), Fraction(0)) for key, group in groups.items()
             }
-            if len(set(pairs.values())) == 1:
-                total += sum((paths[j] for j in pairs), Fraction(0)) / len(pairs)
+            ratio = sum(sums.values(), Fraction(0)) / len(keep)
+            if all(sums[key] == ratio * len(group) for key, group in groups.items()):
+                total += ratio
                 continue
-            least = min(pairs.values())
-            relative = {j: (s - least[0], t - least[1]) for j, (s, t) in pairs.items()}
-            signature = tuple(sorted(relative.values()))
-            for j, pair in relative.items():
-                merged[signature, pair] = merged.get((signature, pair), Fraction(0)) + paths[j]
+            # a shift of every logit leaves the probabilities alone; a soft-cap's are not shifts
+            least = min(groups) if spec.softcap is None else (Fraction(0), Fraction(0))
+            relative = {key: (key[0] - least[0], key[1] - least[1]) for key in groups}
+            signature = tuple(sorted((pair, len(groups[key])) for key, pair in relative.items()))
+            for key, pair in relative.items():
+                merged[signature, pair] = merged.get((signature, pair), Fraction(0)) + sums[key]
         return total == 0 and not any(merged.values())
 
     return exact_zero

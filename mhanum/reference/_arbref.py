@@ -5,13 +5,18 @@ is a dependency of mhanum. Every input float converts to an exact ``arb``; produ
 sums and quotients are Arb's rigorous balls at a working precision ``p``, so each output ball
 contains the exact result. An output is certified when its radius is at most
 ``2**-ceil(digits log2 10) / 2`` of its midpoint (which implies ``10**-digits`` relative, as for
-:func:`mhanum._fastref.certified`); otherwise ``p`` doubles, up to ``max_prec``. The flint
-precision is a global (``flint.ctx.prec``): it is set for the computation and restored after.
+:func:`mhanum._fastref.certified`), or, no relative accuracy being possible at 0 (the **Zeros**
+of :mod:`mhanum.reference`), when the ball contains 0 and the caller's exact test proves the
+output 0, or when the ball lies within ``[-2**-1075, 2**-1075]``, where every real number rounds
+to a float64 zero; both are returned as exactly 0. Otherwise ``p`` doubles, up to ``max_prec``.
+The flint precision is a global (``flint.ctx.prec``): it is set for the computation and restored
+after.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
@@ -24,6 +29,11 @@ from mhanum.reference import _dd, _exact
 __all__ = ["attention", "attention_grad", "multi_head_attention", "refine_mha_rows"]
 
 _GUARD_BITS = 32
+# Half the smallest float64 subnormal: every real number within it rounds to a float64 zero.
+_HALF_SUBNORMAL = Fraction(1, 1 << 1075)
+
+# Whether the exact output at an index (of a defined row) is provably 0.
+_ExactZero = Callable[[tuple[int, ...]], bool]
 
 
 def _flint() -> Any:
@@ -102,25 +112,47 @@ def _scale(flint: Any, scale: tuple[int, int] | None, d_k: int) -> Any:
     return flint.arb(man) * flint.arb(2) ** exp
 
 
-def _certify(run: Any, shape: tuple[int, ...], options: Any, start: int) -> Any:
-    """Run ``run(prec)`` (arb outputs and undefined rows) doubling ``prec`` until certified."""
+def _certify(
+    run: Any,
+    shape: tuple[int, ...],
+    options: Any,
+    start: int,
+    exact_zero: _ExactZero | None = None,
+) -> Any:
+    """Run ``run(prec)`` (arb outputs and undefined rows) doubling ``prec`` until certified.
+
+    A ball is certified by its relative radius; or, as exactly 0, if it contains 0 and
+    ``exact_zero`` proves the output 0, or if it lies within half the smallest subnormal
+    (:func:`_rounds_to_zero`).
+    """
     flint = _flint()
     threshold = flint.arb(2) ** -(math.ceil(options.digits * math.log2(10)) + 1)
+    proved: dict[tuple[int, ...], bool] = {}
     saved = flint.ctx.prec
     prec = start
     try:
         while True:
             flint.ctx.prec = prec
             outputs, undefined = run(flint)
-            worst = 0
+            worst, zeros = 0, []
             for index in np.ndindex(shape):
                 if undefined[index[:-1]]:
                     continue
                 ball = outputs[index]
-                exact_zero = ball.is_exact() and ball.mid() == 0
-                if not exact_zero and not ball.rad() <= threshold * abs(ball.mid()):
-                    worst += 1
+                exact_zero_ball = ball.is_exact() and ball.mid() == 0
+                if exact_zero_ball or ball.rad() <= threshold * abs(ball.mid()):
+                    continue
+                if _rounds_to_zero(ball) or (
+                    exact_zero is not None
+                    and ball.contains(0)
+                    and _proved(proved, exact_zero, index)
+                ):
+                    zeros.append(index)
+                    continue
+                worst += 1
             if not worst:
+                for index in zeros:
+                    outputs[index] = flint.arb(0)
                 return _results(outputs, undefined, shape, options.return_mpf)
             if 2 * prec > options.max_prec:
                 msg = (
@@ -132,6 +164,36 @@ def _certify(run: Any, shape: tuple[int, ...], options: Any, start: int) -> Any:
             prec *= 2
     finally:
         flint.ctx.prec = saved
+
+
+def _rounds_to_zero(ball: Any) -> bool:
+    """Whether the ball lies within ``[-2**-1075, 2**-1075]``: every number in it rounds to a
+    float64 zero (``2**-1075`` itself is a tie, which goes to the even 0).
+
+    Compared by exponents: Arb's can be astronomically large (``exp(-1e60)``).
+    """
+    if not ball.is_finite():
+        return False
+    man, exp = (int(t) for t in ball.abs_upper().man_exp())
+    return _at_most_half_subnormal(abs(man), exp)
+
+
+def _at_most_half_subnormal(man: int, exp: int) -> bool:
+    """Whether ``man * 2**exp <= 2**-1075`` for an integer ``man >= 0``, exactly."""
+    if man == 0:
+        return True
+    top = exp + man.bit_length()  # 2**(top - 1) <= man * 2**exp < 2**top
+    return top <= -1075 or (top == -1074 and man & (man - 1) == 0)
+
+
+def _proved(
+    known: dict[tuple[int, ...], bool], exact_zero: _ExactZero, index: tuple[int, ...]
+) -> bool:
+    """``exact_zero(index)``, computed once per index (a ball may be looked up at every
+    precision)."""
+    if index not in known:
+        known[index] = exact_zero(index)
+    return known[index]
 
 
 def _results(outputs: Any, undefined: np.ndarray, shape: tuple[int, ...], return_mpf: bool) -> Any:
@@ -155,8 +217,16 @@ def _start(options: Any) -> int:
     return math.ceil(options.digits * math.log2(10)) + _GUARD_BITS
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, spec: Any, options: Any) -> Any:
-    """``softmax(scale q k^T + bias) v`` certified with Arb balls (see the module docstring)."""
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    spec: Any,
+    options: Any,
+    exact_zero: _ExactZero | None = None,
+) -> Any:
+    """``softmax(scale q k^T + bias) v`` certified with Arb balls (see the module docstring);
+    ``exact_zero(index)`` proves an output 0 (or is ``None``)."""
     batch = spec.excluded.shape[:-2]
     q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
     shape = (*batch, q.shape[-2], v.shape[-1])
@@ -176,7 +246,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, spec: Any, options: A
                 outputs[(*b, i, c)] = out[i, c]
         return outputs, undefined
 
-    return _certify(run, shape, options, _start(options))
+    return _certify(run, shape, options, _start(options), exact_zero)
 
 
 def _head_grad(
@@ -450,9 +520,16 @@ def mha_grad(
 
 
 def multi_head_attention(
-    x_q: np.ndarray, x_kv: np.ndarray, params: Any, num_heads: int, spec: Any, options: Any
+    x_q: np.ndarray,
+    x_kv: np.ndarray,
+    params: Any,
+    num_heads: int,
+    spec: Any,
+    options: Any,
+    exact_zero: _ExactZero | None = None,
 ) -> Any:
-    """Multi-head attention certified with Arb balls (projections and heads in balls too)."""
+    """Multi-head attention certified with Arb balls (projections and heads in balls too);
+    ``exact_zero(index)`` proves an output 0 (or is ``None``)."""
     batch = spec.excluded.shape[:-3]
     x_q, x_kv = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (x_q, x_kv))
     shape = (*batch, x_q.shape[-2], params.d_out)
@@ -498,7 +575,7 @@ def multi_head_attention(
                 outputs[(*b, i, c)] = out[i, c]
         return outputs, undefined
 
-    return _certify(run, shape, options, _start(options))
+    return _certify(run, shape, options, _start(options), exact_zero)
 
 
 # Fraction bits of the fixed-point probabilities beyond the Arb precision (refined rows).
@@ -506,7 +583,13 @@ _FIXED_GUARD_BITS = 16
 
 
 def refine_mha_rows(
-    x_q: np.ndarray, x_kv: np.ndarray, params: Any, num_heads: int, spec: Any, options: Any
+    x_q: np.ndarray,
+    x_kv: np.ndarray,
+    params: Any,
+    num_heads: int,
+    spec: Any,
+    options: Any,
+    exact_zero: _ExactZero | None = None,
 ) -> np.ndarray | None:
     """A few rows of multi-head attention, certified cheaply: exact linear algebra, Arb softmax.
 
@@ -531,7 +614,9 @@ def refine_mha_rows(
             \\max_{j, t} |v_{hjt}| \\sum_t |Wo_{h,tc}|,
 
     each factor bounded above in float64 (``papers/reference.md``, Theorem 2). A component is
-    certified when this radius is 0 or at most ``2**-ceil(digits log2 10) / 2`` of ``|y~|``.
+    certified when this radius is 0 or at most ``2**-ceil(digits log2 10) / 2`` of ``|y~|``; or,
+    as exactly 0, when its ball contains 0 and ``exact_zero`` proves it 0, or when the ball lies
+    within ``[-2**-1075, 2**-1075]`` (the module docstring).
 
     Args:
         x_q: the rows' query inputs ``(R, d_q)``.
@@ -540,11 +625,12 @@ def refine_mha_rows(
         num_heads: number of heads ``H``.
         spec: the score spec of these rows, ``excluded`` of shape ``(H, R, Lk)``.
         options: the validated options.
+        exact_zero: whether the output at ``(r, c)`` is provably 0, or ``None``.
 
     Returns:
-        The certified values ``(R, d_out)`` as mpf numbers (the exact ``y~``), or ``None`` if a
-        component is not certified at ``2p`` and ``4p`` bits (``p`` the starting precision) or
-        a row is undefined: the caller then recomputes the rows by another backend.
+        The certified values ``(R, d_out)`` as mpf numbers (the exact ``y~``, or 0), or ``None``
+        if a component is not certified at ``2p`` and ``4p`` bits (``p`` the starting precision)
+        or a row is undefined: the caller then recomputes the rows by another backend.
     """
     flint = _flint()
     start = _start(options)
@@ -567,8 +653,9 @@ def refine_mha_rows(
             center = linear.outputs(fixed, fixed_bits)
             with np.errstate(over="ignore", invalid="ignore"):
                 radius = _dd.upper_matmul(errors, radius_factors)
-            if _all_certified(center, radius, threshold):
-                return _mpf_values(center)
+            certified = _certified_center(center, radius, threshold, exact_zero)
+            if certified is not None:
+                return _mpf_values(certified)
     finally:
         flint.ctx.prec = saved
     return None
@@ -677,15 +764,35 @@ def _fixed_point(probs: list[Any], bits: int) -> tuple[_exact.Dyadic, np.ndarray
     return _exact.Dyadic(-bits, ints=ints), _dd.up(errors)
 
 
-def _all_certified(center: _exact.Dyadic, radius: np.ndarray, threshold: Fraction) -> bool:
-    """Whether every ``radius`` is 0 or at most ``threshold`` times ``|center|`` (exactly)."""
+def _certified_center(
+    center: _exact.Dyadic,
+    radius: np.ndarray,
+    threshold: Fraction,
+    exact_zero: _ExactZero | None,
+) -> _exact.Dyadic | None:
+    """``center`` if every component is certified, with the zeros set to 0; else ``None``.
+
+    A component is certified when its ``radius`` is 0 or at most ``threshold`` times ``|center|``
+    (exactly); or, set to 0, when its ball lies within half the smallest subnormal, or contains 0
+    and ``exact_zero`` proves the output 0.
+    """
     unit = Fraction(2) ** center.exp
     if not np.isfinite(radius).all():
-        return False
+        return None
+    ints = center.ints.copy()
     for index, rad in np.ndenumerate(radius):
-        if rad != 0 and not Fraction(rad) <= threshold * abs(int(center.ints[index])) * unit:
-            return False
-    return True
+        magnitude = abs(int(center.ints[index])) * unit
+        if rad == 0 or Fraction(rad) <= threshold * magnitude:
+            continue
+        if magnitude + Fraction(rad) <= _HALF_SUBNORMAL or (
+            exact_zero is not None
+            and magnitude <= Fraction(rad)
+            and exact_zero(tuple(int(i) for i in index))
+        ):
+            ints[index] = 0
+            continue
+        return None
+    return _exact.Dyadic(center.exp, ints=ints)
 
 
 def _mpf_values(center: _exact.Dyadic) -> np.ndarray:

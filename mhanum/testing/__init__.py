@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.testing.kernels import FULLY_MASKED, KERNELS, NOT_MODELLED, Kernel, get_kernel
@@ -45,6 +47,7 @@ __all__ = [
     "AttentionMismatch",
     "Kernel",
     "Oracle",
+    "PredictedOverflow",
     "assert_attention_close",
     "assert_mha_close",
     "attention_inputs",
@@ -65,16 +68,39 @@ class AttentionMismatch(AssertionError):
     """A kernel's output lies outside its certified tolerance (an ``AssertionError``)."""
 
 
+class PredictedOverflow(UserWarning):
+    """A kernel returned inf or NaN where the exact value is finite, at elements where its
+    model may overflow (their tolerance is infinite): allowed, and reported."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Oracle:
     """The exact answer and its certified tolerance, element by element.
+
+    The contract of :meth:`assert_close`, element by element:
+
+    * **Bounded** (a finite tolerance): ``|actual - exact| <= tolerance``, else the element
+      fails. An inf or NaN where the exact value is finite fails there: the model predicts no
+      overflow, so the kernel does not compute as its descriptor says (a bug, or a descriptor
+      to correct); the message says so.
+    * **Unbounded** (an infinite tolerance, :attr:`unbounded`): the model proves nothing
+      there, and :attr:`reason` says why (a stage that may overflow its format, a masking
+      constant not proved to vanish, a row that attends no key). Any value passes, inf and
+      NaN included: a kernel that overflows where its model may overflow computes as
+      modelled. Such an overflow is reported, not hidden: :class:`PredictedOverflow` is
+      warned, naming the element, the bound's term and the reason; a failure elsewhere counts
+      the unbounded elements; :meth:`unbounded_report` describes them on request.
 
     Attributes:
         exact: the certified reference (float64) under the kernel's fully-masked-row convention.
         tolerance: ``|actual - exact| <= tolerance`` for every output the kernel may compute
             under one of its candidate numerics; 0 where the convention fixes the answer exactly
-            (a row that attends no key under ``-inf`` masking: NaN or zeros).
+            (a row that attends no key under ``-inf`` masking: NaN or zeros); ``inf`` where the
+            model bounds nothing.
         term: the name of the bound term that governs each element's tolerance.
+        reason: why each element's tolerance is infinite (the governing candidate's
+            :attr:`mhanum.bounds.Bound.reasons`, or why a finite masking constant is not proved
+            to vanish); ``""`` where it is finite.
         kernel: the kernel descriptor.
         dtype: the input format the tolerance was computed for.
     """
@@ -82,20 +108,25 @@ class Oracle:
     exact: np.ndarray
     tolerance: np.ndarray
     term: np.ndarray
+    reason: np.ndarray
     kernel: Kernel
     dtype: str
 
+    @property
+    def unbounded(self) -> np.ndarray:
+        """A boolean array of the elements whose tolerance is infinite: the model bounds
+        nothing there, and :attr:`reason` says why."""
+        return ~np.isfinite(self.tolerance)
+
     def check(self, actual: Any) -> tuple[np.ndarray, np.ndarray]:
         """``(failing, ratio)``: a boolean array of the elements outside the tolerance, and
-        ``|actual - exact| / tolerance`` (``inf`` where a number is due and NaN or inf came).
+        ``|actual - exact| / tolerance`` (``inf`` where a number is due and NaN or inf came;
+        0 where the tolerance is infinite, whatever came: :attr:`unbounded`).
 
         Raises:
             InvalidArgument: for an ``actual`` of another shape.
         """
-        got = _as_float64(actual, "actual")
-        if got.shape != self.exact.shape:
-            msg = f"actual: expected shape {self.exact.shape}, got {got.shape}"
-            raise InvalidArgument(msg)
+        got = self._actual(actual)
         exact_nan = np.isnan(self.exact)
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             err = np.abs(got - self.exact)
@@ -104,6 +135,7 @@ class Oracle:
         ratio = np.where(both_nan, 0.0, ratio)
         ratio = np.where(~both_nan & (np.isnan(got) | exact_nan), np.inf, ratio)
         ratio = np.where(~np.isfinite(got) & ~both_nan, np.inf, ratio)
+        ratio = np.where(self.unbounded, 0.0, ratio)
         return ratio > 1, ratio
 
     def message(self, actual: Any) -> str | None:
@@ -112,23 +144,77 @@ class Oracle:
         n = int(failing.sum())
         if not n:
             return None
-        got = _as_float64(actual, "actual")
+        got = self._actual(actual)
         worst = np.unravel_index(int(np.argmax(np.where(failing, ratio, -1.0))), ratio.shape)
         index = tuple(int(i) for i in worst)
-        return (
+        a, e, tol = float(got[worst]), float(self.exact[worst]), float(self.tolerance[worst])
+        text = (
             f"{n} of {failing.size} elements outside the certified tolerance of kernel "
             f"{self.kernel.name!r} ({self.dtype} inputs); worst at index {index}: "
-            f"actual {float(got[worst])!r}, exact {float(self.exact[worst])!r}, "
-            f"|actual - exact| {abs(got[worst] - self.exact[worst]):.3g}, "
-            f"tolerance {self.tolerance[worst]:.3g}, ratio {ratio[worst]:.3g}; "
-            f"the tolerance there is governed by the bound's {self.term[worst]!r} term"
+            f"actual {a!r}, exact {e!r}"
+        )
+        if math.isfinite(e) and not math.isfinite(a):
+            text += (
+                ": the kernel overflowed where the exact value is finite and the model predicts "
+                "no overflow: a bug, or a descriptor that does not describe the kernel; the "
+                f"tolerance there is {tol:.3g}, governed by the bound's {self.term[worst]!r} term"
+            )
+        else:
+            text += (
+                f", |actual - exact| {abs(a - e):.3g}, tolerance {tol:.3g}, "
+                f"ratio {ratio[worst]:.3g}; "
+                f"the tolerance there is governed by the bound's {self.term[worst]!r} term"
+            )
+        unbounded = self.unbounded_report(actual)
+        return text if unbounded is None else f"{text}. Besides, {unbounded}"
+
+    def unbounded_report(self, actual: Any) -> str | None:
+        """What ``actual`` holds where the model bounds nothing (:attr:`unbounded`), or None
+        when every element is bounded: how many such elements, how many of them the kernel
+        overflowed (inf or NaN where the exact value is finite), and the first overflowed
+        element (else the first unbounded one) with its term and reason."""
+        free = self.unbounded
+        count = int(free.sum())
+        if not count:
+            return None
+        got = self._actual(actual)
+        over = free & ~np.isfinite(got) & np.isfinite(self.exact)
+        first = np.argwhere(over if over.any() else free)[0]
+        at = tuple(int(i) for i in first)
+        why = f"its bound's {self.term[at]!r} term is infinite there ({self.reason[at]})"
+        kernel = f"kernel {self.kernel.name!r} ({self.dtype} inputs)"
+        free_text = f"{count} of {free.size} elements are unbounded by the model"
+        if not over.any():
+            return f"{free_text} of {kernel}: any value passes there; at index {at}, {why}"
+        return (
+            f"{kernel} overflowed where the exact value is finite at {int(over.sum())} of "
+            f"{free.size} elements; the model allows this: {why}; first at index {at}: actual "
+            f"{float(got[at])!r}, exact {float(self.exact[at])!r}; {free_text}: any value "
+            "passes there"
         )
 
     def assert_close(self, actual: Any) -> None:
-        """Raise :class:`AttentionMismatch` with :meth:`message` when an element fails."""
-        text = self.message(actual)
-        if text is not None:
-            raise AttentionMismatch(text)
+        """Raise :class:`AttentionMismatch` with :meth:`message` when a bounded element fails;
+        warn :class:`PredictedOverflow` when the kernel overflowed only where its model
+        allows it (the class docstring states the contract)."""
+        _assert_close(self, actual, stacklevel=3)
+
+    def _actual(self, actual: Any) -> np.ndarray:
+        got = _as_float64(actual, "actual")
+        if got.shape != self.exact.shape:
+            msg = f"actual: expected shape {self.exact.shape}, got {got.shape}"
+            raise InvalidArgument(msg)
+        return got
+
+
+def _assert_close(oracle: Oracle, actual: Any, *, stacklevel: int) -> None:
+    """:meth:`Oracle.assert_close`, its warning attributed ``stacklevel`` frames up."""
+    text = oracle.message(actual)
+    if text is not None:
+        raise AttentionMismatch(text)
+    got = oracle._actual(actual)
+    if (oracle.unbounded & ~np.isfinite(got) & np.isfinite(oracle.exact)).any():
+        warnings.warn(PredictedOverflow(oracle.unbounded_report(actual)), stacklevel=stacklevel)
 
 
 def _as_float64(x: Any, name: str) -> np.ndarray:
@@ -167,22 +253,15 @@ def _causal(lq: int, lk: int) -> np.ndarray:
     return np.asarray(masks.causal().array(lq, lk))
 
 
-def _mask(mask: Any, is_causal: bool, lq: int, lk: int) -> np.ndarray | None:
-    mask = masks.resolve(mask, lq, lk)
-    if mask is not None:
-        if hasattr(mask, "detach"):
-            mask = mask.detach().cpu().numpy()
-        m = np.asarray(mask)
-        if m.dtype != np.bool_:
-            msg = f"mask: expected a boolean mask (True = attend), got dtype {m.dtype}; "
-            msg += "pass an additive float mask as bias="
-            raise InvalidArgument(msg)
-    else:
-        m = None
-    if is_causal:
-        c = _causal(lq, lk)
-        m = c if m is None else m & c
-    return m
+def _mask(mask: Any, is_causal: bool, target: tuple[int, ...]) -> np.ndarray | None:
+    """The kernel's mask for scores shaped ``target`` (``is_causal`` joined), read once."""
+    if hasattr(mask, "detach"):  # a torch tensor
+        mask = mask.detach().cpu().numpy()
+    mask = masks.normalise(mask, target)
+    if mask is None and not is_causal:
+        return None
+    m = np.asarray(masks.dense(mask, target))
+    return m & _causal(*target[-2:]) if is_causal else m
 
 
 def _fold(
@@ -197,6 +276,7 @@ def _fold(
     which = np.argmax(totals, axis=0)
     tol = np.take_along_axis(totals, which[None], axis=0)[0]
     names = np.empty(tol.shape, dtype=object)
+    reason = np.full(tol.shape, "", dtype=object)
     for c, b in enumerate(bounds):
         terms = {
             n: np.broadcast_to(np.asarray(t, np.float64), tol.shape) for n, t in b.terms.items()
@@ -204,13 +284,16 @@ def _fold(
         stack = np.stack(list(terms.values()))
         top = np.asarray(list(terms))[np.argmax(stack, axis=0)]
         names = np.where(which == c, top, names)
+        why = "; ".join(b.reasons) or "no reason recorded"
+        reason = np.where((which == c) & ~np.isfinite(tol), why, reason)
     with np.errstate(invalid="ignore"):
         tol = tol + _F64_ROUNDING * np.where(np.isfinite(exact), np.abs(exact), 0.0)
     if dead is not None and dead.any() and kernel.fully_masked in ("nan", "zero"):
         rows = np.broadcast_to(dead[..., None], tol.shape)
         tol = np.where(rows, 0.0, tol)
         names = np.where(rows, "fully_masked (the convention's exact answer)", names)
-    return Oracle(exact, tol, names, kernel, fmt)
+        reason = np.where(rows, "", reason)
+    return Oracle(exact, tol, names, reason, kernel, fmt)
 
 
 def attention_oracle(
@@ -237,7 +320,9 @@ def attention_oracle(
         mask: boolean, **True = attend**, broadcastable to ``(..., Lq, Lk)``, or a
             :class:`mhanum.masks.Band` (causal or sliding window, any alignment).
         bias: an additive float mask (``-inf`` excludes a key), broadcastable likewise.
-        scale: the logit scale (default ``1/sqrt(d)``).
+        scale: the logit scale (default ``1/sqrt(d)``). A negative one with candidates that
+            split it over q and k (``Numerics(scale="qk")``, PyTorch's math backend) is
+            modelled as that backend applies it: ``-sqrt(|scale|)`` on q, ``sqrt(|scale|)`` on k.
         is_causal: query ``i`` attends keys ``j <= i`` (torch's and jax.nn's ``is_causal``).
         kernel: a name in :data:`KERNELS` or a :class:`Kernel`.
         dtype: the input format (default: ``q``'s dtype).
@@ -283,7 +368,8 @@ def attention_oracle(
     if enable_gqa:
         k64, v64 = _grouped(q64, k64, v64)
     kern.check_head_dims(q64.shape[-1], v64.shape[-1])
-    m = _mask(mask, is_causal, q64.shape[-2], k64.shape[-2])
+    batch = V.broadcast({"q": q64.shape[:-2], "k": k64.shape[:-2], "v": v64.shape[:-2]})
+    m = _mask(mask, is_causal, (*batch, q64.shape[-2], k64.shape[-2]))
     policy, dead = kern.fully_masked, None
     ref_mask = m
     if m is not None:
@@ -299,17 +385,20 @@ def attention_oracle(
         ),
         np.float64,
     )  # fmt: skip
-    kw: dict[str, Any] = {"bias": b64, "scale": scale, "softcap": softcap, "sink": sink}
-    bounds = [attention_bound(q64, k64, v64, m, numerics=n, **kw) for n in candidates]
+    kw: dict[str, Any] = {"bias": b64, "softcap": softcap, "sink": sink}
+    bounds = []
+    for n in candidates:
+        q_n, scale_n = _signed_scale(q64, scale, n)
+        bounds.append(attention_bound(q_n, k64, v64, m, numerics=n, scale=scale_n, **kw))
     oracle = _fold(exact, bounds, dead, kern, fmt)
     if kern.mask_add is not None and m is not None:
         oracle = _added_mask(oracle, q64, k64, m, scale, candidates[0])
     if layout == "bhld":
         return oracle
-    exact, tol, term = (
-        np.swapaxes(a, -3, -2) for a in (oracle.exact, oracle.tolerance, oracle.term)
+    exact, tol, term, reason = (
+        np.swapaxes(a, -3, -2) for a in (oracle.exact, oracle.tolerance, oracle.term, oracle.reason)
     )
-    return dataclasses.replace(oracle, exact=exact, tolerance=tol, term=term)
+    return dataclasses.replace(oracle, exact=exact, tolerance=tol, term=term, reason=reason)
 
 
 _LEAK_ARGUMENT = 151.0  # fl(x_j - M) <= -151: exp2 below 2^-146 within 8 ulps of float32
@@ -362,7 +451,24 @@ def _added_mask(
         "to vanish, or the row attends no key"
     )
     term = np.where(bad[..., None], why, oracle.term)
-    return dataclasses.replace(oracle, tolerance=tol, term=term)
+    reason = np.where(bad[..., None], why, oracle.reason)
+    return dataclasses.replace(oracle, tolerance=tol, term=term, reason=reason)
+
+
+def _signed_scale(q: np.ndarray, scale: Any, num: Any) -> tuple[np.ndarray, Any]:
+    """The operands of the bound of candidate ``num`` for a negative ``scale``.
+
+    A scale split over q and k (``num.scale == "qk"``) needs its square root; PyTorch's math
+    backend (attention.cpp, ``_scaled_dot_product_attention_math``) takes that of ``|scale|``
+    and multiplies q by ``-sqrt(|scale|)``, k by ``sqrt(|scale|)``. Rounding to nearest is
+    symmetric (``fl(-x) = -fl(x)``, in every product and sum), so the kernel rounds exactly as
+    the model does on ``-q`` with ``|scale|``, and its exact attention is the same: the bound
+    on those operands is the tolerance. Other placements take a negative scale as it is.
+    """
+    signed = isinstance(scale, (int, float, np.floating)) and not isinstance(scale, bool)
+    if num.scale != "qk" or not signed or not (math.isfinite(scale) and scale < 0):
+        return q, scale
+    return -q, -float(scale)
 
 
 def _grouped(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -391,13 +497,27 @@ def attention_tolerance(q: Any, k: Any, v: Any, **kwargs: Any) -> np.ndarray:
 def assert_attention_close(actual: Any, q: Any, k: Any, v: Any, **kwargs: Any) -> None:
     """Assert that a kernel's output lies within its certified tolerance of the exact attention.
 
-    Takes the arguments of :func:`attention_oracle` after ``actual``.
+    Takes the arguments of :func:`attention_oracle` after ``actual``. The contract, element by
+    element (:class:`Oracle`): where the tolerance is finite, ``|actual - exact| <= tolerance``,
+    and an inf or NaN where the exact value is finite fails (the model predicts no overflow
+    there: a bug, or a descriptor to correct). Where the tolerance is infinite, the model
+    bounds nothing (a stage may overflow its format, a masking constant is not proved to
+    vanish, a row attends no key) and any value passes, inf and NaN included; an overflow
+    there is warned as :class:`PredictedOverflow`, with the bound's term and reason, so that a
+    predicted overflow is told apart from a bug without failing a kernel that computes as
+    modelled.
 
     Raises:
         AttentionMismatch: naming how many elements fail, the worst one (index, actual, exact,
-            tolerance, ratio) and the bound term that governs its tolerance.
+            tolerance, ratio; or that the kernel overflowed where the model predicts no
+            overflow) and the bound term that governs its tolerance.
+
+    Warns:
+        PredictedOverflow: when every bounded element passes and the kernel returned inf or
+            NaN where the exact value is finite at an unbounded one: how many, the first, the
+            bound's term and its reason.
     """
-    attention_oracle(q, k, v, **kwargs).assert_close(actual)
+    _assert_close(attention_oracle(q, k, v, **kwargs), actual, stacklevel=3)
 
 
 def mha_oracle(
@@ -441,7 +561,9 @@ def mha_oracle(
     xq, xkv = _as_float64(x_q, "x_q"), _as_float64(x_kv, "x_kv")
     if num_heads >= 1 and xq.shape[-1] % num_heads == 0:
         kern.check_head_dims(xq.shape[-1] // num_heads)
-    m = None if mask is None else _mask(mask, False, xq.shape[-2], xkv.shape[-2])
+    batch = V.broadcast({"x_q": xq.shape[:-2], "x_kv": xkv.shape[:-2]})
+    heads = (num_heads,) if isinstance(num_heads, int) and num_heads >= 1 else (1,)
+    m = _mask(mask, False, (*batch, *heads, xq.shape[-2], xkv.shape[-2]))
     policy, dead = kern.fully_masked, None
     if m is not None:
         m4 = m if m.ndim >= 3 else m[None]  # (..., heads or 1, Lq, Lk)
@@ -469,7 +591,7 @@ def assert_mha_close(
     actual: Any, x_q: Any, x_kv: Any, params: Any, num_heads: int, **kwargs: Any
 ) -> None:
     """:func:`assert_attention_close` for a multi-head attention layer (see :func:`mha_oracle`)."""
-    mha_oracle(x_q, x_kv, params, num_heads, **kwargs).assert_close(actual)
+    _assert_close(mha_oracle(x_q, x_kv, params, num_heads, **kwargs), actual, stacklevel=3)
 
 
 def attention_inputs(

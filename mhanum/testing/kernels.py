@@ -145,7 +145,8 @@ def _half_variants(base: Numerics, fmt: str, **stored: str) -> tuple[Numerics, .
 
 _MATH_SOURCE = (
     "aten/src/ATen/native/transformers/attention.cpp: _scaled_dot_product_attention_math "
-    "(torch 2.13): q and k each times sqrt(scale), a boolean mask as 0/-inf added, "
+    "(torch 2.13): q and k each times sqrt(scale) (a negative scale: q times "
+    "-sqrt(|scale|), k times sqrt(|scale|)), a boolean mask as 0/-inf added, "
     "_safe_softmax (a row that attends no key is 0), then P @ V"
 )
 

@@ -4,6 +4,7 @@ planted bug that moves the output beyond rounding is caught, with a message that
 from __future__ import annotations
 
 import math
+import re
 
 import ml_dtypes
 import numpy as np
@@ -13,6 +14,7 @@ from mhanum import InvalidArgument
 from mhanum.testing import (
     KERNELS,
     AttentionMismatch,
+    PredictedOverflow,
     assert_attention_close,
     attention_oracle,
     attention_tolerance,
@@ -154,6 +156,160 @@ def test_a_nan_where_a_number_is_due_fails():
         assert_attention_close(out, q, k, v, kernel="jax-xla")
 
 
+def test_unpinned_4d_inputs_run_the_cpu_flash_kernel_which_the_math_descriptor_does_not_describe():
+    # docs/testing.md: SDPA chooses its backend from the inputs; pin the one the marker names
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rng = np.random.default_rng(17)
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, 32, 16), np.float32)).to(torch.bfloat16)
+               for _ in range(3))  # fmt: skip
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with torch.no_grad():
+        chosen = sdpa(q, k, v)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            flash = sdpa(q, k, v)
+        with sdpa_kernel([SDPBackend.MATH]):
+            math_backend = sdpa(q, k, v)
+        assert torch.equal(chosen, flash)
+        assert torch.equal(sdpa(q[0, 0], k[0, 0], v[0, 0]), math_backend[0, 0])  # 2-D: math
+        narrow = v[..., :8].contiguous()  # v with another head dimension: math
+        chosen_narrow = sdpa(q, k, narrow)
+        with sdpa_kernel([SDPBackend.MATH]):
+            assert torch.equal(chosen_narrow, sdpa(q, k, narrow))
+    assert not torch.equal(flash, math_backend)  # the two backends round differently here
+    assert_attention_close(chosen, q, k, v, kernel="torch-sdpa-flash-cpu")
+    assert_attention_close(math_backend, q, k, v, kernel="torch-sdpa-math")
+    with pytest.raises(AttentionMismatch):
+        assert_attention_close(chosen, q, k, v, kernel="torch-sdpa-math")
+
+
+# -- overflow: predicted, or a bug ------------------------------------------------------------
+
+
+def _overflowing_sdpa():
+    """float16 inputs whose scaled score q1·k2 is 160000, past float16's largest finite 65504,
+    and torch's math backend on the CPU with its scores kept in float16 (the reduced-precision
+    flag): query row 1 comes back NaN where the exact attention is finite."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((4, 16)).astype(np.float16) for _ in range(3))
+    q[1], k[2] = 200.0, 200.0
+    t = [torch.from_numpy(a)[None, None] for a in (q, k, v)]
+    before = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+            out = torch.nn.functional.scaled_dot_product_attention(*t)[0, 0]
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(before)
+    assert torch.isnan(out[1]).all()
+    assert torch.isfinite(out[[0, 2, 3]]).all()
+    return out, q, k, v
+
+
+def test_an_overflow_the_model_predicts_passes_and_is_reported_with_its_term_and_reason():
+    out, q, k, v = _overflowing_sdpa()
+    oracle = attention_oracle(q, k, v, kernel="torch-sdpa-math-reduced")
+    assert oracle.unbounded[1].all()
+    assert not oracle.unbounded[[0, 2, 3]].any()
+    assert oracle.reason[1, 0].startswith("QKᵀ rounded to the score format: values up to")
+    assert (oracle.reason[[0, 2, 3]] == "").all()
+    failing, ratio = oracle.check(out)
+    assert not failing.any()
+    assert (ratio[1] == 0).all()
+    expected = (
+        r"^kernel 'torch-sdpa-math-reduced' \(float16 inputs\) overflowed where the exact value "
+        r"is finite at 16 of 64 elements; the model allows this: its bound's 'overflow' term is "
+        r"infinite there \(QKᵀ rounded to the score format: values up to 1\.6e\+05 may overflow "
+        r"float16 \(largest finite 65504\)\); first at index \(1, 0\): actual nan, exact "
+    )
+    with pytest.warns(PredictedOverflow, match=expected):
+        assert_attention_close(out, q, k, v, kernel="torch-sdpa-math-reduced")
+    with pytest.warns(PredictedOverflow, match=expected):
+        oracle.assert_close(out)
+    # a finite mismatch elsewhere still fails, and the message counts the unbounded elements
+    wrong = out.clone()
+    wrong[0, 0] += 0.1
+    with pytest.raises(AttentionMismatch) as info:
+        assert_attention_close(wrong, q, k, v, kernel="torch-sdpa-math-reduced")
+    text = str(info.value)
+    assert text.startswith("1 of 64 elements outside the certified tolerance")
+    assert "worst at index (0, 0)" in text
+    assert "Besides, kernel 'torch-sdpa-math-reduced' (float16 inputs) overflowed" in text
+
+
+def test_an_overflow_the_model_does_not_predict_is_a_bug():
+    # the default math backend upcasts half inputs to float32: its model predicts no overflow
+    out, q, k, v = _overflowing_sdpa()
+    assert np.isfinite(attention_tolerance(q, k, v, kernel="torch-sdpa-math")).all()
+    with pytest.raises(AttentionMismatch) as info:
+        assert_attention_close(out, q, k, v, kernel="torch-sdpa-math")
+    assert re.search(
+        r"worst at index \(1, 0\): actual nan, exact [-0-9.]+: the kernel overflowed where the "
+        r"exact value is finite and the model predicts no overflow: a bug, or a descriptor that "
+        r"does not describe the kernel; the tolerance there is [0-9.e-]+, governed by the "
+        r"bound's '\w+' term$",
+        str(info.value),
+    ), str(info.value)
+
+
+def test_an_unbounded_element_that_stays_finite_passes_without_a_warning():
+    _, q, k, v = _overflowing_sdpa()
+    oracle = attention_oracle(q, k, v, kernel="torch-sdpa-math-reduced")
+    out = np.where(oracle.unbounded, 1e4, oracle.exact)  # anything passes where nothing is proved
+    oracle.assert_close(out)
+    report = oracle.unbounded_report(out)
+    assert report.startswith("16 of 64 elements are unbounded by the model of kernel ")
+    assert "at index (1, 0), its bound's 'overflow' term is infinite there (QKᵀ" in report
+    bounded = attention_oracle(q[[0]], k[[0]], v[[0]], kernel="torch-sdpa-math")
+    assert bounded.unbounded_report(bounded.exact) is None
+
+
+# -- a negative scale -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_negative_scale_with_torchs_math_backend(dtype):
+    # attention.cpp: q times -sqrt(|scale|), k times sqrt(|scale|): bit for bit the model's
+    # rounding of -q with |scale|, so the tolerance is that model's bound
+    import mhanum as mn
+    from mhanum.bounds import attention_bound
+
+    rng = np.random.default_rng(16)
+    np_dtype, tdtype = DTYPES[dtype]
+    q, k, v = (rng.standard_normal((2, 3, 9, 16)).astype(np.float32).astype(np_dtype)
+               for _ in range(3))  # fmt: skip
+    mask = rng.random((9, 9)) < 0.7
+    mask[:, 0] = True
+    t = [torch.from_numpy(np.asarray(a, np.float32)).to(tdtype) for a in (q, k, v)]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(scale):
+        with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+            return torch.nn.functional.scaled_dot_product_attention(
+                *t, attn_mask=torch.from_numpy(mask), scale=scale
+            )
+
+    out = sdpa(-0.3)
+    oracle = attention_oracle(q, k, v, mask=mask, scale=-0.3, kernel="torch-sdpa-math")
+    oracle.assert_close(out)
+    q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
+    (model,) = get_kernel("torch-sdpa-math").candidates(dtype)
+    bound = attention_bound(-q64, k64, v64, mask, numerics=model, scale=0.3)
+    exact = np.abs(oracle.exact)
+    np.testing.assert_array_equal(oracle.tolerance, bound.total + 2.0**-52 * exact)
+    np.testing.assert_array_equal(
+        oracle.tolerance, attention_tolerance(-q, k, v, mask=mask, scale=0.3,
+                                              kernel="torch-sdpa-math"),
+    )  # fmt: skip
+    if dtype != "float32":  # half inputs: the output rounding hides the summation order
+        emulated = np.asarray(mn.attention(-q64, k64, v64, mask, scale=0.3, numerics=model))
+        np.testing.assert_array_equal(out.double().numpy(), emulated)
+    with pytest.raises(AttentionMismatch):  # the sign dropped
+        oracle.assert_close(sdpa(0.3))
+
+
 # -- bad input --------------------------------------------------------------------------------
 
 
@@ -167,7 +323,7 @@ def test_bad_input_names_the_argument():
         attention_tolerance(q, k, v, kernel="nope")
     with pytest.raises(InvalidArgument, match=r"^dtype: expected one of \('float32',\) for kernel"):
         attention_tolerance(q, k, v, kernel="jax-xla-tf32", dtype="bfloat16")
-    with pytest.raises(InvalidArgument, match=r"^mask: expected a boolean mask"):
+    with pytest.raises(InvalidArgument, match=r"^mask: expected a boolean array"):
         attention_tolerance(q, k, v, mask=np.zeros((3, 3)), kernel="jax-xla")
     out = _jax(q, k, v)
     with pytest.raises(InvalidArgument, match=r"^actual: expected shape \(3, 8\)"):

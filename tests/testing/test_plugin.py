@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -57,6 +59,43 @@ def test_the_fixture_and_marker_check_a_kernel_in_a_real_pytest_run(tmp_path):
     assert "test_sdpa_with_a_wrong_scale" in out
     assert "AttentionMismatch" in out
     assert "outside the certified tolerance of kernel 'torch-sdpa-math'" in out
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "testing.md"
+PINNED = "    with sdpa_kernel(SDPBackend.MATH):  # the backend the marker describes\n"
+
+
+def _docs_plugin_example() -> str:
+    blocks = re.findall(r"^```python\n(.*?)^```", DOCS.read_text(), re.MULTILINE | re.DOTALL)
+    (example,) = [b for b in blocks if "@pytest.mark.mhanum_kernel(" in b]
+    return example
+
+
+def test_the_docs_plugin_example_runs_as_a_test_file(tmp_path):
+    # as written, and as the page advises for the CPU flash kernel: its descriptor and backend
+    example = _docs_plugin_example()
+    assert PINNED in example
+    flash = example
+    for old, new in (
+        (PINNED, PINNED.replace("MATH", "FLASH_ATTENTION")),
+        ('mhanum_kernel("torch-sdpa-math")', 'mhanum_kernel("torch-sdpa-flash-cpu")'),
+        (
+            'attention_inputs(dtype="bfloat16")',
+            'attention_inputs(dtype="bfloat16", head_dims=(64,))',
+        ),
+    ):
+        assert old in flash
+        flash = flash.replace(old, new)
+    (tmp_path / "test_my_sdpa.py").write_text(example)
+    (tmp_path / "test_my_sdpa_flash.py").write_text(flash)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--strict-markers",
+         "-W", "error", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600, check=False,
+    )  # fmt: skip
+    out = run.stdout + run.stderr
+    assert "2 passed in" in out, out
+    assert "failed" not in out, out
 
 
 def test_loading_the_plugin_imports_neither_mhanum_nor_jax():
