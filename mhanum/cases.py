@@ -17,11 +17,19 @@ only, so :func:`numpy.load` reads it with ``allow_pickle=False``), and ``<stem>.
 metadata::
 
     {"mhanum_version", "numerics": {field: value}, "preset", "shape": {...}, "seed",
-     "objective", "error", "bound", "ratio", "dominant_term", "created", ...}
+     "objective", "error", "bound", "ratio", "dominant_term", "created", "inputs_sha256", ...}
+
+``inputs_sha256`` maps the name of every input array of the case (``q``, ``k``, ``v``, ``mask``;
+``d_out`` of a gradient case; ``x_q``, ``x_kv`` and the weights of a multi-head attention case)
+to :func:`array_digest` of it as saved. Reading a case checks every input against it and refuses
+one that differs (an edit or a corruption would otherwise replay as a different case); a case
+saved before the digest existed has none and reads unchecked (:attr:`Replay.digest_checked`).
 
 :func:`replay` recomputes the output with the saved numerics and compares it bit for bit with the
 saved one, then re-measures the error against the certified reference and recomputes the bound.
-:func:`save` never overwrites an existing case unless ``force=True``.
+:func:`save` never overwrites an existing case unless ``force=True``. A file that cannot be read
+as a case (missing, corrupt, an array or field missing, an input that does not match its digest)
+raises :class:`~mhanum.InvalidArgument` with the message ``"<file>: <what is wrong>"``.
 """
 
 from __future__ import annotations
@@ -30,11 +38,13 @@ import dataclasses
 import datetime
 import json
 import math
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from mhanum._digest import array_digest, digest_problem, inputs_digest
 from mhanum._errors import InvalidArgument
 from mhanum.numerics import Backward, Numerics
 from mhanum.params import MHAParams
@@ -51,6 +61,7 @@ from mhanum.search import (
 
 __all__ = [
     "Replay",
+    "array_digest",
     "case_paths",
     "load",
     "load_gradient",
@@ -63,6 +74,15 @@ __all__ = [
 ]
 
 _ARRAYS = ("q", "k", "v", "output")
+
+
+def _attention_inputs(case: WorstCase) -> dict[str, np.ndarray | None]:
+    """The input arrays of an attention case as :func:`save` writes them."""
+    arrays: dict[str, np.ndarray | None] = {
+        name: np.asarray(getattr(case, name), np.float64) for name in ("q", "k", "v")
+    }
+    arrays["mask"] = None if case.mask is None else np.asarray(case.mask, bool)
+    return arrays
 
 
 def numerics_dict(num: Numerics) -> dict[str, Any]:
@@ -108,6 +128,7 @@ def metadata(case: WorstCase) -> dict[str, Any]:
         "seconds": case.seconds,
         "structure": list(case.structure),
         "masked": case.mask is not None,
+        "inputs_sha256": inputs_digest(_attention_inputs(case)),
     }
 
 
@@ -127,7 +148,7 @@ def saved_case_paths(path: str | Path) -> tuple[Path, Path]:
     npz, meta = case_paths(path)
     for p in (npz, meta):
         if not p.exists():
-            msg = f"path: expected a saved case, got no file {str(p)!r}"
+            msg = f"{p}: no file (a saved case is a .npz and a .json file of one name)"
             raise InvalidArgument(msg)
     return npz, meta
 
@@ -159,65 +180,176 @@ def save(case: WorstCase, path: str | Path, *, force: bool = False, unique: bool
     if target.is_dir():
         target = target / default_name(case)
     npz, meta = _reserve(target, force=force, unique=unique)
-    arrays = {name: np.asarray(getattr(case, name), np.float64) for name in _ARRAYS}
-    if case.mask is not None:
-        arrays["mask"] = np.asarray(case.mask, bool)
+    arrays = {name: a for name, a in _attention_inputs(case).items() if a is not None}
+    arrays["output"] = np.asarray(case.output, np.float64)
     with npz.open("wb") as fh:
         np.savez(fh, **arrays)  # type: ignore[arg-type]
     meta.write_text(json.dumps(metadata(case), indent=2, allow_nan=False) + "\n")
     return npz
 
 
+_KINDS = {None: "load", "gradient": "load_gradient", "mha": "load_mha"}
+"""The ``kind`` of a case's metadata (``None``: absent, a single-attention case) and its reader."""
+
+_MHA_PARAMS = tuple(f.name for f in dataclasses.fields(MHAParams))
+_INPUTS = {
+    None: ("q", "k", "v", "mask"),
+    "gradient": ("q", "k", "v", "d_out", "mask"),
+    "mha": ("x_q", "x_kv", *_MHA_PARAMS, "mask"),
+}
+"""The input arrays of each kind of case: those that its ``inputs_sha256`` covers."""
+
+_NPZ_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip file's first bytes (an empty one's)
+
+_UNREADABLE = (KeyError, IndexError, TypeError, ValueError, AttributeError)
+"""What building a case from its metadata raises for a field missing or of another type."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Saved:
+    """A saved case as read from its two files, its inputs checked against their digest."""
+
+    npz: Path
+    meta: Path
+    info: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    digest_checked: bool
+
+    @property
+    def kind(self) -> str | None:
+        kind = self.info.get("kind")
+        return kind if isinstance(kind, str) else None
+
+    def array(self, name: str) -> np.ndarray:
+        """The array ``name``, or an error naming the ``.npz`` file."""
+        if name not in self.arrays:
+            held = ", ".join(sorted(self.arrays)) or "nothing"
+            msg = f"{self.npz}: expected the array {name!r}, got an archive without it ({held})"
+            raise InvalidArgument(msg)
+        return self.arrays[name]
+
+    def optional(self, name: str) -> np.ndarray | None:
+        return self.arrays.get(name)
+
+
+def _read_metadata(meta: Path) -> dict[str, Any]:
+    try:
+        info = json.loads(meta.read_bytes())
+    except OSError as exc:
+        msg = f"{meta}: expected a readable file, got {exc.strerror or exc}"
+        raise InvalidArgument(msg) from None
+    except ValueError as exc:  # not UTF-8, or not JSON
+        msg = f"{meta}: expected the JSON metadata of a case, got {type(exc).__name__}: {exc}"
+        raise InvalidArgument(msg) from None
+    if not isinstance(info, dict):
+        msg = f"{meta}: expected the JSON object of a case's metadata, got {type(info).__name__}"
+        raise InvalidArgument(msg)
+    if info.get("kind") not in _KINDS:
+        msg = f"{meta}: expected the kind 'gradient', 'mha' or none, got {info.get('kind')!r}"
+        raise InvalidArgument(msg)
+    return info
+
+
+def _read_arrays(npz: Path) -> dict[str, np.ndarray]:
+    try:
+        with npz.open("rb") as fh:  # this file object closes even when numpy fails to read it
+            if fh.read(4) in _NPZ_MAGIC:
+                fh.seek(0)
+                with np.load(fh, allow_pickle=False) as data:
+                    return {name: np.array(data[name]) for name in data.files}
+    except OSError as exc:
+        msg = f"{npz}: expected a readable file, got {exc.strerror or exc}"
+        raise InvalidArgument(msg) from None
+    except (ValueError, EOFError, zipfile.BadZipFile) as exc:
+        msg = f"{npz}: expected a NumPy .npz archive of numeric arrays, got a corrupt one ({exc})"
+        raise InvalidArgument(msg) from None
+    msg = f"{npz}: expected a NumPy .npz archive (a zip file), got another kind of file"
+    raise InvalidArgument(msg)
+
+
+def _check_digest(saved: _Saved) -> bool:
+    """Whether the case has a digest; refuses an input that does not match it."""
+    digest = saved.info.get("inputs_sha256")
+    if digest is None:
+        return False
+    if not (isinstance(digest, dict) and all(isinstance(v, str) for v in digest.values())):
+        msg = (
+            f"{saved.meta}: expected inputs_sha256 to map array names to digests, got "
+            f"{digest!r:.80}"
+        )
+        raise InvalidArgument(msg)
+    problem = digest_problem({n: saved.arrays.get(n) for n in _INPUTS[saved.kind]}, digest)
+    if problem is not None:
+        msg = f"{saved.npz}: {problem}"
+        raise InvalidArgument(msg)
+    return True
+
+
+def _read(path: str | Path) -> _Saved:
+    """Both files of a saved case, read and checked (see the module docstring)."""
+    npz, meta = saved_case_paths(path)
+    info = _read_metadata(meta)
+    saved = _Saved(npz, meta, info, _read_arrays(npz), digest_checked=False)
+    return dataclasses.replace(saved, digest_checked=_check_digest(saved))
+
+
+def _bad_metadata(saved: _Saved, what: str, exc: Exception) -> InvalidArgument:
+    """The error of metadata that does not describe a case of ``what``."""
+    if isinstance(exc, KeyError):
+        problem = f"got metadata without the field {exc.args[0]!r}"
+    else:
+        problem = f"got {exc}"
+    return InvalidArgument(f"{saved.meta}: expected the metadata of {what}, {problem}")
+
+
 def load(path: str | Path) -> WorstCase:
     """Read a case saved by :func:`save` (the arrays with ``allow_pickle=False``).
 
     Raises:
-        InvalidArgument: for a missing file, metadata that does not describe a case, or a
+        InvalidArgument: ``"<file>: <what is wrong>"``, for a missing or corrupt file, a missing
+            array or field, an input that does not match the digest saved with the case, or a
             gradient or multi-head attention case (:func:`load_gradient`, :func:`load_mha`).
     """
-    npz, meta = saved_case_paths(path)
-    info = json.loads(meta.read_text())
-    other = {"gradient": "load_gradient", "mha": "load_mha"}.get(info.get("kind"))
-    if other is not None:
-        msg = f"path: expected a single-attention case, got a {info['kind']} case (read it with {other})"
+    return _attention_case(_read(path))
+
+
+def _attention_case(saved: _Saved) -> WorstCase:
+    if saved.kind is not None:
+        msg = (
+            f"{saved.meta}: expected a single-attention case, got a {saved.kind} case (read it "
+            f"with {_KINDS[saved.kind]})"
+        )
         raise InvalidArgument(msg)
-    with np.load(npz, allow_pickle=False) as data:
-        arrays = {name: np.array(data[name]) for name in _ARRAYS}
-        mask = np.array(data["mask"]) if "mask" in data.files else None
+    arrays = {name: saved.array(name) for name in _ARRAYS}
+    mask = saved.optional("mask")
+    info = saved.info
     try:
-        num = Numerics(**info["numerics"])
-        shape = Shape.of(info["shape"])
-        against = Numerics(**info["against"]) if "against" in info else None
-    except (KeyError, TypeError) as exc:
-        msg = f"path: expected case metadata with numerics and shape, got an error: {exc}"
-        raise InvalidArgument(msg) from None
-    return WorstCase(
-        numerics=num,
-        shape=shape,
-        q=arrays["q"],
-        k=arrays["k"],
-        v=arrays["v"],
-        output=arrays["output"],
-        mask=mask,
-        objective=info["objective"],
-        error=float(info["error"]),
-        bound=float(info["bound"]),
-        ratio=float(info["ratio"]),
-        normwise=float(info.get("normwise", math.nan)),
-        dominant_term=info["dominant_term"],
-        index=tuple(info.get("index", ())),
-        method=info.get("method", "targeted"),
-        seed=int(info["seed"]),
-        budget=int(info.get("budget", 0)),
-        evaluations=int(info.get("evaluations", 0)),
-        cheap_ratio=float(info.get("cheap_ratio", math.nan)),
-        slack=float(info.get("slack", math.nan)),
-        seconds=float(info.get("seconds", 0.0)),
-        structure=tuple(info.get("structure", ())),
-        against=against,
-        softcap=info.get("softcap"),
-        sink=info.get("sink"),
-    )
+        return WorstCase(
+            numerics=Numerics(**info["numerics"]),
+            shape=Shape.of(info["shape"]),
+            mask=mask,
+            objective=info["objective"],
+            error=float(info["error"]),
+            bound=float(info["bound"]),
+            ratio=float(info["ratio"]),
+            normwise=float(info.get("normwise", math.nan)),
+            dominant_term=info["dominant_term"],
+            index=tuple(info.get("index", ())),
+            method=info.get("method", "targeted"),
+            seed=int(info["seed"]),
+            budget=int(info.get("budget", 0)),
+            evaluations=int(info.get("evaluations", 0)),
+            cheap_ratio=float(info.get("cheap_ratio", math.nan)),
+            slack=float(info.get("slack", math.nan)),
+            seconds=float(info.get("seconds", 0.0)),
+            structure=tuple(info.get("structure", ())),
+            against=Numerics(**info["against"]) if "against" in info else None,
+            softcap=info.get("softcap"),
+            sink=info.get("sink"),
+            **arrays,
+        )
+    except _UNREADABLE as exc:
+        raise _bad_metadata(saved, "an attention case", exc) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +363,8 @@ class Replay:
             for bit.
         error, bound, ratio, dominant_term: re-measured against the certified reference with the
             recomputed bound.
+        digest_checked: whether the case's inputs were checked against the digest saved with
+            it (``False``: a case saved before cases carried one).
     """
 
     case: WorstCase | GradientWorstCase | MHAWorstCase
@@ -239,6 +373,7 @@ class Replay:
     bound: float
     ratio: float
     dominant_term: str
+    digest_checked: bool = False
 
     @property
     def violation(self) -> bool:
@@ -269,6 +404,7 @@ class Replay:
             "saved_ratio": self.case.ratio,
             "dominant_term": self.dominant_term,
             "violation": self.violation,
+            "digest_checked": self.digest_checked,
         }
 
 
@@ -307,10 +443,12 @@ def save_gradient(
         name = f"{case.preset or 'custom'}-gradient-{case.backward.algorithm}-seed{case.seed}"
         target = target / name
     npz, meta = _reserve(target, force=force, unique=unique)
-    arrays = {name: np.asarray(getattr(case, name), np.float64) for name in _GRADIENT_ARRAYS}
+    inputs: dict[str, np.ndarray | None] = {
+        name: np.asarray(getattr(case, name), np.float64) for name in _GRADIENT_ARRAYS
+    }
+    inputs["mask"] = None if case.mask is None else np.asarray(case.mask, bool)
+    arrays = {name: a for name, a in inputs.items() if a is not None}
     arrays |= dict(zip(_GRADIENT_NAMES, case.gradients, strict=True))
-    if case.mask is not None:
-        arrays["mask"] = np.asarray(case.mask, bool)
     with npz.open("wb") as fh:
         np.savez(fh, **arrays)  # type: ignore[arg-type]
     backward = dataclasses.asdict(case.backward)
@@ -337,6 +475,7 @@ def save_gradient(
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "masked": case.mask is not None,
         **({} if case.softcap is None else {"softcap": case.softcap}),
+        "inputs_sha256": inputs_digest(inputs),
     }
     meta.write_text(json.dumps(info, indent=2, allow_nan=False) + "\n")
     return npz
@@ -346,46 +485,40 @@ def load_gradient(path: str | Path) -> GradientWorstCase:
     """Read a gradient case saved by :func:`save_gradient` (arrays with ``allow_pickle=False``).
 
     Raises:
-        InvalidArgument: for a missing file or metadata that does not describe a gradient case.
+        InvalidArgument: ``"<file>: <what is wrong>"``, as for :func:`load`.
     """
-    npz, meta = saved_case_paths(path)
-    info = json.loads(meta.read_text())
+    return _gradient_case(_read(path))
+
+
+def _gradient_case(saved: _Saved) -> GradientWorstCase:
+    if saved.kind != "gradient":
+        msg = (
+            f"{saved.meta}: expected a gradient case, got kind {saved.kind!r} (read it with "
+            f"{_KINDS[saved.kind]})"
+        )
+        raise InvalidArgument(msg)
+    arrays = {name: saved.array(name) for name in _GRADIENT_ARRAYS + _GRADIENT_NAMES}
+    info = saved.info
     try:
-        num = Numerics(**info["numerics"])
-        backward = info["backward"]
+        backward = dict(info["backward"])
         if backward.get("dq_order") is not None:
             backward["dq_order"] = tuple(backward["dq_order"])
-        bw = Backward(**backward)
-        shape = Shape.of(info["shape"])
-        with np.load(npz, allow_pickle=False) as data:
-            arrays = {name: np.array(data[name]) for name in _GRADIENT_ARRAYS + _GRADIENT_NAMES}
-            mask = np.array(data["mask"]) if "mask" in data.files else None
-    except (KeyError, TypeError) as exc:
-        msg = f"path: expected gradient-case metadata and arrays, got an error: {exc}"
-        raise InvalidArgument(msg) from None
-    return GradientWorstCase(
-        numerics=num, backward=bw, shape=shape, q=arrays["q"], k=arrays["k"], v=arrays["v"],
-        d_out=arrays["d_out"], mask=mask, gradient=info["gradient"],
-        index=tuple(info["index"]), error=float(info["error"]), bound=float(info["bound"]),
-        ratio=float(info["ratio"]), dominant_term=info["dominant_term"],
-        evaluations=int(info["evaluations"]), budget=int(info["budget"]), seed=int(info["seed"]),
-        seconds=float(info["seconds"]),
-        gradients=tuple(arrays[name] for name in _GRADIENT_NAMES),
-        softcap=info.get("softcap"),
-    )  # fmt: skip
-
-
-def _kind(path: str | Path) -> str | None:
-    """The ``kind`` of a saved case's metadata (``None``: a single-attention case)."""
-    meta = case_paths(path)[1]
-    if not meta.exists():
-        return None
-    kind = json.loads(meta.read_text()).get("kind")
-    return kind if isinstance(kind, str) else None
+        return GradientWorstCase(
+            numerics=Numerics(**info["numerics"]), backward=Backward(**backward),
+            shape=Shape.of(info["shape"]), q=arrays["q"], k=arrays["k"], v=arrays["v"],
+            d_out=arrays["d_out"], mask=saved.optional("mask"), gradient=info["gradient"],
+            index=tuple(info["index"]), error=float(info["error"]), bound=float(info["bound"]),
+            ratio=float(info["ratio"]), dominant_term=info["dominant_term"],
+            evaluations=int(info["evaluations"]), budget=int(info["budget"]),
+            seed=int(info["seed"]), seconds=float(info["seconds"]),
+            gradients=tuple(arrays[name] for name in _GRADIENT_NAMES),
+            softcap=info.get("softcap"),
+        )  # fmt: skip
+    except _UNREADABLE as exc:
+        raise _bad_metadata(saved, "a gradient case", exc) from None
 
 
 _MHA_ARRAYS = ("x_q", "x_kv", "output")
-_PARAMS = tuple(f.name for f in dataclasses.fields(MHAParams))
 
 
 def save_mha(
@@ -405,13 +538,15 @@ def save_mha(
         near = "" if case.near is None else "-near"
         target = target / f"{case.preset or 'custom'}-mha{case.num_heads}{near}-seed{case.seed}"
     npz, meta = _reserve(target, force=force, unique=unique)
-    arrays = {name: np.asarray(getattr(case, name), np.float64) for name in _MHA_ARRAYS}
-    for name in _PARAMS:
+    inputs: dict[str, np.ndarray | None] = {
+        name: np.asarray(getattr(case, name), np.float64) for name in ("x_q", "x_kv")
+    }
+    for name in _MHA_PARAMS:
         w = getattr(case.params, name)
-        if w is not None:
-            arrays[name] = np.asarray(w, np.float64)
-    if case.mask is not None:
-        arrays["mask"] = np.asarray(case.mask, bool)
+        inputs[name] = None if w is None else np.asarray(w, np.float64)
+    inputs["mask"] = None if case.mask is None else np.asarray(case.mask, bool)
+    arrays = {name: a for name, a in inputs.items() if a is not None}
+    arrays["output"] = np.asarray(case.output, np.float64)
     with npz.open("wb") as fh:
         np.savez(fh, **arrays)  # type: ignore[arg-type]
     info = {
@@ -439,6 +574,7 @@ def save_mha(
         "seconds": case.seconds,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "masked": case.mask is not None,
+        "inputs_sha256": inputs_digest(inputs),
     }
     meta.write_text(json.dumps(info, indent=2, allow_nan=False) + "\n")
     return npz
@@ -449,24 +585,27 @@ def load_mha(path: str | Path) -> MHAWorstCase:
     ``allow_pickle=False``).
 
     Raises:
-        InvalidArgument: for a missing file or metadata that does not describe such a case.
+        InvalidArgument: ``"<file>: <what is wrong>"``, as for :func:`load`.
     """
-    npz, meta = saved_case_paths(path)
-    info = json.loads(meta.read_text())
+    return _mha_case(_read(path))
+
+
+def _mha_case(saved: _Saved) -> MHAWorstCase:
+    if saved.kind != "mha":
+        msg = (
+            f"{saved.meta}: expected a multi-head attention case, got kind {saved.kind!r} (read "
+            f"it with {_KINDS[saved.kind]})"
+        )
+        raise InvalidArgument(msg)
+    arrays = {name: saved.array(name) for name in _MHA_ARRAYS}
+    weights = {n: saved.arrays[n] for n in _MHA_PARAMS if n in saved.arrays}
+    info = saved.info
     try:
-        if info.get("kind") != "mha":
-            msg = f"kind {info.get('kind')!r} is not 'mha'"
-            raise KeyError(msg)
-        num = Numerics(**info["numerics"])
-        shape = MHAShape.of(info["shape"])
-        with np.load(npz, allow_pickle=False) as data:
-            arrays = {name: np.array(data[name]) for name in _MHA_ARRAYS}
-            params = MHAParams(**{n: np.array(data[n]) for n in _PARAMS if n in data.files})
-            mask = np.array(data["mask"]) if "mask" in data.files else None
         near_ratio = info.get("near_ratio")
         return MHAWorstCase(
-            numerics=num, shape=shape, num_heads=int(info["num_heads"]), params=params,
-            mask=mask, error=float(info["error"]), bound=float(info["bound"]),
+            numerics=Numerics(**info["numerics"]), shape=MHAShape.of(info["shape"]),
+            num_heads=int(info["num_heads"]), params=MHAParams(**weights),
+            mask=saved.optional("mask"), error=float(info["error"]), bound=float(info["bound"]),
             ratio=float(info["ratio"]), normwise=float(info["normwise"]),
             dominant_term=info["dominant_term"], index=tuple(info["index"]),
             seed=int(info["seed"]), budget=int(info["budget"]),
@@ -475,9 +614,8 @@ def load_mha(path: str | Path) -> MHAWorstCase:
             structure=tuple(info["structure"]), near=info.get("near"),
             near_ratio=None if near_ratio is None else float(near_ratio), **arrays,
         )  # fmt: skip
-    except (KeyError, TypeError) as exc:
-        msg = f"path: expected multi-head attention case metadata and arrays, got an error: {exc}"
-        raise InvalidArgument(msg) from None
+    except _UNREADABLE as exc:
+        raise _bad_metadata(saved, "a multi-head attention case", exc) from None
 
 
 def replay(path: str | Path) -> Replay:
@@ -485,43 +623,45 @@ def replay(path: str | Path) -> Replay:
     and Theorem B.1/B.2 against the certified gradients; a multi-head attention case: the
     layer's output, and Theorem A.2 against the certified layer output).
 
+    The inputs are checked against the digest saved with the case first
+    (:attr:`Replay.digest_checked`).
+
     Raises:
         InvalidArgument: as :func:`load`, or if the case is now outside the bound's scope.
     """
-    kind = _kind(path)
-    if kind == "mha":
-        mcase = load_mha(path)
+    saved = _read(path)
+    outside = f"{saved.npz}: the saved case is outside the bound's scope (refused or overflowed)"
+    checked = saved.digest_checked
+    if saved.kind == "mha":
+        mcase = _mha_case(saved)
         measured = mha_evaluation(
             mcase.x_q, mcase.x_kv, mcase.params, mcase.num_heads, mcase.mask, mcase.numerics
         )
         if measured is None:
-            msg = "path: the saved case is outside the bound's scope (refused or overflowed)"
-            raise InvalidArgument(msg)
+            raise InvalidArgument(outside)
         out, m = measured.output, measured
         same = out.shape == mcase.output.shape and out.tobytes() == mcase.output.tobytes()
-        return Replay(mcase, same, m.error, m.bound, m.ratio, m.dominant_term)
-    if kind == "gradient":
-        gcase = load_gradient(path)
+        return Replay(mcase, same, m.error, m.bound, m.ratio, m.dominant_term, checked)
+    if saved.kind == "gradient":
+        gcase = _gradient_case(saved)
         found = gradient_evaluation(
             gcase.q, gcase.k, gcase.v, gcase.d_out, gcase.mask, gcase.numerics, gcase.backward,
             gcase.softcap,
         )  # fmt: skip
         if found is None:
-            msg = "path: the saved case is outside the bound's scope (refused or overflowed)"
-            raise InvalidArgument(msg)
+            raise InvalidArgument(outside)
         ratio, _, _, error, bound, dominant, grads = found
         same = len(grads) == len(gcase.gradients) and all(
             a.shape == b.shape and a.tobytes() == b.tobytes()
             for a, b in zip(grads, gcase.gradients, strict=True)
         )
-        return Replay(gcase, same, error, bound, ratio, dominant)
-    case = load(path)
+        return Replay(gcase, same, error, bound, ratio, dominant, checked)
+    case = _attention_case(saved)
     objective = Objective(
         case.numerics, case.objective, against=case.against, softcap=case.softcap, sink=case.sink
     )
     ev = objective(case.q, case.k, case.v, case.mask, certified=True)
     if ev is None:
-        msg = "path: the saved case is outside the bound's scope (refused or overflowed)"
-        raise InvalidArgument(msg)
+        raise InvalidArgument(outside)
     same = ev.output.shape == case.output.shape and ev.output.tobytes() == case.output.tobytes()
-    return Replay(case, same, ev.error, ev.bound, ev.ratio, ev.dominant_term)
+    return Replay(case, same, ev.error, ev.bound, ev.ratio, ev.dominant_term, checked)

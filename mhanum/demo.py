@@ -18,19 +18,25 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from mhanum import measure, reference
+from mhanum._errors import CertificationError, InvalidArgument
 from mhanum.attention import multi_head_attention
 from mhanum.formats import get_format
 from mhanum.numerics import Numerics
 from mhanum.params import MHAParams
 
-__all__ = ["DEMO_PRESETS", "DemoResult", "render", "run"]
+__all__ = ["DEMO_PRESETS", "DemoResult", "check_arguments", "render", "run"]
 
 DEMO_PRESETS = ("fp32", "tf32", "bf16-fp32acc", "fp16-fp32acc", "fp16")
+_BACKENDS = {
+    "dd": "double-double enclosure",
+    "auto": "double-double enclosure, uncertified rows recomputed",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +44,8 @@ class DemoResult:
     """Everything the demo measured, as plain data (see :func:`run`)."""
 
     config: dict[str, Any]
-    reference_seconds: float
+    reference_seconds: float  # wall time: it varies with the machine and its load
+    reference_backend: str  # the backend that certified the reference ("dd" or "auto")
     presets: dict[str, dict[str, Any]]
     mask_minus_1e9: dict[str, Any]
     heads: dict[str, Any]
@@ -47,21 +54,56 @@ class DemoResult:
         return dataclasses.asdict(self)
 
 
+def check_arguments(
+    *,
+    seed: Any,
+    d_model: Any,
+    num_heads: Any,
+    length: Any,
+    names: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse arguments of :func:`run` that describe no layer, naming each as ``names`` spells
+    it (the command passes its options: ``{"d_model": "--d-model", ...}``).
+
+    Raises:
+        InvalidArgument: ``"<name>: expected a positive integer, got -8"`` and the like.
+    """
+    values = {"seed": seed, "d_model": d_model, "num_heads": num_heads, "length": length}
+    spelled = {name: (names or {}).get(name, name) for name in values}
+    for name, value in values.items():
+        smallest = 0 if name == "seed" else 1
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < smallest:
+            kind = "a non-negative integer" if smallest == 0 else "a positive integer"
+            msg = f"{spelled[name]}: expected {kind}, got {value!r}"
+            raise InvalidArgument(msg)
+    if d_model % num_heads:
+        msg = (
+            f"{spelled['num_heads']}: expected a divisor of {spelled['d_model']} {d_model}, "
+            f"got {num_heads}"
+        )
+        raise InvalidArgument(msg)
+
+
 def run(*, seed: int = 0, d_model: int = 512, num_heads: int = 8, length: int = 64) -> DemoResult:
     """Measure the demo's table and findings (needs ``jax_enable_x64``).
 
     Args:
         seed: seed of the inputs (``numpy.random.default_rng``) and of the weights.
         d_model: model width.
-        num_heads: number of heads of the layer.
+        num_heads: number of heads of the layer, a divisor of ``d_model``.
         length: sequence length (self-attention: ``x_q = x_kv``).
+
+    Raises:
+        InvalidArgument: for a negative ``seed``, a ``d_model``, ``num_heads`` or ``length``
+            that is not a positive integer, or ``num_heads`` not dividing ``d_model``.
     """
+    check_arguments(seed=seed, d_model=d_model, num_heads=num_heads, length=length)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((length, d_model))
     params = MHAParams.random(d_model, seed=seed)
 
     start = time.perf_counter()
-    ref = reference.multi_head_attention(x, x, params, num_heads)
+    ref, backend = _certified_reference(x, params, num_heads)
     ref_seconds = time.perf_counter() - start
 
     presets = {}
@@ -91,18 +133,32 @@ def run(*, seed: int = 0, d_model: int = 512, num_heads: int = 8, length: int = 
         "length": length,
         "inputs": "x ~ N(0, 1); MHAParams.random(d_model, seed=seed)",
     }
-    return DemoResult(config, ref_seconds, presets, mask_case, heads)
+    return DemoResult(config, ref_seconds, backend, presets, mask_case, heads)
+
+
+def _certified_reference(x: np.ndarray, params: MHAParams, num_heads: int) -> tuple[Any, str]:
+    """The layer's reference, certified to 20 digits, and the backend that certified it: the
+    double-double enclosure (``"dd"``) where it certifies every output, as at the default size,
+    else ``"auto"``, which recomputes the rows the enclosure leaves."""
+    try:
+        return reference.multi_head_attention(x, x, params, num_heads, backend="dd"), "dd"
+    except CertificationError:
+        return reference.multi_head_attention(x, x, params, num_heads, backend="auto"), "auto"
 
 
 def render(result: DemoResult) -> str:
     """The demo as text: a table of errors per preset, then the two findings."""
     c = result.config
+    backend = result.reference_backend
     lines = [
         (
             f"mhanum demo: {c['num_heads']}-head self-attention, d_model {c['d_model']}, "
             f"L {c['length']}, seed {c['seed']}"
         ),
-        f"reference: mpmath, certified to 20 digits ({result.reference_seconds:.1f} s)",
+        (
+            f"reference: backend {backend} ({_BACKENDS[backend]}), certified to 20 digits "
+            f"({result.reference_seconds:.1f} s wall time)"
+        ),
         "",
         f"{'preset':<14}{'max abs':>10}{'normwise':>10}{'= x u':>9}  {'of':<10}{'max rel':>9}",
     ]

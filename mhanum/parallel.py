@@ -25,9 +25,17 @@ The journal (``journal=PATH``) is an append-only JSON Lines file. Its first line
 naming the campaign (a JSON description from the caller, the seed and the task keys); each
 finished task appends one line ``{"version", "key", "index", "seed": {"entropy", "spawn_key"},
 "result"}``, flushed and fsynced before the next result is taken. Run again with the same
-journal, the finished tasks are read back and only the others run; a journal of another campaign
-is refused, and nothing in an existing journal is ever rewritten. One run writes a journal at a
-time; :func:`merge_journals` joins the journals of separate runs of one campaign.
+journal, the finished tasks are read back and only the others run (logged at ``INFO`` on the
+``mhanum.parallel`` logger: ``resuming <file>: 12 of 40 tasks done, skipped``); a journal of
+another campaign is refused, and nothing in an existing journal is ever rewritten. One run writes
+a journal at a time; :func:`merge_journals` joins the journals of separate runs of one campaign.
+A journal that cannot be read (not UTF-8, a line that is not JSON, a header or a line without a
+field) raises :class:`~mhanum.InvalidArgument` with the message ``"<file>: <what is wrong>"``.
+
+Ctrl-C (``KeyboardInterrupt``) stops a sweep where it is: every task that finished is in the
+journal, the tasks not started are cancelled, and the spawned workers of
+:func:`default_executor` ignore the interrupt themselves and are ended when the main process
+leaves the pool, without waiting for the tasks they are running.
 
 Examples:
     >>> from mhanum import parallel
@@ -41,8 +49,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import logging
 import multiprocessing
 import os
+import signal
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,6 +70,7 @@ __all__ = [
     "dask_executor",
     "default_executor",
     "executor_for",
+    "journal_progress",
     "merge_journals",
     "run_tasks",
     "spawned_seed",
@@ -73,6 +85,11 @@ JOURNAL_VERSION = 1
 TaskFunction = Callable[[Any, np.random.SeedSequence], Any]
 Progress = Callable[[int, int, str], None]
 """``progress(done, total, key)``, called after each task (read back or computed)."""
+
+_log = logging.getLogger(__name__)
+
+_UNREADABLE = (KeyError, IndexError, TypeError, ValueError, AttributeError)
+"""What a ``read_back`` function of :func:`run_tasks` raises for a result it cannot use."""
 
 
 def default_executor(max_workers: int | None = None) -> concurrent.futures.ProcessPoolExecutor:
@@ -90,7 +107,44 @@ def default_executor(max_workers: int | None = None) -> concurrent.futures.Proce
         msg = f"max_workers: expected a positive integer or None, got {max_workers!r}"
         raise InvalidArgument(msg)
     context = multiprocessing.get_context("spawn")
-    return concurrent.futures.ProcessPoolExecutor(max_workers, mp_context=context)
+    return _ProcessPool(max_workers, mp_context=context, initializer=_ignore_interrupts)
+
+
+def _ignore_interrupts() -> None:
+    """A worker's initializer: Ctrl-C at a terminal reaches every process of the foreground
+    group, and only the main process handles it (a worker would print a traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class _ProcessPool(concurrent.futures.ProcessPoolExecutor):
+    """A process pool that, left by ``KeyboardInterrupt``, ends its workers at once instead of
+    waiting for the tasks they are running (their results would be lost anyway)."""
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> bool | None:
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            self._terminate()
+            return False
+        return super().__exit__(exc_type, exc, tb)
+
+    def _terminate(self) -> None:
+        # ProcessPoolExecutor.terminate_workers() is Python 3.14's; before it, the processes
+        # and the thread that manages them are private attributes
+        processes = list((getattr(self, "_processes", None) or {}).values())
+        manager = getattr(self, "_executor_manager_thread", None)
+        # Shut down before ending the workers: the manager thread then drops the cancelled
+        # tasks before it sees the pool broken (Python 3.11 would set an exception on them)
+        self.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join()
+        if manager is not None:
+            manager.join()  # it releases the queues' semaphores
 
 
 @contextlib.contextmanager
@@ -210,44 +264,67 @@ def _read_line(text: str, number: int, path: Path, last: bool) -> dict[str, Any]
         return value
     incomplete = " (incomplete: a run stopped while writing it)" if last else ""
     msg = (
-        f"journal: line {number} of {str(path)!r} is not a JSON object{incomplete}; "
-        "remove that line to resume from the lines before it"
+        f"{path}: line {number} is not a JSON object{incomplete}; remove that line to resume "
+        "from the lines before it"
     )
     raise InvalidArgument(msg)
 
 
+def _check_header(header: Mapping[str, Any], path: Path) -> None:
+    if header.get("schema") != JOURNAL_SCHEMA:
+        msg = (
+            f"{path}: line 1: expected a journal header with schema {JOURNAL_SCHEMA!r}, got "
+            f"{header.get('schema')!r}"
+        )
+        raise InvalidArgument(msg)
+    seed, keys = header.get("seed"), header.get("tasks")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        msg = f"{path}: line 1: expected the header's seed, a non-negative integer, got {seed!r}"
+        raise InvalidArgument(msg)
+    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+        msg = f"{path}: line 1: expected the header's tasks, a list of keys, got {keys!r:.80}"
+        raise InvalidArgument(msg)
+
+
 def _read(path: Path) -> tuple[dict[str, Any], list[_Entry]]:
     """The header and the entries of a journal, checked line by line."""
-    raw = path.read_bytes().decode("utf-8")
+    try:
+        raw = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        msg = f"{path}: expected a readable journal file, got {exc.strerror or exc}"
+        raise InvalidArgument(msg) from None
+    except UnicodeDecodeError as exc:
+        line = _line_of(path, exc.start)
+        msg = f"{path}: line {line} is not UTF-8 text (byte {exc.start}); not a journal?"
+        raise InvalidArgument(msg) from None
     lines = raw.split("\n")
     complete = raw.endswith("\n")
     if complete:
         lines.pop()
     if not lines or not lines[0].strip():
-        msg = f"journal: {str(path)!r} is empty; expected a header line (remove the file)"
+        msg = f"{path}: the file is empty; expected a journal header line (remove the file)"
         raise InvalidArgument(msg)
     header = _read_line(lines[0], 1, path, len(lines) == 1 and not complete)
-    if header.get("schema") != JOURNAL_SCHEMA:
-        msg = (
-            f"journal: line 1 of {str(path)!r}: expected a header with schema "
-            f"{JOURNAL_SCHEMA!r}, got {header.get('schema')!r}"
-        )
-        raise InvalidArgument(msg)
-    keys = header.get("tasks")
-    index_of = {k: i for i, k in enumerate(keys)} if isinstance(keys, list) else {}
+    _check_header(header, path)
+    index_of = {k: i for i, k in enumerate(header["tasks"])}
     entries = []
     for number, text in enumerate(lines[1:], start=2):
         item = _read_line(text, number, path, number == len(lines) and not complete)
         key = item.get("key")
         if key not in index_of or item.get("index") != index_of[key] or "result" not in item:
             msg = (
-                f"journal: line {number} of {str(path)!r}: expected a result of one of the "
-                f"header's tasks (key, index, result), got key {key!r} at index "
-                f"{item.get('index')!r}"
+                f"{path}: line {number}: expected a result of one of the header's tasks (key, "
+                f"index, result), got key {key!r} at index {item.get('index')!r}"
+                f"{'' if 'result' in item else ' without a result'}"
             )
             raise InvalidArgument(msg)
         entries.append(_Entry(str(key), index_of[key], item["result"], number))
     return header, entries
+
+
+def _line_of(path: Path, offset: int) -> int:
+    """The 1-based line of the byte at ``offset`` of a file."""
+    return path.read_bytes()[:offset].count(b"\n") + 1
 
 
 def _finished(entries: Sequence[_Entry], sources: Sequence[str]) -> dict[str, _Entry]:
@@ -258,9 +335,9 @@ def _finished(entries: Sequence[_Entry], sources: Sequence[str]) -> dict[str, _E
             first, where = found[entry.key]
             if _canonical(first.result) != _canonical(entry.result):
                 msg = (
-                    f"journal: task {entry.key!r} has two different results ({where} line "
-                    f"{first.line} and {source} line {entry.line}); a task's result must "
-                    "depend on its spec and seed only"
+                    f"{source}: line {entry.line}: task {entry.key!r} has two different results "
+                    f"({where} line {first.line} and {source} line {entry.line}); a task's "
+                    "result must depend on its spec and seed only"
                 )
                 raise InvalidArgument(msg)
             continue
@@ -280,18 +357,34 @@ class Journal:
     Opening an existing journal reads and checks every line; a new one gets its header. Lines
     are only ever appended (each one flushed and fsynced).
 
+    Args:
+        path: the file.
+        campaign, seed, keys: the campaign's description, root seed and task keys (the header).
+        read_back: a function of one result, raising ``KeyError``, ``IndexError``,
+            ``TypeError``, ``ValueError`` or ``AttributeError`` for a result the campaign cannot
+            use (the conversion its caller applies to the results, say); called on every result
+            read back.
+
     Attributes:
         path: the file.
         header: its first line (``schema``, ``version``, ``campaign``, ``seed``, ``tasks``).
         finished: the results read back, by task key.
 
     Raises:
-        InvalidArgument: for a line that is not JSON (naming it), a journal of another campaign
-            (another description, seed or task list), or one task with two results.
+        InvalidArgument: ``"<file>: <what is wrong>"``, for a file that is not a journal, a line
+            that is not JSON or lacks a field (naming it), a result ``read_back`` refuses, a
+            journal of another campaign (another description, seed or task list), or one task
+            with two results.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], campaign: Any, seed: int, keys: Sequence[str]
+        self,
+        path: str | os.PathLike[str],
+        campaign: Any,
+        seed: int,
+        keys: Sequence[str],
+        *,
+        read_back: Callable[[Any], object] | None = None,
     ) -> None:
         self.path = Path(path)
         self.header = _header(campaign, seed, keys)
@@ -300,20 +393,21 @@ class Journal:
             differ = _differences(found, self.header)
             if differ:
                 msg = (
-                    f"journal: {str(self.path)!r} records another campaign (its "
-                    f"{' and '.join(differ)} differ from this run's); pass a new journal file "
-                    "or run the campaign it records"
+                    f"{self.path}: records another campaign (its {' and '.join(differ)} differ "
+                    "from this run's); pass a new journal file or run the campaign it records"
                 )
                 raise InvalidArgument(msg)
-            self.finished = {
-                k: e.result for k, e in _finished(entries, [str(self.path)] * len(entries)).items()
-            }
             if not self.path.read_bytes().endswith(b"\n"):
                 msg = (
-                    f"journal: line {len(entries) + 1} of {str(self.path)!r} has no end of "
-                    "line (a run stopped while writing it); remove it to resume"
+                    f"{self.path}: line {len(entries) + 1} has no end of line (a run stopped "
+                    "while writing it); remove it to resume"
                 )
                 raise InvalidArgument(msg)
+            finished = _finished(entries, [str(self.path)] * len(entries))
+            if read_back is not None:
+                for entry in finished.values():
+                    _check_result(read_back, entry, self.path)
+            self.finished = {k: e.result for k, e in finished.items()}
         else:
             self.finished = {}
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -332,6 +426,32 @@ class Journal:
         with self.path.open("a", encoding="utf-8") as f:
             _write(f, line)
         self.finished[key] = result
+
+
+def _check_result(read_back: Callable[[Any], object], entry: _Entry, path: Path) -> None:
+    """Refuse a result read back from a journal that ``read_back`` cannot use, naming its line."""
+    try:
+        read_back(entry.result)
+    except _UNREADABLE as exc:
+        if isinstance(exc, KeyError):
+            problem = f"one without the field {exc.args[0]!r}"
+        else:
+            problem = f"one it cannot read ({type(exc).__name__}: {exc})"
+        msg = (
+            f"{path}: line {entry.line}: expected the result of task {entry.key!r} as this "
+            f"campaign writes it, got {problem}; remove that line to run the task again"
+        )
+        raise InvalidArgument(msg) from None
+
+
+def journal_progress(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """``(finished, total)``: how many of its campaign's tasks a journal holds.
+
+    Raises:
+        InvalidArgument: ``"<file>: <what is wrong>"``, for a file that is not a journal.
+    """
+    header, entries = _read(Path(path))
+    return len({e.key for e in entries}), len(header["tasks"])
 
 
 def _write(f: Any, item: Mapping[str, Any]) -> None:
@@ -372,15 +492,15 @@ def merge_journals(
     for source in sources:
         path = Path(source)
         if not path.is_file():
-            msg = f"sources: expected journal files, got {str(path)!r}"
+            msg = f"{path}: no such journal file"
             raise InvalidArgument(msg)
         found, items = _read(path)
         if header is None:
             header = found
         elif differ := _differences(found, header):
             msg = (
-                f"sources: {str(path)!r} records another campaign than {str(sources[0])!r} "
-                f"(their {' and '.join(differ)} differ)"
+                f"{path}: records another campaign than {sources[0]} (their "
+                f"{' and '.join(differ)} differ)"
             )
             raise InvalidArgument(msg)
         entries.extend(items)
@@ -454,6 +574,7 @@ def run_tasks(
     journal: str | os.PathLike[str] | None = None,
     campaign: Any = None,
     progress: Progress | None = None,
+    read_back: Callable[[Any], object] | None = None,
 ) -> list[Any]:
     """``fn(spec, seed_i)`` for every task ``(key, spec)``; the results in task order.
 
@@ -469,20 +590,29 @@ def run_tasks(
         campaign: a JSON description of the campaign, recorded in the journal's header (a
             journal with another description is refused).
         progress: ``progress(done, total, key)`` after each task.
+        read_back: checks each result read back from the journal (see :class:`Journal`).
 
     Returns:
         The results, in the order of ``tasks``, as they read back from JSON.
 
     Raises:
         InvalidArgument: for bad tasks or arguments, a result that is not JSON, or a journal
-            that does not belong to this campaign.
+            that cannot be read or does not belong to this campaign.
+        KeyboardInterrupt: on Ctrl-C, after cancelling the tasks not started (every task that
+            finished was journaled).
         Exception: the first error a task raised (after every task that finished was
             journaled); its notes name the task.
     """
     root = _check_seed(seed)
     keys = _check_tasks(tasks)
     seeds = np.random.SeedSequence(root).spawn(len(tasks))
-    book = None if journal is None else Journal(journal, campaign, root, keys)
+    book = None
+    if journal is not None:
+        book = Journal(journal, campaign, root, keys, read_back=read_back)
+        if book.finished:
+            _log.info(
+                "resuming %s: %d of %d tasks done, skipped", journal, len(book.finished), len(keys)
+            )
     results: dict[int, Any] = {}
     done = 0
     for i, key in enumerate(keys):
@@ -512,22 +642,29 @@ def run_tasks(
             finish(i, value)
         return [results[i] for i in range(len(tasks))]
     ex = as_executor(executor)
-    futures = {ex.submit(fn, tasks[i][1], seeds[i]): i for i in pending}
+    futures: dict[concurrent.futures.Future[Any], int] = {}
     failure: BaseException | None = None
-    for future in concurrent.futures.as_completed(futures):
-        i = futures[future]
-        try:
-            value = future.result()
-        except concurrent.futures.CancelledError:
-            continue
-        except Exception as exc:  # noqa: BLE001 (re-raised below, after the others finish)
-            if failure is None:
-                exc.add_note(f"in task {keys[i]!r} of {len(tasks)}")
-                failure = exc
-                for other in futures:
-                    other.cancel()
-            continue
-        finish(i, value)
+    try:
+        for i in pending:
+            futures[ex.submit(fn, tasks[i][1], seeds[i])] = i
+        for future in concurrent.futures.as_completed(futures):
+            i = futures[future]
+            try:
+                value = future.result()
+            except concurrent.futures.CancelledError:
+                continue
+            except Exception as exc:  # noqa: BLE001 (re-raised below, after the others finish)
+                if failure is None:
+                    exc.add_note(f"in task {keys[i]!r} of {len(tasks)}")
+                    failure = exc
+                    for other in futures:
+                        other.cancel()
+                continue
+            finish(i, value)
+    except KeyboardInterrupt:
+        for other in futures:
+            other.cancel()
+        raise
     if failure is not None:
         raise failure
     return [results[i] for i in range(len(tasks))]

@@ -51,7 +51,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings, target
@@ -60,6 +60,7 @@ from hypothesis import strategies as st
 
 from mhanum import _validate as V
 from mhanum import masks, parallel, reference, strategies
+from mhanum._digest import digest_problem, inputs_digest
 from mhanum._errors import CertificationError, InvalidArgument
 from mhanum.attention import attention, multi_head_attention
 from mhanum.bounds import (
@@ -118,7 +119,10 @@ Progress = Callable[[int, int, float], None]
 
 
 class _Sizes:
-    """Positive integer sizes, checked once (the fields of a frozen dataclass subclass)."""
+    """Positive integer sizes, checked once (the fields of a frozen dataclass subclass); a
+    mapping of sizes must name those in ``REQUIRED``."""
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ()
 
     def _check_sizes(self) -> None:
         for name, value in self.as_dict().items():
@@ -147,6 +151,13 @@ class _Sizes:
         if unknown:
             msg = f"shape: expected keys from {sorted(names)}, got {unknown}"
             raise InvalidArgument(msg)
+        missing = [name for name in cls.REQUIRED if name not in shape]
+        if missing:  # a size left out is a size the user did not choose: say so, never fill it
+            msg = (
+                f"shape: expected the sizes {list(cls.REQUIRED)} (optional: "
+                f"{sorted(names - set(cls.REQUIRED))}), missing {missing}"
+            )
+            raise InvalidArgument(msg)
         return cls(**shape)
 
 
@@ -154,8 +165,11 @@ class _Sizes:
 class Shape(_Sizes):
     """Sizes of one attention call: q ``(batch, heads, q_len, d_k)``, k/v ``(…, kv_len, d_k/d_v)``.
 
-    ``d_v`` defaults to ``d_k``.
+    ``d_v`` defaults to ``d_k``, ``batch`` and ``heads`` to 1; a mapping must give ``q_len``,
+    ``kv_len`` and ``d_k``.
     """
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ("q_len", "kv_len", "d_k")
 
     q_len: int = 8
     kv_len: int = 16
@@ -907,9 +921,17 @@ METHODS = ("targeted", "random")
 """The searches of a :func:`campaign`: :func:`worst_case` and :func:`random_search`."""
 
 
+def _case_inputs(case: WorstCase) -> dict[str, np.ndarray | None]:
+    """The input arrays of a case, as :mod:`mhanum.cases` saves and digests them."""
+    arrays: dict[str, np.ndarray | None] = {
+        n: np.asarray(getattr(case, n), np.float64) for n in ("q", "k", "v")
+    }
+    return arrays | {"mask": None if case.mask is None else np.asarray(case.mask, bool)}
+
+
 def _case_record(case: WorstCase) -> dict[str, Any]:
     """A case as JSON (arrays as nested lists: float64 values read back exactly), without
-    ``seconds``."""
+    ``seconds``, with the digest of its inputs (:func:`mhanum.cases.array_digest`)."""
 
     def numerics(num: Numerics | None) -> dict[str, Any] | None:
         return None if num is None else dataclasses.asdict(num)
@@ -939,18 +961,34 @@ def _case_record(case: WorstCase) -> dict[str, Any]:
         "against": numerics(case.against),
         "softcap": case.softcap,
         "sink": case.sink,
+        "inputs_sha256": inputs_digest(_case_inputs(case)),
     }
+
+
+def _check_record_digest(record: Mapping[str, Any], inputs: Mapping[str, Any]) -> None:
+    """Refuse a record whose inputs differ from its digest (a record without one: unchecked)."""
+    digest = record.get("inputs_sha256")
+    problem = None if digest is None else digest_problem(inputs, digest)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _case_of(record: Mapping[str, Any]) -> WorstCase:
-    """The case a :func:`_case_record` holds (``seconds`` 0)."""
+    """The case a :func:`_case_record` holds (``seconds`` 0).
+
+    Raises:
+        KeyError, TypeError, ValueError: for a record without a field, with a field of the
+            wrong type, or whose inputs do not match its digest.
+    """
     arrays: dict[str, Any] = {
         n: np.asarray(record[n], np.float64) for n in ("q", "k", "v", "output")
     }
+    mask = None if record["mask"] is None else np.asarray(record["mask"], bool)
+    _check_record_digest(record, {n: arrays[n] for n in ("q", "k", "v")} | {"mask": mask})
     return WorstCase(
         numerics=Numerics(**record["numerics"]),
         shape=Shape.of(record["shape"]),
-        mask=None if record["mask"] is None else np.asarray(record["mask"], bool),
+        mask=mask,
         index=tuple(record["index"]),
         structure=tuple(record["structure"]),
         against=None if record["against"] is None else Numerics(**record["against"]),
@@ -1090,6 +1128,7 @@ def campaign(
         journal=journal,
         campaign=description,
         progress=progress,
+        read_back=_case_of,
     )
     return [_case_of(r) for r in records]
 
@@ -1386,7 +1425,9 @@ def gradient_worst_case(
 class MHAShape(_Sizes):
     """Sizes of one multi-head attention call: ``x_q`` ``(batch, q_len, d_model)``, ``x_kv``
     ``(batch, kv_len, d_model)``; the weights are ``d_model`` square. ``kv_len`` defaults to
-    ``q_len``."""
+    ``q_len``; a mapping must give ``q_len`` and ``d_model``."""
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ("q_len", "d_model")
 
     q_len: int = 6
     kv_len: int | None = None
@@ -1865,10 +1906,23 @@ def mha_worst_case(
     )  # fmt: skip
 
 
+def _mha_inputs(
+    x_q: Any, x_kv: Any, weights: Mapping[str, Any], mask: Any
+) -> dict[str, np.ndarray | None]:
+    """The input arrays of an MHA case, as :mod:`mhanum.cases` saves and digests them."""
+    return {
+        "x_q": np.asarray(x_q, np.float64),
+        "x_kv": np.asarray(x_kv, np.float64),
+        **{n: None if w is None else np.asarray(w, np.float64) for n, w in weights.items()},
+        "mask": None if mask is None else np.asarray(mask, bool),
+    }
+
+
 def _mha_case_record(case: MHAWorstCase) -> dict[str, Any]:
     """An MHA case as JSON (arrays as nested lists: float64 values read back exactly), without
-    ``seconds``."""
+    ``seconds``, with the digest of its inputs (:func:`mhanum.cases.array_digest`)."""
     weights = {f.name: getattr(case.params, f.name) for f in dataclasses.fields(case.params)}
+    digest = inputs_digest(_mha_inputs(case.x_q, case.x_kv, weights, case.mask))
     return {
         "numerics": dataclasses.asdict(case.numerics),
         "shape": case.shape.as_dict(),
@@ -1882,6 +1936,7 @@ def _mha_case_record(case: MHAWorstCase) -> dict[str, Any]:
         "index": list(case.index),
         **{name: getattr(case, name) for name in _MHA_SCALARS},
         "structure": list(case.structure),
+        "inputs_sha256": digest,
     }  # fmt: skip
 
 
@@ -1892,18 +1947,23 @@ _MHA_SCALARS = (
 
 
 def _mha_case_of(record: Mapping[str, Any]) -> MHAWorstCase:
-    """The case an :func:`_mha_case_record` holds (``seconds`` 0)."""
-    params: dict[str, Any] = {n: None if w is None else np.asarray(w, np.float64)
-                              for n, w in record["params"].items()}  # fmt: skip
+    """The case an :func:`_mha_case_record` holds (``seconds`` 0).
+
+    Raises:
+        KeyError, TypeError, ValueError: as :func:`_case_of`.
+    """
+    inputs = _mha_inputs(record["x_q"], record["x_kv"], record["params"], record["mask"])
+    _check_record_digest(record, inputs)
+    params: dict[str, Any] = {n: inputs[n] for n in record["params"]}
     return MHAWorstCase(
         numerics=Numerics(**record["numerics"]),
         shape=MHAShape.of(record["shape"]),
         num_heads=int(record["num_heads"]),
-        x_q=np.asarray(record["x_q"], np.float64),
-        x_kv=np.asarray(record["x_kv"], np.float64),
+        x_q=np.asarray(inputs["x_q"]),
+        x_kv=np.asarray(inputs["x_kv"]),
         params=MHAParams(**params),
         output=np.asarray(record["output"], np.float64),
-        mask=None if record["mask"] is None else np.asarray(record["mask"], bool),
+        mask=inputs["mask"],
         index=tuple(record["index"]),
         structure=tuple(record["structure"]),
         **{name: record[name] for name in _MHA_SCALARS},
@@ -1991,6 +2051,6 @@ def mha_campaign(
     }
     records = parallel.run_tasks(
         mha_campaign_task, tasks, seed=seed, executor=executor, journal=journal,
-        campaign=description, progress=progress,
+        campaign=description, progress=progress, read_back=_mha_case_of,
     )  # fmt: skip
     return [_mha_case_of(r) for r in records]

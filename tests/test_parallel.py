@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import multiprocessing
+import re
 
 import numpy as np
 import pytest
@@ -181,20 +182,78 @@ def test_a_corrupt_line_is_named(tmp_path):
     path = tmp_path / "j.jsonl"
     parallel.run_tasks(parallel_tasks.draw, TASKS[:3], seed=5, journal=path)
     good = path.read_text().splitlines(keepends=True)
+    header = json.loads(good[0])
     cases = {
-        "garbage in the middle": ([*good[:2], "{not json\n", *good[2:]], "line 3 of"),
-        "a list, not an object": ([*good[:3], "[1, 2]\n"], "line 4 of"),
+        "garbage in the middle": ([*good[:2], "{not json\n", *good[2:]], "line 3 is not"),
+        "a list, not an object": ([*good[:3], "[1, 2]\n"], "line 4 is not"),
         "a cut last line": ([*good[:3], good[3][:20]], "line 4 .*incomplete"),
-        "a whole last line without its end": ([*good[:3], good[3][:-1]], "line 4 .* no end"),
-        "an unknown task": ([*good, good[1].replace('"t0"', '"t9"')], "line 5 .*'t9'"),
-        "no header": (good[1:], "line 1 .* header"),
+        "a whole last line without its end": ([*good[:3], good[3][:-1]], "line 4 has no end"),
+        "an unknown task": ([*good, good[1].replace('"t0"', '"t9"')], "line 5: .*'t9'"),
+        "a line without its result": (
+            [*good, good[1].replace('"result"', '"other"')],
+            "line 5: .*without a result",
+        ),
+        "no header": (good[1:], "line 1: .* header"),
+        "a header without tasks": (
+            [json.dumps({k: v for k, v in header.items() if k != "tasks"}) + "\n", *good[1:]],
+            "line 1: expected the header's tasks",
+        ),
+        "a header with a bad seed": (
+            [json.dumps(header | {"seed": "five"}) + "\n", *good[1:]],
+            "line 1: expected the header's seed",
+        ),
     }
     for name, (lines, message) in cases.items():
         bad = tmp_path / f"{name}.jsonl"
         bad.write_text("".join(lines))
-        with pytest.raises(InvalidArgument, match=message):
+        with pytest.raises(InvalidArgument, match=f"^{re.escape(str(bad))}: {message}"):
             parallel.run_tasks(parallel_tasks.draw, TASKS[:3], seed=5, journal=bad)
+        if name != "a whole last line without its end":  # whole: merge reads it
+            with pytest.raises(InvalidArgument, match=f"^{re.escape(str(bad))}: {message}"):
+                parallel.merge_journals([bad], tmp_path / "merged.jsonl")
         assert bad.read_text() == "".join(lines), name
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(good[0].encode() + b"\xff\xfe\n")
+    with pytest.raises(InvalidArgument, match=r"binary.jsonl: line 2 is not UTF-8"):
+        parallel.run_tasks(parallel_tasks.draw, TASKS[:3], seed=5, journal=binary)
+    with pytest.raises(InvalidArgument, match="expected a readable journal file, got Is a direc"):
+        parallel.run_tasks(parallel_tasks.draw, TASKS[:3], seed=5, journal=tmp_path)
+    assert not (tmp_path / "merged.jsonl").exists()
+
+
+def test_a_result_the_campaign_cannot_read_back_is_refused_naming_its_line(tmp_path):
+    path = tmp_path / "j.jsonl"
+    parallel.run_tasks(parallel_tasks.draw, TASKS[:3], seed=5, journal=path)
+
+    def read_back(result):
+        return result["draw"] + 0.0
+
+    again = parallel.run_tasks(
+        parallel_tasks.draw, TASKS[:3], seed=5, journal=path, read_back=read_back
+    )
+    assert again == expected(TASKS[:3])
+    lines = path.read_text().splitlines(keepends=True)
+    entry = json.loads(lines[2])
+    del entry["result"]["draw"]
+    lines[2] = json.dumps(entry) + "\n"
+    path.write_text("".join(lines))
+    message = (
+        f"{path}: line 3: expected the result of task {entry['key']!r} as this campaign writes "
+        "it, got one without the field 'draw'"
+    )
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        parallel.run_tasks(
+            parallel_tasks.draw, TASKS[:3], seed=5, journal=path, read_back=read_back
+        )
+
+
+def test_a_resume_is_logged_with_the_tasks_it_skips(tmp_path, caplog):
+    path = tmp_path / "j.jsonl"
+    parallel.run_tasks(parallel_tasks.draw, TASKS[:3], seed=5, journal=path)
+    assert parallel.journal_progress(path) == (3, 3)
+    caplog.set_level("INFO", logger="mhanum.parallel")
+    parallel.run_tasks(parallel_tasks.draw, TASKS[:3], seed=5, journal=path)
+    assert caplog.messages == [f"resuming {path}: 3 of 3 tasks done, skipped"]
 
 
 @pytest.mark.parametrize(
@@ -342,3 +401,44 @@ def test_device_references_on_dask_give_the_same_records(dask_client):
     assert without_timings(on_dask) == without_timings(here)
     with pytest.raises(InvalidArgument, match="workers: expected None with an executor"):
         devices.measure(grid, "cpu", workers=2, executor=dask_client)
+
+
+def test_the_command_names_an_unreadable_journal(tmp_path, capsys):
+    from mhanum import cli
+
+    _partial(tmp_path / "a.jsonl", ["t0"], expected())
+    headless = tmp_path / "b.jsonl"
+    header = json.loads((tmp_path / "a.jsonl").read_text().splitlines()[0])
+    headless.write_text(json.dumps({k: v for k, v in header.items() if k != "tasks"}) + "\n")
+    for bad, what in ((headless, "line 1: expected the header's tasks"), (tmp_path / "c", "no")):
+        sources = [str(tmp_path / "a.jsonl"), str(bad)]
+        assert cli.main(["merge-journals", *sources, "-o", str(tmp_path / "m.jsonl")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"mhanum merge-journals: {bad}: {what}")
+        assert err.count("\n") == 1
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_a_search_journal_whose_case_was_edited_is_refused_naming_the_line(tmp_path, capsys):
+    from mhanum import cli
+
+    journal = tmp_path / "j.jsonl"
+    args = ["search", "--runs", "2", "--budget", "2", "--q-len", "2", "--kv-len", "4", "--d-k",
+            "4", "--journal", str(journal), "--out", str(tmp_path / "cases"),
+            "--force"]  # fmt: skip
+    assert cli.main(args) == 0
+    capsys.readouterr()
+    lines = journal.read_text().splitlines(keepends=True)
+    entry = json.loads(lines[1])
+    q = entry["result"]["q"]
+    q[0][0][0][0] = float(np.nextafter(q[0][0][0][0], np.inf))
+    journal.write_text("".join([lines[0], json.dumps(entry) + "\n", *lines[2:]]))
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mhanum search: {journal}: line 2: expected the result of task ")
+    assert "q does not match the digest saved with the case (edited or corrupt)" in err
+    del entry["result"]["q"]
+    journal.write_text("".join([lines[0], json.dumps(entry) + "\n", *lines[2:]]))
+    assert cli.main(args) == 2
+    assert "got one without the field 'q'" in capsys.readouterr().err
+    assert set(entry["result"]["inputs_sha256"]) == {"q", "k", "v"}

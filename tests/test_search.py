@@ -4,6 +4,7 @@ cheap objective stays within its proven slack of the certified one."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -144,6 +145,24 @@ def test_bad_arguments_raise(kwargs):
     args = {"numerics": "fp32", "shape": {"q_len": 2, "kv_len": 2, "d_k": 2}, "budget": 2}
     with pytest.raises(InvalidArgument):
         ms.worst_case(**(args | kwargs))
+
+
+@pytest.mark.parametrize(
+    ("search", "shape", "missing"),
+    [
+        (ms.worst_case, {"q_len": 2}, "['kv_len', 'd_k']"),
+        (ms.random_search, {"q_len": 2, "kv_len": 4}, "['d_k']"),
+        (ms.gradient_worst_case, {"d_k": 2, "kv_len": 4}, "['q_len']"),
+        (ms.mha_worst_case, {"q_len": 2}, "['d_model']"),
+    ],
+)
+def test_a_partial_shape_is_refused_by_name(search, shape, missing):
+    """A size left out is one the user did not choose: the search names it, never fills it."""
+    kwargs = {"num_heads": 2} if search is ms.mha_worst_case else {}
+    with pytest.raises(
+        InvalidArgument, match=r"^shape: expected the sizes .* missing " + re.escape(missing)
+    ):
+        search("fp32", shape, budget=2, **kwargs)
 
 
 def test_the_search_needs_64_bit_jax(monkeypatch):

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import contextlib
 import json
+import logging
+import os
+import shlex
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -14,6 +20,11 @@ from typing import Any, TextIO
 def _demo(args: argparse.Namespace) -> int:
     from mhanum import demo
 
+    demo.check_arguments(
+        seed=args.seed, d_model=args.d_model, num_heads=args.heads, length=args.length,
+        names={"seed": "--seed", "d_model": "--d-model", "num_heads": "--heads",
+               "length": "--length"},
+    )  # fmt: skip
     result = demo.run(
         seed=args.seed, d_model=args.d_model, num_heads=args.heads, length=args.length
     )
@@ -96,9 +107,14 @@ def _measure(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from mhanum import devices
+    from mhanum import InvalidArgument, devices
 
-    result = devices.check(devices.read_records(args.records))
+    records = devices.read_records(args.records)
+    try:
+        result = devices.check(records)
+    except InvalidArgument as exc:
+        msg = f"{args.records}: {exc}"
+        raise InvalidArgument(msg) from None
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.render())
     return result.exit_code
 
@@ -352,9 +368,16 @@ def _replay(args: argparse.Namespace) -> int:
     else:
         same = "bit for bit" if result.bit_for_bit else "DIFFERENT output"
         verdict = "VIOLATION" if result.violation else "within bound"
+        unchecked = (
+            ""
+            if result.digest_checked
+            else " (the case carries no input digest: saved by an earlier mhanum, its inputs "
+            "are unchecked)"
+        )
         print(
             f"{args.case}: {result.case.numerics.describe()}: {same}; ratio {result.ratio:.4g} "
-            f"(saved {result.case.ratio:.4g}), dominant term {result.dominant_term}: {verdict}"
+            f"(saved {result.case.ratio:.4g}), dominant term {result.dominant_term}: "
+            f"{verdict}{unchecked}"
         )
     return 0 if result.ok else 1
 
@@ -618,16 +641,108 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``mhanum`` console script."""
-    args = _parser().parse_args(argv)
-    import jax
+def _interrupted(args: argparse.Namespace | None, argv: Sequence[str]) -> str:
+    """What the command says when Ctrl-C stops it: what is saved, and how to resume."""
+    from mhanum import InvalidArgument, parallel
 
-    jax.config.update("jax_enable_x64", True)
-    from mhanum import InvalidArgument
-
+    journal = getattr(args, "journal", None)
+    if journal is None:
+        keep = args is not None and "journal" in args
+        hint = " (--journal FILE keeps finished tasks for a rerun)" if keep else ""
+        return f"interrupted: nothing was saved{hint}"
+    command = shlex.join(["mhanum", *argv])
     try:
-        return int(args.func(args))
+        done, total = parallel.journal_progress(journal)
+    except InvalidArgument:
+        return f"interrupted: no task was saved in {journal}; run again with: {command}"
+    return f"interrupted: {done} of {total} tasks saved in {journal}; resume with: {command}"
+
+
+def _from_ctrl_c(exc: BaseException | None) -> bool:
+    """Whether ``exc`` comes from Ctrl-C: a ``KeyboardInterrupt``, or an error it caused (JAX
+    turns one raised in a Python callback of its C++ code into a ``ValueError``, chained)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@contextlib.contextmanager
+def _interrupts_kept() -> Iterator[None]:
+    """Keep a Ctrl-C that arrives while Python runs a garbage-collector callback (JAX and
+    Hypothesis have some): raised there, it would be printed as ignored and the command would
+    run on; it is raised again in the main thread, by another thread, once the collection is
+    over (raised in this hook, it would be ignored again)."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if issubclass(unraisable.exc_type, KeyboardInterrupt):
+            again = threading.Timer(0.05, _thread.interrupt_main)
+            again.daemon = True
+            again.start()
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
+@contextlib.contextmanager
+def _resumes_shown(stream: TextIO) -> Iterator[None]:
+    """Show on ``stream`` the journals a sweep resumes ("resuming run.jsonl: 12 of 40 tasks
+    done, skipped", logged by :mod:`mhanum.parallel`) while the command runs."""
+    logger = logging.getLogger("mhanum.parallel")
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setLevel(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mhanum`` console script.
+
+    Exit status: 0, 1 (a bound violated, a check failed), 2 (bad input: an option or a file the
+    command cannot use, with a one-line message naming it), 130 (stopped by Ctrl-C, with a line
+    saying what was saved and how to resume).
+    """
+    from mhanum._errors import InvalidArgument
+
+    given = list(sys.argv[1:] if argv is None else argv)
+    args: argparse.Namespace | None = None
+    try:
+        with _interrupts_kept():
+            args = _parser().parse_args(given)  # imports JAX: Ctrl-C may come here already
+            import jax
+
+            jax.config.update("jax_enable_x64", True)
+            with _resumes_shown(sys.stderr):
+                return int(args.func(args))
     except InvalidArgument as exc:
+        assert args is not None  # the parser raises SystemExit, never InvalidArgument
         print(f"mhanum {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BaseException as exc:
+        if not _from_ctrl_c(exc):
+            raise
+        start = "\n" if sys.stderr.isatty() else ""  # after a progress bar drawn in place
+        print(start + _interrupted(args, given), file=sys.stderr)
+        if argv is None:  # the process's own command line: end the process now
+            # Ctrl-C may leave a JAX compilation running in a thread, and finalizing the
+            # interpreter under it can crash (SIGSEGV); journals are fsynced, pools ended
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        return 130

@@ -104,7 +104,8 @@ def check(records: Sequence[Record]) -> CheckResult:
     or when ``exp(0) != 1``.
 
     Raises:
-        InvalidArgument: for a record of another schema or one missing a field.
+        InvalidArgument: for a record of another schema, one missing a field or with a field
+            that cannot be read (``"records[i]: ..."``).
     """
     verdicts = []
     for i, record in enumerate(records):
@@ -112,8 +113,8 @@ def check(records: Sequence[Record]) -> CheckResult:
             msg = f"records[{i}]: expected a dict, got {type(record).__name__}"
             raise InvalidArgument(msg)
         check_schema(record, f"records[{i}]")
-        rid = int(record.get("id", i))
         try:
+            rid = int(record.get("id", i))
             if record["kind"] == "exp":
                 verdicts.append(_check_exp(rid, record, records))
             elif record.get("status") != "measured":
@@ -121,10 +122,22 @@ def check(records: Sequence[Record]) -> CheckResult:
                 verdicts.append(Verdict(rid, "skipped", math.nan, math.nan, reason))
             else:
                 verdicts.append(_check_attention(rid, record))
-        except KeyError as exc:
-            msg = f"records[{i}]: expected the field {exc.args[0]!r}, got a record without it"
-            raise InvalidArgument(msg) from None
+        except _UNREADABLE as exc:
+            raise _unreadable(i, exc) from None
     return CheckResult(tuple(verdicts), summarize(records, verdicts))
+
+
+_UNREADABLE = (KeyError, IndexError, TypeError, ValueError, AttributeError)
+"""What reading a record's fields raises for a record without one, or with one of another type."""
+
+
+def _unreadable(i: int, exc: Exception) -> InvalidArgument:
+    """The error of ``records[i]``, whose reading raised ``exc``."""
+    if isinstance(exc, KeyError):
+        return InvalidArgument(
+            f"records[{i}]: expected the field {exc.args[0]!r}, got a record without it"
+        )
+    return InvalidArgument(f"records[{i}]: expected a readable record, got {exc}")
 
 
 def _check_attention(rid: int, record: Mapping[str, Any]) -> Verdict:
@@ -202,21 +215,29 @@ def summarize(
 
     Without ``verdicts`` the recorded ratios are used (as :func:`measure` wrote them).
     """
-    groups: dict[tuple[str, ...], list[tuple[Record, Verdict | None]]] = {}
+    # per group: each record's verdict, and its recorded ratio and tightness (NaN: skipped)
+    groups: dict[tuple[str, ...], list[tuple[Record, Verdict | None, float, float]]] = {}
     for i, r in enumerate(records):
         if r.get("kind") != "attention":
             continue
-        label = r["model"]["label"] if r.get("status") == "measured" else "-"
-        key = (r["device"]["kind"], r["implementation"], r["precision"], label)
-        groups.setdefault(key, []).append((r, None if verdicts is None else verdicts[i]))
+        was_measured = r.get("status") == "measured"
+        try:
+            label = r["model"]["label"] if was_measured else "-"
+            key = (r["device"]["kind"], r["implementation"], r["precision"], label)
+            ratio = float(r["ratio"]) if was_measured else math.nan
+            tightness = float(r["tightness"]) if was_measured else math.nan
+        except _UNREADABLE as exc:
+            raise _unreadable(i, exc) from None
+        verdict = None if verdicts is None else verdicts[i]
+        groups.setdefault(key, []).append((r, verdict, ratio, tightness))
     rows = []
     for (device, impl, precision, label), members in groups.items():
-        measured = [(r, v) for r, v in members if r.get("status") == "measured"]
+        measured = [m for m in members if m[0].get("status") == "measured"]
         ratios = [
-            v.ratio if v is not None and not math.isnan(v.ratio) else float(r["ratio"])
-            for r, v in measured
+            v.ratio if v is not None and not math.isnan(v.ratio) else ratio
+            for _, v, ratio, _ in measured
         ]
-        tight = [float(r["tightness"]) for r, _ in measured]
+        tight = [tightness for *_, tightness in measured]
         row: dict[str, Any] = {
             "device": device,
             "implementation": impl,
@@ -228,7 +249,7 @@ def summarize(
             "median_tightness": statistics.median(tight) if tight else math.nan,
         }
         if verdicts is not None:
-            row["failing"] = sum(v is not None and v.verdict in FAILING for _, v in members)
+            row["failing"] = sum(v is not None and v.verdict in FAILING for _, v, _, _ in members)
         rows.append(row)
     return tuple(rows)
 

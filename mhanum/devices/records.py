@@ -55,14 +55,18 @@ def read_records(path: str | os.PathLike[str]) -> list[Record]:
     """Read records written by :func:`write_records` (from any machine).
 
     Raises:
-        InvalidArgument: for a missing file, a line that is not a JSON object, or a record of
-            another schema version than :data:`SCHEMA`.
+        InvalidArgument: ``"<file>: <what is wrong>"``, for a missing or unreadable file, a line
+            that is not a JSON object, or a record of another schema version than
+            :data:`SCHEMA`.
     """
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_bytes().decode("utf-8")
     except OSError as exc:
-        msg = f"records: expected a readable file, got {str(p)!r}: {exc.strerror}"
+        msg = f"{p}: expected a readable records file, got {exc.strerror or exc}"
+        raise InvalidArgument(msg) from None
+    except UnicodeDecodeError as exc:
+        msg = f"{p}: expected UTF-8 JSON lines, got a byte that is not UTF-8 (at {exc.start})"
         raise InvalidArgument(msg) from None
     records = []
     for number, line in enumerate(text.splitlines(), 1):
@@ -71,20 +75,21 @@ def read_records(path: str | os.PathLike[str]) -> list[Record]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            msg = f"records: expected JSON on line {number} of {str(p)!r}, got an error: {exc}"
+            msg = f"{p}: line {number}: expected JSON, got an error: {exc}"
             raise InvalidArgument(msg) from None
         if not isinstance(record, dict):
-            msg = f"records: expected a JSON object on line {number}, got {type(record).__name__}"
+            msg = f"{p}: line {number}: expected a JSON object, got {type(record).__name__}"
             raise InvalidArgument(msg)
-        check_schema(record, f"line {number}")
+        check_schema(record, f"{p}: line {number}")
         records.append(record)
     return records
 
 
 def check_schema(record: Mapping[str, Any], where: str) -> None:
+    """Refuse a record of another schema than :data:`SCHEMA`; ``where`` starts the message."""
     if record.get("schema") != SCHEMA:
         msg = (
-            f"records: expected schema {SCHEMA!r} at {where}, got {record.get('schema')!r} "
-            "(written by another mhanum version?)"
+            f"{where}: expected schema {SCHEMA!r}, got {record.get('schema')!r} (written by "
+            "another mhanum version?)"
         )
         raise InvalidArgument(msg)

@@ -707,7 +707,12 @@ def audit(
         "frameworks": list(paths),
     }
     results = parallel.run_tasks(
-        layer_task, tasks, executor=executor, journal=journal, campaign=campaign
+        layer_task,
+        tasks,
+        executor=executor,
+        journal=journal,
+        campaign=campaign,
+        read_back=layer_from_json,
     )
     audited = [layer_from_json(r) for r in results]
     return Audit(

@@ -202,8 +202,39 @@ def _safetensors_numpy() -> Any:
 
 
 def _read_vocab(path: Path) -> dict[str, int]:
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        msg = (
+            f"{path}: expected UTF-8 text, one token a line, got a byte that is not UTF-8 (at "
+            f"{exc.start})"
+        )
+        raise InvalidArgument(msg) from None
     return {token: i for i, token in enumerate(lines)}
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_bytes())
+    except ValueError as exc:  # not UTF-8, or not JSON
+        msg = f"{path}: expected a JSON object, got {type(exc).__name__}: {exc}"
+        raise InvalidArgument(msg) from None
+    if not isinstance(raw, dict):
+        msg = f"{path}: expected a JSON object, got {type(raw).__name__}"
+        raise InvalidArgument(msg)
+    return raw
+
+
+def _read_tensors(path: Path) -> dict[str, Any]:
+    st_numpy = _safetensors_numpy()
+    from safetensors import SafetensorError
+
+    try:
+        tensors: dict[str, Any] = st_numpy.load_file(str(path))
+    except (OSError, ValueError, SafetensorError) as exc:
+        msg = f"{path}: expected a safetensors file, got {type(exc).__name__}: {exc}"
+        raise InvalidArgument(msg) from None
+    return tensors
 
 
 def load_checkpoint(model: str | Path | Checkpoint | None = None) -> Checkpoint:
@@ -240,13 +271,9 @@ def load_checkpoint(model: str | Path | Checkpoint | None = None) -> Checkpoint:
         if not file.is_file():
             msg = f"model: expected {name} in {str(path)!r}, found none"
             raise InvalidArgument(msg)
-    try:
-        raw = json.loads(files["config.json"].read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        msg = f"model: expected {str(files['config.json'])!r} to hold JSON ({exc})"
-        raise InvalidArgument(msg) from exc
+    raw = _read_config(files["config.json"])
     config = BertConfig.from_dict(raw, source=str(files["config.json"]))
-    loaded = _safetensors_numpy().load_file(str(files["model.safetensors"]))
+    loaded = _read_tensors(files["model.safetensors"])
     tensors = {
         name.removeprefix("bert."): np.asarray(value, np.float64)
         for name, value in loaded.items()

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mhanum import devices
 from mhanum._errors import InvalidArgument
 from mhanum.report._compute import CASE_FIELDS, Progress, compute, read_cases
 from mhanum.report._config import (
@@ -188,6 +189,7 @@ def build(
         if not Path(r).is_file():
             msg = f"records: expected a records file, got {str(r)!r}"
             raise InvalidArgument(msg)
+        devices.read_records(r)
     start = time.perf_counter()
     data: dict[str, Any] = {"schema": SCHEMA, "config": cfg.as_dict()}
     data |= compute(

@@ -621,7 +621,11 @@ def _number(x: Any) -> float:
 def device_records(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The verdicts of :func:`mhanum.devices.check` on a records file, and every measurement."""
     records = devices.read_records(path)
-    result = devices.check(records)
+    try:
+        result = devices.check(records)
+    except InvalidArgument as exc:
+        msg = f"{path}: {exc}"
+        raise InvalidArgument(msg) from None
     points = [
         {
             "implementation": r["implementation"],

@@ -129,6 +129,11 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except OSError as exc:
         msg = f"config: expected a readable TOML file, got {str(path)!r} ({exc.strerror})"
         raise InvalidArgument(msg) from None
+    except UnicodeDecodeError as exc:
+        msg = (
+            f"config: expected a UTF-8 TOML file, got {str(path)!r} (byte {exc.start} is not UTF-8)"
+        )
+        raise InvalidArgument(msg) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
