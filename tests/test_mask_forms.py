@@ -161,6 +161,9 @@ ENTRY_POINTS: dict[str, Callable[[Any], Any]] = {
     "search.gradient_evaluation": lambda m: mn.search.gradient_evaluation(
         X["q"], X["k"], X["v"], X["g"], m, mn.Numerics.preset("fp32"), FLASH
     ),
+    "search.mha_evaluation": lambda m: mn.search.mha_evaluation(
+        X["x_q"], X["x_kv"], PARAMS, HEADS, m, mn.Numerics.preset("bf16-fp32acc")
+    ),
 }
 
 
