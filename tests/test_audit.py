@@ -398,21 +398,28 @@ def test_bad_audit_arguments_are_refused(checkpoint, kwargs, message):
 def test_cli_audit_prints_the_tables_and_writes_json(tmp_path, capsys):
     out = tmp_path / "audit.json"
     args = ["audit", "--layers", "1", "--sentence", "Hello world.", "--tolerance", "1e-3"]
-    assert main([*args, "--json", str(out)]) == 0
+    assert main([*args, "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert "sentence (5 tokens): Hello world." in text
     assert "layer 1: max |logit|" in text
     assert "tolerance 0.001: cheapest preset measured within it: fp32" in text
     data = json.loads(out.read_text())
     assert data["layers"][0]["layer"] == 1
-    assert main([*args, "--json", str(out)]) == 2  # an existing file is not overwritten
-    assert "pass --force to overwrite" in capsys.readouterr().err
+    assert main([*args, "--out", str(out)]) == 2  # an existing file is not overwritten
+    assert capsys.readouterr().err == (
+        f"mhanum audit: --out: expected a new file, got existing {str(out)!r} (pass --force to "
+        "overwrite)\n"
+    )
+    assert main([*args, "--json"]) == 0  # --json prints the same audit instead of the tables
+    assert json.loads(capsys.readouterr().out) == data
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--preset", "nope"], "presets: expected names from"),
+        (["--preset", "nope"], "--preset: invalid choice: 'nope'"),
+        (["--mask-constant", "1e4"], "--mask-constant: expected a negative number"),
+        (["--json", "audit.json"], "(to write the audit as JSON to a file: -o audit.json)"),
         (["--layers", "9"], "layers: expected integers in [0, 6), got 9"),
         (["--tolerance", "-1"], "--tolerance: expected a positive finite number"),
         (["/nonexistent/model"], "model: expected a directory"),

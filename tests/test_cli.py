@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
+import math
 import os
+import pathlib
+import re
 import shlex
 import signal
 import subprocess
@@ -14,6 +18,7 @@ import time
 import pytest
 
 from mhanum import InvalidArgument, cli, demo, devices
+from tests.test_docs_examples import FENCE
 
 
 @pytest.fixture(scope="module")
@@ -339,3 +344,275 @@ def test_report_names_a_config_or_records_file_it_cannot_read_before_any_work(tm
         "name enclosed in double quotes: line 1 column 2 (char 1)\n"
     )
     assert not out.exists()
+
+
+# --- first contact: the help, one spelling per idea, the examples -------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PARSER = cli._parser()
+COMMANDS = cli._commands(PARSER)
+SHELL_OPERATORS = {">", ">>", "|", "&&", ";"}
+
+
+def _flat(text):
+    """``text`` with every run of white space one space (help wraps where the terminal ends)."""
+    return " ".join(text.split())
+
+
+def _named(name, text):
+    """Whether ``name`` is in ``text`` as a whole name (``fp16`` is not in ``fp16-fp32acc``)."""
+    return re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text) is not None
+
+
+def _options(parser):
+    return [a for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS]
+
+
+def _examples(parser):
+    """The example command lines of a command's help epilog."""
+    lines = (parser.epilog or "").split("examples:\n", 1)[-1].splitlines()
+    return [line.strip() for line in lines if line.strip().startswith("mhanum ")]
+
+
+def _argv(command_line):
+    """The arguments of a shell command line, up to a redirection or the next command."""
+    argv = shlex.split(command_line, comments=True)
+    cut = [i for i, word in enumerate(argv) if word in SHELL_OPERATORS]
+    return argv[1 : cut[0] if cut else None]
+
+
+def test_the_top_level_help_lists_every_command_and_says_where_to_start():
+    text = _flat(PARSER.format_help())
+    choices = next(a for a in PARSER._actions if isinstance(a, argparse._SubParsersAction))
+    summaries = {c.dest: c.help for c in choices._choices_actions}
+    assert list(summaries) == list(COMMANDS)
+    for name, summary in summaries.items():
+        assert f"{name} {_flat(summary)}" in text
+    assert "start here: mhanum demo" in text
+    assert "mhanum COMMAND --help" in text
+
+
+def test_mhanum_alone_prints_the_help(capsys):
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert err == PARSER.format_help()
+    assert "start here" in err
+    assert cli.main(["--help"]) == 0
+    assert capsys.readouterr().out == err
+    assert cli.main(["search", "--help"]) == 0
+    assert capsys.readouterr().out == COMMANDS["search"].format_help()
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_command_help_has_a_description_examples_and_the_names_it_takes(name):
+    parser = COMMANDS[name]
+    assert parser.description
+    assert parser.description.endswith(".")
+    examples = _examples(parser)
+    assert examples, f"mhanum {name} --help shows no example"
+    assert all(e.startswith(f"mhanum {name} ") or e == f"mhanum {name}" for e in examples)
+    text = _flat(parser.format_help())
+    assert _flat(parser.description) in text
+    for action in _options(parser):
+        for choice in action.choices or ():
+            assert _named(str(choice), text), f"{action.option_strings[-1]}: {choice} not listed"
+
+
+def test_the_names_an_option_takes_come_from_the_library():
+    from mhanum import PRESETS, adapters, devices, models, strategies
+    from mhanum.formats import FORMATS
+    from mhanum.search import OBJECTIVES
+    from mhanum.units import ACCUM_FORMATS
+
+    def choices(command, option):
+        (action,) = (a for a in COMMANDS[command]._actions if option in a.option_strings)
+        return tuple(action.choices)
+
+    assert choices("search", "--preset") == choices("audit", "--preset") == tuple(PRESETS)
+    assert choices("search", "--against") == tuple(PRESETS)
+    assert choices("search", "--input") == tuple(FORMATS)
+    assert choices("search", "--accum") == ACCUM_FORMATS
+    assert choices("search", "--summation") == (
+        "native", "sequential", "pairwise", "kahan", "blocked(N)"
+    )  # fmt: skip
+    assert choices("search", "--softmax") == ("naive", "safe", "online(N)")
+    assert choices("search", "--objective") == OBJECTIVES
+    assert choices("search", "--mask") == strategies.MASK_KINDS
+    assert choices("measure", "--backend") == devices.PLATFORMS
+    assert all(hasattr(devices.Grid, name) for name in choices("measure", "--grid"))
+    assert choices("compare", "--framework") == tuple(adapters.ADAPTERS)
+    assert choices("audit", "--framework") == models.FRAMEWORKS
+    summation = next(a for a in COMMANDS["search"]._actions if a.dest == "summation")
+    assert "blocked(8)" in summation.choices  # a family: accepted as the library parses it
+    assert "blocked(0)" not in summation.choices
+    assert "bf16" in next(a for a in COMMANDS["search"]._actions if a.dest == "input").choices
+
+
+EXAMPLES = [(name, e) for name, parser in COMMANDS.items() for e in _examples(parser)]
+
+
+@pytest.mark.parametrize(("name", "example"), EXAMPLES, ids=[e for _, e in EXAMPLES])
+def test_every_example_in_a_help_parses(name, example):
+    args = PARSER.parse_args(_argv(example))
+    assert args.command == name
+
+
+def _documented_commands():
+    """Every ``mhanum COMMAND ...`` line of a shell block of the README and the docs (not a
+    synopsis such as ``mhanum report [GRID.toml] -o DIR [--force]``)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    pages += sorted((ROOT / "papers").rglob("*.md"))
+    found = []
+    for page in pages:
+        for block in FENCE.finditer(page.read_text("utf-8")):
+            if block.group(1) not in ("bash", "sh", "console", "shell", ""):
+                continue
+            for line in block.group(2).splitlines():
+                for part in line.split("&&"):
+                    part = part.strip()
+                    if part.split(" ", 1)[0] == "mhanum" and "[-" not in part:
+                        found.append((page.relative_to(ROOT).as_posix(), part))
+    return found
+
+
+DOCUMENTED = _documented_commands()
+
+
+def test_the_docs_show_commands():
+    assert {page for page, _ in DOCUMENTED} >= {"README.md", "docs/search.md", "docs/audit.md"}
+    assert {_argv(line)[0] for _, line in DOCUMENTED} >= set(COMMANDS) - {"merge-journals"}
+
+
+@pytest.mark.parametrize(("page", "line"), DOCUMENTED, ids=[f"{p}: {c}" for p, c in DOCUMENTED])
+def test_every_command_the_docs_show_parses(page, line):
+    PARSER.parse_args(_argv(line))
+
+
+def test_the_readme_layout_names_every_command():
+    readme = (ROOT / "README.md").read_text("utf-8")
+    layout = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    (row,) = (line for line in layout.splitlines() if line.startswith("| `mhanum/cli/` |"))
+    assert [name for name in COMMANDS if f"`{name}`" not in row] == []
+
+
+def test_the_readme_first_screen_says_what_it_answers_and_how_to_start():
+    first = "\n".join((ROOT / "README.md").read_text("utf-8").splitlines()[:30])
+    assert 'pip install -e ".[test]" && mhanum demo' in first
+    assert "HYPOTHESIS_PROFILE=ci python -m pytest -n 2" in first
+    for question in ("frameworks' attention outputs differ", "mask constant safe in bf16 or fp16",
+                     "on which inputs", "a bug, or rounding"):  # fmt: skip
+        assert question in first
+
+
+WRITERS = {"measure", "search", "merge-journals", "audit", "report"}
+
+
+def test_out_is_the_output_path_of_every_command_that_writes_one():
+    for name, parser in COMMANDS.items():
+        outs = [a for a in parser._actions if a.dest == "out"]
+        if name not in WRITERS:
+            assert outs == [], name
+            continue
+        (out,) = outs
+        assert out.option_strings == ["-o", "--out"], name
+        others = [a for a in _options(parser) if a is not out and a.metavar in ("FILE", "DIR")]
+        assert all(a.dest in ("journal", "records") for a in others), name
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["measure", "-o", "r.jsonl"],
+        ["search", "-o", "found"],
+        ["merge-journals", "a.jsonl", "b.jsonl", "-o", "r.jsonl"],
+        ["audit", "-o", "r.json"],
+        ["report", "-o", "found"],
+    ],
+)
+def test_o_and_out_are_one_option(argv):
+    short = PARSER.parse_args(argv)
+    long = PARSER.parse_args([("--out" if a == "-o" else a) for a in argv])
+    assert short == long
+    assert short.out == argv[argv.index("-o") + 1]
+
+
+def test_json_is_a_flag_that_prints_json_everywhere():
+    having = set()
+    for name, parser in COMMANDS.items():
+        for action in _options(parser):
+            if "--json" in action.option_strings:
+                having.add(name)
+                assert action.nargs == 0, name
+                assert action.help.endswith("as JSON on standard output"), name
+    assert having == {"demo", "measure", "check", "search", "replay", "compare", "audit"}
+
+
+def test_heads_is_the_number_of_attention_heads_everywhere():
+    having = set()
+    for name, parser in COMMANDS.items():
+        for action in _options(parser):
+            assert not {"--num-heads", "--num_heads"} & set(action.option_strings), name
+            assert action.metavar != "HEADS", name
+            if "--heads" in action.option_strings:
+                having.add(name)
+                assert action.type is int
+                assert action.help.startswith("number of attention heads"), name
+    assert having == {"demo", "search", "compare"}
+    (mha,) = (a for a in COMMANDS["search"]._actions if "--mha" in a.option_strings)
+    assert mha.nargs == 0  # a flag: the layer's heads are --heads
+
+
+def test_the_old_spellings_still_parse_but_the_help_shows_one(tmp_path, capsys):
+    args = PARSER.parse_args(["search", "--mha", "4", "--d-model", "16"])
+    cli._old_mha_heads(args)
+    assert (args.mha, args.heads) == (True, 4)
+    args = PARSER.parse_args(["compare", "--frameworks", "jax,model", "--framework", "torch"])
+    assert args.frameworks == ["jax", "model", "torch"]
+    assert "--frameworks" not in COMMANDS["compare"].format_help()
+    assert "HEADS" not in COMMANDS["search"].format_help()
+    assert "--json OUT" not in COMMANDS["audit"].format_help()
+
+
+def test_negative_values_are_values_not_options():
+    args = PARSER.parse_args(["audit", "--mask-constant", "-1e9", "--mask-constant", "-inf"])
+    assert args.mask_constants == [-1e9, -math.inf]
+    assert PARSER.parse_args(["search", "--sink", "-1e3"]).sink == -1e3
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["search", "--preset", "fp12"], "--preset: invalid choice: 'fp12'"),
+        (["search", "--summation", "blocked(0)"], "--summation: invalid choice: 'blocked(0)'"),
+        (["search", "--accum", "float8_e5m2"], "--accum: invalid choice: 'float8_e5m2'"),
+        (["search", "--budget", "x"], "--budget: invalid int value: 'x'"),
+        (["search", "--q-len", "0"], "--q-len: expected a positive integer, got 0"),
+        (["search", "--kv-splits", "0"], "--kv-splits: expected None or an integer >= 1, got 0"),
+        (["search", "--mha", "--heads", "3"], "--heads: expected a divisor of --d-model 8, got 3"),
+        (["measure", "--grid", "huge"], "--grid: invalid choice: 'huge'"),
+        (["compare", "--framework", "mxnet"], "--framework: invalid choice: 'mxnet'"),
+        (["compare", "--heads", "3"], "--heads: expected a divisor of --d-model 32, got 3"),
+        (["compare", "--attribute", "mxnet", "jax"], "--attribute: expected framework[/path]"),
+        (["audit", "--preset", "fp12"], "--preset: invalid choice: 'fp12'"),
+        (["audit", "--mask-constant", "1e4"], "--mask-constant: expected a negative number"),
+        (["report", "--workers", "x"], "--workers: invalid int value: 'x'"),
+    ],
+)
+def test_a_bad_option_value_exits_2_naming_the_option_in_one_line(argv, message, tmp_path, capsys):
+    if argv[0] == "search":
+        argv = [*argv, "-o", str(tmp_path / "out")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mhanum {argv[0]}: {message}")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("spelling", ["-o", "--out"])
+def test_an_existing_out_is_named_as_typed(spelling, tmp_path, capsys):
+    out = tmp_path / "records.jsonl"
+    out.write_text("keep me\n")
+    assert cli.main(["measure", spelling, str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"mhanum measure: {spelling}: expected a new file, got existing {str(out)!r} (pass "
+        "--force to overwrite)\n"
+    )

@@ -145,7 +145,7 @@ def test_the_command_merges_journals(tmp_path, capsys):
     keys = [json.loads(line)["key"] for line in lines]
     assert keys == ["t0", "t1", "t7"]
     assert cli.main(["merge-journals", *sources, "-o", str(tmp_path / "m.jsonl")]) == 2
-    assert "out: expected a new file" in capsys.readouterr().err
+    assert "-o: expected a new file" in capsys.readouterr().err
 
 
 def test_conflicting_results_name_the_task(tmp_path):

@@ -264,7 +264,8 @@ def test_a_campaign_of_mha_searches_resumes_from_its_journal(tmp_path):
 
 
 def test_the_command_line_saves_replays_and_refuses_to_overwrite(tmp_path, capsys):
-    argv = ["search", "--mha", "2", "--q-len", "4", "--budget", "5", "--out", str(tmp_path)]
+    argv = ["search", "--mha", "--heads", "2", "--q-len", "4", "--budget", "5",
+            "-o", str(tmp_path)]  # fmt: skip
     assert cli.main([*argv, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["num_heads"] == 2
@@ -280,11 +281,13 @@ def test_the_command_line_saves_replays_and_refuses_to_overwrite(tmp_path, capsy
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--mha", "3"], "num_heads: expected a positive integer dividing d_model=8"),
+        (["--mha", "--heads", "3"], "--heads: expected a divisor of --d-model 8, got 3"),
+        (["--mha", "3"], "--heads: expected a divisor of --d-model 8, got 3"),  # the old form
         (["--mha", "2", "--random"], "--mha: expected none of --random"),
-        (["--mha", "2", "--heads", "2"], "--mha: expected none of --heads"),
+        (["--mha", "2", "--heads", "2"], "2: expected no argument here"),
+        (["--near-layer", "0", "--heads", "2"], "--near-layer: expected none of --heads"),
         (["--mha", "2", "--sentence", "Hi."], "--mha: expected none of --sentence"),
-        (["--near-layer", "0", "--mha", "2"], "--near-layer: expected none of --mha"),
+        (["--near-layer", "0", "--mha"], "--near-layer: expected none of --mha"),
         (["--near-layer", "0", "--runs", "2"], "--near-layer: expected none of --runs"),
     ],
 )

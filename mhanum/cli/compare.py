@@ -7,9 +7,13 @@ import json
 
 import numpy as np
 
+from mhanum._errors import InvalidArgument
+from mhanum.adapters import ADAPTERS
+from mhanum.cli import _options
 from mhanum.params import MHAParams
 
 MASKS = ("none", "causal", "padding")
+RAW_MASKS = ("ones", "zeros")
 # Default sizes; --seed-example defaults to those of the PyTorch-vs-TensorFlow tutorial, so that
 # `mhanum compare --seed-example` prints the tutorial's (and the README's) report, figure for
 # figure where torch runs its AVX2 CPU kernels (with other kernels torch's own error differs).
@@ -17,16 +21,43 @@ SIZES = {"d_model": 32, "heads": 4, "length": 16, "batch": 2}
 SEED_EXAMPLE_SIZES = {"d_model": 512, "heads": 8, "length": 64, "batch": 1}
 
 
+def _framework_list(text: str) -> list[str]:
+    """``--frameworks a,b``, the old spelling of ``--framework a --framework b``."""
+    names = text.split(",")
+    unknown = [name for name in names if name not in ADAPTERS]
+    if unknown:
+        msg = f"expected names from {', '.join(ADAPTERS)}, got {unknown[0]!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return names
+
+
+def _layer(text: str) -> str:
+    """``--attribute``'s ``framework[/path]``, its framework one of :data:`ADAPTERS`."""
+    if text.partition("/")[0] not in ADAPTERS:
+        msg = f"expected framework[/path], the framework one of {', '.join(ADAPTERS)}, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``mhanum compare``."""
     parser.add_argument(
-        "--frameworks",
+        "--framework",
+        action="append",
+        dest="frameworks",
+        choices=tuple(ADAPTERS),
         default=None,
-        help="comma-separated adapters (default: every installed one)",
+        metavar="NAME",
+        help=f"an adapter to run, repeatable (default: every installed one), "
+        f"{_options.one_of(ADAPTERS)}",
     )
+    parser.add_argument(
+        "--frameworks", action="extend", dest="frameworks", type=_framework_list,
+        help=argparse.SUPPRESS,
+    )  # fmt: skip
     for flag, help_text in (
         ("--d-model", "model width"),
-        ("--heads", "number of heads"),
+        ("--heads", "number of attention heads"),
         ("--length", "sequence length"),
         ("--batch", "batch size"),
     ):
@@ -36,16 +67,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             flag,
             type=int,
             default=None,
+            metavar="N",
             help=f"{help_text} ({small}; {seed_example} with --seed-example)",
         )
     parser.add_argument("--seed", type=int, default=0, help="seed of inputs and weights (0)")
-    parser.add_argument("--mask", choices=MASKS, default="none", help="mask (none)")
+    parser.add_argument(
+        "--mask",
+        choices=MASKS,
+        default="none",
+        metavar="KIND",
+        help=f"mask (none), {_options.one_of(MASKS)}",
+    )
     parser.add_argument(
         "--attribute",
         nargs=2,
+        type=_layer,
         metavar=("A", "B"),
         default=None,
-        help="attribute the difference of two layers, each framework[/path] (e.g. torch/sdpa)",
+        help="attribute the difference of two layers, each framework[/path] (e.g. torch/sdpa), "
+        f"the framework {_options.one_of(ADAPTERS)}",
     )
     parser.add_argument(
         "--independent",
@@ -55,9 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--raw-mask-b",
-        choices=("ones", "zeros"),
+        choices=RAW_MASKS,
         default=None,
-        help="with --attribute: pass B this mask untranslated, in its own convention",
+        metavar="FILL",
+        help="with --attribute: pass B this mask untranslated, in its own convention, "
+        f"{_options.one_of(RAW_MASKS)}",
     )
     parser.add_argument(
         "--seed-example",
@@ -66,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "separately initialised (same as --attribute torch/explicit keras/additive "
         "--independent --raw-mask-b ones), at the tutorial's sizes unless given",
     )
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    _options.add_json(parser, "the result")
 
 
 def _mask(kind: str, batch: int, length: int, rng: np.random.Generator) -> np.ndarray | None:
@@ -86,13 +128,21 @@ def _spec(text: str) -> tuple[str, str | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; 0 on success."""
-    from mhanum import adapters
+    from mhanum import adapters, demo
     from mhanum.adapters import compare as cmp
 
     sizes = SEED_EXAMPLE_SIZES if args.seed_example else SIZES
     for name, default in sizes.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
+    demo.check_arguments(
+        seed=args.seed, d_model=args.d_model, num_heads=args.heads, length=args.length,
+        names={"seed": "--seed", "d_model": "--d-model", "num_heads": "--heads",
+               "length": "--length"},
+    )  # fmt: skip
+    if args.batch < 1:
+        msg = f"--batch: expected a positive integer, got {args.batch}"
+        raise InvalidArgument(msg)
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal((args.batch, args.length, args.d_model)).astype(np.float32)
     params = MHAParams.random(args.d_model, seed=args.seed)
@@ -102,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         args.independent = True
         args.raw_mask_b = "ones"
     if args.attribute is None:
-        names = None if args.frameworks is None else tuple(args.frameworks.split(","))
+        names = None if args.frameworks is None else tuple(args.frameworks)
         config = {"seed": args.seed, "mask": args.mask}
         table = cmp.compare(x, x, params, args.heads, mask=mask, frameworks=names, config=config)
         print(json.dumps(table.as_dict(), indent=2) if args.json else table.render())
