@@ -25,7 +25,7 @@ import numpy as np
 
 from mhanum import measure, reference
 from mhanum._errors import CertificationError, InvalidArgument
-from mhanum.attention import multi_head_attention
+from mhanum.emulate.attention import multi_head_attention
 from mhanum.formats import get_format
 from mhanum.numerics import Numerics
 from mhanum.params import MHAParams

@@ -18,6 +18,24 @@ import numpy as np
 from mhanum._errors import InvalidArgument
 from mhanum.formats import get_format, round_to
 
+__all__ = [
+    "CANCEL_OFFSET",
+    "CANCEL_QK",
+    "DTYPES",
+    "LARGE_NORM_LOGIT",
+    "MASKS",
+    "OUTLIER_CHANNELS",
+    "OUTLIER_FACTOR",
+    "OUTLIER_LOGIT",
+    "STRUCTURES",
+    "check_choice",
+    "check_shape",
+    "digest",
+    "inputs",
+    "mask_array",
+    "padding_length",
+]
+
 STRUCTURES = ("normal", "large_norm", "outlier", "cancel")
 MASKS = ("none", "causal", "padding")
 DTYPES = ("float32", "bfloat16", "float16")

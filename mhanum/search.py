@@ -62,7 +62,6 @@ from mhanum import _validate as V
 from mhanum import masks, parallel, reference, strategies
 from mhanum._digest import digest_problem, inputs_digest
 from mhanum._errors import CertificationError, InvalidArgument
-from mhanum.attention import attention, multi_head_attention
 from mhanum.bounds import (
     Bound,
     attention_bound,
@@ -70,6 +69,7 @@ from mhanum.bounds import (
     mha_bound,
     schedule_difference,
 )
+from mhanum.emulate.attention import attention, multi_head_attention
 from mhanum.emulate.backward import attention_grad
 from mhanum.formats import get_format, round_to
 from mhanum.numerics import PRESETS, Backward, Numerics, resolve, resolve_backward

@@ -1,14 +1,27 @@
-"""The house rules of the package layout, checked on the source: no private name crosses a module.
+"""The house rules of the package layout, checked on the source.
 
-A private name (one leading underscore) is imported only from inside the package that owns it: a
-private module ``a/b/_c.py`` only by modules under ``a/b/``, and a private function, class or
-constant never from another module (shared helpers live, public, in a module that owns them).
+* No private name crosses a module. A private name (one leading underscore) is imported only from
+  inside the package that owns it: a private module ``a/b/_c.py`` only by modules under
+  ``a/b/``, and a private function, class or constant never from another module (shared helpers
+  live, public, in a module that owns them).
+* Every public module declares ``__all__``, and every name in it exists.
+* No module imports a compatibility shim (a module that only re-exports other modules' names):
+  the package's own code imports from the module that owns a name.
+* Every ``mhanum.x.y`` that a docstring or a comment names exists, and not only through a shim.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import dataclasses
+import functools
+import importlib
+import io
 import pathlib
+import re
+import tokenize
+import types
 
 import pytest
 
@@ -76,3 +89,286 @@ def test_the_rule_catches_what_it_forbids(tmp_path, monkeypatch):
         pathlib.Path, "read_text", lambda self: "from mhanum.reference import _dd\n"
     )
     assert _violations(ok) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Every public module declares its public names.
+
+PUBLIC_MODULES = [
+    path
+    for path in MODULES
+    if path.name != "__main__.py"
+    and not any(_is_private(part) for part in path.relative_to(ROOT.parent).with_suffix("").parts)
+]
+
+# Modules that do not declare ``__all__`` yet; an entry fails the test once its module does.
+_NOT_YET_DECLARED = {"mhanum.cli", "mhanum.cli.compare"}
+
+
+def _declared_all(tree: ast.Module) -> list[str] | None:
+    """The names of a literal ``__all__`` at the top of a module, or None without one."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            assert isinstance(node.value, (ast.List, ast.Tuple)), "__all__ is not a literal"
+            return [ast.literal_eval(element) for element in node.value.elts]
+    return None
+
+
+def _bound_names(path: pathlib.Path, tree: ast.Module) -> set[str]:
+    """The names a module binds at its top level (in ``if``, ``try`` and ``with`` blocks too,
+    ``if TYPE_CHECKING:`` imports included), and for a package the names of its submodules."""
+    names: set[str] = set()
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            todo.extend(ast.iter_child_nodes(node))
+    if path.name == "__init__.py":
+        names.update(p.stem for p in path.parent.glob("*.py"))
+        names.update(p.parent.name for p in path.parent.glob("*/__init__.py"))
+    return names
+
+
+@pytest.mark.parametrize("path", PUBLIC_MODULES, ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_public_module_declares_all_and_each_name_exists(path):
+    tree = ast.parse(path.read_text())
+    declared = _declared_all(tree)
+    if _module_name(path) in _NOT_YET_DECLARED:
+        assert declared is None, f"{_module_name(path)} declares __all__: drop it from the list"
+        return
+    assert declared is not None, f"{_module_name(path)} has no __all__"
+    assert [name for name in declared if name not in _bound_names(path, tree)] == []
+
+
+def test_the_all_rule_reads_what_a_module_binds():
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from mhanum.formats import Format\n"
+        "X: int = 1\ndef f(): pass\n__all__ = ['Format', 'X', 'f', 'g']\n"
+    )
+    tree = ast.parse(source)
+    declared = _declared_all(tree)
+    assert declared == ["Format", "X", "f", "g"]
+    assert [n for n in declared if n not in _bound_names(ROOT / "formats.py", tree)] == ["g"]
+    assert _declared_all(ast.parse("x = 1\n")) is None
+    assert "reference" in _bound_names(ROOT / "__init__.py", ast.parse(""))  # a subpackage
+
+
+# --------------------------------------------------------------------------------------------
+# No module imports a compatibility shim: a module that only re-exports names of other modules.
+
+
+def _is_shim(path: pathlib.Path) -> bool:
+    if path.name == "__init__.py":
+        return False  # a package that re-exports its submodules' names is their facade
+    body = ast.parse(path.read_text()).body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    imports = [node for node in body if isinstance(node, ast.ImportFrom)]
+    rest = [node for node in body if not isinstance(node, ast.ImportFrom)]
+    return bool(imports) and len(rest) == 1 and _declared_all(ast.Module(rest, [])) is not None
+
+
+SHIMS = {_module_name(path) for path in MODULES if _is_shim(path)}
+
+
+def _origin(package: str, name: str) -> str:
+    """What ``from package import name`` imports: the origin of the package's own binding of
+    ``name`` (its ``__init__`` may bind a function of the same name as a submodule), else the
+    submodule ``package.name``."""
+    init = ROOT.parent / package.replace(".", "/") / "__init__.py"
+    if init.exists():
+        for node in ast.walk(ast.parse(init.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:
+                    if (alias.asname or alias.name) == name:
+                        return f"{node.module}.{alias.name}"
+    return f"{package}.{name}"
+
+
+def _shim_imports(path: pathlib.Path) -> list[str]:
+    """The imports of a shim (and uses of one as ``mhanum.<shim>``) anywhere in a module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            targets = [node.module] + [_origin(node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            targets = [_origin(node.value.id, node.attr)] if node.value.id == "mhanum" else []
+        else:
+            continue
+        found += [f"line {node.lineno}: {t}" for t in targets if t in SHIMS]
+    return found
+
+
+def test_the_shims_are_found():
+    assert {"mhanum.attention", "mhanum.summation", "mhanum.tensorcore"} <= SHIMS
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_no_module_imports_a_shim(path):
+    name = _module_name(path)
+    if name in SHIMS:
+        return
+    found = _shim_imports(path)
+    if name == "mhanum":  # the package exposes its shims as attributes, lazily
+        found = [f for f in found if f.partition(": ")[2].rpartition(".")[0] != name]
+    assert found == []
+
+
+def test_the_shim_rule_catches_what_it_forbids(monkeypatch):
+    source = (
+        "import mhanum\nfrom mhanum import attention, summation\n"
+        "def f():\n    from mhanum.tensorcore import matmul\n    return mhanum.summation.sum\n"
+    )
+    read = pathlib.Path.read_text
+    monkeypatch.setattr(
+        pathlib.Path, "read_text", lambda self: source if self.name == "demo.py" else read(self)
+    )
+    assert _shim_imports(ROOT / "demo.py") == [
+        "line 2: mhanum.summation",
+        "line 4: mhanum.tensorcore",
+        "line 5: mhanum.summation",
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Every ``mhanum.x.y`` that a docstring or a comment names exists, at its owner's path.
+
+_DOTTED = re.compile(r"(?::(\w+):`~?)?(?<![\w.])(mhanum(?:\.\w+)+)")
+# The optional frameworks: a module that imports one is read, not imported, so that this test
+# neither needs them installed nor pays for loading them.
+_FRAMEWORKS = ("torch", "tensorflow", "keras", "flax", "transformers")
+
+
+def _references(path: pathlib.Path) -> set[tuple[str, str]]:
+    """``(role, name)`` for each dotted ``mhanum...`` name in a module's docstrings (attribute
+    docstrings included) and comments; the role is ``mod`` in ``:mod:`mhanum.x```, else ``""``
+    or another role."""
+    source = path.read_text()
+    texts = [
+        node.value.value
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    ]
+    lines = io.StringIO(source).readline
+    texts += [t.string for t in tokenize.generate_tokens(lines) if t.type == tokenize.COMMENT]
+    return {match for text in texts for match in _DOTTED.findall(text)}
+
+
+def _module_path(name: str) -> pathlib.Path | None:
+    base = ROOT.parent / name.replace(".", "/")
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.exists():
+            return path
+    return None
+
+
+def _imports_a_framework(path: pathlib.Path) -> bool:
+    return any(
+        (alias.name if isinstance(node, ast.Import) else node.module or "").partition(".")[0]
+        in _FRAMEWORKS
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    )
+
+
+class _Source:
+    """A module known from its source: the names it binds, and anything below them."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.names = _bound_names(path, ast.parse(path.read_text()))
+
+
+_BELOW_SOURCE = object()  # an attribute of a module known from its source, or below one
+
+
+def _attribute(parent: object, name: str) -> object:
+    if parent is _BELOW_SOURCE or (isinstance(parent, _Source) and name in parent.names):
+        return _BELOW_SOURCE
+    fields = (
+        dataclasses.fields(parent)
+        if isinstance(parent, type) and dataclasses.is_dataclass(parent)
+        else ()
+    )
+    if name in {field.name for field in fields}:
+        return _BELOW_SOURCE  # a field without a default is no class attribute
+    return getattr(parent, name)
+
+
+def _is_module(obj: object) -> bool:
+    return isinstance(obj, (types.ModuleType, _Source))
+
+
+def _is_shim_module(obj: object) -> bool:
+    return isinstance(obj, types.ModuleType) and obj.__name__ in SHIMS
+
+
+@functools.cache
+def _lookup(dotted: str) -> tuple[tuple[object, bool], ...]:
+    """What ``dotted`` can name, each with whether the way to it goes through a shim: a package
+    attribute and a submodule may share a name (``mhanum.attention``)."""
+    parent, _, name = dotted.rpartition(".")
+    found = []
+    for obj, via_shim in _lookup(parent) if parent else ():
+        with contextlib.suppress(AttributeError):
+            value = _attribute(obj, name)
+            found.append((value, via_shim or _is_shim_module(obj) or _is_shim_module(value)))
+    path = _module_path(dotted)
+    if path is not None:
+        module = _Source(path) if _imports_a_framework(path) else importlib.import_module(dotted)
+        found.append((module, dotted in SHIMS))
+    return tuple(found)
+
+
+def _unresolved(dotted: str, role: str = "") -> str | None:
+    """Why ``dotted`` names nothing (no module, with the role ``mod``), or names it only through
+    a compatibility shim; None if it resolves."""
+    found = [(obj, via) for obj, via in _lookup(dotted) if role != "mod" or _is_module(obj)]
+    if not found:
+        return f"{dotted}: no such {'module' if role == 'mod' else 'module or attribute'}"
+    if all(via_shim for _, via_shim in found):
+        return f"{dotted}: named through a compatibility shim"
+    return None
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_dotted_names_in_docstrings_and_comments_resolve(path):
+    problems = [why for role, name in sorted(_references(path)) if (why := _unresolved(name, role))]
+    assert problems == []
+
+
+def test_the_dotted_name_rule_catches_what_it_forbids():
+    through_shim = "named through a compatibility shim"
+    assert _unresolved("mhanum.attention") is None  # the function
+    assert _unresolved("mhanum.attention", "mod") == f"mhanum.attention: {through_shim}"
+    assert _unresolved("mhanum.emulate.summation.sum") is None
+    assert _unresolved("mhanum.summation.sum") == f"mhanum.summation.sum: {through_shim}"
+    assert _unresolved("mhanum.summation", "mod") == f"mhanum.summation: {through_shim}"
+    assert _unresolved("mhanum.Numerics.summation") is None  # a dataclass field
+    assert _unresolved("mhanum.adapters.torch.load") is None  # read from the source
+    assert _unresolved("mhanum.adapters.torch.nothing") is not None
+    assert _unresolved("mhanum._dd.matmul") == "mhanum._dd.matmul: no such module or attribute"
+    assert _unresolved("mhanum.formats.round_to", "mod") is not None
+    source = ":mod:`~mhanum.summation` and :func:`mhanum.reference._dd.add`.\n"
+    assert set(_DOTTED.findall(source)) == {
+        ("mod", "mhanum.summation"),
+        ("func", "mhanum.reference._dd.add"),
+    }

@@ -151,7 +151,7 @@ def predict(
     ``mask`` is the effective ``(B, Lq, Lk)`` mask (True = attend). Rows the path answers with
     zeros get the output bias, as the framework returns them.
     """
-    from mhanum.attention import multi_head_attention
+    from mhanum.emulate.attention import multi_head_attention
 
     m4 = None if mask is None else mask[:, None]
     out = np.array(

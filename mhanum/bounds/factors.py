@@ -22,6 +22,49 @@ from mhanum.numerics import Numerics
 from mhanum.units import summation_order
 from mhanum.units.tensorcore import TensorCoreModel, get_model
 
+__all__ = [
+    "EVALUATION",
+    "F64_DOT",
+    "LOG2E",
+    "Linear",
+    "chain",
+    "check_count",
+    "check_lam",
+    "compound",
+    "conversion_eta",
+    "division_error",
+    "evaluation_rounding",
+    "exp_and_sum_factors",
+    "gamma",
+    "is_power_of_four",
+    "kahan_constants",
+    "kahan_factor",
+    "lam_or_probability",
+    "linear",
+    "linear_overflow",
+    "native_unit",
+    "operand_bits",
+    "operand_error",
+    "parse_order",
+    "power_of_two",
+    "probabilistic_gamma",
+    "product_gamma",
+    "rounding_error",
+    "safe_weight_sums",
+    "scale_rounding",
+    "split_constants",
+    "step_w_output",
+    "sum_factor",
+    "summation_gamma",
+    "tensor_core_anchor",
+    "tensor_core_eta",
+    "tensor_core_factor",
+    "tree_height",
+    "union_failure",
+    "unit_eta",
+    "unit_factor",
+]
+
 _U_CARRIER = 2.0**-24  # float32, which carries every accumulation format narrower than it
 _TENSOR_CORE_ORDERS = ("sequential", "native")
 _ORDERS = "'native', 'sequential', 'pairwise', 'kahan' or 'blocked(b)' with b >= 1"
@@ -34,7 +77,7 @@ def check_count(n: Any, name: str = "n", minimum: int = 1) -> int:
     return int(n)
 
 
-def check_unit(u: Any) -> float:
+def _check_unit(u: Any) -> float:
     ok = isinstance(u, (int, float, np.floating)) and not isinstance(u, bool)
     if not ok or not (0 < float(u) <= 0.25):
         msg = f"u: expected a unit roundoff in (0, 1/4], got {u!r}"
@@ -82,7 +125,7 @@ def gamma(n: int, u: float) -> float:
         >>> gamma(256, 2.0**-8)
         inf
     """
-    k, uu = check_count(n, "n", 0), check_unit(u)
+    k, uu = check_count(n, "n", 0), _check_unit(u)
     return math.inf if k * uu >= 1 else k * uu / (1 - k * uu)
 
 
@@ -175,7 +218,7 @@ def kahan_factor(n: int, u: float) -> float:
         >>> round(kahan_factor(100, 2.0**-24) / 2.0**-24, 4)
         3.0
     """
-    return kahan_constants(check_count(n), check_unit(u))[0]
+    return kahan_constants(check_count(n), _check_unit(u))[0]
 
 
 def sum_factor(n: int, order: str, u: float) -> float:
@@ -194,7 +237,7 @@ def sum_factor(n: int, order: str, u: float) -> float:
         >>> sum_factor(256, "pairwise", 2.0**-24) == gamma(8, 2.0**-24)
         True
     """
-    n, uu = check_count(n), check_unit(u)
+    n, uu = check_count(n), _check_unit(u)
     kind, _ = parse_order(order)
     if kind == "kahan":
         return kahan_constants(n, uu)[0]
@@ -272,7 +315,7 @@ def probabilistic_gamma(n: int, u: float, lam: float) -> tuple[float, float]:
         >>> g < gamma(10**6, 2.0**-24) / 200, round(p, 6)
         (True, 0.999329)
     """
-    k, uu, lm = check_count(n, "n", 0), check_unit(u), check_lam(lam)
+    k, uu, lm = check_count(n, "n", 0), _check_unit(u), check_lam(lam)
     g = math.expm1(lm * math.sqrt(k) * uu + k * uu * uu / (1 - uu))
     p = 1 - 2 * math.exp(-((lm * (1 - uu)) ** 2) / 2)
     return g, max(p, 0.0)
@@ -290,7 +333,7 @@ def evaluation_rounding(n: int) -> float:
     return max(EVALUATION, (2 * n + 512) * 2.0**-53)
 
 
-def chain_sum_factor(n: int, order: str, u: float, lam: float | None = None) -> float:
+def _chain_sum_factor(n: int, order: str, u: float, lam: float | None = None) -> float:
     """Relative error of a sum of ``n`` terms in ``order`` (Theorem S.0); refuses ``nu >= 1``.
 
     With ``lam``, the probabilistic factor ``γ̃_h(λ)`` of Theorem R.6 for a tree of height ``h``
@@ -299,7 +342,7 @@ def chain_sum_factor(n: int, order: str, u: float, lam: float | None = None) -> 
     return chain(n, order, u, lam, products=False)
 
 
-def chain_dot_factor(n: int, order: str, u: float, lam: float | None = None) -> float:
+def _chain_dot_factor(n: int, order: str, u: float, lam: float | None = None) -> float:
     """Relative error of a dot of length ``n``: each product rounded, then summed in ``order``."""
     return chain(n, order, u, lam, products=True)
 
@@ -341,7 +384,7 @@ def product_gamma(n: int, u: float) -> float:
         >>> round(product_gamma(256, 2.0**-8), 4)  # γ_256 is infinite for bfloat16
         1.713
     """
-    k, uu = check_count(n, "n", 0), check_unit(u)
+    k, uu = check_count(n, "n", 0), _check_unit(u)
     g = gamma(k, uu)
     if g < 1:
         return g
@@ -387,13 +430,13 @@ def chain(
     return g
 
 
-SPLIT_FLUSH = 2.0**-125  # a bf16 piece below 2^-126 may be flushed: |a - Σ pieces| gains < 2^-125
+_SPLIT_FLUSH = 2.0**-125  # a bf16 piece below 2^-126 may be flushed: |a - Σ pieces| gains < 2^-125
 
 
 def operand_error(num: Numerics) -> tuple[float, float]:
     """``(u_op, η_op)``: ``|a_used - a| <= u_op|a| + η_op`` for a dot operand (A.1, step 1)."""
     if num.dot_kind == "split":
-        return 0.0, SPLIT_FLUSH
+        return 0.0, _SPLIT_FLUSH
     op = num.operand_rounding
     return (op.u, op.smallest_normal) if op is not None else (0.0, 0.0)
 
@@ -510,7 +553,7 @@ def exp_and_sum_factors(
     order = num.summation
     if num.softmax_kind != "online":
         x = own if num.softmax_kind == "naive" else u_m * gap + own
-        g_sum, g_pv = chain_sum_factor(n, order, u_m, lam), unit_factor(num, n, lam, bits=bits_pv)
+        g_sum, g_pv = _chain_sum_factor(n, order, u_m, lam), unit_factor(num, n, lam, bits=bits_pv)
         return x, 0, g_sum, g_pv, unit_eta(num, n)
     assert num.softmax_block is not None
     # exp2-folded: each rescaling's argument fl(fl(m - m')·c2) is rounded twice, and the
@@ -641,7 +684,7 @@ def summation_gamma(n: int, order: str, u: float) -> float:
     return sum_factor(n, order, u)
 
 
-def tensor_core_height(model: TensorCoreModel, n: int, order: str) -> int:
+def _tensor_core_height(model: TensorCoreModel, n: int, order: str) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         msg = f"n: expected a non-negative integer, got {n!r}"
         raise InvalidArgument(msg)
@@ -653,7 +696,7 @@ def tensor_core_height(model: TensorCoreModel, n: int, order: str) -> int:
     return n
 
 
-def round_up_2ulps(x: float) -> float:
+def _round_up_2ulps(x: float) -> float:
     return math.nextafter(math.nextafter(x, math.inf), math.inf)
 
 
@@ -684,8 +727,8 @@ def tensor_core_factor(model: TensorCoreModel | str, n: int, *, order: str = "se
         True
     """
     m = get_model(model)
-    h = tensor_core_height(m, n, order)
-    return round_up_2ulps(math.expm1(h * math.log1p(m.node_delta))) if h else 0.0
+    h = _tensor_core_height(m, n, order)
+    return _round_up_2ulps(math.expm1(h * math.log1p(m.node_delta))) if h else 0.0
 
 
 def tensor_core_eta(model: TensorCoreModel | str, n: int, *, order: str = "sequential") -> float:
@@ -694,10 +737,10 @@ def tensor_core_eta(model: TensorCoreModel | str, n: int, *, order: str = "seque
     ``N`` is the number of steps: ``h`` (sequential) or at most ``n`` (native).
     """
     m = get_model(model)
-    h = tensor_core_height(m, n, order)
+    h = _tensor_core_height(m, n, order)
     if h == 0:
         return 0.0
-    return round_up_2ulps(m.node_eta * h * math.exp((h - 1) * math.log1p(m.node_delta)))
+    return _round_up_2ulps(m.node_eta * h * math.exp((h - 1) * math.log1p(m.node_delta)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -772,7 +815,7 @@ def linear(
             (x_bar + e0).sum(axis=-1, keepdims=True) + slope.sum(axis=0) + d * anchor
         )
     kappa = (1 + u_op) * (1 + g)
-    f64 = chain_dot_factor(d + 1, "sequential", 2.0**-53)
+    f64 = _chain_dot_factor(d + 1, "sequential", 2.0**-53)
     y = x @ w
     y_given = f64 * (np.abs(x) @ np.abs(w))
     if np.any(x_given):  # (an exact operand adds nothing)

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from mhanum import _validate as V
 from mhanum import reference
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
@@ -42,13 +43,6 @@ __all__ = [
     "scale_exactness",
     "score_dot_factor",
 ]
-
-
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        msg = f"{name}: expected a positive integer, got {value!r}"
-        raise InvalidArgument(msg)
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +82,7 @@ def scale_exactness(d_k: int, fmt: Format | str, placement: str = "scores") -> S
         >>> scale_exactness(256, "float16", "qk").exact
         True
     """
-    d = _positive_int(d_k, "d_k")
+    d = V.positive_int(d_k, "d_k")
     f = get_format(fmt)
     if placement not in ("scores", "q", "qk"):
         msg = f"placement: expected 'scores', 'q' or 'qk', got {placement!r}"
@@ -125,8 +119,8 @@ def score_dot_factor(d_model: int, num_heads: int, accum: Format | str) -> Bound
         A :class:`Bound` whose ``total`` is ``γ_{d_k}`` and whose terms are ``per_head``
         (``γ_{d_k}``) and ``one_head`` (``γ_{d_model}``), for comparison.
     """
-    d = _positive_int(d_model, "d_model")
-    h = _positive_int(num_heads, "num_heads")
+    d = V.positive_int(d_model, "d_model")
+    h = V.positive_int(num_heads, "num_heads")
     if d % h:
         msg = f"num_heads: expected a divisor of d_model = {d}, got {h}"
         raise InvalidArgument(msg)
@@ -158,8 +152,8 @@ def output_projection_factor(
         A :class:`Bound` with ``total`` the factor of the chosen order and terms ``per_head``
         (``γ_{d_v + H − 1}``) and ``flat`` (``γ_{H d_v}``).
     """
-    h = _positive_int(num_heads, "num_heads")
-    dv = _positive_int(d_v, "d_v")
+    h = V.positive_int(num_heads, "num_heads")
+    dv = V.positive_int(d_v, "d_v")
     u = get_format(accum, argname="accum").u
     blocked, flat = product_gamma(dv + h - 1, u), product_gamma(h * dv, u)
     return Bound(
@@ -200,7 +194,7 @@ def head_partition_difference(
     differs. The difference is exact (no rounding of the computation is involved): it is the
     difference between two functions.
     """
-    a, b = _positive_int(h1, "h1"), _positive_int(h2, "h2")
+    a, b = V.positive_int(h1, "h1"), V.positive_int(h2, "h2")
     x_kv = x if x_kv is None else x_kv
     ya, yb = (
         np.asarray(reference.multi_head_attention(x, x_kv, params, h, digits=digits))

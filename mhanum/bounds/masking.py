@@ -1,9 +1,9 @@
 """Is a masking constant safe? Storage, overflow, absorption, leakage and fully-masked rows.
 
 A masked logit is replaced by (``fill``) or added to (``add``) a constant ``c`` in the score format
-``F`` (as :mod:`mhanum.attention` does); the softmax then runs in the softmax format ``F_s``. For
-unmasked (attended) scores ``|s| <= B`` (``B`` is ``score_bound``) this module derives, each as a
-theorem of ``papers/masking.md``:
+``F`` (as :mod:`mhanum.emulate.attention` does); the softmax then runs in the softmax format
+``F_s``. For unmasked (attended) scores ``|s| <= B`` (``B`` is ``score_bound``) this module
+derives, each as a theorem of ``papers/masking.md``:
 
 * M.1 the stored constant ``fl_F(c)`` and whether it overflows (also on conversion into ``F_s``);
 * M.2 whether ``fl_F(s + c)`` can overflow to ``-inf``;

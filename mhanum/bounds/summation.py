@@ -1,6 +1,6 @@
 """Rigorous error bounds for sums and inner products in every summation order of mhanum.
 
-The orders are those of :mod:`mhanum.summation` (``native``, ``sequential``, ``pairwise``,
+The orders are those of :mod:`mhanum.emulate.summation` (``native``, ``sequential``, ``pairwise``,
 ``blocked(b)``, ``kahan``); the theorems and their proofs are in ``papers/summation.md``
 (R.1-R.6). The bounds are rigorous (no ``O(u^2)`` dropped) and include underflow; the a posteriori
 ones (:func:`sum_bound`, :func:`dot_bound`, :func:`matmul_bound`) take the data the computation
@@ -11,7 +11,7 @@ Model of the arithmetic in the accumulation format ``F`` (unit roundoff ``u``, s
 
 * ``+ -`` and ``*`` round to nearest: ``fl(a op b) = (a op b)(1 + δ) + η``, ``|δ| <= u``; narrow
   formats are carried in float32 and rounded once more, which gives the correctly rounded result
-  (double rounding is innocuous, see :mod:`mhanum._arith`);
+  (double rounding is innocuous, see :mod:`mhanum.emulate._arith`);
 * underflow: XLA's CPU backend flushes float32, bfloat16 (carried in float32) and float64
   subnormal results to zero and reads subnormal operands as zero, so a rounding carries
   ``|η| < 2^emin`` and a subnormal term or operand may be lost entirely (that loss is counted
@@ -336,10 +336,10 @@ def sum_bound(
     axis: int = -1,
     probabilistic: float | None = None,
 ) -> Bound:
-    """Bound on the error of :func:`mhanum.summation.sum` for the terms ``x`` (R.3, R.4, R.6).
+    """The error bound of :func:`mhanum.emulate.summation.sum` on the terms ``x`` (R.3, R.4, R.6).
 
     **Theorem R.3 (tree orders), R.4 (Kahan).** Let ``x̂_i = fl_F(x_i)`` be the terms rounded
-    into the accumulation format ``F`` and ``ŝ`` the result of ``mhanum.summation.sum(x,
+    into the accumulation format ``F`` and ``ŝ`` the result of ``mhanum.emulate.summation.sum(x,
     order=order, accum=F)``. Under the model of this module,
 
     .. math::
@@ -439,7 +439,7 @@ def matmul_bound(
     operand: Format | str | None = None,
     probabilistic: float | None = None,
 ) -> Bound:
-    """Componentwise bound on the error of :func:`mhanum.summation.matmul` (Theorem R.5).
+    """Componentwise bound on the error of :func:`mhanum.emulate.summation.matmul` (Theorem R.5).
 
     **Theorem R.5.** Let ``â = fl_F(fl_op(a))`` and ``b̂`` likewise be the operands the
     products are formed from (``op`` the operand format if given, e.g. ``"tf32"``; ``F`` the
@@ -568,7 +568,7 @@ def dot_bound(
 ) -> Bound:
     """Bound on the error of the inner products ``Σ_k x[..., k] y[..., k]`` (Theorem R.5).
 
-    The inner product as :func:`mhanum.summation.matmul` computes it for a ``(1, n)`` by
+    The inner product as :func:`mhanum.emulate.summation.matmul` computes it for a ``(1, n)`` by
     ``(n, 1)`` product: see :func:`matmul_bound`, of which this is the batched vector form.
     ``x`` and ``y`` are ``(..., n)`` and broadcast in their leading dimensions.
 

@@ -16,6 +16,8 @@ from mhanum.devices.records import BOUND_REVISION, BOUND_RTOL, Record, check_sch
 from mhanum.devices.run import record_bound
 from mhanum.inputs import digest, inputs, mask_array
 
+__all__ = ["FAILING", "VERDICTS", "CheckResult", "Verdict", "check", "render_summary", "summarize"]
+
 VERDICTS = ("holds", "stale", "VIOLATED", "inconsistent", "vacuous", "exp-assumption", "skipped")
 FAILING = ("VIOLATED", "inconsistent", "exp-assumption")
 

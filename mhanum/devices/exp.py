@@ -15,11 +15,13 @@ from mhanum.devices.platforms import device_for, environment
 from mhanum.devices.records import SCHEMA, Record
 from mhanum.numerics import Numerics
 
-EXP_RANGES = ((-104.0, 0.0), (-88.0, 88.0))
+__all__ = ["exp_record"]
+
+_EXP_RANGES = ((-104.0, 0.0), (-88.0, 88.0))
 """Ranges sampled densely: the shifted logits of a float32 softmax, and exp's whole finite range."""
-EXP_DENSE = 2**20
+_EXP_DENSE = 2**20
 """Points per dense range (evenly spaced, rounded to float32)."""
-EXP_ALL = ((-1.0, -0.5), (0.5, 1.0), (2.0**-10, 2.0**-9), (-88.0, -86.0))
+_EXP_ALL = ((-1.0, -0.5), (0.5, 1.0), (2.0**-10, 2.0**-9), (-88.0, -86.0))
 """Intervals in which every float32 value is measured (two binades near 0, one small binade, and
 the values around -87.3, where float32 exp leaves the normal range)."""
 
@@ -38,9 +40,9 @@ def _float32_between(lo: float, hi: float) -> np.ndarray:
 
 
 def _exp_points() -> Iterable[np.ndarray]:
-    for lo, hi in EXP_RANGES:
-        yield np.linspace(lo, hi, EXP_DENSE).astype(np.float32)
-    for lo, hi in EXP_ALL:
+    for lo, hi in _EXP_RANGES:
+        yield np.linspace(lo, hi, _EXP_DENSE).astype(np.float32)
+    for lo, hi in _EXP_ALL:
         x = _float32_between(lo, hi)
         for start in range(0, x.size, 2**22):
             yield x[start : start + 2**22]
@@ -67,9 +69,10 @@ def exp_record(backend: str | None = None, *, assumed_ulps: float | None = None)
 
     Every bound assumes ``exp`` within ``Numerics.exp_ulps`` ulps of the softmax format (and an
     absolute error below ``2^-126`` where the result leaves the normal range, XLA's flush to
-    zero). This measures it on :data:`EXP_RANGES` densely and on every float32 value of
-    :data:`EXP_ALL`, against float64 ``exp`` (whose error is below ``2^-29`` float32 ulps); the
-    64 worst points are re-measured against mpmath at 80 bits, and the worst of those is reported.
+    zero). This measures it densely on the record's ``ranges`` (``dense_points`` evenly spaced
+    points each) and on every float32 value in its ``all_values_in``, against float64 ``exp``
+    (whose error is below ``2^-29`` float32 ulps); the 64 worst points are re-measured against
+    mpmath at 80 bits, and the worst of those is reported.
 
     Returns:
         A record with ``max_ulps`` (ulps of float32 at the exact value, normal results),
@@ -108,9 +111,9 @@ def exp_record(backend: str | None = None, *, assumed_ulps: float | None = None)
         **environment(device),
         "status": "measured",
         "dtype": "float32",
-        "ranges": [list(r) for r in EXP_RANGES],
-        "dense_points": EXP_DENSE,
-        "all_values_in": [list(r) for r in EXP_ALL],
+        "ranges": [list(r) for r in _EXP_RANGES],
+        "dense_points": _EXP_DENSE,
+        "all_values_in": [list(r) for r in _EXP_ALL],
         "n_points": n_points,
         "max_ulps": max_ulps,
         "argmax_x": arg,

@@ -15,6 +15,18 @@ from mhanum._errors import InvalidArgument
 from mhanum.inputs import DTYPES, check_choice
 from mhanum.numerics import PRESETS, Numerics
 
+__all__ = [
+    "IMPLEMENTATIONS",
+    "ONLINE_BLOCK",
+    "PLATFORMS",
+    "PRECISIONS",
+    "device_for",
+    "environment",
+    "model_for",
+    "numerics_dict",
+    "numerics_from_fields",
+]
+
 PRECISIONS = (
     "default",
     "high",

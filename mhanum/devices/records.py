@@ -10,6 +10,16 @@ from typing import Any, TypeAlias
 
 from mhanum._errors import InvalidArgument
 
+__all__ = [
+    "BOUND_REVISION",
+    "BOUND_RTOL",
+    "SCHEMA",
+    "Record",
+    "check_schema",
+    "read_records",
+    "write_records",
+]
+
 SCHEMA = "mhanum.devices/1"
 """The schema version written in every record; :func:`read_records` refuses any other."""
 

@@ -44,6 +44,8 @@ from mhanum.inputs import (
 from mhanum.measure import errors
 from mhanum.numerics import PRESETS, Numerics
 
+__all__ = ["Grid", "measure", "record_bound"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Grid:

@@ -6,3 +6,5 @@
 :class:`mhanum.Numerics` they are given says; :mod:`mhanum.reference` says what they should have
 computed and :mod:`mhanum.bounds` how far apart the two can be.
 """
+
+__all__: list[str] = []  # a namespace: the public names live in the submodules

@@ -18,8 +18,8 @@ rounded), form one dot per pass in ``order`` and add the passes in XLA's order, 
 ``"tensor-core(<model>)"`` runs :func:`mhanum.emulate.tensorcore.matmul`.
 
 In a dot product the terms are the products ``a_k * b_k``, each rounded to the accumulation format
-before it is added (no fused multiply-add; see :mod:`mhanum._arith`). ``"native"`` dots run at
-``lax.Precision.HIGHEST`` so that float32 means float32 on every backend.
+before it is added (no fused multiply-add; see :mod:`mhanum.emulate._arith`). ``"native"`` dots
+run at ``lax.Precision.HIGHEST`` so that float32 means float32 on every backend.
 
 On XLA's CPU backend float32 arithmetic flushes subnormal results to zero (``--xla_cpu_ftz``), and
 so does bfloat16 arithmetic carried in float32: a sum whose exact value is below ``2**-126`` in

@@ -5,12 +5,12 @@ is a dependency of mhanum. Every input float converts to an exact ``arb``; produ
 sums and quotients are Arb's rigorous balls at a working precision ``p``, so each output ball
 contains the exact result. An output is certified when its radius is at most
 ``2**-ceil(digits log2 10) / 2`` of its midpoint (which implies ``10**-digits`` relative, as for
-:func:`mhanum._fastref.certified`), or, no relative accuracy being possible at 0 (the **Zeros**
-of :mod:`mhanum.reference`), when the ball contains 0 and the caller's exact test proves the
-output 0, or when the ball lies within ``[-2**-1075, 2**-1075]``, where every real number rounds
-to a float64 zero; both are returned as exactly 0. Otherwise ``p`` doubles, up to ``max_prec``.
-The flint precision is a global (``flint.ctx.prec``): it is set for the computation and restored
-after.
+:func:`mhanum.reference._fastref.certified`), or, no relative accuracy being possible at 0 (the
+**Zeros** of :mod:`mhanum.reference`), when the ball contains 0 and the caller's exact test
+proves the output 0, or when the ball lies within ``[-2**-1075, 2**-1075]``, where every real
+number rounds to a float64 zero; both are returned as exactly 0. Otherwise ``p`` doubles, up to
+``max_prec``. The flint precision is a global (``flint.ctx.prec``): it is set for the computation
+and restored after.
 """
 
 from __future__ import annotations
@@ -595,8 +595,8 @@ def refine_mha_rows(
 
     The rows that the double-double enclosure did not certify are usually short of a few bits
     because their output cancels. Only their probabilities need more precision; everything
-    linear is exact (:mod:`mhanum._exact`), and nothing is computed for all keys at once that
-    costs more than a product with ``x_kv``. With ``v_hj = x_j Wv_h + bv_h``,
+    linear is exact (:mod:`mhanum.reference._exact`), and nothing is computed for all keys at
+    once that costs more than a product with ``x_kv``. With ``v_hj = x_j Wv_h + bv_h``,
 
     .. math::
 

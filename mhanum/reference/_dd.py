@@ -10,7 +10,7 @@ All arithmetic is float64 with round-to-nearest, vectorised. Overflow is not an 
 center or a radius ``inf`` or ``NaN``, which propagates to the result and is reported as not
 certified. Underflow is covered by the absolute term :data:`ETA` added to every radius.
 
-Nothing here knows about attention; :mod:`mhanum._fastref` composes these operations.
+Nothing here knows about attention; :mod:`mhanum.reference._fastref` composes these operations.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Vectorised double-double attention with a rigorous componentwise error bound.
 
 The fast path of :mod:`mhanum.reference` (``backend="dd"`` and the first try of ``"auto"``).
-Every quantity is a ball of :mod:`mhanum._dd`: a double-double center and a radius that bounds
-its distance to the exact value, so the outputs come with a proven enclosure
+Every quantity is a ball of :mod:`mhanum.reference._dd`: a double-double center and a radius
+that bounds its distance to the exact value, so the outputs come with a proven enclosure
 ``|o - (hi + lo)| <= rad`` (Theorem 1 of ``papers/reference.md``). The caller decides which
 components that certifies to the requested digits and recomputes the others exactly.
 
 The computation follows the exact backend's: scores and projections as products of exact floats
-(:func:`mhanum._dd.matmul`), logits shifted by a float per row (softmax is invariant under an
-exact shift), ``exp``, the row sum, one reciprocal per row, the probabilities and the output
-products. Nothing here rounds away a bound: where an input is outside the range an operation
+(:func:`mhanum.reference._dd.matmul`), logits shifted by a float per row (softmax is invariant
+under an exact shift), ``exp``, the row sum, one reciprocal per row, the probabilities and the
+output products. Nothing here rounds away a bound: where an input is outside the range an operation
 covers (overflow, ``exp`` of a huge argument), the radius is ``inf`` or the center NaN.
 """
 
@@ -139,7 +139,7 @@ def softmax(logits: Ball, excluded: np.ndarray, fully_masked: str) -> tuple[Ball
 
 
 def _row_sum(x: Ball) -> Ball:
-    """Pairwise sum over the last axis (each level one :func:`mhanum._dd.add`)."""
+    """Pairwise sum over the last axis (each level one :func:`mhanum.reference._dd.add`)."""
     while x.hi.shape[-1] > 1:
         if x.hi.shape[-1] % 2:
             x = _map(x, lambda a: np.concatenate([a, np.zeros_like(a[..., :1])], axis=-1))

@@ -19,8 +19,8 @@ import numpy as np
 
 from mhanum import bounds, devices, masks, measure, parallel, reference
 from mhanum._errors import InvalidArgument
-from mhanum.attention import attention, multi_head_attention
 from mhanum.bounds import heads as heads_bounds
+from mhanum.emulate.attention import attention, multi_head_attention
 from mhanum.emulate.backward import attention_grad
 from mhanum.formats import get_format
 from mhanum.numerics import Backward, Numerics

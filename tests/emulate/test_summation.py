@@ -1,4 +1,4 @@
-"""mhanum.summation: each order against hand-worked values and a plain-Python model."""
+"""mhanum.emulate.summation: each order against hand-worked values and a plain-Python model."""
 
 from __future__ import annotations
 
