@@ -98,11 +98,11 @@ def scale_value(scale: Any, d_k: int, *, placement: str = "scores") -> float:
     """
     if scale is None:
         return 1.0 / float(np.sqrt(d_k))
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
-        msg = f"scale: expected a finite number or None, got {scale!r}"
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        msg = f"scale: expected None or a finite real number, got {scale!r}"
         raise InvalidArgument(msg)
     if not np.isfinite(scale):
-        msg = f"scale: expected a finite number or None, got {scale!r}"
+        msg = f"scale: expected None or a finite real number, got {scale!r}"
         raise InvalidArgument(msg)
     if placement == "qk" and scale < 0:
         msg = (

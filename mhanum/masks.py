@@ -47,6 +47,7 @@ __all__ = [
     "alibi_slopes",
     "bottom_right",
     "causal",
+    "check_sink",
     "dense",
     "head_sinks",
     "normalise",
@@ -373,14 +374,25 @@ def _sink_batch(
     """The batch dimensions of the inputs, the mask and the bias, which the sink must fit: a
     sink never adds batch dimensions of its own (a ``(3,)`` sink with 2-D ``q`` would broadcast
     the output to ``(3, Lq, dv)``)."""
-    sig = _finite_sink(sink, xp)
     mask = resolve(mask, lq, lk)
     extra = [np.shape(x)[:-2] for x in (mask, bias) if x is not None]
     batch = tuple(np.broadcast_shapes(*shapes, *extra))
-    if not _fits(np.shape(sig), batch):
+    check_sink(sink, batch, xp=xp)
+    return batch
+
+
+def check_sink(sink: Any, batch: tuple[int, ...], *, xp: Any = np) -> Any:
+    """Sink logits checked against the inputs' ``batch`` dimensions: finite (where concrete)
+    and broadcastable to ``batch`` without enlarging it; float64 numpy, or ``xp``'s array.
+
+    Raises:
+        InvalidArgument: for a NaN or infinite logit, or a shape that does not fit ``batch``.
+    """
+    sig = _finite_sink(sink, xp)
+    if not _fits(tuple(np.shape(sig)), tuple(batch)):
         msg = (
             f"sink: expected one logit per batch element or head, a shape broadcastable to the "
-            f"inputs' batch dimensions {batch}, got {np.shape(sig)}"
+            f"inputs' batch dimensions {tuple(batch)}, got {np.shape(sig)}"
         )
         raise InvalidArgument(msg)
-    return batch
+    return sig

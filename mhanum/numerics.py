@@ -42,7 +42,7 @@ from mhanum.units import (
     summation_order,
 )
 
-__all__ = ["PRESETS", "Backward", "Numerics", "resolve", "resolve_backward"]
+__all__ = ["BACKWARD_ALGORITHMS", "PRESETS", "Backward", "Numerics", "resolve", "resolve_backward"]
 
 _SCALES = ("scores", "q", "qk")
 _EXP_FORMS = ("exp", "exp2", "exp2-folded", "exp2-scaled")
@@ -456,6 +456,25 @@ class Numerics:
             )
             raise InvalidArgument(msg)
 
+    def check_problem(self, problem: Any) -> None:
+        """Whether these numerics model the :class:`mhanum.problem.AttentionProblem`: its bias,
+        soft-cap and sink (:meth:`check_bias`, :meth:`check_softcap`, :meth:`check_sink`), its
+        scale against this placement, and its fp8 descale factors (on the scores' scale only).
+
+        Raises:
+            InvalidArgument: naming the argument these numerics cannot take.
+        """
+        from mhanum import _validate as V
+
+        self.check_bias(problem.bias)
+        if problem.softcap is not None:
+            self.check_softcap()
+        if problem.sink is not None:
+            self.check_sink()
+        problem.scale_value(self.scale)
+        if problem.descale is not None:
+            V.descale_value(problem.descale, self.scale)
+
     def mask_constant(self) -> float:
         """The masking constant as stored in ``score_format`` (may be ``-inf`` after overflow)."""
         from mhanum.formats import round_to
@@ -599,7 +618,8 @@ def resolve(numerics: Numerics | str | None) -> Numerics:
     return numerics
 
 
-_ALGORITHMS = ("textbook", "flash2")
+BACKWARD_ALGORITHMS = ("textbook", "flash2")
+"""The backward passes :class:`Backward` models: the textbook one and FlashAttention-2's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -657,8 +677,8 @@ class Backward:
 
     def __post_init__(self) -> None:
         canon = object.__setattr__
-        if self.algorithm not in _ALGORITHMS:
-            raise _bad_backward("algorithm", f"one of {_ALGORITHMS}", self.algorithm)
+        if self.algorithm not in BACKWARD_ALGORITHMS:
+            raise _bad_backward("algorithm", f"one of {BACKWARD_ALGORITHMS}", self.algorithm)
         for field in ("block_q", "block_k"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 THRESHOLD = 3.0  # seconds (setup + call) on 2 cores under `-n 2`
 LIST = Path(__file__).with_name("slow.txt")
-LINE = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(\S+)")
+LINE = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(\S.*?)\s*$")
 
 
 def slow_ids(lines: list[str]) -> list[tuple[float, str]]:

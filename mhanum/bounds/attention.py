@@ -56,6 +56,7 @@ from mhanum.bounds.softmax import division_error
 from mhanum.formats import Format, get_format, round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
+from mhanum.problem import AttentionProblem, checked_bias
 
 __all__ = ["attention_bound", "head_output_bound", "mha_bound"]
 
@@ -1871,34 +1872,23 @@ def _attention_bound(
     """:func:`attention_bound`; with ``direction = (g, g_error)``, also A.1g's per-row bound
     (:func:`attention_bound_along`)."""
     num = resolve(numerics)
-    q, k, v = (V.float_array(x, name, min_ndim=2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
-        msg = (
-            "k, v: expected shapes (..., Lk, d_k) and (..., Lk, d_v) with q (..., Lq, d_k), got "
-            f"q {q.shape}, k {k.shape}, v {v.shape}"
-        )
-        raise InvalidArgument(msg)
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        V.check_finite(x, name)
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    p = AttentionProblem.of(
+        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, descale=descale
+    )
     _check_scope(num)
-    num.check_bias(bias)
-    cap = V.softcap_value(softcap)
-    if cap is not None:
-        num.check_softcap()
-    factors = V.descale_value(descale, num.scale)
+    num.check_problem(p)
+    q, k, v = (np.asarray(x, np.float64) for x in (p.q, p.k, p.v))
+    cap, factors, mask, bias, batch = p.softcap, p.descale, p.mask, p.bias, p.batch
     num_y = num if factors is None else num.replace(output_format=num.descale_format.name)
-    if sink is not None:
-        num.check_sink()
+    if p.sink is not None:
         b64 = None if bias is None else np.asarray(bias, np.float64)
-        k, v, mask, bias = masks.with_sink(q, k, v, mask, b64, sink)
+        k, v, mask, bias = masks.with_sink(q, k, v, mask, b64, p.sink)
+        batch = k.shape[:-2]
     rows, keys = q.shape[-2], k.shape[-2]
-    extra = {n: np.shape(x)[:-2] for n, x in (("mask", mask), ("bias", bias)) if x is not None}
-    batch = V.broadcast({"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2], **extra})
     keep, masked, b, replaced = _keep_and_bias(mask, bias, (*batch, rows, keys), num)
     dead = _dead_rows(keep, masked)
     keep = keep | dead  # evaluated as unmasked, then infinite with the reason
-    c = V.scale_value(scale, q.shape[-1], placement=num.scale)
+    c = p.scale_value(num.scale)
     if factors is not None:
         c = c * factors[0] * factors[1]  # the loose constant charges its float64 roundings too
     # every chain's event, and two martingale events per output entry (A.3', A.3'')
@@ -2092,15 +2082,16 @@ def _keep_and_bias(
     constant is finite (else ``None``), the bias (``-inf`` entries kept), and the logits the
     mask replaces by a constant (``fill`` mode; else ``None``), whose scores are never used.
 
+    The mask and the bias are those of a checked problem (:mod:`mhanum.problem`).
+
     Raises:
-        InvalidArgument: for a mask or bias that does not broadcast to ``target``, a bias that is
-            NaN, ``+inf`` or overflows the score format, or a row that attends no key while the
-            masking constant is ``-inf`` (its output is undefined: NaN).
+        InvalidArgument: for a bias that overflows the score format, or a row that attends no
+            key while the masking constant is finite and the bias excludes every key.
     """
     keep = np.ones(target, bool)
     masked = replaced = None
     if mask is not None:
-        m = masks.dense(masks.normalise(mask, target), target)
+        m = masks.dense(mask, target)
         keep = keep & m
         if num.mask_mode == "fill":
             replaced = ~np.broadcast_to(m, target)
@@ -2108,10 +2099,7 @@ def _keep_and_bias(
             masked = ~np.broadcast_to(m, target)
     b = None
     if bias is not None:
-        arr = V.float_array(bias, "bias")
-        V.check_finite(arr, "bias", allow_neg_inf=True)
-        V.check_broadcastable_to(arr, "bias", target)
-        b = np.broadcast_to(np.asarray(arr, np.float64), target)
+        b = np.broadcast_to(np.asarray(bias, np.float64), target)
         keep = keep & ~np.isneginf(b)
         _check_bias_fits(b, ~np.isneginf(b), num.format_of("score"))
     if masked is not None:
@@ -2447,6 +2435,8 @@ def mha_bound(
         num.check_softcap()
     outer = V.broadcast({"x_q": xs["x_q"].shape[:-2], "x_kv": xs["x_kv"].shape[:-2]})
     rows, keys = xs["x_q"].shape[-2], xs["x_kv"].shape[-2]
+    scores = (*outer, heads, rows, keys)
+    mask, bias = masks.normalise(mask, scores), checked_bias(bias, scores)
     if sink is not None:
         num.check_sink()
         mask, bias, scores = masks.head_sinks(mask, bias, sink, (*outer, heads, rows, keys))

@@ -64,6 +64,7 @@ from mhanum.bounds.factors import (
 )
 from mhanum.formats import Format
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
+from mhanum.problem import AttentionProblem
 
 __all__ = [
     "GradientBounds",
@@ -431,35 +432,29 @@ def _inputs(
     sink: Any = None,
     softcap: Any = None,
 ) -> _Inputs:
-    q, k, v, g, batch = V.gradient_inputs(q, k, v, d_out)
-    cap = V.softcap_value(softcap)
-    if cap is not None:
-        num.check_softcap()
-    target = (*batch, q.shape[-2], k.shape[-2])
-    q, k, v, g = (
-        np.broadcast_to(np.asarray(x, np.float64), (*batch, *x.shape[-2:])) for x in (q, k, v, g)
+    p = AttentionProblem.of(
+        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, d_out=d_out
     )
-    keep = np.ones(target, bool)
-    if mask is not None:
-        keep = masks.dense(masks.normalise(mask, target), target)
-        if not math.isinf(num.mask_constant()):
-            msg = (
-                "numerics.mask_value: the backward bound (Theorem B.1) needs -inf masking, got "
-                f"{num.mask_value!r}"
-            )
-            raise InvalidArgument(msg)
-    num.check_bias(bias)
+    num.check_problem(p)
+    batch, target, cap = p.batch, p.scores, p.softcap
+    q, k, v, g = (
+        np.broadcast_to(np.asarray(x, np.float64), (*batch, *x.shape[-2:]))
+        for x in (p.q, p.k, p.v, p.d_out)
+    )
+    keep = masks.dense(p.mask, target)
+    if p.mask is not None and not math.isinf(num.mask_constant()):
+        msg = (
+            "numerics.mask_value: the backward bound (Theorem B.1) needs -inf masking, got "
+            f"{num.mask_value!r}"
+        )
+        raise InvalidArgument(msg)
     b = None
-    if bias is not None:
-        b = V.float_array(bias, "bias")
-        V.check_finite(b, "bias", allow_neg_inf=True)
-        V.check_broadcastable_to(b, "bias", target)
-        b = np.broadcast_to(np.asarray(b, np.float64), target)
+    if p.bias is not None:
+        b = np.broadcast_to(np.asarray(p.bias, np.float64), target)
         keep = keep & np.isfinite(b)
         b = np.where(keep, b, 0.0)
-    if sink is not None:  # one more key: k = v = 0, bias σ, never masked
-        num.check_sink()
-        k, v, keep2, b = masks.with_sink(q, k, v, keep, b, sink)
+    if p.sink is not None:  # one more key: k = v = 0, bias σ, never masked
+        k, v, keep2, b = masks.with_sink(q, k, v, keep, b, p.sink)
         keep = np.ones(b.shape, bool) if keep2 is None else np.asarray(keep2, bool)
         q, g = (np.broadcast_to(x, (*b.shape[:-2], *x.shape[-2:])) for x in (q, g))
     if not keep.any(axis=-1).all():

@@ -481,9 +481,7 @@ def _command(
 
 def _add_search_arguments(search: argparse.ArgumentParser) -> None:
     """The options of ``mhanum search``."""
-    # mhanum.numerics keeps the backward algorithms in a private table
-    from mhanum.numerics import _ALGORITHMS as BACKWARD_ALGORITHMS
-    from mhanum.numerics import PRESETS
+    from mhanum.numerics import BACKWARD_ALGORITHMS, PRESETS
     from mhanum.search import OBJECTIVES
     from mhanum.strategies import MASK_KINDS
 

@@ -37,6 +37,7 @@ from mhanum.formats import Format, round_to
 from mhanum.masks import Band
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
+from mhanum.problem import AttentionProblem
 
 __all__ = ["attention", "multi_head_attention", "softmax"]
 
@@ -476,36 +477,19 @@ def attention(
     """
     num = resolve(numerics)
     check_x64(num)
-    q, k, v = (V.float_array(x, name, min_ndim=2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    if k.shape[-1] != q.shape[-1]:
-        msg = f"k: expected last dimension d_k = {q.shape[-1]} (from q), got shape {k.shape}"
-        raise InvalidArgument(msg)
-    if v.shape[-2] != k.shape[-2]:
-        msg = f"v: expected {k.shape[-2]} keys (Lk, from k) in dimension -2, got shape {v.shape}"
-        raise InvalidArgument(msg)
-    if q.shape[-2] < 1 or k.shape[-2] < 1:
-        msg = f"k: expected at least one query and one key, got q {q.shape} and k {k.shape}"
-        raise InvalidArgument(msg)
-    batch = V.broadcast({"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2]})
-    target = (*batch, q.shape[-2], k.shape[-2])
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        V.check_finite(x, name)
-    mask = masks.normalise(mask, target)
-    num.check_bias(bias)
-    cap = V.softcap_value(softcap)
-    if cap is not None:
-        num.check_softcap()
-    if sink is not None:
-        num.check_sink()
-        xp = jnp if any(isinstance(x, jax.Array) for x in (q, k, v, sink)) else np
-        k, v, mask, bias = masks.with_sink(q, k, v, mask, bias, sink, xp=xp)
-        target = (*k.shape[:-2], q.shape[-2], k.shape[-2])
+    p = AttentionProblem.of(
+        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, descale=descale
+    )
+    num.check_problem(p)
+    q, k, v, mask, bias = p.q, p.k, p.v, p.mask, p.bias
+    if p.sink is not None:
+        xp = jnp if any(isinstance(x, jax.Array) for x in (q, k, v, p.sink)) else np
+        k, v, mask, bias = masks.with_sink(q, k, v, mask, bias, p.sink, xp=xp)
     if bias is not None:
-        bias = bias_array(bias, target, num.format_of("score"))
-    factor = V.scale_value(scale, q.shape[-1], placement=num.scale)
-    factors = V.descale_value(descale, num.scale)
-    if factors is not None:
-        factor = factor * factors[0] * factors[1]
+        bias = host_round(bias, num.format_of("score"))
+    factor = p.scale_value(num.scale)
+    if p.descale is not None:
+        factor = factor * p.descale[0] * p.descale[1]
     fmt = num.format_of("input")
     q, k, v = (host_round(x, fmt) for x in (q, k, v))
     return _attention_jit(
@@ -516,8 +500,8 @@ def attention(
         bias,
         numerics=num,
         scale=factor,
-        softcap=cap,
-        descale_v=None if factors is None else factors[2],
+        softcap=p.softcap,
+        descale_v=None if p.descale is None else p.descale[2],
     )
 
 

@@ -30,7 +30,6 @@ from mhanum.emulate._arith import Arith, runtime_zero, to_format
 from mhanum.emulate.attention import (
     Stages,
     attend,
-    bias_array,
     check_x64,
     format_constant,
     head_logit_inputs,
@@ -47,6 +46,7 @@ from mhanum.emulate.summation import sum_with
 from mhanum.gradients import Gradients, MHAGradients
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 from mhanum.params import MHAParams
+from mhanum.problem import AttentionProblem
 
 __all__ = ["attention_grad", "mha_grad"]
 
@@ -307,27 +307,22 @@ def attention_grad(
     bw = resolve_backward(backward)
     bw.check_forward(num)
     check_x64(num)
-    q, k, v, g, batch = V.gradient_inputs(q, k, v, d_out)
-    target = (*batch, q.shape[-2], k.shape[-2])
-    mask = masks.normalise(mask, target)
-    num.check_bias(bias)
-    cap = V.softcap_value(softcap)
-    if cap is not None:
-        num.check_softcap()
-    if sink is not None:
-        num.check_sink()
-        xp = jnp if any(isinstance(x, jax.Array) for x in (q, k, v, sink)) else np
-        k, v, mask, bias = masks.with_sink(q, k, v, mask, bias, sink, xp=xp)
-        target = (*k.shape[:-2], q.shape[-2], k.shape[-2])
+    p = AttentionProblem.of(
+        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, d_out=d_out
+    )
+    num.check_problem(p)
+    q, k, v, g, mask, bias = p.q, p.k, p.v, p.d_out, p.mask, p.bias
+    if p.sink is not None:
+        xp = jnp if any(isinstance(x, jax.Array) for x in (q, k, v, p.sink)) else np
+        k, v, mask, bias = masks.with_sink(q, k, v, mask, bias, p.sink, xp=xp)
     bw.key_blocks(k.shape[-2])
     if bias is not None:
-        bias = bias_array(bias, target, num.format_of("score"))
-    factor = V.scale_value(scale, q.shape[-1], placement=num.scale)
+        bias = host_round(bias, num.format_of("score"))
     fmt = num.format_of("input")
     q, k, v, g = (host_round(x, fmt) for x in (q, k, v, g))
     out = _grad_jit(
-        q, k, v, g, mask, bias, numerics=num, backward=bw, scale=factor, sink=sink is not None,
-        softcap=cap,
+        q, k, v, g, mask, bias, numerics=num, backward=bw, scale=p.scale_value(num.scale),
+        sink=p.sink is not None, softcap=p.softcap,
     )  # fmt: skip
     return Gradients(*out)
 

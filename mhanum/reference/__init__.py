@@ -36,24 +36,24 @@ below ``2**-p`` of the result; otherwise the sum is exact.
 loops over exact dot products and mpmath numbers, ``exp``, ``fsum``, and every output element as
 one exact sum; it costs ``O(L**2 d)`` Python operations (``O(L**2 d**2)`` for MHA).
 ``backend="exact"`` does all linear algebra on integers with Ozaki-style splitting into float64
-digit matrices (see :mod:`mhanum._exact`) and multiplies the probabilities in fixed point per row;
-only ``exp`` and the softmax run element by element. Both are certified by doubling the precision
-(above); they share the input checks and the certification, not the arithmetic.
+digit matrices (see :mod:`mhanum.reference._exact`) and multiplies the probabilities in fixed point
+per row; only ``exp`` and the softmax run element by element. Both are certified by doubling the
+precision (above); they share the input checks and the certification, not the arithmetic.
 
 ``backend="dd"`` certifies differently, with no mpmath in the loop: vectorised double-double ball
-arithmetic in numpy (:mod:`mhanum._dd`, :mod:`mhanum._fastref`) carries a proven componentwise
-error bound with every value, from Ozaki-split products of the floats through a table-driven
-``exp`` to the outputs (``papers/reference.md``, Theorem 1), and a component is certified when its
-bound is below ``10**-digits`` of its value. It certifies at most 26 digits (:func:`max_digits`)
-and raises :class:`~mhanum.CertificationError` where it cannot certify. ``backend="auto"``
-(default) runs ``"dd"`` and recomputes just the rows it did not certify, with ``"arb"`` where
-python-flint is installed (faster) and ``"exact"`` otherwise; when ``digits > 26`` it runs
-``"exact"`` on everything. For multi-head attention with python-flint, such rows are first
-*refined*: only their probabilities are recomputed, as Arb balls, and the output is formed
-exactly from them with a rigorous radius (``papers/reference.md``, Theorem 2), which costs a
-fraction of the layer instead of all key projections; the rows that still do not certify go to
-``"arb"``. It always certifies ``digits``. ``backend="arb"`` uses python-flint's
-rigorous balls (the optional extra ``arb``) with precision doubling until the radii certify.
+arithmetic in numpy (:mod:`mhanum.reference._dd`, :mod:`mhanum.reference._fastref`) carries a proven
+componentwise error bound with every value, from Ozaki-split products of the floats through a
+table-driven ``exp`` to the outputs (``papers/reference.md``, Theorem 1), and a component is
+certified when its bound is below ``10**-digits`` of its value. It certifies at most 26 digits
+(:func:`max_digits`) and raises :class:`~mhanum.CertificationError` where it cannot certify.
+``backend="auto"`` (default) runs ``"dd"`` and recomputes just the rows it did not certify, with
+``"arb"`` where python-flint is installed (faster) and ``"exact"`` otherwise; when ``digits > 26``
+it runs ``"exact"`` on everything. For multi-head attention with python-flint, such rows are first
+*refined*: only their probabilities are recomputed, as Arb balls, and the output is formed exactly
+from them with a rigorous radius (``papers/reference.md``, Theorem 2), which costs a fraction of the
+layer instead of all key projections; the rows that still do not certify go to ``"arb"``. It always
+certifies ``digits``. ``backend="arb"`` uses python-flint's rigorous balls (the optional extra
+``arb``) with precision doubling until the radii certify.
 
 **Zeros.** No relative accuracy can be certified at an exact 0, nor from an enclosure that
 contains 0, however small. An output is therefore certified when (``papers/reference.md``, §6)
@@ -122,6 +122,7 @@ from mhanum._errors import CertificationError, InvalidArgument
 from mhanum._threads import one_blas_thread
 from mhanum.gradients import Gradients, MHAGradients
 from mhanum.params import MHAParams
+from mhanum.problem import AttentionProblem
 from mhanum.reference import _dd, _exact, _fastref
 from mhanum.reference._dd import Ball
 
@@ -271,23 +272,23 @@ def attention(
         '2.33333333333333333333333333333'
     """
     options = _check_options(digits, max_prec, fully_masked, backend, return_mpf)
-    q64, k64, v64 = (_float_array(x, name, 2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    V.check_finite(q64, "q")
-    V.check_finite(k64, "k")
-    V.check_finite(v64, "v")
-    _check_qkv_shapes(q64, k64, v64)
-    factors = V.descale_value(descale)
-    if factors is not None:
+    p = AttentionProblem.of(
+        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, descale=descale
+    )
+    q64, k64, v64 = (np.asarray(x).astype(np.float64) for x in (p.q, p.k, p.v))
+    if p.descale is not None:
         q64, k64, v64 = (
-            _exact_product(x, d, n) for x, d, n in zip((q64, k64, v64), factors, "qkv", strict=True)
+            _exact_product(x, d, n)
+            for x, d, n in zip((q64, k64, v64), p.descale, "qkv", strict=True)
         )
-    if sink is not None:
-        b64 = None if bias is None else _float_array(bias, "bias", 0)
-        k64, v64, mask, bias = masks.with_sink(q64, k64, v64, mask, b64, sink)
-    batch = V.broadcast({"q": q64.shape[:-2], "k": k64.shape[:-2], "v": v64.shape[:-2]})
-    shape = (*batch, q64.shape[-2], k64.shape[-2])
+    mask, bias, shape = p.mask, p.bias, p.scores
+    if p.sink is not None:
+        b64 = None if bias is None else np.asarray(bias).astype(np.float64)
+        k64, v64, mask, bias = masks.with_sink(q64, k64, v64, mask, b64, p.sink)
+        shape = (*k64.shape[:-2], q64.shape[-2], k64.shape[-2])
+    batch = shape[:-2]
     spec = _score_spec(
-        mask, bias, _check_scale(scale), shape, q64.shape[-1], options.fully_masked, softcap
+        mask, bias, _check_scale(scale), shape, q64.shape[-1], options.fully_masked, p.softcap
     )
     _check_softcap_backend(spec, options)
     zeros = _attention_zeros(q64, k64, v64, spec)
@@ -380,26 +381,18 @@ def attention_grad(
                [0.33333333, 0.33333333, 0.33333333]])
     """
     options = _check_options(digits, max_prec, "zero", "arb", False)
-    q64, k64, v64 = (_float_array(x, name, 2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    g64 = _float_array(d_out, "d_out", 2)
-    for x, name in ((q64, "q"), (k64, "k"), (v64, "v"), (g64, "d_out")):
-        V.check_finite(x, name)
-    _check_qkv_shapes(q64, k64, v64)
-    keys = k64.shape[-2]
-    if sink is not None:
-        b64 = None if bias is None else _float_array(bias, "bias", 0)
-        k64, v64, mask, bias = masks.with_sink(q64, k64, v64, mask, b64, sink)
-    batch = V.broadcast(
-        {"q": q64.shape[:-2], "k": k64.shape[:-2], "v": v64.shape[:-2], "d_out": g64.shape[:-2]}
+    p = AttentionProblem.of(
+        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, d_out=d_out
     )
-    if g64.shape[-2:] != (q64.shape[-2], v64.shape[-1]):
-        msg = (
-            f"d_out: expected the output's shape (..., {q64.shape[-2]}, {v64.shape[-1]}), got "
-            f"{g64.shape}"
-        )
-        raise InvalidArgument(msg)
+    q64, k64, v64, g64 = (np.asarray(x).astype(np.float64) for x in (p.q, p.k, p.v, p.d_out))
+    keys = k64.shape[-2]
+    mask, bias, batch = p.mask, p.bias, p.batch
+    if p.sink is not None:
+        b64 = None if bias is None else np.asarray(bias).astype(np.float64)
+        k64, v64, mask, bias = masks.with_sink(q64, k64, v64, mask, b64, p.sink)
+        batch = k64.shape[:-2]
     shape = (*batch, q64.shape[-2], k64.shape[-2])
-    spec = _score_spec(mask, bias, _check_scale(scale), shape, q64.shape[-1], "zero", softcap)
+    spec = _score_spec(mask, bias, _check_scale(scale), shape, q64.shape[-1], "zero", p.softcap)
     if spec.excluded.all(axis=-1).any():
         msg = "mask: expected every row to attend some key (an empty softmax has no gradient)"
         raise InvalidArgument(msg)

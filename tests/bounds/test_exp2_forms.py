@@ -178,7 +178,7 @@ def test_the_base2_form_refuses_what_it_does_not_model():
         _base2(softmax="online(4)", kv_splits=2)
     q = np.ones((2, 4))
     with pytest.raises(InvalidArgument, match=r"^sink: expected None with numerics.exp_form"):
-        mn.attention(q, q, q, sink=np.zeros(1), numerics=_base2())
+        mn.attention(q, q, q, sink=0.0, numerics=_base2())
 
 
 FORMS = ("exp2-folded", "exp2-scaled", "exp2")

@@ -302,7 +302,10 @@ Q = np.zeros((3, 4))
         (lambda: mn.attention(Q, Q, Q, numerics="fp8"), "name: expected one of"),
         (lambda: mn.attention(Q, Q, Q, numerics=Numerics(input="fp12")), "numerics.input"),
         (lambda: mn.attention(Q, Q, Q, numerics=3), "numerics: expected a Numerics"),
-        (lambda: mn.attention(Q, Q, Q, scale=math.inf), "scale: expected a finite number"),
+        (
+            lambda: mn.attention(Q, Q, Q, scale=math.inf),
+            "scale: expected None or a finite real number",
+        ),
         (
             lambda: mn.attention(Q, Q, Q, scale=-1.0, numerics=mn.Numerics(scale="qk")),
             "scale: expected a scale >= 0",

@@ -1,0 +1,194 @@
+"""One attention problem, read once at the boundary.
+
+:class:`AttentionProblem` holds what every part of mhanum computes on:
+``softmax(scale · q kᵀ + bias, over the attended keys and a sink) · v`` with an optional logit
+soft-cap and fp8 descale factors. Every public entry point that takes these arguments (the
+emulation, the certified reference, the forward and backward bounds) builds it once with
+:meth:`AttentionProblem.of`, which checks every argument against the others and raises
+:class:`~mhanum.InvalidArgument` ("<argument>: expected X, got Y"); downstream code reads its
+fields and never re-interprets an argument.
+
+The shape rule is one for all: the batch dimensions are those of ``q``, ``k`` and ``v``
+broadcast together, and the mask, the bias and the sink must fit them (broadcast to the scores
+``(*batch, Lq, Lk)``, never enlarge them): the output's shape is that of the inputs.
+
+Examples:
+    >>> import numpy as np
+    >>> from mhanum import masks
+    >>> p = AttentionProblem.of(np.ones((2, 4, 8)), np.ones((6, 8)), np.ones((6, 3)),
+    ...                         mask=masks.causal())
+    >>> p.batch, p.scores, p.output
+    ((2,), (2, 4, 6), (2, 4, 3))
+    >>> AttentionProblem.of(np.ones((4, 8)), np.ones((6, 8)), np.ones((6, 3)), sink=np.zeros(3))
+    Traceback (most recent call last):
+    ...
+    mhanum._errors.InvalidArgument: sink: expected one logit per batch element or head, a shape broadcastable to the inputs' batch dimensions (), got (3,)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from mhanum import _validate as V
+from mhanum import masks
+from mhanum._errors import InvalidArgument
+
+__all__ = ["AttentionProblem", "checked_bias"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionProblem:
+    """The inputs of one attention call, checked together.
+
+    Attributes:
+        q, k, v: ``(..., Lq, d_k)``, ``(..., Lk, d_k)``, ``(..., Lk, d_v)`` floating-point arrays
+            as given (numpy, or JAX arrays, which may be traced: their values are checked only
+            when concrete).
+        batch: the batch dimensions of ``q``, ``k`` and ``v`` broadcast together.
+        mask: ``None``, a :class:`mhanum.masks.Band`, or a boolean array broadcastable to
+            :attr:`scores` (:func:`mhanum.masks.normalise`).
+        bias: ``None`` or a float array broadcastable to :attr:`scores` (``-inf`` excludes a
+            key; no NaN, no ``+inf``), as given.
+        scale: the scale as given (``None``: ``1/sqrt(d_k)``), a finite number.
+        sink: ``None`` or finite sink logits broadcastable to :attr:`batch` (float64 numpy,
+            or a JAX array as given).
+        softcap: ``None`` or the cap ``c > 0`` of ``c·tanh(s/c)``.
+        descale: ``None`` or fp8 descale factors ``(d_q, d_k, d_v)``, float32 numbers ``> 0``.
+        d_out: ``None``, or for a backward pass the output's cotangent ``(..., Lq, d_v)``, as
+            given; its batch dimensions join :attr:`batch`.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    batch: tuple[int, ...]
+    mask: Any = None
+    bias: Any = None
+    scale: float | None = None
+    sink: Any = None
+    softcap: float | None = None
+    descale: tuple[float, float, float] | None = None
+    d_out: Any = None
+
+    @classmethod
+    def of(
+        cls,
+        q: Any,
+        k: Any,
+        v: Any,
+        *,
+        mask: Any = None,
+        bias: Any = None,
+        scale: Any = None,
+        sink: Any = None,
+        softcap: Any = None,
+        descale: Any = None,
+        d_out: Any = None,
+    ) -> AttentionProblem:
+        """The problem of these arguments, each checked once against the others.
+
+        Raises:
+            InvalidArgument: naming the first argument that does not fit: a non-float or
+                non-finite input, shapes that do not chain (``k``'s ``d_k`` is ``q``'s, ``v``'s
+                keys are ``k``'s), batch dimensions that do not broadcast, a mask that is not
+                boolean or a band, a bias with NaN or ``+inf``, a mask, bias or sink that would
+                enlarge the batch, a scale, soft-cap or descale that is not a finite number of
+                the kind expected.
+        """
+        q, k, v = (V.float_array(x, n, min_ndim=2) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        _check_shapes_chain(q, k, v)
+        shapes = {"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2]}
+        if d_out is not None:
+            d_out = _cotangent(d_out, (q.shape[-2], v.shape[-1]))
+            shapes["d_out"] = d_out.shape[:-2]
+        batch = V.broadcast(shapes)
+        for x, name in ((q, "q"), (k, "k"), (v, "v"), (d_out, "d_out")):
+            if x is not None:
+                V.check_finite(x, name)
+        scores = (*batch, q.shape[-2], k.shape[-2])
+        V.scale_value(scale, q.shape[-1])  # a finite number or None (placement: check())
+        return cls(
+            q, k, v, batch,
+            mask=masks.normalise(mask, scores),
+            bias=checked_bias(bias, scores),
+            scale=None if scale is None else float(scale),
+            sink=_sink(sink, batch),
+            softcap=V.softcap_value(softcap),
+            descale=V.descale_value(descale),
+            d_out=d_out,
+        )  # fmt: skip
+
+    @property
+    def scores(self) -> tuple[int, ...]:
+        """The shape of the logits, ``(*batch, Lq, Lk)``."""
+        return (*self.batch, self.q.shape[-2], self.k.shape[-2])
+
+    @property
+    def output(self) -> tuple[int, ...]:
+        """The shape of the output, ``(*batch, Lq, d_v)``."""
+        return (*self.batch, self.q.shape[-2], self.v.shape[-1])
+
+    @property
+    def d_k(self) -> int:
+        """The length of the score dots."""
+        return int(self.q.shape[-1])
+
+    def scale_value(self, placement: str = "scores") -> float:
+        """The scale as a float64 number (``1/sqrt(d_k)`` rounded once when none was given),
+        checked against its ``placement`` (``"qk"`` applies its square root to q and k)."""
+        return V.scale_value(self.scale, self.d_k, placement=placement)
+
+
+def _check_shapes_chain(q: Any, k: Any, v: Any) -> None:
+    if k.shape[-1] != q.shape[-1]:
+        msg = f"k: expected last dimension d_k = {q.shape[-1]} (from q), got shape {k.shape}"
+        raise InvalidArgument(msg)
+    if v.shape[-2] != k.shape[-2]:
+        msg = f"v: expected {k.shape[-2]} keys (Lk, from k) in dimension -2, got shape {v.shape}"
+        raise InvalidArgument(msg)
+    if q.shape[-2] < 1 or k.shape[-2] < 1 or q.shape[-1] < 1:
+        msg = f"k: expected at least one query, one key and d_k >= 1, got q {q.shape}, k {k.shape}"
+        raise InvalidArgument(msg)
+
+
+def _cotangent(d_out: Any, rows: tuple[int, int]) -> Any:
+    """The output's cotangent, shaped like the output ``(..., Lq, d_v)``."""
+    g = V.float_array(d_out, "d_out", min_ndim=2)
+    if tuple(g.shape[-2:]) != rows:
+        msg = f"d_out: expected the output's shape (..., {rows[0]}, {rows[1]}), got {g.shape}"
+        raise InvalidArgument(msg)
+    return g
+
+
+def checked_bias(bias: Any, scores: tuple[int, ...]) -> Any:
+    """``bias`` checked against the ``scores`` shape: ``None``, or a float array broadcastable to
+    it, ``-inf`` allowed (an excluded key), as given.
+
+    Raises:
+        InvalidArgument: for a non-float bias, a NaN or ``+inf`` entry, or a shape that does
+            not broadcast to ``scores``.
+    """
+    if bias is None:
+        return None
+    arr = V.float_array(bias, "bias")
+    V.check_finite(arr, "bias", allow_neg_inf=True)
+    V.check_broadcastable_to(arr, "bias", scores)
+    return arr
+
+
+def _sink(sink: Any, batch: tuple[int, ...]) -> Any:
+    """Finite sink logits that fit the batch (a sink never adds batch dimensions): float64
+    numpy, or a JAX array as given."""
+    if sink is None:
+        return None
+    return masks.check_sink(sink, batch, xp=_namespace(sink))
+
+
+def _namespace(x: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    return jnp if isinstance(x, jax.Array) else np
