@@ -28,15 +28,16 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import InvalidArgument
+from mhanum.params import MHAParams
 
-__all__ = ["AttentionProblem", "checked_bias"]
+__all__ = ["AttentionProblem", "MHAProblem", "checked_bias"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -140,6 +141,117 @@ class AttentionProblem:
         """The scale as a float64 number (``1/sqrt(d_k)`` rounded once when none was given),
         checked against its ``placement`` (``"qk"`` applies its square root to q and k)."""
         return V.scale_value(self.scale, self.d_k, placement=placement)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MHAProblem:
+    """The inputs of one multi-head attention layer, checked together.
+
+    Attributes:
+        x_q, x_kv: ``(..., Lq, d_q)`` and ``(..., Lk, d_kv)`` floating-point arrays as given.
+        params: the layer (:class:`mhanum.MHAParams`), grouped key/value heads expanded to one
+            per query head (:meth:`mhanum.MHAParams.expand_kv_heads`).
+        grouped: the layer as given (``params`` itself without ``num_kv_heads``).
+        num_heads: the query heads ``H``; ``num_kv_heads``: the key/value heads, or ``None``.
+        batch: the batch dimensions of ``x_q`` and ``x_kv`` (and ``d_out``) broadcast together.
+        mask, bias, scale, sink, softcap: as for :class:`AttentionProblem`, against the scores
+            ``(*batch, H, Lq, Lk)``; a sink is one logit per head (``(H,)`` or broadcast).
+        d_out: ``None``, or for a backward pass the output's cotangent ``(..., Lq, d_out)``.
+    """
+
+    x_q: Any
+    x_kv: Any
+    params: Any
+    grouped: Any
+    num_heads: int
+    num_kv_heads: int | None
+    batch: tuple[int, ...]
+    mask: Any = None
+    bias: Any = None
+    scale: float | None = None
+    sink: Any = None
+    softcap: float | None = None
+    d_out: Any = None
+    descale: ClassVar[None] = None  # fp8 descale factors: single-head attention only
+
+    @classmethod
+    def of(
+        cls,
+        x_q: Any,
+        x_kv: Any,
+        params: Any,
+        num_heads: Any,
+        *,
+        mask: Any = None,
+        bias: Any = None,
+        scale: Any = None,
+        sink: Any = None,
+        softcap: Any = None,
+        num_kv_heads: Any = None,
+        d_out: Any = None,
+    ) -> MHAProblem:
+        """The problem of these arguments, each checked once against the others.
+
+        Raises:
+            InvalidArgument: naming the first argument that does not fit: ``params`` that is not
+                an :class:`mhanum.MHAParams` or whose widths ``num_heads`` (``num_kv_heads``)
+                does not divide, inputs whose widths are not the layer's or that are not finite
+                floats, and the mask, bias, scale, sink and soft-cap as for
+                :meth:`AttentionProblem.of`.
+        """
+        if not isinstance(params, MHAParams):
+            msg = f"params: expected an MHAParams, got {type(params).__name__}"
+            raise InvalidArgument(msg)
+        grouped = params
+        full = params if num_kv_heads is None else params.expand_kv_heads(num_heads, num_kv_heads)
+        heads = V.positive_int(num_heads, "num_heads")
+        full.validate(heads)
+        widths = {"x_q": full.d_q, "x_kv": full.d_kv, "d_out": full.d_out}
+        given = {"x_q": x_q, "x_kv": x_kv, "d_out": d_out}
+        arrays = {n: _of_width(x, n, widths[n]) for n, x in given.items() if x is not None}
+        if d_out is not None and arrays["d_out"].shape[-2] != arrays["x_q"].shape[-2]:
+            msg = (
+                f"d_out: expected the output's shape (..., {arrays['x_q'].shape[-2]}, "
+                f"{full.d_out}), got {arrays['d_out'].shape}"
+            )
+            raise InvalidArgument(msg)
+        batch = V.broadcast({n: a.shape[:-2] for n, a in arrays.items()})
+        scores = (*batch, heads, arrays["x_q"].shape[-2], arrays["x_kv"].shape[-2])
+        V.scale_value(scale, full.qk_width // heads)
+        return cls(
+            arrays["x_q"], arrays["x_kv"], full, grouped, heads,
+            None if num_kv_heads is None else int(num_kv_heads), batch,
+            mask=masks.normalise(mask, scores),
+            bias=checked_bias(bias, scores),
+            scale=None if scale is None else float(scale),
+            sink=None if sink is None else masks.check_sink(sink, scores[:-2], xp=_namespace(sink)),
+            softcap=V.softcap_value(softcap),
+            d_out=arrays.get("d_out"),
+        )  # fmt: skip
+
+    @property
+    def scores(self) -> tuple[int, ...]:
+        """The shape of the heads' logits, ``(*batch, H, Lq, Lk)``."""
+        return (*self.batch, self.num_heads, self.x_q.shape[-2], self.x_kv.shape[-2])
+
+    @property
+    def d_k(self) -> int:
+        """The length of a head's score dots."""
+        return int(self.params.qk_width // self.num_heads)
+
+    def scale_value(self, placement: str = "scores") -> float:
+        """A head's scale as a float64 number, as :meth:`AttentionProblem.scale_value`."""
+        return V.scale_value(self.scale, self.d_k, placement=placement)
+
+
+def _of_width(x: Any, name: str, width: int) -> Any:
+    """A finite float input ``(..., L, width)``."""
+    arr = V.float_array(x, name, min_ndim=2)
+    if arr.shape[-1] != width:
+        msg = f"{name}: expected last dimension {width} (from params), got shape {arr.shape}"
+        raise InvalidArgument(msg)
+    V.check_finite(arr, name)
+    return arr
 
 
 def _check_shapes_chain(q: Any, k: Any, v: Any) -> None:

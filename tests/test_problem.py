@@ -1,4 +1,4 @@
-"""The attention problem is checked once, the same way, wherever it enters.
+"""The attention problem is checked once, the same way, wherever it enters (one head or a layer).
 
 Every entry point that takes q, k, v and their companions builds one
 :class:`mhanum.problem.AttentionProblem`: a bad argument is refused with the same message by the
@@ -80,3 +80,47 @@ def test_the_numerics_check_what_they_model() -> None:
     with pytest.raises(mn.InvalidArgument, match=r"^bias: expected None with numerics.exp_form"):
         folded.check_problem(p)
     mn.Numerics.preset("fp32").check_problem(p)  # the default numerics take all of it
+
+
+PARAMS = mn.MHAParams.random(4, seed=0)
+X = np.zeros((3, 4))
+D_OUT = np.ones((3, 4))
+
+MHA_ENTRY_POINTS: dict[str, Callable[..., Any]] = {
+    "multi_head_attention": lambda x, y, p, h, **kw: mn.multi_head_attention(x, y, p, h, **kw),
+    "reference.multi_head_attention": lambda x, y, p, h, **kw: mn.reference.multi_head_attention(
+        x, y, p, h, **kw
+    ),
+    "mha_bound": lambda x, y, p, h, **kw: mn.bounds.mha_bound(x, y, p, h, **kw),
+    "mha_grad": lambda x, y, p, h, **kw: mn.mha_grad(x, y, p, h, D_OUT, **kw),
+    "reference.mha_grad": lambda x, y, p, h, **kw: mn.reference.mha_grad(x, y, p, h, D_OUT, **kw),
+    "mha_grad_bound": lambda x, y, p, h, **kw: mn.bounds.mha_grad_bound(x, y, p, h, D_OUT, **kw),
+}
+
+MHA_BAD: list[tuple[dict[str, Any], str]] = [
+    ({"params": "weights"}, "params: expected an MHAParams, got str"),
+    ({"num_heads": 0}, "num_heads: expected a positive integer, got 0"),
+    ({"num_heads": 3}, "num_heads: expected a divisor of H*d_k (wq columns) = 4, got 3"),
+    ({"x_q": np.zeros((3, 5))}, "x_q: expected last dimension 4 (from params), got shape (3, 5)"),
+    ({"x_kv": np.full((3, 4), np.inf)}, "x_kv: expected finite values"),
+    ({"mask": np.ones((3, 3))}, "mask: expected a boolean array (True = attend), got dtype"),
+    ({"mask": np.ones((5, 3, 3), bool)}, "mask: expected a shape broadcastable to (2, 3, 3)"),
+    ({"bias": np.zeros((5, 3, 3))}, "bias: expected a shape broadcastable to (2, 3, 3)"),
+    ({"sink": np.zeros(3)}, "sink: expected one logit per batch element or head"),
+    ({"softcap": 0.0}, "softcap: expected a finite number > 0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    MHA_BAD,
+    ids=[m.split(":")[0] + str(i) for i, (_, m) in enumerate(MHA_BAD)],
+)
+@pytest.mark.parametrize("entry", sorted(MHA_ENTRY_POINTS))
+def test_a_bad_layer_argument_is_refused_with_one_message_everywhere(
+    entry: str, kwargs: dict[str, Any], message: str
+) -> None:
+    args = {"x_q": X, "x_kv": X, "params": PARAMS, "num_heads": 2} | kwargs
+    positional = [args.pop(n) for n in ("x_q", "x_kv", "params", "num_heads")]
+    with pytest.raises(mn.InvalidArgument, match="^" + re.escape(message)):
+        MHA_ENTRY_POINTS[entry](*positional, **args)

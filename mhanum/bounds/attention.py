@@ -56,7 +56,7 @@ from mhanum.bounds.softmax import division_error
 from mhanum.formats import Format, get_format, round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
-from mhanum.problem import AttentionProblem, checked_bias
+from mhanum.problem import AttentionProblem, MHAProblem
 
 __all__ = ["attention_bound", "head_output_bound", "mha_bound"]
 
@@ -2416,30 +2416,18 @@ def mha_bound(
                 total=inner.total + effect,
                 terms={**inner.terms, "input_rounding": effect},
             )
-    if num_kv_heads is not None:
-        params = params.expand_kv_heads(num_heads, num_kv_heads)
-    heads = V.positive_int(num_heads, "num_heads")
-    params.validate(heads)
-    xs = {}
-    for x, name, width in ((x_q, "x_q", params.d_q), (x_kv, "x_kv", params.d_kv)):
-        arr = V.float_array(x, name, min_ndim=2)
-        if arr.shape[-1] != width:
-            msg = f"{name}: expected last dimension {width} (from params), got shape {arr.shape}"
-            raise InvalidArgument(msg)
-        V.check_finite(arr, name)
-        xs[name] = np.asarray(arr, np.float64)
+    p = MHAProblem.of(
+        x_q, x_kv, params, num_heads, mask=mask, bias=bias, scale=scale, sink=sink,
+        softcap=softcap, num_kv_heads=num_kv_heads,
+    )  # fmt: skip
     _check_scope(num)
-    num.check_bias(bias)
-    cap = V.softcap_value(softcap)
-    if cap is not None:
-        num.check_softcap()
-    outer = V.broadcast({"x_q": xs["x_q"].shape[:-2], "x_kv": xs["x_kv"].shape[:-2]})
-    rows, keys = xs["x_q"].shape[-2], xs["x_kv"].shape[-2]
-    scores = (*outer, heads, rows, keys)
-    mask, bias = masks.normalise(mask, scores), checked_bias(bias, scores)
-    if sink is not None:
-        num.check_sink()
-        mask, bias, scores = masks.head_sinks(mask, bias, sink, (*outer, heads, rows, keys))
+    num.check_problem(p)
+    params, heads, cap, outer = p.params, p.num_heads, p.softcap, p.batch
+    xs = {"x_q": np.asarray(p.x_q, np.float64), "x_kv": np.asarray(p.x_kv, np.float64)}
+    mask, bias, scores = p.mask, p.bias, p.scores
+    rows, keys = scores[-2:]
+    if p.sink is not None:
+        mask, bias, scores = masks.head_sinks(mask, bias, p.sink, scores)
         outer, keys = tuple(scores[:-3]), keys + 1
     d_v = params.v_width // heads
     chains = math.prod(outer) * (
@@ -2492,7 +2480,7 @@ def mha_bound(
         )
         if sink is not None and name != "q":  # the sink's key and value: exact zeros
             proj[name] = tuple(masks.zero_key(x) for x in proj[name])
-    c = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
+    c = p.scale_value(num.scale)
     d_v = params.v_width // heads
     wo_hat = round_to(w["wo"], fmt_in).astype(np.float64)  # the weights the kernel reads
     u_op, eta_op = operand_error(num)

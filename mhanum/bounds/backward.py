@@ -64,7 +64,7 @@ from mhanum.bounds.factors import (
 )
 from mhanum.formats import Format
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
-from mhanum.problem import AttentionProblem
+from mhanum.problem import AttentionProblem, MHAProblem
 
 __all__ = [
     "GradientBounds",
@@ -1776,20 +1776,21 @@ def mha_grad_bound(
     num = resolve(numerics)
     bw = resolve_backward(backward)
     _check_scope(num, bw)
-    full = params if num_kv_heads is None else V.expanded_params(params, num_heads, num_kv_heads)
-    xq, xkv, g, heads, batch = V.mha_gradient_inputs(x_q, x_kv, full, num_heads, d_out)
-    group = 1 if num_kv_heads is None else heads // num_kv_heads
-    lq, lk = xq.shape[-2], xkv.shape[-2]
-    target = (*batch, heads, lq, lk)
-    cap = V.softcap_value(softcap)
-    if cap is not None:
-        num.check_softcap()
-    if sink is not None:  # one more key per head: zero key and value, bias σ, never masked
-        num.check_sink()
-        mask, bias, target = masks.head_sinks(mask, bias, sink, target)
+    p = MHAProblem.of(
+        x_q, x_kv, params, num_heads, mask=mask, bias=bias, scale=scale, sink=sink,
+        softcap=softcap, num_kv_heads=num_kv_heads, d_out=d_out,
+    )  # fmt: skip
+    num.check_problem(p)
+    full, heads, cap, batch, target = p.params, p.num_heads, p.softcap, p.batch, p.scores
+    group = 1 if p.num_kv_heads is None else heads // p.num_kv_heads
+    lq = target[-2]
+    mask, bias = p.mask, p.bias
+    if p.sink is not None:  # one more key per head: zero key and value, bias σ, never masked
+        mask, bias, target = masks.head_sinks(mask, bias, p.sink, target)
         batch = tuple(target[:-3])
     xq, xkv, g = (
-        np.broadcast_to(np.asarray(a, np.float64), (*batch, *a.shape[-2:])) for a in (xq, xkv, g)
+        np.broadcast_to(np.asarray(a, np.float64), (*batch, *a.shape[-2:]))
+        for a in (p.x_q, p.x_kv, p.d_out)
     )
     n_keys = target[-1]
     bw.key_blocks(n_keys)

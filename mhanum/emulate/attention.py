@@ -37,7 +37,7 @@ from mhanum.formats import Format, round_to
 from mhanum.masks import Band
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
-from mhanum.problem import AttentionProblem
+from mhanum.problem import AttentionProblem, MHAProblem
 
 __all__ = ["attention", "multi_head_attention", "softmax"]
 
@@ -61,14 +61,6 @@ def host_round(x: Any, fmt: Format) -> Any:
     rounded = round_to(x, fmt)
     carrier = np.float64 if fmt.name == "float64" else np.float32
     return jnp.asarray(rounded.astype(carrier))
-
-
-def bias_array(bias: Any, target: tuple[int, ...], fmt: Format) -> Any:
-    """A checked additive bias, rounded once into the score format (``-inf`` entries allowed)."""
-    arr = V.float_array(bias, "bias")
-    V.check_finite(arr, "bias", allow_neg_inf=True)
-    V.check_broadcastable_to(arr, "bias", target)
-    return host_round(arr, fmt)
 
 
 _LOG2E = math.log2(math.e)  # the float64 constant (M_LOG2E), as the kernels multiply by it
@@ -555,26 +547,22 @@ def split_heads(x: jax.Array, heads: int) -> jax.Array:
 
 
 def head_logit_inputs(
-    num: Numerics, mask: Any, bias: Any, sink: Any, softcap: Any, target: tuple[int, ...]
+    num: Numerics, p: MHAProblem
 ) -> tuple[Any, Any, tuple[int, ...], float | None]:
-    """The mask, bias, sinks and soft-cap of multi-head scores ``target = (..., H, Lq, Lk)``,
-    checked against ``num``: ``(mask, bias, target, cap)`` with a sink's column added (the
-    scores' new shape in ``target``) and the bias rounded into the score format.
+    """The mask, bias, sinks and soft-cap of a multi-head problem's scores, checked against
+    ``num``: ``(mask, bias, scores, cap)`` with a sink's column added (the scores' new shape in
+    ``scores``) and the bias rounded into the score format.
 
     Raises:
-        InvalidArgument: naming the argument that does not fit.
+        InvalidArgument: naming the argument ``num`` does not model.
     """
-    mask = masks.normalise(mask, target)
-    num.check_bias(bias)
-    cap = V.softcap_value(softcap)
-    if cap is not None:
-        num.check_softcap()
-    if sink is not None:
-        num.check_sink()
-        mask, bias, target = masks.head_sinks(mask, bias, sink, target)
+    num.check_problem(p)
+    mask, bias, target = p.mask, p.bias, p.scores
+    if p.sink is not None:
+        mask, bias, target = masks.head_sinks(mask, bias, p.sink, target)
     if bias is not None:
-        bias = bias_array(bias, target, num.format_of("score"))
-    return mask, bias, tuple(target), cap
+        bias = host_round(bias, num.format_of("score"))
+    return mask, bias, tuple(target), p.softcap
 
 
 def merge_heads(x: jax.Array) -> jax.Array:
@@ -658,36 +646,23 @@ def multi_head_attention(
     """
     num = resolve(numerics)
     check_x64(num)
-    if not isinstance(params, MHAParams):
-        msg = f"params: expected an MHAParams, got {type(params).__name__}"
-        raise InvalidArgument(msg)
-    if num_kv_heads is not None:
-        params = params.expand_kv_heads(num_heads, num_kv_heads)
-    heads = V.positive_int(num_heads, "num_heads")
-    params.validate(heads)
-    x_q = V.float_array(x_q, "x_q", min_ndim=2)
-    x_kv = V.float_array(x_kv, "x_kv", min_ndim=2)
-    for x, name, width in ((x_q, "x_q", params.d_q), (x_kv, "x_kv", params.d_kv)):
-        if x.shape[-1] != width:
-            msg = f"{name}: expected last dimension {width} (from params), got shape {x.shape}"
-            raise InvalidArgument(msg)
-        V.check_finite(x, name)
-    batch = V.broadcast({"x_q": x_q.shape[:-2], "x_kv": x_kv.shape[:-2]})
-    target = (*batch, heads, x_q.shape[-2], x_kv.shape[-2])
-    mask, bias, target, cap = head_logit_inputs(num, mask, bias, sink, softcap, target)
-    factor = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
+    p = MHAProblem.of(
+        x_q, x_kv, params, num_heads, mask=mask, bias=bias, scale=scale, sink=sink,
+        softcap=softcap, num_kv_heads=num_kv_heads,
+    )  # fmt: skip
+    mask, bias, _, cap = head_logit_inputs(num, p)
     fmt = num.format_of("input")
-    x_q, x_kv = host_round(x_q, fmt), host_round(x_kv, fmt)
-    params = jax.tree_util.tree_map(lambda w: host_round(w, fmt), params)
+    x_q, x_kv = host_round(p.x_q, fmt), host_round(p.x_kv, fmt)
+    params = jax.tree_util.tree_map(lambda w: host_round(w, fmt), p.params)
     return _mha_jit(
         x_q,
         x_kv,
         params,
         mask,
         bias,
-        num_heads=heads,
+        num_heads=p.num_heads,
         numerics=num,
-        scale=factor,
-        sink=sink is not None,
+        scale=p.scale_value(num.scale),
+        sink=p.sink is not None,
         softcap=cap,
     )

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mhanum import _validate as V
 from mhanum import masks
 from mhanum.emulate._arith import Arith, runtime_zero, to_format
 from mhanum.emulate.attention import (
@@ -46,7 +45,7 @@ from mhanum.emulate.summation import sum_with
 from mhanum.gradients import Gradients, MHAGradients
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 from mhanum.params import MHAParams
-from mhanum.problem import AttentionProblem
+from mhanum.problem import AttentionProblem, MHAProblem
 
 __all__ = ["attention_grad", "mha_grad"]
 
@@ -493,21 +492,23 @@ def mha_grad(
     bw = resolve_backward(backward)
     bw.check_forward(num)
     check_x64(num)
-    full = params if num_kv_heads is None else V.expanded_params(params, num_heads, num_kv_heads)
-    x_q, x_kv, g, heads, batch = V.mha_gradient_inputs(x_q, x_kv, full, num_heads, d_out)
-    group = 1 if num_kv_heads is None else heads // num_kv_heads
-    target = (*batch, heads, x_q.shape[-2], x_kv.shape[-2])
-    mask, bias, target, cap = head_logit_inputs(num, mask, bias, sink, softcap, target)
+    p = MHAProblem.of(
+        x_q, x_kv, params, num_heads, mask=mask, bias=bias, scale=scale, sink=sink,
+        softcap=softcap, num_kv_heads=num_kv_heads, d_out=d_out,
+    )  # fmt: skip
+    heads = p.num_heads
+    group = 1 if p.num_kv_heads is None else heads // p.num_kv_heads
+    mask, bias, target, cap = head_logit_inputs(num, p)
     batch = target[:-3]
     bw.key_blocks(target[-1])
-    factor = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
     fmt = num.format_of("input")
     xq, xkv, gj = (
-        jnp.broadcast_to(host_round(x, fmt), (*batch, *np.shape(x)[-2:])) for x in (x_q, x_kv, g)
+        jnp.broadcast_to(host_round(x, fmt), (*batch, *np.shape(x)[-2:]))
+        for x in (p.x_q, p.x_kv, p.d_out)
     )
-    params = jax.tree_util.tree_map(lambda w: host_round(w, fmt), params)
+    params = jax.tree_util.tree_map(lambda w: host_round(w, fmt), p.grouped)
     dx_q, dx_kv, grads, dbias, dsink = _mha_grad_jit(
         xq, xkv, params, gj, mask, bias, num_heads=heads, group=group, numerics=num, backward=bw,
-        scale=factor, sink=sink is not None, softcap=cap,
+        scale=p.scale_value(num.scale), sink=p.sink is not None, softcap=cap,
     )  # fmt: skip
     return MHAGradients(dx_q, dx_kv, MHAParams(**grads), dbias, dsink)

@@ -122,7 +122,7 @@ from mhanum._errors import CertificationError, InvalidArgument
 from mhanum._threads import one_blas_thread
 from mhanum.gradients import Gradients, MHAGradients
 from mhanum.params import MHAParams
-from mhanum.problem import AttentionProblem
+from mhanum.problem import AttentionProblem, MHAProblem
 from mhanum.reference import _dd, _exact, _fastref
 from mhanum.reference._dd import Ball
 
@@ -469,15 +469,17 @@ def mha_grad(
         ((3, 4), 0.0)
     """
     options = _check_options(digits, max_prec, "zero", "arb", False)
-    full = params if num_kv_heads is None else V.expanded_params(params, num_heads, num_kv_heads)
-    xq64, xkv64, g64, heads, batch = V.mha_gradient_inputs(x_q, x_kv, full, num_heads, d_out)
-    group = 1 if num_kv_heads is None else heads // num_kv_heads
-    xq64, xkv64, g64 = (np.asarray(x, np.float64) for x in (xq64, xkv64, g64))
-    shape = (*batch, heads, xq64.shape[-2], xkv64.shape[-2])
-    if sink is not None:
-        mask, bias, shape = masks.head_sinks(mask, bias, sink, shape)
-    d_k = params.qk_width // heads
-    spec = _score_spec(mask, bias, _check_scale(scale), shape, d_k, "zero", softcap)
+    p = MHAProblem.of(
+        x_q, x_kv, params, num_heads, mask=mask, bias=bias, scale=scale, sink=sink,
+        softcap=softcap, num_kv_heads=num_kv_heads, d_out=d_out,
+    )  # fmt: skip
+    heads = p.num_heads
+    group = 1 if p.num_kv_heads is None else heads // p.num_kv_heads
+    xq64, xkv64, g64 = (np.asarray(x).astype(np.float64) for x in (p.x_q, p.x_kv, p.d_out))
+    mask, bias, shape = p.mask, p.bias, p.scores
+    if p.sink is not None:
+        mask, bias, shape = masks.head_sinks(mask, bias, p.sink, shape)
+    spec = _score_spec(mask, bias, _check_scale(scale), shape, p.d_k, "zero", p.softcap)
     if spec.excluded.all(axis=-1).any():
         msg = "mask: expected every row to attend some key (an empty softmax has no gradient)"
         raise InvalidArgument(msg)
@@ -554,25 +556,18 @@ def multi_head_attention(
         (5, 8)
     """
     options = _check_options(digits, max_prec, fully_masked, backend, return_mpf)
-    if not isinstance(params, MHAParams):
-        msg = f"params: expected an MHAParams, got {type(params).__name__}"
-        raise InvalidArgument(msg)
-    if num_kv_heads is not None:
-        params = params.expand_kv_heads(num_heads, num_kv_heads)
-    params.validate(num_heads)
-    xq64 = _float_array(x_q, "x_q", 2)
-    xkv64 = _float_array(x_kv, "x_kv", 2)
-    V.check_finite(xq64, "x_q")
-    V.check_finite(xkv64, "x_kv")
-    _check_inputs_match_params(xq64, xkv64, params, num_heads)
-    batch = V.broadcast({"x_q": xq64.shape[:-2], "x_kv": xkv64.shape[:-2]})
-    shape = (*batch, num_heads, xq64.shape[-2], xkv64.shape[-2])
-    if sink is not None:
-        mask, bias, shape = masks.head_sinks(mask, bias, sink, shape)
+    p = MHAProblem.of(
+        x_q, x_kv, params, num_heads, mask=mask, bias=bias, sink=sink, softcap=softcap,
+        num_kv_heads=num_kv_heads,
+    )  # fmt: skip
+    params, num_heads = p.params, p.num_heads
+    xq64, xkv64 = (np.asarray(x).astype(np.float64) for x in (p.x_q, p.x_kv))
+    mask, bias, shape, batch = p.mask, p.bias, p.scores, p.batch
+    if p.sink is not None:
+        mask, bias, shape = masks.head_sinks(mask, bias, p.sink, shape)
         xkv64, params = _sink_row(xkv64, _params_float64(params))
         batch = shape[:-3]
-    d_k = params.qk_width // num_heads
-    spec = _score_spec(mask, bias, None, shape, d_k, options.fully_masked, softcap)
+    spec = _score_spec(mask, bias, None, shape, p.d_k, options.fully_masked, p.softcap)
     _check_softcap_backend(spec, options)
     params64 = _params_float64(params)
     zeros = _mha_zeros(xq64, xkv64, params64, num_heads, spec)
@@ -658,39 +653,6 @@ def _start_prec(digits: int) -> int:
 def _float_array(x: Any, name: str, min_ndim: int) -> np.ndarray:
     """``x`` converted exactly to float64, after checking its dtype and rank."""
     return np.asarray(V.float_array(x, name, min_ndim=min_ndim)).astype(np.float64)
-
-
-def _check_qkv_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-    d_k, l_k = q.shape[-1], k.shape[-2]
-    if d_k < 1:
-        msg = f"q: expected d_k >= 1, got shape {q.shape}"
-        raise InvalidArgument(msg)
-    if k.shape[-1] != d_k:
-        msg = f"k: expected shape (..., Lk, {d_k}) (d_k of q), got {k.shape}"
-        raise InvalidArgument(msg)
-    if l_k < 1:
-        msg = f"k: expected at least one key, got shape {k.shape}"
-        raise InvalidArgument(msg)
-    if v.shape[-2] != l_k:
-        msg = f"v: expected shape (..., {l_k}, d_v) (Lk of k), got {v.shape}"
-        raise InvalidArgument(msg)
-
-
-def _check_inputs_match_params(
-    x_q: np.ndarray, x_kv: np.ndarray, params: MHAParams, num_heads: int
-) -> None:
-    if x_q.shape[-1] != params.d_q:
-        msg = f"x_q: expected shape (..., Lq, {params.d_q}) (rows of params.wq), got {x_q.shape}"
-        raise InvalidArgument(msg)
-    if x_kv.shape[-1] != params.d_kv:
-        msg = f"x_kv: expected shape (..., Lk, {params.d_kv}) (rows of params.wk), got {x_kv.shape}"
-        raise InvalidArgument(msg)
-    if x_kv.shape[-2] < 1:
-        msg = f"x_kv: expected at least one key, got shape {x_kv.shape}"
-        raise InvalidArgument(msg)
-    if params.qk_width // num_heads < 1:
-        msg = f"params.wq: expected at least one column per head, got shape {params.wq.shape}"
-        raise InvalidArgument(msg)
 
 
 def _broadcast_to(x: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarray:

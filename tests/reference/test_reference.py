@@ -679,9 +679,13 @@ _PARAMS = MHAParams.random(4, seed=0)
         (
             (np.zeros((2, 3)), np.zeros((2, 4)), _PARAMS, 2),
             {},
-            r"^x_q: expected shape \(\.\.\., Lq, 4\)",
+            r"^x_q: expected last dimension 4 \(from params\)",
         ),
-        ((np.zeros((2, 4)), np.zeros((2, 5)), _PARAMS, 2), {}, r"^x_kv: expected shape"),
+        (
+            (np.zeros((2, 4)), np.zeros((2, 5)), _PARAMS, 2),
+            {},
+            r"^x_kv: expected last dimension 4 \(from params\)",
+        ),
         ((np.zeros((2, 4)), np.full((2, 4), np.nan), _PARAMS, 2), {}, r"^x_kv: expected finite"),
         (
             (np.zeros((2, 4), dtype=int), np.zeros((2, 4)), _PARAMS, 2),
