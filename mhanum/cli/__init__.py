@@ -19,6 +19,8 @@ from typing import Any, TextIO
 
 from mhanum.cli import _options
 
+__all__ = ["add_executor_arguments", "main"]
+
 
 def _demo(args: argparse.Namespace) -> int:
     from mhanum import demo

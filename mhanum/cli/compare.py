@@ -12,6 +12,8 @@ from mhanum.adapters import ADAPTERS
 from mhanum.cli import _options
 from mhanum.params import MHAParams
 
+__all__ = ["MASKS", "RAW_MASKS", "SEED_EXAMPLE_SIZES", "SIZES", "add_arguments", "run"]
+
 MASKS = ("none", "causal", "padding")
 RAW_MASKS = ("ones", "zeros")
 # Default sizes; --seed-example defaults to those of the PyTorch-vs-TensorFlow tutorial, so that
