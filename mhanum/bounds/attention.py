@@ -1780,9 +1780,10 @@ def attention_bound(
     References:
         blanchard2021; higham2002 (§3.1); papers/attention.md Theorem A.1.
     """
-    bound, _ = _attention_bound(
-        q, k, v, mask, bias, numerics, scale, lam, probability, sink, softcap, descale, None
+    problem = AttentionProblem.of(
+        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, descale=descale
     )
+    bound, _ = _attention_bound(problem, resolve(numerics), lam, probability, None)
     return bound
 
 
@@ -1847,34 +1848,23 @@ def attention_bound_along(
     References:
         papers/attention.md Theorem A.1g.
     """
-    bound, along = _attention_bound(
-        q, k, v, mask, bias, numerics, scale, None, None, sink, softcap, None, (g, g_error)
+    problem = AttentionProblem.of(
+        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap
     )
+    bound, along = _attention_bound(problem, resolve(numerics), None, None, (g, g_error))
     assert along is not None
     return bound, along
 
 
 def _attention_bound(
-    q: Any,
-    k: Any,
-    v: Any,
-    mask: Any,
-    bias: Any,
-    numerics: Numerics | str | None,
-    scale: float | None,
+    p: AttentionProblem,
+    num: Numerics,
     lam: float | None,
     probability: float | None,
-    sink: Any,
-    softcap: float | None,
-    descale: Any,
     direction: tuple[Any, Any] | None,
 ) -> tuple[Bound, np.ndarray | None]:
-    """:func:`attention_bound`; with ``direction = (g, g_error)``, also A.1g's per-row bound
-    (:func:`attention_bound_along`)."""
-    num = resolve(numerics)
-    p = AttentionProblem.of(
-        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, descale=descale
-    )
+    """:func:`attention_bound` of the problem ``p``; with ``direction = (g, g_error)``, also
+    A.1g's per-row bound (:func:`attention_bound_along`)."""
     _check_scope(num)
     num.check_problem(p)
     q, k, v = (np.asarray(x, np.float64) for x in (p.q, p.k, p.v))
@@ -1912,9 +1902,9 @@ def _attention_bound(
                 None if b is None else b[i],
                 num_y,
                 c,
-                scale is None and factors is None,
+                p.scale is None and factors is None,
                 (errors[0][i], errors[1][i], errors[2][i]),
-                given=None if factors is None else _constant_given(qb[i], kb[i], vb[i], scale),
+                given=None if factors is None else _constant_given(qb[i], kb[i], vb[i], p.scale),
                 lam=lam,
                 masked=None if masked is None else masked[i],
                 replaced=None if replaced is None else replaced[i],

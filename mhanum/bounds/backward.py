@@ -418,23 +418,12 @@ class _Inputs(NamedTuple):
     # |Ô - O|, its reasons, and (or None) A.1g's bound along g per row
     forward: tuple[np.ndarray, tuple[str, ...], np.ndarray | None] | None = None
     cap: float | None = None  # the logit soft-cap
+    scale: float | None = None  # the scale as given (None: 1/sqrt(d_k), rounded in float64)
 
 
-def _inputs(
-    q: Any,
-    k: Any,
-    v: Any,
-    d_out: Any,
-    mask: Any,
-    bias: Any,
-    scale: Any,
-    num: Numerics,
-    sink: Any = None,
-    softcap: Any = None,
-) -> _Inputs:
-    p = AttentionProblem.of(
-        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, d_out=d_out
-    )
+def _inputs(p: AttentionProblem, num: Numerics) -> _Inputs:
+    """The float64 inputs of Theorem B.1 for the backward problem ``p`` (``p.d_out`` given),
+    broadcast to its batch, with the attended keys and the sink's key and value appended."""
     num.check_problem(p)
     batch, target, cap = p.batch, p.scores, p.softcap
     q, k, v, g = (
@@ -460,11 +449,11 @@ def _inputs(
     if not keep.any(axis=-1).all():
         msg = "mask: expected every row to attend some key (an empty softmax has no gradient)"
         raise InvalidArgument(msg)
-    c64 = V.scale_value(scale, q.shape[-1], placement=num.scale)
+    c64 = p.scale_value(num.scale)
     u64 = 0.0
-    if scale is None and not is_power_of_four(q.shape[-1]):
+    if p.scale is None and not is_power_of_four(q.shape[-1]):
         u64 = compound(_U64, over=(_U64,))  # 1/sqrt(d): two float64 roundings
-    return _Inputs(q, k, v, g, keep, b, c64, u64, sink is not None, cap=cap)
+    return _Inputs(q, k, v, g, keep, b, c64, u64, p.sink is not None, cap=cap, scale=p.scale)
 
 
 def _sech2(x: np.ndarray) -> np.ndarray:
@@ -728,14 +717,17 @@ def attention_grad_bound(
     num = resolve(numerics)
     bw = resolve_backward(backward)
     _check_scope(num, bw)
-    x = _inputs(q, k, v, d_out, mask, bias, scale, num, sink, softcap)
+    problem = AttentionProblem.of(
+        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, d_out=d_out
+    )
+    x = _inputs(problem, num)
     bw.key_blocks(x.k.shape[-2])
     lq, n, d, dv_ = x.q.shape[-2], x.k.shape[-2], x.q.shape[-1], x.v.shape[-1]
     flash = bw.algorithm == "flash2"
     chains = _head_chains(lq, n, d, dv_, flash, x.sink) * math.prod(x.q.shape[:-2])
     lam = lam_or_probability(lam, probability, chains, num)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        bounds, dsd = _bound(x, mask, bias, scale, num, bw, lam, chains)
+        bounds, dsd = _bound(x, num, bw, lam, chains)
         if not x.sink:
             return bounds
         return _with_sink(bounds, dsd, num, bw, lam)
@@ -788,9 +780,6 @@ def _with_sink(
 
 def _bound(
     x: _Inputs,
-    mask: Any,
-    bias: Any,
-    scale: Any,
     num: Numerics,
     bw: Backward,
     lam: float | None = None,
@@ -1004,7 +993,7 @@ def _bound(
             # Theorem A.1g: the forward output's error along the exact d_out, row by row
             fwd, along = attention_bound_along(
                 x.q, x.k, x.v, x.g, None if x.keep.all() else x.keep, g_error=rad["d_out"],
-                bias=x.bias, scale=scale, numerics=num, softcap=x.cap,
+                bias=x.bias, scale=x.scale, numerics=num, softcap=x.cap,
             )  # fmt: skip
             eps_o, why = np.asarray(fwd.total, np.float64), fwd.reasons
             o_along = along[..., None]
@@ -1273,9 +1262,12 @@ def dq_order_difference(
     num = resolve(numerics)
     bw = resolve_backward(backward)
     _check_scope(num, bw)
-    x = _inputs(q, k, v, d_out, mask, bias, scale, num, softcap=softcap)
+    problem = AttentionProblem.of(
+        q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, d_out=d_out
+    )
+    x = _inputs(problem, num)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        full, dsd = _bound(x, mask, bias, scale, num, bw)
+        full, dsd = _bound(x, num, bw)
         ds_used = dsd["ds_used"]
     n = x.k.shape[-2]
     count = len(bw.key_blocks(n))
@@ -1801,8 +1793,8 @@ def mha_grad_bound(
         raise InvalidArgument(msg)
     # the mask and the bias, checked as for one attention
     dummy = np.zeros((*target[:-1], 1))
-    x0 = _inputs(dummy, np.zeros((*target[:-2], n_keys, 1)), np.zeros((*target[:-2], n_keys, 1)),
-                 dummy, mask, bias, scale, num)  # fmt: skip
+    keys = np.zeros((*target[:-2], n_keys, 1))
+    x0 = _inputs(AttentionProblem.of(dummy, keys, keys, mask=mask, bias=bias, d_out=dummy), num)
     c64 = V.scale_value(scale, params.qk_width // heads, placement=num.scale)
     u64 = 0.0
     if scale is None and not is_power_of_four(params.qk_width // heads):
@@ -1888,9 +1880,9 @@ def mha_grad_bound(
             given=(rq, rk, rv, g_rad),
             errors=(eq, ek, ev, split_heads(np.asarray(do_err), heads)),
             sources=(storage, storage, storage, out),
-            forward=(eps_o, fwd_why, o_along), sink=sink is not None, cap=cap,
+            forward=(eps_o, fwd_why, o_along), sink=sink is not None, cap=cap, scale=p.scale,
         )  # fmt: skip
-        gb, dsd = _bound(heads_in, mask, bias, scale, num, bw, lam, chains)
+        gb, dsd = _bound(heads_in, num, bw, lam, chains)
         if sink is not None:  # the sink's row of dk and dv, and its column of dbias, dropped
             gb = _with_sink(gb, dsd, num, bw, lam)
             dsd = {**dsd, "dk_up": dsd["dk_up"][..., :-1, :], "dv_up": dsd["dv_up"][..., :-1, :]}
