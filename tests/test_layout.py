@@ -8,6 +8,10 @@
 * No module imports a compatibility shim (a module that only re-exports other modules' names):
   the package's own code imports from the module that owns a name.
 * Every ``mhanum.x.y`` that a docstring or a comment names exists, and not only through a shim.
+* No import cycle between modules, lazy imports (inside functions) included: data flows one way.
+  An edge is an import of a module (``from a.b import c`` reaches ``a.b.c`` where that is a
+  module, else ``a.b``); a package's ``__init__`` importing its own submodules is not a cycle
+  with them unless one of them imports the package's ``__init__`` back.
 """
 
 from __future__ import annotations
@@ -366,3 +370,83 @@ def test_the_dotted_name_rule_catches_what_it_forbids():
         ("mod", "mhanum.summation"),
         ("func", "mhanum.reference._dd.add"),
     }
+
+
+# --------------------------------------------------------------------------------------------
+# No import cycle, lazy imports included.
+
+NAMES = {_module_name(path): path for path in MODULES}
+
+
+def _owner(name: str, names: set[str]) -> str | None:
+    """The module ``name`` is, or the innermost module that holds it as an attribute."""
+    while name and name not in names:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(path: pathlib.Path, names: set[str]) -> set[str]:
+    """Every mhanum module ``path`` imports, at its top or inside a function."""
+    here = _package_of(path)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                up = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                base = ".".join([*up, *([node.module] if node.module else [])])
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in names else base for a in node.names
+            ]
+        else:
+            continue
+        found |= {t for t in (_owner(x, names) for x in targets if x.startswith("mhanum")) if t}
+    return found - {_module_name(path)}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycle_lazy_imports_included():
+    names = set(NAMES)
+    graph = {name: _imports(path, names) for name, path in NAMES.items()}
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_rule_catches_what_it_forbids():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+    # an import inside a function counts: the audit runs the Hugging Face adapter lazily
+    audit = _imports(ROOT / "models" / "_audit.py", set(NAMES))
+    assert "mhanum.adapters.transformers" in audit

@@ -181,7 +181,7 @@ def load_model(model_dir: str | Path | None = None, *, path: str = "eager") -> A
         InvalidArgument: for an unknown path, a directory that does not exist, or no model
             package.
     """
-    from mhanum.models import default_model_dir
+    from mhanum.model_packages import default_model_dir
 
     C.check_path(path, PATHS)
     directory = default_model_dir() if model_dir is None else Path(model_dir)

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from mhanum.cli import _options
 
-__all__ = ["add_executor_arguments", "main"]
+__all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -425,32 +425,6 @@ def _search_progress(stream: TextIO) -> Any:
     return update
 
 
-def add_executor_arguments(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--workers``, ``--scheduler`` and ``--journal`` (:func:`mhanum.parallel.executor_for`)."""
-    parser.add_argument(
-        "--workers",
-        type=int,
-        default=None,
-        metavar="N",
-        help=f"run the {what} in N spawned processes (default: in this process)",
-    )
-    parser.add_argument(
-        "--scheduler",
-        nargs="?",
-        const="local",
-        default=None,
-        metavar="ADDRESS",
-        help="run them on Dask: a scheduler address (tcp://host:8786), or without one a "
-        "LocalCluster of --workers processes (pip install 'mhanum[dask]')",
-    )
-    parser.add_argument(
-        "--journal",
-        default=None,
-        metavar="FILE",
-        help="JSON Lines file of finished tasks: a rerun skips them (append-only)",
-    )
-
-
 _GRIDS = ("default", "gpu")
 """``mhanum measure --grid``: the :class:`mhanum.devices.Grid` constructors it may run."""
 
@@ -590,7 +564,7 @@ def _add_search_arguments(search: argparse.ArgumentParser) -> None:
         "--runs", type=int, default=1, metavar="N",
         help="a campaign: this many searches, their seeds spawned from --seed (1)",
     )  # fmt: skip
-    add_executor_arguments(search, "searches of a campaign")
+    _options.add_executor_arguments(search, "searches of a campaign")
     _options.add_out(search, "directory for the case files (cases)", default="cases",
                      metavar="DIR")  # fmt: skip
     search.add_argument("--force", action="store_true", help="overwrite an existing case")
@@ -743,7 +717,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--print-default-config", action="store_true", help="print the default grid and exit"
     )
-    add_executor_arguments(report, "grid cells")
+    _options.add_executor_arguments(report, "grid cells")
     report.set_defaults(func=_report)
 
     return parser

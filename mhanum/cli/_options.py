@@ -22,6 +22,7 @@ __all__ = [
     "Parser",
     "Spellings",
     "accum_formats",
+    "add_executor_arguments",
     "add_json",
     "add_out",
     "examples",
@@ -167,3 +168,29 @@ def named(message: str, names: Mapping[str, str]) -> str:
     head, sep, rest = message.partition(": ")
     name = head.removeprefix("shape.")
     return f"{names[name]}{sep}{rest}" if sep and name in names else message
+
+
+def add_executor_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--workers``, ``--scheduler`` and ``--journal`` (:func:`mhanum.parallel.executor_for`)."""
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"run the {what} in N spawned processes (default: in this process)",
+    )
+    parser.add_argument(
+        "--scheduler",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="run them on Dask: a scheduler address (tcp://host:8786), or without one a "
+        "LocalCluster of --workers processes (pip install 'mhanum[dask]')",
+    )
+    parser.add_argument(
+        "--journal",
+        default=None,
+        metavar="FILE",
+        help="JSON Lines file of finished tasks: a rerun skips them (append-only)",
+    )

@@ -82,9 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a padding constant to analyse, repeatable (default: -1e4 -1e9 finfo.min -inf): a "
         "negative number, -inf, finfo.min or a multiple such as 0.7*finfo.min",
     )
-    from mhanum.cli import add_executor_arguments
-
-    add_executor_arguments(parser, "layers")
+    _options.add_executor_arguments(parser, "layers")
     parser.add_argument(
         "--framework",
         action="append",

