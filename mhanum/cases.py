@@ -19,6 +19,10 @@ metadata::
     {"mhanum_version", "numerics": {field: value}, "preset", "shape": {...}, "seed",
      "objective", "error", "bound", "ratio", "dominant_term", "created", "inputs_sha256", ...}
 
+``numerics`` (and ``against``, a gradient case's ``backward``) is what
+:meth:`~mhanum.Numerics.to_dict` (:meth:`~mhanum.numerics.Backward.to_dict`) writes, read back by
+``from_dict``, which also reads a case saved by an earlier version.
+
 ``inputs_sha256`` maps the name of every input array of the case (``q``, ``k``, ``v``, ``mask``;
 ``d_out`` of a gradient case; ``x_q``, ``x_kv`` and the weights of a multi-head attention case)
 to :func:`array_digest` of it as saved. Reading a case checks every input against it and refuses
@@ -85,14 +89,6 @@ def _attention_inputs(case: WorstCase) -> dict[str, np.ndarray | None]:
     return arrays
 
 
-def numerics_dict(num: Numerics) -> dict[str, Any]:
-    """``num`` as a JSON-ready mapping of its fields (``-inf`` as the string ``"-inf"``)."""
-    fields = dataclasses.asdict(num)
-    if fields["mask_value"] == -math.inf:
-        fields["mask_value"] = "-inf"
-    return fields
-
-
 def _number(x: float) -> float | str:
     """``x``, or ``"inf"``/``"nan"`` for a non-finite value (strict JSON has no Infinity)."""
     return x if math.isfinite(x) else str(x)
@@ -104,7 +100,7 @@ def metadata(case: WorstCase) -> dict[str, Any]:
 
     return {
         "mhanum_version": __version__,
-        "numerics": numerics_dict(case.numerics),
+        "numerics": case.numerics.to_dict(),
         "preset": case.preset,
         "shape": case.shape.as_dict(),
         "seed": case.seed,
@@ -120,7 +116,7 @@ def metadata(case: WorstCase) -> dict[str, Any]:
         "method": case.method,
         "budget": case.budget,
         "evaluations": case.evaluations,
-        **({} if case.against is None else {"against": numerics_dict(case.against)}),
+        **({} if case.against is None else {"against": case.against.to_dict()}),
         **({} if case.softcap is None else {"softcap": case.softcap}),
         **({} if case.sink is None else {"sink": case.sink}),
         "cheap_ratio": _number(case.cheap_ratio),
@@ -325,7 +321,7 @@ def _attention_case(saved: _Saved) -> WorstCase:
     info = saved.info
     try:
         return WorstCase(
-            numerics=Numerics(**info["numerics"]),
+            numerics=Numerics.from_dict(info["numerics"]),
             shape=Shape.of(info["shape"]),
             mask=mask,
             objective=info["objective"],
@@ -343,7 +339,7 @@ def _attention_case(saved: _Saved) -> WorstCase:
             slack=float(info.get("slack", math.nan)),
             seconds=float(info.get("seconds", 0.0)),
             structure=tuple(info.get("structure", ())),
-            against=Numerics(**info["against"]) if "against" in info else None,
+            against=Numerics.from_dict(info["against"]) if "against" in info else None,
             softcap=info.get("softcap"),
             sink=info.get("sink"),
             **arrays,
@@ -451,14 +447,11 @@ def save_gradient(
     arrays |= dict(zip(_GRADIENT_NAMES, case.gradients, strict=True))
     with npz.open("wb") as fh:
         np.savez(fh, **arrays)  # type: ignore[arg-type]
-    backward = dataclasses.asdict(case.backward)
-    if backward["dq_order"] is not None:
-        backward["dq_order"] = list(backward["dq_order"])
     info = {
         "kind": "gradient",
         "mhanum_version": __version__,
-        "numerics": numerics_dict(case.numerics),
-        "backward": backward,
+        "numerics": case.numerics.to_dict(),
+        "backward": case.backward.to_dict(),
         "preset": case.preset,
         "shape": case.shape.as_dict(),
         "seed": case.seed,
@@ -500,11 +493,9 @@ def _gradient_case(saved: _Saved) -> GradientWorstCase:
     arrays = {name: saved.array(name) for name in _GRADIENT_ARRAYS + _GRADIENT_NAMES}
     info = saved.info
     try:
-        backward = dict(info["backward"])
-        if backward.get("dq_order") is not None:
-            backward["dq_order"] = tuple(backward["dq_order"])
         return GradientWorstCase(
-            numerics=Numerics(**info["numerics"]), backward=Backward(**backward),
+            numerics=Numerics.from_dict(info["numerics"]),
+            backward=Backward.from_dict(info["backward"]),
             shape=Shape.of(info["shape"]), q=arrays["q"], k=arrays["k"], v=arrays["v"],
             d_out=arrays["d_out"], mask=saved.optional("mask"), gradient=info["gradient"],
             index=tuple(info["index"]), error=float(info["error"]), bound=float(info["bound"]),
@@ -552,7 +543,7 @@ def save_mha(
     info = {
         "kind": "mha",
         "mhanum_version": __version__,
-        "numerics": numerics_dict(case.numerics),
+        "numerics": case.numerics.to_dict(),
         "preset": case.preset,
         "shape": case.shape.as_dict(),
         "num_heads": case.num_heads,
@@ -603,7 +594,7 @@ def _mha_case(saved: _Saved) -> MHAWorstCase:
     try:
         near_ratio = info.get("near_ratio")
         return MHAWorstCase(
-            numerics=Numerics(**info["numerics"]), shape=MHAShape.of(info["shape"]),
+            numerics=Numerics.from_dict(info["numerics"]), shape=MHAShape.of(info["shape"]),
             num_heads=int(info["num_heads"]), params=MHAParams(**weights),
             mask=saved.optional("mask"), error=float(info["error"]), bound=float(info["bound"]),
             ratio=float(info["ratio"]), normwise=float(info["normwise"]),

@@ -19,6 +19,10 @@ The stages of one attention head and the fields that govern them::
 
 For multi-head attention the projections ``x @ w + b`` accumulate in ``accum`` (the bias is added
 in ``accum``) and are rounded to ``input``; the output projection is rounded to ``output_format``.
+
+A :class:`Numerics` is written to disk (a saved case, a search journal, a device record, a
+report) as :meth:`Numerics.to_dict` and read back by :meth:`Numerics.from_dict`, which also reads
+the forms earlier versions wrote; a :class:`Backward` likewise.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import types
+import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from mhanum._errors import InvalidArgument
 from mhanum.formats import Format, get_format
@@ -519,6 +525,44 @@ class Numerics:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    # Serialisation ----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as strict JSON: the formats and the units (:attr:`summation`,
+        :attr:`softmax`, :attr:`dot`, ...) by their canonical spelling, ``-inf`` as the string
+        ``"-inf"``, so that ``json.dumps(..., allow_nan=False)`` takes it and :meth:`from_dict`
+        reads it back equal.
+
+        Examples:
+            >>> Numerics.preset("bf16-fp32acc").to_dict()["mask_value"]
+            '-inf'
+            >>> num = Numerics(summation="blocked(8)", mask_value="0.7*finfo.min")
+            >>> Numerics.from_dict(num.to_dict()) == num
+            True
+        """
+        return {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Numerics:
+        """The :class:`Numerics` of a mapping of its fields: what :meth:`to_dict` writes, and the
+        forms earlier versions wrote: ``mask_value`` as the float ``-inf`` (JSON's
+        ``-Infinity``) or the string ``"-inf"``, and fields missing that were added since (they
+        take their defaults).
+
+        Raises:
+            InvalidArgument: naming the field (``numerics.<field>: expected ...``), for an
+                unknown field, a value of the wrong JSON type or one :class:`Numerics` refuses.
+
+        Examples:
+            >>> Numerics.from_dict({"input": "bf16", "summation": "blocked(8)"}).describe()
+            "Numerics(input='bfloat16', accum='float32', summation='blocked(8)')"
+            >>> Numerics.from_dict({"scale": "k"})
+            Traceback (most recent call last):
+            ...
+            mhanum._errors.InvalidArgument: numerics.scale: expected one of ('scores', 'q', 'qk'), got 'k'
+        """
+        return _from_fields(cls, data, "numerics")
+
     def describe(self) -> str:
         """One line naming every non-default choice."""
         default = Numerics()
@@ -528,6 +572,66 @@ class Numerics:
             if f.name in ("input", "accum") or getattr(self, f.name) != getattr(default, f.name)
         ]
         return "Numerics(" + ", ".join(parts) + ")"
+
+
+_Record = TypeVar("_Record", "Numerics", "Backward")
+
+_JSON_KINDS: Mapping[Any, tuple[tuple[type, ...], str]] = {
+    str: ((str,), "a string"),
+    float: ((float, int), "a number"),
+    int: ((int,), "an integer"),
+    type(None): ((type(None),), "null"),
+    tuple: ((list, tuple), "a list"),
+}
+"""The JSON values a field of each annotated type takes (a float field takes an integer too)."""
+
+
+def _json_value(value: Any) -> Any:
+    """A field's value as strict JSON: a unit as its spelling, ``-inf`` as ``"-inf"``, a tuple
+    as a list."""
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, float) and value == -math.inf:
+        return "-inf"
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _field_kinds(cls: type) -> dict[str, tuple[tuple[type, ...], str]]:
+    """Each field of ``cls``: the JSON types of the values it takes, and those types in words."""
+    hints = typing.get_type_hints(cls)
+    kinds = {}
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        alternatives = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        parts = [_JSON_KINDS[typing.get_origin(t) or t] for t in alternatives]
+        kinds[field.name] = (
+            tuple(t for accepted, _ in parts for t in accepted),
+            " or ".join(words for _, words in parts),
+        )
+    return kinds
+
+
+def _from_fields(cls: type[_Record], data: Any, prefix: str) -> _Record:
+    """``cls(**data)`` for a mapping of field values read from JSON, every problem named
+    ``<prefix>.<field>``."""
+    if not isinstance(data, Mapping):
+        msg = f"{prefix}: expected a mapping of {cls.__name__} fields, got {type(data).__name__}"
+        raise InvalidArgument(msg)
+    kinds = _FIELD_KINDS[cls]
+    for name, value in data.items():
+        if name not in kinds:
+            msg = (
+                f"{prefix}.{name}: expected a field of this mhanum's {cls.__name__}, got an "
+                "unknown one (a newer mhanum may have written it)"
+            )
+            raise InvalidArgument(msg)
+        accepted, words = kinds[name]
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            msg = f"{prefix}.{name}: expected {words}, got {value!r}"
+            raise InvalidArgument(msg)
+    return cls(**data)
 
 
 def _canonical_mask_value(value: Any) -> float | str:
@@ -702,6 +806,26 @@ class Backward:
                 raise _bad_backward("dq_order", "None with algorithm='textbook'", order)
             canon(self, "dq_order", order)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as strict JSON (``dq_order`` a list); :meth:`from_dict` reads it back.
+
+        Examples:
+            >>> Backward("flash2", block_k=2, dq_order=(1, 0)).to_dict()["dq_order"]
+            [1, 0]
+        """
+        return {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Backward:
+        """The :class:`Backward` of a mapping of its fields (what :meth:`to_dict` writes; a field
+        missing takes its default).
+
+        Raises:
+            InvalidArgument: naming the field (``backward.<field>: expected ...``), for an
+                unknown field, a value of the wrong JSON type or one :class:`Backward` refuses.
+        """
+        return _from_fields(cls, data, "backward")
+
     def formats(self, num: Numerics) -> tuple[Format, Format]:
         """``(grad, ds)``: the resolved formats of the gradient arithmetic and of ``dS``."""
         grad = get_format(self.grad_format) if self.grad_format else num.format_of("softmax")
@@ -755,3 +879,7 @@ def resolve_backward(backward: Backward | str | None) -> Backward:
         msg = f"backward: expected a Backward or an algorithm name, got {type(backward).__name__}"
         raise InvalidArgument(msg)
     return backward
+
+
+_FIELD_KINDS = {cls: _field_kinds(cls) for cls in (Numerics, Backward)}
+"""What :meth:`Numerics.from_dict` and :meth:`Backward.from_dict` accept for each field."""

@@ -933,11 +933,8 @@ def _case_record(case: WorstCase) -> dict[str, Any]:
     """A case as JSON (arrays as nested lists: float64 values read back exactly), without
     ``seconds``, with the digest of its inputs (:func:`mhanum.cases.array_digest`)."""
 
-    def numerics(num: Numerics | None) -> dict[str, Any] | None:
-        return None if num is None else dataclasses.asdict(num)
-
     return {
-        "numerics": numerics(case.numerics),
+        "numerics": case.numerics.to_dict(),
         "shape": case.shape.as_dict(),
         "q": case.q.tolist(),
         "k": case.k.tolist(),
@@ -958,7 +955,7 @@ def _case_record(case: WorstCase) -> dict[str, Any]:
         "cheap_ratio": case.cheap_ratio,
         "slack": case.slack,
         "structure": list(case.structure),
-        "against": numerics(case.against),
+        "against": None if case.against is None else case.against.to_dict(),
         "softcap": case.softcap,
         "sink": case.sink,
         "inputs_sha256": inputs_digest(_case_inputs(case)),
@@ -986,12 +983,12 @@ def _case_of(record: Mapping[str, Any]) -> WorstCase:
     mask = None if record["mask"] is None else np.asarray(record["mask"], bool)
     _check_record_digest(record, {n: arrays[n] for n in ("q", "k", "v")} | {"mask": mask})
     return WorstCase(
-        numerics=Numerics(**record["numerics"]),
+        numerics=Numerics.from_dict(record["numerics"]),
         shape=Shape.of(record["shape"]),
         mask=mask,
         index=tuple(record["index"]),
         structure=tuple(record["structure"]),
-        against=None if record["against"] is None else Numerics(**record["against"]),
+        against=None if record["against"] is None else Numerics.from_dict(record["against"]),
         **arrays,
         **{
             name: record[name]
@@ -1113,11 +1110,11 @@ def campaign(
             tasks.append((f"{i}:{name}/run {r}", spec))
     description = {
         "kind": "mhanum.search.campaign",
-        "numerics": [dataclasses.asdict(n) for n in nums],
+        "numerics": [n.to_dict() for n in nums],
         "shape": sizes.as_dict(),
         "runs": count,
         **options,
-        "against": None if other is None else dataclasses.asdict(other),
+        "against": None if other is None else other.to_dict(),
         "structure": repr(structure),
     }
     records = parallel.run_tasks(
@@ -1924,7 +1921,7 @@ def _mha_case_record(case: MHAWorstCase) -> dict[str, Any]:
     weights = {f.name: getattr(case.params, f.name) for f in dataclasses.fields(case.params)}
     digest = inputs_digest(_mha_inputs(case.x_q, case.x_kv, weights, case.mask))
     return {
-        "numerics": dataclasses.asdict(case.numerics),
+        "numerics": case.numerics.to_dict(),
         "shape": case.shape.as_dict(),
         "num_heads": case.num_heads,
         "x_q": case.x_q.tolist(),
@@ -1956,7 +1953,7 @@ def _mha_case_of(record: Mapping[str, Any]) -> MHAWorstCase:
     _check_record_digest(record, inputs)
     params: dict[str, Any] = {n: inputs[n] for n in record["params"]}
     return MHAWorstCase(
-        numerics=Numerics(**record["numerics"]),
+        numerics=Numerics.from_dict(record["numerics"]),
         shape=MHAShape.of(record["shape"]),
         num_heads=int(record["num_heads"]),
         x_q=np.asarray(inputs["x_q"]),
@@ -2044,7 +2041,7 @@ def mha_campaign(
             tasks.append((f"{i}:{name}/mha run {r}", options | {"numerics": num, "shape": sizes}))
     description = {
         "kind": "mhanum.search.mha_campaign",
-        "numerics": [dataclasses.asdict(n) for n in nums],
+        "numerics": [n.to_dict() for n in nums],
         "shape": sizes.as_dict(),
         "runs": count,
         **options,

@@ -47,7 +47,8 @@ def test_the_json_metadata_keeps_the_contract(found, tmp_path):
     assert meta["preset"] is None
     assert meta["numerics"]["summation"] == "pairwise"
     assert meta["numerics"]["mask_value"] == "-inf"
-    assert Numerics(**meta["numerics"]) == case.numerics
+    assert meta["numerics"] == case.numerics.to_dict()
+    assert Numerics.from_dict(meta["numerics"]) == case.numerics
     assert meta["shape"] == ms.Shape.of(SHAPE).as_dict()
     assert meta["ratio"] == case.ratio
     assert meta["objective"] == "error/bound"

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 
 from mhanum._errors import InvalidArgument
-from mhanum.devices.platforms import numerics_from_fields
 from mhanum.devices.records import BOUND_REVISION, BOUND_RTOL, Record, check_schema
 from mhanum.devices.run import record_bound
 from mhanum.inputs import digest, inputs, mask_array
+from mhanum.numerics import Numerics
 
 __all__ = ["FAILING", "VERDICTS", "CheckResult", "Verdict", "check", "render_summary", "summarize"]
 
@@ -150,7 +150,7 @@ def _check_attention(rid: int, record: Mapping[str, Any]) -> Verdict:
     if digest(q, k, v) != record["inputs_sha256"]:
         reason = "the regenerated inputs differ from the recorded ones (sha256)"
         return Verdict(rid, "inconsistent", math.nan, tightness, reason)
-    num = numerics_from_fields(record["model"]["numerics"])
+    num = Numerics.from_dict(record["model"]["numerics"])
     data = tuple(np.asarray(x, np.float64) for x in (q, k, v))
     total, _, _, _ = record_bound(
         num, data[0], data[1], data[2], mask_array(record["mask"], shape[2])
@@ -188,7 +188,7 @@ def _check_exp(rid: int, record: Mapping[str, Any], records: Sequence[Record]) -
     device = record["device"]
     assumed = min(
         (
-            float(r["model"]["numerics"]["exp_ulps"])
+            Numerics.from_dict(r["model"]["numerics"]).exp_ulps
             for r in records
             if r.get("kind") == "attention"
             and r.get("status") == "measured"

@@ -3,9 +3,7 @@ the device and environment a record names."""
 
 from __future__ import annotations
 
-import dataclasses
 import platform
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -23,8 +21,6 @@ __all__ = [
     "device_for",
     "environment",
     "model_for",
-    "numerics_dict",
-    "numerics_from_fields",
 ]
 
 PRECISIONS = (
@@ -38,7 +34,7 @@ PRECISIONS = (
 )
 """``jax.default_matmul_precision`` settings: the three levels and four explicit dot algorithms."""
 
-_ALGORITHM_DOT = {
+_ALGORITHM_DOT: dict[str, dict[str, Any]] = {
     "BF16_BF16_F32": {"dot": "bf16x1"},
     "BF16_BF16_F32_X3": {"dot": "bf16x3"},
     "BF16_BF16_F32_X6": {"dot": "bf16x6"},
@@ -57,19 +53,6 @@ _XLA_HALF = {
     "mask_value": "0.7*finfo.min",
 }
 _TPU_DOT = {"default": "bf16x1", "high": "bf16x3", "highest": "bf16x6"}
-
-
-def numerics_from_fields(fields: Mapping[str, Any]) -> Numerics:
-    """A :class:`Numerics` from a field dict; a field this mhanum lacks is a clear error."""
-    known = {f.name for f in dataclasses.fields(Numerics)}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        msg = (
-            f"numerics: expected fields of this mhanum's Numerics, got unknown {unknown} "
-            "(a newer mhanum wrote them)"
-        )
-        raise InvalidArgument(msg)
-    return Numerics(**fields)
 
 
 def model_for(
@@ -109,8 +92,7 @@ def model_for(
 
     Raises:
         InvalidArgument: for an unknown argument, a ``"mhanum"`` model without a known preset,
-            ``"cudnn"`` outside a GPU or with float32 inputs, or a TPU float32 model on an mhanum
-            whose ``Numerics`` has no ``dot`` field.
+            or ``"cudnn"`` outside a GPU or with float32 inputs.
     """
     impl = check_choice(implementation, "implementation", IMPLEMENTATIONS)
     check_choice(dtype, "dtype", DTYPES)
@@ -139,23 +121,19 @@ def model_for(
         }
         if impl == "cudnn":
             fields["softmax"] = f"online({ONLINE_BLOCK})"
-            return f"cudnn-{short}-online{ONLINE_BLOCK}", numerics_from_fields(fields)
-        return f"xla-{short}", numerics_from_fields(fields)
+            return f"cudnn-{short}-online{ONLINE_BLOCK}", Numerics(**fields)
+        return f"xla-{short}", Numerics(**fields)
     fields = {"input": "float32", "accum": "float32", "mask_value": "0.7*finfo.min"}
     if precision in _ALGORITHM_DOT:
         unit = _ALGORITHM_DOT[precision]
         label = unit.get("dot") or "tf32"
-        return f"xla-f32-{label}", numerics_from_fields({**fields, **unit})
+        return f"xla-f32-{label}", Numerics(**fields, **unit)
     if platform == "gpu" and precision != "highest":
-        return "xla-f32-tf32", numerics_from_fields({**fields, "operand_format": "tf32"})
+        return "xla-f32-tf32", Numerics(**fields, operand_format="tf32")
     if platform == "tpu":
         dot = _TPU_DOT[precision]
-        return f"xla-f32-{dot}", numerics_from_fields({**fields, "dot": dot})
-    return "xla-f32", numerics_from_fields(fields)
-
-
-def numerics_dict(num: Numerics) -> dict[str, Any]:
-    return {f.name: getattr(num, f.name) for f in dataclasses.fields(num)}
+        return f"xla-f32-{dot}", Numerics(**fields, dot=dot)
+    return "xla-f32", Numerics(**fields)
 
 
 def device_for(backend: str | None) -> jax.Device:

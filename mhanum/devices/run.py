@@ -26,7 +26,6 @@ from mhanum.devices.platforms import (
     device_for,
     environment,
     model_for,
-    numerics_dict,
 )
 from mhanum.devices.records import BOUND_REVISION, SCHEMA, Record
 from mhanum.emulate.attention import attention
@@ -339,7 +338,7 @@ def _measured(
         "status": "measured",
         "model": {
             "label": label,
-            "numerics": numerics_dict(num),
+            "numerics": num.to_dict(),
             "description": num.describe(),
             "bound_note": note,
         },

@@ -592,11 +592,13 @@ def _case_files(sources: Sequence[str | os.PathLike[str]]) -> list[Path]:
 def read_cases(sources: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
     """Worst cases saved by the search: JSON objects (or lists of them) with :data:`CASE_FIELDS`.
 
-    Fields missing from a case are ``None``; its file is recorded under ``file``.
+    Fields missing from a case are ``None``; its file is recorded under ``file``. Its
+    ``numerics`` (a mapping of fields) is read by :meth:`~mhanum.Numerics.from_dict`, so an
+    earlier version's form reads too, and written as :meth:`~mhanum.Numerics.to_dict` does.
 
     Raises:
-        InvalidArgument: for a path that does not exist, or a file that is not a JSON object or
-            list of objects.
+        InvalidArgument: for a path that does not exist, a file that is not a JSON object or
+            list of objects, or a case whose ``numerics`` ``Numerics.from_dict`` refuses.
     """
     cases = []
     for path in _case_files(sources):
@@ -610,8 +612,19 @@ def read_cases(sources: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]
             if not isinstance(item, Mapping):
                 msg = f"cases: expected JSON objects in {str(path)!r}, got {type(item).__name__}"
                 raise InvalidArgument(msg)
-            cases.append({f: item.get(f) for f in CASE_FIELDS} | {"file": str(path)})
+            case = {f: item.get(f) for f in CASE_FIELDS} | {"file": str(path)}
+            if isinstance(case["numerics"], Mapping):
+                case["numerics"] = _case_numerics(case["numerics"], path)
+            cases.append(case)
     return sorted(cases, key=lambda c: -_number(c["ratio"]))
+
+
+def _case_numerics(fields: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    try:
+        return Numerics.from_dict(fields).to_dict()
+    except InvalidArgument as exc:
+        msg = f"cases: expected a case's numerics in {str(path)!r}, got {exc}"
+        raise InvalidArgument(msg) from None
 
 
 def _number(x: Any) -> float:

@@ -55,7 +55,8 @@ def test_measure_records_errors_within_bounds(measured):
         assert r["tightness"] == pytest.approx(r["bound"]["max"] / r["errors"]["max_abs"])
         assert r["device"]["platform"] == "cpu"
         assert set(r["versions"]) >= {"jax", "jaxlib", "mhanum", "python"}
-        Numerics(**r["model"]["numerics"])  # the model is a valid Numerics
+        model = Numerics.from_dict(r["model"]["numerics"])  # the model is a valid Numerics
+        assert r["model"]["numerics"] == model.to_dict()  # strict JSON
     # cuDNN is recorded as skipped off a GPU, with the reason
     skipped = _attention_records(records, "skipped")
     assert {r["implementation"] for r in skipped} == {"cudnn"}
@@ -135,12 +136,12 @@ def test_check_flags_inputs_that_do_not_regenerate_other_models_and_vacuous_boun
     moved = copy.deepcopy(first)
     moved["seed"] = 1  # the recorded digest is of seed 0's inputs
     swapped = copy.deepcopy(first)
-    swapped["model"]["numerics"] = dataclasses.asdict(Numerics.preset("tf32"))
+    swapped["model"]["numerics"] = Numerics.preset("tf32").to_dict()
     large = next(r for r in _attention_records(records) if r["structure"] == "large_norm")
     vacuous = copy.deepcopy(large)
     # float16 naive softmax: exp(40) overflows float16, so Theorem A.1 gives inf
     naive = Numerics(input="float16", accum="float16", softmax="naive")
-    vacuous["model"]["numerics"] = dataclasses.asdict(naive)
+    vacuous["model"]["numerics"] = naive.to_dict()
     verdicts = devices.check([moved, swapped, vacuous]).verdicts
     assert [v.verdict for v in verdicts] == ["inconsistent", "inconsistent", "vacuous"]
     assert "regenerated inputs" in verdicts[0].reason
