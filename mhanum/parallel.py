@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -225,7 +226,20 @@ def spawned_seed(spec: Any, seed: np.random.SeedSequence) -> list[Any]:
 
 
 def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, allow_nan=True)
+    """``value`` as compared between journals: sorted keys, and an infinite number as the string
+    that names it (``-inf`` and ``"-inf"`` are one masking constant: a description written as
+    strict JSON reads the same as one an earlier mhanum wrote with ``-Infinity``)."""
+    return json.dumps(_infinities_named(value), sort_keys=True, allow_nan=True)
+
+
+def _infinities_named(value: Any) -> Any:
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: _infinities_named(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_infinities_named(v) for v in value]
+    return value
 
 
 def _as_json(value: Any, key: str) -> Any:

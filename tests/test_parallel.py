@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import multiprocessing
 import re
 
@@ -176,6 +177,21 @@ def test_a_journal_of_another_campaign_is_refused(tmp_path):
     parallel.run_tasks(parallel_tasks.draw, TASKS, seed=6, journal=other, campaign=CAMPAIGN)
     with pytest.raises(InvalidArgument, match="seed differ"):
         parallel.merge_journals([path, other], tmp_path / "m")
+
+
+def test_a_journal_whose_description_wrote_minus_infinity_as_a_number_resumes(tmp_path):
+    """An earlier mhanum wrote a masking constant of -inf as JSON's -Infinity; today's
+    description writes the string "-inf" (strict JSON): one campaign, so the journal resumes."""
+    path = tmp_path / "j.jsonl"
+    old = {"kind": "test", "mask_value": -math.inf, "values": [math.inf, 1.0]}
+    new = {"kind": "test", "mask_value": "-inf", "values": ["inf", 1.0]}
+    first = parallel.run_tasks(parallel_tasks.draw, TASKS[:2], seed=5, journal=path, campaign=old)
+    assert b"-Infinity" in path.read_bytes().splitlines()[0]
+    again = parallel.run_tasks(parallel_tasks.draw, TASKS[:2], seed=5, journal=path, campaign=new)
+    assert again == first
+    changed = new | {"mask_value": "-1e9"}
+    with pytest.raises(InvalidArgument, match="another campaign"):
+        parallel.run_tasks(parallel_tasks.draw, TASKS[:2], seed=5, journal=path, campaign=changed)
 
 
 def test_a_corrupt_line_is_named(tmp_path):
