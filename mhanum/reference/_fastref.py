@@ -47,7 +47,7 @@ def scale_ball(scale: tuple[int, int] | None, d_k: int) -> Ball:
     bits = 200
     low = Fraction(math.isqrt((1 << (2 * bits)) // d_k), 1 << bits)
     ball = _dd.constant(low)
-    # 1/sqrt(d_k) - low < 2**-bits (mhanum.reference._scale_dyadic).
+    # 1/sqrt(d_k) - low < 2**-bits (mhanum.reference._spec.scale_dyadic).
     rad = 0.0 if ball.rad is None else float(ball.rad)
     return Ball(ball.hi, ball.lo, _dd.up(rad + 2.0**-bits))
 

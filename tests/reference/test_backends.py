@@ -22,6 +22,7 @@ from hypothesis.extra import numpy as hnp
 
 from mhanum import CertificationError, InvalidArgument, MHAParams, reference
 from mhanum.reference import _dd, _exact, _fastref
+from mhanum.reference._spec import float_pair
 from tests.reference.test_reference import _assert_agree
 
 DIGITS = 20
@@ -182,7 +183,7 @@ def test_fast_attention_encloses_the_reference(inputs, fully_masked):
     if bias is not None:
         excluded = excluded | np.isneginf(np.broadcast_to(bias, shape))
         bias_full = np.where(np.isneginf(bias), 0.0, np.broadcast_to(bias, shape))
-    scale = None if options["scale"] is None else reference._float_pair(options["scale"])
+    scale = None if options["scale"] is None else float_pair(options["scale"])
     with np.errstate(all="ignore"):
         out, undefined = _fastref.attention(
             q, k, v, excluded, bias_full, _fastref.scale_ball(scale, q.shape[-1]), fully_masked
