@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -63,6 +63,21 @@ _ALL_A100 = ("a100-fp16", "a100-bf16", "a100-tf32")
 _X = math.ldexp
 
 
+_Add = Callable[[str, str, Sequence[float], Sequence[float], float, Mapping[str, float], str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    """One tensor-core mode of the suite: its model, format, probe tag and source."""
+
+    model: str
+    fmt: str
+    tag: str
+    src: str
+    v100: bool
+    w: float  # the largest number below one in the input format
+
+
 def _probes() -> list[Probe]:
     probes: list[Probe] = []
 
@@ -75,152 +90,177 @@ def _probes() -> list[Probe]:
     srcs = {"a100-fp16": _A100H, "a100-bf16": _A100B, "a100-tf32": _A100T}
     below_one = {"float16": 1 - _X(1, -11), "bfloat16": 1 - _X(1, -8), "tf32": 1 - _X(1, -11)}
     for model, fmt in [("v100-fp16", "float16"), *fmts.items()]:
-        src = _V100 if model == "v100-fp16" else srcs[model]
-        tag = fmt if model != "v100-fp16" else "float16-v100"
         v100 = model == "v100-fp16"
-        w = below_one[fmt]
-        exact = 1 - 2 * (1 - w) + (1 - w) ** 2
+        setting = _Setting(
+            model, fmt, fmt if not v100 else "float16-v100", _V100 if v100 else srcs[model],
+            v100, below_one[fmt],
+        )  # fmt: skip
+        _products_and_accumulation(add, setting)
+        _rounding(add, setting)
+        _alignment_and_normalisation(add, setting)
+    _subnormals(add)
+    return probes
+
+
+def _products_and_accumulation(add: _Add, s: _Setting) -> None:
+    """Part B of the suite: exact products, binary32 accumulation, the largest addend first."""
+    model, fmt, tag, src, v100, w = s.model, s.fmt, s.tag, s.src, s.v100, s.w
+    exact = 1 - 2 * (1 - w) + (1 - w) ** 2
+    add(
+        f"products_exact/{tag}",
+        fmt,
+        [w],
+        [w],
+        0,
+        {model: exact},
+        f"{src}: B 'Products are computed exactly' (tf32: the suite's 1 - 2**-24, which the "
+        "hardware truncates to tf32, given here as its tf32 value)",
+    )
+    add(
+        f"products_exact_4/{tag}",
+        fmt,
+        [w] * 4,
+        [w] * 4,
+        0,
+        {model: 4 * exact},
+        f"{src}: B 'Products are computed exactly', second part",
+    )
+    half = 1.0 if v100 else 0.5
+    add(
+        f"accumulated_in_binary32/{tag}",
+        fmt,
+        [half] * 4,
+        [_X(1, -24)] * 4,
+        1.0,
+        {model: 1.0},
+        f"{src}: B 'Products are accumulated in binary32'",
+    )
+    for j in range(4):
+        a = [1.0] * 4 if v100 else [0.5] * 4
+        bb = [_X(1, -24)] * 4
+        a[j], bb[j] = 1.0, 1.0
         add(
-            f"products_exact/{tag}",
+            f"largest_first_{j}/{tag}",
             fmt,
-            [w],
-            [w],
-            0,
-            {model: exact},
-            f"{src}: B 'Products are computed exactly' (tf32: the suite's 1 - 2**-24, which the "
-            "hardware truncates to tf32, given here as its tf32 value)",
-        )
-        add(
-            f"products_exact_4/{tag}",
-            fmt,
-            [w] * 4,
-            [w] * 4,
-            0,
-            {model: 4 * exact},
-            f"{src}: B 'Products are computed exactly', second part",
-        )
-        half = 1.0 if v100 else 0.5
-        add(
-            f"accumulated_in_binary32/{tag}",
-            fmt,
-            [half] * 4,
-            [_X(1, -24)] * 4,
-            1.0,
+            a,
+            bb,
+            _X(1, -24),
             {model: 1.0},
-            f"{src}: B 'Products are accumulated in binary32'",
+            f"{src}: B 'Sum starts from largest element', j={j}",
         )
-        for j in range(4):
-            a = [1.0] * 4 if v100 else [0.5] * 4
-            bb = [_X(1, -24)] * 4
-            a[j], bb[j] = 1.0, 1.0
-            add(
-                f"largest_first_{j}/{tag}",
-                fmt,
-                a,
-                bb,
-                _X(1, -24),
-                {model: 1.0},
-                f"{src}: B 'Sum starts from largest element', j={j}",
-            )
-        small = _X(1, -23) + _X(1, -24)
+
+
+def _rounding(add: _Add, s: _Setting) -> None:
+    """Part C of the suite: the direction of the final rounding."""
+    model, fmt, tag, src = s.model, s.fmt, s.tag, s.src
+    small = _X(1, -23) + _X(1, -24)
+    add(
+        f"round_down_positive/{tag}",
+        fmt,
+        [1] * 4,
+        [2, small, 0, 0],
+        0,
+        {model: 2.0},
+        f"{src}: C 'Round-down for positive values'",
+    )
+    add(
+        f"round_up_negative/{tag}",
+        fmt,
+        [1] * 4,
+        [-2, -small, 0, 0],
+        0,
+        {model: -2.0},
+        f"{src}: C 'Round-up for negative values'",
+    )
+
+
+def _alignment_and_normalisation(add: _Add, s: _Setting) -> None:
+    """Part D of the suite: alignment bits, normalisation, carry out, monotonicity."""
+    model, fmt, tag, src, v100 = s.model, s.fmt, s.tag, s.src, s.v100
+    add(
+        f"extra_alignment_bits/{tag}",
+        fmt,
+        [1],
+        [1],
+        -(1 - _X(1, -24)),
+        {model: _X(1, -23) if v100 else _X(1, -24)},
+        f"{src}: D1 'Extra bits in the significand alignment'",
+    )
+    add(
+        f"normalisation_in_addition/{tag}",
+        fmt,
+        [1] * 4,
+        [_X(1, -24)] * 4,
+        1 - _X(1, -24),
+        {model: 1 + _X(1, -23)},
+        f"{src}: D2 'Normalization in addition'",
+    )
+    add(
+        f"normalisation_in_subtraction/{tag}",
+        fmt,
+        [1, 1],
+        [1, -_X(1, -24)],
+        -1 + _X(1, -24),
+        {model: _X(1, -23) if v100 else 0.0},
+        f"{src}: D3 'Normalization in subtraction'",
+    )
+    carry_c = 1 + _X(1, -22) + _X(1, -23)
+    for i in range(4):
+        bb = [1.0] * 4
+        bb[i] = _X(1, -23)
         add(
-            f"round_down_positive/{tag}",
+            f"carry_out_{i}/{tag}",
             fmt,
             [1] * 4,
-            [2, small, 0, 0],
-            0,
-            {model: 2.0},
-            f"{src}: C 'Round-down for positive values'",
-        )
-        add(
-            f"round_up_negative/{tag}",
-            fmt,
-            [1] * 4,
-            [-2, -small, 0, 0],
-            0,
-            {model: -2.0},
-            f"{src}: C 'Round-up for negative values'",
-        )
-        add(
-            f"extra_alignment_bits/{tag}",
-            fmt,
-            [1],
-            [1],
-            -(1 - _X(1, -24)),
-            {model: _X(1, -23) if v100 else _X(1, -24)},
-            f"{src}: D1 'Extra bits in the significand alignment'",
-        )
-        add(
-            f"normalisation_in_addition/{tag}",
-            fmt,
-            [1] * 4,
-            [_X(1, -24)] * 4,
-            1 - _X(1, -24),
-            {model: 1 + _X(1, -23)},
-            f"{src}: D2 'Normalization in addition'",
-        )
-        add(
-            f"normalisation_in_subtraction/{tag}",
-            fmt,
-            [1, 1],
-            [1, -_X(1, -24)],
-            -1 + _X(1, -24),
-            {model: _X(1, -23) if v100 else 0.0},
-            f"{src}: D3 'Normalization in subtraction'",
-        )
-        carry_c = 1 + _X(1, -22) + _X(1, -23)
-        for i in range(4):
-            bb = [1.0] * 4
-            bb[i] = _X(1, -23)
-            add(
-                f"carry_out_{i}/{tag}",
-                fmt,
-                [1] * 4,
-                bb,
-                carry_c,
-                {model: 4 + _X(1, -21)},
-                f"{src}: D4 'Extra bits for carry out', i={i}",
-            )
-        add(
-            f"carry_out_third_bit/{tag}",
-            fmt,
-            [1] * 4,
-            [1, 1.5, 1.75, 1.875],
-            1.875,
-            {model: 8.0},
-            f"{src}: D4, test for the third bit",
-        )
-        add(
-            f"carry_round_down/{tag}",
-            fmt,
-            [1] * 4,
-            [1] * 4,
+            bb,
             carry_c,
-            {model: 5.0},
-            f"{src}: D4, round-down in normalisation of positive values",
+            {model: 4 + _X(1, -21)},
+            f"{src}: D4 'Extra bits for carry out', i={i}",
         )
-        add(
-            f"carry_round_up_negative/{tag}",
-            fmt,
-            [1] * 4,
-            [-1] * 4,
-            -carry_c,
-            {model: -5.0},
-            f"{src}: D4, round-up in normalisation of negative values",
-        )
-        if not v100:
-            mono_b = [_X(1, -24)] * 3 + [_X(1, -23) + _X(1, -24)]
-            for c in (1 - _X(1, -24), 1.0):
-                add(
-                    f"monotonicity_c={c!r}/{tag}",
-                    fmt,
-                    [0.5] * 4,
-                    mono_b,
-                    c,
-                    {},
-                    f"{src}: D5 'Monotonicity of dot product' (the suite asserts only an order "
-                    "between the two outputs; no output is reported)",
-                )
+    add(
+        f"carry_out_third_bit/{tag}",
+        fmt,
+        [1] * 4,
+        [1, 1.5, 1.75, 1.875],
+        1.875,
+        {model: 8.0},
+        f"{src}: D4, test for the third bit",
+    )
+    add(
+        f"carry_round_down/{tag}",
+        fmt,
+        [1] * 4,
+        [1] * 4,
+        carry_c,
+        {model: 5.0},
+        f"{src}: D4, round-down in normalisation of positive values",
+    )
+    add(
+        f"carry_round_up_negative/{tag}",
+        fmt,
+        [1] * 4,
+        [-1] * 4,
+        -carry_c,
+        {model: -5.0},
+        f"{src}: D4, round-up in normalisation of negative values",
+    )
+    if not v100:
+        mono_b = [_X(1, -24)] * 3 + [_X(1, -23) + _X(1, -24)]
+        for c in (1 - _X(1, -24), 1.0):
+            add(
+                f"monotonicity_c={c!r}/{tag}",
+                fmt,
+                [0.5] * 4,
+                mono_b,
+                c,
+                {},
+                f"{src}: D5 'Monotonicity of dot product' (the suite asserts only an order "
+                "between the two outputs; no output is reported)",
+            )
+
+
+def _subnormals(add: _Add) -> None:
+    """Part A of the suite: subnormal inputs and outputs."""
     add(
         "subnormal_input/float16",
         "float16",
@@ -278,7 +318,6 @@ def _probes() -> list[Probe]:
             rep,
             f"{_V100}, {_A100H}, {_A100B}, {_A100T}: A 'Binary32 subnormals in input'",
         )
-    return probes
 
 
 PROBES: tuple[Probe, ...] = tuple(_probes())
