@@ -80,8 +80,14 @@ class Rope:
             ``attention_factor`` (default ``0.1 ln(factor) + 1``); ``llama3`` divides the low
             frequencies by ``factor`` and smooths between ``low_freq_factor`` and
             ``high_freq_factor``.
-        factor, original_max_position, low_freq_factor, high_freq_factor, beta_fast,
-            beta_slow, attention_factor, truncate: the scaling's parameters.
+        factor: the scaling factor ``f``.
+        original_max_position: the pretraining context ``M`` (``dynamic``, ``yarn``, ``llama3``).
+        low_freq_factor: ``llama3``'s low-frequency factor.
+        high_freq_factor: ``llama3``'s high-frequency factor.
+        beta_fast: ``yarn``'s fast correction (rotations).
+        beta_slow: ``yarn``'s slow correction (rotations).
+        attention_factor: ``yarn``'s table factor (default ``0.1 ln(factor) + 1``).
+        truncate: ``yarn``'s truncation of its correction range to integers.
         inv_freq_format: the format ``ω`` is computed and stored in (``transformers``: float32;
             a kernel that casts it to bfloat16, NVIDIA/Megatron-LM#744: bfloat16).
         position_format: the format of the positions (they must be exact in it).
@@ -90,8 +96,8 @@ class Rope:
         table_format: the format of the stored tables (``transformers``: the model's dtype).
         rotation_format: the format of the rotation's products and sums, and of its result
             (the dtype of q and k).
-        pow_ulps, trig_ulps: the accuracy of ``pow`` and of ``cos``/``sin`` in their formats,
-            in ulps.
+        pow_ulps: the accuracy of ``pow`` in ``inv_freq_format``, in ulps.
+        trig_ulps: the accuracy of ``cos`` and ``sin`` in ``trig_format``, in ulps.
     """
 
     dim: int

@@ -18,6 +18,7 @@ log = logging.getLogger("mkdocs.hooks.mhanum")
 
 ROOT = Path(__file__).resolve().parents[2]
 PAPERS = ("papers/*.md", "papers/measurements/README.md")
+FIGURES = ("papers/figures/*.png", "papers/figures/*.svg")  # the images the papers show
 
 
 def _papers() -> list[Path]:
@@ -56,7 +57,8 @@ def on_config(config: Any) -> Any:
 
 
 def on_files(files: Files, config: Any) -> Files:
-    for path in _papers():
+    figures = sorted({path for pattern in FIGURES for path in ROOT.glob(pattern)})
+    for path in [*_papers(), *figures]:
         uri = path.relative_to(ROOT).as_posix()
         files.append(File.generated(config, uri, abs_src_path=str(path)))
     return files
