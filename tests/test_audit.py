@@ -360,15 +360,23 @@ def test_the_audit_steps_are_picklable_plain_functions(checkpoint, fwd, result):
     assert pickle.loads(pickle.dumps(models.layer_reference)) is models.layer_reference
     again = pickle.loads(pickle.dumps(ref))
     assert pickle.loads(pickle.dumps(models.audit_preset)) is models.audit_preset
-    assert models.audit_preset(again, "bf16-fp32acc") == result.layers[1].preset("bf16-fp32acc")
+    per_layer = 1 - (1 - models.DEFAULT_PROBABILITY) / len(LAYERS)
+    audited = models.audit_preset(again, "bf16-fp32acc", per_layer)
+    assert audited == result.layers[1].preset("bf16-fp32acc")
 
 
 def test_the_result_renders_and_serialises(result):
     text = result.render()
-    assert "layer 0: max |logit|" in text
-    assert "padding constants in fp16-fp32acc: safe -10000, -inf; unsafe -1e+09" in text
+    assert "layer 0: max |logit|" not in text  # the heads' tables are --verbose
+    assert "  fp16-fp32acc: safe -10000, -inf; unsafe -1e+09 (layers 0 5), finfo.min" in text
+    assert "layer 0: max |logit|" in result.render(verbose=True)
     data = json.loads(json.dumps(result.as_dict()))
     assert data["layers"][1]["presets"][0]["preset"] == "fp32"
+    old_keys = {"model", "sentences", "tokens", "presets", "tolerance", "layers",
+                "cheapest_measured", "cheapest_certified", "frameworks"}  # fmt: skip
+    assert old_keys <= set(data)  # what consumers read before the verdicts
+    assert [v["preset"] for v in data["verdicts"]] == list(PRESETS)
+    assert {v["verdict"] for v in data["verdicts"]} <= set(models.VERDICTS)
 
 
 @pytest.mark.parametrize(
@@ -378,6 +386,8 @@ def test_the_result_renders_and_serialises(result):
         ({"presets": []}, "presets: expected at least one preset name"),
         ({"tolerance": 0}, "tolerance: expected a positive finite number"),
         ({"tolerance": "1e-3"}, "tolerance: expected a positive number"),
+        ({"rtol": -1e-2}, "rtol: expected a positive finite number"),
+        ({"probability": 1.5}, r"probability: expected a number in \(0, 1\), got 1.5"),
         ({"masks": [1.0]}, "masks: expected negative numbers"),
         ({"masks": ["-1e4x"]}, "masks: expected negative numbers"),
         ({"masks": [0.0]}, "masks: expected negative numbers"),
@@ -401,8 +411,9 @@ def test_cli_audit_prints_the_tables_and_writes_json(tmp_path, capsys):
     assert main([*args, "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert "sentence (5 tokens): Hello world." in text
-    assert "layer 1: max |logit|" in text
-    assert "tolerance 0.001: cheapest preset measured within it: fp32" in text
+    verdicts = text.splitlines()[text.splitlines().index("sentence (5 tokens): Hello world.") + 2]
+    assert verdicts == "verdicts (tol = 0.001 absolute; the worst layer and head):"
+    assert "cheapest preset within it: measured fp32;" in text
     data = json.loads(out.read_text())
     assert data["layers"][0]["layer"] == 1
     assert main([*args, "--out", str(out)]) == 2  # an existing file is not overwritten
@@ -414,6 +425,44 @@ def test_cli_audit_prints_the_tables_and_writes_json(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == data
 
 
+def test_the_issues_goal_fp32_is_probably_within_1e_2_on_minilm(checkpoint):
+    # layer 3 has fp32's largest bounds on the default sentences (the docs audit every layer):
+    # its deterministic bound exceeds 1e-2, its probabilistic bound is within it
+    result = models.audit(checkpoint, presets=["fp32", "bf16-fp32acc"], layers=[3],
+                          tolerance=1e-2)  # fmt: skip
+    fp32, bf16 = result.verdicts
+    assert (fp32.verdict, fp32.layer) == ("probable", 3)
+    assert fp32.bound_ratio > 1 > fp32.ratio == fp32.probable_ratio
+    assert fp32.probability >= 0.99
+    assert any("independent, mean-zero" in a for a in fp32.assumptions)
+    assert bf16.verdict == "not within"
+    assert result.cheapest_probable == "fp32"
+    assert result.cheapest_certified is None
+    # relative: layer 3's scale is its largest |exact output|
+    p = result.layers[0].preset("fp32")
+    scale = result.layers[0].output_scale
+    relative = models.verdict("fp32", result.layers, rtol=p.probable_bound / scale * 1.01)
+    assert relative.verdict == "probable"
+    assert relative.ratio == pytest.approx(1 / 1.01)
+
+
+@pytest.mark.slow
+def test_cli_audit_writes_the_html_page_and_refuses_to_overwrite_it(tmp_path, capsys):
+    out = tmp_path / "html"
+    args = ["audit", "--layers", "1", "--sentence", "Hello world.", "--preset", "fp32",
+            "--rtol", "1e-2", "--html", str(out)]  # fmt: skip
+    assert main([*args, "--verbose"]) == 0
+    captured = capsys.readouterr()
+    assert f"wrote {out / 'index.html'}" in captured.err
+    assert "verdicts (tol = 0.01 × the layer's scale; the worst layer and head):" in captured.out
+    assert "layer 1: max |logit|" in captured.out  # --verbose: the heads
+    assert sorted(p.name for p in out.iterdir()) == sorted(models.html_files(["fp32"]))
+    page = (out / "index.html").read_text()
+    assert "Verdicts" in page
+    assert main(args) == 2  # before any work: the files exist
+    assert "pass --force to overwrite them" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -422,6 +471,8 @@ def test_cli_audit_prints_the_tables_and_writes_json(tmp_path, capsys):
         (["--json", "audit.json"], "(to write the audit as JSON to a file: -o audit.json)"),
         (["--layers", "9"], "layers: expected integers in [0, 6), got 9"),
         (["--tolerance", "-1"], "--tolerance: expected a positive finite number"),
+        (["--rtol", "0"], "--rtol: expected a positive finite number"),
+        (["--probability", "1"], "--probability: expected a number in (0, 1), got 1.0"),
         (["/nonexistent/model"], "model: expected a directory"),
     ],
 )
@@ -463,8 +514,20 @@ def test_an_audit_journal_resumes_without_rerunning_a_layer(checkpoint, result, 
 def test_a_layer_task_round_trips_through_json(checkpoint, fwd, result):
     import json
 
-    spec = (5, checkpoint.attention_params(5), 12, fwd.layer_inputs[5], fwd.batch, PRESETS, ())
+    per_layer = 1 - (1 - models.DEFAULT_PROBABILITY) / len(LAYERS)
+    spec = (5, checkpoint.attention_params(5), 12, fwd.layer_inputs[5], fwd.batch, PRESETS, (),
+            None, (), per_layer)  # fmt: skip
     data = json.loads(json.dumps(models.layer_task(spec)))
     layer = models.layer_from_json(data)
     assert layer.presets == result.layers[1].presets
     assert layer.heads == result.layers[1].heads
+    assert layer.output_scale == result.layers[1].output_scale
+    # a layer of an audit written before the verdicts (a journal) still reads back
+    for p in data["presets"]:
+        for key in ("probable_bound", "probability", "probable_assumptions"):
+            del p[key]
+    del data["output_scale"]
+    old = models.layer_from_json(data)
+    assert old.output_scale is None
+    assert old.presets[0].probable_bound is None
+    assert old.presets[0].error == layer.presets[0].error

@@ -29,7 +29,7 @@ def _mask_constant(text: str) -> float | str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``mhanum audit``."""
-    from mhanum.models import DEFAULT_PRESETS, FRAMEWORKS
+    from mhanum.models import DEFAULT_PRESETS, DEFAULT_PROBABILITY, FRAMEWORKS
     from mhanum.numerics import PRESETS
 
     parser.add_argument(
@@ -62,7 +62,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="T",
-        help="absolute error tolerance: name the cheapest preset within it",
+        help="absolute error tolerance on every component of each layer's attention output: a "
+        "verdict per preset (certified, probably, measured only, not within) and the cheapest",
+    )
+    parser.add_argument(
+        "--rtol",
+        type=float,
+        default=None,
+        metavar="R",
+        help="error tolerance relative to each layer's output scale, max |exact output| over the "
+        "sentences' tokens (with --tolerance, a layer's tolerance is the smaller)",
+    )
+    parser.add_argument(
+        "--probability",
+        type=float,
+        default=DEFAULT_PROBABILITY,
+        metavar="P",
+        help="the probability the probabilistic bounds (Theorem A.3) state over all layers "
+        f"together (default: {DEFAULT_PROBABILITY})",
     )
     parser.add_argument(
         "--layers",
@@ -94,17 +111,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{_options.one_of(FRAMEWORKS)}",
     )
     _options.add_out(parser, "also write the audit as JSON to this file", metavar="FILE")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    parser.add_argument(
+        "--html",
+        default=None,
+        metavar="DIR",
+        help="also write an HTML page with a layer × head heatmap per preset (PNG and SVG) to "
+        "this directory",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite an existing --out, and the files --html writes (others are never touched)",
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also print the a priori bounds and, per layer, the heads and sink heads",
+    )
     _options.add_json(parser, "the audit")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the audit and print its tables; exit 1 if a measured error exceeds its bound."""
+    """Run the audit and print its verdicts and table; exit 1 if a measured error exceeds its
+    bound."""
     from mhanum import models, parallel
 
-    if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance > 0):
-        msg = f"--tolerance: expected a positive finite number, got {args.tolerance!r}"
+    for name in ("tolerance", "rtol"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            msg = f"--{name}: expected a positive finite number, got {value!r}"
+            raise InvalidArgument(msg)
+    if not 0 < args.probability < 1:
+        msg = f"--probability: expected a number in (0, 1), got {args.probability!r}"
         raise InvalidArgument(msg)
+    presets = args.presets or models.DEFAULT_PRESETS
+    if args.html is not None:
+        models.check_html_directory(args.html, list(dict.fromkeys(presets)), force=args.force)
     if args.out is not None and Path(args.out).exists() and not args.force:
         msg = f"out: expected a new file, got existing {args.out!r} (pass --force to overwrite)"
         raise InvalidArgument(msg)
@@ -120,8 +163,10 @@ def run(args: argparse.Namespace) -> int:
             result = models.audit(
                 args.model,
                 args.sentences,
-                presets=args.presets or models.DEFAULT_PRESETS,
+                presets=presets,
                 tolerance=args.tolerance,
+                rtol=args.rtol,
+                probability=args.probability,
                 masks=args.mask_constants or models.DEFAULT_MASK_CONSTANTS,
                 layers=args.layers,
                 frameworks=args.frameworks or (),
@@ -134,7 +179,11 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         path = models.write_json(result, args.out, force=args.force)
         print(f"wrote {path}", file=sys.stderr)
-    print(json.dumps(result.as_dict(), indent=2) if args.json else result.render())
+    if args.html is not None:
+        page = models.write_html(result, args.html, force=args.force, verbose=args.verbose)
+        print(f"wrote {page}", file=sys.stderr)
+    text = result.render(verbose=args.verbose)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else text)
     return 0 if result.within_bounds else 1
 
 

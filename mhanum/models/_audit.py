@@ -7,7 +7,8 @@ import functools
 import importlib.util
 import json
 import math
-from collections.abc import Callable, Iterable, Sequence
+import textwrap
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,14 @@ DEFAULT_MASK_CONSTANTS: tuple[float | str, ...] = (-1e4, -1e9, "finfo.min", -mat
 """The additive padding constants analysed: -10000 (BERT's original code and ``transformers``
 before v4.21), -1e9 (common hand-written code), ``finfo(dtype).min`` (``transformers``'
 ``get_extended_attention_mask`` today, ``(1 - mask)·finfo.min``) and ``-inf``."""
+
+DEFAULT_PROBABILITY = 0.99
+"""The probability the audit's probabilistic bounds state together, over every audited layer
+(Theorem A.3; each layer's bound is asked for ``1 - (1 - P)/n`` of ``n`` layers, so that the
+union bound gives ``P`` for all of them)."""
+
+VERDICTS = ("certified", "probable", "measured", "not within")
+"""The verdicts of a preset against a tolerance, strongest first (see :class:`Verdict`)."""
 
 SINK_THRESHOLD = 0.5
 SCORE_MARGIN = 1.0 + 2.0**-4
@@ -137,6 +146,11 @@ class PresetAudit:
         heads: each head's :class:`HeadError`.
         a_priori_reasons: why the A.4 bound is infinite (``Bound.reasons``), else empty.
         note: why a bound is missing (the preset is outside its theorem's scope), else ``""``.
+        probable_bound: the largest component of the probabilistic A.2 bound (Theorem A.3:
+            ``mha_bound(..., probability=)``), or ``None`` when not asked or outside the scope.
+        probability: the probability that bound states (``Bound.probability``), or ``None``.
+        probable_assumptions: the assumptions the probabilistic bound adds to the deterministic
+            one (its model of the rounding errors), in words.
     """
 
     preset: str
@@ -149,6 +163,9 @@ class PresetAudit:
     heads: tuple[HeadError, ...]
     a_priori_reasons: tuple[str, ...] = ()
     note: str = ""
+    probable_bound: float | None = None
+    probability: float | None = None
+    probable_assumptions: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +248,9 @@ class LayerAudit:
         masks: each (preset, constant) :class:`MaskVerdict`.
         frameworks: each framework path's :class:`FrameworkAudit`, in the order asked (empty
             unless asked).
+        output_scale: the layer's output scale, ``max |exact output|``: the largest magnitude
+            of a component of the certified reference output over the sentences' tokens (what a
+            relative tolerance ``rtol`` is taken of; ``None`` in audits written before it).
     """
 
     layer: int
@@ -239,6 +259,7 @@ class LayerAudit:
     presets: tuple[PresetAudit, ...]
     masks: tuple[MaskVerdict, ...]
     frameworks: tuple[FrameworkAudit, ...] = ()
+    output_scale: float | None = None
 
     def preset(self, name: str) -> PresetAudit:
         """The audit of preset ``name``.
@@ -254,6 +275,151 @@ class LayerAudit:
 
 
 @dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Whether a preset is within the tolerance on every audited layer, and how sure that is.
+
+    A layer's tolerance is ``τ = min(tolerance, rtol·scale)`` of those given (both must hold),
+    where ``scale`` is the layer's :attr:`LayerAudit.output_scale`, ``max |exact output|``. The
+    verdict is the first that holds of:
+
+    * ``"not within"``: a measured error exceeds ``τ`` on some layer;
+    * ``"certified"``: the deterministic bound (Theorem A.2) is at most ``τ`` on every layer:
+      every rounding of these computations is within the tolerance, a theorem;
+    * ``"probable"``: the probabilistic bound (Theorem A.3) is at most ``τ`` on every layer:
+      within the tolerance with probability at least ``probability`` (the union bound over the
+      layers), under that theorem's model of the rounding errors (``assumptions``);
+    * ``"measured"``: only the measured errors are within ``τ`` (on these sentences; no bound
+      is).
+
+    Attributes:
+        preset: the preset's name.
+        verdict: one of :data:`VERDICTS`.
+        ratio: the figure the verdict rests on (``bound``, ``probable_bound``, or ``error`` for
+            ``"measured"`` and ``"not within"``) over ``τ``, at its worst layer.
+        layer: that worst layer's index.
+        head: the worst head of that layer: the head whose attention (before the output
+            projection) has the largest A.1 bound, or for the measured verdicts the largest
+            measured error; ``None`` when the layer has no head figures.
+        error_ratio: the largest ``error / τ`` over the layers.
+        bound_ratio: the largest ``bound / τ`` (``None`` if a layer has no bound).
+        probable_ratio: the largest ``probable_bound / τ`` (``None`` if a layer has none).
+        probability: the probability of the probabilistic statement over every layer,
+            ``1 - Σ (1 - P_layer)`` (``None`` without probabilistic bounds).
+        assumptions: the model of the probabilistic bound, in words (empty without one).
+    """
+
+    preset: str
+    verdict: str
+    ratio: float
+    layer: int
+    head: int | None
+    error_ratio: float
+    bound_ratio: float | None
+    probable_ratio: float | None
+    probability: float | None
+    assumptions: tuple[str, ...] = ()
+
+
+def layer_tolerance(scale: float | None, tolerance: float | None, rtol: float | None) -> float:
+    """A layer's tolerance ``min(tolerance, rtol·scale)`` of those given.
+
+    Args:
+        scale: the layer's output scale, ``max |exact output|`` (:attr:`LayerAudit.output_scale`).
+        tolerance: an absolute tolerance, or ``None``.
+        rtol: a tolerance relative to ``scale``, or ``None``.
+
+    Raises:
+        InvalidArgument: without either tolerance, or ``rtol`` without a ``scale``.
+    """
+    if tolerance is None and rtol is None:
+        msg = "tolerance: expected an absolute tolerance, an rtol or both, got neither"
+        raise InvalidArgument(msg)
+    limits = [] if tolerance is None else [tolerance]
+    if rtol is not None:
+        if scale is None:
+            msg = "scale: expected the layer's output scale for an rtol, got None"
+            raise InvalidArgument(msg)
+        limits.append(rtol * scale)
+    return min(limits)
+
+
+def _worst(values: Sequence[float | None], tols: Sequence[float]) -> tuple[float | None, int]:
+    """The largest ``value / tol`` and its index; ``None`` if a value is missing."""
+    if any(v is None for v in values):
+        return None, 0
+    ratios = [float(v) / t for v, t in zip(values, tols, strict=True)]  # type: ignore[arg-type]
+    i = max(range(len(ratios)), key=ratios.__getitem__)
+    return ratios[i], i
+
+
+def verdict(
+    preset: str,
+    layers: Sequence[LayerAudit],
+    *,
+    tolerance: float | None = None,
+    rtol: float | None = None,
+) -> Verdict:
+    """The :class:`Verdict` of ``preset`` over ``layers`` (its rules are there).
+
+    Args:
+        preset: a preset audited on every layer.
+        layers: the audited layers (:attr:`Audit.layers`).
+        tolerance: an absolute tolerance on every component of a layer's attention output.
+        rtol: a tolerance relative to each layer's output scale (``max |exact output|``).
+
+    Raises:
+        InvalidArgument: for no layers, no tolerance, or a preset not audited.
+
+    Examples:
+        >>> from mhanum.models import LayerAudit, PresetAudit, verdict
+        >>> p = PresetAudit("fp32", 1e-6, 1e-6, 4e-3, 2.5e-4, "attention.logits", None, ())
+        >>> layer = LayerAudit(0, 10.0, (), (p,), (), output_scale=2.0)
+        >>> verdict("fp32", [layer], tolerance=1e-2).verdict
+        'certified'
+        >>> verdict("fp32", [layer], rtol=1e-3).verdict  # τ = 1e-3 · 2.0 = 2e-3 < 4e-3
+        'measured'
+    """
+    if not layers:
+        msg = "layers: expected at least one audited layer, got none"
+        raise InvalidArgument(msg)
+    tols = [layer_tolerance(layer.output_scale, tolerance, rtol) for layer in layers]
+    audits = [layer.preset(preset) for layer in layers]
+    error_ratio, error_at = _worst([p.error for p in audits], tols)
+    bound_ratio, bound_at = _worst([p.bound for p in audits], tols)
+    probable_ratio, probable_at = _worst([p.probable_bound for p in audits], tols)
+    assert error_ratio is not None  # errors are always measured
+    have_p = all(p.probability is not None for p in audits)
+    probability = (
+        max(0.0, 1.0 - math.fsum(1.0 - float(p.probability or 0.0) for p in audits))
+        if have_p
+        else None
+    )
+    if error_ratio > 1:
+        name, ratio, at = "not within", error_ratio, error_at
+    elif bound_ratio is not None and bound_ratio <= 1:
+        name, ratio, at = "certified", bound_ratio, bound_at
+    elif probable_ratio is not None and probable_ratio <= 1:
+        name, ratio, at = "probable", probable_ratio, probable_at
+    else:
+        name, ratio, at = "measured", error_ratio, error_at
+    heads = audits[at].heads
+    key = (lambda h: h.error) if name in ("measured", "not within") else (lambda h: h.bound)
+    head = max(heads, key=key).head if heads else None
+    return Verdict(
+        preset=preset,
+        verdict=name,
+        ratio=ratio,
+        layer=layers[at].layer,
+        head=head,
+        error_ratio=error_ratio,
+        bound_ratio=bound_ratio,
+        probable_ratio=probable_ratio,
+        probability=probability,
+        assumptions=audits[0].probable_assumptions,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class Audit:
     """The audit of a checkpoint's attention layers on some sentences.
 
@@ -265,10 +431,20 @@ class Audit:
         tolerance: the absolute error tolerance on a layer's attention output, or ``None``.
         layers: each audited layer's :class:`LayerAudit`.
         cheapest_measured: the first preset in :data:`COST_ORDER` whose measured error is at most
-            ``tolerance`` on every audited layer (``None`` without a tolerance or if none is).
-        cheapest_certified: likewise with the A.2 bound at most ``tolerance``: a guarantee for
-            these sentences, not only an observation.
+            each layer's tolerance (:func:`layer_tolerance`) on every audited layer (``None``
+            without a tolerance or if none is).
+        cheapest_certified: likewise with the A.2 bound (verdict ``"certified"``): a guarantee
+            for these sentences, not only an observation.
         frameworks: the framework paths run, in the order asked (see :data:`FRAMEWORKS`).
+        rtol: the tolerance relative to each layer's output scale (``max |exact output|``), or
+            ``None``; with ``tolerance`` too, a layer's tolerance is the smaller
+            (:func:`layer_tolerance`).
+        probability: the probability the probabilistic bounds state over every audited layer
+            together (:data:`DEFAULT_PROBABILITY`), or ``None`` if none were computed.
+        verdicts: each preset's :class:`Verdict`, in the order asked (empty without a
+            tolerance).
+        cheapest_probable: the first preset in :data:`COST_ORDER` whose verdict is
+            ``"certified"`` or ``"probable"``.
     """
 
     model: str
@@ -280,6 +456,10 @@ class Audit:
     cheapest_measured: str | None
     cheapest_certified: str | None
     frameworks: tuple[str, ...] = ()
+    rtol: float | None = None
+    probability: float | None = None
+    verdicts: tuple[Verdict, ...] = ()
+    cheapest_probable: str | None = None
 
     @property
     def within_bounds(self) -> bool:
@@ -295,9 +475,9 @@ class Audit:
         ``Infinity``)."""
         return dataclasses.asdict(self)
 
-    def render(self) -> str:
-        """A readable table per layer: the presets, the heads, the padding constants."""
-        return render(self)
+    def render(self, *, verbose: bool = False) -> str:
+        """The verdicts, a table of the layers, the padding constants (see :func:`render`)."""
+        return render(self, verbose=verbose)
 
 
 def _max_over(values: Any, valid: np.ndarray) -> float:
@@ -395,9 +575,10 @@ def _head_errors(ref: LayerReference, num: Numerics) -> tuple[HeadError, ...]:
     return tuple(out)
 
 
-def audit_preset(ref: LayerReference, preset: str) -> PresetAudit:
+def audit_preset(ref: LayerReference, preset: str, probability: float | None = None) -> PresetAudit:
     """One layer under one preset (a plain function of picklable values; see
-    :func:`layer_reference`)."""
+    :func:`layer_reference`); with ``probability``, the probabilistic A.2 bound (Theorem A.3)
+    stating it too (:attr:`PresetAudit.probable_bound`)."""
     num = Numerics.preset(preset)
     x, params, heads, valid = ref.x, ref.params, ref.num_heads, ref.valid
     computed = np.asarray(
@@ -408,6 +589,9 @@ def audit_preset(ref: LayerReference, preset: str) -> PresetAudit:
     bound_max: float | None = None
     ratio: float | None = None
     dominant, head_errors = "", tuple[HeadError, ...]()
+    probable_max: float | None = None
+    stated: float | None = None
+    model: tuple[str, ...] = ()
     try:
         bound = bounds.mha_bound(x, x, params, heads, mask=ref.mask, numerics=num)
         total = np.broadcast_to(np.asarray(bound.total, np.float64), computed.shape)
@@ -415,6 +599,14 @@ def audit_preset(ref: LayerReference, preset: str) -> PresetAudit:
         ratio = _ratio(np.abs(computed - ref.exact)[valid], total[valid])
         dominant = _dominant(bound, valid)
         head_errors = _head_errors(ref, num)
+        if probability is not None:
+            probable = bounds.mha_bound(
+                x, x, params, heads, mask=ref.mask, numerics=num, probability=probability
+            )
+            p_total = np.broadcast_to(np.asarray(probable.total, np.float64), computed.shape)
+            probable_max = float(p_total[valid].max())
+            stated = probable.probability
+            model = tuple(a for a in probable.assumptions if a not in bound.assumptions)
     except InvalidArgument as exc:  # the preset is outside Theorem A.1/A.2's scope
         notes.append(f"A.2: {exc}")
     try:
@@ -438,18 +630,24 @@ def audit_preset(ref: LayerReference, preset: str) -> PresetAudit:
         heads=head_errors,
         a_priori_reasons=reasons,
         note="; ".join(notes),
+        probable_bound=probable_max,
+        probability=stated,
+        probable_assumptions=model,
     )
 
 
 def layer_task(spec: tuple[Any, ...], seed: Any = None) -> dict[str, Any]:
     """One layer's audit as JSON: the task :func:`audit` maps over the layers. ``spec`` is
     ``(layer, params, num_heads, x, batch, presets, mask constants[, checkpoint directory,
-    frameworks])``; ``seed`` is unused (the audit draws nothing). A framework's model is read
-    from the checkpoint directory once per process (:func:`framework_model`)."""
+    frameworks[, probability]])``, ``probability`` that of each layer's probabilistic bound
+    (none without it); ``seed`` is unused (the audit draws nothing). A framework's model is
+    read from the checkpoint directory once per process (:func:`framework_model`)."""
     layer, params, heads, x, batch, names, constants, *rest = spec
-    directory, frameworks = rest if rest else (None, ())
+    extra = dict(zip(("directory", "frameworks", "probability"), rest, strict=False))
+    directory, frameworks = extra.get("directory"), extra.get("frameworks", ())
+    probability = extra.get("probability")
     ref = layer_reference(layer, params, heads, x, batch)
-    per_preset = tuple(audit_preset(ref, name) for name in names)
+    per_preset = tuple(audit_preset(ref, name, probability) for name in names)
     masks_i = mask_verdicts(ref.score_bound, ref.x.shape[-2], names, constants)
     runs = tuple(
         audit_framework(
@@ -457,7 +655,8 @@ def layer_task(spec: tuple[Any, ...], seed: Any = None) -> dict[str, Any]:
         )
         for name in frameworks
     )
-    audit = LayerAudit(layer, ref.score_bound, ref.heads, per_preset, masks_i, runs)
+    scale = float(np.max(np.abs(ref.exact[ref.valid]), initial=0.0))
+    audit = LayerAudit(layer, ref.score_bound, ref.heads, per_preset, masks_i, runs, scale)
     return dataclasses.asdict(audit)
 
 
@@ -469,6 +668,7 @@ def layer_from_json(data: dict[str, Any]) -> LayerAudit:
                 **p,
                 "heads": tuple(HeadError(**h) for h in p["heads"]),
                 "a_priori_reasons": tuple(p["a_priori_reasons"]),
+                "probable_assumptions": tuple(p.get("probable_assumptions", ())),
             }
         )
         for p in data["presets"]
@@ -480,6 +680,7 @@ def layer_from_json(data: dict[str, Any]) -> LayerAudit:
         presets=presets,
         masks=tuple(MaskVerdict(**m) for m in data["masks"]),
         frameworks=tuple(FrameworkAudit(**f) for f in data.get("frameworks", ())),
+        output_scale=data.get("output_scale"),
     )
 
 
@@ -567,16 +768,28 @@ def _parse_presets(presets: Sequence[str] | str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _parse_tolerance(tolerance: Any) -> float | None:
+def _parse_tolerance(tolerance: Any, name: str = "tolerance") -> float | None:
     if tolerance is None:
         return None
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
-        msg = f"tolerance: expected a positive number, got {tolerance!r}"
+        msg = f"{name}: expected a positive number, got {tolerance!r}"
         raise InvalidArgument(msg)
     if not (math.isfinite(tolerance) and tolerance > 0):
-        msg = f"tolerance: expected a positive finite number, got {tolerance!r}"
+        msg = f"{name}: expected a positive finite number, got {tolerance!r}"
         raise InvalidArgument(msg)
     return float(tolerance)
+
+
+def _parse_probability(probability: Any) -> float | None:
+    if probability is None:
+        return None
+    if isinstance(probability, bool) or not isinstance(probability, (int, float)):
+        msg = f"probability: expected a number in (0, 1), got {probability!r}"
+        raise InvalidArgument(msg)
+    if not 0 < probability < 1:
+        msg = f"probability: expected a number in (0, 1), got {probability!r}"
+        raise InvalidArgument(msg)
+    return float(probability)
 
 
 def _parse_masks(masks: Iterable[float | str]) -> tuple[float | str, ...]:
@@ -597,16 +810,11 @@ def _parse_masks(masks: Iterable[float | str]) -> tuple[float | str, ...]:
     return tuple(out)
 
 
-def _cheapest(
-    presets: Sequence[str], tolerance: float | None, layers: Sequence[LayerAudit],
-    figure: Callable[[PresetAudit], float | None],
-) -> str | None:  # fmt: skip
-    if tolerance is None:
-        return None
-    for name in sorted(presets, key=COST_ORDER.index):
-        figures = [figure(layer.preset(name)) for layer in layers]
-        if all(f is not None and f <= tolerance for f in figures):
-            return name
+def _cheapest(verdicts: Sequence[Verdict], accepted: Sequence[str]) -> str | None:
+    """The first preset in :data:`COST_ORDER` whose verdict is one of ``accepted``."""
+    for v in sorted(verdicts, key=lambda v: COST_ORDER.index(v.preset)):
+        if v.verdict in accepted:
+            return v.preset
     return None
 
 
@@ -621,6 +829,8 @@ def audit(
     executor: Any = None,
     journal: str | Path | None = None,
     frameworks: Sequence[str] | str = (),
+    rtol: float | None = None,
+    probability: float | None = DEFAULT_PROBABILITY,
 ) -> Audit:
     """Audit every attention layer of a BERT checkpoint on real sentences, under each preset.
 
@@ -638,10 +848,17 @@ def audit(
     it, in each preset's score and softmax formats, with the layer's largest ``|logit|`` and its
     padded length (:class:`MaskVerdict`; :func:`mhanum.bounds.analyze_mask`).
 
-    With a ``tolerance`` (absolute, on each layer's attention output), the audit names the
-    cheapest preset, in the order of :data:`COST_ORDER` (fp8 < bfloat16/float16 < tf32 <
-    float32 < float64), whose measured error, and the cheapest whose bound, is within it on
-    every audited layer.
+    Each preset's layers also get the probabilistic A.2 bound (Theorem A.3), asked for
+    ``1 - (1 - probability)/n`` on each of the ``n`` audited layers, so that it holds on all of
+    them with at least ``probability`` (union bound).
+
+    With a ``tolerance`` (absolute, on every component of each layer's attention output) or an
+    ``rtol`` (relative to each layer's output scale ``max |exact output|``; with both, a layer's
+    tolerance is the smaller, :func:`layer_tolerance`), each preset gets a :class:`Verdict`
+    (certified, probable, measured only, not within; its worst layer and head), and the audit
+    names the cheapest preset, in the order of :data:`COST_ORDER` (fp8 < bfloat16/float16 <
+    tf32 < float32 < float64), whose measured error, whose probabilistic bound, and whose
+    bound is within it on every audited layer.
 
     With ``frameworks``, each layer is also run by those real framework code paths
     (``transformers``' eager and sdpa BERT attention, read from the same checkpoint) and measured
@@ -657,6 +874,9 @@ def audit(
         sentences: the input sentences (default :data:`DEFAULT_SENTENCES`).
         presets: preset names (see :data:`mhanum.PRESETS`).
         tolerance: an absolute error tolerance, or ``None``.
+        rtol: an error tolerance relative to each layer's output scale, or ``None``.
+        probability: the probability the probabilistic bounds state over every audited layer
+            together, in ``(0, 1)``, or ``None`` to compute none.
         masks: padding constants: negative numbers, ``-inf``, ``"finfo.min"`` or
             ``"c*finfo.min"``.
         layers: the layer indices to audit (default all).
@@ -678,6 +898,8 @@ def audit(
     """
     names = _parse_presets(presets)
     tol = _parse_tolerance(tolerance)
+    relative = _parse_tolerance(rtol, "rtol")
+    level = _parse_probability(probability)
     constants = _parse_masks(masks)
     paths = _parse_frameworks(frameworks)
     checkpoint = load_checkpoint(model)
@@ -694,9 +916,10 @@ def audit(
         checkpoint, DEFAULT_SENTENCES if sentences is None else sentences, layers=max(chosen)
     )
     heads = checkpoint.config.num_attention_heads
+    per_layer = None if level is None else 1.0 - (1.0 - level) / len(chosen)
     tasks = [
         (f"layer {i}", (i, checkpoint.attention_params(i), heads, fwd.layer_inputs[i], fwd.batch,
-                        names, constants, str(checkpoint.path), paths))
+                        names, constants, str(checkpoint.path), paths, per_layer))
         for i in chosen
     ]  # fmt: skip
     campaign = {
@@ -705,6 +928,7 @@ def audit(
         "presets": list(names),
         "masks": [c if isinstance(c, str) else repr(float(c)) for c in constants],
         "frameworks": list(paths),
+        "probability": per_layer,
     }
     results = parallel.run_tasks(
         layer_task,
@@ -715,6 +939,11 @@ def audit(
         read_back=layer_from_json,
     )
     audited = [layer_from_json(r) for r in results]
+    judged = (
+        ()
+        if tol is None and relative is None
+        else tuple(verdict(name, audited, tolerance=tol, rtol=relative) for name in names)
+    )
     return Audit(
         model=str(checkpoint.path),
         sentences=fwd.batch.sentences,
@@ -722,9 +951,13 @@ def audit(
         presets=names,
         tolerance=tol,
         layers=tuple(audited),
-        cheapest_measured=_cheapest(names, tol, audited, lambda p: p.error),
-        cheapest_certified=_cheapest(names, tol, audited, lambda p: p.bound),
+        cheapest_measured=_cheapest(judged, VERDICTS[:3]),
+        cheapest_certified=_cheapest(judged, VERDICTS[:1]),
         frameworks=paths,
+        rtol=relative,
+        probability=level,
+        verdicts=judged,
+        cheapest_probable=_cheapest(judged, VERDICTS[:2]),
     )
 
 
@@ -750,59 +983,179 @@ def _row(cells: Sequence[str], widths: Sequence[int]) -> str:
     return "  " + first[0].ljust(first[1]) + "".join(c.rjust(w) for c, w in rest)
 
 
-def render(result: Audit) -> str:
-    """The audit as text: per layer, a table of presets, a table of heads (with each preset's
-    per-head ``error/bound``), the padding constants; then the cheapest presets."""
+_VERDICT_WORDS = {
+    "certified": "certified within",
+    "probable": "probably within",
+    "measured": "measured within only",
+    "not within": "not within",
+}
+_FIGURE_OF = {"certified": "bound", "probable": "P-bound", "measured": "error"}
+_FIGURE_OF["not within"] = "error"
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2g} tol"
+
+
+def verdict_line(v: Verdict) -> str:
+    """One line: the verdict, the figure it rests on at its worst layer and head, the others."""
+    words = _VERDICT_WORDS[v.verdict]
+    if v.verdict == "probable" and v.probability is not None:
+        words += f" (P >= {v.probability:.3g})"
+    figure = _FIGURE_OF[v.verdict]
+    head = "" if v.head is None else f", head {v.head}"
+    others = [
+        f"{name} {_times(ratio)}"
+        for name, ratio in (
+            ("bound", v.bound_ratio), ("P-bound", v.probable_ratio), ("error", v.error_ratio),
+        )
+        if name != figure
+    ]  # fmt: skip
+    return f"{words}: {figure} {_times(v.ratio)} at worst (layer {v.layer}{head}); " + ", ".join(
+        others
+    )
+
+
+def _tolerance_words(result: Audit) -> str:
+    parts = []
+    if result.tolerance is not None:
+        parts.append(f"{result.tolerance:g} absolute")
+    if result.rtol is not None:
+        parts.append(f"{result.rtol:g} × the layer's scale")
+    both = " and ".join(parts)
+    return f"tol = {both}" + (" (the smaller)" if len(parts) == 2 else "")
+
+
+def _legend(result: Audit, verbose: bool) -> list[str]:
+    level = "" if result.probability is None else f" >= {result.probability:g}"
+    entries = [
+        ("scale", ("max |exact output| of the layer over the sentences' tokens (certified "
+         "reference)")),
+        ("tol", ("the layer's tolerance, min(T, rtol·scale) of those given; * marks a figure "
+         "above it")),
+        ("error", ("max |computed - exact| over the layer's output components, on these "
+         "sentences")),
+        ("bound", ("Theorem A.2: a theorem, for every rounding of this computation on these "
+         "inputs")),
+        ("P-bound", (f"Theorem A.3 (A.2 with probabilistic factors): holds on every audited "
+         f"layer together with probability{level}, if the rounding errors of sums and dots "
+         "are independent, mean-zero random variables (Higham & Mary 2019)")),
+        ("dominant", "the bound's largest term: where the error budget goes"),
+        ("why", ("bound >> error: the bound lets every rounding of a length-d dot go the same way "
+         "(~d·u), the P-bound lets them cancel as independent errors do (~λ·√d·u); measured "
+         "errors cancel more")),
+    ]  # fmt: skip
+    if verbose:
+        entries.append(
+            ("a priori", ("Theorem A.4 from the weights and max |x| alone: a bound for every "
+             "input of that size (logits up to 10⁴ and more), not only these sentences; the "
+             "verdicts do not use it"))
+        )  # fmt: skip
+    lines = ["columns:"]
+    for name, text in entries:
+        lines += textwrap.wrap(text, 100, initial_indent=f"  {name:<9}", subsequent_indent=" " * 11)
+    return lines
+
+
+def _layer_table(result: Audit, verbose: bool) -> list[str]:
+    width = max(len(name) for name in (*result.presets, *result.frameworks)) + 2
+    widths: tuple[int, ...] = (7, 9, 9, width, 10, 10, 10) + ((10,) if verbose else ())
+    header = ["layer", "scale", "tol", "preset", "error", "P-bound", "bound"]
+    header += ["a priori"] if verbose else []
+    judged = bool(result.verdicts)
+    lines = [_row_left(header, widths) + "  dominant term"]
+    for layer in result.layers:
+        tol = layer_tolerance(layer.output_scale, result.tolerance, result.rtol) if judged else None
+
+        def mark(x: float | None, tol: float | None = tol) -> str:
+            return _g(x) + ("*" if tol is not None and x is not None and x > tol else " ")
+
+        first = (str(layer.layer), _g(layer.output_scale), _g(tol))
+        for i, p in enumerate(layer.presets):
+            cells = [*(first if i == 0 else ("", "", "")), p.preset, mark(p.error),
+                     mark(p.probable_bound), mark(p.bound)]  # fmt: skip
+            cells += [_g(p.a_priori)] if verbose else []
+            lines.append(_row_left(cells, widths) + "  " + (p.dominant_term or p.note))
+        for f in layer.frameworks:
+            cells = ["", "", "", f.framework, mark(f.error), "- ", mark(f.bound)]
+            cells += ["-"] if verbose else []
+            lines.append(_row_left(cells, widths) + f"  (transformers {f.version}, float32)")
+    return lines
+
+
+def _row_left(cells: Sequence[str], widths: Sequence[int]) -> str:
+    """A row: the first and fourth cells left-aligned, the others right-aligned."""
+    out = "  "
+    for i, (c, w) in enumerate(zip(cells, widths, strict=True)):
+        out += c.ljust(w) if i in (0, 3) else c.rjust(w) + (" " if i == 2 else "")
+    return out.rstrip()
+
+
+def _padding_lines(result: Audit) -> list[str]:
+    lines = []
+    for name in result.presets:
+        unsafe_in: dict[str, list[int]] = {}
+        for layer in result.layers:
+            for m in layer.masks:
+                if m.preset == name:
+                    layers = unsafe_in.setdefault(_constant(m.constant), [])
+                    layers += [] if m.safe else [layer.layer]
+        safe = [c for c, layers in unsafe_in.items() if not layers]
+        unsafe = [f"{c} (layers {' '.join(map(str, ls))})" for c, ls in unsafe_in.items() if ls]
+        line = f"  {name}: safe {', '.join(safe) or 'none'}"
+        lines.append(line + (f"; unsafe {', '.join(unsafe)}" if unsafe else ""))
+    return lines
+
+
+def _head_lines(layer: LayerAudit) -> list[str]:
+    lines = [
+        "  heads: logit spread, mean probability on [CLS] and [SEP], sink head; per preset "
+        + "error/bound of the head's attention"
+    ]
+    cols = [max(len(p.preset), 15) + 2 for p in layer.presets]
+    widths = (6, 8, 7, 7, 6, *cols)
+    lines.append(_row(("head", "spread", "[CLS]", "[SEP]", "sink",
+                       *(p.preset for p in layer.presets)), widths))  # fmt: skip
+    for h in layer.heads:
+        cells = [str(h.head), f"{h.logit_spread:.3g}", f"{h.cls_mass:.2f}",
+                 f"{h.sep_mass:.2f}", "yes" if h.sink else ""]  # fmt: skip
+        for p in layer.presets:
+            e = next((x for x in p.heads if x.head == h.head), None)
+            cells.append("-" if e is None else f"{e.error:.2g}/{e.bound:.2g}")
+        lines.append(_row(cells, widths))
+    return lines
+
+
+def render(result: Audit, *, verbose: bool = False) -> str:
+    """The audit as text: each preset's verdict first (with a tolerance), then one table of
+    every layer's figures, the padding constants, the cheapest presets and a legend of the
+    columns; ``verbose`` adds the a priori bounds and, per layer, the heads and sink heads."""
     lines = [f"model: {result.model}"]
     for s, t in zip(result.sentences, result.tokens, strict=True):
         lines.append(f"sentence ({len(t)} tokens): {s}")
-    width = max(len(name) for name in (*result.presets, *result.frameworks)) + 2
-    for layer in result.layers:
-        lines += ["", f"layer {layer.layer}: max |logit| {layer.score_bound:.3g}"]
-        widths: tuple[int, ...] = (width, 10, 10, 10, 10, 2)
-        lines.append(_row(("preset", "error", "bound", "ratio", "a priori", ""), widths)
-                     + "dominant term")  # fmt: skip
-        for p in layer.presets:
-            row = (p.preset, _g(p.error), _g(p.bound), _g(p.ratio), _g(p.a_priori), "")
-            lines.append(_row(row, widths) + (p.dominant_term or p.note))
-        for f in layer.frameworks:
-            row = (f.framework, _g(f.error), _g(f.bound), _g(f.ratio), "-", "")
-            lines.append(_row(row, widths) + f"(transformers {f.version}, float32)")
+    if result.verdicts:
+        width = max(len(v.preset) for v in result.verdicts) + 2
+        lines += ["", f"verdicts ({_tolerance_words(result)}; the worst layer and head):"]
+        lines += [f"  {v.preset.ljust(width)}{verdict_line(v)}" for v in result.verdicts]
+    lines += ["", "per layer:", *_layer_table(result, verbose)]
+    if verbose:
+        for layer in result.layers:
+            lines += ["", f"layer {layer.layer}: max |logit| {layer.score_bound:.3g}"]
+            lines += [
+                f"  a priori inf in {p.preset}: {p.a_priori_reasons[0]}"
+                for p in layer.presets
+                if p.a_priori_reasons
+            ]
+            lines += _head_lines(layer)
+    lines += ["", "padding constants (Theorems M.1-M.5, every layer):", *_padding_lines(result)]
+    if result.verdicts:
         lines += [
-            f"  a priori inf in {p.preset}: {p.a_priori_reasons[0]}"
-            for p in layer.presets
-            if p.a_priori_reasons
+            "",
+            f"cheapest preset within it: measured {result.cheapest_measured or 'none'}; "
+            + f"probably {result.cheapest_probable or 'none'}; certified "
+            + f"{result.cheapest_certified or 'none'}",
         ]
-        lines.append(
-            "  heads: logit spread, mean probability on [CLS] and [SEP], sink head; per preset "
-            "error/bound of the head's attention"
-        )
-        cols = [max(len(p.preset), 15) + 2 for p in layer.presets]
-        widths = (6, 8, 7, 7, 6, *cols)
-        lines.append(_row(("head", "spread", "[CLS]", "[SEP]", "sink",
-                           *(p.preset for p in layer.presets)), widths))  # fmt: skip
-        for h in layer.heads:
-            cells = [str(h.head), f"{h.logit_spread:.3g}", f"{h.cls_mass:.2f}",
-                     f"{h.sep_mass:.2f}", "yes" if h.sink else ""]  # fmt: skip
-            for p in layer.presets:
-                e = next((x for x in p.heads if x.head == h.head), None)
-                cells.append("-" if e is None else f"{e.error:.2g}/{e.bound:.2g}")
-            lines.append(_row(cells, widths))
-        for name in result.presets:
-            verdicts = [m for m in layer.masks if m.preset == name]
-            safe = [_constant(m.constant) for m in verdicts if m.safe]
-            unsafe = [_constant(m.constant) for m in verdicts if not m.safe]
-            lines.append(
-                f"  padding constants in {name}: safe {', '.join(safe) or 'none'}"
-                + (f"; unsafe {', '.join(unsafe)}" if unsafe else "")
-            )
-    if result.tolerance is not None:
-        lines.append("")
-        lines.append(
-            f"tolerance {result.tolerance:g}: cheapest preset measured within it: "
-            f"{result.cheapest_measured or 'none'}; bounded within it: "
-            f"{result.cheapest_certified or 'none'}"
-        )
+    lines += ["", *_legend(result, verbose)]
     return "\n".join(lines)
 
 
