@@ -1,0 +1,148 @@
+"""A quantized KV cache as a numerical stage (``mhanum.kvcache``, papers/kvcache.md): Theorem
+K.1 against the exact entries, for both ways of dividing by the scale, against torch's own fp8
+conversion, at the edges of the formats, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mhanum import InvalidArgument
+from mhanum.formats import get_format, round_to
+from mhanum.kvcache import (
+    GRANULARITIES,
+    KV_FORMATS,
+    PLACEMENTS,
+    KVQuant,
+    dequantize,
+    kv_error,
+    quantize,
+    scales,
+)
+
+
+def _cache(seed: int, fmt: str = "bfloat16") -> np.ndarray:
+    """``(batch, heads, tokens, d)`` with channels over 28 binades, a zero token and a zero
+    head (dynamic scales of an all-zero group), one outlier channel."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 3, 16, 8)) * np.exp2(rng.integers(-20, 8, (1, 1, 1, 8)))
+    x[0, 0, 3] = 0.0
+    x[1, 2] = 0.0
+    x[..., 5] *= 2.0**6
+    return round_to(x, fmt)
+
+
+def _reciprocal_kernel(x: np.ndarray, q: KVQuant) -> np.ndarray:
+    """A kernel that multiplies by the rounded reciprocal of the scale (two roundings)."""
+    s = scales(x, q)
+    inv = round_to(1.0 / s, "float32")
+    y = round_to(x * inv, "float32")
+    top = q.code_max
+    c = (
+        np.clip(np.rint(y), -top, top)
+        if q.format == "int8"
+        else round_to(np.clip(y, -top, top), q.format)
+    )
+    return round_to(c * s, "float32") if q.placement == "operand" else c * s
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_read_entries_are_within_theorem_k1(fmt: str, granularity: str, placement: str) -> None:
+    """K.1: the entries read back (the operand, or ``ŝ·c`` before the accumulator's product)
+    are within ``kv_error`` of the exact ones, whether the kernel divides by the scale or
+    multiplies by its reciprocal; and the bound is not vacuous (median within 200x)."""
+    for seed in range(3):
+        x = _cache(seed)
+        q = KVQuant(fmt, granularity=granularity, placement=placement)
+        codes, s = quantize(x, q)
+        divided = dequantize(codes, s, q) if placement == "operand" else codes * s
+        bound = kv_error(x, q)
+        for read in (divided, _reciprocal_kernel(x, q)):
+            assert np.all(np.abs(read - x) <= bound)
+        err = np.abs(divided - x)
+        assert np.median(bound[err > 0] / err[err > 0]) <= 200
+
+
+def test_the_codes_are_torchs_own_fp8_conversion() -> None:
+    """The emulated fp8 codes are what ``torch``'s ``float8`` dtypes store for the same quotients."""
+    torch = pytest.importorskip(
+        "torch", reason="torch is not installed: pip install -e .[frameworks]"
+    )
+    x = _cache(0)
+    for fmt in ("float8_e4m3fn", "float8_e5m2"):
+        q = KVQuant(fmt, granularity="token_head")
+        codes, s = quantize(x, q)
+        quotient = torch.tensor(round_to(x / s, "float32"), dtype=torch.float32)
+        top = q.code_max
+        stored = quotient.clamp(-top, top).to(getattr(torch, fmt)).double().numpy()
+        assert np.array_equal(stored, codes)
+
+
+def test_given_scales_that_saturate_are_charged_and_unsaturated_overflow_is_infinite() -> None:
+    """A given scale too small for the values: saturated codes are clipped (charged exactly);
+    without saturation the entries that may overflow get an infinite bound."""
+    x = np.full((1, 1, 4, 4), 1000.0)
+    x[0, 0, 0] = [0.5, -2.0, 3.0, 0.0]
+    q = KVQuant("float8_e4m3fn", scale=1.0)
+    codes, s = quantize(x, q)
+    err = np.abs(dequantize(codes, s, q) - x)
+    bound = kv_error(x, q)
+    assert np.all(err <= bound)
+    assert err.max() == pytest.approx(1000.0 - 448.0)
+    unsat = kv_error(x, KVQuant("float8_e4m3fn", scale=1.0, saturate=False))
+    assert np.all(np.isinf(unsat[0, 0, 1:]))
+    assert np.all(np.isfinite(unsat[0, 0, 0]))
+
+
+def test_dynamic_scales_are_absmax_over_the_divisor_per_group() -> None:
+    x = _cache(1)
+    q = KVQuant("int8", granularity="token")
+    s = scales(x, q)
+    assert s.shape == (2, 1, 16, 1)
+    expected = round_to(np.max(np.abs(x), axis=(1, 3), keepdims=True) / 127.0, "float32")
+    assert np.array_equal(s, np.where(expected > 0, expected, 1.0))
+    assert scales(x, KVQuant("float8_e4m3fn", granularity="tensor")).shape == (1, 1, 1, 1)
+    vllm_like = KVQuant("float8_e4m3fn", divisor=200.0)
+    assert float(scales(x, vllm_like).item()) == pytest.approx(np.abs(x).max() / 200, rel=2**-23)
+
+
+def test_a_kernel_that_forgets_the_scale_is_far_outside_the_bound() -> None:
+    """Reading the codes without ``k_scale`` (a known bug class) is off by far more than K.1."""
+    x = _cache(2)
+    q = KVQuant("float8_e4m3fn", granularity="head")
+    codes, _ = quantize(x, q)
+    forgot = np.abs(codes - x)
+    assert np.max(forgot / kv_error(x, q)) > 100
+
+
+def test_the_accumulator_placement_states_its_extra_rounding() -> None:
+    assert KVQuant("int8", placement="accumulator").accumulator_rounding == get_format("float32").u
+    assert KVQuant("int8").accumulator_rounding == 0.0
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: KVQuant("int4"), "kv_cache.format: expected one of"),
+        (lambda: KVQuant("int8", granularity="channel"), "kv_cache.granularity: expected one of"),
+        (lambda: KVQuant("int8", placement="probs"), "kv_cache.placement"),
+        (lambda: KVQuant("int8", scale=0.0), "kv_cache.scale: expected positive finite scales"),
+        (lambda: KVQuant("int8", scale=[1.0, np.nan]), "kv_cache.scale: expected positive finite"),
+        (lambda: KVQuant("int8", scale=-1.0), "kv_cache.scale"),
+        (lambda: KVQuant("int8", divisor=0), "kv_cache.divisor"),
+        (lambda: KVQuant("int8", scale_format="float12"), "kv_cache.scale_format"),
+        (lambda: kv_error(np.ones((4, 4)), KVQuant("int8")), "x: expected a cache shaped"),
+        (lambda: kv_error(np.full((1, 2, 2), np.inf), KVQuant("int8")), "x: expected finite"),
+        (
+            lambda: scales(
+                np.ones((1, 2, 3, 4)), KVQuant("int8", granularity="head", scale=[1.0, 2.0, 3.0])
+            ),
+            r"kv_cache.scale: expected scales broadcastable to \(1, 2, 1, 1\)",
+        ),
+    ],
+)
+def test_bad_input_is_refused_by_name(make, match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        make()
