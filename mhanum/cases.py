@@ -50,18 +50,16 @@ import numpy as np
 
 from mhanum._digest import array_digest, digest_problem, inputs_digest
 from mhanum._errors import InvalidArgument
-from mhanum.numerics import Backward, Numerics
-from mhanum.params import MHAParams
 from mhanum.search import (
     GradientWorstCase,
-    MHAShape,
     MHAWorstCase,
     Objective,
-    Shape,
     WorstCase,
     gradient_evaluation,
     mha_evaluation,
 )
+
+AnyCase = WorstCase | GradientWorstCase | MHAWorstCase
 
 __all__ = [
     "Replay",
@@ -77,55 +75,44 @@ __all__ = [
     "save_mha",
 ]
 
-_ARRAYS = ("q", "k", "v", "output")
-
-
-def _attention_inputs(case: WorstCase) -> dict[str, np.ndarray | None]:
-    """The input arrays of an attention case as :func:`save` writes them."""
-    arrays: dict[str, np.ndarray | None] = {
-        name: np.asarray(getattr(case, name), np.float64) for name in ("q", "k", "v")
-    }
-    arrays["mask"] = None if case.mask is None else np.asarray(case.mask, bool)
-    return arrays
-
 
 def _number(x: float) -> float | str:
     """``x``, or ``"inf"``/``"nan"`` for a non-finite value (strict JSON has no Infinity)."""
     return x if math.isfinite(x) else str(x)
 
 
-def metadata(case: WorstCase) -> dict[str, Any]:
-    """The JSON metadata of a case (see the module docstring; non-finite numbers as strings)."""
+def metadata(case: AnyCase) -> dict[str, Any]:
+    """The JSON metadata of a case of any kind (see the module docstring): its fields as
+    :meth:`~mhanum.search.WorstCase.fields` writes them (those that are ``None`` left out,
+    non-finite numbers as strings), with the version, preset, time, digest and ``kind``."""
     from mhanum._version import __version__
 
-    return {
-        "mhanum_version": __version__,
-        "numerics": case.numerics.to_dict(),
-        "preset": case.preset,
-        "shape": case.shape.as_dict(),
-        "seed": case.seed,
-        "objective": case.objective,
-        "error": _number(case.error),
-        "bound": _number(case.bound),
-        "ratio": _number(case.ratio),
-        "dominant_term": case.dominant_term,
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "violation": case.violation,
-        "normwise": _number(case.normwise),
-        "index": list(case.index),
-        "method": case.method,
-        "budget": case.budget,
-        "evaluations": case.evaluations,
-        **({} if case.against is None else {"against": case.against.to_dict()}),
-        **({} if case.softcap is None else {"softcap": case.softcap}),
-        **({} if case.sink is None else {"sink": case.sink}),
-        "cheap_ratio": _number(case.cheap_ratio),
-        "slack": _number(case.slack),
-        "seconds": case.seconds,
-        "structure": list(case.structure),
-        "masked": case.mask is not None,
-        "inputs_sha256": inputs_digest(_attention_inputs(case)),
+    fields = {
+        name: _number(value) if isinstance(value, float) else value
+        for name, value in case.fields().items()
+        if value is not None
     }
+    return (
+        ({} if case.KIND is None else {"kind": case.KIND})
+        | {"mhanum_version": __version__, "preset": case.preset}
+        | fields
+        | {
+            "violation": case.violation,
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "masked": case.mask is not None,
+            "inputs_sha256": inputs_digest(case.input_arrays()),
+        }
+    )
+
+
+def _write(case: AnyCase, target: Path, *, force: bool, unique: bool) -> Path:
+    """Write ``case``'s arrays to ``<target>.npz`` and its :func:`metadata` to ``.json``."""
+    npz, meta = _reserve(target, force=force, unique=unique)
+    arrays = {name: a for name, a in case.arrays().items() if a is not None}
+    with npz.open("wb") as fh:
+        np.savez(fh, **arrays)  # type: ignore[arg-type]
+    meta.write_text(json.dumps(metadata(case), indent=2, allow_nan=False) + "\n")
+    return npz
 
 
 def case_paths(path: str | Path) -> tuple[Path, Path]:
@@ -175,25 +162,18 @@ def save(case: WorstCase, path: str | Path, *, force: bool = False, unique: bool
     target = Path(path)
     if target.is_dir():
         target = target / default_name(case)
-    npz, meta = _reserve(target, force=force, unique=unique)
-    arrays = {name: a for name, a in _attention_inputs(case).items() if a is not None}
-    arrays["output"] = np.asarray(case.output, np.float64)
-    with npz.open("wb") as fh:
-        np.savez(fh, **arrays)  # type: ignore[arg-type]
-    meta.write_text(json.dumps(metadata(case), indent=2, allow_nan=False) + "\n")
-    return npz
+    return _write(case, target, force=force, unique=unique)
 
 
 _KINDS = {None: "load", "gradient": "load_gradient", "mha": "load_mha"}
 """The ``kind`` of a case's metadata (``None``: absent, a single-attention case) and its reader."""
 
-_MHA_PARAMS = tuple(f.name for f in dataclasses.fields(MHAParams))
-_INPUTS = {
-    None: ("q", "k", "v", "mask"),
-    "gradient": ("q", "k", "v", "d_out", "mask"),
-    "mha": ("x_q", "x_kv", *_MHA_PARAMS, "mask"),
+_TYPES: dict[str | None, type[AnyCase]] = {
+    None: WorstCase,
+    "gradient": GradientWorstCase,
+    "mha": MHAWorstCase,
 }
-"""The input arrays of each kind of case: those that its ``inputs_sha256`` covers."""
+"""The case type of each ``kind``."""
 
 _NPZ_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip file's first bytes (an empty one's)
 
@@ -274,7 +254,8 @@ def _check_digest(saved: _Saved) -> bool:
             f"{digest!r:.80}"
         )
         raise InvalidArgument(msg)
-    problem = digest_problem({n: saved.arrays.get(n) for n in _INPUTS[saved.kind]}, digest)
+    inputs = _TYPES[saved.kind].INPUTS
+    problem = digest_problem({n: saved.arrays.get(n) for n in inputs}, digest)
     if problem is not None:
         msg = f"{saved.npz}: {problem}"
         raise InvalidArgument(msg)
@@ -306,46 +287,35 @@ def load(path: str | Path) -> WorstCase:
             array or field, an input that does not match the digest saved with the case, or a
             gradient or multi-head attention case (:func:`load_gradient`, :func:`load_mha`).
     """
-    return _attention_case(_read(path))
+    case: WorstCase = _case(_read(path), None)
+    return case
 
 
-def _attention_case(saved: _Saved) -> WorstCase:
-    if saved.kind is not None:
+_WHAT = {None: "a single-attention case", "gradient": "a gradient case",
+         "mha": "a multi-head attention case"}  # fmt: skip
+
+
+def _case(saved: _Saved, kind: str | None) -> Any:
+    """The case of ``kind`` that ``saved`` holds.
+
+    Raises:
+        InvalidArgument: for a case of another kind, a missing array or field.
+    """
+    if saved.kind != kind:
         msg = (
-            f"{saved.meta}: expected a single-attention case, got a {saved.kind} case (read it "
-            f"with {_KINDS[saved.kind]})"
+            f"{saved.meta}: expected {_WHAT[kind]}, got {_WHAT[saved.kind]} (read it with "
+            f"{_KINDS[saved.kind]})"
         )
         raise InvalidArgument(msg)
-    arrays = {name: saved.array(name) for name in _ARRAYS}
-    mask = saved.optional("mask")
-    info = saved.info
+    cls = _TYPES[kind]
+    arrays = {
+        name: saved.optional(name) if name in cls.OPTIONAL else saved.array(name)
+        for name in cls.array_names()
+    }
     try:
-        return WorstCase(
-            numerics=Numerics.from_dict(info["numerics"]),
-            shape=Shape.of(info["shape"]),
-            mask=mask,
-            objective=info["objective"],
-            error=float(info["error"]),
-            bound=float(info["bound"]),
-            ratio=float(info["ratio"]),
-            normwise=float(info.get("normwise", math.nan)),
-            dominant_term=info["dominant_term"],
-            index=tuple(info.get("index", ())),
-            method=info.get("method", "targeted"),
-            seed=int(info["seed"]),
-            budget=int(info.get("budget", 0)),
-            evaluations=int(info.get("evaluations", 0)),
-            cheap_ratio=float(info.get("cheap_ratio", math.nan)),
-            slack=float(info.get("slack", math.nan)),
-            seconds=float(info.get("seconds", 0.0)),
-            structure=tuple(info.get("structure", ())),
-            against=Numerics.from_dict(info["against"]) if "against" in info else None,
-            softcap=info.get("softcap"),
-            sink=info.get("sink"),
-            **arrays,
-        )
+        return cls.from_parts(saved.info, arrays)
     except _UNREADABLE as exc:
-        raise _bad_metadata(saved, "an attention case", exc) from None
+        raise _bad_metadata(saved, _WHAT[kind], exc) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,10 +389,6 @@ def _reserve(target: Path, *, force: bool, unique: bool) -> tuple[Path, Path]:
     return npz, meta
 
 
-_GRADIENT_ARRAYS = ("q", "k", "v", "d_out")
-_GRADIENT_NAMES = ("dq", "dk", "dv", "dbias")
-
-
 def save_gradient(
     case: GradientWorstCase, path: str | Path, *, force: bool = False, unique: bool = False
 ) -> Path:
@@ -432,46 +398,11 @@ def save_gradient(
     Raises:
         InvalidArgument: if either file exists and neither ``force`` nor ``unique`` is set.
     """
-    from mhanum._version import __version__
-
     target = Path(path)
     if target.is_dir():
         name = f"{case.preset or 'custom'}-gradient-{case.backward.algorithm}-seed{case.seed}"
         target = target / name
-    npz, meta = _reserve(target, force=force, unique=unique)
-    inputs: dict[str, np.ndarray | None] = {
-        name: np.asarray(getattr(case, name), np.float64) for name in _GRADIENT_ARRAYS
-    }
-    inputs["mask"] = None if case.mask is None else np.asarray(case.mask, bool)
-    arrays = {name: a for name, a in inputs.items() if a is not None}
-    arrays |= dict(zip(_GRADIENT_NAMES, case.gradients, strict=True))
-    with npz.open("wb") as fh:
-        np.savez(fh, **arrays)  # type: ignore[arg-type]
-    info = {
-        "kind": "gradient",
-        "mhanum_version": __version__,
-        "numerics": case.numerics.to_dict(),
-        "backward": case.backward.to_dict(),
-        "preset": case.preset,
-        "shape": case.shape.as_dict(),
-        "seed": case.seed,
-        "gradient": case.gradient,
-        "index": list(case.index),
-        "error": _number(case.error),
-        "bound": _number(case.bound),
-        "ratio": _number(case.ratio),
-        "dominant_term": case.dominant_term,
-        "violation": case.violation,
-        "budget": case.budget,
-        "evaluations": case.evaluations,
-        "seconds": case.seconds,
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "masked": case.mask is not None,
-        **({} if case.softcap is None else {"softcap": case.softcap}),
-        "inputs_sha256": inputs_digest(inputs),
-    }
-    meta.write_text(json.dumps(info, indent=2, allow_nan=False) + "\n")
-    return npz
+    return _write(case, target, force=force, unique=unique)
 
 
 def load_gradient(path: str | Path) -> GradientWorstCase:
@@ -480,36 +411,8 @@ def load_gradient(path: str | Path) -> GradientWorstCase:
     Raises:
         InvalidArgument: ``"<file>: <what is wrong>"``, as for :func:`load`.
     """
-    return _gradient_case(_read(path))
-
-
-def _gradient_case(saved: _Saved) -> GradientWorstCase:
-    if saved.kind != "gradient":
-        msg = (
-            f"{saved.meta}: expected a gradient case, got kind {saved.kind!r} (read it with "
-            f"{_KINDS[saved.kind]})"
-        )
-        raise InvalidArgument(msg)
-    arrays = {name: saved.array(name) for name in _GRADIENT_ARRAYS + _GRADIENT_NAMES}
-    info = saved.info
-    try:
-        return GradientWorstCase(
-            numerics=Numerics.from_dict(info["numerics"]),
-            backward=Backward.from_dict(info["backward"]),
-            shape=Shape.of(info["shape"]), q=arrays["q"], k=arrays["k"], v=arrays["v"],
-            d_out=arrays["d_out"], mask=saved.optional("mask"), gradient=info["gradient"],
-            index=tuple(info["index"]), error=float(info["error"]), bound=float(info["bound"]),
-            ratio=float(info["ratio"]), dominant_term=info["dominant_term"],
-            evaluations=int(info["evaluations"]), budget=int(info["budget"]),
-            seed=int(info["seed"]), seconds=float(info["seconds"]),
-            gradients=tuple(arrays[name] for name in _GRADIENT_NAMES),
-            softcap=info.get("softcap"),
-        )  # fmt: skip
-    except _UNREADABLE as exc:
-        raise _bad_metadata(saved, "a gradient case", exc) from None
-
-
-_MHA_ARRAYS = ("x_q", "x_kv", "output")
+    case: GradientWorstCase = _case(_read(path), "gradient")
+    return case
 
 
 def save_mha(
@@ -522,53 +425,11 @@ def save_mha(
     Raises:
         InvalidArgument: if either file exists and neither ``force`` nor ``unique`` is set.
     """
-    from mhanum._version import __version__
-
     target = Path(path)
     if target.is_dir():
         near = "" if case.near is None else "-near"
         target = target / f"{case.preset or 'custom'}-mha{case.num_heads}{near}-seed{case.seed}"
-    npz, meta = _reserve(target, force=force, unique=unique)
-    inputs: dict[str, np.ndarray | None] = {
-        name: np.asarray(getattr(case, name), np.float64) for name in ("x_q", "x_kv")
-    }
-    for name in _MHA_PARAMS:
-        w = getattr(case.params, name)
-        inputs[name] = None if w is None else np.asarray(w, np.float64)
-    inputs["mask"] = None if case.mask is None else np.asarray(case.mask, bool)
-    arrays = {name: a for name, a in inputs.items() if a is not None}
-    arrays["output"] = np.asarray(case.output, np.float64)
-    with npz.open("wb") as fh:
-        np.savez(fh, **arrays)  # type: ignore[arg-type]
-    info = {
-        "kind": "mha",
-        "mhanum_version": __version__,
-        "numerics": case.numerics.to_dict(),
-        "preset": case.preset,
-        "shape": case.shape.as_dict(),
-        "num_heads": case.num_heads,
-        "seed": case.seed,
-        "index": list(case.index),
-        "error": _number(case.error),
-        "bound": _number(case.bound),
-        "ratio": _number(case.ratio),
-        "normwise": _number(case.normwise),
-        "dominant_term": case.dominant_term,
-        "violation": case.violation,
-        "budget": case.budget,
-        "evaluations": case.evaluations,
-        "uncertified": case.uncertified,
-        "out_of_scope": case.out_of_scope,
-        "structure": list(case.structure),
-        "near": case.near,
-        "near_ratio": None if case.near_ratio is None else _number(case.near_ratio),
-        "seconds": case.seconds,
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "masked": case.mask is not None,
-        "inputs_sha256": inputs_digest(inputs),
-    }
-    meta.write_text(json.dumps(info, indent=2, allow_nan=False) + "\n")
-    return npz
+    return _write(case, target, force=force, unique=unique)
 
 
 def load_mha(path: str | Path) -> MHAWorstCase:
@@ -578,35 +439,8 @@ def load_mha(path: str | Path) -> MHAWorstCase:
     Raises:
         InvalidArgument: ``"<file>: <what is wrong>"``, as for :func:`load`.
     """
-    return _mha_case(_read(path))
-
-
-def _mha_case(saved: _Saved) -> MHAWorstCase:
-    if saved.kind != "mha":
-        msg = (
-            f"{saved.meta}: expected a multi-head attention case, got kind {saved.kind!r} (read "
-            f"it with {_KINDS[saved.kind]})"
-        )
-        raise InvalidArgument(msg)
-    arrays = {name: saved.array(name) for name in _MHA_ARRAYS}
-    weights = {n: saved.arrays[n] for n in _MHA_PARAMS if n in saved.arrays}
-    info = saved.info
-    try:
-        near_ratio = info.get("near_ratio")
-        return MHAWorstCase(
-            numerics=Numerics.from_dict(info["numerics"]), shape=MHAShape.of(info["shape"]),
-            num_heads=int(info["num_heads"]), params=MHAParams(**weights),
-            mask=saved.optional("mask"), error=float(info["error"]), bound=float(info["bound"]),
-            ratio=float(info["ratio"]), normwise=float(info["normwise"]),
-            dominant_term=info["dominant_term"], index=tuple(info["index"]),
-            seed=int(info["seed"]), budget=int(info["budget"]),
-            evaluations=int(info["evaluations"]), seconds=float(info["seconds"]),
-            uncertified=int(info["uncertified"]), out_of_scope=int(info["out_of_scope"]),
-            structure=tuple(info["structure"]), near=info.get("near"),
-            near_ratio=None if near_ratio is None else float(near_ratio), **arrays,
-        )  # fmt: skip
-    except _UNREADABLE as exc:
-        raise _bad_metadata(saved, "a multi-head attention case", exc) from None
+    case: MHAWorstCase = _case(_read(path), "mha")
+    return case
 
 
 def replay(path: str | Path) -> Replay:
@@ -624,7 +458,7 @@ def replay(path: str | Path) -> Replay:
     outside = f"{saved.npz}: the saved case is outside the bound's scope (refused or overflowed)"
     checked = saved.digest_checked
     if saved.kind == "mha":
-        mcase = _mha_case(saved)
+        mcase: MHAWorstCase = _case(saved, "mha")
         measured = mha_evaluation(
             mcase.x_q, mcase.x_kv, mcase.params, mcase.num_heads, mcase.mask, mcase.numerics
         )
@@ -634,7 +468,7 @@ def replay(path: str | Path) -> Replay:
         same = out.shape == mcase.output.shape and out.tobytes() == mcase.output.tobytes()
         return Replay(mcase, same, m.error, m.bound, m.ratio, m.dominant_term, checked)
     if saved.kind == "gradient":
-        gcase = _gradient_case(saved)
+        gcase: GradientWorstCase = _case(saved, "gradient")
         found = gradient_evaluation(
             gcase.q, gcase.k, gcase.v, gcase.d_out, gcase.mask, gcase.numerics, gcase.backward,
             gcase.softcap,
@@ -647,7 +481,7 @@ def replay(path: str | Path) -> Replay:
             for a, b in zip(grads, gcase.gradients, strict=True)
         )
         return Replay(gcase, same, error, bound, ratio, dominant, checked)
-    case = _attention_case(saved)
+    case: WorstCase = _case(saved, None)
     objective = Objective(
         case.numerics, case.objective, against=case.against, softcap=case.softcap, sink=case.sink
     )

@@ -216,13 +216,13 @@ def test_a_case_of_the_first_format_loads_and_replays(tmp_path):
 
 def test_a_search_journal_result_of_the_previous_format_reads_back(tmp_path):
     npz, num = _first_format_case(tmp_path)
-    record = ms._case_record(cases.load(npz))
+    record = cases.load(npz).record()
     assert record["numerics"] == num.to_dict()  # what a journal holds now
     # what it held before: every field, -inf as a float, so Python's json wrote -Infinity
     previous = {**num.to_dict(), "mask_value": float("-inf")}
     text = json.dumps(record | {"numerics": previous})
     assert '"mask_value": -Infinity' in text
-    assert ms._case_of(json.loads(text)).numerics == num
+    assert ms.WorstCase.from_record(json.loads(text)).numerics == num
 
 
 def test_a_gradient_case_writes_and_reads_its_backward(tmp_path):

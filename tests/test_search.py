@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -214,7 +215,7 @@ def test_cli_search_takes_numerics_flags(tmp_path, capsys):
 
 
 def test_cli_search_exits_non_zero_on_a_violation_and_saves_it(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(ms, "attention_bound", _bound_over_100)
+    monkeypatch.setattr(ms.attention, "attention_bound", _bound_over_100)
     code = cli.main(["search", "--preset", "fp32", "--q-len", "2", "--kv-len", "8", "--d-k",
                      "4", "--budget", "10", "--seed", "1", "--out", str(tmp_path)])  # fmt: skip
     assert code == 1
@@ -241,11 +242,11 @@ def test_targeted_search_beats_random_where_random_stays_low(preset, factor):
 
 
 def test_range_families_are_one_labelled_stage_each():
-    default = ms._families(None)
-    ranged = ms._families("range")
+    default = ms.attention._families(None)
+    ranged = ms.attention._families("range")
     assert [name for name, _ in default] == ["plain", *mst.STRUCTURES]
     assert [name for name, _ in ranged] == [f"range:{n}" for n in ms.RANGE_FAMILIES]
-    assert [name for name, _ in ms._families("all")] == [n for n, _ in default + ranged]
+    assert [name for name, _ in ms.attention._families("all")] == [n for n, _ in default + ranged]
     assert set(ms.RANGE_FAMILIES) <= set(mst.RANGE_STRUCTURES)
 
 
@@ -412,3 +413,78 @@ def test_cli_a_gradient_search_is_not_a_campaign(tmp_path, capsys):
     code = cli.main(["search", "--backward", "flash2", "--runs", "2", "--out", str(tmp_path)])
     assert code == 2
     assert "--backward: expected none of --runs" in capsys.readouterr().err
+
+
+V1 = Path(__file__).parent / "data" / "search_v1"
+"""Cases and campaign-journal records written by the search before it became a package (the
+single ``mhanum/search.py`` of commit da53d47): they must load, replay and write back alike."""
+
+
+def test_journal_records_of_the_single_module_format_read_back_and_write_back_alike():
+    records = json.loads((V1 / "journal_records.json").read_text())
+    for kind, case_type in (("attention", ms.WorstCase), ("mha", ms.MHAWorstCase)):
+        case = case_type.from_record(records[kind])
+        assert case.record() == records[kind]
+        assert case.seconds == 0.0
+    attention = ms.WorstCase.from_record(records["attention"])
+    assert (attention.preset, attention.softcap, attention.mask is not None) == (
+        "bf16-fp32acc",
+        20.0,
+        True,
+    )
+    tampered = records["attention"] | {"q": np.zeros_like(attention.q).tolist()}
+    with pytest.raises(ValueError, match="q does not match"):
+        ms.WorstCase.from_record(tampered)
+
+
+@pytest.mark.parametrize(
+    ("name", "load"),
+    [("attention", cases.load), ("gradient", cases.load_gradient), ("mha", cases.load_mha)],
+)
+def test_case_files_of_the_single_module_format_load_and_replay(name, load, tmp_path):
+    npz = V1 / f"{name}.npz"
+    case = load(npz)
+    replayed = cases.replay(npz)
+    assert replayed.ok
+    assert replayed.digest_checked
+    old = json.loads(npz.with_suffix(".json").read_text())
+    new = cases.metadata(case)
+    same = {k for k, v in old.items() if v is not None and k != "created"}
+    assert {k: new[k] for k in same} == {k: old[k] for k in same}
+    again = load(_save(case, tmp_path / name))
+    assert again.record() == case.record()
+
+
+def _save(case, path):
+    saver = {ms.WorstCase: cases.save, ms.GradientWorstCase: cases.save_gradient}
+    return saver.get(type(case), cases.save_mha)(case, path)
+
+
+def _never(spec, seed):
+    raise AssertionError("a journal that holds every task runs none")
+
+
+def test_campaign_journals_of_the_single_module_format_resume_without_running(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(ms.campaigns, "campaign_task", _never)
+    monkeypatch.setattr(ms.campaigns, "mha_campaign_task", _never)
+    for name in ("campaign.jsonl", "mha_campaign.jsonl"):
+        (tmp_path / name).write_bytes((V1 / name).read_bytes())
+    small = {"q_len": 2, "kv_len": 3, "d_k": 2}
+    found = ms.campaign(
+        ["fp32", "bf16"],
+        small,
+        budget=2,
+        seed=5,
+        mask="causal",
+        journal=tmp_path / "campaign.jsonl",
+    )
+    mha = ms.mha_campaign(
+        "bf16", {"q_len": 2, "d_model": 4}, num_heads=2, budget=2, seed=6,
+        journal=tmp_path / "mha_campaign.jsonl",
+    )  # fmt: skip
+    assert [c.preset for c in found] == ["fp32", "bf16"]
+    assert [c.ratio for c in found] == [0.045481421929931036, 0.0832778762954397]
+    assert [c.ratio for c in mha] == [0.024852797595141866]
+    assert (tmp_path / "campaign.jsonl").read_bytes() == (V1 / "campaign.jsonl").read_bytes()

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument as HypothesisInvalid
 
-from mhanum import CertificationError, InvalidArgument, MHAParams, cases, cli, reference
+from mhanum import CertificationError, InvalidArgument, MHAParams, Numerics, cases, cli, reference
 from mhanum import search as ms
 from mhanum import strategies as mst
 from mhanum.bounds import mha_bound
@@ -42,7 +42,7 @@ def _recomputed_ratio(case: ms.MHAWorstCase) -> float:
 def _random_ratio(preset: str, seed: int) -> float:
     """The ratio of one plain random input of ``SHAPE``: standard normal tokens, Glorot weights,
     all rounded into the input format."""
-    num = ms.resolve(preset)
+    num = Numerics.preset(preset)
     fmt = num.format_of("input")
     x = round_to(np.random.default_rng(seed).standard_normal((1, SHAPE.q_len, 8)), fmt)
     params = MHAParams(
