@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from mhanum import measure, reference
+from mhanum import metrics, reference
 from mhanum._errors import CertificationError, InvalidArgument
 from mhanum.emulate.attention import multi_head_attention
 from mhanum.formats import get_format
@@ -110,7 +110,7 @@ def run(*, seed: int = 0, d_model: int = 512, num_heads: int = 8, length: int = 
     for name in DEMO_PRESETS:
         num = Numerics.preset(name)
         out = multi_head_attention(x, x, params, num_heads, numerics=num)
-        presets[name] = measure.errors(out, ref, fmt=num.format_of("output")).as_dict()
+        presets[name] = metrics.errors(out, ref, fmt=num.format_of("output")).as_dict()
 
     every_logit = np.full((length, length), -1e9)
     shifted = multi_head_attention(x, x, params, num_heads, bias=every_logit, numerics="fp32")
@@ -118,13 +118,13 @@ def run(*, seed: int = 0, d_model: int = 512, num_heads: int = 8, length: int = 
         "numerics": "fp32",
         "bias": -1e9,
         "ulp_of_1e9_in_float32": 64.0,
-        "errors": measure.errors(shifted, ref).as_dict(),
+        "errors": metrics.errors(shifted, ref).as_dict(),
     }
 
     one_head = reference.multi_head_attention(x, x, params, 1)
     heads = {
         "num_heads": num_heads,
-        "difference": measure.errors(one_head, ref).as_dict(),
+        "difference": metrics.errors(one_head, ref).as_dict(),
     }
     config = {
         "seed": seed,

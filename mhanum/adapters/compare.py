@@ -37,7 +37,7 @@ from mhanum import adapters
 from mhanum._errors import InvalidArgument
 from mhanum.adapters import _common as C
 from mhanum.formats import ulp
-from mhanum.measure import Errors, errors
+from mhanum.metrics import Errors, errors
 from mhanum.params import MHAParams
 
 __all__ = ["Attribution", "Cause", "Comparison", "Measurement", "Side", "attribute", "compare"]
@@ -50,7 +50,7 @@ class Measurement:
     Attributes:
         framework, path, version: what ran.
         model: the :class:`~mhanum.adapters.PathModel` of the path.
-        errors: the output's :class:`~mhanum.measure.Errors` against the reference.
+        errors: the output's :class:`~mhanum.metrics.Errors` against the reference.
         bound: the largest entry of mhanum's bound (Theorem A.2) for the path's numerics over
             the rows it bounds, or None where it bounds none (``bound_note`` says why).
         ratio: ``max |error| / bound`` over the entries of those rows (<= 1: within the bound).

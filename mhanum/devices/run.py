@@ -40,7 +40,7 @@ from mhanum.inputs import (
     mask_array,
     padding_length,
 )
-from mhanum.measure import errors
+from mhanum.metrics import errors
 from mhanum.numerics import PRESETS, Numerics
 
 __all__ = ["Grid", "measure", "record_bound"]

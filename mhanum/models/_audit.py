@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from mhanum import bounds, measure, parallel, reference
+from mhanum import bounds, metrics, parallel, reference
 from mhanum._errors import InvalidArgument
 from mhanum.emulate.attention import attention, multi_head_attention
 from mhanum.formats import get_format
@@ -254,7 +254,7 @@ def audit_preset(ref: LayerReference, preset: str, probability: float | None = N
     computed = np.asarray(
         multi_head_attention(x, x, params, heads, mask=ref.mask, numerics=num), np.float64
     )
-    errors = measure.errors(computed[valid], ref.exact[valid])
+    errors = metrics.errors(computed[valid], ref.exact[valid])
     notes = []
     bound_max: float | None = None
     ratio: float | None = None
@@ -373,7 +373,7 @@ def audit_framework(ref: LayerReference, framework: str, layer: Any) -> Framewor
     path = name.removeprefix("transformers-")
     x, params, heads, valid = ref.x, ref.params, ref.num_heads, ref.valid
     out = np.asarray(hf.run(layer, x.astype(np.float32), ref.mask, path=path), np.float64)
-    errors = measure.errors(out[valid], ref.exact[valid])
+    errors = metrics.errors(out[valid], ref.exact[valid])
     num = hf.numerics(path)
     bound = bounds.mha_bound(x, x, params, heads, mask=ref.mask, numerics=num)
     total = np.broadcast_to(np.asarray(bound.total, np.float64), out.shape)

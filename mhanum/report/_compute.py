@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mhanum import bounds, devices, masks, measure, parallel, reference
+from mhanum import bounds, devices, masks, metrics, parallel, reference
 from mhanum._errors import InvalidArgument
 from mhanum.bounds import heads as heads_bounds
 from mhanum.emulate.attention import attention, multi_head_attention
@@ -197,7 +197,7 @@ def attention_cell(config: Config, mask_kind: str, length: int) -> dict[str, Any
         err = np.abs(out - ref)
         fmt = num.format_of("output")
         per_err = _per_sample_max(err, n)
-        normwise = [measure.errors(out[0, i], ref[0, i], fmt=fmt).normwise_max for i in range(n)]
+        normwise = [metrics.errors(out[0, i], ref[0, i], fmt=fmt).normwise_max for i in range(n)]
         point: dict[str, Any] = {
             "preset": preset,
             "format": num.format_of("input").name,
@@ -279,7 +279,7 @@ def heads_cell(config: Config, h: int) -> dict[str, Any]:
         err = np.abs(y - ref)
         entry: dict[str, Any] = {
             "error_max_abs": float(err.max()),
-            "error_normwise": measure.errors(y, ref, fmt=num.format_of("output")).normwise_max,
+            "error_normwise": metrics.errors(y, ref, fmt=num.format_of("output")).normwise_max,
             "bound_max": None,
             "ratio": None,
         }

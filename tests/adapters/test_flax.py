@@ -55,4 +55,4 @@ def test_fully_masked_row_is_uniform(layer):
     uniform = _check.C.reference(params, x, x, _check.HEADS, mask, "uniform")
     for path in adapter.PATHS:
         out = adapter.run(layer, x, x, mask, path=path)
-        assert mn.measure.errors(out[0, 2], uniform[0, 2]).max_abs < 1e-5
+        assert mn.metrics.errors(out[0, 2], uniform[0, 2]).max_abs < 1e-5

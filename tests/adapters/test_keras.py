@@ -74,7 +74,7 @@ def test_tutorial_mask_of_ones_adds_minus_1e9_to_every_logit(layer):
     )
     np.testing.assert_allclose(out, np.asarray(shifted), atol=1e-5)
     ref = _check.C.reference(params, x, x, _check.HEADS, None)
-    assert mn.measure.errors(out, ref).normwise_max > 0.1
+    assert mn.metrics.errors(out, ref).normwise_max > 0.1
 
 
 def test_tf32_model_rounds_operands():

@@ -18,7 +18,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import mhanum as mn
-from mhanum import InvalidArgument, Numerics, measure, reference, round_to
+from mhanum import InvalidArgument, Numerics, metrics, reference, round_to
 from mhanum.bounds import attention_bound
 from mhanum.numerics import PRESETS
 from tests._numerics import configured
@@ -81,7 +81,7 @@ def test_fp64_is_within_a_few_ulps_of_the_reference():
     err = _check_within_bound(q, k, v, num)
     ref, ref_mpf = reference.attention(q, k, v, return_mpf=True)
     out = mn.attention(q, k, v, numerics=num)
-    measured = measure.errors(out, ref_mpf)
+    measured = metrics.errors(out, ref_mpf)
     bound_ulps = np.max(
         attention_bound(q, k, v, numerics=num).total / mn.formats.ulp(ref, "float64")
     )
@@ -132,7 +132,7 @@ def test_minus_1e9_on_every_float32_logit_makes_the_softmax_exactly_uniform():
     uniform = mn.attention(np.zeros_like(q), k, v, numerics="fp32")  # equal logits
     np.testing.assert_array_equal(out, uniform)
     ref = reference.attention(q, k, v, bias=bias)  # exact: a constant shift changes nothing
-    assert measure.errors(out, ref).normwise_max >= 0.5
+    assert metrics.errors(out, ref).normwise_max >= 0.5
 
 
 @pytest.mark.parametrize("softmax", SOFTMAXES)
@@ -146,7 +146,7 @@ def test_fully_masked_row_under_each_convention(softmax):
     assert np.isnan(out[1]).all()
     assert np.isfinite(out[[0, 2]]).all()
     ref_nan = reference.attention(q, k, v, mask=mask)
-    e = measure.errors(out, ref_nan)
+    e = metrics.errors(out, ref_nan)
     assert e.n_undefined == v.shape[1]
     assert e.n_nonfinite == 0
     # finfo.min replaces every logit of the row by the same value: exactly uniform once shifted;
