@@ -189,7 +189,7 @@ def _read_vocab(path: Path) -> dict[str, int]:
     return {token: i for i, token in enumerate(lines)}
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> dict[str, Any]:
     try:
         raw = json.loads(path.read_bytes())
     except ValueError as exc:  # not UTF-8, or not JSON
@@ -201,7 +201,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _read_tensors(path: Path) -> dict[str, Any]:
+def read_tensors(path: Path) -> dict[str, Any]:
     st_numpy = _safetensors_numpy()
     from safetensors import SafetensorError
 
@@ -247,9 +247,9 @@ def load_checkpoint(model: str | Path | Checkpoint | None = None) -> Checkpoint:
         if not file.is_file():
             msg = f"model: expected {name} in {str(path)!r}, found none"
             raise InvalidArgument(msg)
-    raw = _read_config(files["config.json"])
+    raw = read_config(files["config.json"])
     config = BertConfig.from_dict(raw, source=str(files["config.json"]))
-    loaded = _read_tensors(files["model.safetensors"])
+    loaded = read_tensors(files["model.safetensors"])
     tensors = {
         name.removeprefix("bert."): np.asarray(value, np.float64)
         for name, value in loaded.items()
