@@ -7,7 +7,6 @@ number (in ``papers/``), its assumptions and its source.
 from mhanum.bounds import heads, masking, summation
 from mhanum.bounds._result import Bound
 from mhanum.bounds.a_priori import attention_bound_a_priori, mha_bound_a_priori
-from mhanum.bounds.attention import attention_bound, attention_bound_along, mha_bound
 from mhanum.bounds.backward import (
     GradientBounds,
     MHAGradientBounds,
@@ -16,6 +15,7 @@ from mhanum.bounds.backward import (
     dq_order_difference,
     mha_grad_bound,
 )
+from mhanum.bounds.forward import attention_bound, attention_bound_along, mha_bound
 from mhanum.bounds.masking import (
     MaskAnalysis,
     MaskRange,

@@ -5,7 +5,7 @@ roundings, and the exp/sum factors of the softmax.
 Each function is a lemma of papers/summation.md (R.1-R.7), papers/tensorcore.md (T.2) or
 papers/attention.md (steps 0-7); the theorems that compose them live in the modules beside this
 one (:mod:`~mhanum.bounds.summation`, :mod:`~mhanum.bounds.softmax`,
-:mod:`~mhanum.bounds.attention`, :mod:`~mhanum.bounds.a_priori`, :mod:`~mhanum.bounds.heads`).
+:mod:`~mhanum.bounds.forward`, :mod:`~mhanum.bounds.a_priori`, :mod:`~mhanum.bounds.heads`).
 """
 
 from __future__ import annotations

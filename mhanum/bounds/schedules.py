@@ -20,8 +20,8 @@ import numpy as np
 
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
-from mhanum.bounds.attention import attention_bound
 from mhanum.bounds.factors import compound, evaluation_rounding
+from mhanum.bounds.forward import attention_bound
 from mhanum.bounds.softmax import division_error
 from mhanum.numerics import Numerics, resolve
 

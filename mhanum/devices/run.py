@@ -17,7 +17,7 @@ import numpy as np
 
 from mhanum import parallel, reference
 from mhanum._errors import InvalidArgument
-from mhanum.bounds.attention import attention_bound
+from mhanum.bounds.forward import attention_bound
 from mhanum.bounds.masking import analyze_numerics
 from mhanum.devices.exp import exp_record
 from mhanum.devices.platforms import (

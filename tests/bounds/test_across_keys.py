@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import mhanum as mn
-import mhanum.bounds.attention as attention_module
+import mhanum.bounds.forward.across_keys as across_keys_module
+import mhanum.bounds.forward.softmax_pv as softmax_pv_module
 from mhanum import reference
 from mhanum.bounds import attention_bound
 from mhanum.bounds.factors import gamma
@@ -44,7 +45,7 @@ def test_across_keys_is_tighter_and_holds_on_random_inputs(preset, order, monkey
         err = np.abs(out - np.asarray(reference.attention(q, k, v), np.float64))
         assert np.all(err <= bound.total)
         with monkeypatch.context() as mp:  # step 4's logits term alone
-            mp.setattr(attention_module, "_logits_across_keys", lambda *a: np.inf)
+            mp.setattr(softmax_pv_module, "logits_across_keys", lambda *a: np.inf)
             step4 = attention_bound(q, k, v, numerics=num, lam=6.0)
         assert np.all(bound.terms["logits"] <= step4.terms["logits"])
         gains.append(float(np.median(step4.terms["logits"] / bound.terms["logits"])))
@@ -163,7 +164,7 @@ def test_a_dots_roundings_lie_within_the_increments_in_any_order(arrangement, or
         q, k = np.abs(q), np.abs(k)
     g = gamma(d, 2.0**-24)
     t, qk = q @ k.T, np.abs(q) @ np.abs(k).T
-    b = attention_module._dot_increments(np.abs(q), np.abs(k), t, np.zeros_like(t), qk, g, 1)
+    b = across_keys_module.dot_increments(np.abs(q), np.abs(k), t, np.zeros_like(t), qk, g, 1)
     crude = (1 + g) * math.sqrt(2 * d - 1) * qk
     assert np.all(b <= crude)
     for i in range(3):

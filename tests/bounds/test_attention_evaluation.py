@@ -9,13 +9,18 @@ two ways agree to twice that; the reasons and the infinite entries agree exactly
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 import numpy as np
 import pytest
 
 import mhanum as mn
-import mhanum.bounds.attention as attention_module
+import mhanum.bounds.forward.extremes as extremes_module
+import mhanum.bounds.forward.head as head_module
+import mhanum.bounds.forward.softmax_pv as softmax_pv_module
 from mhanum import Numerics
-from mhanum.bounds import attention_bound, mha_bound
+from mhanum.bounds import attention_bound, forward, mha_bound
 from mhanum.bounds.factors import EVALUATION
 
 RNG = np.random.default_rng(7)
@@ -33,6 +38,12 @@ CASES = {
     "lam": ({"lam": 5.0}, "fp32"),
 }
 
+# every module of the forward bounds, each of which binds the shortcuts it uses
+_FORWARD_MODULES = [
+    importlib.import_module(f"mhanum.bounds.forward.{info.name}")
+    for info in pkgutil.iter_modules(forward.__path__)
+]
+
 
 def _same(a: mn.bounds.Bound, b: mn.bounds.Bound, vmax: float) -> None:
     assert a.reasons == b.reasons
@@ -48,7 +59,7 @@ def _same(a: mn.bounds.Bound, b: mn.bounds.Bound, vmax: float) -> None:
 def test_chunks_of_rows_give_the_whole_bound(case, monkeypatch):
     kwargs, numerics = CASES[case]
     whole = attention_bound(Q, K, V, numerics=numerics, **kwargs)
-    monkeypatch.setattr(attention_module, "_CHUNK", 5 * 24)  # chunks of 5 rows, the last of 4
+    monkeypatch.setattr(head_module, "CHUNK", 5 * 24)  # chunks of 5 rows, the last of 4
     _same(attention_bound(Q, K, V, numerics=numerics, **kwargs), whole, np.abs(V).max())
 
 
@@ -57,7 +68,7 @@ def test_chunks_of_rows_give_the_whole_mha_bound(monkeypatch):
     x = RNG.standard_normal((1, 20, 8))
     mask = RNG.random((1, 2, 20, 20)) < 0.8
     whole = mha_bound(x, x, params, 2, mask=mask, numerics="bf16-fp32acc")
-    monkeypatch.setattr(attention_module, "_CHUNK", 3 * 20)
+    monkeypatch.setattr(head_module, "CHUNK", 3 * 20)
     chunked = mha_bound(x, x, params, 2, mask=mask, numerics="bf16-fp32acc")
     _same(chunked, whole, 0.0)  # terms after the output projection: relative only
 
@@ -66,7 +77,7 @@ def test_chunks_of_rows_give_the_whole_mha_bound(monkeypatch):
 def test_direct_and_log_space_extremes_agree(case, monkeypatch):
     kwargs, numerics = CASES[case]
     direct = attention_bound(Q, K, V, numerics=numerics, **kwargs)
-    monkeypatch.setattr(attention_module, "_extremes_direct", attention_module._extremes_log)
+    monkeypatch.setattr(extremes_module, "extremes_direct", extremes_module.extremes_log)
     logspace = attention_bound(Q, K, V, numerics=numerics, **kwargs)
     _same(direct, logspace, np.abs(V).max())
 
@@ -77,7 +88,7 @@ def test_rows_with_large_logit_errors_take_the_log_space_path():
     q = Q[0] * np.where(np.arange(24) % 3 == 0, 2.0**10, 1.0)[:, None]
     num = Numerics(input="bfloat16", accum="float32")
     mixed = attention_bound(q, K[0], V[0], numerics=num)
-    bound = attention_module._extremes
+    bound = softmax_pv_module.extremes
     calls = []
 
     def spy(sc, delta, live):
@@ -85,8 +96,8 @@ def test_rows_with_large_logit_errors_take_the_log_space_path():
         return bound(sc, delta, live)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attention_module, "_extremes", spy)
-        mp.setattr(attention_module, "_extremes_direct", attention_module._extremes_log)
+        mp.setattr(softmax_pv_module, "extremes", spy)
+        mp.setattr(extremes_module, "extremes_direct", extremes_module.extremes_log)
         logspace = attention_bound(q, K[0], V[0], numerics=num)
     assert calls
     assert calls[0] > 1  # the case reaches the fallback
@@ -104,8 +115,11 @@ def test_the_shortcuts_of_all_live_keys_and_exact_operands_change_nothing(case, 
     # for bit
     kwargs, numerics = CASES[case]
     fast = attention_bound(Q, K, V, numerics=numerics, **kwargs)
-    monkeypatch.setattr(attention_module, "_on", lambda where, x, other: np.where(where, x, other))
-    monkeypatch.setattr(attention_module, "_dot", lambda a, b: a @ b)
+    for module in _FORWARD_MODULES:
+        if hasattr(module, "on"):
+            monkeypatch.setattr(module, "on", lambda where, x, other: np.where(where, x, other))
+        if hasattr(module, "dot"):
+            monkeypatch.setattr(module, "dot", lambda a, b: a @ b)
     slow = attention_bound(Q, K, V, numerics=numerics, **kwargs)
     for name in fast.terms:
         np.testing.assert_array_equal(fast.terms[name], slow.terms[name])
@@ -120,7 +134,7 @@ def test_the_given_errors_move_the_logits_by_at_most_the_charged_amount():
     g = tuple(RNG.random((24, 8)) * 1e-12 for _ in range(3))
     keep = MASK[0]
     p = np.where(keep, 1.0, 0.0) / np.maximum(keep.sum(-1, keepdims=True), 1)
-    charged = attention_module._given_error(q, k, v, p, p @ v, keep, 0.5, g)
+    charged = head_module.given_error(q, k, v, p, p @ v, keep, 0.5, g)
     moved = 0.5 * (g[0] @ k.T + q @ g[1].T + g[0] @ g[1].T)
     big = np.max(np.where(keep, moved, 0.0), axis=-1, keepdims=True)
     exact_charge = np.expm1(2 * big) * (p @ v) + np.exp(2 * big) * (p @ g[2])

@@ -1,0 +1,140 @@
+"""Theorem A.3' (papers/attention.md): the ``Q Kᵀ`` dots' roundings as one martingale across the
+keys, for the probabilistic bound."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from mhanum.bounds.factors import F64_DOT, evaluation_rounding, unit_eta, unit_factor
+from mhanum.bounds.forward.logits import Constant, Dots, Logits
+from mhanum.bounds.forward.operands import Operands
+from mhanum.bounds.forward.stage import Head, Setting, Values
+from mhanum.units import Native
+
+__all__ = ["across_splits", "dot_increments", "logits_across_keys"]
+
+
+def across_splits(
+    lg: Logits, dots: Dots, ops: Operands, const: Constant, live: np.ndarray, head: Head,
+    setting: Setting,
+) -> list[tuple[np.ndarray, np.ndarray]] | None:  # fmt: skip
+    """Theorem A.3': the splits ``(b, δ')`` of the logits' errors that step 4's logits term
+    may replace by the martingale across the keys (:func:`logits_across_keys`); ``None``
+    outside its scope (deterministic, split or tensor-core dots, a finite masking constant,
+    exp2, a soft-cap).
+
+    A dot's error is ``Σ_k δ_k T_k`` over its roundings: at most ``d_k`` of products and
+    ``d_k - 1`` of sums (each twice in the native order of a format XLA may carry in
+    float32), in any order; the later roundings of the logit (``1 + θ``, the bias's) and the
+    dots' underflow stay deterministic. Without a bias and with the scale on the scores, the
+    roundings of each key's score (``Q Kᵀ`` into the score format, then its product by the
+    scale) may join the martingale: ``ŝ_j = c(1 + δ_c)(1 + δ_s)(1 + δ_mul)·t̂_j``, the
+    increments ``c·t̂_j·δ_s`` and ``c·t̂_j·δ_mul`` with ``|t̂_j| <= T_j``, the rest of ``θ``
+    (``δ_c``, common to the row, and the products of ``δ``s) deterministic.
+    """
+    num, lam, scale = setting.num, setting.lam, setting.scale
+    if not (
+        lam is not None
+        and num.dot_kind == "ieee"
+        and head.masked is None
+        and not num.exp2
+        and not setting.softcap
+    ):
+        return None
+    d_k = ops.q_op.shape[-1]
+    u_a, u_s = num.format_of("accum").u, num.format_of("score").u
+    g_det = unit_factor(num, d_k, None, bits=ops.bits_qk)
+    twice = 2 if isinstance(num.order, Native) and u_a > 2.0**-24 else 1
+    b_dot = (
+        abs(scale)
+        * u_a
+        * dot_increments(ops.q_op, ops.k_op, dots.t, dots.operands, dots.qk_op, g_det, twice)
+    )
+    k_b = (1 + const.theta) * lg.bias_factor
+    rest = (
+        lg.delta
+        - lg.sources["qk_dot"]
+        + abs(scale) * k_b * unit_eta(num, d_k)
+        + abs(scale) * (k_b - 1) * g_det * dots.qk_op
+    )
+    across = [(b_dot, np.where(live, np.maximum(rest, 0.0), 0.0))]
+    if head.bias is None and num.scale == "scores":
+        t_hat = np.abs(dots.t) + dots.operands + g_det * dots.qk_op + unit_eta(num, d_k)
+        b_score = np.sqrt(b_dot**2 + (abs(scale) * math.hypot(u_s, const.u_mul) * t_hat) ** 2)
+        rest_score = rest - abs(scale) * (u_s + const.u_mul) * t_hat
+        across.append((b_score, np.where(live, np.maximum(rest_score, 0.0), 0.0)))
+    return across
+
+
+def dot_increments(
+    q_op: np.ndarray,
+    k_op: np.ndarray,
+    t: np.ndarray,
+    operands: np.ndarray,
+    qk_op: np.ndarray,
+    g_det: float,
+    twice: int,
+) -> np.ndarray:
+    """``(Σ_k T̄_k²)^½`` over one QKᵀ dot's roundings ``fl(T_k) = T_k(1 + δ_k)``, any order.
+
+    A product's ``|T| <= (1 + u)|q̂_t k̂_t|``; a sum's value is the exact sum of a subset of
+    the products, which lies in ``[-N, P]`` (``P``, ``N`` the sums of the positive and of the
+    negative products, ``max(P, N) = (Σ|q̂_t k̂_t| + |q̂·k̂|)/2``), plus its operands' errors,
+    at most ``g·Σ|q̂||k̂|``, times ``(1 + u)`` for a second rounding (papers/attention.md,
+    A.3'); ``|q̂·k̂| <= |t| + operands`` and float64's error of ``t``. Each is also at most the
+    cruder ``(1 + g)Σ|q̂||k̂|``, and the smaller is taken. ``1 + u <= 1 + g``.
+    """
+    d_k = q_op.shape[-1]
+    exact = np.abs(t) + operands + F64_DOT * (d_k + 2) * qk_op
+    subset = 0.5 * (qk_op + exact)
+    sums = math.sqrt(d_k - 1) * (1 + g_det) * np.minimum(qk_op, subset + g_det * qk_op)
+    # (Σ_t q_t² k_t²)^½ with the rows scaled to at most 1 first, and the root-sum-square as a
+    # hypot, so that no square overflows where the values themselves do not
+    rows_q = q_op.max(axis=-1, keepdims=True, initial=0.0)
+    rows_k = k_op.max(axis=-1, keepdims=True, initial=0.0)
+    rows_q, rows_k = np.where(rows_q > 0, rows_q, 1.0), np.where(rows_k > 0, rows_k, 1.0)
+    unit_q, unit_k = q_op / rows_q, k_op / rows_k
+    products = np.sqrt((unit_q * unit_q) @ (unit_k * unit_k).T) * rows_q * rows_k.T
+    return math.sqrt(twice) * np.hypot((1 + g_det) * products, sums)
+
+
+def logits_across_keys(
+    p: np.ndarray,
+    delta: np.ndarray,
+    values: Values,
+    live: np.ndarray,
+    per_key: np.ndarray,
+    across: tuple[np.ndarray, np.ndarray],
+    lam: float,
+) -> Any:
+    """Theorem A.3' (papers/attention.md): the logits term with the dots' errors summed across keys.
+
+    ``Σ_j (p̃_j - p_j) v_j = (1/Z) Σ_j p_j (ε_j + r_j)(v_j - o)`` with ``Z >= e^{-max δ}`` and
+    ``|r_j| <= e^{δ_j} - 1 - δ_j``. The dots' part of ``ε_j`` is ``Σ_k δ_k T_k`` over their
+    roundings, a martingale whose increments ``p_j (v_j - o) δ_k T_k`` are bounded by
+    ``p_j |v_j - o| b_j``: by Azuma-Hoeffding ``|Σ| <= λ (Σ_j (p_j (v_j - o) b_j)²)^½`` but with
+    probability ``2 exp(-λ²/2)`` per output. The rest of ``ε_j`` is at most ``δ'_j``, and
+    ``Σ_j (p̃_j - p_j)(v̂_j - v_j)`` at most the per-key deviations times ``v_abs - |v|``.
+    """
+    ev_rel = evaluation_rounding(p.shape[-1])  # float64 sums over the keys
+    b, rest = across
+    v, v_abs = values.v, values.v_abs
+    pl = np.where(live, np.nan_to_num(p), 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        o = pl @ v
+        w = (pl * b) ** 2
+        w_v2, w_v, w_0 = w @ (v * v), w @ v, w.sum(axis=-1, keepdims=True)
+        var = w_v2 - 2 * o * w_v + o * o * w_0  # Σ_j (p_j b_j)² (v_j - o)², cancellation below
+        slack = 2.0**-49 * (w_v2 + 2 * np.abs(o) * (w @ np.abs(v)) + o * o * w_0)
+        martingale = lam * np.sqrt(np.maximum(var + slack, 0.0))
+        d = np.where(live, delta, 0.0)
+        second = np.expm1(d) - d  # |e^ε - 1 - ε| for |ε| <= δ
+        spread = np.abs(v)
+        det = (pl * rest) @ spread + np.abs(o) * (pl * rest).sum(axis=-1, keepdims=True)
+        det = det + (pl * second) @ spread + np.abs(o) * (pl * second).sum(axis=-1, keepdims=True)
+        z_inv = np.exp(d.max(axis=-1, keepdims=True))
+        used = per_key @ (v_abs - np.abs(v))
+        return (z_inv * (martingale + det) + used) * (1 + ev_rel)

@@ -1,0 +1,382 @@
+"""Steps 0, 3, 3c, 3' and 3'' of Theorem A.1 (papers/attention.md): the logits and their errors
+``δ``, apportioned to their sources (the operands, the ``Q Kᵀ`` dot, the scale, the soft-cap,
+the bias, a finite masking constant, the exponent's folded scale), with their range checks
+(R.3, R.4, R.4')."""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import math
+from typing import Any
+
+import numpy as np
+
+from mhanum.bounds.factors import (
+    F64_DOT,
+    LOG2E,
+    compound,
+    rounding_error,
+    tensor_core_anchor,
+    unit_eta,
+    unit_factor,
+)
+from mhanum.bounds.forward.evaluation import on
+from mhanum.bounds.forward.operands import Constant, Operands
+from mhanum.bounds.forward.ranges import Ranges
+from mhanum.bounds.forward.stage import Head, Setting
+from mhanum.formats import get_format, round_to
+from mhanum.numerics import Numerics
+from mhanum.units import Fill
+
+__all__ = [
+    "Constant",
+    "Dots",
+    "Logits",
+    "Masking",
+    "bias_step",
+    "dots_step",
+    "fold_step",
+    "logits_step",
+    "masking_step",
+    "softcap_step",
+    "softmax_read_step",
+]
+
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dots:
+    """Step 3's dots: ``t = q kᵀ`` (float64), ``|q||k|ᵀ``, the operands' part
+    ``e_q|k| + |q|e_k + e_q e_k``, ``q_op k_opᵀ``, the unit's error and its anchor."""
+
+    t: np.ndarray
+    qk_abs: np.ndarray
+    operands: np.ndarray
+    qk_op: np.ndarray
+    unit: np.ndarray
+    anchor: float
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Logits:
+    """The logits' enclosure as the stages of step 3 pass it on: the float64 logits ``s``,
+    ``δ >= |ŝ - s*|`` and its sources (they add up to it), the bound ``s_upper`` on the
+    computed scores, the float64 logits' own error ``eps64`` (step 0), ``QKᵀ``'s bound
+    ``acc_upper``, the logits whose scores are used (not replaced by a mask), and the bias's
+    factor on the earlier sources (``1 + u_s`` where a nonzero bias is added)."""
+
+    s: np.ndarray
+    delta: Any
+    sources: dict[str, Any]
+    s_upper: Any
+    eps64: Any
+    acc_upper: Any
+    used: np.ndarray
+    bias_factor: Any = 1.0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Masking:
+    """Step 3': the keys of the leaky problem (``live``), those it attends beyond the exact
+    attention (``exclude``)."""
+
+    live: np.ndarray
+    exclude: np.ndarray
+
+
+def dots_step(head: Head, ops: Operands, num: Numerics, lam: float | None) -> Dots:
+    """Step 3. The ``Q Kᵀ`` dots of the operands as read (step 1), and the unit's error:
+    its factor of ``d_k`` terms times ``q_op k_opᵀ`` and its underflow (Theorem S.0), with the
+    tensor-core unit's anchor."""
+    q, k = head.q, head.k
+    d_k = q.shape[-1]
+    t = q @ k.T
+    qk_abs = ops.q_abs @ ops.k_abs.T
+    # e_q|k| + |q|e_k + e_q e_k (no product for operands read exactly)
+    operands = np.zeros_like(t)
+    if np.any(ops.e_q_op):
+        operands = ops.e_q_op @ ops.k_op.T
+    if np.any(ops.e_k_op):
+        operands = operands + ops.q_abs @ ops.e_k_op.T
+    f_qk, anchor = unit_factor(num, d_k, lam, bits=ops.bits_qk), tensor_core_anchor(num)
+    # (operands read exactly: q_op = |q|, k_op = |k|, the product already taken)
+    exact = not (np.any(ops.e_q_op) or np.any(ops.e_k_op))
+    qk_op = qk_abs if exact else ops.q_op @ ops.k_op.T
+    unit = f_qk * qk_op + unit_eta(num, d_k)
+    if anchor:
+        sums = ops.q_op.sum(axis=-1)[:, None] + ops.k_op.sum(axis=-1)[None, :] + d_k * anchor
+        unit = unit + f_qk * anchor * sums
+    return Dots(t, qk_abs, operands, qk_op, unit, anchor)
+
+
+def logits_step(
+    dots: Dots, head: Head, setting: Setting, const: Constant, ranges: Ranges
+) -> Logits:
+    """Steps 0 and 3: the float64 logits ``s = c·t`` (off the exact ones by at most
+    ``eps64``), their errors ``δ_ij`` by source (``operands``, ``qk_dot``, ``scale``), and
+    R.3: ``QKᵀ`` in the accumulation format, rounded to the score format, scaled there (or,
+    folded, R.3'': the products ``t·c2`` and ``m·c2`` in the softmax format)."""
+    num, scale = setting.num, setting.scale
+    d_k = head.q.shape[-1]
+    acc, f_s, f_m = (num.format_of(r) for r in ("accum", "score", "softmax"))
+    u_s, eta_s = f_s.u, f_s.smallest_normal
+    theta, c_hat = const.theta, const.c_hat
+    # Step 0. The float64 logits s = c·t (+ b) are off the exact ones by at most eps64.
+    eps64 = F64_DOT * (d_k + 2) * abs(scale) * dots.qk_abs
+    # the sources of δ (they add up to it), to apportion the logits term: Bound.parts
+    sources = {
+        "operands": abs(scale) * dots.operands * (1 + theta),
+        "qk_dot": abs(scale) * dots.unit * (1 + theta),
+        "scale": abs(scale) * theta * np.abs(dots.t) + (abs(c_hat) * (1 + u_s) + 2) * eta_s + eps64,
+    }
+    used = np.ones_like(head.keep) if head.replaced is None else ~head.replaced
+    acc_upper = on(used, dots.qk_op + dots.unit, 0.0)
+    ranges.check(acc_upper, acc, "QKᵀ accumulated")
+    ranges.check(acc_upper, f_s, "QKᵀ rounded to the score format")
+    s_upper = abs(c_hat) * ((1 + u_s) * acc_upper + eta_s) * (1 + u_s) + eta_s
+    if const.folded:
+        c2_hat = const.c2_hat
+        t_c2 = abs(c2_hat) * ((1 + u_s) * acc_upper + eta_s) * (1 + f_m.u)
+        ranges.check(t_c2, f_m, f"the scores times c2 = {c2_hat:.4g} ({num.exp_form})")
+    elif num.scale == "scores":
+        ranges.check(s_upper, f_s, f"the scores times the scale {c_hat:.4g}")
+    delta = sum(sources.values())
+    return Logits(scale * dots.t, delta, sources, s_upper, eps64, acc_upper, used)
+
+
+def _tanh_spread(x0: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``sup_{|y - x0| <= w} |tanh y - tanh x0| = sinh(w)/(cosh(x0)·cosh(||x0| - w|))``, rounded
+    up (evaluated in log space; at most ``min(w, 2)``, tanh being 1-Lipschitz with range 2)."""
+    a = np.abs(x0)
+    b = np.abs(a - w)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        log_sinh = np.where(w > 20.0, w - LN2, np.log(np.sinh(np.minimum(w, 20.0))))
+
+        def log_cosh(y: np.ndarray) -> np.ndarray:
+            return y + np.log1p(np.exp(-2 * y)) - LN2
+
+        d = np.exp(log_sinh - log_cosh(a) - log_cosh(b)) * (1 + 2.0**-30)
+    return np.fmin(d, np.minimum(w, 2.0))
+
+
+def softcap_step(lg: Logits, cap: float, num: Numerics, ranges: Ranges) -> Logits:
+    """Step 3c (papers/attention.md): the scores capped at ``c·tanh(s/c)`` in the score format.
+
+    The kernel computes ``x̂ = fl(ŝ·r̂)``, ``t̂ = fl(T(x̂))`` and ``fl(ĉ·t̂)`` with ``ĉ = fl(c)``,
+    ``r̂ = fl(1/c)`` and ``T`` the carrier's ``tanh`` (within ``tanh_ulps``). With ``|ŝ - s| <= δ``,
+    ``|x̂ - s/c| <= w = δ/c + |ŝ||r̂ - 1/c| + u_s|ŝ|r̂ + η_s``, and ``tanh`` moves by at most
+    ``D = sinh(w)/(cosh(s/c)·cosh(||s/c| - w|))`` (far beyond the cap, far less than ``w``).
+    Returns the capped float64 logits, their error sources (the incoming ones carried through
+    ``tanh`` by their share of ``w``, and ``softcap``: the division's, ``tanh``'s and the
+    product's roundings), the bound on the capped scores' magnitude and the float64 error.
+    """
+    s, sources, s_upper, eps64, used = lg.s, lg.sources, lg.s_upper, lg.eps64, lg.used
+    fs = num.format_of("score")
+    u_s, eta_s = fs.u, fs.smallest_normal
+    carrier = fs if fs.name in ("float32", "float64") else get_format("float32")
+    narrow = carrier.name != fs.name
+    u_t, eta_t = 2 * num.tanh_ulps * carrier.u, carrier.smallest_normal
+    c_hat, r_hat = float(round_to(cap, fs)), float(round_to(1.0 / cap, fs))
+    if not (math.isfinite(c_hat) and math.isfinite(r_hat) and c_hat > 0 and r_hat > 0):
+        ranges.flag(
+            True,
+            f"softcap: the cap {cap:g} or its reciprocal does not fit the score format "
+            f"{fs.name} (rounds to {c_hat:g} and {r_hat:g})",
+        )
+        c_hat, r_hat = cap, 1.0 / cap  # evaluated on these, then infinite
+    e_c = float(abs(fractions.Fraction(c_hat) - fractions.Fraction(cap))) * (1 + 2.0**-52)
+    e_r = float(abs(fractions.Fraction(r_hat) - 1 / fractions.Fraction(cap))) * (1 + 2.0**-52)
+    # any reciprocal within two roundings of 1/c (fl(1/fl(c)), a compiler's folded constant) or
+    # a division by ĉ (|fl(ŝ/ĉ) - ŝ/c| is within the same w) is covered, not only this r̂
+    e_r = max(e_r, (2 * u_s + 2 * u_s * u_s) / cap * (1 + 2.0**-50))
+    # a subnormal constant may be read as zero (XLA's flush of denormal inputs)
+    if c_hat < fs.smallest_normal:
+        e_c = max(e_c, cap)
+    if r_hat < fs.smallest_normal:
+        e_r = max(e_r, (1 / cap) * (1 + 2.0**-52))
+    delta = sum(sources.values())
+    s_hat = np.abs(s) + delta  # >= |ŝ|
+    ranges.check(
+        np.where(used, s_hat * r_hat * (1 + u_s) + eta_s, 0.0),
+        fs,
+        f"the scores times 1/softcap = {r_hat:.4g}",
+    )
+    x0 = s / cap
+    rest = s_hat * e_r + u_s * s_hat * r_hat + eta_s + 2.0**-52 * np.abs(x0)
+    w = delta / cap + rest
+    spread = _tanh_spread(x0, w)
+    tau = np.minimum(np.abs(np.tanh(x0)) * (1 + 2.0**-50) + spread, 1.0)  # >= |tanh(x̂)|
+    e_t = u_t * tau + eta_t
+    if narrow:
+        e_t = e_t + u_s * (tau + e_t) + eta_s
+    s_c = cap * np.tanh(x0)
+    ev = 2.0**-50 * (np.abs(s) + np.abs(s_c)) + 2.0**-1070
+    carried = cap * spread
+    with np.errstate(invalid="ignore"):
+        capped = {name: carried * (x / cap) / w for name, x in sources.items()}
+    capped["softcap"] = (
+        carried * rest / w + cap * e_t + (u_s * c_hat + e_c) * (tau + e_t) + eta_s + ev
+    )
+    s_upper = np.minimum(s_upper, c_hat * (tau + e_t) * (1 + u_s) + eta_s)
+    eps64 = np.minimum(eps64, cap * _tanh_spread(x0, eps64 / cap)) + ev
+    return dataclasses.replace(
+        lg, s=s_c, sources=capped, s_upper=s_upper, eps64=eps64, delta=sum(capped.values())
+    )
+
+
+def bias_step(lg: Logits, bias: np.ndarray, num: Numerics, ranges: Ranges) -> Logits:
+    """Step 3 (bias): ``fl(ŝ + b̂)`` with the bias rounded into the score format; adding a
+    zero bias is exact (``fl(x + 0) = x``, in float64 too): no rounding there. The earlier
+    sources take the sum's rounding (the factor ``1 + u_s``, ``bias_factor``); R.3: the
+    scores plus the bias in the score format."""
+    f_s = num.format_of("score")
+    u_s, eta_s = f_s.u, f_s.smallest_normal
+    b0 = np.where(np.isfinite(bias), bias, 0.0)
+    e_b = rounding_error(b0, f_s)
+    s = lg.s + b0
+    added = b0 != 0
+    k_add = np.where(added, 1 + u_s, 1.0)
+    eps_b = np.where(added, 2.0**-53 * np.abs(s), 0.0)
+    sources = {name: k_add * x for name, x in lg.sources.items()}
+    sources["bias"] = np.where(added, (1 + u_s) * e_b + u_s * np.abs(s) + eta_s, 0.0)
+    sources["scale"] = sources["scale"] + eps_b
+    s_upper = lg.s_upper + np.abs(b0) + e_b
+    ranges.check(on(lg.used, s_upper, 0.0), f_s, "the scores plus the bias")
+    return dataclasses.replace(
+        lg,
+        s=s,
+        delta=sum(sources.values()),
+        sources=sources,
+        s_upper=s_upper,
+        eps64=lg.eps64 + eps_b,
+        bias_factor=k_add,
+    )
+
+
+def softmax_read_step(lg: Logits, folded: bool, num: Numerics, ranges: Ranges) -> Logits:
+    """R.4: the scores read into the softmax format (and its smallest normal); folded, the
+    unscaled ones (no bias, no cap): with ``c2 < 1`` they reach further than their products."""
+    f_s, f_m = num.format_of("score"), num.format_of("softmax")
+    read = (1 + f_s.u) * lg.acc_upper + f_s.smallest_normal if folded else lg.s_upper
+    ranges.check(on(lg.used, read, 0.0), f_m, "the scores read into the softmax format")
+    if f_m.smallest_normal <= f_s.smallest_normal:
+        return lg
+    sources = {**lg.sources, "scale": lg.sources["scale"] + f_m.smallest_normal}
+    return dataclasses.replace(lg, sources=sources, delta=sum(sources.values()))
+
+
+def masking_step(lg: Logits, head: Head, num: Numerics, ranges: Ranges) -> tuple[Logits, Masking]:
+    """Step 3'. A finite masking constant ``M``: the computed logits are those of the leaky
+    problem (the masked keys keep the logit ``M`` (fill) or ``s + M`` (add)); ``live`` marks its
+    keys. R.4': a masked logit the score or softmax format cannot hold is read as ``-inf``: the
+    key drops out (``p = 0`` exactly, as under ``-inf`` masking) where that is certain, and the
+    row's outputs are infinite where it is not, or where it leaves a row that attends no key
+    without a finite logit (NaN) or without the leaky problem's value."""
+    keep, masked = head.keep, head.masked
+    if masked is None:
+        return lg, Masking(keep, np.zeros_like(keep))
+    f_s, f_m = num.format_of("score"), num.format_of("softmax")
+    u_s, eta_s = f_s.u, f_s.smallest_normal
+    s, delta, sources = lg.s, lg.delta, lg.sources
+    nan_row = False  # an overflow of the masked logits is NaN (flagged), not -inf
+    const = num.mask_constant()
+    open_bias = np.ones_like(keep) if head.bias is None else ~np.isneginf(head.bias)
+    narrow = min((f_s, f_m), key=lambda f: f.max_finite)
+    empty_row = ~keep.any(axis=-1, keepdims=True)
+    if isinstance(num.mask_mode, Fill):
+        # M is exact in the score format and the softmax format is at least as precise:
+        # its read is M or, past the softmax format's range, -inf
+        read = float(round_to(const, f_m))
+        leaky, candidates = np.full_like(s, read), masked
+        dropped = masked & bool(read == -math.inf)
+        delta = np.where(masked, 0.0, delta)
+        sources = {name: np.where(masked, 0.0, x) for name, x in sources.items()}
+        unsure = np.zeros_like(keep)
+        if dropped.any():
+            leaky = np.full_like(s, const)  # evaluated where flagged
+    else:
+        s_add = s + const
+        with np.errstate(over="ignore", invalid="ignore"):
+            finite = (np.abs(s_add) + delta) * (1 + u_s) <= narrow.max_finite
+            gone = (np.abs(s_add) - delta) * (1 - u_s) >= narrow.max_finite * (1 + narrow.u)
+        candidates, leaky = masked & open_bias, s_add
+        dropped = candidates & gone
+        unsure = candidates & ~finite & ~gone
+        if not (f_s.has_inf and f_m.has_inf):
+            # a format without an infinity (float8_e4m3fn) rounds an overflow to NaN, not
+            # -inf: the key does not drop out, it makes the row NaN
+            ranges.flag(
+                (candidates & ~finite).any(axis=-1, keepdims=True),
+                f"the masked logits s + {const:g} may overflow {narrow.name}, and a format "
+                "without an infinity rounds an overflow to NaN",
+            )
+            dropped, nan_row = np.zeros_like(gone), True
+        absorbed = u_s * np.abs(s_add) + eta_s
+        delta = np.where(masked, (1 + u_s) * delta + absorbed, delta)
+        sources = {n: np.where(masked, (1 + u_s) * x, x) for n, x in sources.items()}
+        sources["mask_absorption"] = np.where(masked, absorbed, 0.0)
+    out = dropped | unsure
+    # a row left without a live key is flagged below; it is evaluated on the leaky logits
+    none = ~(keep | (candidates & ~out)).any(axis=-1, keepdims=True)
+    out = out & ~none
+    live = keep | (candidates & ~out)
+    s = np.where(masked, np.where(out, -np.inf, leaky), s)
+    ranges.flag(
+        unsure.any(axis=-1, keepdims=True) & (not nan_row),
+        f"the masked logits s + {const:g}: may or may not overflow {narrow.name} "
+        "(a key that drops out of the softmax is not charged)",
+    )
+    ranges.flag(
+        empty_row & dropped.any(axis=-1, keepdims=True),
+        f"a row that attends no key: masked logits overflow {narrow.name} and are read as "
+        "-inf, so the output is not the leaky problem's (NaN where every logit is -inf)",
+    )
+    lg = dataclasses.replace(lg, s=s, delta=delta, sources=sources)
+    return lg, Masking(live, live & ~keep)
+
+
+def fold_step(
+    lg: Logits, live: np.ndarray, u_c: float, num: Numerics, ranges: Ranges
+) -> tuple[Logits, Any, Any]:
+    """Step 3'': the exponent's argument, in base 2 (natural units, times ``ln 2``).
+
+    Folded (``exp2-folded``, ``exp2-scaled``): ``fl(fl(t·c2) - fl(m·c2))``: the product
+    ``t_j·c2`` is rounded (``u_m|s_j|``), and so is the shift ``m_b·c2`` of each block
+    (``u_m|m_b·c|``, ``|m_b·c| <= R``, the row's largest ``|s| + δ``: under the online softmax
+    the blocks' shifts differ and do not cancel), with an underflow ``η_m`` each; the
+    subtraction's rounding is step 5's (on an argument up to gap + this term). With
+    ``prob_offset`` (FlashAttention-3's ``fl(fl(m·c2) - k)``) one more rounding. ``exp2``: the
+    logits, as under exp, taken into base 2 by ``x = fl(ŝ·L̂)`` with ``L̂ = fl_m(log2 e)``.
+    Returns the logits with the source ``exp_fold``, the fold (``None`` for none) and, with
+    ``prob_offset``, each row's largest argument of a lifted exponential (R.5).
+    """
+    if not (num.folds_scale or num.exp2):
+        return lg, None, None
+    f_m = num.format_of("softmax")
+    u_m, eta_m = f_m.u, f_m.smallest_normal
+    lift_arg = None
+    s_abs = np.where(live, np.abs(lg.s) + lg.delta, 0.0)
+    r_row = s_abs.max(axis=-1, keepdims=True)
+    if num.folds_scale:
+        fold = np.where(live, u_m * (1 + u_c) * (s_abs + r_row) + 2 * eta_m, 0.0)
+        if num.prob_offset:
+            # fl(fl(m·c2) - k), one more rounding of a value at most (|m·c2| + k) in base 2,
+            # (1 + u_c)(1 + u_m)R + k·ln 2 in natural units
+            k_ln2 = num.prob_offset * math.log(2.0)
+            lifted_by = u_m * ((1 + u_c) * (1 + u_m) * r_row + k_ln2) + eta_m
+            fold = fold + np.where(live, lifted_by, 0.0)
+            # R.5, lifted: fl(t·c2) <= fl(m·c2) for t <= m, so the computed argument is at most
+            # (k·ln 2 + that rounding)(1 + u_m), not k·ln 2: the exponentials' largest value
+            lift_arg = (k_ln2 + lifted_by) * (1 + u_m)
+    else:
+        # a relative (1 + u_L)(1 + u_m) - 1 of each |ŝ| (natural units), an underflow η_m; the
+        # shifts are x values themselves, and the rescalings' excess over u_m(2 + u_m)·gap is
+        # at most 2u_m²R (papers/attention.md, step 3'', exp2)
+        u_l = compound(2.0**-53, u_m)
+        ranges.check(s_abs * LOG2E * (1 + u_l) * (1 + u_m), f_m, "the logits times fl(log2 e)")
+        rel = compound(u_l, u_m)
+        fold = np.where(live, rel * s_abs + 2 * u_m**2 * (1 + rel) * r_row + 2 * eta_m, 0.0)
+    sources = {**lg.sources, "exp_fold": fold}
+    return dataclasses.replace(lg, sources=sources, delta=lg.delta + fold), fold, lift_arg

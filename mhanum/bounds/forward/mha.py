@@ -1,0 +1,501 @@
+"""Theorem A.2 (papers/attention.md): multi-head attention, its projections (step (a)), the heads
+as Theorem A.1 with computed operands (step (b), :func:`head_output_bound`), and the output
+projection (steps (c) and (c'))."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from mhanum import masks
+from mhanum._errors import InvalidArgument
+from mhanum._threads import one_blas_thread
+from mhanum.bounds._result import Bound
+from mhanum.bounds.factors import (
+    evaluation_rounding,
+    lam_or_probability,
+    linear,
+    linear_overflow,
+    operand_error,
+    rounding_error,
+)
+from mhanum.bounds.forward.along import along_rows
+from mhanum.bounds.forward.evaluation import quiet
+from mhanum.bounds.forward.head import HeadResult, evaluate_rows
+from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias
+from mhanum.bounds.forward.result import check_scope, head_reasons, result, split_count
+from mhanum.bounds.forward.stage import ALONG, PLAIN, PROJECTED, Head, Setting
+from mhanum.formats import round_to
+from mhanum.numerics import Numerics, resolve
+from mhanum.params import MHAParams
+from mhanum.problem import MHAProblem
+
+__all__ = ["head_output_bound", "merge_heads", "mha_bound", "split_heads"]
+
+_INPUT_ROUNDING = ("auto", "exact", "bounded")
+_EXACT_LOGITS = 2**20  # "auto": the reference's cost, logits per call
+
+
+def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
+    """``(..., L, H·d)`` to ``(..., H, L, d)``."""
+    return np.swapaxes(x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads), -2, -3)
+
+
+def merge_heads(x: np.ndarray) -> np.ndarray:
+    """``(..., H, L, d)`` to ``(..., L, H·d)``."""
+    x = np.swapaxes(x, -2, -3)
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+@one_blas_thread
+def head_output_bound(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    keep: np.ndarray,
+    bias: np.ndarray | None,
+    num: Numerics,
+    scale: float,
+    default_scale: bool,
+    errors: tuple[np.ndarray, np.ndarray, np.ndarray],
+    given: tuple[np.ndarray, np.ndarray, np.ndarray],
+    softcap: float | None = None,
+    along: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[str, ...], np.ndarray | None]:
+    """Theorem A.1 for heads whose operands are themselves computed (A.2, step (b)).
+
+    ``q, k, v`` ``(..., L, d)`` (any batch of heads) stand in for the exact operands within
+    ``given``; the computed ones the kernel reads are within ``errors`` of the exact ones;
+    ``keep`` ``(..., Lq, Lk)`` marks the attended keys (every row attends one), ``bias`` is
+    finite where ``keep``; ``softcap`` as for :func:`attention_bound`; ``along = (g, ḡ)``
+    (``(..., Lq, d_v)``), Theorem A.1g's directions (:func:`attention_bound_along`). Returns
+    ``(err, o, o_given, reasons, along)``: ``|Ô - O*| <= err`` (``inf`` where a stage may
+    overflow, with the reasons), the float64 output ``o``, ``|o - O*| <= o_given`` and
+    ``(..., Lq)`` bounds on ``|Σ_c g*_c (Ô_c - O*_c)|`` (``None`` without ``along``).
+    """
+    batch = keep.shape[:-2]
+    rows = q.shape[-2]
+    err = np.zeros((*batch, rows, v.shape[-1]))
+    out, out_given = np.zeros_like(err), np.zeros_like(err)
+    rows_along = None if along is None else np.zeros((*batch, rows))
+    reasons: list[Any] = []
+    for i in np.ndindex(*batch):
+        with quiet():
+            head = Head(
+                q[i], k[i], v[i], keep[i], (errors[0][i], errors[1][i], errors[2][i]),
+                bias=None if bias is None else bias[i],
+                given=(given[0][i], given[1][i], given[2][i]),
+                along=None if along is None else (along[0][i], along[1][i]),
+            )  # fmt: skip
+            setting = Setting(num, scale, default_scale, softcap=softcap)
+            terms, o, o_given, parts, ranges = evaluate_rows(head, setting)
+            total = np.sum(list(terms.values()), axis=0)
+            for name in ("overflow", "vacuous"):
+                hit = ranges.where.get(name)
+                if hit is not None:
+                    total = np.where(hit, np.inf, total)
+            total = np.where(np.isnan(total), np.inf, total)
+            if along is not None and rows_along is not None:
+                rows_along[i] = along_rows(along[1][i], total, parts.get(ALONG))
+        err[i], out[i], out_given[i] = total, o, o_given
+        reasons.append(ranges)
+    return err, out, out_given, tuple(dict.fromkeys(head_reasons(reasons))), rows_along
+
+
+def _rounded_inputs(
+    x_q: Any, x_kv: Any, params: MHAParams, num: Numerics, how: str, scale: Any, heads: Any
+) -> tuple[np.ndarray, np.ndarray, MHAParams] | None:
+    """The inputs and weights rounded into ``numerics.input``, where A.2 takes their rounding
+    exactly (``input_rounding``); ``None`` where it bounds it instead: nothing rounds, a custom
+    scale (the reference's is ``1/sqrt(d_k)``), a rounded value that is not finite, or (auto)
+    more than ``2^20`` logits. Checks nothing else: the bound's own checks follow."""
+    if scale is not None:
+        return None
+    fmt = num.format_of("input")
+    try:
+        xs = [np.asarray(x, np.float64) for x in (x_q, x_kv)]
+        if min(x.ndim for x in xs) < 2:
+            return None
+        weights = {
+            f.name: np.asarray(getattr(params, f.name), np.float64)
+            for f in dataclasses.fields(params)
+            if getattr(params, f.name) is not None
+        }
+        outer = np.broadcast_shapes(xs[0].shape[:-2], xs[1].shape[:-2])
+        logits = math.prod(outer) * xs[0].shape[-2] * xs[1].shape[-2] * int(heads)
+    except (TypeError, ValueError):
+        return None  # the bound's checks name the argument
+    if how == "auto" and logits > _EXACT_LOGITS:
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        rx = [round_to(x, fmt).astype(np.float64) for x in xs]
+        rw = {n: round_to(a, fmt).astype(np.float64) for n, a in weights.items()}
+    values = [*rx, *rw.values()]
+    if not all(np.isfinite(a).all() for a in values):
+        return None
+    originals = [*xs, *weights.values()]
+    if all(np.array_equal(a, b) for a, b in zip(values, originals, strict=True)):
+        return None
+    return rx[0], rx[1], dataclasses.replace(params, **rw)
+
+
+def _rounding_effect(
+    given: tuple[Any, Any, MHAParams],
+    rounded: tuple[np.ndarray, np.ndarray, MHAParams],
+    heads: int,
+    options: dict[str, Any],
+) -> np.ndarray:
+    """``|y(x̂, ŵ) - y(x, w)|``, bounded above: two certified references, each the exact
+    value rounded to float64 (within ``2^-53`` relative, and 0 only where it is exactly),
+    their difference and its rounding; 0 on a fully masked row (the bound is inf there)."""
+    from mhanum import reference  # the certified exact values (no attention of mhanum's)
+
+    ys = [
+        np.asarray(
+            reference.multi_head_attention(x, x_kv, p, heads, fully_masked="zero", **options),
+            np.float64,
+        )
+        for x, x_kv, p in (rounded, given)
+    ]
+    return (np.abs(ys[0] - ys[1]) + 2.0**-52 * (np.abs(ys[0]) + np.abs(ys[1]))) * (1 + 2.0**-50)
+
+
+def _projected_values(v: np.ndarray, given: Any, wo: np.ndarray, num: Numerics) -> np.ndarray:
+    """A.2 (c'): ``B_jm >= |v*_j·ŵ_op,m - c_m|`` for one head's values ``v`` (float64, off the
+    exact ones by at most ``given``) and its rows ``wo`` of the output projection's weights as
+    rounded to the input format, read through the operand format (``ŵ_op``), with
+    ``c_m`` the median over the keys of ``v_j·ŵ_m`` (any constant will do: the deviations of the
+    probabilities sum to zero)."""
+    u_op, eta_op = operand_error(num)
+    vw = v @ wo
+    centre = np.median(vw, axis=0, keepdims=True)
+    v_abs, w_abs = np.abs(v), np.abs(wo)
+    # the float64 product's rounding, the values' own error and the operand rounding of ŵ
+    spread = evaluation_rounding(v.shape[-1]) * v_abs + np.broadcast_to(given, v.shape)
+    extra = spread @ ((1 + u_op) * w_abs + eta_op)
+    if u_op or eta_op:
+        extra = extra + v_abs @ (u_op * w_abs + eta_op)
+    return np.abs(vw - centre) * (1 + 2.0**-51) + extra
+
+
+def _logits_through_projection(
+    term: np.ndarray, linear: np.ndarray, projected: np.ndarray, ev: float
+) -> np.ndarray:
+    """A.2 (c'): the logits term ``κ (t L|v|) |ŵ|`` of step (c), with its linear part
+    ``Σ_l t_l|ŵ_lm|`` (``linear``) replaced where the heads' ``Λ`` (``projected``, step (c'))
+    is smaller: ``term - (linear - Λ)``, the factor ``κ >= 1`` kept on the rest. ``ev`` is the
+    float64 evaluation's relative rounding of both."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        gain = np.where(
+            np.isfinite(linear) & np.isfinite(projected),
+            np.fmax(linear * (1 - ev) - projected * (1 + ev), 0.0),
+            0.0,
+        )
+        return np.where(gain > 0, (term - gain) * (1 + 2.0**-51), term)
+
+
+@one_blas_thread
+def mha_bound(
+    x_q: Any,
+    x_kv: Any,
+    params: MHAParams,
+    num_heads: int,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    numerics: Numerics | str | None = None,
+    scale: float | None = None,
+    lam: float | None = None,
+    probability: float | None = None,
+    num_kv_heads: int | None = None,
+    sink: Any = None,
+    softcap: float | None = None,
+    input_rounding: str = "auto",
+) -> Bound:
+    """Theorem A.2: a componentwise bound on ``|multi_head_attention(...) − exact|``.
+
+    The exact value is ``mhanum.reference.multi_head_attention`` of the given (float64) inputs and
+    weights. The bound composes three steps (papers/attention.md, Theorem A.2):
+
+    (a) each projection ``y = x w + b``, computed as ``fl_st(fl_a(fl_a(x̂ ŵ) + b̂))`` with the
+    inputs and weights rounded to ``numerics.input`` and the dot in ``numerics.summation``:
+
+    .. math::
+
+        |\\hat y - y| \\le u_{st}|y| + (1 + u_{st})\big[(1 + u_a)\big(E_{xw} + |\\hat b - b|\big)
+          + u_a|y| + \\eta_a\big] + \\eta_{st},\\quad
+        E_{xw} \\le e_x|w| + |x|e_w + e_x e_w + G_d(u_a)(|x| + e_x)(|w| + e_w) + 2d\\eta_a;
+
+    (b) Theorem A.1 for every head, with its operands off the exact projections by the bounds of
+    (a) (A.1, step 1) and a term ``evaluation`` for the float64 stand-ins of the exact ones;
+
+    (c) the output projection as in (a), with the per-head outputs off by the totals of (b);
+    (c') the logits term of (b) through the weights: the probabilities' deviations sum to zero,
+    so their part of the output is ``Σ_j (p̃_j - p_j)(v_j ŵ_o - c)``, at most
+    ``Σ_j L_j|v_j ŵ_o - c|`` (``L`` step 4's deviations) where that is smaller than (c)'s.
+
+    With ``input_rounding="exact"`` the rounding of the inputs and weights into
+    ``numerics.input`` is not bounded but computed: the bound is A.2 for the rounded inputs
+    and weights (what the computation reads, exactly) plus the term ``input_rounding``,
+    ``|y(x̂, ŵ) - y(x, w)|`` of two certified references (each within ``2^-53`` relative).
+    That costs two evaluations of :func:`mhanum.reference.multi_head_attention`; the
+    default ``"auto"`` takes it where something rounds and there are at most ``2^20``
+    logits, ``"bounded"`` never.
+
+    The terms are those of A.1 propagated through the output projection
+    (``attention.logits``, ``attention.softmax``, ...) and ``output_projection``, the error of
+    (c) with exact per-head outputs. The q/k/v projection errors act through ``attention.logits``
+    (q, k) and ``attention.operands`` (v).
+
+    Assumptions: those of Theorem A.1 (round to nearest with an absolute underflow term per
+    rounding, ``exp`` and division within ``numerics.exp_ulps``/``div_ulps`` ulps, sums in the
+    numerics' order with the factors of Theorem S.0, no overflow, ``n·u < 1``) and its scope
+    (as :func:`attention_bound`: masks with ``-inf`` or a finite constant, scale anywhere).
+
+    Args:
+        x_q: query input ``(..., Lq, d_q)``.
+        x_kv: key/value input ``(..., Lk, d_kv)``.
+        params: the weights (float64 values; their rounding into ``numerics.input`` is included).
+        num_heads: number of heads.
+        num_kv_heads: grouped-query attention, as in :func:`mhanum.multi_head_attention`.
+        sink: attention sinks, one per head, as in :func:`mhanum.multi_head_attention`; the
+            sink's key and value are exact zeros after the projections.
+        softcap: the logit soft-cap of every head, as in :func:`attention_bound` (step 3c).
+        mask: optional boolean mask broadcastable to ``(..., H, Lq, Lk)``, True = attend, or a
+            :class:`mhanum.masks.Band`.
+        bias: optional additive bias broadcastable to ``(..., H, Lq, Lk)``.
+        numerics: a :class:`Numerics` or preset name.
+        scale: the logit scale; default ``1/sqrt(d_k)``.
+        lam: the probabilistic variant, as for :func:`attention_bound` (the projections' chains
+            are counted in ``Bound.probability``).
+        probability: instead of ``lam``, the probability the bound should state, as for
+            :func:`attention_bound`.
+        input_rounding: ``"auto"``, ``"exact"`` or ``"bounded"``: how the rounding of the
+            inputs and weights into ``numerics.input`` is charged (above). ``"exact"`` needs
+            the default scale and falls back to ``"bounded"`` where a rounded value is not
+            finite (the range check then says so).
+
+    Returns:
+        A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape ``(..., Lq, d_out)``.
+
+    Raises:
+        InvalidArgument: outside the theorem's scope (as :func:`attention_bound`) or for inputs
+            that do not fit the parameters.
+
+    References:
+        higham2002 (§3.1); blanchard2021; papers/attention.md Theorems A.1 and A.2.
+    """
+    num = resolve(numerics)
+    if input_rounding not in _INPUT_ROUNDING:
+        msg = f"input_rounding: expected one of {_INPUT_ROUNDING}, got {input_rounding!r}"
+        raise InvalidArgument(msg)
+    if not isinstance(params, MHAParams):
+        msg = f"params: expected an MHAParams, got {type(params).__name__}"
+        raise InvalidArgument(msg)
+    options = {"mask": mask, "bias": bias, "num_kv_heads": num_kv_heads, "sink": sink}
+    options["softcap"] = softcap
+    if input_rounding != "bounded":
+        rounded = _rounded_inputs(x_q, x_kv, params, num, input_rounding, scale, num_heads)
+        if rounded is not None:
+            inner = mha_bound(
+                *rounded, num_heads, numerics=num, lam=lam, probability=probability,
+                input_rounding="bounded", **options,
+            )  # fmt: skip
+            effect = _rounding_effect((x_q, x_kv, params), rounded, num_heads, options)
+            terms = {**inner.terms, "input_rounding": effect}
+            return dataclasses.replace(inner, total=inner.total + effect, terms=terms)
+    p = MHAProblem.of(x_q, x_kv, params, num_heads, scale=scale, **options)
+    return _mha_bound(p, num, lam, probability)
+
+
+def _mha_bound(p: MHAProblem, num: Numerics, lam: float | None, probability: float | None) -> Bound:
+    """:func:`mha_bound` of the problem ``p``, its inputs' rounding bounded (step (a))."""
+    check_scope(num)
+    num.check_problem(p)
+    params, heads, outer = p.params, p.num_heads, p.batch
+    mask, bias, scores = p.mask, p.bias, p.scores
+    rows, keys = scores[-2:]
+    if p.sink is not None:
+        mask, bias, scores = masks.head_sinks(mask, bias, p.sink, scores)
+        outer, keys = tuple(scores[:-3]), keys + 1
+    d_v = params.v_width // heads
+    chains = math.prod(outer) * (
+        heads
+        * rows
+        * (keys * (params.qk_width // heads + 1 + d_v) + 2 * d_v)
+        * split_count(num, keys)
+        + rows * params.qk_width * params.d_q
+        + keys * (params.qk_width + params.v_width) * params.d_kv
+        + rows * params.d_out * params.v_width
+    )
+    lam = lam_or_probability(lam, probability, chains, num)
+    keep, masked, b, replaced = keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)
+    dead = dead_rows(keep, masked)
+    keep = keep | dead
+    w: dict[str, Any] = {
+        f.name: None if getattr(params, f.name) is None else np.asarray(getattr(params, f.name))
+        for f in dataclasses.fields(params)
+    }
+    w = {name: None if a is None else a.astype(np.float64) for name, a in w.items()}
+    proj, bad_rows, reasons = _projections(p, w, outer, num, lam)
+    results = _heads(p, num, lam, proj, (keep, b, masked, replaced, w))
+    shape = (*outer, heads, rows, d_v)
+    ev = evaluation_rounding(max(params.v_width, keys))
+    terms, logits, bad_out = _output_projection(results, shape, w, num, lam, reasons, ev)
+    full = terms["output_projection"].shape
+    head_bad = {
+        n: _gather(results, lambda r, n=n: r[4].where.get(n, np.zeros(r[4].shape, bool)), shape)
+        for n in ("overflow", "vacuous")
+    }
+    overflow = np.broadcast_to(bad_rows | head_bad["overflow"].any(axis=-1, keepdims=True), full)
+    overflow = overflow | bad_out
+    vacuous = np.broadcast_to(head_bad["vacuous"].any(axis=-1, keepdims=True), full)
+    dead_out = np.broadcast_to(dead.any(axis=-3), full)  # any head's row reaches the output row
+    if dead_out.any():
+        reasons.append(DEAD)
+    for n, hit in (("overflow", overflow), ("vacuous", vacuous), ("fully_masked", dead_out)):
+        if hit.any():
+            terms[n] = np.where(hit, np.inf, 0.0)
+    total = sum(terms.values())
+    reasons = list(dict.fromkeys(reasons))
+    return result(
+        total, terms, "A.2", num, lam, chains, {"attention.logits": logits}, tuple(reasons)
+    )
+
+
+def _projections(
+    p: MHAProblem, w: dict[str, Any], outer: tuple[int, ...], num: Numerics, lam: float | None
+) -> tuple[dict[str, tuple[Any, Any, Any]], np.ndarray, list[str]]:
+    """Step (a): each projection ``y = x w + b`` per head, ``(y, e, g)``: the float64 value,
+    the bound on the computed one's error against the exact one (the inputs' rounding
+    included) and the float64 value's own (``given``). R.7: rows of the output that an
+    overflow may reach (a query row: that row; a key or value anywhere: every row of the batch
+    element), and why."""
+    heads, rows = p.num_heads, p.scores[-2]
+    xs = {"x_q": np.asarray(p.x_q, np.float64), "x_kv": np.asarray(p.x_kv, np.float64)}
+    fmt_in, storage = num.format_of("input"), num.storage_format
+    proj = {}
+    bad_rows = np.zeros((*outer, rows, 1), bool)
+    reasons: list[str] = []
+    for name, x, wn, bn in (
+        ("q", "x_q", "wq", "bq"),
+        ("k", "x_kv", "wk", "bk"),
+        ("v", "x_kv", "wv", "bv"),
+    ):
+        x64 = np.broadcast_to(xs[x], (*outer, *xs[x].shape[-2:]))
+        lin = linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage, lam)
+        e_in = rounding_error(x64, fmt_in)
+        used = lin.error(e_in)
+        bad_in = np.asarray(~(np.abs(x64) + e_in <= fmt_in.max_finite))
+        bad, why = linear_overflow(lin, x64, e_in, w[wn], w[bn], num, storage, f"{name} projection")
+        if bad_in.any():
+            why = [f"{x}: values may overflow the input format {fmt_in.name}", *why]
+            bad = bad | bad_in.any(axis=-1, keepdims=True)
+        reasons += why
+        hit = np.asarray(np.asarray(bad).any(axis=-1, keepdims=True))
+        if name != "q":
+            hit = np.broadcast_to(hit.any(axis=-2, keepdims=True), bad_rows.shape)
+        bad_rows = bad_rows | hit
+        proj[name] = (
+            split_heads(lin.y, heads),
+            split_heads(used + lin.given, heads),
+            split_heads(lin.given, heads),
+        )
+        if p.sink is not None and name != "q":  # the sink's key and value: exact zeros
+            proj[name] = tuple(masks.zero_key(x) for x in proj[name])
+    return proj, bad_rows, reasons
+
+
+def _heads(
+    p: MHAProblem,
+    num: Numerics,
+    lam: float | None,
+    proj: dict[str, tuple[Any, Any, Any]],
+    keys: tuple[Any, ...],
+) -> dict[tuple[int, ...], HeadResult]:
+    """Step (b): Theorem A.1 for every head, its operands the projections of step (a) (their
+    errors as A.1's step 1 takes them, the float64 values' own as ``given``), with step (c')'s
+    values through the output projection's weights as the kernel reads them. ``keys``: the
+    attended keys, the bias, the masked and replaced logits and the weights."""
+    keep, b, masked, replaced, w = keys
+    heads = p.num_heads
+    c = p.scale_value(num.scale)
+    d_v = p.params.v_width // heads
+    wo_hat = round_to(w["wo"], num.format_of("input")).astype(np.float64)  # as the kernel reads
+    u_op, eta_op = operand_error(num)
+    wo_slope = (1 + u_op) * np.abs(wo_hat) + eta_op  # >= |ŵ_op|
+    setting = Setting(num, c, p.scale is None, lam, p.softcap)
+    results = {}
+    for i in np.ndindex(*keep.shape[:-3], heads):
+        (q, eq, gq), (k, ek, gk), (v, ev, gv) = (proj[n] for n in "qkv")
+        cols = slice(i[-1] * d_v, (i[-1] + 1) * d_v)
+        with quiet():
+            project = None
+            if num.kv_splits is None:
+                project = (_projected_values(v[i], gv[i], wo_hat[cols], num), wo_slope[cols])
+            head = Head(
+                q[i], k[i], v[i], keep[i], (eq[i], ek[i], ev[i]),
+                bias=None if b is None else b[i], given=(gq[i], gk[i], gv[i]),
+                masked=None if masked is None else masked[i],
+                replaced=None if replaced is None else replaced[i], project=project,
+            )  # fmt: skip
+            results[i] = evaluate_rows(head, setting)
+    return results
+
+
+def _gather(results: dict[Any, HeadResult], pick: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """``pick`` of every head's result, as ``(..., Lq, H·d)``."""
+    return merge_heads(np.stack([pick(r) for r in results.values()]).reshape(shape))
+
+
+def _output_projection(
+    results: dict[Any, HeadResult],
+    shape: tuple[int, ...],
+    w: dict[str, Any],
+    num: Numerics,
+    lam: float | None,
+    reasons: list[str],
+    ev: float,
+) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """Steps (c) and (c'): the heads' terms through the output projection, and its own error
+    (``output_projection``); the logits term through the weights (step (c'), where smaller).
+    Returns the terms, the logits term's parts and the outputs the projection may overflow;
+    adds the heads' and the projection's reasons to ``reasons``. ``ev``: the float64
+    evaluation's relative rounding of step (c')'s sums."""
+    outer, rows = shape[:-3], shape[-2]
+    names = sorted({name for r in results.values() for name in r[0]})
+    head_terms = {
+        n: _gather(results, lambda r, n=n: r[0].get(n, np.zeros_like(r[1])), shape) for n in names
+    }
+    sources = sorted({name for r in results.values() for name in r[3]} - {PLAIN, PROJECTED})
+    head_parts = {
+        n: _gather(results, lambda r, n=n: r[3].get(n, np.zeros_like(r[1])), shape) for n in sources
+    }
+    o, o_given = _gather(results, lambda r: r[1], shape), _gather(results, lambda r: r[2], shape)
+    f_o = num.format_of("output")
+    out = linear(o, o_given, w["wo"], w["bo"], num, f_o, lam)
+    reasons += head_reasons(r[4] for r in results.values())
+    o_err = np.sum(list(head_terms.values()), axis=0)
+    bad_out, why = linear_overflow(out, o, o_err, w["wo"], w["bo"], num, f_o, "output projection")
+    reasons += why
+    terms = {f"attention.{n}": out.kappa * (t @ out.slope) for n, t in head_terms.items()}
+    logits = {n: out.kappa * (t @ out.slope) for n, t in head_parts.items()}
+    if num.kv_splits is None and "logits" in head_terms:
+        projected = [r[3][PROJECTED] for r in results.values()]
+        kept = _logits_through_projection(
+            terms["attention.logits"],
+            head_terms["logits"] @ out.slope,
+            np.sum(projected, axis=0)
+            if not outer
+            else np.stack(projected).reshape(*outer, shape[-3], rows, -1).sum(axis=-3),
+            ev,
+        )
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = np.where(terms["attention.logits"] > 0, kept / terms["attention.logits"], 0.0)
+        logits = {n: np.where(np.isfinite(share), share * x, x) for n, x in logits.items()}
+        terms["attention.logits"] = kept
+    terms["output_projection"] = out.fixed
+    return terms, logits, bad_out

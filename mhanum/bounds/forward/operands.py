@@ -1,0 +1,242 @@
+"""Steps 1, 2 and 2' of Theorem A.1 (papers/attention.md): the stored operands and their range
+(R.1, R.2), the scale on ``q`` or on ``q`` and ``k``, the operands as the dots read them, and
+the scale constant (step 2'' when it is folded into the exponent)."""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import math
+from typing import Any
+
+import numpy as np
+
+from mhanum.bounds.factors import (
+    LOG2E,
+    compound,
+    conversion_eta,
+    is_power_of_four,
+    operand_bits,
+    operand_error,
+    power_of_two,
+    rounding_error,
+    scale_rounding,
+)
+from mhanum.bounds.forward.ranges import Ranges
+from mhanum.bounds.forward.stage import Head, Setting
+from mhanum.numerics import Numerics
+
+__all__ = ["Constant", "Operands", "constant_step", "operands_step", "stored_operands"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Operands:
+    """Step 1: ``|q|``, ``|k|``, the operands as the dot reads them (``q_op >= |q̂|``, with
+    errors ``e_q_op``, ``e_k_op``), ``v_abs >= |ṽ|`` and the operand bits of ``Q Kᵀ`` and
+    ``P·V``."""
+
+    q_abs: np.ndarray
+    k_abs: np.ndarray
+    q_op: np.ndarray
+    k_op: np.ndarray
+    e_q_op: Any
+    e_k_op: Any
+    v_abs: np.ndarray
+    bits_qk: tuple[int, int]
+    bits_pv: tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """Step 2 (2''): the scale constant ``ĉ`` in the score format (or ``ĉ2 = fl(c·log2 e)``
+    in the softmax format, ``folded``), its relative error ``u_c``, the product's ``u_mul``
+    and ``θ``, the logits' relative error from the scale."""
+
+    c_hat: float
+    c2_hat: float
+    u_c: float
+    u_mul: float
+    theta: float
+    folded: bool
+
+
+def stored_operands(head: Head, setting: Setting, ranges: Ranges) -> tuple[Head, Setting]:
+    """R.1: the stored operands in the input format; then step 2' where the scale is on ``q``
+    (or ``sqrt(scale)`` on ``q`` and ``k``): the head of the scaled operands, whose scale is 1."""
+    num, q, k, v, errors = setting.num, head.q, head.k, head.v, head.errors
+    store = num.storage_format
+    for x, e, name, how in ((q, errors[0], "q", "q"), (k, errors[1], "k", "k")):
+        ranges.check(np.abs(x) + e, store, f"{name} in the input format", rows=how)
+    ranges.check(np.abs(v) + errors[2], store, "v in the input format", cols=True)
+    if num.scale == "scores":
+        return head, setting
+    q, k, errors, given = _scale_operands(q, k, errors, head.given, setting, ranges)
+    head = dataclasses.replace(head, q=q, k=k, errors=errors, given=given)
+    return head, dataclasses.replace(setting, scale=1.0, default_scale=False)
+
+
+def _scale_operands(
+    q: np.ndarray,
+    k: np.ndarray,
+    errors: tuple[Any, Any, Any],
+    given: tuple[Any, Any, Any] | None,
+    setting: Setting,
+    ranges: Ranges,
+) -> tuple[np.ndarray, np.ndarray, tuple[Any, Any, Any], tuple[Any, Any, Any] | None]:
+    """Step 2' (scale on ``q``, or ``sqrt(scale)`` on ``q`` and ``k``): the scaled operands.
+
+    The factor ``f`` (``c`` or ``sqrt(c)``) is the float64 number ``f64`` (relative error ``u64``
+    against the exact factor: the default scale's two float64 roundings, and the float64 square
+    root), rounded once into the scale format to ``f̂`` (relative ``u_r``; 1 when ``f̂`` is
+    subnormal, since it may be read as zero). The operand, stored in the storage format, is
+    first read into the scale format (relative ``u_t`` when that format is less precise, and
+    an absolute ``η`` for its range), and the product ``fl(x̃ f̂)`` is rounded in that format
+    (``u_mul``, zero when ``f̂`` is a normal power of two). The stand-in of the exact scaled
+    operand is the float64 product ``f64·x``; the errors against it, and of it against the
+    exact ``f·x*`` (``given``), are those of papers/attention.md step 2'. Operands whose
+    enclosure leaves the scale format's range are recorded in ``ranges``.
+    """
+    num, scale, default_scale = setting.num, setting.scale, setting.default_scale
+    fmt = num.format_of("scale")
+    source = num.storage_format
+    u64 = 0.0
+    if default_scale and not is_power_of_four(q.shape[-1]):
+        u64 = compound(2.0**-53, over=(2.0**-53,))
+    f64 = scale
+    if num.scale == "qk":
+        f64 = math.sqrt(scale)
+        if fractions.Fraction(f64) ** 2 != fractions.Fraction(scale):
+            u64 = compound(u64, 2.0**-53)
+    f_hat, u_r, u_mul = scale_rounding(f64, fmt)
+    u_t = fmt.u if fmt.precision < source.precision else 0.0
+    theta = compound(u_r, u_t, u_mul)
+    up = abs(f64) * (1 + 2.0**-52)
+    eta = fmt.smallest_normal * (1 + up * (1 + u_r) * (1 + u_mul))
+    exact_product = power_of_two(f64)
+    g_prev = given if given is not None else (np.zeros_like(q), np.zeros_like(k), 0.0)
+
+    def scaled(x: np.ndarray, e: Any, g: Any, name: str) -> tuple[np.ndarray, Any, Any]:
+        xs = f64 * x
+        # the float64 product may itself be subnormal: an absolute 2^-1074 at most
+        rounding = (0.0 if exact_product else 2.0**-53 * np.abs(xs)) + 2.0**-1074
+        stored = np.abs(x) + e
+        ranges.check(stored, fmt, f"{name} read into the scale format", rows=name)
+        ranges.check(
+            abs(f_hat) * stored * (1 + u_t) + fmt.smallest_normal,
+            fmt,
+            f"{name} times the scale factor {f_hat:.4g}",
+            rows=name,
+        )
+        e_new = up * (theta * np.abs(x) + (1 + theta) * e) + rounding + eta
+        g_new = up * g / (1 - u64) + (u64 / (1 - u64)) * up * np.abs(x) + rounding
+        return xs, e_new, g_new
+
+    q, e_q, g_q = scaled(q, errors[0], g_prev[0], "q")
+    e_k, g_k = errors[1], g_prev[1]
+    if num.scale == "qk":
+        k, e_k, g_k = scaled(k, e_k, g_k, "k")
+    return q, k, (e_q, e_k, errors[2]), (g_q, g_k, g_prev[2])
+
+
+def operands_step(head: Head, num: Numerics, ranges: Ranges) -> Operands:
+    """Step 1. Operands: ``|q_used - q| <= e_q``, then the rounding into the operand format
+    (TF32) and the reading into the accumulation format; R.2: the operands read into the
+    operand and accumulation formats. ``head`` holds the (scaled) operands of step 2'."""
+    q, k, v = head.q, head.k, head.v
+    store = num.storage_format
+    u_op, eta_op = operand_error(num)
+    op = num.operand_rounding
+    fin = num.format_of("input")
+    f_q = num.format_of("scale") if num.scale != "scores" else store
+    f_k = num.format_of("scale") if num.scale == "qk" else store
+    bits_qk = (operand_bits(num, f_q), operand_bits(num, f_k))
+    bits_pv = (operand_bits(num, num.format_of("prob")), operand_bits(num, fin))
+    conv = {f: conversion_eta(num, op or f) for f in (f_q, f_k, store)}
+    e_q, e_k, e_v = head.errors
+    q_abs, k_abs = np.abs(q), np.abs(k)
+    q_used, k_used = q_abs + e_q, k_abs + e_k
+    e_q_op = e_q + u_op * q_used + eta_op + conv[f_q]
+    e_k_op = e_k + u_op * k_used + eta_op + conv[f_k]
+    v_abs = (1 + u_op) * (np.abs(v) + e_v) + eta_op + conv[store]
+    if op is not None:
+        # an operand the dot uses exactly (no error before the conversion) converts by its own
+        # rounding into the operand format: none for a value of that format (fp8 inputs at 448)
+        e_q_op = np.where(e_q == 0, rounding_error(q, op) + conv[f_q], e_q_op)
+        e_k_op = np.where(e_k == 0, rounding_error(k, op) + conv[f_k], e_k_op)
+        v_abs = np.where(e_v == 0, np.abs(v) + rounding_error(v, op) + conv[store], v_abs)
+    q_op, k_op = q_abs + e_q_op, k_abs + e_k_op
+    # R.2: the operands read into the operand and accumulation formats
+    for fmt, where in (
+        (op, "the dot's operand format"),
+        (num.format_of("accum"), "the accumulation format"),
+    ):
+        if fmt is not None:
+            ranges.check(q_op, fmt, f"q read into {where}", rows="q")
+            ranges.check(k_op, fmt, f"k read into {where}", rows="k")
+            ranges.check(v_abs, fmt, f"v read into {where}", cols=True)
+    return Operands(q_abs, k_abs, q_op, k_op, e_q_op, e_k_op, v_abs, bits_qk, bits_pv)
+
+
+def constant_step(setting: Setting, d_k: int, ranges: Ranges) -> Constant:
+    """Step 2. The constant: the float64 value of ``1/sqrt(d_k)`` (two float64 roundings unless
+    ``d_k = 4^m``) or the given scale, rounded once into the score format; the product by it
+    is exact when it is a normal power of two; a subnormal constant may be read as zero.
+    Folded (step 2''), ``c2 = fl_m(scale·log2 e)`` (:func:`_folded_constant`)."""
+    num, scale = setting.num, setting.scale
+    f_s, f_m = num.format_of("score"), num.format_of("softmax")
+    folded = num.folds_scale
+    c2_hat = math.nan
+    if folded:
+        c2_hat, u_c = _folded_constant(num, scale, ranges)
+        c_hat, u_mul = c2_hat / LOG2E, 0.0
+    else:
+        c_hat, u_c, u_mul = scale_rounding(scale, f_s)
+    if setting.default_scale and not is_power_of_four(d_k):
+        # irrational: fl(1/fl(sqrt(d))) = c(1+δ2)/(1+δ1) in float64, then rounded into F_score
+        u_c = compound(2.0**-53, u_c, over=(2.0**-53,))
+    if setting.loose_constant:
+        # the kernel forms its constant itself (scale·d_q·d_k, in float32): any value within three
+        # roundings of the exact one, and the product by it rounded
+        u_f = f_m.u if folded else f_s.u
+        u_c = max(u_c, compound(powers=((u_f, 3), (2.0**-53, 3))))
+        u_mul = u_mul if folded else u_f
+    theta = compound(f_s.u, u_c, u_mul)
+    return Constant(c_hat, c2_hat, u_c, u_mul, theta, folded)
+
+
+def _folded_constant(num: Numerics, scale: float, ranges: Ranges) -> tuple[float, float]:
+    """Step 2''. ``c2 = fl_m(scale·log2(e))``: the float64 product (one rounding), then rounded
+    into the softmax format; no product with the scores is stored (they stay unscaled).
+    exp2-scaled: the kernel's own ``fl_m(fl_m(scale)·fl_m(log2 e))``, three roundings.
+    Returns ``c2`` and its relative error; R.3'' flags a constant that breaks the kernel."""
+    f_m = num.format_of("softmax")
+    if num.exp_form == "exp2-scaled":
+        s_hat, u_s1, _ = scale_rounding(scale, f_m)
+        l_hat, u_l, _ = scale_rounding(LOG2E, f_m)
+        c2_hat, u_p, _ = scale_rounding(s_hat * l_hat, f_m)
+        u_c = compound(u_s1, u_l, u_p)
+        tiny_factor = min(abs(s_hat), abs(scale)) < f_m.smallest_normal
+    else:
+        c2_hat, u_c, _ = scale_rounding(scale * LOG2E, f_m)
+        tiny_factor = False
+    u_c = compound(2.0**-53, u_c)
+    form = num.exp_form
+    if c2_hat < 0:
+        # the shift is the maximum of the unscaled scores: the largest logit only for a
+        # positive scale; a masked or padding key's -inf·c2 is +inf
+        ranges.flag(
+            True,
+            f"{form} with the negative scale {scale:.4g}: the shift is the maximum of "
+            "the unscaled scores, and -inf·c2 is +inf",
+        )
+    elif tiny_factor or abs(c2_hat) < f_m.smallest_normal:
+        # R.3'': a c2 (or, exp2-scaled, its factor fl(scale)) that may be read as zero
+        # makes -inf·c2 (a masked or padding key) NaN, as in the kernels
+        ranges.flag(
+            True,
+            f"{form}: c2 = {c2_hat:.4g} or its factor fl(scale) is subnormal or zero in "
+            f"{f_m.name} and may be read as zero: -inf·c2 is NaN",
+        )
+    elif not math.isfinite(c2_hat):
+        ranges.flag(True, f"{form}: c2 = fl(scale·log2 e) overflows {f_m.name}")
+    return c2_hat, u_c

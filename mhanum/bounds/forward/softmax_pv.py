@@ -1,0 +1,614 @@
+"""Steps 4-7 of Theorem A.1 (papers/attention.md): the softmax of logits known to within ``δ``,
+its probabilities rounded, ``P·V`` and the output's last rounding, each a function."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from mhanum.bounds.factors import (
+    compound,
+    conversion_eta,
+    evaluation_rounding,
+    exp_and_sum_factors,
+    operand_error,
+    safe_weight_sums,
+    step_w_output,
+)
+from mhanum.bounds.forward.across_keys import logits_across_keys
+from mhanum.bounds.forward.along import along_term
+from mhanum.bounds.forward.evaluation import dot, logsumexp, on, times_expm1, weighted_expm1
+from mhanum.bounds.forward.extremes import direct_rows, extremes
+from mhanum.bounds.forward.stage import ALONG, PLAIN, PROJECTED, WHOLE, Context, Enclosure, Values
+from mhanum.formats import round_to
+from mhanum.units import Naive, Online, Safe
+
+__all__ = ["centred", "softmax_pv"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _PerKey:
+    """Step 4: the row maximum ``top``, the shifted logits ``sc``, ``p``, its extremes ``hi``
+    and ``lo`` over the box, ``log Σ e^{sc - δ}`` and the per-key deviations ``logits``."""
+
+    top: np.ndarray
+    sc: np.ndarray
+    p: np.ndarray
+    hi: np.ndarray
+    lo: np.ndarray
+    log_sum_lo: np.ndarray
+    logits: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _RowSum:
+    """Step 5 (and W): the exponentials' and sums' factors, the row sum's error ``t_safe``
+    (0 in a vacuous row), ``per_sum >= 1/(S(1 - T))`` and step W's bound ``whole``."""
+
+    x: Any
+    blocks: int
+    g_sum: Any
+    g_pv: Any
+    eta_pv: Any
+    lift: float
+    vacuous: Any
+    sound: Any
+    t_safe: Any
+    per_sum: Any
+    whole: tuple[Any, Any] | None
+    rescued: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Weights:
+    """Steps 5' and 6: the computed weights' deviations ``soft`` (with ``eta_soft``), their
+    relative part ``rel``, the roundings ``prob`` and ``operand_p``, the bound ``p_hat_hi`` on
+    the weights as ``P·V`` reads them, and A.3'''s keys (``rounding_keys``)."""
+
+    soft: Any
+    eta_soft: Any
+    rel: Any
+    prob: Any
+    operand_p: Any
+    p_hat_hi: Any
+    rounding_keys: tuple[np.ndarray, float, np.ndarray, float] | None
+
+
+def _per_key(enc: Enclosure) -> _PerKey:
+    """Step 4 (per key, Lemma 4). ``p̃_j = p_j e^{ε_j} / Σ_l p_l e^{ε_l}``, ``|ε_l| <= δ_l``,
+    grows with ``ε_j`` and falls with every other ``ε_l``, so its extremes over the box are
+    ``p_j e^{±δ_j} / (p_j e^{±δ_j} + Σ_{l≠j} p_l e^{∓δ_l})``."""
+    s, live = enc.s, enc.live
+    top = s.max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        sc = on(live, s - np.where(np.isfinite(top), top, 0.0), -np.inf)
+    p, p_tilde_hi, p_tilde_lo, log_sum_lo = extremes(sc, enc.delta, live)
+    logits = np.maximum(p_tilde_hi - p, p - p_tilde_lo)
+    return _PerKey(top, sc, p, p_tilde_hi, p_tilde_lo, log_sum_lo, logits)
+
+
+def _row_sum(enc: Enclosure, values: Values, ctx: Context, pk: _PerKey) -> _RowSum:
+    """Step 5: ``|ŝ_j - m| <= G_j`` for the computed maximum ``m`` in ``[lo, hi]`` (safe,
+    online), the exponentials' relative errors ``R_j = e^{x_j} - 1`` and the computed row sum's
+    relative error ``T``; step W and the naive softmax's flags (:func:`_vacuous_rows`)."""
+    num, live, sc, delta = ctx.num, enc.live, pk.sc, enc.delta
+    n = enc.s.shape[-1]
+    eta_m = num.format_of("softmax").smallest_normal
+    lo = on(live, sc - delta, -np.inf).max(axis=-1, keepdims=True)
+    hi = on(live, sc + delta, -np.inf).max(axis=-1, keepdims=True)
+    gap = on(live, np.maximum(hi - sc + delta, np.abs(sc + delta - lo)), 0.0)
+    if enc.fold is not None:
+        gap = gap + enc.fold
+    x, blocks, g_sum, g_pv, eta_pv = exp_and_sum_factors(num, n, gap, ctx.lam, values.bits_pv)
+    # prob_offset k: the unnormalised weights and their sums carry 2^k (the division cancels
+    # it), so every absolute underflow against them shrinks by 2^-k and every range grows by 2^k
+    lift = 2.0**num.prob_offset
+    x = np.broadcast_to(x, enc.s.shape)
+    with np.errstate(invalid="ignore"):
+        if isinstance(num.softmax_algorithm, Naive):
+            log_s_lo = pk.top + pk.log_sum_lo
+        else:
+            log_s_lo = np.maximum(0.0, pk.log_sum_lo - np.where(np.isfinite(hi), hi, 0.0))
+    # R_j = e^{x_j} - 1: the relative error of the computed (rescaled) exponential of key j.
+    x = on(live, x, 0.0)
+    with np.errstate(over="ignore"):
+        r_mean = weighted_expm1(pk.hi, x, live)
+        r_max = np.expm1(x.max(axis=-1, keepdims=True))
+    r_bar = np.minimum(r_mean, r_max)
+    with np.errstate(over="ignore"):
+        underflow = n * eta_m * np.exp(-log_s_lo) / lift
+        t_sum = compound(r_bar + underflow, g_sum) + underflow
+    vacuous = ~np.isfinite(t_sum) | (t_sum >= 1)
+    whole, rescued = _step_w(enc, values, ctx, gap, (g_sum, g_pv, eta_pv), vacuous)
+    vacuous = _vacuous_rows(enc, ctx, pk, hi, vacuous & ~rescued) | vacuous
+    sound = ~vacuous
+    t_safe = on(sound, t_sum, 0.0)
+    per_sum = np.exp(on(sound, -log_s_lo, 0.0)) / (1 - t_safe)
+    return _RowSum(
+        x, blocks, g_sum, g_pv, eta_pv, lift, vacuous, sound, t_safe, per_sum, whole, rescued
+    )
+
+
+def _step_w(
+    enc: Enclosure,
+    values: Values,
+    ctx: Context,
+    gap: Any,
+    factors: tuple[Any, Any, Any],
+    vacuous: Any,
+) -> tuple[tuple[Any, Any] | None, Any]:
+    """Step W: the safe softmax's output is bounded whatever the logit errors; a row whose
+    row sum step 5 cannot bound keeps that bound alone (its softmax term infinite). Returns
+    ``(P·V, output)`` bounds (``None`` unless safe) and the rows so rescued; R.5's check of
+    the row sum of the computed exponentials."""
+    num, live = ctx.num, enc.live
+    n = enc.s.shape[-1]
+    fm = num.format_of("softmax")
+    if not isinstance(num.softmax_algorithm, Safe):  # (prob_offset is online only)
+        return None, False
+    # (deterministic: it holds with probability 1, so also beside A.3's terms)
+    if ctx.lam is not None:
+        factors = exp_and_sum_factors(num, n, gap, None, values.bits_pv)[2:]
+    g_w, g_pv_w, eta_pv_w = factors
+    n_live = live.sum(axis=-1, keepdims=True)
+    _, row = safe_weight_sums(n_live, g_w, ctx.u_div, fm)
+    v_abs = values.v_abs
+    whole = step_w_output(
+        row, n_live, n, v_abs.max(axis=0, initial=0.0), v_abs.sum(axis=0), g_pv_w,
+        eta_pv_w, num,
+    )  # fmt: skip
+    rescued = vacuous & np.isfinite(whole[1]).all(axis=-1, keepdims=True)
+    # R.5: the row sum of the computed exponentials, each at most 1 + ε_e (Lemma W), in
+    # F_m (a pairwise sum of 2^16 float16 ones reaches inf; the output is then 0)
+    e_top = 1 + 2 * num.exp_ulps * fm.u
+    sum_upper = n_live * e_top * (1 + g_w) + n_live * fm.smallest_normal
+    ctx.ranges.check(sum_upper, fm, "the softmax's row sum", rows="q")
+    return whole, rescued
+
+
+def _vacuous_rows(enc: Enclosure, ctx: Context, pk: _PerKey, hi: Any, flagged: Any) -> Any:
+    """The rows step 5 cannot bound (``flagged``, term ``vacuous``) and, for the naive softmax,
+    those where exp or the row sum may overflow, or the row sum's reciprocal flush to zero:
+    XLA divides by the row sum as a product with its reciprocal, which flushes to zero once the
+    sum exceeds ``2^-emin`` of its carrier (papers/attention.md, step 5)."""
+    ctx.ranges.flag(
+        flagged,
+        "softmax: the computed row sum may be off by 100% (its error factor T >= 1)",
+        "vacuous",
+    )
+    if not isinstance(ctx.num.softmax_algorithm, Naive):
+        return False
+    fm = ctx.num.format_of("softmax")
+    top = pk.top
+    log_sum = top + logsumexp(pk.sc + enc.delta) + math.log(2)
+    carrier_emin = -1022 if fm.name == "float64" else -126  # the reciprocal's format
+    flush = log_sum >= -carrier_emin * math.log(2) - 1
+    over = (top + hi >= math.log(fm.max_finite) - 1) | (log_sum >= math.log(fm.max_finite))
+    ctx.ranges.flag(
+        over,
+        f"naive softmax: exp of an unshifted logit or the row sum may overflow {fm.name} "
+        f"(largest finite {fm.max_finite:.6g})",
+        "vacuous",
+    )
+    ctx.ranges.flag(
+        flush & ~over,
+        "naive softmax: the row sum may exceed 2^-emin of the reciprocal's format, which "
+        "then flushes to zero",
+        "vacuous",
+    )
+    return flush | over
+
+
+def _probabilities(enc: Enclosure, ctx: Context, pk: _PerKey, rs: _RowSum) -> _Weights:
+    """Steps 5' and 6: the computed weights and their roundings into the probability format
+    and the dot's operand format.
+
+    ``p̂_j = p̃_j(1 + ρ_j)(1 + ε_j)/(1 + τ)`` with the row sum's error ``τ`` common to the row,
+    so its share of ``Σ_j (p̂_j - p̃_j) v_j`` is at most ``T/(1 - T)·|Σ_j p̃_j ṽ_j|``, not
+    ``T/(1 - T)·Σ_j p̃_j |ṽ_j|``. Online there is no per-key division: the output's one
+    division is charged in the output's factor and term. Step 6: an absolute
+    ``min(p̂_j, η_p)`` only where ``p̂_j`` may lie below F_p's smallest normal number (0 is a
+    candidate of the rounding there).
+    """
+    num, lam, u_div = ctx.num, ctx.lam, ctx.u_div
+    ev_rel = evaluation_rounding(enc.s.shape[-1])  # float64 sums over the keys
+    f_p = num.format_of("prob")
+    u_p, eta_p = f_p.u, f_p.smallest_normal
+    eta_m = num.format_of("softmax").smallest_normal
+    u_op, eta_op = operand_error(num)
+    eta_op = eta_op + conversion_eta(num, num.operand_rounding or f_p)
+    online = isinstance(num.softmax_algorithm, Online)
+    y = rs.x + math.log1p(u_div) - np.log1p(-rs.t_safe)
+    soft = on(rs.sound, times_expm1(pk.hi, y), 0.0)  # vacuous rows: flagged
+    eta_soft = eta_m * (1 + u_div) * rs.per_sum / rs.lift + eta_m
+    soft += eta_soft
+    rel = on(rs.sound, times_expm1(pk.hi, rs.x + math.log1p(0.0 if online else u_div)), 0.0)
+    p_hat_hi = pk.hi + soft
+    rounding_keys: tuple[np.ndarray, float, np.ndarray, float] | None = None
+    if online:
+        per_sum = rs.per_sum
+        prob = u_p * p_hat_hi + (eta_p * per_sum + rs.blocks * eta_m * per_sum) / rs.lift
+    else:
+        p_hat_lo = pk.lo * (1 - ev_rel) - soft
+        normal_p = p_hat_lo >= eta_p
+        # (x + 0 = x: no pass where every p̂_j is normal)
+        below = np.where(normal_p, 0.0, np.minimum(p_hat_hi, eta_p))
+        prob = u_p * p_hat_hi if normal_p.all() else u_p * p_hat_hi + below
+        if lam is not None and num.dot_kind == "ieee":
+            # Theorem A.3'' (papers/attention.md): the relative roundings of p̂_j into F_p and
+            # the operand format, keys in their normal ranges, as one martingale per output
+            # entry with increments at most u·p̂_j·v̄_j; the other keys stay deterministic.
+            op_fmt = num.operand_rounding
+            normal = enc.live & normal_p
+            if op_fmt is not None:
+                normal = normal & (p_hat_lo * (1 - u_p) >= op_fmt.smallest_normal)
+            eta_conv = eta_op - (op_fmt.smallest_normal if op_fmt is not None else 0.0)
+            rounding_keys = (
+                np.where(normal, p_hat_hi, 0.0),
+                u_p**2 + (u_op * (1 + u_p)) ** 2,
+                normal,
+                eta_conv,
+            )
+    p_hat_hi = p_hat_hi + prob
+    operand_p = u_op * p_hat_hi + eta_op
+    p_hat_hi = p_hat_hi + operand_p
+    return _Weights(soft, eta_soft, rel, prob, operand_p, p_hat_hi, rounding_keys)
+
+
+def _pv_ranges(
+    enc: Enclosure, values: Values, ctx: Context, rs: _RowSum, w: _Weights, p_hat_v: Any
+) -> Any:
+    """R.5: the sums, and the ``P·V`` unit's underflow with its anchor; returns that
+    underflow. Online: every rescaled exponential is at most ``(1 + ε_e)(1 + u_m)`` per block,
+    so the running sum is below ``n·growth·(1 + g)`` and every partial ``P·V`` sum below
+    ``growth·(1 + g_pv)·Σ_j |v_j|``; safe and naive: the ``P·V`` partial sums stay below
+    ``(1 + g_pv)·p̂|v| + η``."""
+    num, ranges, v_abs = ctx.num, ctx.ranges, values.v_abs
+    n = enc.s.shape[-1]
+    online = isinstance(num.softmax_algorithm, Online)
+    fm, fa, f_p = (num.format_of(r) for r in ("softmax", "accum", "prob"))
+    u_op, _ = operand_error(num)
+    eta_pv = rs.eta_pv
+    if values.anchor:
+        # the P·V unit reads p̂ (online: unnormalised weights <= 1, divided by the sum later)
+        weights = n if online else w.p_hat_hi.sum(axis=-1, keepdims=True)
+        anchor = values.anchor
+        eta_pv = eta_pv + rs.g_pv * anchor * (weights + v_abs.sum(axis=0) + n * anchor)
+    rows_live = enc.live.any(axis=-1, keepdims=True)
+    if not online:
+        pv_upper = (1 + rs.g_pv) * (
+            p_hat_v if rs.sound.all() else np.where(rs.sound, w.p_hat_hi, 0.0) @ v_abs
+        )
+        pv_upper = pv_upper + eta_pv
+        if rs.whole is not None:
+            pv_upper = np.fmin(pv_upper, rs.whole[0])
+        ranges.check(pv_upper, fa, "P·V accumulated", entries=True)
+        return eta_pv
+    eps_e = 2 * num.exp_ulps * fm.u
+    growth = ((1 + eps_e) * (1 + fm.u) * (1 + fa.u) ** 2) ** (rs.blocks + 1)
+    # prob_offset: a computed exponential is at most e^lift_arg·(1 + ε_e), more than 2^k
+    # where fl(fl(m·c2) - k) rounds (|m·c2| past 2^p·k)
+    with np.errstate(over="ignore"):
+        lift_hi = rs.lift if enc.lift_arg is None else np.exp(enc.lift_arg)
+    ranges.check(
+        np.where(
+            rows_live,
+            lift_hi * n * growth * (1 + rs.g_sum) + n * rs.blocks * fm.smallest_normal,
+            0.0,
+        ),
+        fm,
+        "online softmax: the running sum",
+    )
+    if num.prob_offset:
+        # the lifted weights in the probability format, then the dot's operand format
+        lifted = np.where(rows_live, lift_hi * growth * (1 + f_p.u), 0.0)
+        for fmt in (f_p, num.operand_rounding):
+            if fmt is not None:
+                ranges.check(
+                    lifted * (1 + u_op),
+                    fmt,
+                    f"the exponentials lifted by 2^{num.prob_offset} (prob_offset)",
+                )
+    acc_upper = lift_hi * growth * (1 + f_p.u) * (1 + rs.g_pv) * v_abs.sum(axis=0) + eta_pv
+    for fmt in (fa, fm):
+        ranges.check(
+            np.where(rows_live, acc_upper, 0.0),
+            fmt,
+            "online softmax: the unnormalised P·V accumulator",
+            entries=True,
+        )
+    return eta_pv
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Output:
+    """The float64 output ``o = p v`` (``pl``: ``p`` on the live keys), ``p|v|``, its
+    evaluation error ``ev``, the values' errors ``v_extra`` and their centred bound ``v_dev``."""
+
+    pl: Any
+    o: Any
+    pv_abs: Any
+    ev: Any
+    v_extra: Any
+    v_dev: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Charges:
+    """What step 7's terms charge: the per-key deviations ``logits`` and their product
+    ``logits_v`` with the centred values, the weights, the softmax term, the last division's
+    ``u_last``, the ``P·V`` factor ``g_row`` and underflow ``eta_pv``, and ``p̂|v|``."""
+
+    logits: Any
+    logits_v: Any
+    w: _Weights
+    soft_term: Any
+    u_last: Any
+    g_row: Any
+    eta_pv: Any
+    p_hat_v: Any
+
+
+def _output(enc: Enclosure, values: Values, pk: _PerKey) -> _Output:
+    """The float64 output of the logits ``s`` and ``|ṽ_j - c|`` (:func:`centred`)."""
+    v, ev_rel = values.v, evaluation_rounding(enc.s.shape[-1])
+    pl = on(enc.live, pk.p, 0.0)
+    with np.errstate(invalid="ignore"):
+        o = pl @ v
+    v_extra = values.v_abs - np.abs(v)  # the values' errors (0 for values read exactly)
+    pv_abs = pl @ np.abs(v)
+    return _Output(pl, o, pv_abs, ev_rel * pv_abs, v_extra, centred(v, v_extra))
+
+
+def _charges(
+    values: Values,
+    ctx: Context,
+    pk: _PerKey,
+    rs: _RowSum,
+    w: _Weights,
+    out: _Output,
+    pv: tuple[Any, Any],
+) -> _Charges:
+    """Step 4, centred: ``Σ_j (p̃_j - p_j) = 0``, so the logits' part of the output is
+    ``Σ_j (p̃_j - p_j)(v_j - c)`` for the keys' median ``c``, at most ``Σ_j L_j |v_j - c|``;
+    step 5''s softmax term, at most ``Σ_j soft_j |ṽ_j|``. ``pv``: ``P·V``'s underflow and
+    ``p̂|v|``."""
+    v_abs, ev_rel = values.v_abs, evaluation_rounding(pk.p.shape[-1])
+    with np.errstate(over="ignore", invalid="ignore"):
+        # |Σ_j p̃_j ṽ_j| <= |o| + Σ_j |p̃_j - p_j| |v_j - c| + Σ_j p_j (v̄_j - |v_j|)
+        logits_v = pk.logits @ out.v_dev
+        o_tilde = (np.abs(out.o) + out.ev + logits_v + dot(out.pl, out.v_extra)) * (1 + ev_rel)
+        o_tilde = np.minimum(o_tilde, pk.hi @ v_abs)
+        inv = 1 / (1 - rs.t_safe)
+        soft_term = (
+            (w.rel @ v_abs) * inv + rs.t_safe * inv * o_tilde + w.eta_soft * v_abs.sum(axis=0)
+        )
+    soft_term = np.fmin(soft_term, w.soft @ v_abs)
+    eta_pv, p_hat_v = pv
+    return _Charges(pk.logits, logits_v, w, soft_term, ctx.u_div, rs.g_pv, eta_pv, p_hat_v)
+
+
+def _one_key_rows(
+    enc: Enclosure, values: Values, ctx: Context, ch: _Charges, out: _Output
+) -> _Charges:
+    """A row with one live key: ``ŝ_j - m = 0`` exactly, ``exp(0) = 1`` (assumption E of
+    M.5), the sum is 1 and ``1/1 = 1``, so ``p̂_j = 1``, and ``P·V`` sums the one exact
+    product ``1·v_j`` with zeros (a split dot still drops ``v_j``'s last piece: its factor
+    stays). Not with ``prob_offset``: the one key's weight is ``exp2(k)``, which XLA need not
+    return exactly."""
+    num, live = ctx.num, enc.live
+    single = live.sum(axis=-1, keepdims=True) == 1
+    if not (not isinstance(num.softmax_algorithm, Naive) and single.any() and not num.prob_offset):
+        return ch
+    w = ch.w
+    logits, soft, prob, operand_p = (
+        np.where(single, 0.0, x) for x in (ch.logits, w.soft, w.prob, w.operand_p)
+    )
+    rounding_keys = w.rounding_keys
+    if rounding_keys is not None:
+        w_keys, c2, normal, eta_conv = rounding_keys
+        rounding_keys = (np.where(single, 0.0, w_keys), c2, normal & ~single, eta_conv)
+    p_hat_hi = np.where(single, np.where(live, 1.0, 0.0), w.p_hat_hi)
+    w = dataclasses.replace(
+        w,
+        soft=soft,
+        prob=prob,
+        operand_p=operand_p,
+        p_hat_hi=p_hat_hi,
+        rounding_keys=rounding_keys,
+    )
+    eta_pv, g_row = ch.eta_pv, ch.g_row
+    if num.dot_kind != "split":
+        eta_pv = np.where(single, 0.0, eta_pv)
+        g_row = np.where(single, 0.0, g_row)
+    # the factors changed on the one-key rows
+    return _Charges(
+        logits,
+        logits @ out.v_dev,
+        w,
+        np.where(single, 0.0, ch.soft_term),
+        np.where(single, 0.0, ctx.u_div),  # acc / 1
+        g_row,
+        eta_pv,
+        p_hat_hi @ values.v_abs,
+    )
+
+
+def _terms(
+    values: Values, ctx: Context, rs: _RowSum, ch: _Charges, out: _Output, scale_out: Any
+) -> tuple[dict[str, Any], Any, Any]:
+    """Step 7: the terms (each carried through the output's rounding, ``scale_out``), and the
+    products ``prob·|v|`` and ``operand_p·|v|`` A.3'' compares with its martingale."""
+    num, v_abs, w = ctx.num, values.v_abs, ch.w
+    online = isinstance(num.softmax_algorithm, Online)
+    f_o = num.format_of("output")
+    u_o, eta_o = f_o.u, f_o.smallest_normal
+    eta_m = num.format_of("softmax").smallest_normal
+    u_op, eta_op = operand_error(num)
+    eta_op = eta_op + conversion_eta(num, num.operand_rounding or num.format_of("prob"))
+    prob_v = w.prob @ v_abs
+    # (no product where the operand format reads p̂ exactly: operand_p is 0 then)
+    op_v = w.operand_p @ v_abs if u_op or np.any(eta_op) else np.zeros_like(prob_v)
+    pv_under = ch.eta_pv * rs.per_sum / rs.lift if online else ch.eta_pv
+    o_abs = np.abs(out.o)
+    terms = {
+        "logits": scale_out * ch.logits_v,
+        "softmax": scale_out * ch.soft_term,
+        "probability_rounding": scale_out * prob_v,
+        "operands": scale_out * (op_v + dot(w.p_hat_hi, out.v_extra)),
+        "pv": scale_out * (ch.g_row * ch.p_hat_v + pv_under),
+        "output": (
+            u_o * o_abs + eta_o + ((1 + u_o) * (ch.u_last * o_abs + eta_m) if online else 0.0)
+        ),
+    }
+    return terms, prob_v, op_v
+
+
+def _rounding_martingale(
+    terms: dict[str, Any],
+    values: Values,
+    ctx: Context,
+    ch: _Charges,
+    out: _Output,
+    dets: tuple[Any, Any, Any],
+) -> None:
+    """Theorem A.3'' (papers/attention.md): where the martingale of the keys' relative
+    roundings into the probability and operand formats is smaller, it replaces them, and the
+    two terms share it as they share the deterministic charge (the choice depends on the
+    inputs only: one event per entry). ``dets``: ``prob·|v|``, ``operand_p·|v|`` and the
+    output's factor. Updates ``terms``."""
+    w, v_abs, lam = ch.w, values.v_abs, ctx.lam
+    if w.rounding_keys is None or lam is None:
+        return
+    prob_v, op_v, scale_out = dets
+    ev_rel = evaluation_rounding(ch.logits.shape[-1])
+    w_keys, c2, normal, eta_conv = w.rounding_keys
+    with np.errstate(over="ignore", invalid="ignore"):
+        mart = lam * np.sqrt(c2 * ((w_keys * w_keys) @ (v_abs * v_abs)))
+        kept_prob = np.where(normal, 0.0, w.prob) @ v_abs
+        kept_op = np.where(normal, eta_conv, w.operand_p) @ v_abs
+        det_prob, det_op = prob_v, op_v
+        det = det_prob + det_op
+        alt = (mart + kept_prob + kept_op) * (1 + ev_rel)
+        share = np.where(det > 0, det_prob / det, 1.0)
+    choose = alt < det
+    rest_v = dot(w.p_hat_hi, out.v_extra)
+    terms["probability_rounding"] = scale_out * np.where(choose, alt * share, det_prob)
+    terms["operands"] = scale_out * (np.where(choose, alt * (1 - share), det_op) + rest_v)
+
+
+def _nearest(terms: dict[str, Any], ctx: Context, out: _Output) -> Any:
+    """Step 7'. The last rounding is to nearest: the computed ``x`` (``|x - o*| <= E``, the
+    other terms) rounds to a value at least as close to ``x`` as any value ``r`` of the
+    format (plus ``η`` for a flush to zero), and ``r = fl(o)`` is within ``|fl(o) - o| + ε +
+    E`` of ``x`` (``ε``: ``o``'s own float64 error). Where ``o`` is (nearly) a value of the
+    format and ``E`` is below half its spacing, this is far below ``u|o|``."""
+    num, o, ev = ctx.num, out.o, out.ev
+    fm, f_o = num.format_of("softmax"), num.format_of("output")
+    eta_m, eta_o = fm.smallest_normal, f_o.smallest_normal
+    e_other = sum(terms[n] for n in terms if n != "output")
+    off_o = np.abs(round_to(o, f_o) - o) + ev
+    # a flush to zero departs from the nearest value only below the smallest normal number
+    low = np.abs(o) - ev - e_other  # <= |x|
+    if isinstance(num.softmax_algorithm, Online):  # y = fl_m(x), x = acc/l, then z = fl_o(y)
+        off_m = np.abs(round_to(o, fm) - o) + ev
+        flush_m = np.where(low < eta_m, eta_m, 0.0)
+        y_off = off_m + 2 * e_other + flush_m  # >= |y - o*|
+        flush_o = np.where(np.abs(o) - ev - y_off < eta_o, eta_o, 0.0)
+        return off_o + 2 * y_off - e_other + flush_o
+    return off_o + e_other + np.where(low < eta_o, eta_o, 0.0)
+
+
+def softmax_pv(
+    enc: Enclosure,
+    values: Values,
+    ctx: Context,
+    project: tuple[np.ndarray, np.ndarray] | None = None,
+    along: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """Steps 4-7 of A.1 (papers/attention.md) for logits ``enc.s`` off by at most ``enc.delta``.
+
+    ``fold`` (``exp_form="exp2-folded"``) is charged on ``gap + fold`` (step 5). ``across``
+    (Theorem A.3', with ``lam``) lists splits ``(b, δ')`` of the logits' errors: the roundings
+    in a martingale across the keys (increments bounded by ``b_ij``), and the rest of each
+    logit's error, at most ``δ'_ij``; the logits term is then the smallest of step 4's and
+    A.3''s for each split. The choice, entry by entry, depends on the inputs only, not on the
+    roundings, so each entry's bound is still one event. ``lift_arg`` (``prob_offset = k``)
+    is each row's largest argument of a lifted exponential, which the ranges of step R.5
+    take. ``project`` (A.2, step (c')) is ``(B, W)``: ``B_jm >= |v_j·ŵ_m - c_m|`` for the
+    output projection's weights ``ŵ`` as the kernel reads them and a constant ``c_m``, and
+    ``W >= |ŵ|``; the terms then carry ``Λ = L B + (κ - 1)(L|v|) W`` (``L`` the logits'
+    per-key deviations of step 4, ``κ`` the output's rounding factor), a bound on
+    ``|Σ_l (ô - o)^logits_l ŵ_lm|``. ``along`` (Theorem A.1g, deterministic only) is
+    ``(g, ḡ)``, one direction per query row with ``ḡ >= |g*|`` for the exact one: the terms
+    then carry, per row, the coupled bound on ``|Σ_c g*_c (ô_c - o_c)|`` less its entrywise
+    form ``Σ_c ḡ_c (terms)_c`` (``ALONG``).
+
+    Returns the terms (against the exact attention of these logits), its probabilities, the
+    computed row sum's relative error ``T`` (step 5; ``inf`` in a vacuous row), and ``(p v,
+    p|v|)`` where ``p`` was evaluated directly on every row (else ``None``); rows whose
+    softmax sum may be off by 100%, or (naive) may overflow or flush its reciprocal, and
+    sums that may overflow their format are recorded in ``ctx.ranges``. Everything is
+    evaluated on the logits shifted by the row maximum, so the float64 evaluation does not
+    lose accuracy with the logits' magnitude.
+    """
+    num, lam = ctx.num, ctx.lam
+    online = isinstance(num.softmax_algorithm, Online)
+    pk = _per_key(enc)
+    rs = _row_sum(enc, values, ctx, pk)
+    w = _probabilities(enc, ctx, pk, rs)
+    p_hat_v = w.p_hat_hi @ values.v_abs  # (taken once, while its factors hold)
+    eta_pv = _pv_ranges(enc, values, ctx, rs, w, p_hat_v)
+    out = _output(enc, values, pk)
+    ch = _charges(values, ctx, pk, rs, w, out, (eta_pv, p_hat_v))
+    ch = _one_key_rows(enc, values, ctx, ch, out)
+    scale_out = (1 + num.format_of("output").u) * ((1 + ctx.u_div) if online else 1.0)
+    terms, prob_v, op_v = _terms(values, ctx, rs, ch, out, scale_out)
+    _rounding_martingale(terms, values, ctx, ch, out, (prob_v, op_v, scale_out))
+    if enc.across is not None and lam is not None:
+        # the output's rounding carries this error as it carries the others (scale_out)
+        kept = terms["logits"]
+        for split in enc.across:
+            across_keys = logits_across_keys(
+                pk.p, enc.delta, values, enc.live, ch.logits, split, lam
+            )
+            kept = np.fmin(kept, scale_out * across_keys)
+        terms["logits"] = np.where(np.isnan(terms["logits"]), np.nan, kept)
+    nearest = _nearest(terms, ctx, out)
+    # the last rounding's plain bound (u_o|o| + η_o, and the online division's), which bounds
+    # |fl(x) - x| by itself: Theorem A.5' (shared logits) needs it; removed by the head
+    terms[PLAIN] = terms["output"]
+    terms["output"] = np.fmin(terms["output"], nearest)
+    # p = e/Σe on every row (the direct evaluation) is the exact softmax of these logits
+    # evaluated as the head evaluates it: its products with v and |v| are the head's
+    direct = (out.o, out.pv_abs) if direct_rows(enc.delta, enc.live).all() else None
+    if along is not None and lam is None:
+        # (online: the logits' bracket only)
+        rounding = np.zeros_like(ch.w.prob) if online else ch.w.prob + ch.w.operand_p
+        terms[ALONG] = along_term(along, values, ch.logits, rounding, ch.logits_v)
+    if rs.whole is not None:
+        terms[WHOLE] = rs.whole[1]
+        if np.any(rs.rescued):
+            terms["softmax"] = np.where(rs.rescued, np.inf, terms["softmax"])
+    if project is not None:
+        # A.2 (c'): Σ_j (p̃_j - p_j) = 0, so the logits' part of the output, through the
+        # projection, is Σ_j (p̃_j - p_j)(v_j·ŵ_m - c_m), each output entry's rounding
+        # (1 + δ_l) apart: at most L B + (κ - 1) Σ_l (L|v|)_l |ŵ_lm|
+        b_proj, w_abs = project
+        with np.errstate(over="ignore", invalid="ignore"):
+            terms[PROJECTED] = ch.logits @ b_proj + (scale_out - 1) * (ch.logits_v @ w_abs)
+    return terms, pk.p, np.where(rs.vacuous, np.inf, rs.t_safe), direct
+
+
+def centred(v: np.ndarray, v_extra: np.ndarray) -> np.ndarray:
+    """``|v_j - c| + e_j`` (with the float64 subtraction's rounding) for ``c`` the median of
+    ``v`` over the keys, per column: a bound on ``|ṽ_j - c|`` for any ``|ṽ_j - v_j| <= e_j``.
+    Every ``c`` will do where the weights' deviations sum to zero (step 4); the median makes
+    ``Σ_j |v_j - c|`` least, and removes what the values share (a bias of the projection)."""
+    with np.errstate(invalid="ignore"):
+        finite = np.where(np.isfinite(v), v, 0.0)
+        centre = np.median(finite, axis=-2, keepdims=True)
+        return np.abs(v - centre) * (1 + 2.0**-51) + v_extra

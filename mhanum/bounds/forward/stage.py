@@ -1,0 +1,149 @@
+"""What the stages of Theorem A.1 pass on (papers/attention.md, steps 0-7): one head's inputs
+and setting, the logits' enclosure handed to the softmax, the values as the ``P·V`` dot reads
+them, and the names of the side terms a stage carries out with its terms."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from mhanum.bounds.forward.ranges import Ranges
+from mhanum.numerics import Numerics
+
+__all__ = [
+    "ALONG",
+    "PLAIN",
+    "PROJECTED",
+    "WHOLE",
+    "Context",
+    "Enclosure",
+    "Head",
+    "Setting",
+    "Values",
+]
+
+PLAIN = "output:plain"  # the plain output term, carried with the logits' parts out of a head
+# A.2: the logits term through the output projection's weights (step (c')), carried likewise
+PROJECTED = "logits:projected"
+# Theorem A.1g: the output's error along a direction g per row, less its entrywise form
+ALONG = "along:coupled"
+# Step W: the computed output's magnitude, whatever the logit errors (safe softmax)
+WHOLE = "output:whole"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Head:
+    """One head's inputs, 2-D (papers/attention.md, A.1; A.2 step (b)).
+
+    ``keep`` marks the attended keys (the exact attention's), ``bias`` is finite where ``keep``.
+    ``masked`` (only for a finite masking constant) marks the keys the mask excludes (step 3');
+    ``replaced`` the logits the mask replaces by a constant (their scores never reach the
+    softmax). ``errors`` bound ``|q_used - q|`` etc., the operands the dots read before any
+    operand-format rounding (step 1); ``given`` bounds the errors of the float64 ``q, k, v``
+    themselves against the exact values (A.2: float64 projections; the scale on q and k).
+    ``project`` (A.2, step (c')) and ``along`` (A.1g) couple the logits' errors through the
+    output projection's weights and along a direction per row (:func:`softmax_pv`).
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    keep: np.ndarray
+    errors: tuple[Any, Any, Any]
+    bias: np.ndarray | None = None
+    given: tuple[Any, Any, Any] | None = None
+    masked: np.ndarray | None = None
+    replaced: np.ndarray | None = None
+    project: tuple[np.ndarray, np.ndarray] | None = None
+    along: tuple[np.ndarray, np.ndarray] | None = None
+
+    def rows(self, sl: slice) -> Head:
+        """The query rows ``sl`` of this head (the keys and values enter every row alike)."""
+        n = self.q.shape[-2]
+
+        def cut(x: Any) -> Any:
+            if isinstance(x, np.ndarray) and x.ndim >= 2 and x.shape[-2] == n:
+                return x[..., sl, :]
+            return x
+
+        e, g, a = self.errors, self.given, self.along
+        return dataclasses.replace(
+            self,
+            q=cut(self.q),
+            keep=cut(self.keep),
+            bias=cut(self.bias),
+            errors=(cut(e[0]), e[1], e[2]),
+            given=None if g is None else (cut(g[0]), g[1], g[2]),
+            masked=cut(self.masked),
+            replaced=cut(self.replaced),
+            along=None if a is None else (cut(a[0]), cut(a[1])),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """How one head is computed: the numerics, the scale (``default_scale``: ``1/sqrt(d_k)``,
+    irrational unless ``d_k = 4^m``), ``lam`` (A.3), the soft-cap (step 3c) and
+    ``loose_constant`` (fp8 descaling: the scale constant charged as up to three roundings of
+    its format, and its product as rounded, whatever value the kernel's constant takes)."""
+
+    num: Numerics
+    scale: float
+    default_scale: bool
+    lam: float | None = None
+    softcap: float | None = None
+    loose_constant: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Enclosure:
+    """The logits as steps 4-7 take them: ``s`` (``-inf`` where not live) off by at most
+    ``delta``; ``fold`` the part of ``delta`` the exponent's argument carries beyond
+    ``|ŝ_j - m|`` (step 3''), ``across`` A.3''s splits ``(b, δ')`` of the errors, ``lift_arg``
+    each row's largest argument of a lifted exponential (``prob_offset``, step 3'')."""
+
+    s: np.ndarray
+    delta: np.ndarray
+    live: np.ndarray
+    fold: np.ndarray | None = None
+    across: list[tuple[np.ndarray, np.ndarray]] | None = None
+    lift_arg: np.ndarray | None = None
+
+    def keys(self, cut: slice) -> Enclosure:
+        """The keys ``cut`` (a split of split-KV, A.6)."""
+        return Enclosure(
+            self.s[:, cut],
+            self.delta[:, cut],
+            self.live[:, cut],
+            None if self.fold is None else self.fold[:, cut],
+            None if self.across is None else [(b[:, cut], d[:, cut]) for b, d in self.across],
+            self.lift_arg,
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Values:
+    """The values as ``P·V`` reads them (step 1): ``v`` and ``v_abs >= |ṽ|``, the operand bits
+    of the probabilities and the values, and the tensor-core unit's anchor (0 for none)."""
+
+    v: np.ndarray
+    v_abs: np.ndarray
+    bits_pv: tuple[int, int]
+    anchor: float
+
+    def keys(self, cut: slice) -> Values:
+        """The values of the keys ``cut``."""
+        return Values(self.v[cut], self.v_abs[cut], self.bits_pv, self.anchor)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Context:
+    """What every stage of steps 4-7 reads: the numerics, ``lam`` (A.3), the division's
+    relative error and the range record the stages add to."""
+
+    num: Numerics
+    lam: float | None
+    u_div: float
+    ranges: Ranges
