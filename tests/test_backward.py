@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mhanum import InvalidArgument, reference
-from mhanum.bounds.attention import attention_bound
+from mhanum.bounds.forward import attention_bound
 from mhanum.bounds.backward import attention_grad_bound, dq_order_difference
 from mhanum.emulate.backward import attention_grad
 from mhanum.formats import round_to
@@ -608,7 +608,7 @@ def test_the_output_rounding_is_charged_on_the_gradient_not_its_magnitude_sum(ba
 def test_pair_sums_enclose_the_direct_sum(seed, n, ties):
     # Step 6′'s Σ_{l≠j} w_l |a_j + a_l| by one sort per row: never below the direct O(n²) sum,
     # and above it by no more than its float64 allowance (4n + 16)u64 on the magnitudes
-    from mhanum.bounds.backward import _pair_sums
+    from mhanum.bounds.backward.gradients import _pair_sums
 
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((3, n)) * 2.0 ** rng.integers(-30, 30, (3, 1))

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from threadpoolctl import ThreadpoolController, threadpool_limits
 
-import mhanum.bounds.attention as attention_module
-import mhanum.bounds.backward as backward_module
+import mhanum.bounds.backward.b1 as b1_module
+import mhanum.bounds.backward.mha as mha_grad_module
+import mhanum.bounds.backward.order_difference as order_module
+import mhanum.bounds.forward.head as head_module
 import mhanum.reference._fastref as fastref_module
 from mhanum import reference
 from mhanum.bounds import (
@@ -36,8 +38,10 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     double-double reference, starts."""
     calls: list[list[int]] = []
     for module, name in (
-        (attention_module, "_head"),
-        (backward_module, "_bound"),
+        (head_module, "evaluate_head"),
+        (b1_module, "gradient_bounds"),
+        (order_module, "gradient_bounds"),
+        (mha_grad_module, "gradient_bounds"),
         (fastref_module, "attention"),
         (fastref_module, "multi_head_attention"),
     ):

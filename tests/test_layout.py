@@ -85,7 +85,7 @@ def test_no_private_name_is_imported_across_modules(path):
 
 def test_the_rule_catches_what_it_forbids(tmp_path, monkeypatch):
     bad = ROOT / "bounds" / "heads.py"
-    source = "from mhanum.bounds.attention import _head\nfrom mhanum.reference import _dd\n"
+    source = "from mhanum.bounds.forward.head import _logits\nfrom mhanum.reference import _dd\n"
     monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source)
     assert len(_violations(bad)) == 2
     ok = ROOT / "reference" / "_fastref.py"

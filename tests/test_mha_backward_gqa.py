@@ -235,7 +235,7 @@ def test_torch_grouped_layer_autograd_is_within_theorem_b6(kv_heads):
 def test_a_group_sum_that_may_overflow_makes_its_gradients_infinite_with_the_reason():
     """Two float16 heads' ``dK`` near 40,000 each: their sum may pass float16's 65,504, so the
     bound of every gradient it reaches is ``inf``, and the reason names the sum."""
-    from mhanum.bounds.backward import _group_sum
+    from mhanum.bounds.backward.mha import _group_sum
 
     hit: dict[str, list[str]] = {}
 

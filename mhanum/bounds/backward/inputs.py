@@ -1,0 +1,157 @@
+"""The inputs of Theorems B.1/B.2, and the context every step of their proof reads
+(papers/backward.md, step 1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from mhanum import masks
+from mhanum._errors import InvalidArgument
+from mhanum.bounds.enclosure import GRADIENTS, U64, Dot, Ranges, read_error
+from mhanum.bounds.factors import compound, is_power_of_four, rounding_error
+from mhanum.formats import Format
+from mhanum.numerics import Backward, Numerics
+from mhanum.problem import AttentionProblem
+
+__all__ = ["Context", "Inputs", "Operands", "inputs", "operands_step"]
+
+
+class Inputs(NamedTuple):
+    """The float64 inputs of Theorem B.1: the stand-ins ``q, k, v, g`` (``g`` is ``d_out``),
+    the attended keys ``keep``, the bias, the scale ``c64`` with its float64 rounding ``u64``;
+    with multi-head attention (B.6), how far the stand-ins are from the exact operands."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    g: np.ndarray
+    keep: np.ndarray
+    bias: np.ndarray | None
+    c64: float
+    u64: float
+    sink: bool = False
+    # multi-head attention's heads (Theorem B.6): the float64 q, k, v, d_out are stand-ins off
+    # the exact ones by ``given``; the computed ones, before they are read into the input
+    # format, are off the exact ones by ``errors`` and stored in the formats ``sources``
+    given: tuple[np.ndarray, ...] | None = None
+    errors: tuple[np.ndarray, ...] | None = None
+    sources: tuple[Format, ...] | None = None
+    # |Ô - O|, its reasons, and (or None) A.1g's bound along g per row
+    forward: tuple[np.ndarray, tuple[str, ...], np.ndarray | None] | None = None
+    cap: float | None = None  # the logit soft-cap
+    scale: float | None = None  # the scale as given (None: 1/sqrt(d_k), rounded in float64)
+
+
+def inputs(p: AttentionProblem, num: Numerics) -> Inputs:
+    """The float64 inputs of Theorem B.1 for the backward problem ``p`` (``p.d_out`` given),
+    broadcast to its batch, with the attended keys and the sink's key and value appended."""
+    num.check_problem(p)
+    batch, target, cap = p.batch, p.scores, p.softcap
+    q, k, v, g = (
+        np.broadcast_to(np.asarray(x, np.float64), (*batch, *x.shape[-2:]))
+        for x in (p.q, p.k, p.v, p.d_out)
+    )
+    keep = masks.dense(p.mask, target)
+    if p.mask is not None and not math.isinf(num.mask_constant()):
+        msg = (
+            "numerics.mask_value: the backward bound (Theorem B.1) needs -inf masking, got "
+            f"{num.mask_value!r}"
+        )
+        raise InvalidArgument(msg)
+    b = None
+    if p.bias is not None:
+        b = np.broadcast_to(np.asarray(p.bias, np.float64), target)
+        keep = keep & np.isfinite(b)
+        b = np.where(keep, b, 0.0)
+    if p.sink is not None:  # one more key: k = v = 0, bias σ, never masked
+        k, v, keep2, b = masks.with_sink(q, k, v, keep, b, p.sink)
+        keep = np.ones(b.shape, bool) if keep2 is None else np.asarray(keep2, bool)
+        q, g = (np.broadcast_to(x, (*b.shape[:-2], *x.shape[-2:])) for x in (q, g))
+    if not keep.any(axis=-1).all():
+        msg = "mask: expected every row to attend some key (an empty softmax has no gradient)"
+        raise InvalidArgument(msg)
+    c64 = p.scale_value(num.scale)
+    u64 = 0.0
+    if p.scale is None and not is_power_of_four(q.shape[-1]):
+        u64 = compound(U64, over=(U64,))  # 1/sqrt(d): two float64 roundings
+    return Inputs(q, k, v, g, keep, b, c64, u64, p.sink is not None, cap=cap, scale=p.scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What every step of B.1/B.2 reads: the inputs, the numerics, the backward algorithm,
+    ``λ`` (B.5, or ``None``), the ranges every step records into and B.0's dot."""
+
+    x: Inputs
+    num: Numerics
+    bw: Backward
+    lam: float | None
+    rng: Ranges
+    dot: Dot
+
+    @classmethod
+    def of(cls, x: Inputs, num: Numerics, bw: Backward, lam: float | None) -> Context:
+        """A fresh context: no stage checked yet."""
+        return cls(x, num, bw, lam, Ranges(), Dot(num))
+
+    @property
+    def flash(self) -> bool:
+        """FlashAttention-2 (Theorem B.2), or the textbook backward (B.1)."""
+        return self.bw.algorithm == "flash2"
+
+    @property
+    def grad(self) -> Format:
+        """The gradient format."""
+        return self.bw.formats(self.num)[0]
+
+    @property
+    def dsf(self) -> Format:
+        """The format ``dS`` is rounded to for the last dots."""
+        return self.bw.formats(self.num)[1]
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        """``(L_q, n, d_k, d_v)``, ``n`` the keys (a sink's included)."""
+        return self.x.q.shape[-2], self.x.k.shape[-2], self.x.q.shape[-1], self.x.v.shape[-1]
+
+    def fmt(self, role: str) -> Format:
+        """The numerics' format of ``role`` (``"input"``, ``"accum"``, ``"score"`` ...)."""
+        return self.num.format_of(role)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operands:
+    """Step 1's enclosures of ``q``, ``k``, ``v`` and ``d_out`` (keyed by those names):
+    ``err >= |x̂ - x|`` of the operand in the input format, ``rad >= |x̃ - x|`` of the float64
+    stand-in (``None``: exact), ``mag = |x̃|`` and ``up >= |x|``."""
+
+    err: dict[str, np.ndarray]
+    rad: dict[str, np.ndarray | None]
+    mag: dict[str, np.ndarray]
+    up: dict[str, np.ndarray]
+
+
+def operands_step(ctx: Context) -> Operands:
+    """Step 1 (papers/backward.md): the inputs rounded into the input format; B.6: computed
+    operands, off the exact ones by ``errors``, read into it from their storage formats."""
+    x, fin, rng = ctx.x, ctx.fmt("input"), ctx.rng
+    e: dict[str, np.ndarray] = {}
+    rad: dict[str, np.ndarray | None] = {}
+    arrays = (("q", x.q), ("k", x.k), ("v", x.v), ("d_out", x.g))
+    for i, (name, arr) in enumerate(arrays):
+        if x.errors is None or x.given is None or x.sources is None:
+            rad[name] = None
+            rng.check(np.abs(arr), fin, f"{name} rounded to the input format", GRADIENTS)
+            e[name] = rounding_error(arr, fin)
+        else:  # B.6: a computed operand, off the exact one by errors[i], read into fin
+            rad[name] = x.given[i]
+            used = np.abs(arr) + x.given[i] + x.errors[i]
+            rng.check(used, fin, f"{name} read into the input format", GRADIENTS)
+            e[name] = x.errors[i] + read_error(used, x.sources[i], fin)
+    mag = {name: np.abs(arr) for name, arr in arrays}
+    up = {name: m if rad[name] is None else m + rad[name] for name, m in mag.items()}
+    return Operands(e, rad, mag, up)

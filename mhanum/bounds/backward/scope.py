@@ -1,0 +1,107 @@
+"""What every backward theorem states (papers/backward.md): its assumptions, its scope
+(the numerics it covers), the results it returns, and how a gradient's terms become a
+:class:`~mhanum.bounds.Bound`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+from mhanum._errors import InvalidArgument
+from mhanum.bounds._result import Bound
+from mhanum.bounds.enclosure import Ranges
+from mhanum.bounds.factors import union_failure
+from mhanum.bounds.forward import PROBABILISTIC
+from mhanum.numerics import Backward, Numerics
+
+__all__ = ["ASSUMPTIONS", "GradientBounds", "Statement", "check_scope"]
+
+ASSUMPTIONS = (
+    "round-to-nearest; a rounding into F is x(1+δ)+η, |δ| <= u_F, |η| <= 2^emin_F (flush-to-zero)",
+    "exp and log in the softmax format within exp_ulps ulps, division within div_ulps ulps",
+    "every dot on the numerics' dot unit in its summation order (Theorem S.0 / R.5 / T.2)",
+    "masked keys excluded exactly (-inf masking); the scale on the scores",
+    "float64 evaluation of the bound: numpy's exp and log within 1 ulp, sums within γ_n",
+    (
+        "no overflow: proved on the given values stage by stage; where it cannot be, the "
+        "gradient is inf with Bound.reasons"
+    ),
+)
+
+
+class GradientBounds(NamedTuple):
+    """The bounds of one backward pass, one :class:`Bound` per gradient (each shaped like it),
+    and ``stages``: componentwise bounds on the error of the intermediates every gradient reads
+    (``P``, the probabilities each gradient's stage uses; ``dP``, ``D`` and ``dS``), so that a
+    user sees where the error enters; with a sink, ``dsink``."""
+
+    dq: Bound
+    dk: Bound
+    dv: Bound
+    dbias: Bound
+    stages: dict[str, np.ndarray]
+    dsink: Bound | None = None
+
+
+def check_scope(num: Numerics, bw: Backward) -> None:
+    """Refuses, by name, numerics the backward theorems do not cover."""
+    bw.check_forward(num)
+    if num.softmax_kind == "naive":
+        msg = (
+            "numerics.softmax: the backward bound covers the 'safe' and 'online(B)' softmax, "
+            f"got {num.softmax!r}"
+        )
+        raise InvalidArgument(msg)
+    if num.format_of("score").precision > num.format_of("softmax").precision:
+        msg = (
+            "numerics.score_format: the backward bound needs a score format no wider than the "
+            f"softmax format, got {num.score_format} and {num.format_of('softmax').name}"
+        )
+        raise InvalidArgument(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Statement:
+    """A theorem's statement as each of its bounds carries it: the theorem, its assumptions,
+    the probability with which every bound holds (1, or B.5/B.8's union bound over ``chains``
+    with ``λ = lam``) and the float64 evaluation's widening ``ev``."""
+
+    theorem: str
+    assumptions: tuple[str, ...]
+    probability: float = 1.0
+    lam: float | None = None
+    ev: float = 1.0
+
+    @classmethod
+    def of(
+        cls, theorem: str, lam: float | None, chains: int, num: Numerics, ev: float = 1.0
+    ) -> Statement:
+        """The deterministic ``theorem``, or its probabilistic variant with ``λ = lam``
+        (``theorem`` is then the probabilistic one's number)."""
+        if lam is None:
+            return cls(theorem, ASSUMPTIONS, 1.0, None, ev)
+        stated = max(0.0, 1.0 - union_failure(lam, chains, num))
+        return cls(theorem, (*ASSUMPTIONS, PROBABILISTIC), stated, lam, ev)
+
+    def bound(self, name: str, terms: dict[str, np.ndarray], rng: Ranges) -> Bound:
+        """The bound of the gradient ``name`` from its terms (broadcast together and widened
+        by ``ev``): ``inf`` wherever a term is NaN, everywhere where a stage that reaches it
+        may overflow (``rng``), with the reasons where it is not finite."""
+        shape = np.broadcast_shapes(*(np.shape(t) for t in terms.values()))
+        terms = {key: np.broadcast_to(val, shape) * self.ev for key, val in terms.items()}
+        total = sum(terms.values())
+        total = np.where(np.isnan(total), np.inf, total)
+        if rng.hit[name]:
+            total = np.full(shape, np.inf)
+        return Bound(
+            total=total,
+            terms=terms,
+            theorem=self.theorem,
+            assumptions=self.assumptions,
+            source="dao2023",
+            probability=self.probability,
+            reasons=tuple(rng.reasons) if rng.hit[name] or not np.isfinite(total).all() else (),
+            lam=self.lam,
+        )
