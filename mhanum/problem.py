@@ -36,6 +36,7 @@ from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.params import MHAParams
+from mhanum.rope import Rope, check_positions
 
 __all__ = ["AttentionProblem", "MHAProblem", "checked_bias"]
 
@@ -60,6 +61,12 @@ class AttentionProblem:
         descale: ``None`` or fp8 descale factors ``(d_q, d_k, d_v)``, float32 numbers ``> 0``.
         d_out: ``None``, or for a backward pass the output's cotangent ``(..., Lq, d_v)``, as
             given; its batch dimensions join :attr:`batch`.
+        rope: ``None`` or the :class:`mhanum.rope.Rope` a kernel rotates ``q`` and ``k`` with
+            before the scores (papers/rope.md); ``q`` and ``k`` are then the kernel's inputs
+            before the rotation, values of ``rope.rotation_format``.
+        positions: with ``rope``, the positions of the queries and of the keys (int64 arrays of
+            lengths ``Lq`` and ``Lk``); by default the keys' are ``0..Lk-1`` and the queries are
+            the last ``Lq`` of them (a decoding step's alignment).
     """
 
     q: Any
@@ -73,6 +80,8 @@ class AttentionProblem:
     softcap: float | None = None
     descale: tuple[float, float, float] | None = None
     d_out: Any = None
+    rope: Rope | None = None
+    positions: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def of(
@@ -88,6 +97,8 @@ class AttentionProblem:
         softcap: Any = None,
         descale: Any = None,
         d_out: Any = None,
+        rope: Any = None,
+        positions: Any = None,
     ) -> AttentionProblem:
         """The problem of these arguments, each checked once against the others.
 
@@ -97,7 +108,8 @@ class AttentionProblem:
                 keys are ``k``'s), batch dimensions that do not broadcast, a mask that is not
                 boolean or a band, a bias with NaN or ``+inf``, a mask, bias or sink that would
                 enlarge the batch, a scale, soft-cap or descale that is not a finite number of
-                the kind expected.
+                the kind expected, a rope that is not a :class:`mhanum.rope.Rope` or wider
+                than ``d_k``, positions without a rope or that do not fit.
         """
         q, k, v = (V.float_array(x, n, min_ndim=2) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         _check_shapes_chain(q, k, v)
@@ -120,6 +132,8 @@ class AttentionProblem:
             softcap=V.softcap_value(softcap),
             descale=V.descale_value(descale),
             d_out=d_out,
+            rope=_rope(rope, q.shape[-1]),
+            positions=_positions(positions, rope, q.shape[-2], k.shape[-2]),
         )  # fmt: skip
 
     @property
@@ -289,6 +303,52 @@ def checked_bias(bias: Any, scores: tuple[int, ...]) -> Any:
     V.check_finite(arr, "bias", allow_neg_inf=True)
     V.check_broadcastable_to(arr, "bias", scores)
     return arr
+
+
+def _rope(rope: Any, d_k: int) -> Rope | None:
+    if rope is None:
+        return None
+    if not isinstance(rope, Rope):
+        msg = f"rope: expected a mhanum.rope.Rope, got {type(rope).__name__}"
+        raise InvalidArgument(msg)
+    if rope.dim > d_k:
+        msg = f"rope: expected a rotary dimension of at most d_k = {d_k}, got {rope.dim}"
+        raise InvalidArgument(msg)
+    return rope
+
+
+def _positions(
+    positions: Any, rope: Any, q_len: int, k_len: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The queries' and the keys' positions: given as a pair, as one array for both (``Lq =
+    Lk``), or by default the keys ``0..Lk-1`` and the queries the last ``Lq`` of them."""
+    if rope is None:
+        if positions is not None:
+            msg = "positions: expected only with rope= (the positions of a rotary embedding)"
+            raise InvalidArgument(msg)
+        return None
+    if positions is None:
+        if q_len > k_len:
+            msg = (
+                f"positions: expected them given when there are more queries ({q_len}) than "
+                f"keys ({k_len})"
+            )
+            raise InvalidArgument(msg)
+        keys = np.arange(k_len)
+        pair = (keys[k_len - q_len :], keys)
+    elif isinstance(positions, tuple) and len(positions) == 2:
+        pair = positions
+    elif q_len == k_len:
+        pair = (positions, positions)
+    else:
+        msg = f"positions: expected a pair (queries', keys') for Lq = {q_len} != Lk = {k_len}"
+        raise InvalidArgument(msg)
+    q_pos, k_pos = (check_positions(x, rope) for x in pair)
+    for got, want, name in ((q_pos, q_len, "queries"), (k_pos, k_len, "keys")):
+        if got.shape != (want,):
+            msg = f"positions: expected {want} positions of the {name}, got {got.shape[0]}"
+            raise InvalidArgument(msg)
+    return q_pos, k_pos
 
 
 def _sink(sink: Any, batch: tuple[int, ...]) -> Any:

@@ -43,6 +43,7 @@ __all__ = [
     "Rope",
     "angles",
     "apply_rope",
+    "check_positions",
     "exact_inv_freq",
     "inv_freq_enclosure",
     "reference_rope",

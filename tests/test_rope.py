@@ -198,6 +198,64 @@ def test_the_bound_holds_for_transformers_rope_and_is_not_vacuous() -> None:
         assert np.median(bound[hit] / err[hit]) <= 40, fmt
 
 
+@pytest.mark.parametrize(
+    ("preset", "fmt"),
+    [("fp32", "float32"), ("bf16-fp32acc", "bfloat16"), ("fp16-fp32acc", "float16")],
+)
+@pytest.mark.parametrize("base", [1e4, 5e5])
+def test_attention_with_rope_is_within_theorem_a1_with_p1(
+    preset: str, fmt: str, base: float
+) -> None:
+    """``attention_bound(..., rope=)``: the emulated kernel (rotation as the Rope states, then
+    the attention's numerics) is within the bound of the exact attention of the exactly
+    rotated inputs, at positions past 2^12 and for a decoding step (one query, the last
+    position); against the reference of the float64 rotation, whose distance to the exact one
+    is the bound's ``evaluation`` term (Lemma P.3)."""
+    import mhanum
+    from mhanum import reference
+    from mhanum.bounds import attention_bound
+
+    rng = np.random.default_rng(int(base) % 97)
+    q, k, v = (round_to(rng.standard_normal((32, 16)), fmt) for _ in range(3))
+    rope = Rope(dim=16, base=base, table_format=fmt, rotation_format=fmt)
+    cases = [
+        ((np.arange(4096, 4128), np.arange(4096, 4128)), q),
+        (None, q[-1:]),  # a decoding step: the query is the last key's position
+    ]
+    for positions, queries in cases:
+        out = mhanum.attention(queries, k, v, numerics=preset, rope=rope, positions=positions)
+        b = attention_bound(queries, k, v, numerics=preset, rope=rope, positions=positions)
+        pos = positions or (np.arange(31, 32), np.arange(32))
+        q64, k64 = reference_rope(queries, pos[0], rope)[0], reference_rope(k, pos[1], rope)[0]
+        exact = reference.attention(q64, k64, v)
+        err = np.abs(np.asarray(out, np.float64) - exact)
+        assert np.all(err <= b.total + b.terms["evaluation"] + 2.0**-52 * np.abs(exact))
+
+
+def test_rope_arguments_are_checked_with_the_problem() -> None:
+    from mhanum.problem import AttentionProblem
+
+    x = np.ones((4, 8))
+    with pytest.raises(InvalidArgument, match=r"rope: expected a mhanum\.rope\.Rope, got dict"):
+        AttentionProblem.of(x, x, x, rope={"dim": 8})
+    with pytest.raises(
+        InvalidArgument, match="rope: expected a rotary dimension of at most d_k = 8"
+    ):
+        AttentionProblem.of(x, x, x, rope=Rope(dim=16))
+    with pytest.raises(InvalidArgument, match="positions: expected only with rope="):
+        AttentionProblem.of(x, x, x, positions=np.arange(4))
+    with pytest.raises(
+        InvalidArgument, match="positions: expected 4 positions of the queries, got 3"
+    ):
+        AttentionProblem.of(x, x, x, rope=Rope(dim=8), positions=np.arange(3))
+    with pytest.raises(InvalidArgument, match=r"positions: expected a pair \(queries', keys'\)"):
+        AttentionProblem.of(x[:2], x, x, rope=Rope(dim=8), positions=np.arange(2))
+    p = AttentionProblem.of(x[:1], x, x, rope=Rope(dim=8))
+    assert p.positions is not None
+    assert p.positions[0].tolist() == [3]
+    assert p.positions[1].tolist() == [0, 1, 2, 3]
+
+
 def test_the_papers_figure_script_keeps_the_bound() -> None:
     """``papers/rope_figure.py`` asserts P.4 at every position it draws (here up to 4096)."""
     import importlib.util

@@ -38,6 +38,7 @@ from mhanum.masks import Band
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
 from mhanum.problem import AttentionProblem, MHAProblem
+from mhanum.rope import apply_rope
 
 __all__ = ["attention", "multi_head_attention", "softmax"]
 
@@ -418,6 +419,8 @@ def attention(
     sink: Any = None,
     softcap: float | None = None,
     descale: Any = None,
+    rope: Any = None,
+    positions: Any = None,
 ) -> jax.Array:
     """Scaled dot-product attention with explicit numerics.
 
@@ -452,6 +455,12 @@ def attention(
             softmax's division, or the P·V dot) times ``d_v`` in its format
             (``Numerics.descale_format``) before its rounding to ``output_format``. Needs the
             scale on the scores.
+        rope: a :class:`mhanum.rope.Rope`: ``q`` and ``k`` (the kernel's inputs, values of
+            ``rope.rotation_format``, concrete) are rotated as it states
+            (:func:`mhanum.rope.apply_rope`) before the attention, whose numerics then read
+            them in the input format.
+        positions: with ``rope``, the queries' and keys' positions (see
+            :class:`mhanum.problem.AttentionProblem`).
 
     Returns:
         ``(..., Lq, d_v)`` in the dtype that stores ``numerics.output_format``.
@@ -470,10 +479,13 @@ def attention(
     num = resolve(numerics)
     check_x64(num)
     p = AttentionProblem.of(
-        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, descale=descale
-    )
+        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, descale=descale,
+        rope=rope, positions=positions,
+    )  # fmt: skip
     num.check_problem(p)
     q, k, v, mask, bias = p.q, p.k, p.v, p.mask, p.bias
+    if p.rope is not None:
+        q, k = _rotated(p)
     if p.sink is not None:
         xp = jnp if any(isinstance(x, jax.Array) for x in (q, k, v, p.sink)) else np
         k, v, mask, bias = masks.with_sink(q, k, v, mask, bias, p.sink, xp=xp)
@@ -494,6 +506,19 @@ def attention(
         scale=factor,
         softcap=p.softcap,
         descale_v=None if p.descale is None else p.descale[2],
+    )
+
+
+def _rotated(p: AttentionProblem) -> tuple[np.ndarray, np.ndarray]:
+    """``q`` and ``k`` rotated as ``p.rope`` states (concrete inputs only)."""
+    assert p.rope is not None
+    assert p.positions is not None
+    if any(V.is_traced(x) for x in (p.q, p.k)):
+        msg = "rope: the rotation is emulated on concrete q and k; call attention outside jax.jit"
+        raise InvalidArgument(msg)
+    return (
+        apply_rope(np.asarray(p.q, np.float64), p.positions[0], p.rope),
+        apply_rope(np.asarray(p.k, np.float64), p.positions[1], p.rope),
     )
 
 

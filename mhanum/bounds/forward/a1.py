@@ -35,6 +35,7 @@ from mhanum.bounds.forward.result import check_scope, head_reasons, result, spli
 from mhanum.bounds.forward.stage import ALONG, PLAIN, Head, Setting
 from mhanum.numerics import Numerics, resolve
 from mhanum.problem import AttentionProblem
+from mhanum.rope import reference_rope, rope_error
 
 __all__ = ["attention_bound", "attention_bound_along"]
 
@@ -54,6 +55,8 @@ def attention_bound(
     sink: Any = None,
     softcap: float | None = None,
     descale: Any = None,
+    rope: Any = None,
+    positions: Any = None,
 ) -> Bound:
     """Theorem A.1: a componentwise bound on ``|attention(q, k, v, mask, numerics) − exact|``.
 
@@ -131,6 +134,14 @@ def attention_bound(
             as up to three roundings of its format, however the kernel forms it), with its output
             left in the format the last division or dot leaves it, then times ``d_v`` and
             rounded twice (term ``descale``; papers/attention.md, step 7'').
+        rope: a :class:`mhanum.rope.Rope`: the kernel rotates ``q`` and ``k`` (its inputs,
+            values of ``rope.rotation_format``) before the scores. The exact attention is that
+            of the exactly rotated inputs; Theorem P.1 bounds the rotated entries' errors,
+            which enter as the operands' (step 1), and the float64 rotation the bound is
+            evaluated on is charged as a perturbation of the target (Lemma P.3, term
+            ``evaluation``).
+        positions: with ``rope``, the queries' and keys' positions (see
+            :class:`mhanum.problem.AttentionProblem`).
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape, ``inf`` exactly
@@ -147,8 +158,9 @@ def attention_bound(
         blanchard2021; higham2002 (§3.1); papers/attention.md Theorem A.1.
     """
     problem = AttentionProblem.of(
-        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, descale=descale
-    )
+        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, descale=descale,
+        rope=rope, positions=positions,
+    )  # fmt: skip
     bound, _ = _attention_bound(problem, resolve(numerics), lam, probability, None)
     return bound
 
@@ -254,8 +266,11 @@ def _attention_bound(
         gb, gu = directions(direction, out_shape)
     fmt_in = num.format_of("input")
     errors = tuple(rounding_error(x, fmt_in) for x in (qb, kb, vb))
+    rotated = None
+    if p.rope is not None:
+        qb, kb, errors, rotated = _rotated(p, qb, kb, errors, fmt_in)
     along = None if gb is None or gu is None or p.descale else (gb, gu)
-    stacked = (qb, kb, vb, keep, b, masked, replaced, errors, along)
+    stacked = (qb, kb, vb, keep, b, masked, replaced, errors, along, rotated)
     heads = _heads(p, num, lam, stacked)
     coupled = [h[3].pop(ALONG, None) for h in heads]
     if p.descale is not None:
@@ -292,7 +307,7 @@ def _heads(
     masked, replaced``, the inputs' roundings and A.1g's directions, each with the batch
     dimensions in front (``None`` where absent). With fp8 descaling the output is left in
     ``num.descale_format`` (step 7'') and the float64 constant charged (:func:`_constant_given`)."""
-    qb, kb, vb, keep, b, masked, replaced, errors, along = stacked
+    qb, kb, vb, keep, b, masked, replaced, errors, along, rotated = stacked
     factors = p.descale
     num_y = num if factors is None else num.replace(output_format=num.descale_format.name)
     c = p.scale_value(num.scale)
@@ -311,9 +326,10 @@ def _heads(
                     keep[i],
                     (errors[0][i], errors[1][i], errors[2][i]),
                     bias=None if b is None else b[i],
-                    given=None
-                    if factors is None
-                    else _constant_given(qb[i], kb[i], vb[i], p.scale),
+                    given=_given(
+                        None if factors is None else _constant_given(qb[i], kb[i], vb[i], p.scale),
+                        None if rotated is None else (rotated[0][i], rotated[1][i], 0.0),
+                    ),
                     masked=None if masked is None else masked[i],
                     replaced=None if replaced is None else replaced[i],
                     along=None if along is None else (along[0][i], along[1][i]),
@@ -322,6 +338,38 @@ def _heads(
             )
             for i in np.ndindex(*keep.shape[:-2])
         ]
+
+
+def _rotated(
+    p: AttentionProblem, q: np.ndarray, k: np.ndarray, errors: tuple[Any, ...], fmt_in: Any
+) -> tuple[np.ndarray, np.ndarray, tuple[Any, ...], tuple[np.ndarray, np.ndarray]]:
+    """RoPE (papers/rope.md): the float64 rotations the bound is evaluated on (Lemma P.3), the
+    operands' errors against them (Theorem P.1, the rotation's distance to its float64 stand-in,
+    and a rounding into the input format where it is narrower than the rotation's), and the
+    stand-ins' distances to the exact rotations (the target's perturbation, ``given``)."""
+    rope = p.rope
+    assert rope is not None
+    assert p.positions is not None
+    out = []
+    for x, pos in ((q, p.positions[0]), (k, p.positions[1])):
+        x64, g = reference_rope(x, pos, rope)
+        e = rope_error(x, pos, rope) + g
+        if (
+            fmt_in.precision < rope.format("rotation").precision
+            or fmt_in.emin > rope.format("rotation").emin
+        ):
+            e = e + fmt_in.u * (np.abs(x64) + e) + fmt_in.smallest_normal
+        out.append((x64, e, g))
+    (q64, e_q, g_q), (k64, e_k, g_k) = out
+    return q64, k64, (e_q, e_k, errors[2]), (g_q, g_k)
+
+
+def _given(*parts: tuple[Any, Any, Any] | None) -> tuple[Any, Any, Any] | None:
+    """The stand-ins' distances to the exact inputs, summed over their sources."""
+    present = [x for x in parts if x is not None]
+    if not present:
+        return None
+    return tuple(sum(x[j] for x in present) for j in range(3))
 
 
 def _constant_given(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any) -> tuple[Any, ...]:
