@@ -254,7 +254,8 @@ def _attention_bound(
     rows, keys = q.shape[-2], k.shape[-2]
     keep, masked, b, replaced = keep_and_bias(mask, bias, (*batch, rows, keys), num)
     dead = dead_rows(keep, masked)
-    keep = keep | dead  # evaluated as unmasked, then infinite with the reason
+    if dead.any():
+        keep = keep | dead  # evaluated as unmasked, then infinite with the reason
     # every chain's event, and two martingale events per output entry (A.3', A.3'')
     chains = math.prod(batch) * rows * (keys * (q.shape[-1] + 1 + v.shape[-1]) + 2 * v.shape[-1])
     chains *= split_count(num, keys)

@@ -35,7 +35,8 @@ def keep_and_bias(
         InvalidArgument: for a bias that overflows the score format, or a row that attends no
             key while the masking constant is finite and the bias excludes every key.
     """
-    keep = np.ones(target, bool)
+    # a read-only view while nothing excludes a key: no (Lq × Lk) array is formed
+    keep: np.ndarray = np.broadcast_to(np.True_, target)
     masked = replaced = None
     if mask is not None:
         m = masks.dense(mask, target)
