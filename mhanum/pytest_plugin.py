@@ -1,7 +1,8 @@
 """The pytest plugin of :mod:`mhanum.testing` (registered through the ``pytest11`` entry point).
 
-It adds the marker ``mhanum_kernel(name)`` and the fixture ``attention_oracle``, so that a kernel
-author writes one property test::
+It adds the marker ``mhanum_kernel(name)`` and the fixtures ``attention_oracle`` (outputs) and
+``attention_grad_oracle`` (gradients: the name is then a backward descriptor of
+``mhanum.testing.BACKWARD_KERNELS``), so that a kernel author writes one property test::
 
     import pytest
     from hypothesis import given
@@ -13,7 +14,8 @@ author writes one property test::
         out = my_kernel(case["q"], case["k"], case["v"], case["mask"])
         attention_oracle.assert_close(out, case["q"], case["k"], case["v"], mask=case["mask"])
 
-Loading the plugin imports nothing of mhanum (nor JAX): the fixture imports it when a test asks
+and, for a backward pass, ``attention_grad_oracle.assert_close(grads, q, k, v, d_out, ...)``.
+Loading the plugin imports nothing of mhanum (nor JAX): a fixture imports it when a test asks
 for it.
 """
 
@@ -23,7 +25,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["KernelOracle", "attention_oracle"]
+__all__ = ["GradKernelOracle", "KernelOracle", "attention_grad_oracle", "attention_oracle"]
 
 _MARKER = "mhanum_kernel"
 _CURRENT: dict[str, Any] = {"kernel": None}  # the running test's marker (one test at a time)
@@ -33,7 +35,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{_MARKER}(name): the mhanum kernel descriptor (mhanum.testing.KERNELS) that the "
-        "attention_oracle fixture checks outputs against",
+        "attention_oracle fixture checks outputs against, or the backward descriptor "
+        "(mhanum.testing.BACKWARD_KERNELS) that the attention_grad_oracle fixture checks "
+        "gradients against",
     )
 
 
@@ -43,9 +47,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     _CURRENT["kernel"] = marker.args[0] if marker is not None and marker.args else None
 
 
-class KernelOracle:
-    """The fixture's value: :mod:`mhanum.testing`'s functions bound to one kernel descriptor
-    (``kernel``, or else the running test's ``mhanum_kernel`` marker)."""
+class _KernelBound:
+    """A kernel name bound to a fixture's value: ``kernel``, or else the running test's
+    ``mhanum_kernel`` marker."""
 
     def __init__(self, kernel: Any = None) -> None:
         self.kernel = kernel
@@ -61,6 +65,11 @@ class KernelOracle:
                 raise TypeError(msg)
             kwargs["kernel"] = kernel
         return kwargs
+
+
+class KernelOracle(_KernelBound):
+    """The fixture's value: :mod:`mhanum.testing`'s functions bound to one kernel descriptor
+    (``kernel``, or else the running test's ``mhanum_kernel`` marker)."""
 
     def oracle(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
         """:func:`mhanum.testing.attention_oracle` with this kernel."""
@@ -85,6 +94,33 @@ class KernelOracle:
         from mhanum import testing
 
         testing.assert_mha_close(actual, x_q, x_kv, params, num_heads, **self._kwargs(kwargs))
+
+
+class GradKernelOracle(_KernelBound):
+    """The gradient fixture's value: :mod:`mhanum.testing`'s gradient functions bound to one
+    backward descriptor (``kernel``, or else the running test's ``mhanum_kernel`` marker)."""
+
+    def oracle(self, q: Any, k: Any, v: Any, d_out: Any, **kwargs: Any) -> Any:
+        """:func:`mhanum.testing.attention_grad_oracle` with this kernel."""
+        from mhanum import testing
+
+        return testing.attention_grad_oracle(q, k, v, d_out, **self._kwargs(kwargs))
+
+    def tolerance(self, q: Any, k: Any, v: Any, d_out: Any, **kwargs: Any) -> Any:
+        """:func:`mhanum.testing.attention_grad_tolerance` with this kernel."""
+        return self.oracle(q, k, v, d_out, **kwargs).tolerance
+
+    def assert_close(self, grads: Any, q: Any, k: Any, v: Any, d_out: Any, **kwargs: Any) -> None:
+        """:func:`mhanum.testing.assert_attention_grad_close` with this kernel."""
+        __tracebackhide__ = True
+        self.oracle(q, k, v, d_out, **kwargs).assert_close(grads)
+
+
+@pytest.fixture(scope="session")
+def attention_grad_oracle() -> GradKernelOracle:
+    """Certified gradient tolerances for the backward descriptor named by the running test's
+    ``mhanum_kernel`` marker (session-scoped, as ``attention_oracle``)."""
+    return GradKernelOracle()
 
 
 @pytest.fixture(scope="session")

@@ -22,14 +22,13 @@ stale maximum), or rounds differently from its descriptor, which is a finding to
 >>> assert_attention_close(wrong, q, k, v, kernel="jax-xla")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
     ...
-mhanum.testing.AttentionMismatch: 1 of 64 elements outside the certified tolerance of kernel 'jax-xla'...
+mhanum.testing.oracle.AttentionMismatch: 1 of 64 elements outside the certified tolerance of kernel 'jax-xla'...
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,22 +37,57 @@ import numpy as np
 from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import InvalidArgument
+from mhanum.testing.backward_kernels import (
+    BACKWARD_KERNELS,
+    BACKWARD_NOT_MODELLED,
+    BackwardKernel,
+    get_backward_kernel,
+)
+from mhanum.testing.grad import (
+    GradientMismatch,
+    GradientOracle,
+    assert_attention_grad_close,
+    assert_mha_grad_close,
+    attention_grad_oracle,
+    attention_grad_tolerance,
+    mha_grad_oracle,
+    mha_grad_tolerance,
+)
 from mhanum.testing.kernels import FULLY_MASKED, KERNELS, NOT_MODELLED, Kernel, get_kernel
+from mhanum.testing.oracle import (
+    AttentionMismatch,
+    Oracle,
+    PredictedOverflow,
+    as_float64,
+    assert_close,
+)
 
 __all__ = [
+    "BACKWARD_KERNELS",
+    "BACKWARD_NOT_MODELLED",
     "FULLY_MASKED",
     "KERNELS",
     "NOT_MODELLED",
     "AttentionMismatch",
+    "BackwardKernel",
+    "GradientMismatch",
+    "GradientOracle",
     "Kernel",
     "Oracle",
     "PredictedOverflow",
     "assert_attention_close",
+    "assert_attention_grad_close",
     "assert_mha_close",
+    "assert_mha_grad_close",
+    "attention_grad_oracle",
+    "attention_grad_tolerance",
     "attention_inputs",
     "attention_oracle",
     "attention_tolerance",
+    "get_backward_kernel",
     "get_kernel",
+    "mha_grad_oracle",
+    "mha_grad_tolerance",
     "mha_oracle",
     "mha_tolerance",
 ]
@@ -62,176 +96,6 @@ _LAYOUTS = ("bhld", "blhd")
 _F64_ROUNDING = 2.0**-52  # the certified reference's float64 rounding, relative (with margin)
 _FORMATS = {"float64": "float32", "float32": "float32", "bfloat16": "bfloat16",
             "float16": "float16"}  # fmt: skip
-
-
-class AttentionMismatch(AssertionError):
-    """A kernel's output lies outside its certified tolerance (an ``AssertionError``)."""
-
-
-class PredictedOverflow(UserWarning):
-    """A kernel returned inf or NaN where the exact value is finite, at elements where its
-    model may overflow (their tolerance is infinite): allowed, and reported."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Oracle:
-    """The exact answer and its certified tolerance, element by element.
-
-    The contract of :meth:`assert_close`, element by element:
-
-    * **Bounded** (a finite tolerance): ``|actual - exact| <= tolerance``, else the element
-      fails. An inf or NaN where the exact value is finite fails there: the model predicts no
-      overflow, so the kernel does not compute as its descriptor says (a bug, or a descriptor
-      to correct); the message says so.
-    * **Unbounded** (an infinite tolerance, :attr:`unbounded`): the model proves nothing
-      there, and :attr:`reason` says why (a stage that may overflow its format, a masking
-      constant not proved to vanish, a row that attends no key). Any value passes, inf and
-      NaN included: a kernel that overflows where its model may overflow computes as
-      modelled. Such an overflow is reported, not hidden: :class:`PredictedOverflow` is
-      warned, naming the element, the bound's term and the reason; a failure elsewhere counts
-      the unbounded elements; :meth:`unbounded_report` describes them on request.
-
-    Attributes:
-        exact: the certified reference (float64) under the kernel's fully-masked-row convention.
-        tolerance: ``|actual - exact| <= tolerance`` for every output the kernel may compute
-            under one of its candidate numerics; 0 where the convention fixes the answer exactly
-            (a row that attends no key under ``-inf`` masking: NaN or zeros); ``inf`` where the
-            model bounds nothing.
-        term: the name of the bound term that governs each element's tolerance.
-        reason: why each element's tolerance is infinite (the governing candidate's
-            :attr:`mhanum.bounds.Bound.reasons`, or why a finite masking constant is not proved
-            to vanish); ``""`` where it is finite.
-        kernel: the kernel descriptor.
-        dtype: the input format the tolerance was computed for.
-    """
-
-    exact: np.ndarray
-    tolerance: np.ndarray
-    term: np.ndarray
-    reason: np.ndarray
-    kernel: Kernel
-    dtype: str
-
-    @property
-    def unbounded(self) -> np.ndarray:
-        """A boolean array of the elements whose tolerance is infinite: the model bounds
-        nothing there, and :attr:`reason` says why."""
-        return ~np.isfinite(self.tolerance)
-
-    def check(self, actual: Any) -> tuple[np.ndarray, np.ndarray]:
-        """``(failing, ratio)``: a boolean array of the elements outside the tolerance, and
-        ``|actual - exact| / tolerance`` (``inf`` where a number is due and NaN or inf came;
-        0 where the tolerance is infinite, whatever came: :attr:`unbounded`).
-
-        Raises:
-            InvalidArgument: for an ``actual`` of another shape.
-        """
-        got = self._actual(actual)
-        exact_nan = np.isnan(self.exact)
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            err = np.abs(got - self.exact)
-            ratio = np.where(err == 0, 0.0, err / self.tolerance)
-        both_nan = exact_nan & np.isnan(got)
-        ratio = np.where(both_nan, 0.0, ratio)
-        ratio = np.where(~both_nan & (np.isnan(got) | exact_nan), np.inf, ratio)
-        ratio = np.where(~np.isfinite(got) & ~both_nan, np.inf, ratio)
-        ratio = np.where(self.unbounded, 0.0, ratio)
-        return ratio > 1, ratio
-
-    def message(self, actual: Any) -> str | None:
-        """The failure report for ``actual``, or None when every element is within tolerance."""
-        failing, ratio = self.check(actual)
-        n = int(failing.sum())
-        if not n:
-            return None
-        got = self._actual(actual)
-        worst = np.unravel_index(int(np.argmax(np.where(failing, ratio, -1.0))), ratio.shape)
-        index = tuple(int(i) for i in worst)
-        a, e, tol = float(got[worst]), float(self.exact[worst]), float(self.tolerance[worst])
-        text = (
-            f"{n} of {failing.size} elements outside the certified tolerance of kernel "
-            f"{self.kernel.name!r} ({self.dtype} inputs); worst at index {index}: "
-            f"actual {a!r}, exact {e!r}"
-        )
-        if math.isfinite(e) and not math.isfinite(a):
-            text += (
-                ": the kernel overflowed where the exact value is finite and the model predicts "
-                "no overflow: a bug, or a descriptor that does not describe the kernel; the "
-                f"tolerance there is {tol:.3g}, governed by the bound's {self.term[worst]!r} term"
-            )
-        else:
-            text += (
-                f", |actual - exact| {abs(a - e):.3g}, tolerance {tol:.3g}, "
-                f"ratio {ratio[worst]:.3g}; "
-                f"the tolerance there is governed by the bound's {self.term[worst]!r} term"
-            )
-        unbounded = self.unbounded_report(actual)
-        return text if unbounded is None else f"{text}. Besides, {unbounded}"
-
-    def unbounded_report(self, actual: Any) -> str | None:
-        """What ``actual`` holds where the model bounds nothing (:attr:`unbounded`), or None
-        when every element is bounded: how many such elements, how many of them the kernel
-        overflowed (inf or NaN where the exact value is finite), and the first overflowed
-        element (else the first unbounded one) with its term and reason."""
-        free = self.unbounded
-        count = int(free.sum())
-        if not count:
-            return None
-        got = self._actual(actual)
-        over = free & ~np.isfinite(got) & np.isfinite(self.exact)
-        first = np.argwhere(over if over.any() else free)[0]
-        at = tuple(int(i) for i in first)
-        why = f"its bound's {self.term[at]!r} term is infinite there ({self.reason[at]})"
-        kernel = f"kernel {self.kernel.name!r} ({self.dtype} inputs)"
-        free_text = f"{count} of {free.size} elements are unbounded by the model"
-        if not over.any():
-            return f"{free_text} of {kernel}: any value passes there; at index {at}, {why}"
-        return (
-            f"{kernel} overflowed where the exact value is finite at {int(over.sum())} of "
-            f"{free.size} elements; the model allows this: {why}; first at index {at}: actual "
-            f"{float(got[at])!r}, exact {float(self.exact[at])!r}; {free_text}: any value "
-            "passes there"
-        )
-
-    def assert_close(self, actual: Any) -> None:
-        """Raise :class:`AttentionMismatch` with :meth:`message` when a bounded element fails;
-        warn :class:`PredictedOverflow` when the kernel overflowed only where its model
-        allows it (the class docstring states the contract)."""
-        _assert_close(self, actual, stacklevel=3)
-
-    def _actual(self, actual: Any) -> np.ndarray:
-        got = _as_float64(actual, "actual")
-        if got.shape != self.exact.shape:
-            msg = f"actual: expected shape {self.exact.shape}, got {got.shape}"
-            raise InvalidArgument(msg)
-        return got
-
-
-def _assert_close(oracle: Oracle, actual: Any, *, stacklevel: int) -> None:
-    """:meth:`Oracle.assert_close`, its warning attributed ``stacklevel`` frames up."""
-    text = oracle.message(actual)
-    if text is not None:
-        raise AttentionMismatch(text)
-    got = oracle._actual(actual)
-    if (oracle.unbounded & ~np.isfinite(got) & np.isfinite(oracle.exact)).any():
-        warnings.warn(PredictedOverflow(oracle.unbounded_report(actual)), stacklevel=stacklevel)
-
-
-def _as_float64(x: Any, name: str) -> np.ndarray:
-    """Any array (numpy, ml_dtypes, JAX, PyTorch, TensorFlow) as float64, exactly."""
-    if hasattr(x, "detach"):  # a torch tensor (bfloat16 has no numpy dtype in torch)
-        x = x.detach().cpu().double().numpy()
-    try:
-        arr = np.asarray(x)
-    except (TypeError, ValueError) as err:
-        msg = f"{name}: expected a real array, got {type(x).__name__}"
-        raise InvalidArgument(msg) from err
-    if arr.dtype == np.bool_ or not (
-        arr.dtype.kind == "f" or str(arr.dtype) in ("bfloat16", "float8_e4m3fn", "float8_e5m2")
-    ):
-        msg = f"{name}: expected a floating-point array, got dtype {arr.dtype}"
-        raise InvalidArgument(msg)
-    return arr.astype(np.float64)
 
 
 def _format_of(x: Any, dtype: str | None) -> str:
@@ -355,13 +219,13 @@ def attention_oracle(
     if layout not in _LAYOUTS:
         msg = f"layout: expected one of {_LAYOUTS}, got {layout!r}"
         raise InvalidArgument(msg)
-    q64, k64, v64 = (_as_float64(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    q64, k64, v64 = (as_float64(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
     if layout == "blhd":
         if min(q64.ndim, k64.ndim, v64.ndim) < 3:
             msg = f"q: expected (B, L, H, d) arrays with layout='blhd', got {q64.shape}"
             raise InvalidArgument(msg)
         q64, k64, v64 = (np.swapaxes(a, -3, -2) for a in (q64, k64, v64))
-    b64 = None if bias is None else _as_float64(bias, "bias")
+    b64 = None if bias is None else as_float64(bias, "bias")
     if q64.ndim < 2 or k64.ndim < 2 or v64.ndim < 2:
         msg = f"q: expected arrays of at least 2 dimensions, got {q64.shape}"
         raise InvalidArgument(msg)
@@ -517,7 +381,7 @@ def assert_attention_close(actual: Any, q: Any, k: Any, v: Any, **kwargs: Any) -
             NaN where the exact value is finite at an unbounded one: how many, the first, the
             bound's term and its reason.
     """
-    _assert_close(attention_oracle(q, k, v, **kwargs), actual, stacklevel=3)
+    assert_close(attention_oracle(q, k, v, **kwargs), actual, stacklevel=3)
 
 
 def mha_oracle(
@@ -558,7 +422,7 @@ def mha_oracle(
             f"{kern.mask_add:g} to its base-2 scores, which attention_oracle checks per head)"
         )
         raise InvalidArgument(msg)
-    xq, xkv = _as_float64(x_q, "x_q"), _as_float64(x_kv, "x_kv")
+    xq, xkv = as_float64(x_q, "x_q"), as_float64(x_kv, "x_kv")
     if num_heads >= 1 and xq.shape[-1] % num_heads == 0:
         kern.check_head_dims(xq.shape[-1] // num_heads)
     batch = V.broadcast({"x_q": xq.shape[:-2], "x_kv": xkv.shape[:-2]})
@@ -591,7 +455,7 @@ def assert_mha_close(
     actual: Any, x_q: Any, x_kv: Any, params: Any, num_heads: int, **kwargs: Any
 ) -> None:
     """:func:`assert_attention_close` for a multi-head attention layer (see :func:`mha_oracle`)."""
-    _assert_close(mha_oracle(x_q, x_kv, params, num_heads, **kwargs), actual, stacklevel=3)
+    assert_close(mha_oracle(x_q, x_kv, params, num_heads, **kwargs), actual, stacklevel=3)
 
 
 def attention_inputs(

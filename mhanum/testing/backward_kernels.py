@@ -1,0 +1,463 @@
+"""Backward kernel descriptors: numerics models of other people's attention backward passes.
+
+A :class:`BackwardKernel` says, for each input format it accepts, which pairs of forward
+:class:`~mhanum.Numerics` and :class:`~mhanum.Backward` the kernel's backward pass may compute
+with, and where its arithmetic departs from those models in ways that the gradient oracle
+(:func:`mhanum.testing.attention_grad_oracle`) accounts for on the concrete inputs: the placement
+of the logit scale, a softmax backward written as a difference of products, and gradients
+accumulated in the input type across blocks. :func:`mhanum.bounds.attention_grad_bound`
+(Theorems B.1, B.2) bounds every candidate; the oracle takes the largest bound, element by
+element.
+
+Every descriptor's ``evidence`` names the source it was read from. A backward pass that the
+bounds cannot model yet is listed in :data:`BACKWARD_NOT_MODELLED` with the reason, rather than
+given a tolerance that might not hold.
+
+Examples:
+    >>> k = get_backward_kernel("torch-sdpa-flash-cpu")
+    >>> [(b.algorithm, b.block_q, b.block_k) for _, b in k.candidates("float32", 100)]
+    [('flash2', 32, 512)]
+    >>> k.candidates("float32", 200)[0][1].block_q
+    64
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mhanum._errors import InvalidArgument
+from mhanum.numerics import Backward, Numerics
+from mhanum.testing.kernels import KERNELS
+
+__all__ = [
+    "BACKWARD_KERNELS",
+    "BACKWARD_NOT_MODELLED",
+    "SCALE_RULES",
+    "SOFTMAX_BACKWARDS",
+    "BackwardKernel",
+    "get_backward_kernel",
+]
+
+SCALE_RULES = ("any", "power-of-two", "power-of-four")
+"""For which logit scales ``c`` a kernel's scale placement rounds exactly as the bounds' model
+(``c`` on the scores; ``dQ = c·(dS K)``, ``dK = c·(dSᵀ Q)``):
+
+* ``"any"``: the kernel places the scale as the model does;
+* ``"power-of-two"``: the kernel multiplies elsewhere (``dS`` by ``c`` before the dots, each
+  block's partial ``dQ`` before it is added, or wherever a BLAS applies its ``alpha``); a
+  product by a power of two is exact in binary floating point (outside the subnormal range),
+  so it commutes with every rounding and the kernel computes exactly what the model does;
+* ``"power-of-four"``: the kernel multiplies q and k by ``sqrt(c)`` (and ``dq``, ``dk`` by
+  ``sqrt(c)``): exact when ``sqrt(|c|)`` is a power of two.
+"""
+
+SOFTMAX_BACKWARDS = ("fused", "products")
+"""How a kernel forms ``dS``: ``"fused"`` as ``P ∘ (dP - D)`` (the model's rounding);
+``"products"`` as ``P ∘ dP - P ∘ D`` (autodiff of ``jax.nn.softmax``'s JVP rule), whose extra
+roundings the oracle adds: ``|Δ| <= u(1 + u)·P̂(|dP̂| + |D̂|)`` per element of ``dS``, carried
+through the dots that read ``dS``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardKernel:
+    """A named numerics model of an attention kernel's backward pass.
+
+    Attributes:
+        name: the registry name (``"torch-sdpa-math"``, ``"jax-xla"``, ...).
+        models: input format name -> the candidate ``(Numerics, Backward)`` pairs (the forward
+            the backward reads, and the backward's own choices). With :attr:`q_blocks`, the
+            ``Backward``'s ``block_q`` is replaced by the one the kernel picks for the query
+            length.
+        evidence: where each modelling choice was read (files, functions, versions).
+        notes: what the model leaves out or assumes.
+        scale_rule: one of :data:`SCALE_RULES`.
+        softmax_backward: one of :data:`SOFTMAX_BACKWARDS`.
+        q_blocks: ``((min_length, block_q), ...)``, largest first: the query block of a kernel
+            that picks it from the query length (the first whose ``min_length <= Lq``);
+            ``None`` to keep the candidates' ``block_q``.
+        accumulates_in_input: the kernel adds the blocks' partial ``dq``, ``dk``, ``dv`` in the
+            input type (PyTorch's CPU flash backward): the half formats are modelled only when
+            every gradient has one block (the model accumulates in float32), and grouped heads
+            only then (measured with torch 2.13: with one block, float32 grouped gradients are
+            bit-identical to each head's then their sum; with several they are not).
+        grouped: how ``enable_gqa`` sums a group's ``dk``, ``dv``: ``"per-head"`` (each head's
+            gradient, then their sum: ``repeat_interleave``'s backward), or ``None`` when
+            grouped heads are not modelled (``jax.nn`` forms them as one dot over the group).
+        mask_fill: the finite value a kernel puts in place of a masked logit (``jax.nn``:
+            ``-0.7·finfo(float32).max``), its candidates modelling ``-inf`` masking: the
+            oracle checks on the inputs that every masked exponential is exactly 0; ``None``
+            for ``-inf`` masking.
+    """
+
+    name: str
+    models: Mapping[str, tuple[tuple[Numerics, Backward], ...]]
+    evidence: tuple[str, ...]
+    notes: str = ""
+    scale_rule: str = "any"
+    softmax_backward: str = "fused"
+    q_blocks: tuple[tuple[int, int], ...] | None = None
+    accumulates_in_input: bool = False
+    grouped: str | None = "per-head"
+    mask_fill: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.models or not all(self.models.values()):
+            msg = "models: expected at least one candidate (Numerics, Backward) per input format"
+            raise InvalidArgument(msg)
+        for fmt, pairs in self.models.items():
+            for pair in pairs:
+                if not (
+                    isinstance(pair, tuple)
+                    and len(pair) == 2
+                    and isinstance(pair[0], Numerics)
+                    and isinstance(pair[1], Backward)
+                ):
+                    msg = f"models[{fmt!r}]: expected (Numerics, Backward) pairs, got {pair!r}"
+                    raise InvalidArgument(msg)
+        if self.scale_rule not in SCALE_RULES:
+            msg = f"scale_rule: expected one of {SCALE_RULES}, got {self.scale_rule!r}"
+            raise InvalidArgument(msg)
+        if self.softmax_backward not in SOFTMAX_BACKWARDS:
+            msg = (
+                f"softmax_backward: expected one of {SOFTMAX_BACKWARDS}, "
+                f"got {self.softmax_backward!r}"
+            )
+            raise InvalidArgument(msg)
+        if self.grouped not in (None, "per-head"):
+            msg = f"grouped: expected None or 'per-head', got {self.grouped!r}"
+            raise InvalidArgument(msg)
+        if self.mask_fill is not None and not (
+            isinstance(self.mask_fill, (int, float)) and -math.inf < self.mask_fill < -1e4
+        ):
+            msg = f"mask_fill: expected None or a finite number below -1e4, got {self.mask_fill!r}"
+            raise InvalidArgument(msg)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The input formats the kernel accepts."""
+        return tuple(self.models)
+
+    def block_q(self, lq: int) -> int | None:
+        """The query block the kernel picks for ``lq`` queries (``None``: the candidates')."""
+        if self.q_blocks is None:
+            return None
+        return next(block for start, block in self.q_blocks if lq >= start)
+
+    def candidates(self, fmt: str, lq: int) -> tuple[tuple[Numerics, Backward], ...]:
+        """The candidate ``(Numerics, Backward)`` pairs for ``lq`` queries of format ``fmt``.
+
+        Raises:
+            InvalidArgument: for a format the kernel does not take.
+        """
+        if fmt not in self.models:
+            msg = f"dtype: expected one of {self.formats} for kernel {self.name!r}, got {fmt!r}"
+            raise InvalidArgument(msg)
+        block = self.block_q(lq)
+        if block is None:
+            return self.models[fmt]
+        return tuple((n, dataclasses.replace(b, block_q=block)) for n, b in self.models[fmt])
+
+    def check_scale(self, scale: float) -> None:
+        """Refuse a scale whose placement in the kernel does not round as the model's.
+
+        Raises:
+            InvalidArgument: naming ``scale``, the kernel and why.
+        """
+        if self.scale_rule == "any":
+            return
+        root = abs(scale) if self.scale_rule == "power-of-two" else math.sqrt(abs(scale))
+        if _is_power_of_two(root):
+            return
+        why = {
+            "power-of-two": "a power of two (it multiplies by the scale elsewhere than the model)",
+            "power-of-four": "a power of four (it multiplies q and k by its square root)",
+        }[self.scale_rule]
+        msg = (
+            f"scale: expected {why} for the backward of kernel {self.name!r}, so that its "
+            f"scale placement rounds as the model's; got {scale!r}"
+        )
+        raise InvalidArgument(msg)
+
+    def check_blocks(self, lq: int, lk: int, fmt: str, *, grouped: bool = False) -> None:
+        """Refuse half-precision inputs that a kernel accumulating in the input type would add
+        over several blocks, and grouped heads over several blocks (such a kernel may add the
+        group's partials in one buffer, an order the per-head model does not cover).
+
+        Raises:
+            InvalidArgument: naming ``q`` or ``k`` (or ``enable_gqa``) and the kernel's blocks.
+        """
+        if not self.accumulates_in_input:
+            return
+        if grouped:
+            for _, b in self.candidates(fmt, lq):
+                if lq > b.block_q or lk > b.block_k:
+                    msg = (
+                        f"enable_gqa: expected False for kernel {self.name!r} with more than "
+                        f"{b.block_q} queries or {b.block_k} keys (it may add a group's partial "
+                        f"dk, dv block by block in one buffer, not modelled), got True with "
+                        f"{lq} queries and {lk} keys"
+                    )
+                    raise InvalidArgument(msg)
+        if fmt == "float32":
+            return
+        for _, b in self.candidates(fmt, lq):
+            for name, length, block in (("q", lq, b.block_q), ("k", lk, b.block_k)):
+                if length > block:
+                    msg = (
+                        f"{name}: expected at most {block} rows for {fmt} inputs to kernel "
+                        f"{self.name!r} (it adds the blocks' partial gradients in {fmt}, which "
+                        f"the model does not), got {length}"
+                    )
+                    raise InvalidArgument(msg)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready description."""
+        return {
+            "name": self.name,
+            "models": {
+                f: [{"numerics": n.describe(), "backward": b.to_dict()} for n, b in c]
+                for f, c in self.models.items()
+            },
+            "evidence": list(self.evidence),
+            "notes": self.notes,
+            "scale_rule": self.scale_rule,
+            "softmax_backward": self.softmax_backward,
+            "q_blocks": None if self.q_blocks is None else [list(x) for x in self.q_blocks],
+            "accumulates_in_input": self.accumulates_in_input,
+            "grouped": self.grouped,
+            "mask_fill": self.mask_fill,
+        }
+
+
+def _is_power_of_two(x: float) -> bool:
+    if not (math.isfinite(x) and x > 0):
+        return False
+    return math.frexp(x)[0] == 0.5
+
+
+_HALF = ("bfloat16", "float16")
+
+_MATH_BACKWARD = (
+    "aten/src/ATen/native/transformers/attention.cpp: _scaled_dot_product_attention_math "
+    "(torch 2.13): q times sqrt(scale), k times sqrt(scale), matmul, the mask added (a boolean "
+    "mask as 0/-inf), _safe_softmax, matmul with v; autograd differentiates each op: "
+    "dV = Pᵀ dO, dP = dO Vᵀ, _softmax_backward_data (aten/src/ATen/native/cpu/SoftMaxKernel.cpp, "
+    "_vec_softmax_backward: D = sum(dP * P), then P * (dP - D)), the products' backward with "
+    "the scaled operands, and the products by sqrt(scale) again: with sqrt(|scale|) a power of "
+    "two every such product is exact and dq = scale·(dS k), dk = scale·(dSᵀ q) as modelled"
+)
+
+
+def _textbook(num: Numerics, **fields: Any) -> tuple[Numerics, Backward]:
+    return num.replace(scale="scores"), Backward("textbook", **fields)
+
+
+def _torch_sdpa_math() -> BackwardKernel:
+    fwd = KERNELS["torch-sdpa-math"]
+    return BackwardKernel(
+        "torch-sdpa-math",
+        {f: tuple(_textbook(n) for n in fwd.candidates(f)) for f in fwd.formats},
+        (
+            _MATH_BACKWARD,
+            (
+                "half inputs are upcast to float32 before the math path (the forward "
+                "descriptor's evidence), so the backward runs in float32 and the conversion's "
+                "backward rounds dq, dk, dv once to the input type: the model's output_format"
+            ),
+            "a float attn_mask (bias) receives dS, rounded to its type: dbias",
+        ),
+        "the scale must have a power-of-two square root (d = 16 or 256 with the default scale, "
+        "or scale=0.25, 1/16, ...); other scales are refused: the bound does not model a scale "
+        "split over q and k in the backward (Numerics(scale='qk')). Assumes no subnormal "
+        "intermediate (where a product by a power of two could round).",
+        scale_rule="power-of-four",
+    )
+
+
+def _torch_sdpa_math_tf32() -> BackwardKernel:
+    fwd = KERNELS["torch-sdpa-math-tf32"]
+    base = _torch_sdpa_math()
+    return dataclasses.replace(
+        base,
+        name="torch-sdpa-math-tf32",
+        models={"float32": tuple(_textbook(n) for n in fwd.candidates("float32"))},
+        evidence=(*base.evidence, "torch.backends.cuda.matmul.allow_tf32 = True (off by default)"),
+    )
+
+
+def _torch_sdpa_flash_cpu() -> BackwardKernel:
+    fwd = KERNELS["torch-sdpa-flash-cpu"]
+    models = {
+        f: tuple((n, Backward("flash2", block_q=32, block_k=512)) for n in fwd.candidates(f))
+        for f in fwd.formats
+    }
+    return BackwardKernel(
+        "torch-sdpa-flash-cpu",
+        models,
+        (
+            (
+                "aten/src/ATen/native/cpu/FlashAttentionKernel.cpp (torch 2.13), "
+                "cpu_flash_attention_backward: per query block of q_split_size (32, 64 or 256 "
+                "as the query length reaches 192 and 768) D = rowsum(grad_out * out) in "
+                "accum_t from the forward's output; per key block of kv_split_size = 512: "
+                "attn = gemm(alpha=scale) q kᵀ in float, the mask added, exp(attn - lse) with "
+                "the forward's logsumexp (FlashAttention-2's recomputation), grad_v += attnᵀ "
+                "grad_out (attn converted to the input type for half inputs), grad_attn = "
+                "grad_out vᵀ, grad_attn = attn * (grad_attn - D), converted to the input type "
+                "for half inputs, grad_q += scale * grad_attn k, grad_k += scale * grad_attnᵀ q "
+                "(gemm with alpha = scale, beta = 1)"
+            ),
+            (
+                "grad_q, grad_k, grad_v are tensors of the input type: gemm with beta = 1 adds "
+                "each block's partial in it, so half inputs are modelled for one query block "
+                "and one key block only (accumulates_in_input); each partial is scaled before "
+                "it is added, and where the BLAS applies alpha is not documented (scale_rule "
+                "'power-of-two'); the CPU BLAS's GEMM "
+                "accumulates each call's product from zero and adds alpha·acc + beta·C in its "
+                "epilogue (assumed: each call's inner extent, <= 512, is one panel)"
+            ),
+            "the exponential: Vectorized<float>::exp (Sleef, 1 ulp), within the forward's 20",
+            (
+                "enable_gqa, measured with torch 2.13 on the CPU: with one query block and one "
+                "key block, float32 dk is bit-identical to each head's dk then their sum (the "
+                "per-head model, its sum within γ_(G-1)); with several blocks it is not (a "
+                "group's partials added in one buffer), so that is refused"
+            ),
+        ),
+        "the forward as 'torch-sdpa-flash-cpu'; no bias gradient (the CPU flash backward does "
+        "not return one)",
+        scale_rule="power-of-two",
+        q_blocks=((768, 256), (192, 64), (0, 32)),
+        accumulates_in_input=True,
+    )
+
+
+_JAX_BACKWARD = (
+    "jax/_src/nn/functions.py (jax 0.10): _dot_product_attention_core and its autodiff: "
+    "probs = softmax(logits in float32).astype(dtype), encoded = einsum(probs, value) in the "
+    "input dtype, so dV = probsᵀ dO and dP = dO vᵀ are rounded to the input dtype; "
+    "_softmax_jvp's rule y * (x_dot - sum(y * x_dot)) transposes to y*g - y*sum(y*g) "
+    "(softmax_backward 'products'), in float32 with y the float32 probabilities; the masked "
+    "logits' where() zeroes their cotangent; logits *= scale transposes to dS * scale "
+    "(before the dots: scale_rule 'power-of-two'); the logits einsum (preferred_element_type "
+    "float32, precision BF16_BF16_F32 / F16_F16_F32 for half inputs) transposes to dots of dS "
+    "with k and q, converted to the input dtype (lax.py, _dot_general_transpose_lhs)"
+)
+
+
+def _jax_xla() -> BackwardKernel:
+    fwd = KERNELS["jax-xla"]
+    # the fill value -0.7·finfo(float32).max leaves exp(fill - max) = 0 exactly when the row
+    # attends a key (the oracle checks the logits' range): -inf masking as the bound needs
+    models = {
+        "float32": (_textbook(fwd.candidates("float32")[0].replace(mask_value=-math.inf)),),
+        **{
+            f: (
+                _textbook(
+                    fwd.candidates(f)[0].replace(mask_value=-math.inf),
+                    grad_format=f,
+                    ds_format=f,
+                ),
+            )
+            for f in _HALF
+        },
+    }
+    return BackwardKernel(
+        "jax-xla",
+        models,
+        (
+            _JAX_BACKWARD,
+            (
+                "half inputs: dP is rounded to the input dtype, D and dS are float32 and dS "
+                "reaches the dots in the input dtype; the model rounds dP, D and dS to the input "
+                "dtype (grad_format = ds_format = dtype), a coarser rounding at every step"
+            ),
+            (
+                "masking: where(mask, logits, -0.7·finfo(float32).max); with a live key of "
+                "logit above -1e38 the masked exponentials are exactly 0, as under -inf"
+            ),
+        ),
+        "grouped heads (enable_gqa) are one dot over the group in jax.nn, not modelled; the "
+        "scale must be a power of two (the default 1/sqrt(d) is one for d = 4, 16, 64, 256). "
+        "Assumes no subnormal intermediate where dS is multiplied by the scale.",
+        scale_rule="power-of-two",
+        softmax_backward="products",
+        grouped=None,
+        mask_fill=-0.7 * float(np.finfo(np.float32).max),
+    )
+
+
+def _jax_xla_tf32() -> BackwardKernel:
+    fwd = KERNELS["jax-xla-tf32"]
+    base = _jax_xla()
+    num = fwd.candidates("float32")[0].replace(mask_value=-math.inf)
+    return dataclasses.replace(
+        base,
+        name="jax-xla-tf32",
+        models={"float32": (_textbook(num),)},
+        evidence=(*base.evidence, "JAX's default float32 matmul precision on Ampere+ GPUs is TF32"),
+    )
+
+
+BACKWARD_KERNELS: Mapping[str, BackwardKernel] = {
+    k.name: k
+    for k in (
+        _torch_sdpa_math(),
+        _torch_sdpa_math_tf32(),
+        _torch_sdpa_flash_cpu(),
+        _jax_xla(),
+        _jax_xla_tf32(),
+    )
+}
+"""The registered backward kernels, by name."""
+
+_EXP2 = (
+    "the backward bound models exp_form='exp' only (Backward.check_forward); {what} recomputes "
+    "the probabilities with exp2 of scores folded with log2(e)"
+)
+
+BACKWARD_NOT_MODELLED: Mapping[str, str] = {
+    "flash-attention-2": _EXP2.format(what="FlashAttention-2's backward (flash_bwd_kernel.h)")
+    + "; its atomicAdd of one dQ partial per key block in any order is what Theorem B.2 covers "
+    "(Backward('flash2'): build a BackwardKernel for a kernel with exp_form='exp')",
+    "torch-sdpa-flash-cuda": _EXP2.format(what="PyTorch's copy of FlashAttention-2"),
+    "flash-attention-3": _EXP2.format(what="FlashAttention-3 (hopper/)"),
+    "torch-sdpa-efficient": _EXP2.format(what="xFormers' CUTLASS backward (kernel_backward.h)"),
+    "triton-tutorial": _EXP2.format(what="the Triton tutorial's _attn_bwd")
+    + "; it also pre-scales k by sm_scale·log2(e)",
+    "flex-attention": _EXP2.format(what="flex_attention's backward template"),
+    "torch-sdpa-math-reduced": "allow_fp16_bf16_reduction_math_sdp(True): autograd's "
+    "intermediates in the input type, with the scale split over q and k: not read to the "
+    "rounding yet",
+    "torch-sdpa-cudnn": "cuDNN's fused backward: not documented to the rounding",
+    "jax-cudnn": "cuDNN's fused backward: not documented to the rounding",
+}
+"""Backward passes without a descriptor yet, and why."""
+
+
+def get_backward_kernel(kernel: BackwardKernel | str) -> BackwardKernel:
+    """A backward kernel descriptor by name (or the descriptor itself).
+
+    Raises:
+        InvalidArgument: for an unknown name (naming those that exist, and why a known but
+            unmodelled one has no descriptor).
+    """
+    if isinstance(kernel, BackwardKernel):
+        return kernel
+    if isinstance(kernel, str) and kernel in BACKWARD_KERNELS:
+        return BACKWARD_KERNELS[kernel]
+    why = (
+        f" ({kernel}'s backward is not modelled: {BACKWARD_NOT_MODELLED[kernel]})"
+        if isinstance(kernel, str) and kernel in BACKWARD_NOT_MODELLED
+        else ""
+    )
+    msg = (
+        f"kernel: expected one of {', '.join(BACKWARD_KERNELS)} or a BackwardKernel, "
+        f"got {kernel!r}{why}"
+    )
+    raise InvalidArgument(msg)

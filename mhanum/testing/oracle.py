@@ -1,0 +1,188 @@
+"""The oracle's verdict: the certified reference and the tolerance around it, the check of a
+kernel's output against them, and the failure and warning a test sees (``AttentionMismatch``,
+``PredictedOverflow``). :mod:`mhanum.testing` builds oracles; :mod:`mhanum.testing.grad` builds one
+per gradient."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any
+
+import numpy as np
+
+from mhanum._errors import InvalidArgument
+from mhanum.testing.kernels import Kernel
+
+__all__ = ["AttentionMismatch", "Oracle", "PredictedOverflow", "as_float64", "assert_close"]
+
+
+class AttentionMismatch(AssertionError):
+    """A kernel's output lies outside its certified tolerance (an ``AssertionError``)."""
+
+
+class PredictedOverflow(UserWarning):
+    """A kernel returned inf or NaN where the exact value is finite, at elements where its
+    model may overflow (their tolerance is infinite): allowed, and reported."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Oracle:
+    """The exact answer and its certified tolerance, element by element.
+
+    The contract of :meth:`assert_close`, element by element:
+
+    * **Bounded** (a finite tolerance): ``|actual - exact| <= tolerance``, else the element
+      fails. An inf or NaN where the exact value is finite fails there: the model predicts no
+      overflow, so the kernel does not compute as its descriptor says (a bug, or a descriptor
+      to correct); the message says so.
+    * **Unbounded** (an infinite tolerance, :attr:`unbounded`): the model proves nothing
+      there, and :attr:`reason` says why (a stage that may overflow its format, a masking
+      constant not proved to vanish, a row that attends no key). Any value passes, inf and
+      NaN included: a kernel that overflows where its model may overflow computes as
+      modelled. Such an overflow is reported, not hidden: :class:`PredictedOverflow` is
+      warned, naming the element, the bound's term and the reason; a failure elsewhere counts
+      the unbounded elements; :meth:`unbounded_report` describes them on request.
+
+    Attributes:
+        exact: the certified reference (float64) under the kernel's fully-masked-row convention.
+        tolerance: ``|actual - exact| <= tolerance`` for every output the kernel may compute
+            under one of its candidate numerics; 0 where the convention fixes the answer exactly
+            (a row that attends no key under ``-inf`` masking: NaN or zeros); ``inf`` where the
+            model bounds nothing.
+        term: the name of the bound term that governs each element's tolerance.
+        reason: why each element's tolerance is infinite (the governing candidate's
+            :attr:`mhanum.bounds.Bound.reasons`, or why a finite masking constant is not proved
+            to vanish); ``""`` where it is finite.
+        kernel: the kernel descriptor.
+        dtype: the input format the tolerance was computed for.
+    """
+
+    exact: np.ndarray
+    tolerance: np.ndarray
+    term: np.ndarray
+    reason: np.ndarray
+    kernel: Kernel
+    dtype: str
+
+    @property
+    def unbounded(self) -> np.ndarray:
+        """A boolean array of the elements whose tolerance is infinite: the model bounds
+        nothing there, and :attr:`reason` says why."""
+        return ~np.isfinite(self.tolerance)
+
+    def check(self, actual: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(failing, ratio)``: a boolean array of the elements outside the tolerance, and
+        ``|actual - exact| / tolerance`` (``inf`` where a number is due and NaN or inf came;
+        0 where the tolerance is infinite, whatever came: :attr:`unbounded`).
+
+        Raises:
+            InvalidArgument: for an ``actual`` of another shape.
+        """
+        got = self._actual(actual)
+        exact_nan = np.isnan(self.exact)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            err = np.abs(got - self.exact)
+            ratio = np.where(err == 0, 0.0, err / self.tolerance)
+        both_nan = exact_nan & np.isnan(got)
+        ratio = np.where(both_nan, 0.0, ratio)
+        ratio = np.where(~both_nan & (np.isnan(got) | exact_nan), np.inf, ratio)
+        ratio = np.where(~np.isfinite(got) & ~both_nan, np.inf, ratio)
+        ratio = np.where(self.unbounded, 0.0, ratio)
+        return ratio > 1, ratio
+
+    def message(self, actual: Any) -> str | None:
+        """The failure report for ``actual``, or None when every element is within tolerance."""
+        failing, ratio = self.check(actual)
+        n = int(failing.sum())
+        if not n:
+            return None
+        got = self._actual(actual)
+        worst = np.unravel_index(int(np.argmax(np.where(failing, ratio, -1.0))), ratio.shape)
+        index = tuple(int(i) for i in worst)
+        a, e, tol = float(got[worst]), float(self.exact[worst]), float(self.tolerance[worst])
+        text = (
+            f"{n} of {failing.size} elements outside the certified tolerance of kernel "
+            f"{self.kernel.name!r} ({self.dtype} inputs); worst at index {index}: "
+            f"actual {a!r}, exact {e!r}"
+        )
+        if math.isfinite(e) and not math.isfinite(a):
+            text += (
+                ": the kernel overflowed where the exact value is finite and the model predicts "
+                "no overflow: a bug, or a descriptor that does not describe the kernel; the "
+                f"tolerance there is {tol:.3g}, governed by the bound's {self.term[worst]!r} term"
+            )
+        else:
+            text += (
+                f", |actual - exact| {abs(a - e):.3g}, tolerance {tol:.3g}, "
+                f"ratio {ratio[worst]:.3g}; "
+                f"the tolerance there is governed by the bound's {self.term[worst]!r} term"
+            )
+        unbounded = self.unbounded_report(actual)
+        return text if unbounded is None else f"{text}. Besides, {unbounded}"
+
+    def unbounded_report(self, actual: Any) -> str | None:
+        """What ``actual`` holds where the model bounds nothing (:attr:`unbounded`), or None
+        when every element is bounded: how many such elements, how many of them the kernel
+        overflowed (inf or NaN where the exact value is finite), and the first overflowed
+        element (else the first unbounded one) with its term and reason."""
+        free = self.unbounded
+        count = int(free.sum())
+        if not count:
+            return None
+        got = self._actual(actual)
+        over = free & ~np.isfinite(got) & np.isfinite(self.exact)
+        first = np.argwhere(over if over.any() else free)[0]
+        at = tuple(int(i) for i in first)
+        why = f"its bound's {self.term[at]!r} term is infinite there ({self.reason[at]})"
+        kernel = f"kernel {self.kernel.name!r} ({self.dtype} inputs)"
+        free_text = f"{count} of {free.size} elements are unbounded by the model"
+        if not over.any():
+            return f"{free_text} of {kernel}: any value passes there; at index {at}, {why}"
+        return (
+            f"{kernel} overflowed where the exact value is finite at {int(over.sum())} of "
+            f"{free.size} elements; the model allows this: {why}; first at index {at}: actual "
+            f"{float(got[at])!r}, exact {float(self.exact[at])!r}; {free_text}: any value "
+            "passes there"
+        )
+
+    def assert_close(self, actual: Any) -> None:
+        """Raise :class:`AttentionMismatch` with :meth:`message` when a bounded element fails;
+        warn :class:`PredictedOverflow` when the kernel overflowed only where its model
+        allows it (the class docstring states the contract)."""
+        assert_close(self, actual, stacklevel=3)
+
+    def _actual(self, actual: Any) -> np.ndarray:
+        got = as_float64(actual, "actual")
+        if got.shape != self.exact.shape:
+            msg = f"actual: expected shape {self.exact.shape}, got {got.shape}"
+            raise InvalidArgument(msg)
+        return got
+
+
+def assert_close(oracle: Oracle, actual: Any, *, stacklevel: int) -> None:
+    """:meth:`Oracle.assert_close`, its warning attributed ``stacklevel`` frames up."""
+    text = oracle.message(actual)
+    if text is not None:
+        raise AttentionMismatch(text)
+    got = oracle._actual(actual)
+    if (oracle.unbounded & ~np.isfinite(got) & np.isfinite(oracle.exact)).any():
+        warnings.warn(PredictedOverflow(oracle.unbounded_report(actual)), stacklevel=stacklevel)
+
+
+def as_float64(x: Any, name: str) -> np.ndarray:
+    """Any array (numpy, ml_dtypes, JAX, PyTorch, TensorFlow) as float64, exactly."""
+    if hasattr(x, "detach"):  # a torch tensor (bfloat16 has no numpy dtype in torch)
+        x = x.detach().cpu().double().numpy()
+    try:
+        arr = np.asarray(x)
+    except (TypeError, ValueError) as err:
+        msg = f"{name}: expected a real array, got {type(x).__name__}"
+        raise InvalidArgument(msg) from err
+    if arr.dtype == np.bool_ or not (
+        arr.dtype.kind == "f" or str(arr.dtype) in ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+    ):
+        msg = f"{name}: expected a floating-point array, got dtype {arr.dtype}"
+        raise InvalidArgument(msg)
+    return arr.astype(np.float64)
