@@ -36,7 +36,6 @@ from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.params import MHAParams
-from mhanum.rope import Rope, check_positions
 
 __all__ = ["AttentionProblem", "MHAProblem", "checked_bias"]
 
@@ -80,7 +79,7 @@ class AttentionProblem:
     softcap: float | None = None
     descale: tuple[float, float, float] | None = None
     d_out: Any = None
-    rope: Rope | None = None
+    rope: Any = None
     positions: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod
@@ -123,6 +122,7 @@ class AttentionProblem:
                 V.check_finite(x, name)
         scores = (*batch, q.shape[-2], k.shape[-2])
         V.scale_value(scale, q.shape[-1])  # a finite number or None (placement: check())
+        rope_and_positions = _rope(rope, positions, q.shape[-1], q.shape[-2], k.shape[-2])
         return cls(
             q, k, v, batch,
             mask=masks.normalise(mask, scores),
@@ -132,8 +132,8 @@ class AttentionProblem:
             softcap=V.softcap_value(softcap),
             descale=V.descale_value(descale),
             d_out=d_out,
-            rope=_rope(rope, q.shape[-1]),
-            positions=_positions(positions, rope, q.shape[-2], k.shape[-2]),
+            rope=rope_and_positions[0],
+            positions=rope_and_positions[1],
         )  # fmt: skip
 
     @property
@@ -305,50 +305,19 @@ def checked_bias(bias: Any, scores: tuple[int, ...]) -> Any:
     return arr
 
 
-def _rope(rope: Any, d_k: int) -> Rope | None:
-    if rope is None:
-        return None
-    if not isinstance(rope, Rope):
-        msg = f"rope: expected a mhanum.rope.Rope, got {type(rope).__name__}"
-        raise InvalidArgument(msg)
-    if rope.dim > d_k:
-        msg = f"rope: expected a rotary dimension of at most d_k = {d_k}, got {rope.dim}"
-        raise InvalidArgument(msg)
-    return rope
-
-
-def _positions(
-    positions: Any, rope: Any, q_len: int, k_len: int
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """The queries' and the keys' positions: given as a pair, as one array for both (``Lq =
-    Lk``), or by default the keys ``0..Lk-1`` and the queries the last ``Lq`` of them."""
+def _rope(rope: Any, positions: Any, d_k: int, q_len: int, k_len: int) -> tuple[Any, Any]:
+    """The rope and the queries' and keys' positions, checked by the rope itself
+    (:meth:`mhanum.rope.Rope.positions_for`: this module does no arithmetic of its own)."""
     if rope is None:
         if positions is not None:
             msg = "positions: expected only with rope= (the positions of a rotary embedding)"
             raise InvalidArgument(msg)
-        return None
-    if positions is None:
-        if q_len > k_len:
-            msg = (
-                f"positions: expected them given when there are more queries ({q_len}) than "
-                f"keys ({k_len})"
-            )
-            raise InvalidArgument(msg)
-        keys = np.arange(k_len)
-        pair = (keys[k_len - q_len :], keys)
-    elif isinstance(positions, tuple) and len(positions) == 2:
-        pair = positions
-    elif q_len == k_len:
-        pair = (positions, positions)
-    else:
-        msg = f"positions: expected a pair (queries', keys') for Lq = {q_len} != Lk = {k_len}"
+        return None, None
+    checker = getattr(rope, "positions_for", None)
+    if not callable(checker):
+        msg = f"rope: expected a mhanum.rope.Rope, got {type(rope).__name__}"
         raise InvalidArgument(msg)
-    q_pos, k_pos = (check_positions(x, rope) for x in pair)
-    for got, want, name in ((q_pos, q_len, "queries"), (k_pos, k_len, "keys")):
-        if got.shape != (want,):
-            msg = f"positions: expected {want} positions of the {name}, got {got.shape[0]}"
-            raise InvalidArgument(msg)
-    return q_pos, k_pos
+    return rope, checker(positions, d_k=d_k, q_len=q_len, k_len=k_len)
 
 
 def _sink(sink: Any, batch: tuple[int, ...]) -> Any:

@@ -173,6 +173,43 @@ class Rope:
         assert isinstance(fmt, Format)
         return fmt
 
+    def positions_for(
+        self, positions: Any, *, d_k: int, q_len: int, k_len: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The queries' and the keys' positions for an attention problem: given as a pair, as
+        one array for both (``Lq = Lk``), or by default the keys ``0..Lk-1`` and the queries the
+        last ``Lq`` of them (a decoding step); each exact in ``position_format``.
+
+        Raises:
+            InvalidArgument: for a rotary dimension wider than ``d_k``, or positions that do
+                not fit (naming ``rope`` or ``positions``).
+        """
+        if self.dim > d_k:
+            msg = f"rope: expected a rotary dimension of at most d_k = {d_k}, got {self.dim}"
+            raise InvalidArgument(msg)
+        if positions is None:
+            if q_len > k_len:
+                msg = (
+                    f"positions: expected them given when there are more queries ({q_len}) "
+                    f"than keys ({k_len})"
+                )
+                raise InvalidArgument(msg)
+            keys = np.arange(k_len)
+            pair = (keys[k_len - q_len :], keys)
+        elif isinstance(positions, tuple) and len(positions) == 2:
+            pair = positions
+        elif q_len == k_len:
+            pair = (positions, positions)
+        else:
+            msg = f"positions: expected a pair (queries', keys') for Lq = {q_len} != Lk = {k_len}"
+            raise InvalidArgument(msg)
+        q_pos, k_pos = (check_positions(x, self) for x in pair)
+        for got, want, name in ((q_pos, q_len, "queries"), (k_pos, k_len, "keys")):
+            if got.shape != (want,):
+                msg = f"positions: expected {want} positions of the {name}, got {got.shape[0]}"
+                raise InvalidArgument(msg)
+        return q_pos, k_pos
+
     @property
     def table_scale(self) -> float:
         """The factor of the tables: YaRN's ``attention_factor`` (``0.1 ln(factor) + 1``), else 1."""

@@ -16,8 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mhanum import InvalidArgument, reference
-from mhanum.bounds.forward import attention_bound
 from mhanum.bounds.backward import attention_grad_bound, dq_order_difference
+from mhanum.bounds.forward import attention_bound
 from mhanum.emulate.backward import attention_grad
 from mhanum.formats import round_to
 from mhanum.numerics import Backward, Numerics
