@@ -40,7 +40,7 @@ from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.testing.backward_kernels import BackwardKernel, get_backward_kernel
 from mhanum.testing.kernels import Kernel
-from mhanum.testing.oracle import Oracle, PredictedOverflow
+from mhanum.testing.oracle import Oracle, PredictedOverflow, as_float64
 
 __all__ = [
     "GRADIENTS",
@@ -166,7 +166,7 @@ def _assert_close(oracle: GradientOracle, grads: Any, *, stacklevel: int) -> Non
         raise GradientMismatch(text)
     for name, actual in oracle._given(grads).items():
         o = oracle.oracles[name]
-        got = _as_float64(actual, name)
+        got = as_float64(actual, name)
         if (o.unbounded & ~np.isfinite(got) & np.isfinite(o.exact)).any():
             warning = PredictedOverflow(f"{name}: {o.unbounded_report(actual)}")
             warnings.warn(warning, stacklevel=stacklevel)
@@ -196,23 +196,6 @@ def _as_mapping(grads: Any, order: tuple[str, ...]) -> dict[str, Any]:
         msg = f"grads: expected names among {order}, got {unknown[0]!r}"
         raise InvalidArgument(msg)
     return {n: a for n, a in items.items() if a is not None}
-
-
-def _as_float64(x: Any, name: str) -> np.ndarray:
-    """Any array (numpy, ml_dtypes, JAX, PyTorch) as float64, exactly."""
-    if hasattr(x, "detach"):  # a torch tensor (bfloat16 has no numpy dtype in torch)
-        x = x.detach().cpu().double().numpy()
-    try:
-        arr = np.asarray(x)
-    except (TypeError, ValueError) as err:
-        msg = f"{name}: expected a real array, got {type(x).__name__}"
-        raise InvalidArgument(msg) from err
-    if arr.dtype == np.bool_ or not (
-        arr.dtype.kind == "f" or str(arr.dtype) in ("bfloat16", "float8_e4m3fn", "float8_e5m2")
-    ):
-        msg = f"{name}: expected a floating-point array, got dtype {arr.dtype}"
-        raise InvalidArgument(msg)
-    return arr.astype(np.float64)
 
 
 def _format_of(x: Any, dtype: str | None) -> str:
@@ -290,7 +273,7 @@ def attention_grad_oracle(
         msg = f"layout: expected one of {_LAYOUTS}, got {layout!r}"
         raise InvalidArgument(msg)
     names = ("q", "k", "v", "d_out")
-    q64, k64, v64, g64 = (_as_float64(a, n) for a, n in zip((q, k, v, d_out), names, strict=True))
+    q64, k64, v64, g64 = (as_float64(a, n) for a, n in zip((q, k, v, d_out), names, strict=True))
     for a, n in zip((q64, k64, v64, g64), names, strict=True):
         if a.ndim < (3 if layout == "blhd" or enable_gqa else 2):
             msg = f"{n}: expected an array of at least {3 if layout == 'blhd' else 2} dimensions"
@@ -321,7 +304,7 @@ def attention_grad_oracle(
     if m is not None and not m.any(axis=-1).all():
         msg = "mask: expected every query row to attend some key (an empty softmax has no gradient)"
         raise InvalidArgument(msg)
-    b64 = None if bias is None else _as_float64(bias, "bias")
+    b64 = None if bias is None else as_float64(bias, "bias")
     c = 1.0 / math.sqrt(d) if scale is None else _scale_value(scale)
     kern.check_scale(c)
     kern.check_blocks(lq, lk, fmt, grouped=group > 1)
@@ -634,7 +617,7 @@ def mha_grad_oracle(
             f"mha_grad_oracle, got {kern.name!r} ({kern.softmax_backward!r})"
         )
         raise InvalidArgument(msg)
-    xq, xkv, g64 = (_as_float64(a, n) for a, n in ((x_q, "x_q"), (x_kv, "x_kv"), (d_out, "d_out")))
+    xq, xkv, g64 = (as_float64(a, n) for a, n in ((x_q, "x_q"), (x_kv, "x_kv"), (d_out, "d_out")))
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
         msg = f"num_heads: expected an integer >= 1, got {num_heads!r}"
         raise InvalidArgument(msg)
@@ -650,7 +633,7 @@ def mha_grad_oracle(
     kern.check_blocks(lq, lk, fmt, grouped=grouped)
     if hasattr(mask, "detach"):
         mask = mask.detach().cpu().numpy()
-    b64 = None if bias is None else _as_float64(bias, "bias")
+    b64 = None if bias is None else as_float64(bias, "bias")
     kw: dict[str, Any] = {"mask": mask, "bias": b64, "scale": scale, "sink": sink,
                           "softcap": softcap, "num_kv_heads": num_kv_heads}  # fmt: skip
     exact = reference.mha_grad(xq, xkv, params, num_heads, g64, digits=17, **kw)
