@@ -213,13 +213,21 @@ def _wait_for(condition, proc, what, timeout=300.0):
         time.sleep(0.05)
 
 
+# As at a terminal: a test runner's worker may ignore SIGINT, and an ignored signal stays ignored
+# across exec (Python then installs no KeyboardInterrupt handler), so the child restores it.
+_AS_AT_A_TERMINAL = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'mhanum'; runpy.run_module('mhanum', run_name='__main__', alter_sys=True)"
+)
+
+
 def _interrupt(args, tmp_path, ready):
     """Run ``mhanum ARGS`` in a process group of its own, send the group SIGINT (as Ctrl-C at a
     terminal does) once ``ready(stderr_path)`` holds; the exit status and standard error."""
     err_path = tmp_path / "stderr.txt"
     with err_path.open("w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mhanum", *args],
+            [sys.executable, "-c", _AS_AT_A_TERMINAL, *args],
             stdout=subprocess.DEVNULL,
             stderr=err,
             start_new_session=True,
