@@ -125,6 +125,30 @@ class KVQuant:
         """The largest code: the fp8 format's largest finite value, or 127."""
         return _INT8_MAX if self.format == "int8" else get_format(self.format).max_finite
 
+    def read(self, x: Any) -> tuple[np.ndarray, np.ndarray]:
+        """What an attention reads of ``x`` (``(..., tokens, d)``; without a heads axis, one
+        head) stored in this cache, and Theorem K.1's bound on its distance to ``x``.
+
+        Raises:
+            InvalidArgument: under the accumulator placement, whose extra rounding of the dot
+                Theorem A.1 does not take yet.
+        """
+        if self.placement != "operand":
+            msg = (
+                "kv_cache.placement: expected 'operand' in an attention problem (the "
+                "accumulator's extra rounding of the dot is not carried into Theorem A.1 yet)"
+            )
+            raise InvalidArgument(msg)
+        values = np.asarray(x, np.float64)
+        shaped = (
+            values if values.ndim >= 3 else values.reshape((1,) * (3 - values.ndim) + values.shape)
+        )
+        codes, s = quantize(shaped, self)
+        return (
+            dequantize(codes, s, self).reshape(values.shape),
+            kv_error(shaped, self).reshape(values.shape),
+        )
+
     @property
     def accumulator_rounding(self) -> float:
         """The relative rounding the accumulator placement adds to the dot's result (the product

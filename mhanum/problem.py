@@ -66,6 +66,8 @@ class AttentionProblem:
         positions: with ``rope``, the positions of the queries and of the keys (int64 arrays of
             lengths ``Lq`` and ``Lk``); by default the keys' are ``0..Lk-1`` and the queries are
             the last ``Lq`` of them (a decoding step's alignment).
+        kv_cache: ``None`` or the :class:`mhanum.kvcache.KVQuant` a kernel stores ``k`` and
+            ``v`` in (papers/kvcache.md): the attention reads them back from the cache.
     """
 
     q: Any
@@ -81,6 +83,7 @@ class AttentionProblem:
     d_out: Any = None
     rope: Any = None
     positions: tuple[np.ndarray, np.ndarray] | None = None
+    kv_cache: Any = None
 
     @classmethod
     def of(
@@ -98,6 +101,7 @@ class AttentionProblem:
         d_out: Any = None,
         rope: Any = None,
         positions: Any = None,
+        kv_cache: Any = None,
     ) -> AttentionProblem:
         """The problem of these arguments, each checked once against the others.
 
@@ -134,6 +138,7 @@ class AttentionProblem:
             d_out=d_out,
             rope=rope_and_positions[0],
             positions=rope_and_positions[1],
+            kv_cache=_kv_cache(kv_cache, rope),
         )  # fmt: skip
 
     @property
@@ -318,6 +323,19 @@ def _rope(rope: Any, positions: Any, d_k: int, q_len: int, k_len: int) -> tuple[
         msg = f"rope: expected a mhanum.rope.Rope, got {type(rope).__name__}"
         raise InvalidArgument(msg)
     return rope, checker(positions, d_k=d_k, q_len=q_len, k_len=k_len)
+
+
+def _kv_cache(cache: Any, rope: Any) -> Any:
+    """A :class:`mhanum.kvcache.KVQuant` (checked when it was made), or ``None``."""
+    if cache is None:
+        return None
+    if not callable(getattr(cache, "read", None)):
+        msg = f"kv_cache: expected a mhanum.kvcache.KVQuant, got {type(cache).__name__}"
+        raise InvalidArgument(msg)
+    if rope is not None:
+        msg = "kv_cache: expected without rope= (a cache of rotated keys is not modelled yet)"
+        raise InvalidArgument(msg)
+    return cache
 
 
 def _sink(sink: Any, batch: tuple[int, ...]) -> Any:

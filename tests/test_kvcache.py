@@ -146,3 +146,46 @@ def test_the_accumulator_placement_states_its_extra_rounding() -> None:
 def test_bad_input_is_refused_by_name(make, match: str) -> None:
     with pytest.raises(InvalidArgument, match=match):
         make()
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+@pytest.mark.parametrize("preset", ["fp32", "bf16-fp32acc"])
+def test_attention_over_a_quantized_cache_is_within_theorem_a1_with_k1(
+    fmt: str, preset: str
+) -> None:
+    """``attention_bound(..., kv_cache=)``: the emulated kernel (k and v stored in the cache and
+    read back, then the attention's numerics) is within the bound of the exact attention of the
+    given k and v; a kernel that forgets the scales (reads the codes) is far outside it."""
+    import mhanum
+    from mhanum import reference
+    from mhanum.bounds import attention_bound
+
+    rng = np.random.default_rng(KV_FORMATS.index(fmt))
+    q, k, v = (round_to(rng.standard_normal((2, 16, 8)), "bfloat16") for _ in range(3))
+    k[..., 2] *= 16.0  # an outlier channel
+    exact = reference.attention(q, k, v)
+    for granularity in GRANULARITIES:
+        cache = KVQuant(fmt, granularity=granularity)
+        out = np.asarray(mhanum.attention(q, k, v, numerics=preset, kv_cache=cache), np.float64)
+        bound = attention_bound(q, k, v, numerics=preset, kv_cache=cache).total
+        assert np.all(np.abs(out - exact) <= bound + 2.0**-52 * np.abs(exact))
+    codes_k, _ = quantize(k, KVQuant(fmt, granularity="head"))
+    codes_v, _ = quantize(v, KVQuant(fmt, granularity="head"))
+    forgot = np.asarray(mhanum.attention(q, codes_k, codes_v, numerics=preset), np.float64)
+    bound = attention_bound(q, k, v, numerics=preset, kv_cache=KVQuant(fmt, granularity="head"))
+    assert np.max(np.abs(forgot - exact) / bound.total) > 10
+
+
+def test_a_cache_in_an_attention_problem_is_checked() -> None:
+    from mhanum.problem import AttentionProblem
+    from mhanum.rope import Rope
+
+    x = np.ones((4, 8))
+    with pytest.raises(
+        InvalidArgument, match=r"kv_cache: expected a mhanum\.kvcache\.KVQuant, got str"
+    ):
+        AttentionProblem.of(x, x, x, kv_cache="int8")
+    with pytest.raises(InvalidArgument, match="kv_cache: expected without rope="):
+        AttentionProblem.of(x, x, x, kv_cache=KVQuant("int8"), rope=Rope(dim=8))
+    with pytest.raises(InvalidArgument, match=r"kv_cache\.placement: expected 'operand'"):
+        KVQuant("int8", placement="accumulator").read(x)

@@ -421,6 +421,7 @@ def attention(
     descale: Any = None,
     rope: Any = None,
     positions: Any = None,
+    kv_cache: Any = None,
 ) -> jax.Array:
     """Scaled dot-product attention with explicit numerics.
 
@@ -461,6 +462,9 @@ def attention(
             them in the input format.
         positions: with ``rope``, the queries' and keys' positions (see
             :class:`mhanum.problem.AttentionProblem`).
+        kv_cache: a :class:`mhanum.kvcache.KVQuant`: ``k`` and ``v`` (concrete) are stored in
+            the quantized cache and read back as it states (its operand placement) before the
+            attention, whose numerics then read them in the input format.
 
     Returns:
         ``(..., Lq, d_v)`` in the dtype that stores ``numerics.output_format``.
@@ -480,12 +484,17 @@ def attention(
     check_x64(num)
     p = AttentionProblem.of(
         q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, descale=descale,
-        rope=rope, positions=positions,
+        rope=rope, positions=positions, kv_cache=kv_cache,
     )  # fmt: skip
     num.check_problem(p)
     q, k, v, mask, bias = p.q, p.k, p.v, p.mask, p.bias
     if p.rope is not None:
         q, k = _rotated(p)
+    if p.kv_cache is not None:
+        if any(V.is_traced(x) for x in (k, v)):
+            msg = "kv_cache: the cache is emulated on concrete k and v; call outside jax.jit"
+            raise InvalidArgument(msg)
+        k, v = (p.kv_cache.read(x)[0] for x in (k, v))
     if p.sink is not None:
         xp = jnp if any(isinstance(x, jax.Array) for x in (q, k, v, p.sink)) else np
         k, v, mask, bias = masks.with_sink(q, k, v, mask, bias, p.sink, xp=xp)

@@ -57,6 +57,7 @@ def attention_bound(
     descale: Any = None,
     rope: Any = None,
     positions: Any = None,
+    kv_cache: Any = None,
 ) -> Bound:
     """Theorem A.1: a componentwise bound on ``|attention(q, k, v, mask, numerics) − exact|``.
 
@@ -142,6 +143,10 @@ def attention_bound(
             ``evaluation``).
         positions: with ``rope``, the queries' and keys' positions (see
             :class:`mhanum.problem.AttentionProblem`).
+        kv_cache: a :class:`mhanum.kvcache.KVQuant` the kernel stores ``k`` and ``v`` in
+            (operand placement): the exact attention is that of the given ``k`` and ``v``;
+            Theorem K.1 bounds the entries read back, which enter as the operands' errors
+            (step 1), with their rounding into the input format where it is narrower.
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape, ``inf`` exactly
@@ -159,7 +164,7 @@ def attention_bound(
     """
     problem = AttentionProblem.of(
         q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, descale=descale,
-        rope=rope, positions=positions,
+        rope=rope, positions=positions, kv_cache=kv_cache,
     )  # fmt: skip
     bound, _ = _attention_bound(problem, resolve(numerics), lam, probability, None)
     return bound
@@ -270,6 +275,8 @@ def _attention_bound(
     rotated = None
     if p.rope is not None:
         qb, kb, errors, rotated = _rotated(p, qb, kb, errors, fmt_in)
+    if p.kv_cache is not None:
+        errors = (errors[0], *(_cached(p.kv_cache, x, fmt_in) for x in (kb, vb)))
     along = None if gb is None or gu is None or p.descale else (gb, gu)
     stacked = (qb, kb, vb, keep, b, masked, replaced, errors, along, rotated)
     heads = _heads(p, num, lam, stacked)
@@ -363,6 +370,17 @@ def _rotated(
         out.append((x64, e, g))
     (q64, e_q, g_q), (k64, e_k, g_k) = out
     return q64, k64, (e_q, e_k, errors[2]), (g_q, g_k)
+
+
+def _cached(cache: Any, x: np.ndarray, fmt_in: Any) -> np.ndarray:
+    """Theorem K.1 (papers/kvcache.md): the entries a quantized cache gives back, within
+    ``e`` of the exact ``x``; then read into the input format where it is narrower than the
+    cache's dequantization format (one more rounding of a value at most ``|x| + e``)."""
+    e = cache.read(x)[1]
+    fd = cache.dequant_format
+    if fmt_in.precision < fd.precision or fmt_in.emin > fd.emin:
+        e = e + fmt_in.u * (np.abs(x) + e) + fmt_in.smallest_normal
+    return e
 
 
 def _given(*parts: tuple[Any, Any, Any] | None) -> tuple[Any, Any, Any] | None:
