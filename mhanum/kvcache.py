@@ -112,7 +112,11 @@ class KVQuant:
             msg = f"kv_cache.divisor: expected a finite positive number, got {self.divisor!r}"
             raise InvalidArgument(msg)
         if self.scale is not None:
-            s = np.asarray(self.scale, dtype=np.float64)
+            try:
+                s = np.asarray(self.scale, dtype=np.float64)
+            except (TypeError, ValueError):
+                msg = f"kv_cache.scale: expected positive finite scales, got {self.scale!r}"
+                raise InvalidArgument(msg) from None
             if s.size == 0 or not np.all(np.isfinite(s)) or np.any(s <= 0):
                 msg = (
                     "kv_cache.scale: expected positive finite scales (a zero or non-finite scale "

@@ -131,6 +131,7 @@ def test_the_accumulator_placement_states_its_extra_rounding() -> None:
         (lambda: KVQuant("int8", scale=0.0), "kv_cache.scale: expected positive finite scales"),
         (lambda: KVQuant("int8", scale=[1.0, np.nan]), "kv_cache.scale: expected positive finite"),
         (lambda: KVQuant("int8", scale=-1.0), "kv_cache.scale"),
+        (lambda: KVQuant("int8", scale="abc"), "kv_cache.scale: expected positive finite"),
         (lambda: KVQuant("int8", divisor=0), "kv_cache.divisor"),
         (lambda: KVQuant("int8", scale_format="float12"), "kv_cache.scale_format"),
         (lambda: kv_error(np.ones((4, 4)), KVQuant("int8")), "x: expected a cache shaped"),

@@ -11,6 +11,7 @@ one (:mod:`~mhanum.bounds.summation`, :mod:`~mhanum.bounds.softmax`,
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "F64_DOT",
     "LOG2E",
     "Linear",
+    "OperandScale",
     "chain",
     "check_count",
     "check_lam",
@@ -45,6 +47,7 @@ __all__ = [
     "native_unit",
     "operand_bits",
     "operand_error",
+    "operand_scale",
     "parse_order",
     "power_of_two",
     "probabilistic_gamma",
@@ -523,6 +526,60 @@ def scale_rounding(f64: float, fmt: Format) -> tuple[float, float, float]:
     u_r = 0.0 if f_hat == f64 else fmt.u
     u_mul = 0.0 if power_of_two(f_hat) else fmt.u
     return f_hat, u_r, u_mul
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandScale:
+    """The scale factor of step 2' (papers/attention.md), applied to ``q`` (and ``k``).
+
+    Attributes:
+        fmt: the scale format the product is taken in.
+        f64: the float64 factor: the scale, or its square root when it is split over q and k.
+        u64: the relative error of ``f64`` against the exact factor (the default scale's two
+            float64 roundings unless ``d_k = 4^m``; the square root's, unless exact).
+        f_hat, u_r, u_mul: :func:`scale_rounding` of ``f64`` into ``fmt``.
+        u_t: the rounding of an operand of the storage format read into ``fmt`` (0 when
+            ``fmt`` is at least as precise).
+        theta: the compound relative error ``(1 + u_r)(1 + u_t)(1 + u_mul) - 1``.
+        up: a bound on ``|fl64(f64·x)| / |x|``.
+        eta: the read's underflow, times ``f̂`` and rounded in the product, then the product's.
+    """
+
+    fmt: Format
+    f64: float
+    u64: float
+    f_hat: float
+    u_r: float
+    u_mul: float
+    u_t: float
+    theta: float
+    up: float
+    eta: float
+
+
+def operand_scale(scale: float, d_k: int, default_scale: bool, num: Numerics) -> OperandScale:
+    """Step 2' (papers/attention.md): the factor a kernel applies to its operands when the
+    scale sits on ``q`` (or, split as its square root, on ``q`` and ``k``), with its roundings.
+
+    Examples:
+        >>> s = operand_scale(0.25, 16, False, Numerics(scale="qk"))
+        >>> s.f64, s.u64, s.theta
+        (0.5, 0.0, 0.0)
+    """
+    fmt = num.format_of("scale")
+    u64 = 0.0
+    if default_scale and not is_power_of_four(d_k):
+        u64 = compound(2.0**-53, over=(2.0**-53,))
+    f64 = scale
+    if num.scale == "qk":
+        f64 = math.sqrt(scale)
+        if fractions.Fraction(f64) ** 2 != fractions.Fraction(scale):
+            u64 = compound(u64, 2.0**-53)
+    f_hat, u_r, u_mul = scale_rounding(f64, fmt)
+    u_t = fmt.u if fmt.precision < num.storage_format.precision else 0.0
+    up = abs(f64) * (1 + 2.0**-52)
+    eta = fmt.smallest_normal * (1 + up * (1 + u_r) * (1 + u_mul))
+    return OperandScale(fmt, f64, u64, f_hat, u_r, u_mul, u_t, compound(u_r, u_t, u_mul), up, eta)
 
 
 def conversion_eta(num: Numerics, fmt: Format) -> float:

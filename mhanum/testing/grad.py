@@ -160,7 +160,7 @@ class GradientOracle:
 
 
 def _assert_close(oracle: GradientOracle, grads: Any, *, stacklevel: int) -> None:
-
+    """:meth:`GradientOracle.assert_close`, its warning attributed ``stacklevel`` frames up."""
     text = oracle.message(grads)
     if text is not None:
         raise GradientMismatch(text)

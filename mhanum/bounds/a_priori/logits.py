@@ -4,9 +4,6 @@ the values the ``P V`` unit reads."""
 
 from __future__ import annotations
 
-import fractions
-import math
-
 import numpy as np
 
 from mhanum.bounds.a_priori.sizes import Logits, Operand, Range, pair, perturbed
@@ -17,6 +14,7 @@ from mhanum.bounds.factors import (
     is_power_of_four,
     operand_bits,
     operand_error,
+    operand_scale,
     power_of_two,
     scale_rounding,
     tensor_core_anchor,
@@ -107,22 +105,9 @@ def _scaled_bounds(
 ) -> tuple[Operand, Operand]:
     """Step 2' at its worst: the scaled stand-ins ``fl64(f64·x)``, their errors (as in A.1) and
     R.2 for the read into the scale format and the product there."""
-    fmt = num.format_of("scale")
-    u64 = 0.0
-    if default_scale and not is_power_of_four(d_k):
-        u64 = compound(2.0**-53, over=(2.0**-53,))
-    f64 = scale
-    if num.scale == "qk":
-        f64 = math.sqrt(scale)
-        if fractions.Fraction(f64) ** 2 != fractions.Fraction(scale):
-            u64 = compound(u64, 2.0**-53)
-    f_hat, u_r, u_mul = scale_rounding(f64, fmt)
-    # the operand is first read into the scale format (rounded if that is less precise)
-    u_t = fmt.u if fmt.precision < num.storage_format.precision else 0.0
-    theta = compound(u_r, u_t, u_mul)
-    up = abs(f64) * (1 + 2.0**-52)  # >= |fl64(f64·x)| / |x|
-    # the read's underflow, times f̂ and rounded in the product, then the product's own
-    eta = fmt.smallest_normal * (1 + up * (1 + u_r) * (1 + u_mul))
+    sc = operand_scale(scale, d_k, default_scale, num)
+    fmt, f64, u64, f_hat, u_t = sc.fmt, sc.f64, sc.u64, sc.f_hat, sc.u_t
+    theta, up, eta = sc.theta, sc.up, sc.eta
     r64 = 0.0 if power_of_two(f64) else 2.0**-53  # the float64 product's rounding
 
     def scaled(x: Operand, name: str) -> Operand:

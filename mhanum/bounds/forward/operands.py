@@ -5,7 +5,6 @@ the scale constant (step 2'' when it is folded into the exponent)."""
 from __future__ import annotations
 
 import dataclasses
-import fractions
 import math
 from typing import Any
 
@@ -18,6 +17,7 @@ from mhanum.bounds.factors import (
     is_power_of_four,
     operand_bits,
     operand_error,
+    operand_scale,
     power_of_two,
     rounding_error,
     scale_rounding,
@@ -97,21 +97,9 @@ def _scale_operands(
     enclosure leaves the scale format's range are recorded in ``ranges``.
     """
     num, scale, default_scale = setting.num, setting.scale, setting.default_scale
-    fmt = num.format_of("scale")
-    source = num.storage_format
-    u64 = 0.0
-    if default_scale and not is_power_of_four(q.shape[-1]):
-        u64 = compound(2.0**-53, over=(2.0**-53,))
-    f64 = scale
-    if num.scale == "qk":
-        f64 = math.sqrt(scale)
-        if fractions.Fraction(f64) ** 2 != fractions.Fraction(scale):
-            u64 = compound(u64, 2.0**-53)
-    f_hat, u_r, u_mul = scale_rounding(f64, fmt)
-    u_t = fmt.u if fmt.precision < source.precision else 0.0
-    theta = compound(u_r, u_t, u_mul)
-    up = abs(f64) * (1 + 2.0**-52)
-    eta = fmt.smallest_normal * (1 + up * (1 + u_r) * (1 + u_mul))
+    sc = operand_scale(scale, q.shape[-1], default_scale, num)
+    fmt, f64, u64, f_hat, u_t = sc.fmt, sc.f64, sc.u64, sc.f_hat, sc.u_t
+    theta, up, eta = sc.theta, sc.up, sc.eta
     exact_product = power_of_two(f64)
     g_prev = given if given is not None else (np.zeros_like(q), np.zeros_like(k), 0.0)
 
