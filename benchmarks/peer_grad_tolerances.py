@@ -58,6 +58,8 @@ CONFIGS = [
     (1, 2, 2, 32, 32, 16, False, 0.25, True),
     (1, 2, 2, 96, 80, 16, True, None, False),
     (1, 2, 2, 200, 600, 16, True, None, False),  # CPU flash: 4 query blocks, 2 key blocks
+    (1, 2, 2, 64, 64, 64, True, None, False),  # torch math: sqrt(1/8) on q and k
+    (1, 2, 2, 48, 64, 128, True, None, False),  # 1/sqrt(128): no power of two, nor its root
 ]
 QUICK = CONFIGS[:2]
 KERNELS = ("torch-sdpa-math", "torch-sdpa-flash-cpu", "jax-xla")

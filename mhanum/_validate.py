@@ -6,7 +6,7 @@ inside ``jax.jit`` NaN and Inf are results to measure, not errors.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import ml_dtypes
@@ -14,8 +14,13 @@ import numpy as np
 
 from mhanum._errors import InvalidArgument
 
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
-def is_traced(x: Any) -> bool:
+    from mhanum._types import Array, ArrayLike
+
+
+def is_traced(x: object) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
@@ -34,7 +39,7 @@ def is_exact_float_dtype(dtype: np.dtype) -> bool:
     return True
 
 
-def float_array(x: Any, name: str, *, min_ndim: int = 0) -> Any:
+def float_array(x: ArrayLike, name: str, *, min_ndim: int = 0) -> Array:
     """``x`` as an array with a real floating dtype (JAX arrays and tracers are kept as they are)."""
     arr = x if isinstance(x, jax.Array) else np.asarray(x)
     if not is_exact_float_dtype(np.dtype(arr.dtype)):
@@ -48,7 +53,7 @@ def float_array(x: Any, name: str, *, min_ndim: int = 0) -> Any:
     return arr
 
 
-def check_finite(x: Any, name: str, *, allow_neg_inf: bool = False) -> None:
+def check_finite(x: ArrayLike, name: str, *, allow_neg_inf: bool = False) -> None:
     """Raise if a concrete ``x`` holds NaN or Inf (``-inf`` allowed on request), naming the index."""
     if is_traced(x):
         return
@@ -71,7 +76,7 @@ def broadcast(shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
         raise InvalidArgument(msg) from None
 
 
-def check_broadcastable_to(x: Any, name: str, target: tuple[int, ...]) -> None:
+def check_broadcastable_to(x: ArrayLike, name: str, target: tuple[int, ...]) -> None:
     shape = tuple(np.shape(x))
     try:
         ok = np.broadcast_shapes(shape, target) == target
@@ -82,14 +87,14 @@ def check_broadcastable_to(x: Any, name: str, target: tuple[int, ...]) -> None:
         raise InvalidArgument(msg)
 
 
-def positive_int(value: Any, name: str) -> int:
+def positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         msg = f"{name}: expected a positive integer, got {value!r}"
         raise InvalidArgument(msg)
     return int(value)
 
 
-def scale_value(scale: Any, d_k: int, *, placement: str = "scores") -> float:
+def scale_value(scale: float | None, d_k: int, *, placement: str = "scores") -> float:
     """The softmax scale: ``1/sqrt(d_k)`` in float64 by default, else a finite number.
 
     Negative scales (PyTorch's SDPA tests use ``-1e4``) and zero are valid computations; with
@@ -113,7 +118,7 @@ def scale_value(scale: Any, d_k: int, *, placement: str = "scores") -> float:
     return float(scale)
 
 
-def softcap_value(cap: Any) -> float | None:
+def softcap_value(cap: float | None) -> float | None:
     """A logit soft-cap ``c`` (``c·tanh(s/c)``, Gemma 2's 50.0): ``None`` or a finite number > 0."""
     if cap is None:
         return None
@@ -126,7 +131,9 @@ def softcap_value(cap: Any) -> float | None:
     return float(cap)
 
 
-def descale_value(descale: Any, placement: str = "scores") -> tuple[float, float, float] | None:
+def descale_value(
+    descale: Sequence[float] | None, placement: str = "scores"
+) -> tuple[float, float, float] | None:
     """fp8 descale factors ``(d_q, d_k, d_v)``: ``None`` or three finite float32 numbers > 0.
 
     They multiply the scores' scale (``d_q·d_k``) and the output (``d_v``), as FlashAttention-3

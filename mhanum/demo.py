@@ -56,10 +56,10 @@ class DemoResult:
 
 def check_arguments(
     *,
-    seed: Any,
-    d_model: Any,
-    num_heads: Any,
-    length: Any,
+    seed: int,
+    d_model: int,
+    num_heads: int,
+    length: int,
     names: Mapping[str, str] | None = None,
 ) -> None:
     """Refuse arguments of :func:`run` that describe no layer, naming each as ``names`` spells

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,17 @@ import ml_dtypes
 import numpy as np
 
 from mhanum._errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import ModuleType
+
+    import numpy.typing as npt
+
+    from mhanum._types import ArrayLike
+
+# A numpy or a JAX array, kept as given by the rounding both share.
+_A = TypeVar("_A", np.ndarray, jax.Array)
 
 __all__ = ["FORMATS", "Format", "get_format", "representable", "round_to", "ulp"]
 
@@ -85,7 +96,7 @@ class Format:
         return np.dtype(getattr(ml_dtypes, self.storage, None) or self.storage)
 
     @property
-    def jax_dtype(self) -> Any:
+    def jax_dtype(self) -> np.dtype:
         """The JAX dtype that stores the format's values exactly."""
         return jnp.dtype(self.numpy_dtype)
 
@@ -169,7 +180,14 @@ _CARRIERS = {
 }
 
 
-def _round_bits(xp: Any, bitcast: Any, x: Any, carrier: _Carrier, fmt: Format, mode: str) -> Any:
+def _round_bits(
+    xp: ModuleType,
+    bitcast: Callable[[_A, type[np.generic]], _A],
+    x: _A,
+    carrier: _Carrier,
+    fmt: Format,
+    mode: str,
+) -> _A:
     """Round the carrier array ``x`` into ``fmt``: the algorithm shared by numpy and JAX.
 
     In the normal range of ``fmt``, rounding to ``p`` bits is an integer operation on the carrier's
@@ -210,7 +228,7 @@ def _round_bits(xp: Any, bitcast: Any, x: Any, carrier: _Carrier, fmt: Format, m
     return xp.copysign(rounded, x)
 
 
-def _np_bitcast(a: np.ndarray, dtype: Any) -> np.ndarray:
+def _np_bitcast(a: np.ndarray, dtype: npt.DTypeLike) -> np.ndarray:
     return np.asarray(a).view(dtype)
 
 
@@ -220,7 +238,7 @@ def _check_mode(mode: str) -> None:
         raise InvalidArgument(msg)
 
 
-def _as_float64(x: Any, argname: str) -> np.ndarray:
+def _as_float64(x: ArrayLike, argname: str) -> np.ndarray:
     arr = np.asarray(x)
     if arr.dtype.kind not in "fiu" and arr.dtype.kind != "V" and not _is_ml_float(arr.dtype):
         msg = f"{argname}: expected a real numeric array, got dtype {arr.dtype}"
@@ -236,7 +254,7 @@ def _is_ml_float(dtype: np.dtype) -> bool:
     return True
 
 
-def round_to(x: Any, fmt: Format | str, mode: RoundingMode = "nearest") -> np.ndarray:
+def round_to(x: ArrayLike, fmt: Format | str, mode: RoundingMode = "nearest") -> np.ndarray:
     """Round ``x`` into ``fmt`` exactly, once, from its float64 value.
 
     Args:
@@ -287,7 +305,7 @@ def round_jax(x: jax.Array, fmt: Format | str, mode: RoundingMode = "nearest") -
     return _round_bits(jnp, jax.lax.bitcast_convert_type, x, _CARRIERS[dtype.name], f, mode)
 
 
-def ulp(x: Any, fmt: Format | str) -> np.ndarray:
+def ulp(x: ArrayLike, fmt: Format | str) -> np.ndarray:
     """The spacing of ``fmt`` at ``x``: ``2**(max(e, emin) - p + 1)`` where ``2**e <= |x| < 2**(e+1)``.
 
     For ``|x|`` in the subnormal range (and 0) this is the smallest subnormal. Values of ``x`` above
@@ -306,7 +324,7 @@ def ulp(x: Any, fmt: Format | str) -> np.ndarray:
     return np.ldexp(1.0, exponent - f.precision + 1)
 
 
-def representable(x: Any, fmt: Format | str) -> np.ndarray:
+def representable(x: ArrayLike, fmt: Format | str) -> np.ndarray:
     """Whether each finite value of ``x`` is exactly a value of ``fmt`` (infinities: if ``fmt`` has them)."""
     arr = _as_float64(x, "x")
     rounded = round_to(arr, fmt)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -62,7 +61,7 @@ def check_shape(shape: Sequence[int]) -> tuple[int, int, int, int]:
     return b, h, n, d
 
 
-def check_choice(value: Any, name: str, allowed: Sequence[str]) -> str:
+def check_choice(value: object, name: str, allowed: Sequence[str]) -> str:
     if value not in allowed:
         msg = f"{name}: expected one of {tuple(allowed)}, got {value!r}"
         raise InvalidArgument(msg)

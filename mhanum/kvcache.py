@@ -31,12 +31,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mhanum._errors import InvalidArgument
 from mhanum.formats import Format, get_format, round_to
+
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
 
 __all__ = [
     "GRANULARITIES",
@@ -129,7 +132,7 @@ class KVQuant:
         """The largest code: the fp8 format's largest finite value, or 127."""
         return _INT8_MAX if self.format == "int8" else get_format(self.format).max_finite
 
-    def read(self, x: Any) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, x: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """What an attention reads of ``x`` (``(..., tokens, d)``; without a heads axis, one
         head) stored in this cache, and Theorem K.1's bound on its distance to ``x``.
 
@@ -177,7 +180,7 @@ def _reduce_axes(x: np.ndarray, granularity: str) -> tuple[int, ...]:
     }[granularity]
 
 
-def _check_x(x: Any) -> np.ndarray:
+def _check_x(x: ArrayLike) -> np.ndarray:
     """``x`` as float64 values shaped ``(..., heads, tokens, d)``, finite."""
     try:
         values = np.asarray(x, dtype=np.float64)
@@ -193,7 +196,7 @@ def _check_x(x: Any) -> np.ndarray:
     return values
 
 
-def scales(x: Any, q: KVQuant) -> np.ndarray:
+def scales(x: ArrayLike, q: KVQuant) -> np.ndarray:
     """The scales ``ŝ`` the kernel stores, broadcastable against ``x``: given, or
     ``fl(absmax / divisor)`` in ``scale_format`` (1 where the absmax is 0)."""
     values = _check_x(x)
@@ -216,7 +219,7 @@ def scales(x: Any, q: KVQuant) -> np.ndarray:
     return np.where(s > 0, s, 1.0)
 
 
-def quantize(x: Any, q: KVQuant) -> tuple[np.ndarray, np.ndarray]:
+def quantize(x: ArrayLike, q: KVQuant) -> tuple[np.ndarray, np.ndarray]:
     """The codes and scales a kernel stores for ``x`` (float64 carriers): ``c = fl_c(x / ŝ)``,
     the quotient correctly rounded in ``scale_format``, fp8 codes saturated (``q.saturate``),
     int8 codes rounded half to even and clamped to ``[-127, 127]``."""
@@ -231,14 +234,14 @@ def quantize(x: Any, q: KVQuant) -> tuple[np.ndarray, np.ndarray]:
     return round_to(y, q.format), s
 
 
-def dequantize(codes: Any, s: Any, q: KVQuant) -> np.ndarray:
+def dequantize(codes: ArrayLike, s: ArrayLike, q: KVQuant) -> np.ndarray:
     """``fl(ŝ·c)`` in ``dequant_format``: the operand the dot reads under the operand placement."""
     return round_to(
         np.asarray(codes, np.float64) * np.asarray(s, np.float64), _fmt(q, "dequant_format")
     )
 
 
-def kv_error(x: Any, q: KVQuant) -> np.ndarray:
+def kv_error(x: ArrayLike, q: KVQuant) -> np.ndarray:
     """Theorem K.1: a bound on ``|x̂ - x|`` entry by entry for every kernel that stores and
     reads ``x`` as ``q`` states (the quotient correctly rounded or a product by the rounded
     reciprocal; under the accumulator placement ``x̂ = ŝ·c`` exactly, its rounding being the

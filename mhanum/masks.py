@@ -35,11 +35,19 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mhanum._errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from types import ModuleType
+    from typing import TypeGuard
+
+    import jax
+
+    from mhanum._types import Array, ArrayLike, FloatArray
 
 __all__ = [
     "Band",
@@ -59,7 +67,7 @@ __all__ = [
 ]
 
 
-def _int_or_none(value: Any, name: str, *, minimum: int | None) -> int | None:
+def _int_or_none(value: object, name: str, *, minimum: int | None) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -104,11 +112,11 @@ class Band:
             return f"causal({', '.join(parts)})"
         return f"window(left={self.left}, right={self.right}{''.join(', ' + p for p in parts)})"
 
-    def array(self, q_len: int, k_len: int, *, xp: Any = np) -> Any:
+    def array(self, q_len: int, k_len: int, *, xp: ModuleType = np) -> Any:
         """The boolean ``(q_len, k_len)`` mask, True = attend (``xp``: numpy or ``jax.numpy``)."""
         return self.rows(0, q_len, k_len, xp=xp)
 
-    def rows(self, start: int, stop: int, k_len: int, *, xp: Any = np) -> Any:
+    def rows(self, start: int, stop: int, k_len: int, *, xp: ModuleType = np) -> Any:
         """Rows ``start:stop`` of :meth:`array`, without forming the others."""
         i = xp.arange(start, stop)[:, None] + self.offset
         j = xp.arange(k_len)[None, :]
@@ -155,7 +163,7 @@ def bottom_right(band: Band, q_len: int, k_len: int) -> Band:
     return dataclasses.replace(band, offset=band.offset + k_len - q_len)
 
 
-def normalise(mask: Any, target: tuple[int, ...]) -> Any:
+def normalise(mask: Band | ArrayLike | None, target: tuple[int, ...]) -> Band | Array | None:
     """``mask`` read once, at the boundary, for scores shaped ``target = (..., Lq, Lk)``:
     ``None``, a :class:`Band` (kept as structure), or a boolean array broadcastable to
     ``target`` (numpy, or JAX's, kept as given). Every public function that takes ``mask=``
@@ -198,7 +206,7 @@ def normalise(mask: Any, target: tuple[int, ...]) -> Any:
     return arr
 
 
-def dense(mask: Any, target: tuple[int, ...], *, xp: Any = np) -> Any:
+def dense(mask: Band | Array | None, target: tuple[int, ...], *, xp: ModuleType = np) -> Any:
     """A :func:`normalise`-d mask as the boolean array ``target``-shaped (True = attend; all
     True for ``None``): a band formed for ``target``'s last two lengths, an array broadcast.
 
@@ -212,7 +220,9 @@ def dense(mask: Any, target: tuple[int, ...], *, xp: Any = np) -> Any:
     return xp.broadcast_to(resolve(mask, target[-2], target[-1], xp=xp), target)
 
 
-def resolve(mask: Any, q_len: int, k_len: int, *, xp: Any = np) -> Any:
+def resolve(
+    mask: Band | ArrayLike | None, q_len: int, k_len: int, *, xp: ModuleType = np
+) -> ArrayLike | None:
     """``mask`` as a boolean array: a :class:`Band` formed for these lengths, anything else (a
     :func:`normalise`-d array or ``None``) as given."""
     return mask.array(q_len, k_len, xp=xp) if isinstance(mask, Band) else mask
@@ -226,7 +236,7 @@ def _fits(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
         return False
 
 
-def _is_jax_array(x: Any) -> bool:
+def _is_jax_array(x: object) -> TypeGuard[jax.Array]:
     import sys
 
     jax = sys.modules.get("jax")
@@ -282,7 +292,14 @@ def alibi(
 
 
 def with_sink(
-    q: Any, k: Any, v: Any, mask: Any, bias: Any, sink: Any, *, xp: Any = np
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Band | ArrayLike | None,
+    bias: ArrayLike | None,
+    sink: ArrayLike,
+    *,
+    xp: ModuleType = np,
 ) -> tuple[Any, Any, Any, Any]:
     """Attention sinks as one more key: ``(k', v', mask', bias')`` for ``softmax`` over the keys
     and a per-head sink logit ``σ`` in the normaliser, ``p_j = e^{s_j}/(e^σ + Σ_l e^{s_l})``.
@@ -298,20 +315,27 @@ def with_sink(
         InvalidArgument: for a sink that is not finite or does not broadcast.
     """
     lq, lk = q.shape[-2], k.shape[-2]
-    batch = _sink_batch(sink, [q.shape[:-2], k.shape[:-2], v.shape[:-2]], mask, bias, lq, lk, xp)
+    batch: tuple[int, ...] = _sink_batch(
+        sink, [q.shape[:-2], k.shape[:-2], v.shape[:-2]], mask, bias, lq, lk, xp
+    )
     k2, v2 = (zero_key(xp.broadcast_to(x, (*batch, lk, x.shape[-1])), xp=xp) for x in (k, v))
     mask2, bias2 = sink_column(mask, bias, sink, (*batch, lq, lk), xp=xp)
     return k2, v2, mask2, bias2
 
 
-def zero_key(x: Any, *, xp: Any = np) -> Any:
+def zero_key(x: Array, *, xp: ModuleType = np) -> Any:
     """``x`` ``(..., L, d)`` with one more row of zeros: the sink's key or value."""
     return xp.concatenate([x, xp.zeros((*x.shape[:-2], 1, x.shape[-1]), x.dtype)], axis=-2)
 
 
 def sink_column(
-    mask: Any, bias: Any, sink: Any, scores: tuple[int, ...], *, xp: Any = np
-) -> tuple[Any, Any]:
+    mask: Band | ArrayLike | None,
+    bias: ArrayLike | None,
+    sink: ArrayLike,
+    scores: tuple[int, ...],
+    *,
+    xp: ModuleType = np,
+) -> tuple[Array | None, Array]:
     """The mask and bias of :func:`with_sink` for scores shaped ``scores = (..., Lq, Lk)``: one
     more column, attended, with bias ``σ`` (the real keys' bias ``0`` where none is given)."""
     *batch, lq, lk = scores
@@ -327,8 +351,8 @@ def sink_column(
 
 
 def head_sinks(
-    mask: Any, bias: Any, sink: Any, scores: tuple[int, ...]
-) -> tuple[Any, Any, tuple[int, ...]]:
+    mask: Band | ArrayLike | None, bias: ArrayLike | None, sink: ArrayLike, scores: tuple[int, ...]
+) -> tuple[Array | None, Array, tuple[int, ...]]:
     """:func:`sink_column` for multi-head scores ``(..., H, Lq, Lk)`` with one sink per head
     (``sink`` ``(H,)`` or broadcast against ``(..., H)``): the mask, the bias and the scores'
     new shape ``(..., H, Lq, Lk + 1)``.
@@ -352,7 +376,7 @@ def head_sinks(
     return mask2, bias2, (*full[:-1], full[-1] + 1)
 
 
-def _finite_sink(sink: Any, xp: Any) -> Any:
+def _finite_sink(sink: ArrayLike, xp: ModuleType) -> Array:
     sig = np.asarray(sink, np.float64) if xp is np else xp.asarray(sink)
     concrete = sig if xp is np else _concrete(sig)
     if concrete is not None and not np.all(np.isfinite(concrete)):
@@ -361,7 +385,7 @@ def _finite_sink(sink: Any, xp: Any) -> Any:
     return sig
 
 
-def _concrete(x: Any) -> Any:
+def _concrete(x: Array) -> FloatArray | None:
     """The values of the array ``x`` as numpy, or ``None`` under a jax trace (inside ``jit``)."""
     import jax
 
@@ -369,7 +393,13 @@ def _concrete(x: Any) -> Any:
 
 
 def _sink_batch(
-    sink: Any, shapes: list[Any], mask: Any, bias: Any, lq: int, lk: int, xp: Any
+    sink: ArrayLike,
+    shapes: list[tuple[int, ...]],
+    mask: Band | ArrayLike | None,
+    bias: ArrayLike | None,
+    lq: int,
+    lk: int,
+    xp: ModuleType,
 ) -> tuple[int, ...]:
     """The batch dimensions of the inputs, the mask and the bias, which the sink must fit: a
     sink never adds batch dimensions of its own (a ``(3,)`` sink with 2-D ``q`` would broadcast
@@ -381,7 +411,7 @@ def _sink_batch(
     return batch
 
 
-def check_sink(sink: Any, batch: tuple[int, ...], *, xp: Any = np) -> Any:
+def check_sink(sink: ArrayLike, batch: tuple[int, ...], *, xp: ModuleType = np) -> Array:
     """Sink logits checked against the inputs' ``batch`` dimensions: finite (where concrete)
     and broadcastable to ``batch`` without enlarging it; float64 numpy, or ``xp``'s array.
 

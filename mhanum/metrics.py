@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mpmath
 import numpy as np
@@ -34,6 +34,9 @@ import numpy as np
 from mhanum._errors import InvalidArgument
 from mhanum.formats import Format, get_format, ulp
 from mhanum.reference import nearest_float64
+
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
 
 __all__ = ["Errors", "errors"]
 
@@ -94,7 +97,7 @@ def _exact_differences(computed: np.ndarray, reference: np.ndarray) -> np.ndarra
     return out
 
 
-def errors(computed: Any, reference: Any, fmt: Format | str | None = None) -> Errors:
+def errors(computed: ArrayLike, reference: ArrayLike, fmt: Format | str | None = None) -> Errors:
     """Errors of ``computed`` against ``reference``.
 
     Args:

@@ -48,7 +48,15 @@ from mhanum.units import (
     summation_order,
 )
 
-__all__ = ["BACKWARD_ALGORITHMS", "PRESETS", "Backward", "Numerics", "resolve", "resolve_backward"]
+__all__ = [
+    "BACKWARD_ALGORITHMS",
+    "PRESETS",
+    "SCALE_AT",
+    "Backward",
+    "Numerics",
+    "resolve",
+    "resolve_backward",
+]
 
 _SCALES = ("scores", "q", "qk")
 _EXP_FORMS = ("exp", "exp2", "exp2-folded", "exp2-scaled")
@@ -241,8 +249,8 @@ class Numerics:
         if self.online_sums == "running":
             if self.softmax_kind != "online":
                 raise _bad("softmax", "'online(B)' with online_sums='running'", self.softmax)
-            if self.summation not in ("native", "sequential"):
-                raise _bad("summation", "'native' or 'sequential' with online_sums='running'",
+            if not self.order.resumable:
+                raise _bad("summation", f"{_resumable_orders()} with online_sums='running'",
                            self.summation)  # fmt: skip
             if self.dot_kind == "split":
                 raise _bad("dot", "no split dot with online_sums='running'", self.dot)
@@ -271,10 +279,8 @@ class Numerics:
         if self.operand_format is not None:
             raise _bad("operand_format", f"None with dot={self.dot!r} (the dot unit sets it)",
                        self.operand_format)  # fmt: skip
-        if kind == "tensor-core" and self.summation not in ("native", "sequential"):
-            raise _bad(
-                "summation", f"'native' or 'sequential' with dot={self.dot!r}", self.summation
-            )
+        if kind == "tensor-core" and not self.order.resumable:
+            raise _bad("summation", f"{_resumable_orders()} with dot={self.dot!r}", self.summation)
 
     # Resolved formats -------------------------------------------------------------------------
 
@@ -706,6 +712,19 @@ PRESETS: Mapping[str, Numerics] = {
 """
 
 
+def _resumable_orders() -> str:
+    """The registered summation orders a sum can resume in (a carried value added first), as an
+    error message lists them."""
+    from mhanum.units import summation_orders
+
+    names = [
+        repr(order.spelling())
+        for order in summation_orders()
+        if any(example.resumable for example in order.examples())
+    ]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def resolve(numerics: Numerics | str | None) -> Numerics:
     """``numerics`` as a :class:`Numerics`: itself, a preset by name, or the default for ``None``.
 
@@ -724,6 +743,11 @@ def resolve(numerics: Numerics | str | None) -> Numerics:
 
 BACKWARD_ALGORITHMS = ("textbook", "flash2")
 """The backward passes :class:`Backward` models: the textbook one and FlashAttention-2's."""
+
+SCALE_AT = ("output", "ds")
+"""Where a backward pass multiplies by the scale on the scores: ``"output"``, ``dQ`` and ``dK``
+after their dots, in ``accum``; ``"ds"``, ``dS`` before the dots, in the gradient format (the
+transpose of ``logits *= scale`` in ``jax.nn.dot_product_attention``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -762,6 +786,10 @@ class Backward:
         dq_order: ``flash2``: the order in which the key blocks' ``dQ`` partials are added, a
             permutation of ``range(ceil(Lk/block_k))`` (checked against ``Lk`` when run);
             ``None`` for ascending.
+        scale_at: where the scale on the scores multiplies (one of :data:`SCALE_AT`):
+            ``"output"`` (default), ``dQ = fl(ĉ·(dS K))``, ``dK = fl(ĉ·(dSᵀ Q))`` with
+            ``ĉ = fl_acc(c)``; ``"ds"``, ``dQ = fl(fl_ds(fl_grad(dS·ĉ)) K)`` with
+            ``ĉ = fl_grad(c)`` (``dK`` likewise), the dots then multiplied by nothing.
 
     Examples:
         >>> Backward("flash2", block_k=2, dq_order=(1, 0)).dq_order
@@ -778,6 +806,7 @@ class Backward:
     grad_format: str | None = None
     ds_format: str | None = None
     dq_order: tuple[int, ...] | None = None
+    scale_at: str = "output"
 
     def __post_init__(self) -> None:
         canon = object.__setattr__
@@ -793,6 +822,8 @@ class Backward:
                 canon(self, field, get_format(value, argname=f"backward.{field}").name)
         if self.grad_format is not None and self.grad_format not in ACCUM_FORMATS:
             raise _bad_backward("grad_format", f"one of {ACCUM_FORMATS}", self.grad_format)
+        if self.scale_at not in SCALE_AT:
+            raise _bad_backward("scale_at", f"one of {SCALE_AT}", self.scale_at)
         if self.dq_order is not None:
             order = self.dq_order
             if isinstance(order, (str, bytes)) or not hasattr(order, "__iter__"):
@@ -851,11 +882,18 @@ class Backward:
         return self.dq_order
 
     def check_forward(self, num: Numerics) -> None:
-        """Refuse forward numerics the backward does not model, by the field's name."""
-        if num.scale != "scores":
-            raise _bad("scale", "'scores' for the backward pass", num.scale)
+        """Refuse forward numerics the backward does not model, by the field's name (every
+        scale placement is modelled: on the scores, ``dQ = c·(dS K)`` and ``dK = c·(dSᵀ Q)``;
+        on ``q`` or on ``q`` and ``k``, the dots read the scaled operands and the gradients of
+        the scaled ones are multiplied by the factor again, as autograd does)."""
         if num.exp_form != "exp":
             raise _bad("exp_form", "'exp' for the backward pass", num.exp_form)
+        if self.scale_at == "ds" and num.scale != "scores":
+            msg = (
+                "backward.scale_at: expected 'output' with the scale on q or on q and k "
+                f"(numerics.scale={num.scale!r}), got 'ds'"
+            )
+            raise InvalidArgument(msg)
         if num.kv_splits is not None:
             raise _bad("kv_splits", "None for the backward pass", num.kv_splits)
 

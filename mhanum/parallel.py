@@ -57,7 +57,7 @@ import signal
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -211,7 +211,7 @@ def executor_for(
             yield pool
 
 
-def _workers(value: Any, name: str) -> int | None:
+def _workers(value: object, name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -220,12 +220,12 @@ def _workers(value: Any, name: str) -> int | None:
     return value
 
 
-def spawned_seed(spec: Any, seed: np.random.SeedSequence) -> list[Any]:
+def spawned_seed(spec: object, seed: np.random.SeedSequence) -> list[Any]:
     """``[entropy, spawn_key]`` of a task's seed (a task function that shows the seeding)."""
     return [seed.entropy, list(seed.spawn_key)]
 
 
-def _canonical(value: Any) -> str:
+def _canonical(value: object) -> str:
     """``value`` as compared between journals: sorted keys, and an infinite number as the string
     that names it (``-inf`` and ``"-inf"`` are one masking constant: a description written as
     strict JSON reads the same as one an earlier mhanum wrote with ``-Infinity``)."""
@@ -242,7 +242,7 @@ def _infinities_named(value: Any) -> Any:
     return value
 
 
-def _as_json(value: Any, key: str) -> Any:
+def _as_json(value: object, key: str) -> Any:
     """``value`` as it reads back from JSON."""
     try:
         return json.loads(json.dumps(value, allow_nan=True))
@@ -259,7 +259,7 @@ class _Entry:
     line: int
 
 
-def _header(campaign: Any, seed: int, keys: Sequence[str]) -> dict[str, Any]:
+def _header(campaign: object, seed: int, keys: Sequence[str]) -> dict[str, Any]:
     return {
         "schema": JOURNAL_SCHEMA,
         "version": JOURNAL_VERSION,
@@ -394,7 +394,7 @@ class Journal:
     def __init__(
         self,
         path: str | os.PathLike[str],
-        campaign: Any,
+        campaign: object,
         seed: int,
         keys: Sequence[str],
         *,
@@ -428,7 +428,7 @@ class Journal:
             with self.path.open("x", encoding="utf-8") as f:
                 _write(f, self.header)
 
-    def append(self, key: str, index: int, seed: np.random.SeedSequence, result: Any) -> None:
+    def append(self, key: str, index: int, seed: np.random.SeedSequence, result: object) -> None:
         """Add one finished task (flushed and fsynced before returning)."""
         line = {
             "version": JOURNAL_VERSION,
@@ -468,7 +468,7 @@ def journal_progress(path: str | os.PathLike[str]) -> tuple[int, int]:
     return len({e.key for e in entries}), len(header["tasks"])
 
 
-def _write(f: Any, item: Mapping[str, Any]) -> None:
+def _write(f: TextIO, item: Mapping[str, Any]) -> None:
     f.write(json.dumps(item, allow_nan=True) + "\n")
     f.flush()
     os.fsync(f.fileno())
@@ -538,7 +538,7 @@ def merge_journals(
     return {k: finished[k].result for k in header["tasks"] if k in finished}
 
 
-def _check_seed(seed: Any) -> int:
+def _check_seed(seed: object) -> int:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         msg = f"seed: expected a non-negative integer, got {seed!r}"
         raise InvalidArgument(msg)
@@ -559,7 +559,7 @@ def _check_tasks(tasks: Sequence[tuple[str, Any]]) -> list[str]:
     return keys
 
 
-def as_executor(executor: Any) -> concurrent.futures.Executor:
+def as_executor(executor: object) -> concurrent.futures.Executor:
     """``executor`` itself, or the executor of a ``distributed.Client``.
 
     Raises:
@@ -584,9 +584,9 @@ def run_tasks(
     tasks: Sequence[tuple[str, Any]],
     *,
     seed: int = 0,
-    executor: Any = None,
+    executor: object = None,
     journal: str | os.PathLike[str] | None = None,
-    campaign: Any = None,
+    campaign: object = None,
     progress: Progress | None = None,
     read_back: Callable[[Any], object] | None = None,
 ) -> list[Any]:
@@ -636,7 +636,7 @@ def run_tasks(
             if progress is not None:
                 progress(done, len(tasks), key)
 
-    def finish(i: int, value: Any) -> None:
+    def finish(i: int, value: object) -> None:
         nonlocal done
         results[i] = _as_json(value, keys[i])
         if book is not None:

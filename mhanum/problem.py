@@ -28,7 +28,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -36,6 +36,11 @@ from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.params import MHAParams
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from mhanum._types import Array, ArrayLike
 
 __all__ = ["AttentionProblem", "MHAProblem", "checked_bias"]
 
@@ -88,20 +93,20 @@ class AttentionProblem:
     @classmethod
     def of(
         cls,
-        q: Any,
-        k: Any,
-        v: Any,
+        q: ArrayLike,
+        k: ArrayLike,
+        v: ArrayLike,
         *,
-        mask: Any = None,
-        bias: Any = None,
-        scale: Any = None,
-        sink: Any = None,
-        softcap: Any = None,
-        descale: Any = None,
-        d_out: Any = None,
-        rope: Any = None,
-        positions: Any = None,
-        kv_cache: Any = None,
+        mask: masks.Band | ArrayLike | None = None,
+        bias: ArrayLike | None = None,
+        scale: float | None = None,
+        sink: ArrayLike | None = None,
+        softcap: float | None = None,
+        descale: tuple[float, float, float] | None = None,
+        d_out: ArrayLike | None = None,
+        rope: object = None,
+        positions: tuple[ArrayLike, ArrayLike] | None = None,
+        kv_cache: object = None,
     ) -> AttentionProblem:
         """The problem of these arguments, each checked once against the others.
 
@@ -196,18 +201,18 @@ class MHAProblem:
     @classmethod
     def of(
         cls,
-        x_q: Any,
-        x_kv: Any,
-        params: Any,
-        num_heads: Any,
+        x_q: ArrayLike,
+        x_kv: ArrayLike,
+        params: MHAParams,
+        num_heads: int,
         *,
-        mask: Any = None,
-        bias: Any = None,
-        scale: Any = None,
-        sink: Any = None,
-        softcap: Any = None,
-        num_kv_heads: Any = None,
-        d_out: Any = None,
+        mask: masks.Band | ArrayLike | None = None,
+        bias: ArrayLike | None = None,
+        scale: float | None = None,
+        sink: ArrayLike | None = None,
+        softcap: float | None = None,
+        num_kv_heads: int | None = None,
+        d_out: ArrayLike | None = None,
     ) -> MHAProblem:
         """The problem of these arguments, each checked once against the others.
 
@@ -263,7 +268,7 @@ class MHAProblem:
         return V.scale_value(self.scale, self.d_k, placement=placement)
 
 
-def _of_width(x: Any, name: str, width: int) -> Any:
+def _of_width(x: ArrayLike, name: str, width: int) -> Array:
     """A finite float input ``(..., L, width)``."""
     arr = V.float_array(x, name, min_ndim=2)
     if arr.shape[-1] != width:
@@ -273,7 +278,7 @@ def _of_width(x: Any, name: str, width: int) -> Any:
     return arr
 
 
-def _check_shapes_chain(q: Any, k: Any, v: Any) -> None:
+def _check_shapes_chain(q: Array, k: Array, v: Array) -> None:
     if k.shape[-1] != q.shape[-1]:
         msg = f"k: expected last dimension d_k = {q.shape[-1]} (from q), got shape {k.shape}"
         raise InvalidArgument(msg)
@@ -285,7 +290,7 @@ def _check_shapes_chain(q: Any, k: Any, v: Any) -> None:
         raise InvalidArgument(msg)
 
 
-def _cotangent(d_out: Any, rows: tuple[int, int]) -> Any:
+def _cotangent(d_out: ArrayLike, rows: tuple[int, int]) -> Array:
     """The output's cotangent, shaped like the output ``(..., Lq, d_v)``."""
     g = V.float_array(d_out, "d_out", min_ndim=2)
     if tuple(g.shape[-2:]) != rows:
@@ -294,7 +299,7 @@ def _cotangent(d_out: Any, rows: tuple[int, int]) -> Any:
     return g
 
 
-def checked_bias(bias: Any, scores: tuple[int, ...]) -> Any:
+def checked_bias(bias: ArrayLike | None, scores: tuple[int, ...]) -> Array | None:
     """``bias`` checked against the ``scores`` shape: ``None``, or a float array broadcastable to
     it, ``-inf`` allowed (an excluded key), as given.
 
@@ -310,7 +315,13 @@ def checked_bias(bias: Any, scores: tuple[int, ...]) -> Any:
     return arr
 
 
-def _rope(rope: Any, positions: Any, d_k: int, q_len: int, k_len: int) -> tuple[Any, Any]:
+def _rope(
+    rope: object,
+    positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None,
+    d_k: int,
+    q_len: int,
+    k_len: int,
+) -> tuple[object, tuple[np.ndarray, np.ndarray] | None]:
     """The rope and the queries' and keys' positions, checked by the rope itself
     (:meth:`mhanum.rope.Rope.positions_for`: this module does no arithmetic of its own)."""
     if rope is None:
@@ -325,7 +336,7 @@ def _rope(rope: Any, positions: Any, d_k: int, q_len: int, k_len: int) -> tuple[
     return rope, checker(positions, d_k=d_k, q_len=q_len, k_len=k_len)
 
 
-def _kv_cache(cache: Any, rope: Any) -> Any:
+def _kv_cache(cache: object, rope: object) -> object:
     """A :class:`mhanum.kvcache.KVQuant` (checked when it was made), or ``None``."""
     if cache is None:
         return None
@@ -338,7 +349,7 @@ def _kv_cache(cache: Any, rope: Any) -> Any:
     return cache
 
 
-def _sink(sink: Any, batch: tuple[int, ...]) -> Any:
+def _sink(sink: ArrayLike | None, batch: tuple[int, ...]) -> Array | None:
     """Finite sink logits that fit the batch (a sink never adds batch dimensions): float64
     numpy, or a JAX array as given."""
     if sink is None:
@@ -346,7 +357,7 @@ def _sink(sink: Any, batch: tuple[int, ...]) -> Any:
     return masks.check_sink(sink, batch, xp=_namespace(sink))
 
 
-def _namespace(x: Any) -> Any:
+def _namespace(x: object) -> ModuleType:
     import jax
     import jax.numpy as jnp
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import mpmath
 import numpy as np
@@ -37,6 +37,11 @@ import numpy as np
 from mhanum import _validate as V
 from mhanum._errors import InvalidArgument
 from mhanum.formats import Format, get_format, round_to
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from mhanum._types import ArrayLike
 
 __all__ = [
     "SCALINGS",
@@ -174,7 +179,12 @@ class Rope:
         return fmt
 
     def positions_for(
-        self, positions: Any, *, d_k: int, q_len: int, k_len: int
+        self,
+        positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None,
+        *,
+        d_k: int,
+        q_len: int,
+        k_len: int,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The queries' and the keys' positions for an attention problem: given as a pair, as
         one array for both (``Lq = Lk``), or by default the keys ``0..Lk-1`` and the queries the
@@ -195,7 +205,7 @@ class Rope:
                 )
                 raise InvalidArgument(msg)
             keys = np.arange(k_len)
-            pair = (keys[k_len - q_len :], keys)
+            pair: tuple[ArrayLike, ArrayLike] = (keys[k_len - q_len :], keys)
         elif isinstance(positions, tuple) and len(positions) == 2:
             pair = positions
         elif q_len == k_len:
@@ -220,7 +230,7 @@ class Rope:
         return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
 
-def check_positions(positions: Any, rope: Rope) -> np.ndarray:
+def check_positions(positions: ArrayLike, rope: Rope) -> np.ndarray:
     """``positions`` as a 1-D int64 array, each exact in ``rope.position_format``."""
     p = np.asarray(positions)
     if p.ndim != 1 or p.size == 0:
@@ -328,7 +338,9 @@ class _Box:
         hi = round_to(np.nextafter(hi, np.inf), self.fmt)
         return lo, hi
 
-    def op(self, f: Any, a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[np.ndarray, np.ndarray]:
+    def op(
+        self, f: np.ufunc, a: tuple[Any, Any], b: tuple[Any, Any]
+    ) -> tuple[np.ndarray, np.ndarray]:
         with np.errstate(divide="ignore", invalid="ignore"):
             corners = [f(x, y) for x in a for y in b]
         lo = np.minimum.reduce([np.broadcast_to(c, np.shape(corners[0])) for c in corners])
@@ -343,7 +355,7 @@ def _pipeline(rope: Rope, seq_len: int, box: _Box | None) -> tuple[np.ndarray, n
     b = box or _Box(fmt)
     exact = box is None
 
-    def pt(x: Any) -> tuple[np.ndarray, np.ndarray]:
+    def pt(x: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         x = np.asarray(x, np.float64)
         return x, x
 
@@ -353,7 +365,7 @@ def _pipeline(rope: Rope, seq_len: int, box: _Box | None) -> tuple[np.ndarray, n
             return y, y
         return b.round(np.asarray(x[0], np.float64), np.asarray(x[1], np.float64))
 
-    def op(f: Any, x: tuple[Any, Any], y: tuple[Any, Any]) -> tuple[np.ndarray, np.ndarray]:
+    def op(f: np.ufunc, x: tuple[Any, Any], y: tuple[Any, Any]) -> tuple[np.ndarray, np.ndarray]:
         if exact:
             with np.errstate(divide="ignore", invalid="ignore"):
                 return rnd((f(x[0], y[0]), None))
@@ -394,7 +406,14 @@ def _pipeline(rope: Rope, seq_len: int, box: _Box | None) -> tuple[np.ndarray, n
     return inv
 
 
-def _llama3(rope: Rope, inv: Any, f: Any, op: Any, pt: Any, one: Any) -> tuple[Any, Any]:
+def _llama3(
+    rope: Rope,
+    inv: tuple[np.ndarray, np.ndarray],
+    f: tuple[np.ndarray, np.ndarray],
+    op: Callable[..., tuple[np.ndarray, np.ndarray]],
+    pt: Callable[[ArrayLike], tuple[np.ndarray, np.ndarray]],
+    one: tuple[np.ndarray, np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
     """``transformers``' ``_compute_llama3_parameters`` on ``inv`` (nominal or enclosed): a
     branch whose condition the enclosure cannot decide takes the union of both."""
     m = float(rope.original_max_position or 0)
@@ -434,7 +453,7 @@ def inv_freq_enclosure(rope: Rope, seq_len: int = 1) -> tuple[np.ndarray, np.nda
     return _pipeline(rope, seq_len, _Box(rope.format("inv_freq")))
 
 
-def angles(rope: Rope, positions: Any) -> np.ndarray:
+def angles(rope: Rope, positions: ArrayLike) -> np.ndarray:
     """The kernel's angles ``θ̂ = fl(p·ω̂)`` (``len(positions) × dim/2``, float64 carrier),
     with ``ω̂`` the nominal inverse frequencies (``pow`` correctly rounded)."""
     p = check_positions(positions, rope)
@@ -468,7 +487,7 @@ def _pairs(rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return partner, sign, freq
 
 
-def _check_x(x: Any, rope: Rope, positions: np.ndarray, *, held: bool = True) -> np.ndarray:
+def _check_x(x: ArrayLike, rope: Rope, positions: np.ndarray, *, held: bool = True) -> np.ndarray:
     """``x`` as float64 values, shaped ``(..., L, d_head)``; ``held``: exact in
     ``rotation_format`` (the kernel's inputs as it holds them)."""
     arr = V.float_array(x, "x", min_ndim=2)
@@ -490,7 +509,7 @@ def _check_x(x: Any, rope: Rope, positions: np.ndarray, *, held: bool = True) ->
     return values
 
 
-def apply_rope(x: Any, positions: Any, rope: Rope) -> np.ndarray:
+def apply_rope(x: ArrayLike, positions: ArrayLike, rope: Rope) -> np.ndarray:
     """Rotate ``x`` (``(..., L, d_head)``) as the kernel ``rope`` describes: every rounding of
     the stated formats exact, ``pow``, ``cos`` and ``sin`` correctly rounded.
 
@@ -509,7 +528,7 @@ def apply_rope(x: Any, positions: Any, rope: Rope) -> np.ndarray:
     return out
 
 
-def reference_rope(x: Any, positions: Any, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
+def reference_rope(x: ArrayLike, positions: ArrayLike, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
     """The exact rotation of ``x`` in float64, and a bound on its distance to the exact values.
 
     ``ω`` is the scaling's exact value rounded once to float64, ``θ = fl(p·ω)``, ``cos`` and
@@ -537,7 +556,7 @@ def reference_rope(x: Any, positions: Any, rope: Rope) -> tuple[np.ndarray, np.n
     return out, err
 
 
-def rope_error(x: Any, positions: Any, rope: Rope) -> np.ndarray:
+def rope_error(x: ArrayLike, positions: ArrayLike, rope: Rope) -> np.ndarray:
     """Theorem P.1: a bound on ``|x̂_rot - x_rot|`` entry by entry, ``x_rot`` the exact rotation
     of ``x`` by the exact angles, ``x̂_rot`` any kernel's that computes as ``rope`` states.
 

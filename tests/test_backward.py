@@ -338,8 +338,8 @@ def test_bad_calls_are_named():
         attention_grad(q, k, v, g, backward=Backward("flash2", block_k=4, dq_order=(0, 1, 2)))
     with pytest.raises(InvalidArgument, match=r"d_out: expected the output's shape"):
         attention_grad(q, k, v, g[:, :3])
-    with pytest.raises(InvalidArgument, match=r"numerics\.scale"):
-        attention_grad(q, k, v, g, numerics=Numerics(scale="q"))
+    with pytest.raises(InvalidArgument, match=r"numerics\.exp_form"):
+        attention_grad(q, k, v, g, numerics=Numerics(exp_form="exp2"))
     with pytest.raises(InvalidArgument, match=r"numerics\.kv_splits"):
         attention_grad_bound(q, k, v, g, numerics=Numerics(kv_splits=2))
     with pytest.raises(InvalidArgument, match=r"numerics\.softmax"):

@@ -463,3 +463,45 @@ def test_the_cycle_rule_catches_what_it_forbids():
     # an import inside a function counts: the audit runs the Hugging Face adapter lazily
     audit = _imports(ROOT / "models" / "_audit.py", set(NAMES))
     assert "mhanum.adapters.transformers" in audit
+
+
+ANY_BUDGET = 408
+
+
+def _bare_any_annotations(tree: ast.Module) -> int:
+    """The parameters (``*args`` and ``**kwargs`` included) and returns annotated with the bare
+    name ``Any``; ``list[Any]`` and the like are not counted."""
+    count = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+            for annotation in [*(p.annotation for p in params), node.returns]:
+                count += isinstance(annotation, ast.Name) and annotation.id == "Any"
+    return count
+
+
+def test_signatures_annotate_few_parameters_as_bare_any():
+    """At most ``ANY_BUDGET`` parameters and returns in the package are annotated with the bare
+    ``Any``: the others name their types (the array aliases of ``mhanum/_types.py``, the
+    package's classes, ``object`` for a value that is only inspected). Counted on the source
+    with :mod:`ast`: every ``def`` under ``mhanum/``, each parameter whose annotation is exactly
+    the name ``Any``, and each return annotated so. ``Any`` stays where a value is arbitrary
+    (``**kwargs`` forwarded as they are, JSON values)."""
+    per_module = {
+        _module_name(path): n
+        for path in MODULES
+        if (n := _bare_any_annotations(ast.parse(path.read_text())))
+    }
+    total = sum(per_module.values())
+    worst = sorted(per_module.items(), key=lambda item: -item[1])[:5]
+    assert total <= ANY_BUDGET, f"{total} bare Any annotations (most in {worst})"
+
+
+def test_the_any_count_reads_parameters_and_returns():
+    source = (
+        "def f(a: Any, *b: Any, c: list[Any], d: int, **e: Any) -> Any:\n"
+        "    def g(x: Any) -> None: ...\n"
+        "async def h(y: object, /, z: Any) -> tuple[Any, int]: ...\n"
+    )
+    assert _bare_any_annotations(ast.parse(source)) == 6

@@ -25,9 +25,12 @@ is not among :data:`ADAPTERS`, which :func:`mhanum.compare` runs on any query an
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mhanum.adapters._common import PathModel
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 __all__ = ["ADAPTERS", "PathModel", "available", "get"]
 
@@ -50,7 +53,7 @@ def available() -> tuple[str, ...]:
     )
 
 
-def get(name: str) -> Any:
+def get(name: str) -> ModuleType:
     """The adapter module ``mhanum.adapters.<name>`` (importing its framework).
 
     Raises:

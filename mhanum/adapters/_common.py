@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -12,6 +12,9 @@ from mhanum._errors import InvalidArgument
 from mhanum.formats import round_to
 from mhanum.numerics import Numerics
 from mhanum.params import MHAParams
+
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
 
 FULLY_MASKED = ("nan", "zero", "uniform", "unmasked")
 
@@ -94,7 +97,7 @@ def float32_params(params: MHAParams, num_heads: int, num_kv_heads: int | None =
     return MHAParams(**fields)
 
 
-def batched(x: Any, name: str, width: int) -> np.ndarray:
+def batched(x: ArrayLike, name: str, width: int) -> np.ndarray:
     """``x`` rounded to a float32 ``(B, L, width)`` array (a 2-D ``(L, width)`` gets ``B = 1``).
 
     Raises:
@@ -111,7 +114,7 @@ def batched(x: Any, name: str, width: int) -> np.ndarray:
     return arr.astype(np.float32)
 
 
-def mask3(mask: Any, batch: int, lq: int, lk: int) -> np.ndarray | None:
+def mask3(mask: ArrayLike | None, batch: int, lq: int, lk: int) -> np.ndarray | None:
     """An mhanum mask (True = attend) broadcast to ``(B, Lq, Lk)``.
 
     Raises:
@@ -190,6 +193,6 @@ def reference(
     )
 
 
-def unbatch(out: np.ndarray, like: Any) -> np.ndarray:
+def unbatch(out: np.ndarray, like: ArrayLike) -> np.ndarray:
     """Drop the batch dimension added by :func:`batched` for a 2-D input."""
     return out[0] if np.ndim(like) == 2 else out

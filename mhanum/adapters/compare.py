@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,6 +39,12 @@ from mhanum.adapters import _common as C
 from mhanum.formats import ulp
 from mhanum.metrics import Errors, errors
 from mhanum.params import MHAParams
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from mhanum._types import ArrayLike
+    from mhanum.numerics import Numerics
 
 __all__ = ["Attribution", "Cause", "Comparison", "Measurement", "Side", "attribute", "compare"]
 
@@ -168,11 +174,11 @@ class Comparison:
         return "\n".join(lines)
 
 
-def _paths(adapter: Any) -> tuple[str, ...]:
+def _paths(adapter: ModuleType) -> tuple[str, ...]:
     return tuple(adapter.PATHS)
 
 
-def _model_of(adapter: Any, layer: Any, path: str) -> C.PathModel:
+def _model_of(adapter: ModuleType, layer: object, path: str) -> C.PathModel:
     if adapter.__name__.endswith(".model"):
         return adapter.model(path, layer=layer)
     return adapter.model(path)
@@ -190,7 +196,7 @@ class _Judged:
     rows_note: str = ""
 
 
-def _bounded_target(numerics: Any) -> str | None:
+def _bounded_target(numerics: Numerics) -> str | None:
     """What Theorem A.2 bounds a fully-masked row against under ``numerics``: nothing under
     ``-inf`` (no exact attention: the bound is ``inf`` there, term ``fully_masked``), the mean of
     the values when a finite constant replaces the logits (``uniform``), the unmasked attention
@@ -276,12 +282,12 @@ def _judge(
 
 
 def compare(
-    x_q: Any,
-    x_kv: Any,
+    x_q: ArrayLike,
+    x_kv: ArrayLike,
     params: MHAParams,
     num_heads: int,
     *,
-    mask: Any = None,
+    mask: ArrayLike | None = None,
     frameworks: tuple[str, ...] | None = None,
     paths: dict[str, tuple[str, ...]] | None = None,
     config: dict[str, Any] | None = None,
@@ -507,7 +513,7 @@ def _weights_detail(pa: MHAParams, pb: MHAParams) -> tuple[float, str]:
     return diffs[worst], f"largest weight difference {diffs[worst]:.3g} (in {worst})"
 
 
-def _reload(side: Side, adapter: Any, params: MHAParams, num_heads: int) -> Any:
+def _reload(side: Side, adapter: ModuleType, params: MHAParams, num_heads: int) -> object:
     if adapter.__name__.endswith(".model"):
         return adapter.load(
             params, num_heads, numerics=side.layer.numerics, fully_masked=side.layer.fully_masked
@@ -515,7 +521,15 @@ def _reload(side: Side, adapter: Any, params: MHAParams, num_heads: int) -> Any:
     return adapter.load(params, num_heads)
 
 
-def _run(side: Side, adapter: Any, layer: Any, q: Any, kv: Any, mask: Any, path: str) -> Any:
+def _run(
+    side: Side,
+    adapter: ModuleType,
+    layer: object,
+    q: np.ndarray,
+    kv: np.ndarray,
+    mask: ArrayLike | None,
+    path: str,
+) -> np.ndarray:
     if side.raw_mask is not None:
         return np.asarray(adapter.run(layer, q, kv, path=path, raw_mask=side.raw_mask))
     return np.asarray(adapter.run(layer, q, kv, mask, path=path))
@@ -535,7 +549,7 @@ def _size(term: np.ndarray, scale: float) -> float:
     return float(np.max(np.abs(term), initial=0.0)) / scale
 
 
-def _constant_detail(num: Any) -> str:
+def _constant_detail(num: Numerics) -> str:
     """The masking constant as stored, how it is applied, and its absorption when added."""
     c = num.mask_constant()
     fmt = num.format_of("score")
@@ -549,8 +563,8 @@ def _constant_detail(num: Any) -> str:
 
 def _side_terms(
     side: Side,
-    adapter: Any,
-    layer: Any,
+    adapter: ModuleType,
+    layer: object,
     path: str,
     p32: MHAParams,
     q: np.ndarray,
@@ -629,11 +643,11 @@ def _side_terms(
 def attribute(
     a: Side,
     b: Side,
-    x_q: Any,
-    x_kv: Any,
+    x_q: ArrayLike,
+    x_kv: ArrayLike,
     num_heads: int,
     *,
-    mask: Any = None,
+    mask: ArrayLike | None = None,
 ) -> Attribution:
     """Attribute the difference between two layers' outputs to its causes, each quantified.
 

@@ -18,7 +18,7 @@ bias ``(E,)``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax
 import jax.numpy as jnp
@@ -29,6 +29,11 @@ from mhanum._errors import InvalidArgument
 from mhanum.adapters import _common as C
 from mhanum.numerics import Numerics
 from mhanum.params import MHAParams
+
+if TYPE_CHECKING:
+    import jax
+
+    from mhanum._types import ArrayLike
 
 __all__ = ["PATHS", "effective_mask", "extract", "load", "model", "numerics", "run", "version"]
 
@@ -46,7 +51,7 @@ def version() -> str:
     return str(flax.__version__)
 
 
-def load(params: MHAParams, num_heads: int) -> Any:
+def load(params: MHAParams, num_heads: int) -> nnx.MultiHeadAttention:
     """A float32 ``nnx.MultiHeadAttention`` holding exactly ``params``.
 
     Raises:
@@ -74,7 +79,7 @@ def load(params: MHAParams, num_heads: int) -> Any:
     return layer
 
 
-def _set(variable: Any, value: np.ndarray) -> None:
+def _set(variable: nnx.Variable, value: np.ndarray) -> None:
     """Assign a parameter (``set_value`` from flax 0.12 on, ``.value`` before)."""
     if hasattr(variable, "set_value"):
         variable.set_value(jnp.asarray(value))
@@ -88,7 +93,7 @@ def _get(variable: Any) -> np.ndarray:
     return np.asarray(value, np.float64)
 
 
-def extract(layer: Any) -> MHAParams:
+def extract(layer: nnx.MultiHeadAttention) -> MHAParams:
     """The weights of an ``nnx.MultiHeadAttention`` as ``MHAParams`` (float64)."""
 
     qk, kk, vk = (_get(m.kernel) for m in (layer.query, layer.key, layer.value))
@@ -141,20 +146,20 @@ def model(path: str = "fused", *, precision: str = "default") -> C.PathModel:
     )
 
 
-def effective_mask(raw_mask: Any, path: str = "fused") -> np.ndarray:
+def effective_mask(raw_mask: ArrayLike, path: str = "fused") -> np.ndarray:
     """The keys a raw Flax mask attends (True = attend; it is cast to bool)."""
     C.check_path(path, PATHS)
     return np.asarray(raw_mask).astype(bool)
 
 
 def run(
-    layer: Any,
-    x_q: Any,
-    x_kv: Any,
-    mask: Any = None,
+    layer: nnx.MultiHeadAttention,
+    x_q: ArrayLike,
+    x_kv: ArrayLike,
+    mask: ArrayLike | None = None,
     *,
     path: str = "fused",
-    raw_mask: Any = None,
+    raw_mask: jax.Array | None = None,
 ) -> np.ndarray:
     """Run ``layer`` (deterministic) on float32 inputs on the chosen path; numpy float32 out.
 

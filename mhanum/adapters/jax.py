@@ -12,7 +12,7 @@ The ``cudnn`` implementation (GPUs) is not modelled here (see ``mhanum.devices``
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,11 @@ from mhanum.adapters import _common as C
 from mhanum.gradients import Gradients
 from mhanum.numerics import Numerics
 from mhanum.params import MHAParams
+
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike as JaxArrayLike
+
+    from mhanum._types import ArrayLike
 
 __all__ = [
     "PATHS",
@@ -107,7 +112,7 @@ def model(path: str = "xla", *, precision: str = "default") -> C.PathModel:
     )
 
 
-def effective_mask(raw_mask: Any, path: str = "xla") -> np.ndarray:
+def effective_mask(raw_mask: ArrayLike, path: str = "xla") -> np.ndarray:
     """A ``jax.nn`` mask attends where it is True."""
     C.check_path(path, PATHS)
     arr = np.asarray(raw_mask)
@@ -117,18 +122,18 @@ def effective_mask(raw_mask: Any, path: str = "xla") -> np.ndarray:
     return arr
 
 
-def _heads(x: Any, n: int) -> Any:
+def _heads(x: jax.Array, n: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], n, x.shape[-1] // n)
 
 
 def run(
     layer: JaxLayer,
-    x_q: Any,
-    x_kv: Any,
-    mask: Any = None,
+    x_q: ArrayLike,
+    x_kv: ArrayLike,
+    mask: ArrayLike | None = None,
     *,
     path: str = "xla",
-    raw_mask: Any = None,
+    raw_mask: JaxArrayLike | None = None,
 ) -> np.ndarray:
     """Run the layer with ``jax.nn.dot_product_attention(implementation=path)``; numpy float32.
 
@@ -156,7 +161,14 @@ def run(
     return C.unbatch(np.asarray(out), x_q)
 
 
-def _forward(x_q: Any, x_kv: Any, p: Any, mask: Any, n: int, implementation: Any) -> Any:
+def _forward(
+    x_q: np.ndarray,
+    x_kv: np.ndarray,
+    p: Any,
+    mask: JaxArrayLike | None,
+    n: int,
+    implementation: Any,
+) -> jax.Array:
     q = _heads(jnp.asarray(x_q) @ p.wq + p.bq, n)
     k = _heads(jnp.asarray(x_kv) @ p.wk + p.bk, n)
     v = _heads(jnp.asarray(x_kv) @ p.wv + p.bv, n)
@@ -168,10 +180,10 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 
 def sdpa(
-    q: Any,
-    k: Any,
-    v: Any,
-    mask: Any = None,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    mask: masks.Band | ArrayLike | None = None,
     *,
     scale: float | None = None,
     dtype: str = "float32",
@@ -246,11 +258,11 @@ def sdpa(
 
 
 def sdpa_grad(
-    q: Any,
-    k: Any,
-    v: Any,
-    d_out: Any,
-    mask: Any = None,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    d_out: ArrayLike,
+    mask: ArrayLike | None = None,
     *,
     scale: float | None = None,
     dtype: str = "float32",
@@ -283,7 +295,7 @@ def sdpa_grad(
         m = np.broadcast_to(np.asarray(mask, bool), (*lead, lq, lk)).reshape(-1, 1, lq, lk)
         kwargs["mask"] = jnp.asarray(m)
 
-    def f(a: Any, b: Any, c: Any) -> Any:
+    def f(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
         return jax.nn.dot_product_attention(a, b, c, scale=scale, implementation="xla", **kwargs)
 
     _, vjp = jax.vjp(f, jq, jk, jv)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
@@ -46,6 +46,11 @@ from mhanum._errors import InvalidArgument
 from mhanum.adapters import _common as C
 from mhanum.numerics import Numerics
 from mhanum.params import MHAParams
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+    from mhanum._types import ArrayLike
 
 __all__ = [
     "FUSED_MASK_VALUE",
@@ -95,7 +100,9 @@ def _check_backend() -> None:
         raise InvalidArgument(msg)
 
 
-def load(params: MHAParams, num_heads: int, num_kv_heads: int | None = None) -> Any:
+def load(
+    params: MHAParams, num_heads: int, num_kv_heads: int | None = None
+) -> keras.layers.MultiHeadAttention | keras.layers.GroupQueryAttention:
     """A float32 ``keras.layers.MultiHeadAttention``, built, holding exactly ``params``; with
     ``num_kv_heads`` (a divisor of ``num_heads``, ``params`` grouped as for
     :func:`mhanum.multi_head_attention`) a ``keras.layers.GroupQueryAttention``.
@@ -131,7 +138,7 @@ def load(params: MHAParams, num_heads: int, num_kv_heads: int | None = None) -> 
     return layer
 
 
-def extract(layer: Any) -> MHAParams:
+def extract(layer: keras.layers.MultiHeadAttention | keras.layers.GroupQueryAttention) -> MHAParams:
     """The weights of a built Keras ``MultiHeadAttention`` (or ``GroupQueryAttention``: grouped,
     for ``num_kv_heads=``) as ``MHAParams`` (float64)."""
     qk, qb, kk, kb, vk, vb, ok, ob = (np.asarray(w, np.float64) for w in layer.get_weights())
@@ -187,7 +194,7 @@ def model(path: str = "fused", *, tf32: bool = False) -> C.PathModel:
     return C.PathModel("keras", path, numerics(path, tf32=tf32), fully, _SOURCE[path], notes)
 
 
-def effective_mask(raw_mask: Any, path: str = "fused") -> np.ndarray:
+def effective_mask(raw_mask: ArrayLike, path: str = "fused") -> np.ndarray:
     """The keys a raw mask attends on ``path``, in mhanum's convention (True = attend).
 
     ``fused``: nonzero attends; ``explicit``: True or ``> 0.5`` attends; ``additive``: 0 attends
@@ -203,13 +210,13 @@ def effective_mask(raw_mask: Any, path: str = "fused") -> np.ndarray:
 
 
 def run(
-    layer: Any,
-    x_q: Any,
-    x_kv: Any,
-    mask: Any = None,
+    layer: keras.layers.MultiHeadAttention | keras.layers.GroupQueryAttention,
+    x_q: ArrayLike,
+    x_kv: ArrayLike,
+    mask: ArrayLike | None = None,
     *,
     path: str = "fused",
-    raw_mask: Any = None,
+    raw_mask: ArrayLike | None = None,
 ) -> np.ndarray:
     """Run ``layer`` on float32 inputs on the chosen path; numpy float32 out.
 
@@ -262,7 +269,12 @@ def run(
     return C.unbatch(np.asarray(out), x_q)
 
 
-def _tutorial_attention(layer: Any, x_q: Any, x_kv: Any, mask: np.ndarray | None) -> Any:
+def _tutorial_attention(
+    layer: keras.layers.MultiHeadAttention | keras.layers.GroupQueryAttention,
+    x_q: tf.Tensor,
+    x_kv: tf.Tensor,
+    mask: np.ndarray | None,
+) -> tf.Tensor:
     """The Transformer tutorial's attention on the Keras layer's projections."""
     import tensorflow as tf
 

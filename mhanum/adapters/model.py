@@ -8,7 +8,7 @@ and run without any framework installed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,6 +16,9 @@ from mhanum._errors import InvalidArgument
 from mhanum.adapters import _common as C
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
+
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
 
 __all__ = [
     "PATHS",
@@ -89,7 +92,7 @@ def model(path: str = "model", *, layer: ModelLayer | None = None) -> C.PathMode
     return C.PathModel("model", path, numerics(path, layer=layer), fully, "mhanum/attention.py", "")
 
 
-def effective_mask(raw_mask: Any, path: str = "model") -> np.ndarray:
+def effective_mask(raw_mask: ArrayLike, path: str = "model") -> np.ndarray:
     """mhanum's convention: True attends."""
     C.check_path(path, PATHS)
     return np.asarray(raw_mask).astype(bool)
@@ -97,12 +100,12 @@ def effective_mask(raw_mask: Any, path: str = "model") -> np.ndarray:
 
 def run(
     layer: ModelLayer,
-    x_q: Any,
-    x_kv: Any,
-    mask: Any = None,
+    x_q: ArrayLike,
+    x_kv: ArrayLike,
+    mask: ArrayLike | None = None,
     *,
     path: str = "model",
-    raw_mask: Any = None,
+    raw_mask: ArrayLike | None = None,
 ) -> np.ndarray:
     """``mhanum.multi_head_attention`` under the layer's numerics (float32 inputs)."""
     C.check_path(path, PATHS)

@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ from mhanum.adapters import _common as C
 from mhanum.gradients import Gradients, MHAGradients
 from mhanum.numerics import Numerics
 from mhanum.params import MHAParams
+
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
 
 __all__ = [
     "MASK_FORMS",
@@ -79,7 +82,9 @@ def version() -> str:
     return str(torch.__version__)
 
 
-def load(params: MHAParams, num_heads: int, *, batch_first: bool = True) -> Any:
+def load(
+    params: MHAParams, num_heads: int, *, batch_first: bool = True
+) -> torch.nn.MultiheadAttention:
     """A float32 ``torch.nn.MultiheadAttention`` in eval mode holding exactly ``params``.
 
     Args:
@@ -108,7 +113,7 @@ def load(params: MHAParams, num_heads: int, *, batch_first: bool = True) -> Any:
     return layer.eval()
 
 
-def extract(layer: Any) -> MHAParams:
+def extract(layer: torch.nn.MultiheadAttention) -> MHAParams:
     """The weights of a ``torch.nn.MultiheadAttention`` (packed in-projection) as ``MHAParams``."""
     if layer.in_proj_weight is None or layer.in_proj_bias is None:
         msg = "layer: expected a packed in_proj_weight with biases, got separate projections"
@@ -162,7 +167,11 @@ def model(path: str = "explicit", *, tf32: bool = False) -> C.PathModel:
 
 
 def effective_mask(
-    raw_mask: Any, path: str = "explicit", *, form: str = "bool", num_heads: int = 1
+    raw_mask: torch.Tensor | ArrayLike,
+    path: str = "explicit",
+    *,
+    form: str = "bool",
+    num_heads: int = 1,
 ) -> np.ndarray:
     """The keys a torch mask attends, in mhanum's convention (True = attend).
 
@@ -204,14 +213,14 @@ def _translate(mask: np.ndarray, form: str, num_heads: int) -> dict[str, Any]:
 
 
 def run(
-    layer: Any,
-    x_q: Any,
-    x_kv: Any,
-    mask: Any = None,
+    layer: torch.nn.MultiheadAttention,
+    x_q: ArrayLike,
+    x_kv: ArrayLike,
+    mask: ArrayLike | None = None,
     *,
     path: str = "explicit",
     mask_form: str = "bool",
-    raw_mask: Any = None,
+    raw_mask: torch.Tensor | ArrayLike | None = None,
 ) -> np.ndarray:
     """Run ``layer`` on float32 inputs, on the chosen code path, and return numpy float32.
 
@@ -263,11 +272,11 @@ def run(
 
 
 def mha_grad(
-    layer: Any,
-    x_q: Any,
-    x_kv: Any,
-    d_out: Any,
-    mask: Any = None,
+    layer: torch.nn.MultiheadAttention,
+    x_q: ArrayLike,
+    x_kv: ArrayLike,
+    d_out: ArrayLike,
+    mask: ArrayLike | None = None,
     *,
     path: str = "explicit",
 ) -> MHAGradients:
@@ -326,7 +335,7 @@ def mha_grad(
         out = out.transpose(0, 1)
     out.backward(torch.from_numpy(np.array(g)))
 
-    def grad(t: Any) -> np.ndarray:
+    def grad(t: torch.Tensor) -> np.ndarray:
         assert t.grad is not None
         return np.asarray(t.grad.double().numpy())
 
@@ -344,7 +353,9 @@ def mha_grad(
     return MHAGradients(C.unbatch(grad(tq), x_q), C.unbatch(grad(tkv), x_kv), grads, None)
 
 
-def _check_fast(layer: Any, self_attention: bool, kwargs: dict[str, Any]) -> None:
+def _check_fast(
+    layer: torch.nn.MultiheadAttention, self_attention: bool, kwargs: dict[str, Any]
+) -> None:
     reasons = []
     if not self_attention:
         reasons.append("x_kv is not x_q")
@@ -377,10 +388,10 @@ def sdpa_model(backend: str = "flash", *, tf32: bool = False) -> C.PathModel:
 
 
 def sdpa(
-    q: Any,
-    k: Any,
-    v: Any,
-    mask: Any = None,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    mask: masks.Band | ArrayLike | None = None,
     *,
     backend: str = "flash",
     scale: float | None = None,
@@ -437,11 +448,11 @@ def sdpa(
 
 
 def sdpa_grad(
-    q: Any,
-    k: Any,
-    v: Any,
-    d_out: Any,
-    mask: Any = None,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    d_out: ArrayLike,
+    mask: ArrayLike | None = None,
     *,
     backend: str = "math",
     scale: float | None = None,

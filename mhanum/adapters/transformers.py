@@ -40,7 +40,7 @@ Weights: ``query``, ``key``, ``value``, ``output.dense`` are ``nn.Linear`` (``y 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -53,6 +53,9 @@ from mhanum.adapters import _common as C
 from mhanum.adapters import torch as torch_adapter
 from mhanum.numerics import Numerics
 from mhanum.params import MHAParams
+
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
 
 __all__ = [
     "PATHS",
@@ -132,7 +135,7 @@ def _check_params(params: MHAParams, num_heads: int) -> MHAParams:
     return p
 
 
-def load(params: MHAParams, num_heads: int, *, path: str = "eager") -> Any:
+def load(params: MHAParams, num_heads: int, *, path: str = "eager") -> BertAttention:
     """A float32 ``BertAttention`` in eval mode holding exactly ``params``.
 
     Args:
@@ -169,7 +172,9 @@ def load(params: MHAParams, num_heads: int, *, path: str = "eager") -> Any:
     return layer.eval()
 
 
-def load_model(model_dir: str | Path | None = None, *, path: str = "eager") -> Any:
+def load_model(
+    model_dir: str | Path | None = None, *, path: str = "eager"
+) -> transformers.BertModel:
     """A float32 ``transformers.BertModel`` in eval mode, read offline from a local directory.
 
     Args:
@@ -194,7 +199,9 @@ def load_model(model_dir: str | Path | None = None, *, path: str = "eager") -> A
     return bert.eval()
 
 
-def load_layer(model_dir: str | Path | None = None, layer: int = 0, *, path: str = "eager") -> Any:
+def load_layer(
+    model_dir: str | Path | None = None, layer: int = 0, *, path: str = "eager"
+) -> BertAttention:
     """Encoder layer ``layer``'s ``BertAttention`` of the model :func:`load_model` reads.
 
     Raises:
@@ -208,14 +215,14 @@ def load_layer(model_dir: str | Path | None = None, layer: int = 0, *, path: str
     return layers[layer].attention
 
 
-def _check_layer(layer: Any) -> Any:
+def _check_layer(layer: object) -> BertAttention:
     if not isinstance(layer, BertAttention) or layer.is_cross_attention:
         msg = f"layer: expected a self-attention BertAttention, got {type(layer).__name__}"
         raise InvalidArgument(msg)
     return layer
 
 
-def path_of(layer: Any) -> str:
+def path_of(layer: BertAttention) -> str:
     """The path a ``BertAttention`` runs (its config's attention implementation).
 
     Raises:
@@ -228,11 +235,11 @@ def path_of(layer: Any) -> str:
     return str(impl)
 
 
-def extract(layer: Any) -> MHAParams:
+def extract(layer: BertAttention) -> MHAParams:
     """The weights of a ``BertAttention`` as ``MHAParams`` (float64 holding the float32 values):
     ``self.query``/``key``/``value`` and ``output.dense``, weights transposed."""
 
-    def linear(m: Any) -> tuple[np.ndarray, np.ndarray]:
+    def linear(m: torch.nn.Linear) -> tuple[np.ndarray, np.ndarray]:
         w = m.weight.detach().cpu().double().numpy().T.copy()
         return w, m.bias.detach().cpu().double().numpy()
 
@@ -242,7 +249,7 @@ def extract(layer: Any) -> MHAParams:
     return MHAParams(wq, wk, wv, wo, bq, bk, bv, bo)
 
 
-def attention_mask(mask: Any, batch: int, length: int) -> np.ndarray | None:
+def attention_mask(mask: ArrayLike | None, batch: int, length: int) -> np.ndarray | None:
     """An mhanum key-padding mask as the 2-D ``attention_mask`` a BERT model takes.
 
     Args:
@@ -276,7 +283,7 @@ def attention_mask(mask: Any, batch: int, length: int) -> np.ndarray | None:
     return m[:, 0, :].astype(np.int64)
 
 
-def effective_mask(raw_mask: Any, path: str = "eager") -> np.ndarray:
+def effective_mask(raw_mask: torch.Tensor | ArrayLike, path: str = "eager") -> np.ndarray:
     """The keys a 2-D ``attention_mask`` ``(B, Lk)`` attends, ``(B, 1, Lk)``, True = attend:
     nonzero entries (``sdpa_mask`` takes ``attention_mask.bool()``), on both paths."""
     C.check_path(path, PATHS)
@@ -289,12 +296,12 @@ def effective_mask(raw_mask: Any, path: str = "eager") -> np.ndarray:
 
 
 def run(
-    layer: Any,
-    x: Any,
-    mask: Any = None,
+    layer: BertAttention,
+    x: ArrayLike,
+    mask: ArrayLike | None = None,
     *,
     path: str | None = None,
-    raw_mask: Any = None,
+    raw_mask: torch.Tensor | ArrayLike | None = None,
 ) -> np.ndarray:
     """A ``BertAttention``'s self-attention and ``output.dense`` on float32 inputs, as numpy.
 

@@ -13,15 +13,23 @@ from __future__ import annotations
 import dataclasses
 import fractions
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mhanum._errors import InvalidArgument
 from mhanum.formats import Format, representable, round_to
 from mhanum.numerics import Numerics
-from mhanum.units import summation_order
+from mhanum.units import (
+    SummationOrder,
+    summation_order,
+    summation_order_spellings,
+    summation_orders,
+)
 from mhanum.units.tensorcore import TensorCoreModel, get_model
+
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike, NumpyArray
 
 __all__ = [
     "EVALUATION",
@@ -48,6 +56,7 @@ __all__ = [
     "operand_bits",
     "operand_error",
     "operand_scale",
+    "order_of",
     "parse_order",
     "power_of_two",
     "probabilistic_gamma",
@@ -69,11 +78,9 @@ __all__ = [
 ]
 
 _U_CARRIER = 2.0**-24  # float32, which carries every accumulation format narrower than it
-_TENSOR_CORE_ORDERS = ("sequential", "native")
-_ORDERS = "'native', 'sequential', 'pairwise', 'kahan' or 'blocked(b)' with b >= 1"
 
 
-def check_count(n: Any, name: str = "n", minimum: int = 1) -> int:
+def check_count(n: object, name: str = "n", minimum: int = 1) -> int:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < minimum:
         msg = f"{name}: expected an integer >= {minimum}, got {n!r}"
         raise InvalidArgument(msg)
@@ -88,15 +95,26 @@ def _check_unit(u: Any) -> float:
     return float(u)
 
 
-def parse_order(order: Any) -> tuple[str, int | None]:
-    """``(kind, block)`` of a summation order written as in :attr:`mhanum.Numerics.summation`."""
+def order_of(order: object) -> SummationOrder:
+    """The registered summation order written ``order`` (:func:`mhanum.units.summation_order`),
+    whose fields the bounds read: its tree height, compensated nature and roundings.
+
+    Raises:
+        InvalidArgument: naming ``order``, for one that is not registered.
+    """
     try:
-        unit = summation_order(order)
+        return summation_order(order)
     except InvalidArgument as err:
+        listed = summation_order_spellings(" with ")
         msg = (
-            f"order: expected a summation order as in numerics.summation ({_ORDERS}), got {order!r}"
+            f"order: expected a summation order as in numerics.summation ({listed}), got {order!r}"
         )
         raise InvalidArgument(msg) from err
+
+
+def parse_order(order: object) -> tuple[str, int | None]:
+    """``(kind, block)`` of a summation order written as in :attr:`mhanum.Numerics.summation`."""
+    unit = order_of(order)
     return unit.kind, unit.block
 
 
@@ -160,10 +178,10 @@ def tree_height(n: int, order: str) -> int:
         [0, 1, 2, 2, 3, 3, 4]
     """
     n = check_count(n)
-    kind, _ = parse_order(order)
-    if kind != "kahan":
-        return summation_order(order).height(n)
-    msg = f"order: expected a summation tree order (not 'kahan'; see kahan_factor), got {order!r}"
+    unit = order_of(order)
+    if unit.tree:
+        return unit.height(n)
+    msg = f"order: expected a summation tree order (not {str(unit)!r}; see kahan_factor), got {order!r}"
     raise InvalidArgument(msg)
 
 
@@ -241,11 +259,10 @@ def sum_factor(n: int, order: str, u: float) -> float:
         True
     """
     n, uu = check_count(n), _check_unit(u)
-    kind, _ = parse_order(order)
-    if kind == "kahan":
+    unit = order_of(order)
+    if unit.compensated:
         return kahan_constants(n, uu)[0]
-    unit = native_unit(uu) if kind == "native" else uu
-    return gamma(tree_height(n, order), unit)
+    return gamma(unit.height(n), native_unit(uu) if unit.carried else uu)
 
 
 _BF16_HEAD = 1 + 2.0**-8  # |piece_1| <= (1 + 2^-8)|a|: a truncated or a rounded leading piece
@@ -409,14 +426,14 @@ def chain(
     its validity (about ``n >= 1/(2u²)``).
     """
     n = max(n, 1)
-    kind = summation_order(order).kind
+    unit = order_of(order)
     g_det = summation_gamma(n, order, u)
-    if kind != "kahan" and not g_det < 1:
-        g_det = product_gamma(tree_height(n, order), native_unit(u) if kind == "native" else u)
+    if unit.tree and not g_det < 1:
+        g_det = product_gamma(unit.height(n), native_unit(u) if unit.carried else u)
     g = compound(g_det, powers=((u, extra + int(products)),))
-    if lam is not None and kind != "kahan":
-        length = tree_height(n, order) + extra + int(products)
-        if kind == "native" and u > 2.0**-24:
+    if lam is not None and unit.tree:
+        length = unit.height(n) + extra + int(products)
+        if unit.carried and u > 2.0**-24:
             length *= 2  # partial sums may be rounded to float32 first, then to the format
         # the deterministic factor holds always, so the event |θ| <= min(both) has the
         # probability of |θ| <= γ̃ (Theorem A.3): short chains keep γ, long ones get γ̃
@@ -425,7 +442,7 @@ def chain(
     if not math.isfinite(g):
         why = (
             "n·u·(2u + u²) < 1 - 2u - u² for Kahan's sum (Theorem R.4)"
-            if kind == "kahan"
+            if unit.compensated
             else "(1 + u)^n below the largest float64 (Corollary R.1')"
         )
         msg = f"numerics: expected {why}, got n = {n} with u = {u}"
@@ -556,6 +573,26 @@ class OperandScale:
     up: float
     eta: float
 
+    def applied(self, x: np.ndarray, e: Any, g: Any) -> tuple[np.ndarray, Any, Any]:
+        """Step 2' on one operand (papers/attention.md): ``(x_s, e_s, g_s)``: the float64
+        stand-in ``x_s = fl64(f64·x)`` of the scaled operand, ``e_s >= |fl(fl(x̂)·f̂) - x_s|``
+        for the computed one (``x̂`` within ``e`` of ``x``) and ``g_s >= |x_s - f·x*|`` for the
+        exact one (``x`` within ``g`` of the exact ``x*``).
+
+        Examples:
+            >>> s = operand_scale(0.25, 16, False, Numerics(scale="qk"))
+            >>> xs, e_s, g_s = s.applied(np.array([3.0]), 0.0, 0.0)
+            >>> float(xs[0]), bool(e_s[0] <= 2 * s.eta), bool(g_s[0] < 1e-300)  # exact: underflow only
+            (1.5, True, True)
+        """
+        xs = self.f64 * x
+        # the float64 product may itself be subnormal: an absolute 2^-1074 at most
+        rounding = (0.0 if power_of_two(self.f64) else 2.0**-53 * np.abs(xs)) + 2.0**-1074
+        theta, up, u64 = self.theta, self.up, self.u64
+        e_s = up * (theta * np.abs(x) + (1 + theta) * e) + rounding + self.eta
+        g_s = up * g / (1 - u64) + (u64 / (1 - u64)) * up * np.abs(x) + rounding
+        return xs, e_s, g_s
+
 
 def operand_scale(scale: float, d_k: int, default_scale: bool, num: Numerics) -> OperandScale:
     """Step 2' (papers/attention.md): the factor a kernel applies to its operands when the
@@ -594,7 +631,7 @@ def conversion_eta(num: Numerics, fmt: Format) -> float:
 
 
 def exp_and_sum_factors(
-    num: Numerics, n: int, gap: Any, lam: float | None, bits_pv: tuple[int, int]
+    num: Numerics, n: int, gap: float | NumpyArray, lam: float | None, bits_pv: tuple[int, int]
 ) -> tuple[Any, int, float, float, float]:
     """A.1 step 5: ``(x, K, g_sum, g_pv, eta_pv)`` for keys ``|ŝ_j - m| <= gap``.
 
@@ -651,7 +688,9 @@ def _lifted_argument(num: Numerics) -> float:
     return u_m * (1 + u_m) * num.prob_offset * math.log(2.0)
 
 
-def safe_weight_sums(n: Any, g_sum: Any, u_div: float, fm: Format) -> tuple[Any, Any]:
+def safe_weight_sums(
+    n: int | NumpyArray, g_sum: float | NumpyArray, u_div: float, fm: Format
+) -> tuple[Any, Any]:
     """Lemma W (papers/attention.md, step W): the safe softmax's computed weights over ``n``
     live keys, whatever the logit errors: ``(inv, row)`` with every quotient
     ``fl_m(ê_j/Ŝ) <= inv·ê_j/Σ_l ê_l + η_m`` and their sum at most ``row = inv + n·η_m``.
@@ -670,13 +709,13 @@ def safe_weight_sums(n: Any, g_sum: Any, u_div: float, fm: Format) -> tuple[Any,
 
 
 def step_w_output(
-    row: Any,
-    n: Any,
+    row: float | NumpyArray,
+    n: int | NumpyArray,
     keys: int,
-    v_top: Any,
-    v_sum: Any,
-    g_pv: Any,
-    eta_pv: Any,
+    v_top: float | NumpyArray,
+    v_sum: float | NumpyArray,
+    g_pv: float | NumpyArray,
+    eta_pv: float | NumpyArray,
     num: Numerics,
 ) -> tuple[Any, Any]:
     """Lemma W's output bound: ``(acc, out)`` with ``acc >= |P·V accumulated|`` (every partial
@@ -745,12 +784,14 @@ def _tensor_core_height(model: TensorCoreModel, n: int, order: str) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         msg = f"n: expected a non-negative integer, got {n!r}"
         raise InvalidArgument(msg)
-    if order not in _TENSOR_CORE_ORDERS:
-        msg = f"order: expected one of {_TENSOR_CORE_ORDERS}, got {order!r}"
-        raise InvalidArgument(msg)
-    if order == "sequential":
+    unit = order_of(order)
+    if unit.carried:
+        return n
+    if unit.running:
         return -(-n // model.group)
-    return n
+    resumable = tuple(str(o) for cls in summation_orders() for o in cls.examples() if o.resumable)
+    msg = f"order: expected one of {resumable}, got {order!r}"
+    raise InvalidArgument(msg)
 
 
 def _round_up_2ulps(x: float) -> float:
@@ -917,7 +958,7 @@ def linear_overflow(
     bad = np.zeros(np.broadcast_shapes((*x.shape[:-1], 1), (w.shape[-1],)), bool)
     reasons: list[str] = []
 
-    def check(upper: Any, fmt: Format, stage: str) -> None:
+    def check(upper: ArrayLike, fmt: Format, stage: str) -> None:
         nonlocal bad
         hit = ~(np.asarray(upper, np.float64) <= fmt.max_finite)
         if hit.any():

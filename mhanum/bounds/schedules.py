@@ -52,7 +52,7 @@ def shares_logits(a: Numerics | str, b: Numerics | str) -> bool:
     if any(getattr(a, f) != getattr(b, f) for f in _LOGIT_FIELDS):
         return False
     return (
-        a.summation_kind != "native"
+        not a.order.carried
         and a.exp_form == b.exp_form == "exp"
         and a.kv_splits is None
         and b.kv_splits is None

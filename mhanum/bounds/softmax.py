@@ -73,11 +73,6 @@ def _times(weight: Any, rel: Any, log_weight: Any, log_factor: Any) -> np.ndarra
     return np.where(fits, direct, spaced)
 
 
-def _summation_ops(n: int, kind: str) -> int:
-    """Roundings a sum of ``n`` terms performs (each may flush to zero)."""
-    return 4 * n if kind == "kahan" else max(n - 1, 0)
-
-
 class _Model:
     """The error constants of the softmax format under ``numerics``."""
 
@@ -101,6 +96,7 @@ class _Model:
             self.eta = self.u * tiny
             self.arg_flush = 0.0
         self.order = num.summation
+        self.unit = num.order
         self.kind = num.summation_kind
         # the exp2 forms (scale 1 in the softmax alone): x = fl(x̂·L̂), L̂ = fl(log2 e), a
         # relative rel2 of each logit in natural units; differences rounded in base 2
@@ -114,7 +110,7 @@ class _Model:
 
     def sum_abs(self, n: int) -> float:
         """Absolute underflow error of a sum of ``n`` terms (``2η`` per rounding, generously)."""
-        return 2 * _summation_ops(n, self.kind) * self.eta
+        return 2 * self.unit.roundings(n) * self.eta
 
     def sum_eta(self, n: int, inv_s: float) -> float:
         """:meth:`sum_abs` in the units of ``S`` (``inv_s = 1/S``, ``inf`` where every

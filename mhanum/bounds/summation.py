@@ -33,7 +33,7 @@ Examples:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from mhanum.bounds.factors import (
     kahan_constants,
     kahan_factor,
     native_unit,
-    parse_order,
+    order_of,
     probabilistic_gamma,
     split_constants,
     sum_factor,
@@ -56,6 +56,9 @@ from mhanum.bounds.factors import (
 )
 from mhanum.formats import Format, get_format, round_to
 from mhanum.units import ACCUM_FORMATS, dot_unit
+
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
 
 __all__ = [
     "dot_bound",
@@ -89,7 +92,7 @@ _MODEL = (
 # Arguments -------------------------------------------------------------------------------------
 
 
-def _accum(accum: Any) -> Format:
+def _accum(accum: Format | str) -> Format:
     fmt = get_format(accum, argname="accum")
     if fmt.name not in ACCUM_FORMATS:
         msg = f"accum: expected one of {', '.join(ACCUM_FORMATS)}, got {fmt.name}"
@@ -97,7 +100,7 @@ def _accum(accum: Any) -> Format:
     return fmt
 
 
-def _array(x: Any, name: str, min_ndim: int) -> np.ndarray:
+def _array(x: ArrayLike, name: str, min_ndim: int) -> np.ndarray:
     try:
         arr = np.asarray(x)
     except (TypeError, ValueError) as err:
@@ -174,14 +177,14 @@ def dot_factor(
         True
     """
     n = check_count(n)
-    kind, _ = parse_order(order)
+    unit = order_of(order)
     acc = _accum(accum)
     dunit = dot_unit(dot)
     if dunit.kind in ("split", "tensor-core") and acc.name != "float32":
         msg = f"accum: expected 'float32' with dot={str(dunit)!r}, got {acc.name!r}"
         raise InvalidArgument(msg)
-    if dunit.kind == "tensor-core" and kind not in ("native", "sequential"):
-        msg = f"order: expected 'native' or 'sequential' with dot={str(dunit)!r}, got {order!r}"
+    if dunit.kind == "tensor-core" and not unit.resumable:
+        msg = f"order: expected an order a tensor core runs with dot={str(dunit)!r}, got {order!r}"
         raise InvalidArgument(msg)
     if dunit != "ieee":
         if dunit.kind == "tensor-core":
@@ -192,10 +195,8 @@ def dot_factor(
         if dunit.kind == "ieee":  # bf16x1
             return dot_factor(n, order, acc, input=input, operand="bfloat16")
         passes = dunit.passes
-        unit = native_unit(acc.u) if kind == "native" else acc.u
-        base = (
-            kahan_constants(n, acc.u)[0] if kind == "kahan" else gamma(tree_height(n, order), unit)
-        )
+        u_add = native_unit(acc.u) if unit.carried else acc.u
+        base = kahan_constants(n, acc.u)[0] if unit.compensated else gamma(unit.height(n), u_add)
         c, tau = split_constants(passes)
         return compound(base, powers=((acc.u, passes - 1),)) * c + tau
     fin = None if input is None else get_format(input, argname="input")
@@ -205,20 +206,20 @@ def dot_factor(
     u_op = 0.0
     if fop is not None and not (fin is not None and _subset(fin, fop)):
         u_op = fop.u
-    if kind == "kahan":
+    if unit.compensated:
         u_mul = 0.0 if exact else acc.u
         k_x = kahan_constants(n, acc.u)[0]
         phi = u_mul + k_x * (1 + u_mul)
     else:
-        unit = native_unit(acc.u) if kind == "native" else acc.u
-        phi = gamma(tree_height(n, order) + (0 if exact else 1), unit)
+        u_add = native_unit(acc.u) if unit.carried else acc.u
+        phi = gamma(unit.height(n) + (0 if exact else 1), u_add)
     return phi if u_op == 0 else compound(phi, u_op, u_op)
 
 
 # Evaluation helpers ----------------------------------------------------------------------------
 
 
-def _up(value: Any, k: int) -> np.ndarray:
+def _up(value: ArrayLike, k: int) -> np.ndarray:
     """An upper bound on the exact value of a float64 sum or dot of ``k`` nonnegative terms.
 
     Any evaluation order in float64 (pairwise, BLAS, fused or not) has relative error at most
@@ -257,13 +258,13 @@ class _Model:
 
     def __init__(self, n: int, order: str, fmt: Format, lam: float | None) -> None:
         self.n = n
-        self.kind, _ = parse_order(order)
+        self.order = order_of(order)
         self.fmt = fmt
         self.eta = _eta(fmt)
         self.lam = lam
-        self.unit = native_unit(fmt.u) if self.kind == "native" else fmt.u
-        self.kahan = kahan_constants(n, fmt.u) if self.kind == "kahan" else None
-        self.height: int | None = None if self.kahan else tree_height(n, order)
+        self.unit = native_unit(fmt.u) if self.order.carried else fmt.u
+        self.kahan = kahan_constants(n, fmt.u) if self.order.compensated else None
+        self.height: int | None = self.order.height(n) if self.order.tree else None
 
     def relative(self, extra: int) -> tuple[float, float, float]:
         """``(φ, φ_det, Q)`` for terms rounded ``extra`` (0 or 1) times before the sum.
@@ -296,7 +297,7 @@ class _Model:
         propagated to the result."""
         if self.kahan is not None:
             return self.kahan[1] * self.eta
-        return (self.n - 1) * self.eta * self.propagation()
+        return self.order.roundings(self.n) * self.eta * self.propagation()
 
     def magnitude(self, x_abs: np.ndarray) -> np.ndarray:
         """A bound on every intermediate (exact or rounded), for terms of absolute sum ``x_abs``."""
@@ -318,7 +319,7 @@ def _assumptions(model: _Model, q: float) -> tuple[str, ...]:
 
 
 def _theorem(model: _Model, base: str) -> str:
-    if model.kind == "kahan":
+    if model.kahan is not None:
         return f"{_PAPER} R.4" if base == "R.3" else f"{_PAPER} {base} (with R.4)"
     if model.lam is not None:
         return f"{_PAPER} {base} (with R.6)"
@@ -329,7 +330,7 @@ def _theorem(model: _Model, base: str) -> str:
 
 
 def sum_bound(
-    x: Any,
+    x: ArrayLike,
     order: str = "sequential",
     accum: Format | str = "float32",
     *,
@@ -431,8 +432,8 @@ def _finish(
 
 
 def matmul_bound(
-    a: Any,
-    b: Any,
+    a: ArrayLike,
+    b: ArrayLike,
     order: str = "native",
     accum: Format | str = "float32",
     *,
@@ -558,8 +559,8 @@ def _operand_term(
 
 
 def dot_bound(
-    x: Any,
-    y: Any,
+    x: ArrayLike,
+    y: ArrayLike,
     order: str = "native",
     accum: Format | str = "float32",
     *,
@@ -602,7 +603,7 @@ def dot_bound(
         probabilistic=probabilistic,
     )
 
-    def squeeze(v: Any) -> Any:
+    def squeeze(v: ArrayLike) -> np.ndarray:
         return np.asarray(v).reshape(lead)
 
     return Bound(

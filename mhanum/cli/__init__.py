@@ -15,9 +15,15 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from mhanum.cli import _options
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from mhanum.numerics import Numerics
+    from mhanum.search import Shape
 
 __all__ = ["main"]
 
@@ -147,7 +153,7 @@ def _search_numerics(args: argparse.Namespace, prefix: str = "") -> Any:
         raise InvalidArgument(msg) from None
 
 
-def _gradient_search(args: argparse.Namespace, num: Any, shape: Any) -> int:
+def _gradient_search(args: argparse.Namespace, num: Numerics, shape: Shape) -> int:
     from mhanum import InvalidArgument, cases, search
     from mhanum.numerics import Backward
 
@@ -185,7 +191,7 @@ def _gradient_search(args: argparse.Namespace, num: Any, shape: Any) -> int:
     return 1 if case.violation else 0
 
 
-def _mha_search(args: argparse.Namespace, num: Any) -> int:
+def _mha_search(args: argparse.Namespace, num: Numerics) -> int:
     """``mhanum search --mha --heads N`` or ``--near-layer N``: the whole multi-head attention
     layer against Theorem A.2 (:func:`mhanum.search.mha_worst_case`)."""
     from mhanum import InvalidArgument, cases, search
@@ -243,7 +249,7 @@ def _mha_search(args: argparse.Namespace, num: Any) -> int:
     return 1 if case.violation else 0
 
 
-def _mha_campaign(args: argparse.Namespace, num: Any) -> int:
+def _mha_campaign(args: argparse.Namespace, num: Numerics) -> int:
     """``mhanum search --mha --runs N`` (or with ``--workers``/``--scheduler``/``--journal``):
     :func:`mhanum.search.mha_campaign`, every case saved."""
     from mhanum import cases, parallel, search
@@ -278,7 +284,7 @@ def _mha_campaign(args: argparse.Namespace, num: Any) -> int:
     return 1 if any(c.violation for c in found) else 0
 
 
-def _campaign(args: argparse.Namespace, num: Any, shape: Any) -> int:
+def _campaign(args: argparse.Namespace, num: Numerics, shape: Shape) -> int:
     """``mhanum search --runs N`` (or with ``--workers``/``--scheduler``/``--journal``): N
     searches with seeds spawned from ``--seed`` (:func:`mhanum.search.campaign`)."""
     from mhanum import cases, parallel, search
@@ -414,7 +420,7 @@ def _replay(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-def _search_progress(stream: TextIO) -> Any:
+def _search_progress(stream: TextIO) -> Callable[[int, int, float], None]:
     """The progress bar of ``mhanum search``: evaluations done and the best value so far."""
     bar = _ProgressBar(stream)
 
@@ -445,7 +451,10 @@ named in one line); 130 stopped by Ctrl-C (saying what --journal kept and how to
 
 
 def _command(
-    commands: Any, name: str, summary: str, examples: Sequence[str]
+    commands: argparse._SubParsersAction[_options.Parser],
+    name: str,
+    summary: str,
+    examples: Sequence[str],
 ) -> argparse.ArgumentParser:
     """A subcommand: ``summary`` in ``mhanum --help`` and atop its own help, ``examples`` below."""
     description = textwrap.fill(f"{summary[0].upper()}{summary[1:]}.", 79)
@@ -774,7 +783,7 @@ def _interrupts_kept() -> Iterator[None]:
     over (raised in this hook, it would be ignored again)."""
     previous = sys.unraisablehook
 
-    def hook(unraisable: Any) -> None:
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
         if issubclass(unraisable.exc_type, KeyboardInterrupt):
             again = threading.Timer(0.05, _thread.interrupt_main)
             again.daemon = True

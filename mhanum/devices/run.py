@@ -365,7 +365,7 @@ def measure(
     *,
     progress: Callable[[int, int, Record], None] | None = None,
     workers: int | None = None,
-    executor: Any = None,
+    executor: object = None,
 ) -> list[Record]:
     """Measure every computation of ``grid`` on a JAX backend; one record per measurement.
 

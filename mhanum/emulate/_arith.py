@@ -20,13 +20,16 @@ prove is zero (derived from input data by :func:`runtime_zero`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from mhanum.formats import Format, get_format, round_jax
+
+if TYPE_CHECKING:
+    from jax.typing import DTypeLike
 
 # A NaN payload no finite input has: comparing input bits with it gives a zero XLA cannot fold.
 _MAGIC32 = 0x7FC0DEAD
@@ -38,7 +41,7 @@ def runtime_zero(x: jax.Array) -> jax.Array:
     return (lax.bitcast_convert_type(first, jnp.uint32) == jnp.uint32(_MAGIC32)).astype(jnp.uint32)
 
 
-def carrier_dtype(fmt: Format) -> Any:
+def carrier_dtype(fmt: Format) -> DTypeLike:
     """float64 for float64, float32 for every other format."""
     return jnp.float64 if fmt.name == "float64" else jnp.float32
 
@@ -67,7 +70,7 @@ class Arith:
         return cls(get_format(fmt), guard)
 
     @property
-    def dtype(self) -> Any:
+    def dtype(self) -> DTypeLike:
         return carrier_dtype(self.fmt)
 
     @property

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,11 @@ from mhanum.params import MHAParams
 from mhanum.problem import AttentionProblem, MHAProblem
 from mhanum.rope import apply_rope
 
+if TYPE_CHECKING:
+    from mhanum._types import Array, ArrayLike
+    from mhanum.kvcache import KVQuant
+    from mhanum.rope import Rope
+
 __all__ = ["attention", "multi_head_attention", "softmax"]
 
 # A Band is part of the compiled computation (its mask is built inside it), not an input.
@@ -55,7 +60,7 @@ def check_x64(num: Numerics) -> None:
         raise InvalidArgument(msg)
 
 
-def host_round(x: Any, fmt: Format) -> Any:
+def host_round(x: ArrayLike, fmt: Format) -> Array:
     """Round a concrete numpy input into ``fmt`` once, from float64 (JAX arrays round in the jit)."""
     if isinstance(x, jax.Array):
         return x
@@ -163,6 +168,17 @@ def _scaled(st: Stages, x: jax.Array, factor: float) -> jax.Array:
     return ar.mul(ar.take(x), format_constant(ar, factor))
 
 
+def scaled_operands(st: Stages, q: jax.Array, k: jax.Array, scale: float) -> tuple[jax.Array, ...]:
+    """The operands of the logits' dot: ``q`` times ``fl(scale)`` (placement ``"q"``), or ``q``
+    and ``k`` each times ``fl(sqrt(scale))`` (``"qk"``), read into and multiplied in the scale
+    format; ``q`` and ``k`` as given when the scale is on the scores."""
+    if st.num.scale == "q":
+        return _scaled(st, q, scale), k
+    if st.num.scale == "qk":
+        return _scaled(st, q, math.sqrt(scale)), _scaled(st, k, math.sqrt(scale))
+    return q, k
+
+
 def softcap_tanh(st: Stages, s: jax.Array, cap: float) -> jax.Array:
     """``t̂ = fl(tanh(fl(s·r̂)))`` in the score format, ``r̂ = fl(1/c)``: the soft-cap's ``tanh``."""
     sc = st.score
@@ -179,16 +195,13 @@ def stage_logits(
     st: Stages,
     q: jax.Array,
     k: jax.Array,
-    mask: Any,
-    bias: Any,
+    mask: Band | jax.Array | None,
+    bias: jax.Array | None,
     scale: float,
     softcap: float | None = None,
-) -> Any:
+) -> jax.Array:
     num = st.num
-    if num.scale == "q":
-        q = _scaled(st, q, scale)
-    elif num.scale == "qk":
-        q, k = _scaled(st, q, math.sqrt(scale)), _scaled(st, k, math.sqrt(scale))
+    q, k = scaled_operands(st, q, k, scale)
     sc = st.score
     s = sc.take(st.dot(q, jnp.swapaxes(k, -1, -2)))
     if num.scale == "scores" and not st.folded:
@@ -204,7 +217,7 @@ def stage_logits(
     return s
 
 
-def _mask_array(mask: Any, s: jax.Array) -> Any:
+def _mask_array(mask: Band | jax.Array, s: jax.Array) -> jax.Array:
     """A boolean mask as given, or a :class:`Band` formed inside the computation."""
     return mask.array(s.shape[-2], s.shape[-1], xp=jnp) if isinstance(mask, Band) else mask
 
@@ -223,7 +236,9 @@ def _online_normaliser(st: Stages, s: jax.Array) -> tuple[jax.Array, jax.Array]:
     s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
     s_blocks = jnp.moveaxis(s.reshape(*s.shape[:-1], n_blocks, block), -2, 0)
 
-    def step(carry: tuple[jax.Array, jax.Array], sb: jax.Array) -> Any:
+    def step(
+        carry: tuple[jax.Array, jax.Array], sb: jax.Array
+    ) -> tuple[tuple[jax.Array, jax.Array], None]:
         m, d = carry
         m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
         shift = jnp.where(jnp.isneginf(m_new), jnp.zeros_like(m_new), m_new)
@@ -285,7 +300,9 @@ def _online_state(st: Stages, s: jax.Array, v: jax.Array) -> tuple[jax.Array, ..
         jnp.zeros((*batch, rows[-1], v.shape[-1]), acc_ar.dtype),
     )
 
-    def step(carry: tuple[jax.Array, ...], blk: tuple[jax.Array, jax.Array]) -> Any:
+    def step(
+        carry: tuple[jax.Array, jax.Array, jax.Array], blk: tuple[jax.Array, jax.Array]
+    ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
         m, d, acc = carry
         sb, vb = blk
         m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
@@ -363,11 +380,11 @@ def _split_kv(st: Stages, s: jax.Array, v: jax.Array) -> jax.Array:
 
 def attend(
     st: Stages,
-    q: Any,
-    k: Any,
-    v: Any,
-    mask: Any,
-    bias: Any,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: Band | jax.Array | None,
+    bias: jax.Array | None,
     scale: float,
     softcap: float | None = None,
     descale_v: float | None = None,
@@ -416,12 +433,12 @@ def attention(
     bias: Any = None,
     scale: float | None = None,
     numerics: Numerics | str | None = None,
-    sink: Any = None,
+    sink: ArrayLike | None = None,
     softcap: float | None = None,
-    descale: Any = None,
-    rope: Any = None,
-    positions: Any = None,
-    kv_cache: Any = None,
+    descale: tuple[float, float, float] | None = None,
+    rope: Rope | None = None,
+    positions: tuple[ArrayLike, ArrayLike] | None = None,
+    kv_cache: KVQuant | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention with explicit numerics.
 
@@ -546,7 +563,9 @@ def _softmax_jit(x: Any, mask: Any, *, numerics: Numerics) -> jax.Array:
     return stage_probabilities(st, s).astype(st.soft.fmt.jax_dtype)
 
 
-def softmax(x: Any, mask: Any = None, *, numerics: Numerics | str | None = None) -> jax.Array:
+def softmax(
+    x: ArrayLike, mask: Band | ArrayLike | None = None, *, numerics: Numerics | str | None = None
+) -> jax.Array:
     """The softmax stage of :func:`attention` alone, over the last axis of the logits ``x``.
 
     ``x`` is rounded to ``numerics.score_format`` and masked as in :func:`attention` (True means
@@ -567,7 +586,7 @@ def softmax(x: Any, mask: Any = None, *, numerics: Numerics | str | None = None)
     return _softmax_jit(host_round(x, num.format_of("score")), mask, numerics=num)
 
 
-def project(st: Stages, x: jax.Array, w: jax.Array, b: Any, fmt: Format) -> jax.Array:
+def project(st: Stages, x: jax.Array, w: jax.Array, b: jax.Array | None, fmt: Format) -> jax.Array:
     """``x @ w + b`` accumulated in ``accum`` (bias included), then rounded to ``fmt``."""
     y = st.dot(x, w)
     if b is not None:
@@ -633,17 +652,17 @@ def _mha_jit(
 
 
 def multi_head_attention(
-    x_q: Any,
-    x_kv: Any,
+    x_q: ArrayLike,
+    x_kv: ArrayLike,
     params: MHAParams,
     num_heads: int,
     *,
-    mask: Any = None,
-    bias: Any = None,
+    mask: Band | ArrayLike | None = None,
+    bias: ArrayLike | None = None,
     scale: float | None = None,
     numerics: Numerics | str | None = None,
     num_kv_heads: int | None = None,
-    sink: Any = None,
+    sink: ArrayLike | None = None,
     softcap: float | None = None,
 ) -> jax.Array:
     """Multi-head attention ``concat_h(attention(x_q Wq_h + bq_h, ...)) Wo + bo`` with explicit numerics.

@@ -17,7 +17,8 @@ does); FlashAttention-2 gives 0 (its log-sum-exp is ``-inf`` and its probabiliti
 from __future__ import annotations
 
 import functools
-from typing import Any
+import math
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ from mhanum.emulate.attention import (
     merge_heads,
     partial_attention,
     project,
+    scaled_operands,
     softcap_tanh,
     split_heads,
     stage_logits,
@@ -46,6 +48,11 @@ from mhanum.gradients import Gradients, MHAGradients
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 from mhanum.params import MHAParams
 from mhanum.problem import AttentionProblem, MHAProblem
+
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
+    from mhanum.formats import Format
+    from mhanum.masks import Band
 
 __all__ = ["attention_grad", "mha_grad"]
 
@@ -88,7 +95,25 @@ def _finish(st: Stages, acc: jax.Array, scale: float | None) -> jax.Array:
     return to_format(acc, st.output)
 
 
-def _cap_slope(st: Stages, gr: Arith, q: Any, k: Any, scale: float, cap: float) -> jax.Array:
+def gradient_factors(placement: str, scale: float) -> tuple[float | None, float | None]:
+    """The factors ``dq`` and ``dk`` are multiplied by after their dots (``None``: none): the
+    scale on the scores, ``(c, c)``; on ``q``, ``(c, None)`` (``dk``'s dot reads the scaled
+    ``q``); ``sqrt(c)`` on ``q`` and ``k``, ``(sqrt(c), sqrt(c))``.
+
+    Examples:
+        >>> gradient_factors("q", 0.125), gradient_factors("qk", 0.25)
+        ((0.125, None), (0.5, 0.5))
+    """
+    if placement == "q":
+        return scale, None
+    if placement == "qk":
+        return math.sqrt(scale), math.sqrt(scale)
+    return scale, scale
+
+
+def _cap_slope(
+    st: Stages, gr: Arith, q: jax.Array, k: jax.Array, scale: float, cap: float
+) -> jax.Array:
     """``σ̂ = fl(1 - fl(t̂·t̂))`` in the gradient format, ``t̂`` the forward's soft-cap ``tanh``
     (autograd's ``tanh`` backward, from its output)."""
     sc = st.score
@@ -97,27 +122,32 @@ def _cap_slope(st: Stages, gr: Arith, q: Any, k: Any, scale: float, cap: float) 
     return gr.sub(jnp.ones_like(t), gr.mul(t, t))
 
 
-def _capped(gr: Arith, ds: jax.Array, slope: Any, cap: float | None) -> jax.Array:
+def _capped(
+    gr: Arith, ds: jax.Array, slope: jax.Array | None, cap: float | None, scale: float | None = None
+) -> jax.Array:
     """The gradient of the scaled scores ``dA = fl(fl(fl(dS·ĉ)·σ̂)·r̂)`` through the soft-cap
     ``c·tanh(a/c)`` (autograd: the product by ``ĉ``, ``tanh``'s backward, the product by
-    ``r̂ = fl(1/c)``); ``dS`` itself without a cap."""
-    if cap is None:
-        return ds
-    scaled = gr.mul(gr.mul(ds, format_constant(gr, cap)), slope)
-    return gr.mul(scaled, format_constant(gr, 1.0 / cap))
+    ``r̂ = fl(1/c)``); ``dS`` itself without a cap. With ``scale`` (``Backward.scale_at="ds"``)
+    the gradient of the unscaled scores ``fl(dA·fl(scale))``, all in the gradient format."""
+    if cap is not None:
+        assert slope is not None
+        ds = gr.mul(gr.mul(ds, format_constant(gr, cap)), slope)
+        ds = gr.mul(ds, format_constant(gr, 1.0 / cap))
+    return ds if scale is None else gr.mul(ds, format_constant(gr, scale))
 
 
 def _textbook(
     st: Stages,
     gr: Arith,
-    ds_fmt: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    s: Any,
-    slope: Any = None,
+    ds_fmt: Format,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    s: jax.Array,
+    slope: jax.Array | None = None,
     cap: float | None = None,
+    on_ds: float | None = None,
 ) -> tuple[jax.Array, ...]:
     p = to_format(stage_probabilities(st, s), st.prob)  # the stored probabilities
     dv = st.dot(_t(p), g)
@@ -125,22 +155,23 @@ def _textbook(
     pg = gr.take(p)
     d = sum_with(gr, gr.mul(dp, pg), st.num.summation, keepdims=True)
     ds = gr.mul(pg, gr.sub(dp, d))
-    ds_r = to_format(_capped(gr, ds, slope, cap), ds_fmt)
+    ds_r = to_format(_capped(gr, ds, slope, cap, on_ds), ds_fmt)
     return st.dot(ds_r, k), st.dot(_t(ds_r), q), dv, ds
 
 
 def _flash2(
     st: Stages,
     gr: Arith,
-    ds_fmt: Any,
+    ds_fmt: Format,
     bw: Backward,
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    s: Any,
-    slope: Any = None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    s: jax.Array,
+    slope: jax.Array | None = None,
     cap: float | None = None,
+    on_ds: float | None = None,
 ) -> tuple[jax.Array, ...]:
     sm = st.soft
     lse, o = partial_attention(st, s, v)  # the forward's log-sum-exp and output
@@ -151,7 +182,7 @@ def _flash2(
     p = jnp.where(empty, jnp.zeros_like(arg), sm.exp(arg))
     dp = gr.take(st.dot(g, _t(v)))
     ds = gr.mul(gr.take(p), gr.sub(dp, d))
-    ds_r = to_format(_capped(gr, ds, slope, cap), ds_fmt)
+    ds_r = to_format(_capped(gr, ds, slope, cap, on_ds), ds_fmt)
     p_r = to_format(p, st.prob)
     n_keys = k.shape[-2]
     # dV, dK: over query blocks, in order; dQ: one partial per key block, added in dq_order
@@ -170,12 +201,12 @@ def _flash2(
 
 def _core(
     st: Stages,
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    mask: Any,
-    bias: Any,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    mask: Band | jax.Array | None,
+    bias: jax.Array | None,
     backward: Backward,
     scale: float,
     sink: bool,
@@ -187,20 +218,28 @@ def _core(
     grad_fmt, ds_fmt = backward.formats(numerics)
     gr = Arith(grad_fmt, st.acc.guard)
     s = stage_logits(st, q, k, mask, bias, scale, softcap)
+    # the dots of dq and dk read the operands the logits' dot read (the scaled ones when the
+    # scale is on q, or on q and k), and their gradients are multiplied by the factor again
+    q, k = scaled_operands(st, q, k, scale)
+    f_q, f_k = gradient_factors(numerics.scale, scale)
+    on_ds = None
+    if backward.scale_at == "ds":  # dS times the scale before the dots, and nothing after
+        on_ds, f_q, f_k = scale, None, None
     batch = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], g.shape[:-2])
     q, k, v, g = (jnp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v, g))
     s = jnp.broadcast_to(s, (*batch, *s.shape[-2:]))
     slope = None
     if softcap is not None:
-        slope = jnp.broadcast_to(_cap_slope(st, gr, q, k, scale, softcap), s.shape)
+        on_scores = scale if numerics.scale == "scores" else 1.0
+        slope = jnp.broadcast_to(_cap_slope(st, gr, q, k, on_scores, softcap), s.shape)
     if backward.algorithm == "textbook":
-        dq, dk, dv, ds = _textbook(st, gr, ds_fmt, q, k, v, g, s, slope, softcap)
+        dq, dk, dv, ds = _textbook(st, gr, ds_fmt, q, k, v, g, s, slope, softcap, on_ds)
     else:
-        dq, dk, dv, ds = _flash2(st, gr, ds_fmt, backward, q, k, v, g, s, slope, softcap)
+        dq, dk, dv, ds = _flash2(st, gr, ds_fmt, backward, q, k, v, g, s, slope, softcap, on_ds)
     dtype = st.output.jax_dtype
     grads = (
-        _finish(st, dq, scale).astype(dtype),
-        _finish(st, dk, scale).astype(dtype),
+        _finish(st, dq, f_q).astype(dtype),
+        _finish(st, dk, f_k).astype(dtype),
         _finish(st, dv, None).astype(dtype),
         to_format(ds, st.output).astype(dtype),
     )
@@ -224,12 +263,12 @@ def _core(
 
 @functools.partial(jax.jit, static_argnames=("numerics", "backward", "scale", "sink", "softcap"))
 def _grad_jit(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    mask: Any,
-    bias: Any,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    mask: jax.Array,
+    bias: jax.Array,
     *,
     numerics: Numerics,
     backward: Backward,
@@ -243,17 +282,17 @@ def _grad_jit(
 
 
 def attention_grad(
-    q: Any,
-    k: Any,
-    v: Any,
-    d_out: Any,
-    mask: Any = None,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    d_out: ArrayLike,
+    mask: Band | ArrayLike | None = None,
     *,
-    bias: Any = None,
+    bias: ArrayLike | None = None,
     scale: float | None = None,
     numerics: Numerics | str | None = None,
     backward: Backward | str | None = None,
-    sink: Any = None,
+    sink: ArrayLike | None = None,
     softcap: float | None = None,
 ) -> Gradients:
     """The gradients of ``<d_out, attention(q, k, v)>`` with explicit numerics.
@@ -310,17 +349,17 @@ def attention_grad(
         q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, d_out=d_out
     )
     num.check_problem(p)
-    q, k, v, g, mask, bias = p.q, p.k, p.v, p.d_out, p.mask, p.bias
+    qa, ka, va, ga, m, b = p.q, p.k, p.v, p.d_out, p.mask, p.bias
     if p.sink is not None:
-        xp = jnp if any(isinstance(x, jax.Array) for x in (q, k, v, p.sink)) else np
-        k, v, mask, bias = masks.with_sink(q, k, v, mask, bias, p.sink, xp=xp)
-    bw.key_blocks(k.shape[-2])
-    if bias is not None:
-        bias = host_round(bias, num.format_of("score"))
+        xp = jnp if any(isinstance(x, jax.Array) for x in (qa, ka, va, p.sink)) else np
+        ka, va, m, b = masks.with_sink(qa, ka, va, m, b, p.sink, xp=xp)
+    bw.key_blocks(ka.shape[-2])
+    if b is not None:
+        b = host_round(b, num.format_of("score"))
     fmt = num.format_of("input")
-    q, k, v, g = (host_round(x, fmt) for x in (q, k, v, g))
+    qa, ka, va, ga = (host_round(x, fmt) for x in (qa, ka, va, ga))
     out = _grad_jit(
-        q, k, v, g, mask, bias, numerics=num, backward=bw, scale=p.scale_value(num.scale),
+        qa, ka, va, ga, m, b, numerics=num, backward=bw, scale=p.scale_value(num.scale),
         sink=p.sink is not None, softcap=p.softcap,
     )  # fmt: skip
     return Gradients(*out)
@@ -352,12 +391,12 @@ def _group_sum(st: Stages, x: jax.Array, group: int) -> jax.Array:
     static_argnames=("num_heads", "group", "numerics", "backward", "scale", "sink", "softcap"),
 )
 def _mha_grad_jit(
-    x_q: Any,
-    x_kv: Any,
+    x_q: jax.Array,
+    x_kv: jax.Array,
     params: MHAParams,
-    g: Any,
-    mask: Any,
-    bias: Any,
+    g: jax.Array,
+    mask: Band | jax.Array | None,
+    bias: jax.Array | None,
     *,
     num_heads: int,
     group: int,
@@ -413,18 +452,18 @@ def _mha_grad_jit(
 
 
 def mha_grad(
-    x_q: Any,
-    x_kv: Any,
+    x_q: ArrayLike,
+    x_kv: ArrayLike,
     params: MHAParams,
     num_heads: int,
-    d_out: Any,
+    d_out: ArrayLike,
     *,
-    mask: Any = None,
-    bias: Any = None,
+    mask: Band | ArrayLike | None = None,
+    bias: ArrayLike | None = None,
     scale: float | None = None,
     numerics: Numerics | str | None = None,
     backward: Backward | str | None = None,
-    sink: Any = None,
+    sink: ArrayLike | None = None,
     softcap: float | None = None,
     num_kv_heads: int | None = None,
 ) -> MHAGradients:

@@ -1,6 +1,9 @@
 """Summation orders in JAX: every order really runs, in the accumulation format.
 
-Each function takes the order as a string, as in :attr:`mhanum.Numerics.summation`:
+Each function takes the order as a string, as in :attr:`mhanum.Numerics.summation`: one of the
+orders registered in :mod:`mhanum.units` (:func:`mhanum.units.summation_orders`), whose
+:meth:`~mhanum.units.SummationOrder.emulate` sums the :class:`Terms` of the sum. The built-in
+orders run the kernels of :class:`Terms`:
 
 * ``"sequential"``: ``s = ((t0 + t1) + t2) + ...``, a loop over the terms;
 * ``"pairwise"``: the complete binary tree over the terms in order, ``((t0 + t1) + (t2 + t3)) +
@@ -28,9 +31,10 @@ magnitude may come out as zero. float16 subnormals are normal float32 numbers an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -40,16 +44,18 @@ from mhanum._errors import InvalidArgument
 from mhanum.emulate._arith import Arith, runtime_zero, to_format
 from mhanum.formats import Format, get_format
 from mhanum.numerics import Numerics
-from mhanum.units import ACCUM_FORMATS, summation_order
+from mhanum.units import ACCUM_FORMATS, SummationOrder, summation_order, summation_orders
 
-__all__ = ["matmul", "sum"]
+__all__ = ["Terms", "matmul", "sum"]
 
-Term = Callable[[Any], jax.Array]
+Stack: TypeAlias = "jax.Array | tuple[jax.Array, ...]"
+"""The data of the terms: an array, or a tuple of arrays (a dot's operands), axis 0 the terms."""
+Term = Callable[[Any], jax.Array]  # of one slice of a Stack, as lax.scan hands it
+_Carry = TypeVar("_Carry")
 
 
-def _parse(order: str) -> tuple[str, int | None]:
-    unit = summation_order(order, "order")
-    return unit.kind, unit.block
+def _order(order: str) -> SummationOrder:
+    return summation_order(order, "order")
 
 
 def _accum_format(accum: Format | str) -> Format:
@@ -60,89 +66,150 @@ def _accum_format(accum: Format | str) -> Format:
     return fmt
 
 
-def _sequential(
-    xs: Any, term: Term, shape: tuple[int, ...], ar: Arith, init: jax.Array | None = None
-) -> jax.Array:
-    def step(acc: jax.Array, x: Any) -> tuple[jax.Array, None]:
-        return ar.add(acc, term(x)), None
+@dataclasses.dataclass(frozen=True)
+class Terms:
+    """The ``n`` terms of a sum (or the products of a dot), as an order's emulation takes them.
 
-    start = jnp.zeros(shape, ar.dtype) if init is None else jnp.broadcast_to(init, shape)
-    return lax.scan(step, start.astype(ar.dtype), xs)[0]
+    :meth:`mhanum.units.SummationOrder.emulate` receives them and returns their sum in its order:
+    a fold of the terms (:meth:`fold`) or one of the kernels below, every operation rounded by
+    ``ar``.
+
+    Attributes:
+        xs: the terms' data, a pytree of arrays whose axis 0 runs over the ``n`` terms.
+        term: the term of one slice of ``xs`` (the slice itself, or the rounded product of two).
+        n: the number of terms.
+        shape: the shape of the sum.
+        ar: the arithmetic of the accumulation format.
+        init: a value the sum starts from (a tensor core's C, a running sum's carried term), or
+            ``None``; only an order that can resume a sum takes one.
+        dense: the backend's own reduction of the terms (XLA's ``reduce`` or ``dot``), or
+            ``None`` where there is none.
+    """
+
+    xs: Stack
+    term: Term
+    n: int
+    shape: tuple[int, ...]
+    ar: Arith
+    init: jax.Array | None = None
+    dense: Callable[[], jax.Array] | None = None
+
+    def start(self) -> jax.Array:
+        """The initial value of a running sum: ``init``, or zeros."""
+        if self.init is None:
+            return jnp.zeros(self.shape, self.ar.dtype)
+        return jnp.broadcast_to(self.init, self.shape).astype(self.ar.dtype)
+
+    def fold(
+        self, step: Callable[[_Carry, jax.Array], _Carry], carry: _Carry, *, reverse: bool = False
+    ) -> _Carry:
+        """``carry = step(carry, t)`` for the terms ``t`` in order (last to first if
+        ``reverse``), one ``lax.scan``; the final ``carry``."""
+
+        def body(c: _Carry, x: Any) -> tuple[_Carry, None]:
+            return step(c, self.term(x)), None
+
+        return lax.scan(body, carry, self.xs, reverse=reverse)[0]
+
+    def sequential(self) -> jax.Array:
+        """``((init + t0) + t1) + ...``: one running sum."""
+        return self.fold(self.ar.add, self.start())
+
+    def kahan(self) -> jax.Array:
+        """Kahan's ``y = t - c; u = s + y; c = (u - s) - y; s = u`` from ``s = c = 0``."""
+        ar = self.ar
+
+        def step(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[jax.Array, jax.Array]:
+            s, c = carry
+            y = ar.sub(t, c)
+            u = ar.add(s, y)
+            return u, ar.sub(ar.sub(u, s), y)
+
+        zero = jnp.zeros(self.shape, ar.dtype)
+        return self.fold(step, (zero, zero))[0]
+
+    def blocked(self, b: int) -> jax.Array:
+        """Sequential sums of consecutive blocks of ``b`` terms (the last padded with zeros),
+        added sequentially."""
+        ar, n = self.ar, self.n
+        blocks = -(-n // b)
+        pad = blocks * b - n
+
+        def padded(x: jax.Array) -> jax.Array:
+            widths = [(0, pad)] + [(0, 0)] * (x.ndim - 1)
+            return jnp.pad(x, widths).reshape(blocks, b, *x.shape[1:])
+
+        def block(total: jax.Array, bx: Stack) -> tuple[jax.Array, None]:
+            inner = Terms(bx, self.term, b, self.shape, ar)
+            return ar.add(total, inner.sequential()), None
+
+        xs = jax.tree_util.tree_map(padded, self.xs)
+        return lax.scan(block, jnp.zeros(self.shape, ar.dtype), xs)[0]
+
+    def pairwise(self) -> jax.Array:
+        """The complete binary tree over the terms in order, padded with zeros to a power of
+        two."""
+        # Streaming pairwise summation: after the i-th term (0-based), merge as many times as
+        # i+1 has trailing zero bits, each merge adding the newer partial sum to the one below
+        # it. At the end the stack holds the sums of the blocks named by the binary digits of n,
+        # largest first; they are folded from the top, as the zero-padded tree would add them.
+        ar, shape = self.ar, self.shape
+        depth = max(1, math.ceil(math.log2(self.n))) + 1
+        zero = jnp.zeros(shape, ar.dtype)
+
+        def step(
+            carry: tuple[jax.Array, jax.Array, jax.Array], x: Any
+        ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
+            stack, sp, i = carry
+            i1 = i + 1
+            merges = lax.population_count((i1 & -i1) - 1)
+
+            def merge(
+                _: jax.Array, state: tuple[jax.Array, jax.Array]
+            ) -> tuple[jax.Array, jax.Array]:
+                val, top = state
+                return ar.add(stack[top - 1], val), top - 1
+
+            val, sp = lax.fori_loop(0, merges, merge, (self.term(x), sp))
+            return (stack.at[sp].set(val), sp + 1, i1), None
+
+        init = (jnp.zeros((depth, *shape), ar.dtype), jnp.int32(0), jnp.int32(0))
+        stack, sp, _ = lax.scan(step, init, self.xs)[0]
+
+        def fold(j: jax.Array, total: jax.Array) -> jax.Array:
+            return ar.add(stack[sp - 2 - j], total)
+
+        return lax.fori_loop(0, sp - 1, fold, stack[sp - 1] + zero)
+
+    def native(self) -> jax.Array:
+        """The backend's own reduction (``init`` added to it, one of the orders it stands for).
+
+        Raises:
+            InvalidArgument: where there is none (``dense`` is ``None``).
+        """
+        if self.dense is None:
+            msg = "order: expected an emulated order, got 'native'"
+            raise InvalidArgument(msg)
+        total = self.dense()
+        return total if self.init is None else self.ar.add(self.init, total)
 
 
-def _kahan(xs: Any, term: Term, shape: tuple[int, ...], ar: Arith) -> jax.Array:
-    def step(carry: tuple[jax.Array, jax.Array], x: Any) -> tuple[Any, None]:
-        s, c = carry
-        y = ar.sub(term(x), c)
-        u = ar.add(s, y)
-        return (u, ar.sub(ar.sub(u, s), y)), None
-
-    zero = jnp.zeros(shape, ar.dtype)
-    return lax.scan(step, (zero, zero), xs)[0][0]
-
-
-def _blocked(xs: Any, term: Term, shape: tuple[int, ...], ar: Arith, n: int, b: int) -> jax.Array:
-    blocks = -(-n // b)
-    pad = blocks * b - n
-
-    def padded(x: jax.Array) -> jax.Array:
-        widths = [(0, pad)] + [(0, 0)] * (x.ndim - 1)
-        return jnp.pad(x, widths).reshape(blocks, b, *x.shape[1:])
-
-    blocked_xs = jax.tree_util.tree_map(padded, xs)
-
-    def block(total: jax.Array, bx: Any) -> tuple[jax.Array, None]:
-        return ar.add(total, _sequential(bx, term, shape, ar)), None
-
-    return lax.scan(block, jnp.zeros(shape, ar.dtype), blocked_xs)[0]
-
-
-def _pairwise(xs: Any, term: Term, shape: tuple[int, ...], ar: Arith, n: int) -> jax.Array:
-    # Streaming pairwise summation: after the i-th term (0-based), merge as many times as i+1 has
-    # trailing zero bits, each merge adding the newer partial sum to the one below it. At the end
-    # the stack holds the sums of the blocks named by the binary digits of n, largest first; they
-    # are folded from the top, as the zero-padded tree would add them.
-    depth = max(1, math.ceil(math.log2(n))) + 1
-    zero = jnp.zeros(shape, ar.dtype)
-
-    def step(carry: tuple[jax.Array, jax.Array, jax.Array], x: Any) -> tuple[Any, None]:
-        stack, sp, i = carry
-        i1 = i + 1
-        merges = lax.population_count((i1 & -i1) - 1)
-
-        def merge(_: Any, state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-            val, top = state
-            return ar.add(stack[top - 1], val), top - 1
-
-        val, sp = lax.fori_loop(0, merges, merge, (term(x), sp))
-        return (stack.at[sp].set(val), sp + 1, i1), None
-
-    init = (jnp.zeros((depth, *shape), ar.dtype), jnp.int32(0), jnp.int32(0))
-    stack, sp, _ = lax.scan(step, init, xs)[0]
-
-    def fold(j: jax.Array, total: jax.Array) -> jax.Array:
-        return ar.add(stack[sp - 2 - j], total)
-
-    return lax.fori_loop(0, sp - 1, fold, stack[sp - 1] + zero)
+def _emulate(order: SummationOrder, terms: Terms) -> jax.Array:
+    if terms.init is not None and not order.resumable:
+        resumable = [str(o) for cls in summation_orders() for o in cls.examples() if o.resumable]
+        msg = (
+            f"init: expected an order that resumes a sum ({' or '.join(resumable)}), got {order!r}"
+        )
+        raise InvalidArgument(msg)
+    if terms.n == 0:
+        return terms.start()
+    return order.emulate(terms)
 
 
 def _reduce(
-    xs: Any, term: Term, n: int, shape: tuple[int, ...], ar: Arith, order: str
+    xs: Stack, term: Term, n: int, shape: tuple[int, ...], ar: Arith, order: str
 ) -> jax.Array:
-    kind, block = _parse(order)
-    if n == 0:
-        return jnp.zeros(shape, ar.dtype)
-    if kind == "sequential":
-        return _sequential(xs, term, shape, ar)
-    if kind == "kahan":
-        return _kahan(xs, term, shape, ar)
-    if kind == "pairwise":
-        return _pairwise(xs, term, shape, ar, n)
-    if kind == "blocked":
-        assert block is not None
-        return _blocked(xs, term, shape, ar, n, block)
-    msg = f"order: expected an emulated order, got {order!r}"
-    raise InvalidArgument(msg)
+    return _emulate(_order(order), Terms(xs, term, n, shape, ar))
 
 
 def sum(
@@ -174,13 +241,19 @@ def sum(
 def sum_with(ar: Arith, x: jax.Array, order: str, *, keepdims: bool = False) -> jax.Array:
     """Sum the last axis of ``x`` in ``ar``'s format (the terms rounded into it first)."""
     x = ar.take(x)
-    if _parse(order)[0] == "native":
-        fmt = ar.fmt
-        total = jnp.sum(x.astype(fmt.jax_dtype), axis=-1, dtype=fmt.jax_dtype).astype(ar.dtype)
-    else:
-        xs = jnp.moveaxis(x, -1, 0)
-        total = _reduce(xs, lambda t: t, x.shape[-1], x.shape[:-1], ar, order)
+    fmt = ar.fmt
+
+    def dense() -> jax.Array:
+        return jnp.sum(x.astype(fmt.jax_dtype), axis=-1, dtype=fmt.jax_dtype).astype(ar.dtype)
+
+    xs = jnp.moveaxis(x, -1, 0)
+    terms = Terms(xs, _itself, x.shape[-1], x.shape[:-1], ar, dense=dense)
+    total = _emulate(_order(order), terms)
     return total[..., None] if keepdims else total
+
+
+def _itself(t: jax.Array) -> jax.Array:
+    return t
 
 
 def matmul(
@@ -296,18 +369,14 @@ def matmul_with(
         model = tensorcore.get_model(dot[len("tensor-core(") : -1])
         return tensorcore.matmul(ar.take(a), ar.take(b), model, c=init).astype(ar.dtype)
     a, b = ar.take(a), ar.take(b)
-    if init is not None and _parse(order)[0] != "native":
-        if _parse(order)[0] != "sequential":
-            msg = f"init: expected the native or sequential order, got {order!r}"
-            raise InvalidArgument(msg)
-        batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-        shape = (*batch, a.shape[-2], b.shape[-1])
-        xs = (jnp.moveaxis(a, -1, 0), jnp.moveaxis(b, -2, 0))
-        return _sequential(xs, lambda x: ar.mul(x[0][..., :, None], x[1][..., None, :]), shape,
-                           ar, init)  # fmt: skip
-    if init is not None:
-        return ar.add(init, matmul_with(ar, a, b, order))
-    if _parse(order)[0] == "native":
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    shape = (*batch, a.shape[-2], b.shape[-1])
+    xs = (jnp.moveaxis(a, -1, 0), jnp.moveaxis(b, -2, 0))
+
+    def product(x: tuple[jax.Array, jax.Array]) -> jax.Array:
+        return ar.mul(x[0][..., :, None], x[1][..., None, :])
+
+    def dense() -> jax.Array:
         storage = jnp.promote_types(a.dtype, b.dtype)
         out = jnp.matmul(
             a.astype(storage),
@@ -316,11 +385,6 @@ def matmul_with(
             preferred_element_type=ar.fmt.jax_dtype,
         )
         return out.astype(ar.dtype)
-    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    shape = (*batch, a.shape[-2], b.shape[-1])
-    xs = (jnp.moveaxis(a, -1, 0), jnp.moveaxis(b, -2, 0))
 
-    def product(x: tuple[jax.Array, jax.Array]) -> jax.Array:
-        return ar.mul(x[0][..., :, None], x[1][..., None, :])
-
-    return _reduce(xs, product, a.shape[-1], shape, ar, order)
+    terms = Terms(xs, product, a.shape[-1], shape, ar, init=init, dense=dense)
+    return _emulate(_order(order), terms)

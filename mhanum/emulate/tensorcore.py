@@ -7,7 +7,7 @@ normalises exactly as :meth:`mhanum.units.tensorcore.TensorCoreModel.dot` does o
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +16,13 @@ from jax import lax
 from mhanum._errors import InvalidArgument
 from mhanum.units.tensorcore import F32_EMAX, F32_EMIN, F32_FRAC, TensorCoreModel, get_model
 
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
+
 __all__ = ["matmul"]
 
 
-def _u32(x: Any) -> jax.Array:
+def _u32(x: int | jax.Array) -> jax.Array:
     return jnp.asarray(x, dtype=jnp.uint32)
 
 
@@ -164,7 +167,9 @@ def _matmul(
     return lax.bitcast_convert_type(out, jnp.float32)
 
 
-def matmul(a: Any, b: Any, model: TensorCoreModel | str, *, c: Any = None) -> jax.Array:
+def matmul(
+    a: ArrayLike, b: ArrayLike, model: TensorCoreModel | str, *, c: ArrayLike | None = None
+) -> jax.Array:
     """``c + a @ b`` as the modelled tensor core computes it, bit for bit equal to ``model.dot``.
 
     Args:

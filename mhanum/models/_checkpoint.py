@@ -6,13 +6,16 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mhanum._errors import InvalidArgument
 from mhanum.model_packages import default_model_dir
 from mhanum.params import MHAParams
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +156,7 @@ class Checkpoint:
         return params
 
 
-def layer_index(layer: Any, num_layers: int) -> int:
+def layer_index(layer: object, num_layers: int) -> int:
     """``layer`` checked to be an integer in ``[0, num_layers)``.
 
     Raises:
@@ -168,7 +171,7 @@ def layer_index(layer: Any, num_layers: int) -> int:
     return int(layer)
 
 
-def _safetensors_numpy() -> Any:
+def _safetensors_numpy() -> ModuleType:
     try:
         from safetensors import numpy as st_numpy
     except ImportError as exc:

@@ -91,6 +91,12 @@ class DecoderConfig:
                 field, heads that do not divide, or a RoPE scaling mhanum does not model.
         """
         model_type = raw.get("model_type")
+        if model_type is None:  # an old config.json names only its architectures
+            causal_lm = {f"{n}ForCausalLM": m for n, m in
+                         (("Llama", "llama"), ("Qwen2", "qwen2"), ("Mistral", "mistral"),
+                          ("Gemma2", "gemma2"))}  # fmt: skip
+            named = [causal_lm[a] for a in raw.get("architectures") or () if a in causal_lm]
+            model_type = named[0] if named else None
         if model_type not in DECODERS:
             msg = f"{source}: expected model_type one of {', '.join(DECODERS)}, got {model_type!r}"
             raise InvalidArgument(msg)

@@ -1,12 +1,29 @@
-"""A preset's verdict against a tolerance: certified, probable, measured within, or not."""
+"""A preset's verdict against a tolerance (certified, probable, measured within, or not), the
+masking constants' verdicts, and what the audit reads when given nothing (its sentences)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+from mhanum import bounds
 from mhanum._errors import InvalidArgument
-from mhanum.models._records import LayerAudit, Verdict
+from mhanum.formats import get_format
+from mhanum.models._records import LayerAudit, MaskVerdict, Verdict
+from mhanum.numerics import Numerics
+
+DEFAULT_SENTENCES = (
+    "A man is eating food.",
+    "The new movie is awesome, and everyone loved it!",
+)
+"""The sentences audited when none are given: two short ones of different lengths, so that the
+default audit also runs a padded batch."""
+
+
+SCORE_MARGIN = 1.0 + 2.0**-4
+"""The score bound ``B`` of the masking analysis is the largest ``|scaled logit|`` of the float64
+forward times this factor, a cushion for the logits' rounding in the audited formats (at most a
+few ``2^-8`` relative in bfloat16 for these layers; the measured logit error is far below)."""
 
 
 def layer_tolerance(scale: float | None, tolerance: float | None, rtol: float | None) -> float:
@@ -106,3 +123,26 @@ def verdict(
         probability=probability,
         assumptions=audits[0].probable_assumptions,
     )
+
+
+def mask_verdicts(
+    score_bound: float, n_keys: int, presets: Iterable[str], constants: Iterable[float | str]
+) -> tuple[MaskVerdict, ...]:
+    """:class:`MaskVerdict` of each constant in each preset's score and softmax formats, for
+    scores ``|s| <= score_bound·SCORE_MARGIN`` and rows of ``n_keys`` keys."""
+    out = []
+    b = score_bound * SCORE_MARGIN
+    for preset in presets:
+        num = Numerics.preset(preset)
+        fs = num.format_of("softmax")
+        u = get_format(fs).u
+        for c in constants:
+            a = bounds.analyze_mask(
+                num.format_of("score"), c, "add", b, softmax_format=fs, n_keys=n_keys,
+                softmax=num.softmax, exp_ulps=num.exp_ulps, div_ulps=num.div_ulps,
+            )  # fmt: skip
+            leak = 0.0 if a.leakage_is_zero else float(a.leakage_bound or 0.0)
+            finite = not (isinstance(c, float) and math.isinf(c))
+            safe = leak <= u and not (finite and a.overflows)
+            out.append(MaskVerdict(preset, c, a.stored_value, leak, safe))
+    return tuple(out)

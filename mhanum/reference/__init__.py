@@ -108,7 +108,7 @@ the masked logits by one finite constant gives).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -150,6 +150,9 @@ from mhanum.reference._spec import (
 )
 from mhanum.reference._zeros import attention_zeros, mha_zeros
 
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
+
 __all__ = [
     "BACKENDS",
     "Gradients",
@@ -164,21 +167,21 @@ __all__ = [
 
 @one_blas_thread
 def attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
     *,
-    mask: Any = None,
-    bias: Any = None,
+    mask: masks.Band | ArrayLike | None = None,
+    bias: ArrayLike | None = None,
     scale: float | None = None,
     digits: int = 20,
     fully_masked: str = "nan",
     max_prec: int = 8192,
     backend: str = "auto",
     return_mpf: bool = False,
-    sink: Any = None,
+    sink: ArrayLike | None = None,
     softcap: float | None = None,
-    descale: Any = None,
+    descale: tuple[float, float, float] | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Exact attention ``softmax(scale * q @ k.T + bias) @ v`` of the given floats, certified.
 
@@ -273,7 +276,7 @@ def attention(
         compute = bind_naive_attention(floating(q64), floating(k64), floating(v64), spec)
         return certified(compute, options, zeros)
 
-    def exact_rows(index: tuple[int, ...], rows: Any) -> np.ndarray:
+    def exact_rows(index: tuple[int, ...], rows: np.ndarray) -> np.ndarray:
         """Some rows of one batch element, certified by ``"arb"`` if installed, else ``"exact"``."""
         q_b, k_b, v_b = (batch_element(x, batch, index) for x in (q64, k64, v64))
         sub = sub_spec(spec, (*index, rows))
@@ -304,18 +307,18 @@ def attention(
 
 @one_blas_thread
 def attention_grad(
-    q: Any,
-    k: Any,
-    v: Any,
-    d_out: Any,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    d_out: ArrayLike,
     *,
-    mask: Any = None,
-    bias: Any = None,
+    mask: masks.Band | ArrayLike | None = None,
+    bias: ArrayLike | None = None,
     scale: float | None = None,
     digits: int = 20,
     max_prec: int = 8192,
     softcap: float | None = None,
-    sink: Any = None,
+    sink: ArrayLike | None = None,
 ) -> Gradients:
     """Certified gradients of attention: the exact backward pass of the given floats.
 
@@ -383,18 +386,18 @@ def attention_grad(
 
 @one_blas_thread
 def mha_grad(
-    x_q: Any,
-    x_kv: Any,
+    x_q: ArrayLike,
+    x_kv: ArrayLike,
     params: MHAParams,
     num_heads: int,
-    d_out: Any,
+    d_out: ArrayLike,
     *,
-    mask: Any = None,
-    bias: Any = None,
+    mask: masks.Band | ArrayLike | None = None,
+    bias: ArrayLike | None = None,
     scale: float | None = None,
     digits: int = 20,
     max_prec: int = 8192,
-    sink: Any = None,
+    sink: ArrayLike | None = None,
     softcap: float | None = None,
     num_kv_heads: int | None = None,
 ) -> MHAGradients:
@@ -467,20 +470,20 @@ def mha_grad(
 
 @one_blas_thread
 def multi_head_attention(
-    x_q: Any,
-    x_kv: Any,
+    x_q: ArrayLike,
+    x_kv: ArrayLike,
     params: MHAParams,
     num_heads: int,
     *,
-    mask: Any = None,
-    bias: Any = None,
+    mask: masks.Band | ArrayLike | None = None,
+    bias: ArrayLike | None = None,
     digits: int = 20,
     fully_masked: str = "nan",
     max_prec: int = 8192,
     backend: str = "auto",
     return_mpf: bool = False,
     num_kv_heads: int | None = None,
-    sink: Any = None,
+    sink: ArrayLike | None = None,
     softcap: float | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Exact multi-head attention ``concat_h(attention_h) @ wo + bo`` of the given floats, certified.
@@ -552,7 +555,7 @@ def multi_head_attention(
         compute = bind_naive_mha(xq64, xkv64, params64, num_heads, spec)
         return certified(compute, options, zeros)
 
-    def exact_rows(index: tuple[int, ...], rows: Any) -> np.ndarray:
+    def exact_rows(index: tuple[int, ...], rows: np.ndarray) -> np.ndarray:
         """Some rows of one batch element: refined (Theorem 2) or recomputed by ``"arb"`` if
         python-flint is installed, else recomputed by ``"exact"``."""
         xq_b, xkv_b = (batch_element(x, batch, index) for x in (xq64, xkv64))

@@ -18,13 +18,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mpmath
 import numpy as np
 
 from mhanum._errors import CertificationError
 from mhanum.reference import _dd, _exact
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from flint import arb, arb_mat
+
+    from mhanum.params import MHAParams
+    from mhanum.reference._spec import Options, ScoreSpec
 
 __all__ = ["attention", "attention_grad", "multi_head_attention", "refine_mha_rows"]
 
@@ -36,7 +44,7 @@ _HALF_SUBNORMAL = Fraction(1, 1 << 1075)
 _ExactZero = Callable[[tuple[int, ...]], bool]
 
 
-def _flint() -> Any:
+def _flint() -> ModuleType:
     try:
         import flint
     except ImportError as error:
@@ -45,15 +53,15 @@ def _flint() -> Any:
     return flint
 
 
-def _matrix(flint: Any, a: np.ndarray) -> Any:
+def _matrix(flint: ModuleType, a: np.ndarray) -> arb_mat:
     """A 2-D float64 array as an exact ``arb_mat``."""
     return flint.arb_mat([[float(x) for x in row] for row in a])
 
 
 def _softmax_rows(
-    flint: Any,
-    scores: Any,
-    scale: Any,
+    flint: ModuleType,
+    scores: arb_mat,
+    scale: arb,
     bias: np.ndarray | None,
     excluded: np.ndarray,
     fully_masked: str,
@@ -98,14 +106,14 @@ def _softmax_rows(
     return flint.arb_mat(rows), undefined
 
 
-def _capped_gap(s_j: Any, s_m: Any, c_j: Any, c_m: Any, zero: Any) -> Any:
+def _capped_gap(s_j: arb, s_m: arb, c_j: arb, c_m: arb, zero: arb) -> arb:
     """``c_j - c_m`` for the capped scores of ``s_j`` and ``s_m``: exactly 0 where they are equal."""
     if s_j.is_exact() and s_m.is_exact() and s_j == s_m:
         return zero
     return c_j - c_m
 
 
-def _scale(flint: Any, scale: tuple[int, int] | None, d_k: int) -> Any:
+def _scale(flint: ModuleType, scale: tuple[int, int] | None, d_k: int) -> arb:
     if scale is None:
         return flint.arb(d_k).rsqrt()
     man, exp = scale
@@ -113,12 +121,12 @@ def _scale(flint: Any, scale: tuple[int, int] | None, d_k: int) -> Any:
 
 
 def _certify(
-    run: Any,
+    run: Callable[[ModuleType], tuple[Any, np.ndarray]],
     shape: tuple[int, ...],
-    options: Any,
+    options: Options,
     start: int,
     exact_zero: _ExactZero | None = None,
-) -> Any:
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Run ``run(prec)`` (arb outputs and undefined rows) doubling ``prec`` until certified.
 
     A ball is certified by its relative radius; or, as exactly 0, if it contains 0 and
@@ -166,7 +174,7 @@ def _certify(
         flint.ctx.prec = saved
 
 
-def _rounds_to_zero(ball: Any) -> bool:
+def _rounds_to_zero(ball: arb) -> bool:
     """Whether the ball lies within ``[-2**-1075, 2**-1075]``: every number in it rounds to a
     float64 zero (``2**-1075`` itself is a tie, which goes to the even 0).
 
@@ -196,7 +204,9 @@ def _proved(
     return known[index]
 
 
-def _results(outputs: Any, undefined: np.ndarray, shape: tuple[int, ...], return_mpf: bool) -> Any:
+def _results(
+    outputs: Any, undefined: np.ndarray, shape: tuple[int, ...], return_mpf: bool
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     floats = np.full(shape, math.nan)
     pairs = {}
     for index in np.ndindex(shape):
@@ -213,7 +223,7 @@ def _results(outputs: Any, undefined: np.ndarray, shape: tuple[int, ...], return
     return floats, values
 
 
-def _start(options: Any) -> int:
+def _start(options: Options) -> int:
     return math.ceil(options.digits * math.log2(10)) + _GUARD_BITS
 
 
@@ -221,17 +231,17 @@ def attention(
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
-    spec: Any,
-    options: Any,
+    spec: ScoreSpec,
+    options: Options,
     exact_zero: _ExactZero | None = None,
-) -> Any:
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """``softmax(scale q k^T + bias) v`` certified with Arb balls (see the module docstring);
     ``exact_zero(index)`` proves an output 0 (or is ``None``)."""
     batch = spec.excluded.shape[:-2]
     q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
     shape = (*batch, q.shape[-2], v.shape[-1])
 
-    def run(flint: Any) -> tuple[np.ndarray, np.ndarray]:
+    def run(flint: ModuleType) -> tuple[np.ndarray, np.ndarray]:
         outputs = np.empty(shape, dtype=object)
         undefined = np.zeros(shape[:-1], dtype=bool)
         scale = _scale(flint, spec.scale, spec.d_k)
@@ -250,13 +260,13 @@ def attention(
 
 
 def _head_grad(
-    flint: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    d_out: Any,
-    scale: Any,
-    bias: Any,
+    flint: ModuleType,
+    q: arb_mat,
+    k: arb_mat,
+    v: arb_mat,
+    d_out: arb_mat,
+    scale: arb,
+    bias: np.ndarray | None,
     excluded: np.ndarray,
     softcap: float | None,
 ) -> tuple[Any, ...]:
@@ -306,8 +316,8 @@ def attention_grad(
     k: np.ndarray,
     v: np.ndarray,
     d_out: np.ndarray,
-    spec: Any,
-    options: Any,
+    spec: ScoreSpec,
+    options: Options,
     sink_column: bool = False,
 ) -> tuple[Any, ...]:
     """The gradients ``(dq, dk, dv, dbias)`` of ``<d_out, attention(q, k, v)>``, certified with
@@ -327,7 +337,7 @@ def attention_grad(
         shapes.append((*batch, 1, 1))
     sizes = [math.prod(s) for s in shapes]
 
-    def run(flint: Any) -> tuple[np.ndarray, np.ndarray]:
+    def run(flint: ModuleType) -> tuple[np.ndarray, np.ndarray]:
         parts = [np.empty(s, dtype=object) for s in shapes]
         scale = _scale(flint, spec.scale, spec.d_k)
         for b in np.ndindex(batch):
@@ -365,30 +375,30 @@ def attention_grad(
     return tuple(out)
 
 
-def _affine(flint: Any, x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> Any:
+def _affine(flint: ModuleType, x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> arb_mat:
     out = _matrix(flint, x) * _matrix(flint, w)
     if b is not None:
         out = out + _matrix(flint, np.broadcast_to(b, (x.shape[0], w.shape[1])))
     return out
 
 
-def _columns(flint: Any, m: Any, start: int, width: int) -> Any:
+def _columns(flint: ModuleType, m: arb_mat, start: int, width: int) -> arb_mat:
     return flint.arb_mat([[m[i, start + c] for c in range(width)] for i in range(m.nrows())])
 
 
-def _zero_row(flint: Any, m: Any) -> Any:
+def _zero_row(flint: ModuleType, m: arb_mat) -> arb_mat:
     """``m`` with one more row of zeros (a sink's key or value)."""
     rows = [[m[i, c] for c in range(m.ncols())] for i in range(m.nrows())]
     return flint.arb_mat([*rows, [0] * m.ncols()])
 
 
-def _first_rows(flint: Any, m: Any, count: int) -> Any:
+def _first_rows(flint: ModuleType, m: arb_mat, count: int) -> arb_mat:
     if m.nrows() == count:
         return m
     return flint.arb_mat([[m[i, c] for c in range(m.ncols())] for i in range(count)])
 
 
-def _merge(flint: Any, heads: list[Any]) -> Any:
+def _merge(flint: ModuleType, heads: list[arb_mat]) -> arb_mat:
     """The heads' ``(L, d)`` matrices side by side, ``(L, H·d)``."""
     width = heads[0].ncols()
     return flint.arb_mat(
@@ -401,10 +411,10 @@ def mha_grad(
     x_q: np.ndarray,
     x_kv: np.ndarray,
     d_out: np.ndarray,
-    params: Any,
+    params: MHAParams,
     num_heads: int,
-    spec: Any,
-    options: Any,
+    spec: ScoreSpec,
+    options: Options,
     sink: bool = False,
     group: int = 1,
 ) -> tuple[Any, ...]:
@@ -431,7 +441,7 @@ def mha_grad(
         shapes.append((*batch, num_heads))
     sizes = [math.prod(s) for s in shapes]
 
-    def run(flint: Any) -> tuple[np.ndarray, np.ndarray]:
+    def run(flint: ModuleType) -> tuple[np.ndarray, np.ndarray]:
         values: list[Any] = [None] * len(shapes)
         for i in (0, 1, 2, len(shapes) - 1):
             values[i] = np.empty(shapes[i], dtype=object)
@@ -500,7 +510,7 @@ def mha_grad(
             for n in names:
                 total[n] = parts[n] if n not in total else total[n] + parts[n]
         if "bk" in total and spec.softcap is None and not sink:  # Σ_j dS_ij = 0: exactly 0
-            total["bk"] = flint.arb_mat(1, np.shape(params.bk)[-1])
+            total["bk"] = flint.arb_mat(1, np.shape(params.bk)[-1])  # type: ignore[arg-type]
         for t, n in enumerate(names):
             m = total[n]
             values[3 + t] = np.array(
@@ -522,12 +532,12 @@ def mha_grad(
 def multi_head_attention(
     x_q: np.ndarray,
     x_kv: np.ndarray,
-    params: Any,
+    params: MHAParams,
     num_heads: int,
-    spec: Any,
-    options: Any,
+    spec: ScoreSpec,
+    options: Options,
     exact_zero: _ExactZero | None = None,
-) -> Any:
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Multi-head attention certified with Arb balls (projections and heads in balls too);
     ``exact_zero(index)`` proves an output 0 (or is ``None``)."""
     batch = spec.excluded.shape[:-3]
@@ -536,7 +546,7 @@ def multi_head_attention(
     d_k = params.qk_width // num_heads
     d_v = params.v_width // num_heads
 
-    def run(flint: Any) -> tuple[np.ndarray, np.ndarray]:
+    def run(flint: ModuleType) -> tuple[np.ndarray, np.ndarray]:
         outputs = np.empty(shape, dtype=object)
         undefined = np.zeros(shape[:-1], dtype=bool)
         scale = _scale(flint, None, d_k)
@@ -585,10 +595,10 @@ _FIXED_GUARD_BITS = 16
 def refine_mha_rows(
     x_q: np.ndarray,
     x_kv: np.ndarray,
-    params: Any,
+    params: MHAParams,
     num_heads: int,
-    spec: Any,
-    options: Any,
+    spec: ScoreSpec,
+    options: Options,
     exact_zero: _ExactZero | None = None,
 ) -> np.ndarray | None:
     """A few rows of multi-head attention, certified cheaply: exact linear algebra, Arb softmax.
@@ -664,7 +674,9 @@ def refine_mha_rows(
 class _RowAlgebra:
     """The exact linear algebra of :func:`refine_mha_rows` for some query rows."""
 
-    def __init__(self, x_q: np.ndarray, x_kv: np.ndarray, params: Any, num_heads: int) -> None:
+    def __init__(
+        self, x_q: np.ndarray, x_kv: np.ndarray, params: MHAParams, num_heads: int
+    ) -> None:
         dyadic = _exact.Dyadic.from_float64
         self.params, self.num_heads = params, num_heads
         self.rows, self.l_k = x_q.shape[0], x_kv.shape[0]
@@ -691,7 +703,9 @@ class _RowAlgebra:
             scores = _exact.add(scores, _exact.matmul(bk, self.q).map(lambda a: a[..., 0, :, None]))
         return scores
 
-    def probabilities(self, flint: Any, scores: _exact.Dyadic, spec: Any) -> list[Any] | None:
+    def probabilities(
+        self, flint: ModuleType, scores: _exact.Dyadic, spec: ScoreSpec
+    ) -> list[arb_mat] | None:
         """Arb probabilities of each head (``arb_mat`` ``(R, Lk)``), or ``None`` if undefined."""
         scale = _scale(flint, None, self.params.qk_width // self.num_heads)
         unit = flint.arb(2) ** scores.exp

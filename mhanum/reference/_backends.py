@@ -152,8 +152,8 @@ def _dyadic_logits(ctx: mpmath.MPContext, logits: _exact.Dyadic) -> _RowLogits:
 
 
 def _plus_exact(
-    ctx: mpmath.MPContext, x: Any, delta: _exact.Dyadic | None, index: tuple[int, ...]
-) -> Any:
+    ctx: mpmath.MPContext, x: mpmath.mpf, delta: _exact.Dyadic | None, index: tuple[int, ...]
+) -> mpmath.mpf:
     """``x`` plus the exact dyadic ``delta[index]``, added exactly (no rounding)."""
     if delta is None:
         return x
@@ -405,8 +405,11 @@ def _minus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
 
 
 def _naive_logit(
-    ctx: mpmath.MPContext, scale: Any, dot: tuple[int, int], bias: tuple[int, int]
-) -> Any:
+    ctx: mpmath.MPContext,
+    scale: tuple[int, int] | mpmath.mpf,
+    dot: tuple[int, int],
+    bias: tuple[int, int],
+) -> mpmath.mpf:
     """``scale * dot + bias`` as an mpf: exact for a dyadic scale, else one rounding (the product)."""
     if isinstance(scale, tuple):
         product = _product(scale, dot)
@@ -415,7 +418,7 @@ def _naive_logit(
     return ctx.ldexp(*_exact.sum_exact([product, bias]))
 
 
-def _times(p: Any, man: int, exp: int) -> tuple[int, int]:
+def _times(p: mpmath.mpf, man: int, exp: int) -> tuple[int, int]:
     """The exact product of an mpf and ``man * 2**exp`` as a pair."""
     return _product(_exact.mpf_pair(p), (man, exp))
 

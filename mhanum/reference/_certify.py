@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mpmath
 import numpy as np
@@ -23,13 +23,16 @@ from mhanum.reference._spec import (
     start_prec,
 )
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
 # --- the fast path ------------------------------------------------------------------------------
 
 # The certified mpf values of some rows (an index array of the query axis) of one batch element.
-_ExactRows = Callable[[tuple[int, ...], Any], np.ndarray]
+_ExactRows = Callable[[tuple[int, ...], np.ndarray], np.ndarray]
 
 
-def nearest_float64(x: Any) -> float:
+def nearest_float64(x: mpmath.mpf) -> float:
     """A finite mpf correctly rounded to float64 (nearest, ties to even; ``inf`` past the range).
 
     ``float(mpf)`` rounds to 53 bits first and so rounds twice in the subnormal range; this rounds
@@ -209,7 +212,7 @@ def has_flint() -> bool:
     return True
 
 
-def arb_backend() -> Any:
+def arb_backend() -> ModuleType:
     """The python-flint backend, imported on first use."""
     from mhanum.reference import _arbref
 

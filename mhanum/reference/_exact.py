@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import mpmath
 
 __all__ = [
     "Dyadic",
@@ -381,7 +384,7 @@ def sum_exact(terms: Iterable[tuple[int, int]], prec: int | None = None) -> tupl
     return total, total_exp
 
 
-def mpf_pair(x: Any) -> tuple[int, int]:
+def mpf_pair(x: mpmath.mpf) -> tuple[int, int]:
     """A finite mpf as an exact pair ``(man, exp)`` with a signed mantissa.
 
     (``mpf.man_exp`` returns the magnitude of the mantissa: the sign is dropped.)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mpmath
 import numpy as np
@@ -14,6 +14,9 @@ from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.params import MHAParams
+
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
 
 _FULLY_MASKED = ("nan", "zero", "uniform")
 BACKENDS = ("auto", "dd", "exact", "mpmath", "arb")
@@ -70,7 +73,7 @@ class ScoreSpec:
 
 
 def check_options(
-    digits: Any, max_prec: Any, fully_masked: Any, backend: Any, return_mpf: Any
+    digits: int, max_prec: int, fully_masked: str, backend: str, return_mpf: bool
 ) -> Options:
     if not _is_int(digits) or not 1 <= digits <= MAX_DIGITS:
         msg = f"digits: expected an integer in [1, {MAX_DIGITS}], got {digits!r}"
@@ -96,7 +99,7 @@ def check_options(
     return Options(int(digits), int(max_prec), fully_masked, backend, bool(return_mpf))
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
@@ -105,7 +108,7 @@ def start_prec(digits: int) -> int:
     return math.ceil(digits * math.log2(10)) + _GUARD_BITS
 
 
-def _float_array(x: Any, name: str, min_ndim: int) -> np.ndarray:
+def _float_array(x: ArrayLike, name: str, min_ndim: int) -> np.ndarray:
     """``x`` converted exactly to float64, after checking its dtype and rank."""
     return np.asarray(V.float_array(x, name, min_ndim=min_ndim)).astype(np.float64)
 
@@ -118,7 +121,7 @@ def _broadcast_to(x: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarra
         raise InvalidArgument(msg) from None
 
 
-def check_scale(scale: Any) -> tuple[int, int] | None:
+def check_scale(scale: object) -> tuple[int, int] | None:
     """The scale as an exact ``(man, exp)`` pair, or ``None`` for ``1/sqrt(d_k)``."""
     if scale is None:
         return None
@@ -135,13 +138,13 @@ def check_scale(scale: Any) -> tuple[int, int] | None:
 
 
 def score_spec(
-    mask: Any,
-    bias: Any,
+    mask: masks.Band | ArrayLike | None,
+    bias: ArrayLike | None,
     scale: tuple[int, int] | None,
     shape: tuple[int, ...],
     d_k: int,
     fully_masked: str,
-    softcap: Any = None,
+    softcap: float | None = None,
 ) -> ScoreSpec:
     """Check ``mask``, ``bias`` and ``softcap`` against the scores ``shape`` and combine them."""
     excluded = ~np.asarray(masks.dense(masks.normalise(mask, shape), shape))

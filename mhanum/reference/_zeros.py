@@ -115,7 +115,7 @@ def mha_zeros(
     scale = _rational_scale(spec)
     cache: dict[tuple[int, ...], Any] = {}
 
-    def projections(b: tuple[int, ...]) -> Any:
+    def projections(b: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if b not in cache:
             q, k, v = (
                 _fraction_matrix(exact_affine(x, w, bias))

@@ -150,7 +150,7 @@ def build(
     records: Sequence[str | os.PathLike[str]] = (),
     force: bool = False,
     progress: Progress | None = None,
-    executor: Any = None,
+    executor: object = None,
     journal: str | os.PathLike[str] | None = None,
 ) -> Report:
     """Compute a report and write ``report.html``, ``report.md``, ``report.json`` into ``out``.

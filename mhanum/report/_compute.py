@@ -79,7 +79,11 @@ def _min_keys(mask: np.ndarray | None, length: int) -> int:
 
 
 def _a_priori(
-    fn: Callable[..., Any] | None, qkv: Sequence[np.ndarray], mask: Any, num: Numerics, n: int
+    fn: Callable[..., Any] | None,
+    qkv: Sequence[np.ndarray],
+    mask: np.ndarray | None,
+    num: Numerics,
+    n: int,
 ) -> list[float] | None:
     """Per-sample a-priori bounds (Theorem A.4, max over entries) from each sample's sizes and
     norms only: the largest row norms of q and k, the largest |v|, the fewest attended keys."""
@@ -112,7 +116,7 @@ def _note(text: str, notes: list[str]) -> None:
 
 def _attention_bounds(
     qkv: Sequence[np.ndarray],
-    mask: Any,
+    mask: np.ndarray | None,
     num: Numerics,
     err: np.ndarray,
     config: Config,
@@ -627,7 +631,7 @@ def _case_numerics(fields: Mapping[str, Any], path: Path) -> dict[str, Any]:
         raise InvalidArgument(msg) from None
 
 
-def _number(x: Any) -> float:
+def _number(x: object) -> float:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else -math.inf
 
 
@@ -686,7 +690,7 @@ def _cells(config: Config) -> list[tuple[str, Cell]]:
     return cells
 
 
-def grid_cell(spec: Cell, seed: Any = None) -> dict[str, Any]:
+def grid_cell(spec: Cell, seed: np.random.SeedSequence | None = None) -> dict[str, Any]:
     """One cell of the report grid (a task of :func:`mhanum.parallel.run_tasks`: the inputs
     come from ``config.seed``, so the task seed is not used), in the 64-bit mode of the
     process that made the cell."""
@@ -717,7 +721,7 @@ def compute(
     cases: Sequence[str | os.PathLike[str]] = (),
     records: Sequence[str | os.PathLike[str]] = (),
     progress: Progress | None = None,
-    executor: Any = None,
+    executor: object = None,
     journal: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """All sections of a report as JSON-ready data (without provenance: see ``build``).

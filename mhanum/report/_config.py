@@ -6,7 +6,7 @@ import dataclasses
 import math
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -160,28 +160,28 @@ def _merge(defaults: Mapping[str, Any], given: Mapping[str, Any], prefix: str) -
     return merged
 
 
-def _int(value: Any, name: str, low: int) -> int:
+def _int(value: object, name: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         msg = f"{name}: expected an integer >= {low}, got {value!r}"
         raise InvalidArgument(msg)
     return value
 
 
-def _ints(value: Any, name: str, low: int) -> tuple[int, ...]:
+def _ints(value: object, name: str, low: int) -> tuple[int, ...]:
     items = _list(value, name, f"a non-empty list of distinct integers >= {low}")
     for item in items:
         _int(item, name, low)
     return tuple(sorted(items))
 
 
-def _list(value: Any, name: str, expected: str) -> list[Any]:
+def _list(value: object, name: str, expected: str) -> list[Any]:
     if not isinstance(value, list) or not value or len(set(map(repr, value))) != len(value):
         msg = f"{name}: expected {expected}, got {value!r}"
         raise InvalidArgument(msg)
     return value
 
 
-def _choices(value: Any, name: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+def _choices(value: object, name: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
     items = _list(value, name, f"a non-empty list of distinct names from {allowed}")
     for item in items:
         if item not in allowed:
@@ -190,7 +190,7 @@ def _choices(value: Any, name: str, allowed: tuple[str, ...]) -> tuple[str, ...]
     return tuple(items)
 
 
-def _real(value: Any, name: str, expected: str, ok: Any) -> float:
+def _real(value: object, name: str, expected: str, ok: Callable[[float], bool]) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
         msg = f"{name}: expected {expected}, got {value!r}"
         raise InvalidArgument(msg)

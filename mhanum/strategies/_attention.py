@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from hypothesis import strategies as st
@@ -23,27 +23,35 @@ from mhanum.strategies._common import (
     fail,
 )
 
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+
+_T = TypeVar("_T")
+
 # attention inputs --------------------------------------------------------------------------------
 
 
-def resolve_int(draw: Any, value: Any, name: str, minimum: int = 1) -> int:
+def resolve_int(
+    draw: st.DrawFn, value: int | st.SearchStrategy[int], name: str, minimum: int = 1
+) -> int:
     return check_count(draw(value) if isinstance(value, st.SearchStrategy) else value, name,
                         minimum)  # fmt: skip
 
 
 def attention_inputs(
     *,
-    q_len: Any,
-    kv_len: Any,
-    d_k: Any,
-    d_v: Any = None,
-    batch: Any = 1,
-    heads: Any = 1,
-    fmt: Any = None,
-    structure: Any = None,
-    accum: Any = None,
+    q_len: int | st.SearchStrategy[int],
+    kv_len: int | st.SearchStrategy[int],
+    d_k: int | st.SearchStrategy[int],
+    d_v: int | st.SearchStrategy[int] | None = None,
+    batch: int | st.SearchStrategy[int] = 1,
+    heads: int | st.SearchStrategy[int] = 1,
+    fmt: str | Format | st.SearchStrategy[str | Format] | None = None,
+    structure: str | Iterable[str] | st.SearchStrategy[str | Iterable[str]] | None = None,
+    accum: str | Format | st.SearchStrategy[str | Format] | None = None,
     scale: float | None = None,
-    numerics: Any = None,
+    numerics: Numerics | str | st.SearchStrategy[Numerics | str] | None = None,
 ) -> st.SearchStrategy[AttentionInputs]:
     """Queries, keys and values of shape ``(batch, heads, length, width)`` with values in ``fmt``.
 
@@ -81,9 +89,9 @@ def attention_inputs(
     for name, value in sizes.items():
         if not isinstance(value, st.SearchStrategy):
             check_count(value, name)
-    for value, name in ((fmt, "fmt"), (accum, "accum")):
-        if value is not None and not isinstance(value, st.SearchStrategy):
-            check_format(value, name)
+    for given, name in ((fmt, "fmt"), (accum, "accum")):
+        if given is not None and not isinstance(given, st.SearchStrategy):
+            check_format(given, name)
     if not isinstance(structure, st.SearchStrategy):
         check_structure(structure)
     if scale is not None and (
@@ -95,7 +103,7 @@ def attention_inputs(
     return _attention_inputs(sizes, fmt, structure, accum, scale, numerics)
 
 
-def _check_numerics(value: Any) -> Numerics:
+def _check_numerics(value: object) -> Numerics:
     if isinstance(value, str):
         if value not in PRESETS:
             fail("numerics", f"a Numerics or a preset name from {tuple(PRESETS)}", value)
@@ -107,15 +115,15 @@ def _check_numerics(value: Any) -> Numerics:
 
 @st.composite
 def _attention_inputs(
-    draw: Any,
+    draw: st.DrawFn,
     sizes: dict[str, Any],
-    fmt: Any,
-    structure: Any,
-    accum: Any,
+    fmt: str | Format | st.SearchStrategy[str | Format] | None,
+    structure: str | Iterable[str] | st.SearchStrategy[str | Iterable[str]] | None,
+    accum: str | Format | st.SearchStrategy[str | Format] | None,
     scale: float | None,
-    numerics: Any,
+    numerics: Numerics | str | st.SearchStrategy[Numerics | str] | None,
 ) -> AttentionInputs:
-    def value(x: Any) -> Any:
+    def value(x: _T | st.SearchStrategy[_T]) -> _T:
         return draw(x) if isinstance(x, st.SearchStrategy) else x
 
     num = None if numerics is None else _check_numerics(value(numerics))
@@ -151,7 +159,7 @@ def _attention_inputs(
 
 
 def _structured(
-    draw: Any,
+    draw: st.DrawFn,
     chosen: frozenset[str],
     q: np.ndarray,
     k: np.ndarray,
@@ -282,7 +290,7 @@ def _edges(lo: int, hi: int, *inner: int) -> st.SearchStrategy[int]:
     return st.one_of(st.sampled_from(named), st.integers(lo, hi))
 
 
-def _ranged(draw: Any, x: AttentionInputs, lim: _Limits, c: float) -> AttentionInputs:
+def _ranged(draw: st.DrawFn, x: AttentionInputs, lim: _Limits, c: float) -> AttentionInputs:
     """Apply the chosen range structures: values first, then the scale, the logits, the bias.
 
     Values that leave float64 on the way are clipped into the format (NaN, from ``0·inf``,
@@ -296,7 +304,9 @@ def _finite_into(x: np.ndarray, f: Format) -> np.ndarray:
     return into(np.nan_to_num(x, nan=0.0, posinf=f.max_finite, neginf=-f.max_finite), f)
 
 
-def _ranged_unchecked(draw: Any, x: AttentionInputs, lim: _Limits, c: float) -> AttentionInputs:
+def _ranged_unchecked(
+    draw: st.DrawFn, x: AttentionInputs, lim: _Limits, c: float
+) -> AttentionInputs:
     chosen, f = x.structure, lim.value
     q, k, v = (np.array(a, np.float64) for a in x.arrays)
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -356,7 +366,7 @@ def _ranged_unchecked(draw: Any, x: AttentionInputs, lim: _Limits, c: float) -> 
 
 
 def _scale_range(
-    draw: Any, lim: _Limits, q: np.ndarray, k: np.ndarray
+    draw: st.DrawFn, lim: _Limits, q: np.ndarray, k: np.ndarray
 ) -> tuple[float, np.ndarray, np.ndarray]:
     """A scale across the exponent range of the format it is rounded into; q, k sometimes
     rescaled so that the logits hit a drawn power of two."""
@@ -388,7 +398,7 @@ def _scale_range(
 
 
 def _softmax_sum(
-    draw: Any, rng: np.random.Generator, lim: _Limits, q: np.ndarray, k: np.ndarray, c: float
+    draw: st.DrawFn, rng: np.random.Generator, lim: _Limits, q: np.ndarray, k: np.ndarray, c: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``m`` keys per row at the logit ``log(L/m) + δ``, the others below (see
     :data:`RANGE_STRUCTURES`), through q and k along one channel, or a bias with zero queries."""
@@ -415,7 +425,7 @@ def _softmax_sum(
 
 
 def _bias_range(
-    draw: Any,
+    draw: st.DrawFn,
     rng: np.random.Generator,
     lim: _Limits,
     shape: tuple[int, ...],

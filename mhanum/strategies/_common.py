@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 from hypothesis import strategies as st
@@ -25,6 +25,9 @@ from mhanum.units import (
     Safe,
     Sequential,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 STRUCTURES = (
     "large_logits",
@@ -158,18 +161,18 @@ class AttentionInputs:
 # Validation --------------------------------------------------------------------------------------
 
 
-def fail(name: str, expected: str, got: Any) -> NoReturn:
+def fail(name: str, expected: str, got: object) -> NoReturn:
     msg = f"{name}: expected {expected}, got {got!r}"
     raise InvalidArgument(msg)
 
 
-def check_count(value: Any, name: str, minimum: int = 1) -> int:
+def check_count(value: object, name: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         fail(name, f"an integer >= {minimum}", value)
     return int(value)
 
 
-def check_format(value: Any, name: str) -> Format:
+def check_format(value: object, name: str) -> Format:
     try:
         return get_format(value, argname=name)
     except _MhanumInvalid as exc:
@@ -179,7 +182,7 @@ def check_format(value: Any, name: str) -> Format:
 _KNOWN = (*STRUCTURES, *RANGE_STRUCTURES)
 
 
-def check_structure(value: Any) -> frozenset[str] | None:
+def check_structure(value: str | Iterable[str] | None) -> frozenset[str] | None:
     """The named structures (``"range"`` kept as a marker for a drawn range mix), or ``None``."""
     if value is None:
         return None
@@ -193,7 +196,7 @@ def check_structure(value: Any) -> frozenset[str] | None:
     return frozenset(n for n in names if n != "plain")
 
 
-def _lazy(value: Any, check: Any) -> st.SearchStrategy[Any]:
+def _lazy(value: object, check: Callable[[object], object]) -> st.SearchStrategy[Any]:
     """A strategy of checked values: a value is checked now, a strategy's draws when drawn."""
     if isinstance(value, st.SearchStrategy):
         return value.map(check)

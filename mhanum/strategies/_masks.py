@@ -16,11 +16,11 @@ from mhanum.strategies._common import MASK_KINDS, check_count, fail
 
 def masks(
     *,
-    q_len: Any,
-    kv_len: Any,
-    batch: Any = 1,
-    heads: Any = 1,
-    kind: Any = None,
+    q_len: int | st.SearchStrategy[int],
+    kv_len: int | st.SearchStrategy[int],
+    batch: int | st.SearchStrategy[int] = 1,
+    heads: int | st.SearchStrategy[int] = 1,
+    kind: str | st.SearchStrategy[str] | None = None,
     fully_masked_rows: bool = False,
 ) -> st.SearchStrategy[np.ndarray]:
     """Boolean masks ``(batch, heads, q_len, kv_len)``; **True means attend**.
@@ -51,7 +51,9 @@ def masks(
 
 
 @st.composite
-def _masks(draw: Any, sizes: dict[str, Any], kind: Any, fully_masked: bool) -> np.ndarray:
+def _masks(
+    draw: st.DrawFn, sizes: dict[str, Any], kind: str | st.SearchStrategy[str], fully_masked: bool
+) -> np.ndarray:
     n = {name: resolve_int(draw, value, name) for name, value in sizes.items()}
     k = draw(kind) if isinstance(kind, st.SearchStrategy) else kind
     if k not in MASK_KINDS:
@@ -82,7 +84,12 @@ def _masks(draw: Any, sizes: dict[str, Any], kind: Any, fully_masked: bool) -> n
     return mask
 
 
-def bands(*, q_len: Any, kv_len: Any, empty_rows: bool = False) -> st.SearchStrategy[Band]:
+def bands(
+    *,
+    q_len: int | st.SearchStrategy[int],
+    kv_len: int | st.SearchStrategy[int],
+    empty_rows: bool = False,
+) -> st.SearchStrategy[Band]:
     """Structured masks (:class:`mhanum.masks.Band`): causal or windowed, on the main diagonal,
     aligned to the bottom-right corner (``offset = kv_len - q_len``) or shifted.
 
@@ -103,7 +110,12 @@ def bands(*, q_len: Any, kv_len: Any, empty_rows: bool = False) -> st.SearchStra
 
 
 @st.composite
-def _bands(draw: Any, q_len: Any, kv_len: Any, empty_rows: bool) -> Band:
+def _bands(
+    draw: st.DrawFn,
+    q_len: int | st.SearchStrategy[int],
+    kv_len: int | st.SearchStrategy[int],
+    empty_rows: bool,
+) -> Band:
     lq, lk = resolve_int(draw, q_len, "q_len"), resolve_int(draw, kv_len, "kv_len")
     side = st.one_of(st.none(), st.integers(0, lk))
     left, right = draw(side), draw(st.one_of(st.just(0), side))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from hypothesis import strategies as st
@@ -15,17 +15,22 @@ from mhanum.params import MHAParams
 from mhanum.strategies._attention import into, resolve_int
 from mhanum.strategies._common import check_count, check_format, fail
 
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
+
+_T = TypeVar("_T")
+
 # parameters --------------------------------------------------------------------------------------
 
 
 def mha_params(
     *,
-    d_model: Any,
-    d_kv: Any = None,
-    d_out: Any = None,
-    fmt: Any = "float32",
-    bias: Any = True,
-    weight_scale: Any = None,
+    d_model: int | st.SearchStrategy[int],
+    d_kv: int | st.SearchStrategy[int] | None = None,
+    d_out: int | st.SearchStrategy[int] | None = None,
+    fmt: str | Format | st.SearchStrategy[str | Format] = "float32",
+    bias: bool | st.SearchStrategy[bool] = True,
+    weight_scale: float | st.SearchStrategy[float] | None = None,
 ) -> st.SearchStrategy[MHAParams]:
     """:class:`~mhanum.MHAParams` (Glorot-uniform from a drawn seed) with values in ``fmt``.
 
@@ -57,9 +62,15 @@ def mha_params(
 
 @st.composite
 def _mha_params(
-    draw: Any, d_model: Any, d_kv: Any, d_out: Any, fmt: Any, bias: Any, weight_scale: Any
+    draw: st.DrawFn,
+    d_model: int | st.SearchStrategy[int],
+    d_kv: int | st.SearchStrategy[int] | None,
+    d_out: int | st.SearchStrategy[int] | None,
+    fmt: str | Format | st.SearchStrategy[str | Format],
+    bias: bool | st.SearchStrategy[bool],
+    weight_scale: float | st.SearchStrategy[float],
 ) -> MHAParams:
-    def value(x: Any) -> Any:
+    def value(x: _T | st.SearchStrategy[_T]) -> _T:
         return draw(x) if isinstance(x, st.SearchStrategy) else x
 
     width = check_count(value(d_model), "d_model")
@@ -127,7 +138,7 @@ class MHAInputs:
     structure: frozenset[str]
 
 
-def _check_mha_structure(value: Any) -> frozenset[str] | None:
+def _check_mha_structure(value: str | Iterable[str] | None) -> frozenset[str] | None:
     if value is None:
         return None
     names = (value,) if isinstance(value, str) else value
@@ -142,14 +153,14 @@ def _check_mha_structure(value: Any) -> frozenset[str] | None:
 
 def mha_inputs(
     *,
-    q_len: Any,
-    kv_len: Any = None,
-    d_model: Any,
-    d_kv: Any = None,
-    batch: Any = 1,
-    fmt: Any = "float32",
-    structure: Any = None,
-    self_attention: Any = None,
+    q_len: int | st.SearchStrategy[int],
+    kv_len: int | st.SearchStrategy[int] | None = None,
+    d_model: int | st.SearchStrategy[int],
+    d_kv: int | st.SearchStrategy[int] | None = None,
+    batch: int | st.SearchStrategy[int] = 1,
+    fmt: str | Format | st.SearchStrategy[str | Format] = "float32",
+    structure: str | Iterable[str] | st.SearchStrategy[str | Iterable[str]] | None = None,
+    self_attention: bool | None = None,
 ) -> st.SearchStrategy[MHAInputs]:
     """Layer inputs ``x_q`` ``(batch, q_len, d_model)`` and ``x_kv`` ``(batch, kv_len, d_kv)``
     with values in ``fmt``, for :func:`mhanum.multi_head_attention`.
@@ -208,9 +219,13 @@ def mha_inputs(
 
 @st.composite
 def _mha_inputs(
-    draw: Any, sizes: dict[str, Any], fmt: Any, structure: Any, self_attention: bool | None
+    draw: st.DrawFn,
+    sizes: dict[str, Any],
+    fmt: str | Format | st.SearchStrategy[str | Format],
+    structure: str | Iterable[str] | st.SearchStrategy[str | Iterable[str]] | None,
+    self_attention: bool | None,
 ) -> MHAInputs:
-    def value(x: Any) -> Any:
+    def value(x: _T | st.SearchStrategy[_T]) -> _T:
         return draw(x) if isinstance(x, st.SearchStrategy) else x
 
     n = {name: resolve_int(draw, size, name) for name, size in sizes.items()}
@@ -238,7 +253,12 @@ def _mha_inputs(
 
 
 def _mha_structured(
-    draw: Any, chosen: frozenset[str], x_q: np.ndarray, x_kv: np.ndarray, f: Format, same: bool
+    draw: st.DrawFn,
+    chosen: frozenset[str],
+    x_q: np.ndarray,
+    x_kv: np.ndarray,
+    f: Format,
+    same: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Apply the chosen token structures in a fixed order (scales first, exact patterns last);
     with ``same`` every change to the tokens applies to both (they are one array)."""
@@ -297,7 +317,9 @@ perturbed input is as exactly known as the real one.
 """
 
 
-def perturbed_inputs(*, x: Any, valid: Any = None) -> st.SearchStrategy[MHAInputs]:
+def perturbed_inputs(
+    *, x: ArrayLike, valid: ArrayLike | None = None
+) -> st.SearchStrategy[MHAInputs]:
     """Self-attention inputs ``x_q = x_kv`` near a real layer input ``x``: ``x`` with some of
     :data:`PERTURBATIONS` applied (none of them, too: the real input itself).
 
@@ -328,7 +350,7 @@ def perturbed_inputs(*, x: Any, valid: Any = None) -> st.SearchStrategy[MHAInput
 
 
 @st.composite
-def _perturbed_inputs(draw: Any, x: np.ndarray, valid: np.ndarray) -> MHAInputs:
+def _perturbed_inputs(draw: st.DrawFn, x: np.ndarray, valid: np.ndarray) -> MHAInputs:
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     chosen = frozenset(p for p in PERTURBATIONS if draw(st.booleans()))
     y = x.copy()

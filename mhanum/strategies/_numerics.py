@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
@@ -15,14 +15,18 @@ from mhanum.numerics import PRESETS, Numerics
 from mhanum.strategies._common import ACCUMS, SOFTMAXES, SUMMATIONS, check_count, check_format, fail
 from mhanum.units import (
     ACCUM_FORMATS,
-    Blocked,
     Naive,
     Online,
     Safe,
     SplitBF16,
+    SummationOrder,
     TensorCoreDot,
+    summation_order,
+    summation_orders,
 )
 from mhanum.units.tensorcore import MODELS
+
+T = TypeVar("T")
 
 # formats / numerics ------------------------------------------------------------------------------
 
@@ -48,7 +52,7 @@ def formats(
     return st.sampled_from(chosen)
 
 
-def _field(value: Any, choices: Iterable[Any]) -> st.SearchStrategy[Any]:
+def _field(value: T | st.SearchStrategy[T] | None, choices: Iterable[T]) -> st.SearchStrategy[T]:
     if value is None:
         return st.sampled_from(tuple(choices))
     if isinstance(value, st.SearchStrategy):
@@ -60,16 +64,16 @@ def numerics(
     *,
     presets: bool | Iterable[str] = True,
     free: bool = True,
-    input: Any = None,
-    accum: Any = None,
-    summation: Any = None,
-    softmax: Any = None,
+    input: str | Format | st.SearchStrategy[str | Format] | None = None,
+    accum: str | Format | st.SearchStrategy[str | Format] | None = None,
+    summation: str | st.SearchStrategy[str] | None = None,
+    softmax: str | st.SearchStrategy[str] | None = None,
     bounded: bool = False,
     custom: bool = False,
-    scale: Any = None,
-    exp_form: Any = None,
-    online_sums: Any = None,
-    kv_splits: Any = None,
+    scale: str | st.SearchStrategy[str] | None = None,
+    exp_form: str | st.SearchStrategy[str] | None = None,
+    online_sums: str | st.SearchStrategy[str] | None = None,
+    kv_splits: int | st.SearchStrategy[int] | None = None,
 ) -> st.SearchStrategy[Numerics]:
     """:class:`~mhanum.Numerics`: named presets, free combinations and custom numerics.
 
@@ -129,16 +133,12 @@ def numerics(
     for value, name in ((input, "input"), (accum, "accum")):
         if value is not None and not isinstance(value, st.SearchStrategy):
             check_format(value, name)
-    for value, name in (
-        (summation, "summation"),
-        (softmax, "softmax"),
-        (scale, "scale"),
-        (exp_form, "exp_form"),
-        (kv_splits, "kv_splits"),
-    ):
-        if value is not None and not isinstance(value, st.SearchStrategy):
+    values: dict[str, Any] = {"summation": summation, "softmax": softmax, "scale": scale,
+                              "exp_form": exp_form, "kv_splits": kv_splits}  # fmt: skip
+    for name, given in values.items():
+        if given is not None and not isinstance(given, st.SearchStrategy):
             try:
-                Numerics(**{name: value})
+                Numerics(**{name: given})
             except _MhanumInvalid as exc:
                 raise InvalidArgument(str(exc)) from None
     choices: list[st.SearchStrategy[Numerics]] = []
@@ -164,7 +164,9 @@ def numerics(
 
 
 @st.composite
-def _split(draw: Any, numerics: st.SearchStrategy[Numerics], splits: Any) -> Numerics:
+def _split(
+    draw: st.DrawFn, numerics: st.SearchStrategy[Numerics], splits: st.SearchStrategy[int]
+) -> Numerics:
     num = draw(numerics)
     count = draw(splits)
     try:
@@ -175,7 +177,7 @@ def _split(draw: Any, numerics: st.SearchStrategy[Numerics], splits: Any) -> Num
 
 @st.composite
 def _free_numerics(
-    draw: Any,
+    draw: st.DrawFn,
     input: st.SearchStrategy[Any],
     accum: st.SearchStrategy[Any],
     summation: st.SearchStrategy[Any],
@@ -195,12 +197,29 @@ def _free_numerics(
 
 _CUSTOM_FORMATS = ("float64", "float32", "tf32", "bfloat16", "float16", "float8_e4m3fn",
                    "float8_e5m2")  # fmt: skip
-_CUSTOM_SUMMATIONS = (*SUMMATIONS, Blocked(3))
 _CUSTOM_SOFTMAXES = (Naive(), Safe(), Online(1), Online(3), Online(8), Online(32))
 _OPERAND_FORMATS = ("tf32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 _DOTS = (SplitBF16(1), SplitBF16(3), SplitBF16(6), *(TensorCoreDot(m) for m in MODELS))
 _MASK_VALUES: tuple[float | str, ...] = (-math.inf, "finfo.min", "0.7*finfo.min", -1e9, -1e4,
                                           -30.0, 0.0)  # fmt: skip
+
+
+def _custom_summations() -> tuple[SummationOrder, ...]:
+    """Every registered order's examples (:meth:`mhanum.units.SummationOrder.examples`)."""
+    return tuple(order for cls in summation_orders() for order in cls.examples())
+
+
+def _resumable_summations() -> tuple[SummationOrder, ...]:
+    """The orders a sum can resume in: a tensor core's and the running online sums'."""
+    return tuple(order for order in _custom_summations() if order.resumable)
+
+
+def _resumes(value: object) -> bool:
+    """Whether ``value`` is an order a sum can resume in (an unknown one is not)."""
+    try:
+        return summation_order(value).resumable
+    except _MhanumInvalid:
+        return False
 
 
 def _least_accum(*needs: Format) -> str:
@@ -211,7 +230,7 @@ def _least_accum(*needs: Format) -> str:
 
 
 @st.composite
-def _custom_numerics(draw: Any, fields: dict[str, Any], bounded: bool) -> Numerics:
+def _custom_numerics(draw: st.DrawFn, fields: dict[str, Any], bounded: bool) -> Numerics:
     def pick(name: str, choices: tuple[Any, ...]) -> Any:
         value = fields.get(name)
         if value is None:
@@ -232,9 +251,9 @@ def _custom_numerics(draw: Any, fields: dict[str, Any], bounded: bool) -> Numeri
         acc = get_format("float32")
     elif acc.precision < max(f.precision for f in needs):
         acc = get_format(_least_accum(*needs))
-    summation = pick("summation", _CUSTOM_SUMMATIONS)
-    if dot.startswith("tensor-core") and summation not in ("native", "sequential"):
-        summation = draw(st.sampled_from(("native", "sequential")))
+    summation = pick("summation", _custom_summations())
+    if dot.startswith("tensor-core") and not _resumes(summation):
+        summation = draw(st.sampled_from(_resumable_summations()))
     kw: dict[str, Any] = {
         "input": fin.name,
         "accum": acc.name,
@@ -262,8 +281,8 @@ def _custom_numerics(draw: Any, fields: dict[str, Any], bounded: bool) -> Numeri
         kw["online_sums"] = "running"
         if not str(kw["softmax"]).startswith("online"):
             kw["softmax"] = draw(st.sampled_from(("online(4)", "online(16)")))
-        if kw["summation"] not in ("native", "sequential"):
-            kw["summation"] = draw(st.sampled_from(("native", "sequential")))
+        if not _resumes(kw["summation"]):
+            kw["summation"] = draw(st.sampled_from(_resumable_summations()))
         if dot.startswith("bf16x"):  # a split dot
             kw["dot"] = "ieee"
     try:

@@ -86,8 +86,9 @@ class BackwardKernel:
             only then (measured with torch 2.13: with one block, float32 grouped gradients are
             bit-identical to each head's then their sum; with several they are not).
         grouped: how ``enable_gqa`` sums a group's ``dk``, ``dv``: ``"per-head"`` (each head's
-            gradient, then their sum: ``repeat_interleave``'s backward), or ``None`` when
-            grouped heads are not modelled (``jax.nn`` forms them as one dot over the group).
+            gradient, then their sum: ``repeat_interleave``'s backward), ``"one-dot"`` (one dot
+            over the group's heads and query rows, in any order: ``jax.nn``'s einsum), or
+            ``None`` when grouped heads are not modelled.
         mask_fill: the finite value a kernel puts in place of a masked logit (``jax.nn``:
             ``-0.7·finfo(float32).max``), its candidates modelling ``-inf`` masking: the
             oracle checks on the inputs that every masked exponential is exactly 0; ``None``
@@ -128,8 +129,13 @@ class BackwardKernel:
                 f"got {self.softmax_backward!r}"
             )
             raise InvalidArgument(msg)
-        if self.grouped not in (None, "per-head"):
-            msg = f"grouped: expected None or 'per-head', got {self.grouped!r}"
+        if self.grouped not in (None, "per-head", "one-dot"):
+            msg = f"grouped: expected None, 'per-head' or 'one-dot', got {self.grouped!r}"
+            raise InvalidArgument(msg)
+        if self.grouped == "one-dot" and any(
+            b.algorithm != "textbook" for pairs in self.models.values() for _, b in pairs
+        ):
+            msg = "grouped: expected 'one-dot' only with textbook candidates (one chain per dot)"
             raise InvalidArgument(msg)
         if self.mask_fill is not None and not (
             isinstance(self.mask_fill, (int, float)) and -math.inf < self.mask_fill < -1e4
@@ -161,6 +167,34 @@ class BackwardKernel:
         if block is None:
             return self.models[fmt]
         return tuple((n, dataclasses.replace(b, block_q=block)) for n, b in self.models[fmt])
+
+    def on_scores(
+        self, pairs: tuple[tuple[Numerics, Backward], ...], scale: float
+    ) -> tuple[tuple[Numerics, Backward], ...]:
+        """``pairs`` with every scale on the scores, multiplying ``dQ`` and ``dK`` after the
+        dots, for a theorem that models only that placement (B.6): a square root on ``q`` and
+        ``k`` that is a power of two, or a power-of-two scale on ``dS``, rounds alike (outside
+        the subnormal range); any other is refused.
+
+        Raises:
+            InvalidArgument: naming ``scale``, the kernel and why.
+        """
+        if all(n.scale == "scores" and b.scale_at == "output" for n, b in pairs):
+            return pairs
+        split = any(n.scale == "qk" for n, _ in pairs)
+        root = math.sqrt(abs(scale)) if split else abs(scale)
+        if not _is_power_of_two(root):
+            why = "a power of four" if split else "a power of two"
+            how = "q and k by the scale's square root" if split else "dS by the scale"
+            msg = (
+                f"scale: expected {why} for the multi-head backward of kernel {self.name!r} "
+                f"(it multiplies {how}, and Theorem B.6 models the scale on the scores, after "
+                f"the dots), got {scale!r}"
+            )
+            raise InvalidArgument(msg)
+        return tuple(
+            (n.replace(scale="scores"), dataclasses.replace(b, scale_at="output")) for n, b in pairs
+        )
 
     def check_scale(self, scale: float) -> None:
         """Refuse a scale whose placement in the kernel does not round as the model's.
@@ -248,9 +282,15 @@ _MATH_BACKWARD = (
     "mask as 0/-inf), _safe_softmax, matmul with v; autograd differentiates each op: "
     "dV = Pᵀ dO, dP = dO Vᵀ, _softmax_backward_data (aten/src/ATen/native/cpu/SoftMaxKernel.cpp, "
     "_vec_softmax_backward: D = sum(dP * P), then P * (dP - D)), the products' backward with "
-    "the scaled operands, and the products by sqrt(scale) again: with sqrt(|scale|) a power of "
-    "two every such product is exact and dq = scale·(dS k), dk = scale·(dSᵀ q) as modelled"
+    "the scaled operands, and the products by sqrt(scale) again (mul's backward: the gradient "
+    "times the same Python scalar): dq = fl(sqrt(c)·(dS k̂')), dk = fl(sqrt(c)·(dSᵀ q̂')) with "
+    "q̂' = fl(sqrt(c)·q), k̂' = fl(sqrt(c)·k), modelled by Numerics(scale='qk')"
 )
+
+
+def _autograd(num: Numerics) -> tuple[Numerics, Backward]:
+    """The textbook backward of the forward ``num`` as it is (its scale placement kept)."""
+    return num, Backward("textbook")
 
 
 def _textbook(num: Numerics, **fields: Any) -> tuple[Numerics, Backward]:
@@ -261,7 +301,7 @@ def _torch_sdpa_math() -> BackwardKernel:
     fwd = KERNELS["torch-sdpa-math"]
     return BackwardKernel(
         "torch-sdpa-math",
-        {f: tuple(_textbook(n) for n in fwd.candidates(f)) for f in fwd.formats},
+        {f: tuple(_autograd(n) for n in fwd.candidates(f)) for f in fwd.formats},
         (
             _MATH_BACKWARD,
             (
@@ -271,11 +311,11 @@ def _torch_sdpa_math() -> BackwardKernel:
             ),
             "a float attn_mask (bias) receives dS, rounded to its type: dbias",
         ),
-        "the scale must have a power-of-two square root (d = 16 or 256 with the default scale, "
-        "or scale=0.25, 1/16, ...); other scales are refused: the bound does not model a scale "
-        "split over q and k in the backward (Numerics(scale='qk')). Assumes no subnormal "
-        "intermediate (where a product by a power of two could round).",
-        scale_rule="power-of-four",
+        "a negative scale multiplies q by -sqrt(|scale|): the bound of q's sign flipped with "
+        "|scale| (every rounding is symmetric). The multi-head form (Theorem B.6 models the "
+        "scale on the scores) takes scales with a power-of-two square root only, where the "
+        "placements round alike (no subnormal intermediate assumed).",
+        scale_rule="any",
     )
 
 
@@ -285,7 +325,7 @@ def _torch_sdpa_math_tf32() -> BackwardKernel:
     return dataclasses.replace(
         base,
         name="torch-sdpa-math-tf32",
-        models={"float32": tuple(_textbook(n) for n in fwd.candidates("float32"))},
+        models={"float32": tuple(_autograd(n) for n in fwd.candidates("float32"))},
         evidence=(*base.evidence, "torch.backends.cuda.matmul.allow_tf32 = True (off by default)"),
     )
 
@@ -343,8 +383,8 @@ _JAX_BACKWARD = (
     "input dtype, so dV = probsᵀ dO and dP = dO vᵀ are rounded to the input dtype; "
     "_softmax_jvp's rule y * (x_dot - sum(y * x_dot)) transposes to y*g - y*sum(y*g) "
     "(softmax_backward 'products'), in float32 with y the float32 probabilities; the masked "
-    "logits' where() zeroes their cotangent; logits *= scale transposes to dS * scale "
-    "(before the dots: scale_rule 'power-of-two'); the logits einsum (preferred_element_type "
+    "logits' where() zeroes their cotangent; logits *= scale transposes to dS * scale in "
+    "float32 before the dots (Backward.scale_at='ds'); the logits einsum (preferred_element_type "
     "float32, precision BF16_BF16_F32 / F16_F16_F32 for half inputs) transposes to dots of dS "
     "with k and q, converted to the input dtype (lax.py, _dot_general_transpose_lhs)"
 )
@@ -355,13 +395,16 @@ def _jax_xla() -> BackwardKernel:
     # the fill value -0.7·finfo(float32).max leaves exp(fill - max) = 0 exactly when the row
     # attends a key (the oracle checks the logits' range): -inf masking as the bound needs
     models = {
-        "float32": (_textbook(fwd.candidates("float32")[0].replace(mask_value=-math.inf)),),
+        "float32": (
+            _textbook(fwd.candidates("float32")[0].replace(mask_value=-math.inf), scale_at="ds"),
+        ),
         **{
             f: (
                 _textbook(
                     fwd.candidates(f)[0].replace(mask_value=-math.inf),
                     grad_format=f,
                     ds_format=f,
+                    scale_at="ds",
                 ),
             )
             for f in _HALF
@@ -375,19 +418,22 @@ def _jax_xla() -> BackwardKernel:
             (
                 "half inputs: dP is rounded to the input dtype, D and dS are float32 and dS "
                 "reaches the dots in the input dtype; the model rounds dP, D and dS to the input "
-                "dtype (grad_format = ds_format = dtype), a coarser rounding at every step"
+                "dtype (grad_format = ds_format = dtype), a coarser rounding at every step, and "
+                "dS times the scale in it, where jax multiplies in float32 and then converts: "
+                "the model's coarser rounding of P∘(dP - D) covers that float32 product"
             ),
             (
                 "masking: where(mask, logits, -0.7·finfo(float32).max); with a live key of "
                 "logit above -1e38 the masked exponentials are exactly 0, as under -inf"
             ),
         ),
-        "grouped heads (enable_gqa) are one dot over the group in jax.nn, not modelled; the "
-        "scale must be a power of two (the default 1/sqrt(d) is one for d = 4, 16, 64, 256). "
-        "Assumes no subnormal intermediate where dS is multiplied by the scale.",
-        scale_rule="power-of-two",
+        "grouped heads (enable_gqa) are one dot over the group's heads and rows in jax.nn "
+        "(grouped='one-dot'); every scale is taken (Backward.scale_at='ds'); the multi-head form (Theorem B.6, the scale "
+        "after the dots) only a power-of-two scale, where the placements round alike (no "
+        "subnormal intermediate assumed)",
+        scale_rule="any",
         softmax_backward="products",
-        grouped=None,
+        grouped="one-dot",
         mask_fill=-0.7 * float(np.finfo(np.float32).max),
     )
 
@@ -399,7 +445,7 @@ def _jax_xla_tf32() -> BackwardKernel:
     return dataclasses.replace(
         base,
         name="jax-xla-tf32",
-        models={"float32": (_textbook(num),)},
+        models={"float32": (_textbook(num, scale_at="ds"),)},
         evidence=(*base.evidence, "JAX's default float32 matmul precision on Ampere+ GPUs is TF32"),
     )
 

@@ -32,7 +32,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from mhanum._errors import InvalidArgument
 from mhanum.testing.backward_kernels import BackwardKernel, get_backward_kernel
 from mhanum.testing.kernels import Kernel
 from mhanum.testing.oracle import Oracle, PredictedOverflow, as_float64
+
+if TYPE_CHECKING:
+    from mhanum.numerics import Backward, Numerics
 
 __all__ = [
     "GRADIENTS",
@@ -320,9 +323,12 @@ def attention_grad_oracle(
     )
     per: list[dict[str, Any]] = []
     for num, bw in candidates:
+        # a negative scale split over q and k multiplies q by -sqrt(|c|): the bound of -q with
+        # |c| (every rounding is symmetric, so each gradient's error is the same up to sign)
+        flip = num.scale == "qk" and c < 0
         bounds = attention_grad_bound(
-            q64, k64, v64, g64, m, bias=b64, scale=scale, numerics=num, backward=bw,
-            sink=sink, softcap=softcap,
+            -q64 if flip else q64, k64, v64, g64, m, bias=b64, scale=-c if flip else scale,
+            numerics=num, backward=bw, sink=sink, softcap=softcap,
         )  # fmt: skip
         terms = _candidate_terms(bounds)
         if kern.softmax_backward == "products":
@@ -345,8 +351,15 @@ def attention_grad_oracle(
     oracles: dict[str, Any] = {}
     for name, ex in exact_map.items():
         ex = np.asarray(ex, np.float64)
-        tol, term, reason = _fold(ex, [p[name] for p in per])
-        if name in ("dk", "dv") and group > 1:
+        if name in ("dk", "dv") and group > 1 and kern.grouped == "one-dot":
+            pairs = zip(per, candidates, strict=True)
+            cands = [_one_dot(p[name], group, lq, num, bw, name) for p, (num, bw) in pairs]
+            ex = _grouped_exact(ex, group)
+            tol, term, reason = _fold(ex, cands)
+            tol = tol + group * _F64 * _grouped_exact(np.abs(exact_map[name]), group)
+        else:
+            tol, term, reason = _fold(ex, [p[name] for p in per])
+        if name in ("dk", "dv") and group > 1 and kern.grouped != "one-dot":
             target = (*lead[:-1], lead[-1] // group, group, *ex.shape[-2:])
             ex, tol, term, reason = (a.reshape(target) for a in (ex, tol, term, reason))
             ex, tol, term, reason = _summed(ex, tol, term, reason, (-3,), out_fmt)
@@ -465,7 +478,8 @@ def _add_products(
     (likewise ``dk`` with ``q``, ``dbias`` ``(1 + u_out)|Δ|``), the magnitudes from the float64
     values and the bounds' stages (``P̂ <= P + ε_P``, ``|dP̂| <= |d_out||v|ᵀ + ε_dP``, ``|D̂| <=
     Σ P |dP| + ε_D``). A soft-cap's slope (at most 1, computed within ``4u_grad``) multiplies
-    ``dS`` first.
+    ``dS`` first; with ``Backward.scale_at="ds"`` the product by ``ĉ = fl_grad(c)``, rounded in
+    the gradient format, adds ``(1 + u_grad)²``.
     """
     u = num.format_of("softmax").u
     grad, dsf = bw.formats(num)
@@ -484,6 +498,8 @@ def _add_products(
         return length * acc.u / (1 - length * acc.u)
 
     common = (1 + dsf.u) * (1 + acc.u) * (1 + out.u) * (1 + 2.0**-50)
+    if bw.scale_at == "ds":  # Δ times ĉ = fl_grad(c) (within u_grad of c), rounded in grad
+        common *= (1 + grad.u) ** 2
     extra = {
         "dq": abs(c) * common * (1 + gamma(n)) * (delta @ np.abs(k)),
         "dk": abs(c) * common * (1 + gamma(lq)) * (np.swapaxes(delta, -1, -2) @ np.abs(q)),
@@ -513,6 +529,44 @@ def _fold(exact: np.ndarray, cands: list[Any]) -> tuple[np.ndarray, ...]:
         reason = np.where((which == i) & ~np.isfinite(tol), why, reason)
     tol = tol + _F64 * np.abs(exact) + 2.0**-1074
     return tol, names, reason
+
+
+def _grouped_exact(ex: np.ndarray, group: int) -> np.ndarray:
+    """``(..., H, n, d)`` summed over each group of ``group`` consecutive heads."""
+    return ex.reshape(*ex.shape[:-3], ex.shape[-3] // group, group, *ex.shape[-2:]).sum(axis=-3)
+
+
+def _one_dot(
+    cand: list[Any], group: int, lq: int, num: Numerics, bw: Backward, name: str
+) -> list[Any]:
+    """A group's ``dk`` (``dv``) computed as one dot over its heads' query rows (``jax.nn``'s
+    einsum over the group and the rows, in any order), from each head's bound (B.1, step 7).
+
+    Theorem B.0's error of a dot splits into the operands' shares, sums over the contraction
+    index (so over heads: additive), and the accumulation's ``f(n)·Σ|a||b| + η(n)``; the one
+    dot has length ``n = group·L_q``, so its accumulation is at most ``ρ`` times the heads'
+    sum, ``ρ = max(f(group·L_q)/f(L_q), η(group·L_q)/η(L_q))`` (the unit's factors, any
+    order). The scale's and the output's roundings of the sum are at most the heads' sum
+    (a rounding's error is monotone and subadditive in the magnitude). So the group's bound is
+    ``Σ_heads (upstream + inputs + ρ·accumulation + output)``, ``inf`` where a head's is; a
+    descriptor's ``softmax_products`` term (carried through the same dot, its ``γ_{L_q}``
+    then ``γ_{group·L_q}``) is scaled by ``ρ`` too."""
+    from mhanum.bounds.factors import operand_bits, unit_eta, unit_factor
+
+    total, terms, reasons = cand
+    first = bw.formats(num)[1] if name == "dk" else num.format_of("prob")
+    bits = (operand_bits(num, first), operand_bits(num, num.format_of("input")))
+    f_one = unit_factor(num, group * lq, None, bits=bits)
+    f_head = unit_factor(num, lq, None, bits=bits)
+    e_one, e_head = unit_eta(num, group * lq), unit_eta(num, lq)
+    rho = max(f_one / f_head if f_head else 1.0, e_one / e_head if e_head else 1.0)
+    rho = max(rho, 1.0) * (1 + 2.0**-50)
+    grows = ("accumulation", "softmax_products")
+    parts = {t: _grouped_exact(x * (rho if t in grows else 1.0), group)
+             for t, x in terms.items()}  # fmt: skip
+    summed = sum(parts.values()) * (1 + group * 2.0**-52)
+    hit = _grouped_exact(np.where(np.isfinite(total), 0.0, 1.0), group) > 0
+    return [np.where(hit, np.inf, summed), parts, reasons]
 
 
 def _summed(
@@ -646,7 +700,7 @@ def mha_grad_oracle(
     if sink is not None:
         exact_map["dsink"] = exact.dsink
     per = []
-    candidates = kern.candidates(fmt, lq)
+    candidates = kern.on_scores(kern.candidates(fmt, lq), c)
     for num, bw in candidates:
         bounds = mha_grad_bound(xq, xkv, params, num_heads, g64, numerics=num, backward=bw, **kw)
         named = {"dx_q": bounds.dx_q, "dx_kv": bounds.dx_kv, "dbias": bounds.dbias,

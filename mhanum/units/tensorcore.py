@@ -49,12 +49,15 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from mhanum._errors import InvalidArgument
-from mhanum.formats import get_format, representable
+from mhanum.formats import Format, get_format, representable
+
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
 
 __all__ = ["F32_EMAX", "F32_EMIN", "F32_FRAC", "MODELS", "TensorCoreModel", "get_model"]
 
@@ -62,7 +65,6 @@ F32_EMIN = -126
 F32_EMAX = 127
 F32_FRAC = 23  # stored fraction bits of float32
 _NORMALISATIONS = ("toward_zero", "nearest")
-_ORDERS = ("sequential", "native")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +113,7 @@ class TensorCoreModel:
             raise InvalidArgument(msg)
 
     @property
-    def format(self) -> Any:
+    def format(self) -> Format:
         """The :class:`mhanum.formats.Format` of the inputs."""
         return get_format(self.input_format)
 
@@ -213,7 +215,7 @@ class TensorCoreModel:
         return _round_scaled(total, quantum, self.output_precision, self.normalisation)
 
 
-def _check_values(values: Any, fmt: str, name: str) -> list[float]:
+def _check_values(values: ArrayLike, fmt: str, name: str) -> list[float]:
     try:
         arr = np.asarray(values, dtype=np.float64).reshape(-1)
     except (TypeError, ValueError) as err:

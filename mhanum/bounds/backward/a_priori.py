@@ -13,7 +13,12 @@ from mhanum import _validate as V
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.bounds.a_priori import CappedLogits, attention_bound_a_priori, softcap_a_priori
-from mhanum.bounds.backward.scope import ASSUMPTIONS, GradientBounds, check_scope
+from mhanum.bounds.backward.scope import (
+    ASSUMPTIONS,
+    GradientBounds,
+    check_scope,
+    check_scores_placement,
+)
 from mhanum.bounds.backward.softcap import slope_a_priori, through_cap
 from mhanum.bounds.enclosure import (
     GRADIENTS,
@@ -112,6 +117,7 @@ def attention_grad_bound_a_priori(
     num = resolve(numerics)
     bw = resolve_backward(backward)
     check_scope(num, bw)
+    check_scores_placement(num, bw, "B.4")
     lq, n, d = (V.positive_int(x, name) for x, name in ((q_len, "q_len"), (kv_len, "kv_len"),
                                                           (d_k, "d_k")))  # fmt: skip
     dv_ = d if d_v is None else V.positive_int(d_v, "d_v")

@@ -41,7 +41,6 @@ from mhanum.bounds.factors import (
     compound,
     evaluation_rounding,
     lam_or_probability,
-    operand_bits,
     rounding_error,
     scale_rounding,
 )
@@ -250,8 +249,7 @@ def logits_step(ctx: Context, ops: Operands) -> tuple[Enclosure, Enclosure | Non
     acc, sc, sm = ctx.fmt("accum"), ctx.fmt("score"), ctx.fmt("softmax")
     d = ctx.sizes[2]
     aq, ak, mq, mk, e, rad = ops.up["q"], ops.up["k"], ops.mag["q"], ops.mag["k"], ops.err, ops.rad
-    bits_in = operand_bits(num, ctx.fmt("input"))
-    f, eta, _ = dot_factor(num, d, None, (bits_in, bits_in), ctx.lam)
+    f, eta, _ = dot_factor(num, d, None, (ops.bits["q"], ops.bits["k"]), ctx.lam)
     t_a, t_b, t_acc = ctx.dot(aq, e["q"], transpose(ak), transpose(e["k"]), f, eta)
     t_mid = x.q @ transpose(x.k)
     t_rad = f64_dot(d) * (mq @ transpose(mk)) + product_spread(

@@ -124,8 +124,9 @@ def _forward_error(ctx: Context, ops: Operands) -> tuple[np.ndarray, np.ndarray]
     x, num = ctx.x, ctx.num
     if x.forward is None:
         # Theorem A.1g: the forward output's error along the exact d_out, row by row
+        q, k = (x.q, x.k) if x.scaled is None else (x.scaled.q, x.scaled.k)
         fwd, along = attention_bound_along(
-            x.q, x.k, x.v, x.g, None if x.keep.all() else x.keep, g_error=ops.rad["d_out"],
+            q, k, x.v, x.g, None if x.keep.all() else x.keep, g_error=ops.rad["d_out"],
             bias=x.bias, scale=x.scale, numerics=num, softcap=x.cap,
         )  # fmt: skip
         eps_o, why = np.asarray(fwd.total, np.float64), fwd.reasons

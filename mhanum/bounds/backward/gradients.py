@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -25,7 +26,7 @@ from mhanum.bounds.enclosure import (
     signed_product,
     transpose,
 )
-from mhanum.bounds.factors import evaluation_rounding, operand_bits
+from mhanum.bounds.factors import compound, evaluation_rounding, operand_bits, scale_rounding
 
 __all__ = [
     "Coupling",
@@ -95,10 +96,32 @@ def ds_step(
         # into ds_format flushes nothing where that is at least its smallest normal number
         m_ds = np.abs(ds_mid)
         ds_low = (2 * m_ds - da_up - da_err) - 4 * U64 * (2 * m_ds + da_up + da_err)
-    ds_take = np.where(keep, read_error(da_up + da_err, grad, ctx.dsf, ds_low), 0.0)
+    if ctx.bw.scale_at == "ds":
+        ds_take = scaled_ds_step(ctx, da_up + da_err, ds_low)
+    else:
+        ds_take = np.where(keep, read_error(da_up + da_err, grad, ctx.dsf, ds_low), 0.0)
+        rng.check(da_up + da_err, ctx.dsf, f"dS rounded to {ctx.dsf.name}", ("dq", "dk", "dbias"))
     ds_r_err = da_err + ds_take
-    rng.check(da_up + da_err, ctx.dsf, f"dS rounded to {ctx.dsf.name}", ("dq", "dk", "dbias"))
     return ScoreGradient(*t, ds_up, ds_err, da_up, ds_mid, ds_take, ds_r_err)
+
+
+def scaled_ds_step(ctx: Context, used: np.ndarray, low: np.ndarray | None) -> np.ndarray:
+    """Step 6s (papers/backward.md; ``Backward.scale_at="ds"``): the dots read
+    ``Â = fl_ds(fl_g(dÂ·ĉ))``, ``ĉ = fl_g(c)``, which is ``ĉ·Ã`` with ``|Ã - dÂ| <=`` the
+    returned take: ``u_×|dÂ| + (η_g + read_error(|ĉ dÂ|(1 + u_×) + η_g))/|ĉ|`` for
+    ``|dÂ| <= used`` (``low <= |dÂ|``, or ``None``); the dots' product by ``ĉ`` is step 8's."""
+    x, keep, rng, grad = ctx.x, ctx.x.keep, ctx.rng, ctx.grad
+    c_hat, u_r, u_mul = scale_rounding(x.c64, grad)
+    if not (math.isfinite(c_hat) and c_hat != 0 and u_r < 1):
+        rng.check(np.inf, grad, f"the scale {x.c64:.6g} rounded to {grad.name}", ("dq", "dk"))
+        return np.where(keep, np.inf, 0.0)
+    a = abs(c_hat)
+    y_up = a * used * (1 + u_mul) + grad.smallest_normal
+    y_low = None if low is None else a * low * (1 - u_mul) - grad.smallest_normal
+    rng.check(y_up, grad, f"dS times the scale in {grad.name}", ("dq", "dk"))
+    rng.check(y_up, ctx.dsf, f"dS·c rounded to {ctx.dsf.name}", ("dq", "dk"))
+    take = u_mul * used + (grad.smallest_normal + read_error(y_up, grad, ctx.dsf, y_low)) / a
+    return np.where(keep, take * (1 + 4 * U64), 0.0)
 
 
 class _Difference(NamedTuple):
@@ -244,9 +267,10 @@ def _coupled_flash(
 @dataclasses.dataclass(frozen=True)
 class LastDot:
     """One gradient's last dot ``A B`` (step 7): the name of the gradient, ``|A| <= a_up``,
-    ``|Â - A| <= a_err`` (``B`` likewise), its blocks (B.2), the operands' bits, whether the
-    scale multiplies it (``dq``, ``dk``), the stage's name, ``dq``'s couplings and the float64
-    midpoints of ``A`` and ``B`` (step 8's signed enclosure), or ``None``."""
+    ``|Â - A| <= a_err`` (``B`` likewise), its blocks (B.2), the operands' bits, the factor
+    that multiplies it after the dot (``(f64, u64)``, its float64 value and relative error;
+    ``None``: none), the stage's name, ``dq``'s couplings and the float64 midpoints of ``A``
+    and ``B`` (step 8's signed enclosure), or ``None``."""
 
     name: str
     a_up: np.ndarray
@@ -255,7 +279,7 @@ class LastDot:
     b_err: np.ndarray
     block: int | None
     bits: tuple[int, int]
-    scaled: bool
+    scaled: tuple[float, float] | None
     stage: str
     coupled: list[Coupling] | None = None
     mids: tuple[np.ndarray, np.ndarray] | None = None
@@ -263,12 +287,11 @@ class LastDot:
 
 def last_dot_step(ctx: Context, g: LastDot, statement: Statement) -> tuple[Bound, np.ndarray]:
     """Steps 7 and 8 (papers/backward.md): B.0 on the last dot, of one chain (B.1) or of blocks
-    added in any order (B.2), then the scale (``dq``, ``dk``) and the output rounding, charged
-    on the gradient's signed enclosure where that is smaller. Returns the bound and ``>= |g|``
-    for the exact gradient (B.6)."""
-    x, num, rng = ctx.x, ctx.num, ctx.rng
+    added in any order (B.2), then the scale (``dq``, ``dk``: ``c``, or step 2''s factor) and
+    the output rounding, charged on the gradient's signed enclosure where that is smaller.
+    Returns the bound and ``>= |g|`` for the exact gradient (B.6)."""
+    num, rng = ctx.num, ctx.rng
     acc, out = ctx.fmt("accum"), ctx.fmt("output")
-    c, c64 = x.c64, x.c64
     a_up, a_err, b_up, b_err = g.a_up, g.a_err, g.b_up, g.b_err
     f, eta, _ = dot_factor(num, a_up.shape[-1], g.block if ctx.flash else None, g.bits, ctx.lam)
     from_a, from_b, accumulation = ctx.dot(a_up, a_err, b_up, b_err, f, eta, g.coupled)
@@ -280,18 +303,47 @@ def last_dot_step(ctx: Context, g: LastDot, statement: Statement) -> tuple[Bound
     rng.check((1 + f) * ((a_up + a_err) @ (b_up + b_err)) + eta, acc, g.stage, (g.name,))
     err = from_a + from_b + accumulation
     ev_n = 1 + evaluation_rounding(a_up.shape[-1])
-    up = x_up * ev_n * ((1 + x.u64 + 2 * U64) * abs(c) if g.scaled else 1.0)
-    if g.scaled:
-        carried, own = scaled_output(x_up, err, c, c64, x.u64, num)
+    if g.scaled is not None:
+        c64, u64 = g.scaled
+        up = x_up * ev_n * (1 + u64 + 2 * U64) * abs(c64)
+        if ctx.bw.scale_at == "ds":  # step 8s: the dot of ĉ·Ã, no product after it
+            b_sum = (b_up + b_err).sum(axis=-2, keepdims=True)
+            carried, own = scaled_dot_output(x_up, err, c64, u64, eta, b_sum, ctx)
+        else:
+            carried, own = scaled_output(x_up, err, c64, c64, u64, num)
         ratio = carried / np.where(err > 0, err, 1.0)
-        y_up = abs(c) * x_up + carried + own
+        y_up = abs(c64) * x_up + carried + own
     else:
+        up = x_up * ev_n
         ratio, own = np.ones(1), plain_output(x_up, err, num)
         y_up = x_up + err + own
     rng.check(y_up, out, f"{g.name} rounded to the output format", (g.name,))
     terms = {"upstream": ratio * from_a, "inputs": ratio * from_b}
     terms = {**terms, "accumulation": ratio * accumulation, "output": own}
     return statement.bound(g.name, terms, rng), up
+
+
+def scaled_dot_output(
+    x_up: np.ndarray,
+    err: np.ndarray,
+    c64: float,
+    u64: float,
+    eta: float,
+    b_sum: np.ndarray,
+    ctx: Context,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Step 8s (``Backward.scale_at="ds"``): the computed dot of ``ĉ·Ã`` (``ĉ = fl_g(c64)``,
+    ``|ĉ - c| <= θ|c|``) against ``c·X``: within ``|ĉ|·err + η + η_op Σ_j |B_j|`` of ``ĉ·(Ã B)``
+    (B.0's error scales with the operand, its underflows ``η`` and, in the operand format,
+    ``η_op`` do not; ``b_sum >= Σ_j |B̂_j|``), and ``|ĉ - c||X|``; then the output rounding.
+    Returns ``(from X's error, the constant's and the roundings' part)``."""
+    acc, out = ctx.fmt("accum"), ctx.fmt("output")
+    _, u_r, _ = scale_rounding(c64, ctx.grad)
+    theta = compound(u64, u_r)
+    a = abs(c64)
+    carried = a * (1 + theta) * err
+    own = theta * a * x_up + eta + ctx.dot.eta_op * b_sum * (1 + 2 * U64)
+    return carried, own + read_error(a * x_up + carried + own, acc, out)
 
 
 def gradients_step(
@@ -307,17 +359,17 @@ def gradients_step(
     for each exact gradient of a dot (B.6)."""
     x, keep, rng, bw = ctx.x, ctx.x.keep, ctx.rng, ctx.bw
     ak, aq, ag, e = ops.up["k"], ops.up["q"], ops.up["d_out"], ops.err
-    bits_in = operand_bits(ctx.num, ctx.fmt("input"))
-    bits = (operand_bits(ctx.num, ctx.dsf), bits_in)
+    b_ds = operand_bits(ctx.num, ctx.dsf)
     ds_mid = ds.ds_mid
+    f_q, f_k = x.factors or ((x.c64, x.u64), (x.c64, x.u64))
     dots = (
-        LastDot("dq", ds.da_up, ds.ds_r_err, ak, e["k"], bw.block_k, bits, True,
-                "dS k accumulated", coupled, None if ds_mid is None else (ds_mid, x.k)),
-        LastDot("dk", transpose(ds.da_up), transpose(ds.ds_r_err), aq, e["q"], bw.block_q, bits,
-                True, "dSᵀ q accumulated", None,
+        LastDot("dq", ds.da_up, ds.ds_r_err, ak, e["k"], bw.block_k, (b_ds, ops.bits["k"]),
+                f_q, "dS k accumulated", coupled, None if ds_mid is None else (ds_mid, x.k)),
+        LastDot("dk", transpose(ds.da_up), transpose(ds.ds_r_err), aq, e["q"], bw.block_q,
+                (b_ds, ops.bits["q"]), f_k, "dSᵀ q accumulated", None,
                 None if ds_mid is None else (transpose(ds_mid), x.q)),
         LastDot("dv", transpose(pr.p_up), transpose(pr.eps_pr), ag, e["d_out"], bw.block_q,
-                (pr.bits_p, bits_in), False, "Pᵀ d_out accumulated", None,
+                (pr.bits_p, ops.bits["d_out"]), None, "Pᵀ d_out accumulated", None,
                 (transpose(pr.p_mid), x.g)),
     )  # fmt: skip
     results: dict[str, Bound] = {}

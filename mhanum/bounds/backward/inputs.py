@@ -12,12 +12,19 @@ import numpy as np
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.bounds.enclosure import GRADIENTS, U64, Dot, Ranges, read_error
-from mhanum.bounds.factors import compound, is_power_of_four, rounding_error
+from mhanum.bounds.factors import (
+    OperandScale,
+    compound,
+    is_power_of_four,
+    operand_bits,
+    operand_scale,
+    rounding_error,
+)
 from mhanum.formats import Format
 from mhanum.numerics import Backward, Numerics
 from mhanum.problem import AttentionProblem
 
-__all__ = ["Context", "Inputs", "Operands", "inputs", "operands_step"]
+__all__ = ["Context", "Inputs", "Operands", "ScaledOperands", "inputs", "operands_step"]
 
 
 class Inputs(NamedTuple):
@@ -44,6 +51,23 @@ class Inputs(NamedTuple):
     forward: tuple[np.ndarray, tuple[str, ...], np.ndarray | None] | None = None
     cap: float | None = None  # the logit soft-cap
     scale: float | None = None  # the scale as given (None: 1/sqrt(d_k), rounded in float64)
+    # step 2': the scale (or its square root) on q (and k); then the logits are unscaled
+    # (c64 = 1) and dq, dk are multiplied by ``factors`` (None: by c64)
+    scaled: ScaledOperands | None = None
+    factors: tuple[tuple[float, float] | None, tuple[float, float] | None] | None = None
+
+
+class ScaledOperands(NamedTuple):
+    """Step 2' of B.1 (papers/backward.md): the factor ``f`` (the scale on ``q``, or its square
+    root on ``q`` and ``k``) with its roundings, the operands before it (``q``, ``k``: what the
+    forward bound reads), and for each scaled operand ``|x̂_s - f·x| <= errors`` of the
+    computed one and ``|x̃_s - f·x| <= radii`` of the float64 stand-in ``x̃_s = fl64(f64·x)``."""
+
+    q: np.ndarray
+    k: np.ndarray
+    scale: OperandScale
+    errors: dict[str, np.ndarray]
+    radii: dict[str, np.ndarray]
 
 
 def inputs(p: AttentionProblem, num: Numerics) -> Inputs:
@@ -78,7 +102,31 @@ def inputs(p: AttentionProblem, num: Numerics) -> Inputs:
     u64 = 0.0
     if p.scale is None and not is_power_of_four(q.shape[-1]):
         u64 = compound(U64, over=(U64,))  # 1/sqrt(d): two float64 roundings
-    return Inputs(q, k, v, g, keep, b, c64, u64, p.sink is not None, cap=cap, scale=p.scale)
+    x = Inputs(q, k, v, g, keep, b, c64, u64, p.sink is not None, cap=cap, scale=p.scale)
+    return x if num.scale == "scores" else scaled_step(x, num)
+
+
+def scaled_step(x: Inputs, num: Numerics) -> Inputs:
+    """Step 2' (papers/backward.md): with the scale on ``q`` (or ``sqrt(c)`` on ``q`` and
+    ``k``), B.1 on the scaled operands with the scale 1, ``dq`` (and ``dk``) multiplied by the
+    factor again: ``c·q kᵀ = (f q)(f k)ᵀ``, so ``dq = f·(dS (f k))`` and ``dk = f·(dSᵀ (f q))``
+    (on ``q`` only: ``dq = c·(dS k)``, ``dk = dSᵀ (c q)``). The scaled operands are the
+    forward's (papers/attention.md, step 2'), read by the dots from the scale format."""
+    sc = operand_scale(x.c64, x.q.shape[-1], x.scale is None, num)
+    fin = num.format_of("input")
+    names = ("q", "k") if num.scale == "qk" else ("q",)
+    arrays = {"q": x.q, "k": x.k}
+    errors, radii = {}, {}
+    for name in names:
+        a = arrays[name]
+        arrays[name], e_s, g_s = sc.applied(a, rounding_error(a, fin), 0.0)
+        errors[name], radii[name] = e_s + g_s, g_s
+    factor = (sc.f64, sc.u64)
+    return x._replace(
+        q=arrays["q"], k=arrays["k"], c64=1.0, u64=0.0,
+        scaled=ScaledOperands(x.q, x.k, sc, errors, radii),
+        factors=(factor, factor if num.scale == "qk" else None),
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,17 +181,24 @@ class Operands:
     rad: dict[str, np.ndarray | None]
     mag: dict[str, np.ndarray]
     up: dict[str, np.ndarray]
+    bits: dict[str, int]
 
 
 def operands_step(ctx: Context) -> Operands:
-    """Step 1 (papers/backward.md): the inputs rounded into the input format; B.6: computed
-    operands, off the exact ones by ``errors``, read into it from their storage formats."""
+    """Step 1 (papers/backward.md): the inputs rounded into the input format; step 2': the
+    scaled operands, as the dots read them from the scale format; B.6: computed operands, off
+    the exact ones by ``errors``, read into it from their storage formats."""
     x, fin, rng = ctx.x, ctx.fmt("input"), ctx.rng
     e: dict[str, np.ndarray] = {}
     rad: dict[str, np.ndarray | None] = {}
+    bits = dict.fromkeys(("q", "k", "v", "d_out"), operand_bits(ctx.num, fin))
     arrays = (("q", x.q), ("k", x.k), ("v", x.v), ("d_out", x.g))
     for i, (name, arr) in enumerate(arrays):
-        if x.errors is None or x.given is None or x.sources is None:
+        if x.scaled is not None and name in x.scaled.errors:
+            scaled_ranges(ctx, name)
+            rad[name], e[name] = x.scaled.radii[name], x.scaled.errors[name]
+            bits[name] = operand_bits(ctx.num, x.scaled.scale.fmt)
+        elif x.errors is None or x.given is None or x.sources is None:
             rad[name] = None
             rng.check(np.abs(arr), fin, f"{name} rounded to the input format", GRADIENTS)
             e[name] = rounding_error(arr, fin)
@@ -154,4 +209,17 @@ def operands_step(ctx: Context) -> Operands:
             e[name] = x.errors[i] + read_error(used, x.sources[i], fin)
     mag = {name: np.abs(arr) for name, arr in arrays}
     up = {name: m if rad[name] is None else m + rad[name] for name, m in mag.items()}
-    return Operands(e, rad, mag, up)
+    return Operands(e, rad, mag, up, bits)
+
+
+def scaled_ranges(ctx: Context, name: str) -> None:
+    """Step 2''s ranges: the operand ``name`` in the input format, read into the scale format
+    and multiplied by ``f̂`` there (as the forward's step 2' checks them)."""
+    assert ctx.x.scaled is not None
+    sc, fin = ctx.x.scaled.scale, ctx.fmt("input")
+    a = ctx.x.scaled.q if name == "q" else ctx.x.scaled.k
+    ctx.rng.check(np.abs(a), fin, f"{name} rounded to the input format", GRADIENTS)
+    stored = np.abs(a) + rounding_error(a, fin)
+    ctx.rng.check(stored, sc.fmt, f"{name} read into the scale format", GRADIENTS)
+    product = abs(sc.f_hat) * stored * (1 + sc.u_t) + sc.fmt.smallest_normal
+    ctx.rng.check(product, sc.fmt, f"{name} times the scale factor {sc.f_hat:.4g}", GRADIENTS)

@@ -21,7 +21,12 @@ from mhanum._threads import one_blas_thread
 from mhanum.bounds._result import Bound
 from mhanum.bounds.backward.b1 import gradient_bounds, head_chains, with_sink
 from mhanum.bounds.backward.inputs import Inputs, inputs
-from mhanum.bounds.backward.scope import GradientBounds, Statement, check_scope
+from mhanum.bounds.backward.scope import (
+    GradientBounds,
+    Statement,
+    check_scope,
+    check_scores_placement,
+)
 from mhanum.bounds.enclosure import (
     U64,
     Dot,
@@ -168,6 +173,7 @@ def mha_grad_bound(
     num = resolve(numerics)
     bw = resolve_backward(backward)
     check_scope(num, bw)
+    check_scores_placement(num, bw, "B.6")
     p = MHAProblem.of(
         x_q, x_kv, params, num_heads, mask=mask, bias=bias, scale=scale, sink=sink,
         softcap=softcap, num_kv_heads=num_kv_heads, d_out=d_out,

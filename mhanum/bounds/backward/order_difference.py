@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from mhanum._errors import InvalidArgument
 from mhanum._threads import one_blas_thread
 from mhanum.bounds._result import Bound
 from mhanum.bounds.backward.b1 import gradient_bounds
@@ -82,6 +83,9 @@ def dq_order_difference(
     num = resolve(numerics)
     bw = resolve_backward(backward)
     check_scope(num, bw)
+    if bw.scale_at != "output":
+        msg = f"backward.scale_at: expected 'output' for Theorem B.3, got {bw.scale_at!r}"
+        raise InvalidArgument(msg)
     problem = AttentionProblem.of(
         q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, d_out=d_out
     )
@@ -98,17 +102,23 @@ def dq_order_difference(
         return Bound(zero, {"additions": zero, "rounding": zero}, "B.3", ASSUMPTIONS, "dao2023")
     with np.errstate(over="ignore", invalid="ignore"):
         _, dsf = bw.formats(num)
-        ak = np.abs(x.k) + rounding_error(x.k, num.format_of("input"))
+        fin = num.format_of("input")
+        ak, f_k = np.abs(x.k) + rounding_error(x.k, fin), fin
+        if x.scaled is not None and "k" in x.scaled.errors:  # step 2': the dot reads f̂·k
+            ak = np.abs(x.k) + x.scaled.radii["k"] + x.scaled.errors["k"]
+            f_k = x.scaled.scale.fmt
         u_op, eta_op = operand_error(num)
         ak = ak * (1 + u_op) + eta_op
         ds_used = ds_used * (1 + u_op) + eta_op
-        bits = (operand_bits(num, dsf), operand_bits(num, num.format_of("input")))
+        bits = (operand_bits(num, dsf), operand_bits(num, f_k))
         g_b = unit_factor(num, bw.block_k, None, bits=bits)
         parts = (1 + g_b) * (ds_used @ ak) + count * unit_eta(num, bw.block_k)
         parts = parts * (1 + evaluation_rounding(n))
         grow = chain(count, "sequential", acc.u, None, products=False)
         additions = 2 * grow * parts + 2 * count * acc.smallest_normal
-        c_hat, _, u_mul = scale_rounding(x.c64, acc)
+        # both runs multiply by the same ĉ: dq's factor (the scale, or step 2''s)
+        f_q = x.factors[0] if x.factors else None
+        c_hat, _, u_mul = scale_rounding(x.c64 if f_q is None else f_q[0], acc)
         a_up = (1 + grow) * parts + count * acc.smallest_normal
         y = abs(c_hat) * a_up * (1 + u_mul) + acc.smallest_normal
         rounding = (

@@ -16,13 +16,22 @@ from mhanum.bounds.factors import union_failure
 from mhanum.bounds.forward import PROBABILISTIC
 from mhanum.numerics import Backward, Numerics
 
-__all__ = ["ASSUMPTIONS", "GradientBounds", "Statement", "check_scope"]
+__all__ = [
+    "ASSUMPTIONS",
+    "GradientBounds",
+    "Statement",
+    "check_scope",
+    "check_scores_placement",
+]
 
 ASSUMPTIONS = (
     "round-to-nearest; a rounding into F is x(1+δ)+η, |δ| <= u_F, |η| <= 2^emin_F (flush-to-zero)",
     "exp and log in the softmax format within exp_ulps ulps, division within div_ulps ulps",
     "every dot on the numerics' dot unit in its summation order (Theorem S.0 / R.5 / T.2)",
-    "masked keys excluded exactly (-inf masking); the scale on the scores",
+    (
+        "masked keys excluded exactly (-inf masking); the scale on the scores, or on q (its "
+        "square root on q and k) with dq (and dk) multiplied by it again"
+    ),
     "float64 evaluation of the bound: numpy's exp and log within 1 ulp, sums within γ_n",
     (
         "no overflow: proved on the given values stage by stage; where it cannot be, the "
@@ -48,6 +57,12 @@ class GradientBounds(NamedTuple):
 def check_scope(num: Numerics, bw: Backward) -> None:
     """Refuses, by name, numerics the backward theorems do not cover."""
     bw.check_forward(num)
+    if bw.scale_at == "ds" and num.dot_kind == "tensor-core":
+        msg = (
+            "backward.scale_at: expected 'output' with a tensor-core dot unit (step 8s does "
+            "not scale its alignment anchor), got 'ds'"
+        )
+        raise InvalidArgument(msg)
     if num.softmax_kind == "naive":
         msg = (
             "numerics.softmax: the backward bound covers the 'safe' and 'online(B)' softmax, "
@@ -58,6 +73,21 @@ def check_scope(num: Numerics, bw: Backward) -> None:
         msg = (
             "numerics.score_format: the backward bound needs a score format no wider than the "
             f"softmax format, got {num.score_format} and {num.format_of('softmax').name}"
+        )
+        raise InvalidArgument(msg)
+
+
+def check_scores_placement(num: Numerics, bw: Backward, theorem: str) -> None:
+    """Refuses, by name, a scale on ``q`` or on ``q`` and ``k``, or one that multiplies ``dS``
+    (``Backward.scale_at="ds"``), where ``theorem`` models the scale on the scores, multiplying
+    ``dQ`` and ``dK`` (B.1 and B.2 take every placement: steps 2' and 6s)."""
+    if bw.scale_at != "output":
+        msg = f"backward.scale_at: expected 'output' for Theorem {theorem}, got {bw.scale_at!r}"
+        raise InvalidArgument(msg)
+    if num.scale != "scores":
+        msg = (
+            f"numerics.scale: expected 'scores' for Theorem {theorem} (the scale on q, or on q "
+            f"and k, is modelled by Theorems B.1 and B.2 only), got {num.scale!r}"
         )
         raise InvalidArgument(msg)
 

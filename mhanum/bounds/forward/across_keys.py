@@ -12,7 +12,6 @@ from mhanum.bounds.factors import F64_DOT, evaluation_rounding, unit_eta, unit_f
 from mhanum.bounds.forward.logits import Constant, Dots, Logits
 from mhanum.bounds.forward.operands import Operands
 from mhanum.bounds.forward.stage import Head, Setting, Values
-from mhanum.units import Native
 
 __all__ = ["across_splits", "dot_increments", "logits_across_keys"]
 
@@ -47,7 +46,7 @@ def across_splits(
     d_k = ops.q_op.shape[-1]
     u_a, u_s = num.format_of("accum").u, num.format_of("score").u
     g_det = unit_factor(num, d_k, None, bits=ops.bits_qk)
-    twice = 2 if isinstance(num.order, Native) and u_a > 2.0**-24 else 1
+    twice = 2 if num.order.carried and u_a > 2.0**-24 else 1
     b_dot = (
         abs(scale)
         * u_a

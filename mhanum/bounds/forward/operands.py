@@ -18,7 +18,6 @@ from mhanum.bounds.factors import (
     operand_bits,
     operand_error,
     operand_scale,
-    power_of_two,
     rounding_error,
     scale_rounding,
 )
@@ -98,15 +97,10 @@ def _scale_operands(
     """
     num, scale, default_scale = setting.num, setting.scale, setting.default_scale
     sc = operand_scale(scale, q.shape[-1], default_scale, num)
-    fmt, f64, u64, f_hat, u_t = sc.fmt, sc.f64, sc.u64, sc.f_hat, sc.u_t
-    theta, up, eta = sc.theta, sc.up, sc.eta
-    exact_product = power_of_two(f64)
+    fmt, f_hat, u_t = sc.fmt, sc.f_hat, sc.u_t
     g_prev = given if given is not None else (np.zeros_like(q), np.zeros_like(k), 0.0)
 
     def scaled(x: np.ndarray, e: Any, g: Any, name: str) -> tuple[np.ndarray, Any, Any]:
-        xs = f64 * x
-        # the float64 product may itself be subnormal: an absolute 2^-1074 at most
-        rounding = (0.0 if exact_product else 2.0**-53 * np.abs(xs)) + 2.0**-1074
         stored = np.abs(x) + e
         ranges.check(stored, fmt, f"{name} read into the scale format", rows=name)
         ranges.check(
@@ -115,9 +109,7 @@ def _scale_operands(
             f"{name} times the scale factor {f_hat:.4g}",
             rows=name,
         )
-        e_new = up * (theta * np.abs(x) + (1 + theta) * e) + rounding + eta
-        g_new = up * g / (1 - u64) + (u64 / (1 - u64)) * up * np.abs(x) + rounding
-        return xs, e_new, g_new
+        return sc.applied(x, e, g)
 
     q, e_q, g_q = scaled(q, errors[0], g_prev[0], "q")
     e_k, g_k = errors[1], g_prev[1]

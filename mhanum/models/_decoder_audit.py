@@ -1,0 +1,491 @@
+"""Auditing the attention layers of a decoder checkpoint (Llama, Qwen2, Mistral, Gemma-2).
+
+Each layer's input is the hidden state the checkpoint's own layers produce in float64
+(:func:`hidden_states`); the audited computation is the layer's attention after its RMS norm
+and projections: RoPE, grouped-query attention, the layer's causal or sliding-window mask,
+Gemma-2's soft-cap and query scale, up to the heads' outputs (before ``o_proj``). Under a preset
+the projections ``q``, ``k``, ``v`` are held in the preset's input format, as a model in that
+format hands them to its attention kernel; the kernel rotates ``q`` and ``k`` as
+``transformers`` does (float32 tables, then stored and rotated in the input format) and runs the
+attention in the preset's numerics (:func:`mhanum.attention` with ``rope=``). The certified
+reference is the exact attention of those inputs, exactly rotated
+(:func:`mhanum.rope.reference_rope`, :func:`mhanum.reference.attention`), and the bound is
+Theorem A.1 with the rotated entries' errors (Theorem P.1, Corollary P.4;
+:func:`mhanum.bounds.attention_bound` with ``rope=``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mhanum import bounds, metrics, reference
+from mhanum._errors import InvalidArgument
+from mhanum.emulate.attention import attention
+from mhanum.formats import round_to
+from mhanum.models._checkpoint import read_config
+from mhanum.models._decoder import DECODERS, DecoderCheckpoint, load_decoder, rms_norm
+from mhanum.models._decoder_forward import hidden_states
+from mhanum.models._records import FrameworkAudit, HeadError, HeadStats, LayerAudit, PresetAudit
+from mhanum.models._verdicts import DEFAULT_SENTENCES, mask_verdicts
+from mhanum.numerics import Numerics
+from mhanum.rope import Rope, reference_rope
+
+__all__ = [
+    "ARCHITECTURES",
+    "FIXED_TOKENS",
+    "DecoderInput",
+    "DecoderLayer",
+    "architecture",
+    "check_frameworks",
+    "decoder_framework",
+    "decoder_hidden_states",
+    "decoder_input",
+    "decoder_layer_task",
+    "decoder_preset",
+    "describe_layer",
+    "slice_layer",
+]
+
+ARCHITECTURES = {
+    "BertModel": "bert",
+    "BertForMaskedLM": "bert",
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+    "Gemma2ForCausalLM": "gemma2",
+}
+"""The ``architectures`` of ``config.json`` read when it names no ``model_type``."""
+
+FIXED_TOKENS = 16
+"""The length of the fixed token sequence a decoder is audited on without a tokenizer: the ids
+``(1 + 7 i) mod vocab_size`` for ``i = 0, 1, ...``."""
+
+SINK_THRESHOLD = 0.5
+
+
+def architecture(model: str | Path, argument: str = "model") -> str:
+    """The architecture of the checkpoint directory ``model``: ``"bert"`` or one of
+    :data:`~mhanum.models.DECODERS`, from ``config.json``'s ``model_type``, else its
+    ``architectures``; ``"bert"`` when the directory has no ``config.json`` (the BERT reader
+    then says what is missing) or it names neither.
+
+    Raises:
+        InvalidArgument: for another ``model_type`` (the message names ``argument`` and the
+            supported types).
+    """
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return "bert"
+    raw = read_config(config)
+    kind = raw.get("model_type")
+    if kind is None:
+        names = raw.get("architectures") or []
+        kinds = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
+        if names and not kinds:
+            kind = f"None (architectures {names!r})"
+        else:
+            return kinds[0] if kinds else "bert"
+    if kind == "bert" or kind in DECODERS:
+        return str(kind)
+    supported = ", ".join(("bert", *DECODERS))
+    msg = (
+        f"{argument}: expected a checkpoint of model_type {supported}, got model_type {kind} "
+        f"in {str(config)!r}"
+        if str(kind).startswith("None")
+        else f"{argument}: expected a checkpoint of model_type {supported}, got {kind!r} in "
+        f"{str(config)!r}"
+    )
+    raise InvalidArgument(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderInput:
+    """The token ids a decoder is audited on.
+
+    Attributes:
+        ids: each sequence's token ids.
+        tokens: each sequence's tokens as text (the ids, without a tokenizer).
+        sentences: the sentences tokenised (empty for the fixed sequence).
+        note: what the input is, when it is not the sentences (the fixed sequence).
+    """
+
+    ids: tuple[tuple[int, ...], ...]
+    tokens: tuple[tuple[str, ...], ...]
+    sentences: tuple[str, ...]
+    note: str = ""
+
+
+def decoder_input(
+    model: str | Path, vocab_size: int, sentences: Sequence[str] | None
+) -> DecoderInput:
+    """The input of a decoder's audit: ``sentences`` tokenised by the checkpoint's
+    ``tokenizer.json`` (with the ``tokenizers`` package), else, when no sentences are given,
+    :data:`FIXED_TOKENS` fixed token ids.
+
+    Raises:
+        InvalidArgument: for sentences given to a checkpoint without a tokenizer, or an empty
+            sentence.
+    """
+    path = Path(model) / "tokenizer.json"
+    usable = path.is_file() and importlib.util.find_spec("tokenizers") is not None
+    if not usable:
+        if sentences is not None:
+            msg = (
+                f"sentences: expected a checkpoint with tokenizer.json (read with the tokenizers "
+                f"package) to tokenise them, got none usable in {str(Path(model))!r}"
+            )
+            raise InvalidArgument(msg)
+        ids = tuple((1 + 7 * i) % vocab_size for i in range(FIXED_TOKENS))
+        why = "no tokenizer.json" if not path.is_file() else "the tokenizers package is missing"
+        note = f"{FIXED_TOKENS} fixed token ids ({why}): {' '.join(map(str, ids))}"
+        return DecoderInput((ids,), (tuple(map(str, ids)),), (), note)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+    texts = tuple(DEFAULT_SENTENCES if sentences is None else sentences)
+    encoded = [tokenizer.encode(s) for s in texts]
+    for s, e in zip(texts, encoded, strict=True):
+        if not e.ids:
+            msg = f"sentences: expected text with at least one token, got {s!r}"
+            raise InvalidArgument(msg)
+    return DecoderInput(
+        tuple(tuple(e.ids) for e in encoded), tuple(tuple(e.tokens) for e in encoded), texts
+    )
+
+
+def describe_layer(ck: DecoderCheckpoint, layer: int) -> str:
+    """One line: the configuration of ``layer``'s attention as audited (heads, key/value heads,
+    head width, RoPE base and scaling, mask, soft-cap, logit scale)."""
+    c = ck.config
+    rope = c.rope()
+    scaling = "" if rope.scaling == "none" else f" {rope.scaling} x{rope.factor:g}"
+    partial = "" if rope.dim == c.head_dim else f" on {rope.dim} of {c.head_dim}"
+    window = (
+        f"sliding window {c.sliding_window}"
+        if c.layer_types[layer] == "sliding_attention"
+        else "causal"
+    )
+    cap = "none" if c.softcap is None else f"{c.softcap:g}"
+    return (
+        f"{c.model_type}, {c.num_attention_heads} heads, {c.num_key_value_heads} kv heads, "
+        f"head dim {c.head_dim}, rope base {rope.base:g}{scaling}{partial}, {window}, "
+        f"soft-cap {cap}, scale {c.scale:.4g}"
+    )
+
+
+def slice_layer(ck: DecoderCheckpoint, layer: int) -> DecoderCheckpoint:
+    """``ck`` with only ``layer``'s tensors (what a layer's task needs, picklable and small)."""
+    prefix = f"model.layers.{layer}."
+    return dataclasses.replace(
+        ck, tensors={k: v for k, v in ck.tensors.items() if k.startswith(prefix)}
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderLayer:
+    """One layer's attention inputs in float64: ``q`` ``(B, H, L, d)``, ``k`` and ``v`` with
+    the key/value heads repeated to ``H`` (GQA), the mask ``(L, L)``, the audited rows ``valid``
+    ``(B, L)`` (each sequence's tokens; right padding is never seen by them)."""
+
+    ck: DecoderCheckpoint
+    layer: int
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    keep: np.ndarray
+    valid: np.ndarray
+
+    @property
+    def positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """The queries' and keys' positions, ``0..L-1``."""
+        n = np.arange(self.q.shape[-2])
+        return n, n
+
+    def rows(self, a: np.ndarray) -> np.ndarray:
+        """The audited rows of a ``(B, H, L, d)`` array as ``(rows, H·d)``."""
+        b, h, n, d = a.shape
+        return np.swapaxes(a, 1, 2).reshape(b, n, h * d)[self.valid]
+
+    def inputs(self, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``q``, ``k``, ``v`` rounded to ``fmt``, as a kernel in that format holds them."""
+        return round_to(self.q, fmt), round_to(self.k, fmt), round_to(self.v, fmt)
+
+    def exact(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """The certified attention of the exactly rotated ``q``, ``k`` and ``v``."""
+        c, (pos, _) = self.ck.config, self.positions
+        qr, kr = (reference_rope(t, pos, c.rope())[0] for t in (q, k))
+        mask = np.broadcast_to(self.keep, (*q.shape[:-1], k.shape[-2]))
+        return np.asarray(
+            reference.attention(qr, kr, v, mask=mask, scale=c.scale, softcap=c.softcap)
+        )
+
+    def bound(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, rope: Rope, num: Any, **kw: Any
+    ) -> bounds.Bound:
+        """Theorem A.1 with RoPE for these inputs (``kw``: ``probability``)."""
+        c = self.ck.config
+        mask = np.broadcast_to(self.keep, (*q.shape[:-1], k.shape[-2]))
+        return bounds.attention_bound(
+            q, k, v, mask, numerics=num, scale=c.scale, softcap=c.softcap, rope=rope,
+            positions=self.positions, **kw,
+        )  # fmt: skip
+
+
+def _layer(
+    ck: DecoderCheckpoint, layer: int, x: np.ndarray, lengths: Sequence[int]
+) -> DecoderLayer:
+    c = ck.config
+    weight = ck.tensors[f"model.layers.{layer}.input_layernorm.weight"]
+    h = rms_norm(x, weight, c.rms_norm_eps, gemma=c.model_type == "gemma2")
+
+    def heads(name: str) -> np.ndarray:
+        w = ck.tensors[f"model.layers.{layer}.self_attn.{name}_proj.weight"]
+        b = ck.weight(layer, f"self_attn.{name}_proj.bias")
+        y = h @ w.T + (0.0 if b is None else b)
+        return np.swapaxes(y.reshape(*h.shape[:2], -1, c.head_dim), 1, 2)
+
+    group = c.num_attention_heads // c.num_key_value_heads
+    q, k, v = heads("q"), np.repeat(heads("k"), group, 1), np.repeat(heads("v"), group, 1)
+    n = x.shape[1]
+    keep = np.asarray(c.mask(layer).array(n, n), bool)
+    valid = np.arange(n)[None, :] < np.asarray(lengths)[:, None]
+    return DecoderLayer(ck, layer, q, k, v, keep, valid)
+
+
+def _check(error: np.ndarray, bound: np.ndarray) -> float:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.where(error == 0, 0.0, error / bound)
+    return float(np.max(r, initial=0.0))
+
+
+def _bound_total(b: bounds.Bound, exact: np.ndarray) -> np.ndarray:
+    """The bound on the distance to the float64 reference: the theorem's total, plus the
+    reference's own distance to the exact values (Lemma P.3's evaluation term, and the final
+    rounding to float64, ``2^-52 |exact|``)."""
+    total = np.broadcast_to(np.asarray(b.total, np.float64), exact.shape)
+    evaluation = np.broadcast_to(np.asarray(b.terms.get("evaluation", 0.0)), exact.shape)
+    return total + evaluation + 2.0**-52 * np.abs(exact)
+
+
+def _head_errors(
+    d: DecoderLayer, error: np.ndarray, total: np.ndarray, b: bounds.Bound
+) -> tuple[HeadError, ...]:
+    rows = d.valid
+    out = []
+    for h in range(error.shape[1]):
+        err_h, bound_h = error[:, h][rows], total[:, h][rows]
+        terms = {
+            name: np.broadcast_to(np.asarray(t, np.float64), error.shape)[:, h][rows]
+            for name, t in b.terms.items()
+        }
+        dominant = max(terms, key=lambda name: float(np.max(terms[name], initial=0.0)))
+        out.append(
+            HeadError(h, float(err_h.max()), float(bound_h.max()), _check(err_h, bound_h), dominant)
+        )
+    return tuple(out)
+
+
+def decoder_preset(d: DecoderLayer, preset: str, probability: float | None = None) -> PresetAudit:
+    """One decoder layer under one preset (see the module docstring): the measured error against
+    the certified reference, Theorem A.1 with RoPE and, with ``probability``, its probabilistic
+    form (Theorem A.3). A bound the theorem refuses for this combination is reported as not
+    available, with the reason, in :attr:`PresetAudit.note`; the a priori bound (Theorem A.4)
+    is not stated with RoPE and is always reported so."""
+    num = Numerics.preset(preset)
+    fmt = num.format_of("input").name
+    c = d.ck.config
+    rope = c.rope(table_format=fmt, rotation_format=fmt)
+    q, k, v = d.inputs(fmt)
+    exact = d.exact(q, k, v)
+    computed = np.asarray(
+        attention(q, k, v, d.keep, scale=c.scale, softcap=c.softcap, numerics=num, rope=rope,
+                  positions=d.positions),
+        np.float64,
+    )  # fmt: skip
+    errors = metrics.errors(d.rows(computed), d.rows(exact))
+    notes = ["A.4: not stated with RoPE"]
+    bound_max = ratio = probable_max = stated = None
+    dominant, heads, model = "", tuple[HeadError, ...](), tuple[str, ...]()
+    try:
+        b = d.bound(q, k, v, rope, num)
+        total = _bound_total(b, exact)
+        error = np.abs(computed - exact)
+        bound_max = float(d.rows(total).max())
+        ratio = _check(d.rows(error), d.rows(total))
+        dominant = max(
+            b.terms,
+            key=lambda n: float(
+                np.max(d.rows(np.broadcast_to(np.asarray(b.terms[n], np.float64), exact.shape)))
+            ),
+        )
+        heads = _head_errors(d, error, total, b)
+    except InvalidArgument as exc:  # a stage or format outside the theorem's scope
+        notes.insert(0, f"A.1: not available: {exc}")
+    if probability is not None and bound_max is not None:
+        try:
+            p = d.bound(q, k, v, rope, num, probability=probability)
+            probable_max = float(d.rows(_bound_total(p, exact)).max())
+            stated = p.probability
+            model = tuple(a for a in p.assumptions if a not in b.assumptions)
+        except InvalidArgument as exc:
+            notes.insert(0, f"A.3: not available: {exc}")
+    return PresetAudit(
+        preset=preset,
+        error=errors.max_abs,
+        normwise=errors.normwise_max,
+        bound=bound_max,
+        ratio=ratio,
+        dominant_term=dominant,
+        a_priori=None,
+        heads=heads,
+        note="; ".join(notes),
+        probable_bound=probable_max,
+        probability=stated,
+        probable_assumptions=model,
+    )
+
+
+def _head_stats(d: DecoderLayer) -> tuple[tuple[HeadStats, ...], float]:
+    """Per head: the logit spread, the mean probability on the first token (``cls_mass``) and
+    on the query's own token (``sep_mass``), sink heads (first token ``>= 0.5``); and the
+    largest ``|logit|`` after the soft-cap, in float64 with the exact rotation."""
+    c, (pos, _) = d.ck.config, d.positions
+    qr, kr = (reference_rope(t, pos, c.rope())[0] for t in (d.q, d.k))
+    s = qr @ np.swapaxes(kr, -1, -2) * c.scale
+    if c.softcap is not None:
+        s = c.softcap * np.tanh(s / c.softcap)
+    keys = np.broadcast_to(d.keep, s.shape)
+    top = np.where(keys, s, -np.inf).max(-1, keepdims=True)
+    spread = top[..., 0] - np.where(keys, s, np.inf).min(-1)
+    p = np.where(keys, np.exp(s - top), 0.0)
+    p /= p.sum(-1, keepdims=True)
+    first = p[..., 0]
+    own = np.diagonal(p, axis1=-2, axis2=-1)
+    n_rows = d.valid.sum()
+    stats = []
+    for h in range(s.shape[1]):
+        mass = float(first[:, h][d.valid].sum() / n_rows)
+        stats.append(
+            HeadStats(h, float(spread[:, h][d.valid].max()), mass,
+                      float(own[:, h][d.valid].sum() / n_rows), mass >= SINK_THRESHOLD)
+        )  # fmt: skip
+    score_bound = float(np.max(np.where(keys, np.abs(s), 0.0) * d.valid[:, None, :, None]))
+    return tuple(stats), score_bound
+
+
+def decoder_layer_task(spec: tuple[Any, ...], seed: Any = None) -> dict[str, Any]:
+    """One decoder layer's audit as JSON (:class:`~mhanum.models.LayerAudit`): the task the
+    audit maps over the layers. ``spec`` is ``(layer, checkpoint, x, lengths, presets, mask
+    constants, frameworks, probability)``: the checkpoint with that layer's tensors
+    (:func:`slice_layer`), its input hidden state ``x`` ``(B, L, d)`` and each sequence's
+    length; ``seed`` is unused."""
+
+    layer, ck, x, lengths, names, constants, frameworks, probability = spec
+    d = _layer(ck, layer, x, lengths)
+    stats, score_bound = _head_stats(d)
+    per_preset = tuple(decoder_preset(d, name, probability) for name in names)
+    masks = mask_verdicts(score_bound, x.shape[1], names, constants)
+    runs = tuple(decoder_framework(d, name) for name in frameworks)
+    q, k, v = d.inputs("float64")
+    scale = float(np.max(np.abs(d.rows(d.exact(q, k, v))), initial=0.0))
+    audit = LayerAudit(layer, score_bound, stats, per_preset, masks, runs, scale)
+    return dataclasses.asdict(audit)
+
+
+@functools.lru_cache(maxsize=4)
+def _framework_model(directory: str, path: str) -> Any:
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation=path
+    ).eval()
+
+
+def check_frameworks(ck: DecoderCheckpoint, frameworks: Sequence[str]) -> None:
+    """Read the checkpoint with each framework path once (the layers' tasks reuse it in this
+    process).
+
+    Raises:
+        InvalidArgument: for a path ``transformers`` refuses for this architecture (Gemma-2
+            has no sdpa path), with ``transformers``' reason.
+    """
+    for name in frameworks:
+        try:
+            _framework_model(str(ck.path), name.removeprefix("transformers-"))
+        except ValueError as exc:
+            reason = str(exc).split(". ")[0]
+            msg = (
+                f"frameworks: expected a path transformers runs for {ck.config.model_type}, got "
+                f"{name!r} ({reason})"
+            )
+            raise InvalidArgument(msg) from None
+
+
+def decoder_framework(d: DecoderLayer, framework: str) -> FrameworkAudit:
+    """``transformers``' own attention of the layer (``framework``: ``transformers-eager`` or
+    ``transformers-sdpa``; the model read in float32 from the checkpoint) on the layer's
+    ``q``, ``k``, ``v`` rounded to float32: its rotary tables and ``apply_rotary_pos_emb``, then
+    its attention function with the layer's mask, scale, window and soft-cap, measured against
+    the certified reference of those inputs and judged by Theorem A.1 with RoPE in the path's
+    numerics (:func:`mhanum.adapters.transformers.numerics`)."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from mhanum.adapters import transformers as hf
+
+    path = framework.removeprefix("transformers-")
+    model = _framework_model(str(d.ck.path), path)
+    module = model.model.layers[d.layer].self_attn
+    c = d.ck.config
+    group = c.num_attention_heads // c.num_key_value_heads
+    q, k, v = d.inputs("float32")
+    qt, kt, vt = (torch.from_numpy(np.ascontiguousarray(a, np.float32)) for a in
+                  (q, k[:, ::group], v[:, ::group]))  # fmt: skip
+    ids = torch.arange(q.shape[-2])[None].expand(q.shape[0], -1)
+    cos, sin = model.model.rotary_emb(qt, ids)
+    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    qt, kt = rotate(qt, kt, cos, sin)
+    keep = torch.from_numpy(np.broadcast_to(d.keep, (q.shape[0], 1, *d.keep.shape)).copy())
+    if path == "eager":
+        fn = sys.modules[type(module).__module__].eager_attention_forward
+        mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    else:
+        fn, mask = ALL_ATTENTION_FUNCTIONS["sdpa"], keep
+    with torch.no_grad():
+        out, _ = fn(module, qt, kt, vt, mask, dropout=0.0, scaling=c.scale,
+                    sliding_window=getattr(module, "sliding_window", None), softcap=c.softcap)  # fmt: skip
+    got = np.swapaxes(out.double().numpy(), 1, 2)  # (B, L, H, d) -> (B, H, L, d)
+    exact = d.exact(q, k, v)
+    num = hf.numerics(path)
+    b = d.bound(q, k, v, c.rope(), num)
+    total = _bound_total(b, exact)
+    errors = metrics.errors(d.rows(got), d.rows(exact))
+    return FrameworkAudit(
+        framework=framework,
+        version=hf.version(),
+        error=errors.max_abs,
+        normwise=errors.normwise_max,
+        bound=float(d.rows(total).max()),
+        ratio=_check(d.rows(np.abs(got - exact)), d.rows(total)),
+        numerics=num.describe(),
+    )
+
+
+def decoder_hidden_states(
+    model: str | Path, ids: Sequence[Sequence[int]], last: int
+) -> tuple[DecoderCheckpoint, np.ndarray, list[np.ndarray]]:
+    """The checkpoint, the padded ids' lengths and each layer's input up to layer ``last``."""
+    ck = load_decoder(model)
+    lengths = np.array([len(s) for s in ids])
+    width = int(lengths.max())
+    padded = [list(s) + [0] * (width - len(s)) for s in ids]
+    return ck, lengths, hidden_states(ck, padded, last)
