@@ -2,6 +2,7 @@
 
     python benchmarks/peer_tolerances.py            # every configuration and every planted bug
     python benchmarks/peer_tolerances.py --quick    # two configurations, fewer draws
+    python benchmarks/peer_tolerances.py --probabilistic-only   # part 3 alone
 
 Part 1 runs real kernels (torch's SDPA math and CPU flash backends, ``jax.nn.dot_product_attention``)
 on configurations of the kinds their test suites use and prints, per configuration: the false
@@ -23,6 +24,15 @@ Part 2 plants bugs in a small bfloat16 kernel of its own (float32 inside, float3
 probabilities, output rounded to bfloat16; its descriptor says exactly that) and counts, for each
 bug over several input draws, how often mhanum and each peer catch it, and whether the bug moves
 the output beyond rounding at all (beyond the correct kernel's certified tolerance).
+
+Part 3 sets the probabilistic tolerance (``confidence=0.99``, Theorem A.3) beside the certified
+one on the correct kernels of part 1, over 300 configurations per input format (the three
+kernels, five input families, 20 draws each; shapes, causal masks and scales drawn as the
+peers' suites parametrize them): random normal inputs, large logits, near ties, outlier
+channels and long rows. Per format it prints the median over the configurations of the median
+tolerance ÷ |error| (over the elements with a nonzero error), the false alarms (elements and
+configurations outside the tolerance), the goals beside them, and which bound terms govern the
+probabilistic tolerance.
 """
 
 from __future__ import annotations
@@ -322,10 +332,142 @@ def _peers_for_own(gold, q, k, v, mask):
     }
 
 
+# -- part 3: the probabilistic tolerance -------------------------------------------------------
+
+CONFIDENCE = 0.99
+FAMILIES = ("normal", "large-logit", "near-tie", "outlier", "long-row")
+DRAWS = 20  # per kernel, format and family: 3 x 5 x 20 = 300 configurations per format
+# (batch, heads, Lq, Lk, d): lengths and head dimensions of the kinds the peers' suites take
+P_SHAPES = [(1, 2, 64, 64, 64), (2, 2, 128, 128, 32), (1, 2, 113, 203, 64), (1, 1, 256, 256, 128),
+            (2, 4, 32, 32, 16)]  # fmt: skip
+LONG_SHAPES = [(1, 2, 16, 1024, 64), (1, 1, 8, 2048, 128)]
+GOALS = {"float32": 30.0, "bfloat16": 5.0, "float16": 5.0}  # median tolerance ÷ |error|
+
+
+def family_inputs(family: str, dtype: str, seed: int) -> tuple[tuple[Any, ...], ...]:
+    """One configuration of a family: ``(config, (q, k, v))``, the config as in part 1.
+
+    ``normal``: standard normal entries. ``large-logit``: q and k times 4 (logits with a
+    standard deviation of 16: a peaked softmax). ``near-tie``: every key one random vector
+    plus a perturbation of 2^-6 of it (logits that nearly tie: a flat softmax). ``outlier``:
+    two channels of q and k and one of v 20 times larger (the outlier features of trained
+    models). ``long-row``: standard normal with 1024 or 2048 keys.
+    """
+    rng = np.random.default_rng([FAMILIES.index(family), seed])
+    shapes = LONG_SHAPES if family == "long-row" else P_SHAPES
+    b, h, lq, lk, d = shapes[seed % len(shapes)]
+    causal = bool(rng.integers(2))
+    scale = 0.5 / math.sqrt(d) if rng.integers(4) == 0 else None
+    q, k, v = (rng.standard_normal((b, h, n, d)) for n in (lq, lk, lk))
+    if family == "large-logit":
+        q, k = 4 * q, 4 * k
+    elif family == "near-tie":
+        k = k[..., :1, :] + 2.0**-6 * k
+    elif family == "outlier":
+        q[..., :2] *= 20
+        k[..., :2] *= 20
+        v[..., :1] *= 20
+    np_dtype = DTYPES[dtype][0]
+    inputs = tuple(a.astype(np.float32).astype(np_dtype) for a in (q, k, v))
+    return (b, h, lq, lk, d, causal, scale), inputs
+
+
+def probabilistic_configuration(kernel: str, dtype: str, family: str, seed: int) -> dict[str, Any]:
+    """One configuration of part 3: for the certified and the probabilistic tolerance, the
+    false alarms and the median tolerance ÷ |error|; and the terms that govern the
+    probabilistic tolerance (element counts)."""
+    config, (q, k, v) = family_inputs(family, dtype, seed)
+    causal, scale = config[5], config[6]
+    out = KERNELS[kernel](q, k, v, dtype=dtype, causal=causal, scale=scale)
+    row: dict[str, Any] = {"config": config}
+    for name, confidence in (("certified", None), ("probabilistic", CONFIDENCE)):
+        oracle = attention_oracle(
+            q, k, v, is_causal=causal, scale=scale, kernel=kernel, confidence=confidence
+        )
+        failing, _ = oracle.check(out)
+        err = np.abs(out - oracle.exact)
+        some = (err > 0) & np.isfinite(oracle.tolerance)
+        row[name] = {
+            "alarms": int(failing.sum()),
+            "median": float(np.median(oracle.tolerance[some] / err[some]))
+            if some.any()
+            else math.inf,
+        }
+        if confidence is not None:
+            terms, counts = np.unique(oracle.term.astype(str), return_counts=True)
+            row["terms"] = dict(zip(terms.tolist(), counts.tolist(), strict=True))
+    return row
+
+
+def probabilistic(draws: int) -> dict[str, list[dict[str, Any]]]:
+    """Part 3, per format: the configurations' rows, over every kernel and family."""
+    results: dict[str, list[dict[str, Any]]] = {}
+    for dtype in DTYPES:
+        rows = results.setdefault(dtype, [])
+        for kernel in KERNELS:
+            for family in FAMILIES:
+                for seed in range(draws):
+                    row = probabilistic_configuration(kernel, dtype, family, seed)
+                    rows.append({**row, "kernel": kernel, "family": family})
+    return results
+
+
+def summary(rows: list[dict[str, Any]], name: str) -> tuple[float, int, int]:
+    """Over some configurations: the median of their median tolerance ÷ |error|, the elements
+    and the configurations outside the tolerance ``name`` (certified or probabilistic)."""
+    medians = [r[name]["median"] for r in rows]
+    alarms = [r[name]["alarms"] for r in rows]
+    return float(np.median(medians)), sum(alarms), sum(a > 0 for a in alarms)
+
+
+def print_probabilistic(results: dict[str, list[dict[str, Any]]], draws: int) -> bool:
+    """Print part 3; True when its goals are met."""
+    n = len(KERNELS) * len(FAMILIES) * draws
+    print(f"\npart 3: the probabilistic tolerance (confidence={CONFIDENCE}) beside the certified "
+          f"one, {n} configurations per format ({len(KERNELS)} kernels x {len(FAMILIES)} families "
+          f"x {draws} draws)")  # fmt: skip
+    print("median: over the configurations, of the median tolerance ÷ |error| over the elements "
+          "with an error; alarms: elements (configurations) outside the tolerance")  # fmt: skip
+    print(f"{'dtype':9s} {'configurations':22s} {'certified':>10s} {'alarms':>10s} "
+          f"{'probabilistic':>14s} {'alarms':>10s}")  # fmt: skip
+    met = True
+    for dtype, rows in results.items():
+        groups = [(f, [r for r in rows if r["family"] == f]) for f in FAMILIES]
+        groups += [(kern, [r for r in rows if r["kernel"] == kern]) for kern in KERNELS]
+        for label, sel in [*groups, ("all", rows)]:
+            cm, ca, cc = summary(sel, "certified")
+            pm, pa, pc = summary(sel, "probabilistic")
+            print(f"{dtype:9s} {label:22s} {cm:10.3g} {f'{ca} ({cc})':>10s} {pm:14.3g} "
+                  f"{f'{pa} ({pc})':>10s}")  # fmt: skip
+        pm, pa, _ = summary(rows, "probabilistic")
+        ok = pm <= GOALS[dtype] and pa == 0
+        met &= ok
+        print(f"{dtype:9s} goal: median <= {GOALS[dtype]:g} and 0 false alarms: "
+              f"{'met' if ok else 'not met'} (median {pm:.3g}, {pa} false alarms)")  # fmt: skip
+        terms: dict[str, int] = {}
+        for r in rows:
+            for t, c in r["terms"].items():
+                terms[t] = terms.get(t, 0) + c
+        total = sum(terms.values())
+        shares = sorted(terms.items(), key=lambda tc: -tc[1])
+        print(f"{dtype:9s} the probabilistic tolerance is governed by: "
+              + ", ".join(f"{t} {100 * c / total:.1f}%" for t, c in shares[:4]))  # fmt: skip
+    return met
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two configurations, 3 draws")
+    parser.add_argument(
+        "--probabilistic-only",
+        action="store_true",
+        help="part 3 alone (the probabilistic tolerance)",
+    )
     args = parser.parse_args(argv)
+    p_draws = 2 if args.quick else DRAWS
+    if args.probabilistic_only:
+        met = print_probabilistic(probabilistic(p_draws), p_draws)
+        return 0 if met else 2
     configs = QUICK if args.quick else CONFIGS
     print("part 1: real kernels (false alarms must be 0; tolerance ÷ peer: median / max)")
     print(f"{'kernel':22s} {'dtype':9s} {'B,H,Lq,Lk,d,causal,scale':28s} {'alarms':>6s} "
@@ -367,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         f"caught {sum(r['mhanum'] == r['beyond'] for r in missed)}"
     )
     print(f"false alarms on the correct kernel: {sum(r['good_alarms'] for r in rows)}")
+    print_probabilistic(probabilistic(p_draws), p_draws)
     return 1 if alarms else 0
 
 

@@ -839,12 +839,19 @@ class Backward:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as strict JSON (``dq_order`` a list); :meth:`from_dict` reads it back.
+        ``scale_at``, added after the first records were written, only where it is not its
+        default, so that a record of an earlier version is written back as it was.
 
         Examples:
             >>> Backward("flash2", block_k=2, dq_order=(1, 0)).to_dict()["dq_order"]
             [1, 0]
+            >>> "scale_at" in Backward().to_dict(), Backward(scale_at="ds").to_dict()["scale_at"]
+            (False, 'ds')
         """
-        return {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out = {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if self.scale_at == "output":
+            del out["scale_at"]
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Backward:

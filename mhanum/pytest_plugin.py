@@ -15,6 +15,11 @@ It adds the marker ``mhanum_kernel(name)`` and the fixtures ``attention_oracle``
         attention_oracle.assert_close(out, case["q"], case["k"], case["v"], mask=case["mask"])
 
 and, for a backward pass, ``attention_grad_oracle.assert_close(grads, q, k, v, d_out, ...)``.
+The ``attention_oracle`` fixture's methods take their functions' keywords, ``confidence=``
+included: the probabilistic tolerance of Theorem A.3 in place of the certified one
+(:func:`mhanum.testing.attention_oracle`), and the decoder stages' ``rope=``, ``positions=``
+and ``kv_cache=``: a kernel that rotates q and k itself, or attends k and v read back from a
+quantized cache, checked against the exact attention of the exactly rotated, unquantized inputs.
 Loading the plugin imports nothing of mhanum (nor JAX): a fixture imports it when a test asks
 for it.
 """
@@ -69,7 +74,9 @@ class _KernelBound:
 
 class KernelOracle(_KernelBound):
     """The fixture's value: :mod:`mhanum.testing`'s functions bound to one kernel descriptor
-    (``kernel``, or else the running test's ``mhanum_kernel`` marker)."""
+    (``kernel``, or else the running test's ``mhanum_kernel`` marker). Each method takes its
+    function's keywords, ``confidence=`` (the probabilistic tolerance) and the decoder stages'
+    ``rope=``, ``positions=`` and ``kv_cache=`` among them."""
 
     def oracle(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
         """:func:`mhanum.testing.attention_oracle` with this kernel."""

@@ -6,7 +6,9 @@ kernel's descriptor (:mod:`mhanum.testing.kernels`), the largest of them, plus t
 of the certified reference. :func:`assert_attention_close` checks a kernel's output against it and,
 when it fails, says how many elements fail, the worst one (index, actual, exact, tolerance and
 their ratio) and which term of the bound governs it. The ``mha`` variants do the same for a whole
-multi-head attention layer (Theorem A.2).
+multi-head attention layer (Theorem A.2). ``confidence=P`` (never the default) gives the
+probabilistic tolerance of Theorem A.3 instead, which holds with probability at least ``P`` under
+a model of independent rounding errors (:class:`ProbabilisticOracle`).
 
 A kernel that meets its tolerance is within rounding of the exact answer *as its numerics model
 says it rounds*; one that does not computes something else (a wrong scale, a dropped block, a
@@ -30,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -54,6 +56,12 @@ from mhanum.testing.grad import (
     mha_grad_tolerance,
 )
 from mhanum.testing.kernels import FULLY_MASKED, KERNELS, NOT_MODELLED, Kernel, get_kernel
+from mhanum.testing.kvcache_kernels import (
+    KV_CACHE_KERNELS,
+    KV_CACHE_NOT_MODELLED,
+    KVCacheKernel,
+    get_kv_cache,
+)
 from mhanum.testing.oracle import (
     AttentionMismatch,
     Oracle,
@@ -62,19 +70,30 @@ from mhanum.testing.oracle import (
     assert_close,
 )
 
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
+    from mhanum.kvcache import KVQuant
+    from mhanum.numerics import Numerics
+    from mhanum.rope import Rope
+
 __all__ = [
     "BACKWARD_KERNELS",
     "BACKWARD_NOT_MODELLED",
     "FULLY_MASKED",
     "KERNELS",
+    "KV_CACHE_KERNELS",
+    "KV_CACHE_NOT_MODELLED",
     "NOT_MODELLED",
+    "PROBABILISTIC_MODEL",
     "AttentionMismatch",
     "BackwardKernel",
     "GradientMismatch",
     "GradientOracle",
+    "KVCacheKernel",
     "Kernel",
     "Oracle",
     "PredictedOverflow",
+    "ProbabilisticOracle",
     "assert_attention_close",
     "assert_attention_grad_close",
     "assert_mha_close",
@@ -86,6 +105,7 @@ __all__ = [
     "attention_tolerance",
     "get_backward_kernel",
     "get_kernel",
+    "get_kv_cache",
     "mha_grad_oracle",
     "mha_grad_tolerance",
     "mha_oracle",
@@ -96,6 +116,74 @@ _LAYOUTS = ("bhld", "blhd")
 _F64_ROUNDING = 2.0**-52  # the certified reference's float64 rounding, relative (with margin)
 _FORMATS = {"float64": "float32", "float32": "float32", "bfloat16": "bfloat16",
             "float16": "float16"}  # fmt: skip
+
+
+PROBABILISTIC_MODEL = (
+    "independent, mean-zero rounding errors in every sum and dot (Higham & Mary 2019; "
+    "Theorem A.3, papers/attention.md)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbabilisticOracle(Oracle):
+    """An :class:`Oracle` whose tolerance is Theorem A.3's (A.2's probabilistic form for a
+    layer): it holds with probability at least :attr:`probability` under :attr:`model`, not
+    for every rounding.
+
+    The event is joint: with that probability *every* element of the output lies within its
+    tolerance at once (the union bound of Theorem A.3 over all the rounding chains of the
+    call), so each element does too. The model is that of Higham & Mary (2019): the rounding
+    errors of the additions and products inside every sum and dot are independent random
+    variables of mean zero. It is exact for stochastic rounding; for round to nearest it is a
+    model, and inputs whose roundings all go one way (sums of equal values just above half
+    an ulp, constant channels, values on a coarse grid) break it: there a correct kernel may
+    exceed this tolerance while staying within the certified one (docs/testing.md, "A
+    probabilistic tolerance"). The exponentials, divisions and single roundings keep their
+    deterministic bounds, and so does the float64 rounding of the reference.
+
+    Attributes:
+        confidence: the probability asked for (``confidence=`` of :func:`attention_oracle`).
+        probability: the probability the candidates' bounds state, the least of them: at
+            least ``confidence`` (``λ`` is solved from the union bound, then raised by float64
+            spacings until the stated probability reaches it).
+        model: the model of the rounding errors under which the probability holds, in words.
+    """
+
+    confidence: float
+    probability: float
+    model: str
+
+    def message(self, actual: Any) -> str | None:
+        """:meth:`Oracle.message`, saying that the tolerance is probabilistic, with its
+        probability and its model."""
+        text = super().message(actual)
+        if text is None:
+            return None
+        text = text.replace(
+            "outside the certified tolerance", "outside the probabilistic tolerance", 1
+        )
+        chance = self.probability
+        stated = f"{chance:.6g}" if 1 - chance >= 1e-5 else f"1 - {1 - chance:.3g}"
+        return (
+            f"{text}. The tolerance is probabilistic: all elements lie within it together with "
+            f"probability >= {stated} (confidence={self.confidence!r}) under the model of "
+            f"{self.model}. On inputs whose roundings all go one way a kernel that rounds as "
+            "modelled may exceed it: the certified tolerance (confidence=None) tells whether "
+            "it is a bug"
+        )
+
+
+def _confidence(confidence: Any) -> float | None:
+    """``confidence`` checked: None, or a number strictly between 0 and 1."""
+    if confidence is None:
+        return None
+    number = isinstance(confidence, (int, float, np.floating)) and not isinstance(
+        confidence, (bool, np.bool_)
+    )
+    if not number or not 0.0 < float(confidence) < 1.0:
+        msg = f"confidence: expected None or a float strictly between 0 and 1, got {confidence!r}"
+        raise InvalidArgument(msg)
+    return float(confidence)
 
 
 def _format_of(x: Any, dtype: str | None) -> str:
@@ -134,8 +222,10 @@ def _fold(
     dead: np.ndarray | None,
     kernel: Kernel,
     fmt: str,
+    confidence: float | None = None,
 ) -> Oracle:
-    """The tolerance from the candidates' bounds: the largest, per element, with its term."""
+    """The tolerance from the candidates' bounds: the largest, per element, with its term; with
+    ``confidence``, a :class:`ProbabilisticOracle` stating the least of their probabilities."""
     totals = np.stack([np.asarray(b.total, np.float64) for b in bounds])
     which = np.argmax(totals, axis=0)
     tol = np.take_along_axis(totals, which[None], axis=0)[0]
@@ -157,7 +247,12 @@ def _fold(
         tol = np.where(rows, 0.0, tol)
         names = np.where(rows, "fully_masked (the convention's exact answer)", names)
         reason = np.where(rows, "", reason)
-    return Oracle(exact, tol, names, reason, kernel, fmt)
+    if confidence is None:
+        return Oracle(exact, tol, names, reason, kernel, fmt)
+    probability = min(float(b.probability) for b in bounds)
+    return ProbabilisticOracle(
+        exact, tol, names, reason, kernel, fmt, confidence, probability, PROBABILISTIC_MODEL
+    )
 
 
 def attention_oracle(
@@ -175,6 +270,10 @@ def attention_oracle(
     enable_gqa: bool = False,
     softcap: float | None = None,
     sink: Any = None,
+    confidence: float | None = None,
+    rope: Rope | None = None,
+    positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
+    kv_cache: KVQuant | str | None = None,
 ) -> Oracle:
     """The certified reference of ``attention(q, k, v)`` and the kernel's tolerance around it.
 
@@ -203,16 +302,50 @@ def attention_oracle(
             candidates' ``Numerics.tanh_ulps``.
         sink: attention-sink logits, one per head (``(H,)``, broadcast against the batch
             dimensions of the ``bhld`` layout), as in :func:`mhanum.attention`.
+        confidence: ``None`` (the default): the certified tolerance, Theorem A.1, which holds
+            for every rounding the candidates allow. A float strictly between 0 and 1: the
+            probabilistic tolerance of Theorem A.3 instead, which holds for all elements at
+            once with probability at least ``confidence`` under the model of independent
+            mean-zero rounding errors in every sum and dot (Higham & Mary 2019), and is never
+            above the certified one. Inputs whose roundings all go one way break the model
+            (see :class:`ProbabilisticOracle`); it is never the default.
+        rope: a :class:`mhanum.rope.Rope`: the kernel takes the unrotated ``q`` and ``k`` (values
+            of ``rope.rotation_format``) and rotates them itself as the ``Rope`` states. The
+            exact answer is the attention of the exactly rotated inputs (exact ``ω``, ``θ``,
+            ``cos`` and ``sin``), and the tolerance the candidates' bounds with Theorem P.1's
+            rotated entries (``attention_bound(..., rope=)``). The certified reference is that
+            of the float64 rotations (:func:`mhanum.rope.reference_rope`), whose distance ``g``
+            to the exact ones (Lemma P.3) is charged explicitly: it moves each logit by at most
+            ``Δ = |scale|·Σ_t (g_q|k| + |q|g_k + g_q·g_k)_t``, so the softmax weights by a
+            factor within ``e^{±2Δ}`` and each output by at most ``(e^{2Δ} - 1)·max_j |v_j|``,
+            which the tolerance adds (a soft-cap is 1-Lipschitz and a sink's logit is fixed).
+        positions: with ``rope``, the queries' and keys' positions: a pair, one array for both
+            (``Lq = Lk``), or by default the keys ``0..Lk-1`` with the queries the last ``Lq``
+            of them (a decoding step), as :meth:`mhanum.rope.Rope.positions_for` reads them.
+        kv_cache: a :class:`mhanum.kvcache.KVQuant`, or the name of a convention in
+            :data:`KV_CACHE_KERNELS` (:func:`get_kv_cache`): the kernel stores ``k`` and ``v`` in
+            that cache and attends the values it reads back (the operand placement). The exact
+            answer is the attention of the unquantized ``k`` and ``v``, and the tolerance the
+            candidates' bounds with Theorem K.1's entries as the operands' errors
+            (``attention_bound(..., kv_cache=)``). With ``rope``: refused, as ``attention_bound``
+            refuses a cache of rotated keys.
 
     Returns:
-        An :class:`Oracle`.
+        An :class:`Oracle`; with ``confidence``, a :class:`ProbabilisticOracle`, which carries
+        the probability and the model, and whose failure message says the tolerance is
+        probabilistic.
 
     Raises:
-        InvalidArgument: for an unknown kernel, a format it does not take, or bad inputs.
+        InvalidArgument: for an unknown kernel, a format it does not take, bad inputs, a
+            ``confidence`` that is not a number strictly between 0 and 1, a ``rope``,
+            ``positions`` or ``kv_cache`` that ``attention_bound`` refuses (by name), or a
+            ``rope.rotation_format`` that does not hold ``q`` and ``k`` exactly.
     """
     from mhanum import reference
     from mhanum.bounds import attention_bound
+    from mhanum.rope import reference_rope
 
+    confidence = _confidence(confidence)
     kern = get_kernel(kernel)
     fmt = _format_of(q, dtype)
     candidates = kern.candidates(fmt)
@@ -233,6 +366,8 @@ def attention_oracle(
         k64, v64 = _grouped(q64, k64, v64)
     kern.check_head_dims(q64.shape[-1], v64.shape[-1])
     batch = V.broadcast({"q": q64.shape[:-2], "k": k64.shape[:-2], "v": v64.shape[:-2]})
+    cache = None if kv_cache is None else get_kv_cache(kv_cache)
+    pos = _decoder_positions(q64, k64, v64, rope, positions, cache)
     m = _mask(mask, is_causal, (*batch, q64.shape[-2], k64.shape[-2]))
     policy, dead = kern.fully_masked, None
     ref_mask = m
@@ -242,21 +377,33 @@ def attention_oracle(
         dead = np.asarray(~full.any(axis=-1), bool)
         if policy == "unmasked" and dead.any():
             ref_mask = np.where(dead[..., None], True, full)
+    q_ref, k_ref, given = q64, k64, None
+    if rope is not None:
+        assert pos is not None  # AttentionProblem gives a rope its positions
+        (q_ref, g_q), (k_ref, g_k) = (
+            reference_rope(q64, pos[0], rope),
+            reference_rope(k64, pos[1], rope),
+        )
+        given = (g_q, g_k)
     exact = np.asarray(
         reference.attention(
-            q64, k64, v64, mask=ref_mask, bias=b64, scale=scale,
+            q_ref, k_ref, v64, mask=ref_mask, bias=b64, scale=scale,
             fully_masked="nan" if policy == "unmasked" else policy, softcap=softcap, sink=sink,
         ),
         np.float64,
     )  # fmt: skip
-    kw: dict[str, Any] = {"bias": b64, "softcap": softcap, "sink": sink}
+    kw: dict[str, Any] = {"bias": b64, "softcap": softcap, "sink": sink, "probability": confidence,
+                          "rope": rope, "positions": pos, "kv_cache": cache}  # fmt: skip
     bounds = []
     for n in candidates:
         q_n, scale_n = _signed_scale(q64, scale, n)
         bounds.append(attention_bound(q_n, k64, v64, m, numerics=n, scale=scale_n, **kw))
-    oracle = _fold(exact, bounds, dead, kern, fmt)
+    oracle = _fold(exact, bounds, dead, kern, fmt, confidence)
+    if given is not None:
+        oracle = _charged(oracle, _rotation_charge(q_ref, k_ref, v64, given, scale), dead)
     if kern.mask_add is not None and m is not None:
-        oracle = _added_mask(oracle, q64, k64, m, scale, candidates[0])
+        q_abs, k_abs = _magnitudes(q64, k64, (rope, pos, cache), candidates[0])
+        oracle = _added_mask(oracle, q_abs, k_abs, m, scale, candidates[0])
     if layout == "bhld":
         return oracle
     exact, tol, term, reason = (
@@ -351,10 +498,110 @@ def _grouped(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, n
     return np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
 
 
+def _decoder_positions(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    rope: Rope | None,
+    positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None,
+    cache: KVQuant | None,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``rope``, ``positions`` and ``kv_cache`` checked together, as ``attention_bound`` checks
+    them (:class:`mhanum.problem.AttentionProblem`), and ``q`` and ``k`` held exactly in
+    ``rope.rotation_format``; the queries' and keys' positions with ``rope``."""
+    from mhanum.formats import round_to
+    from mhanum.problem import AttentionProblem
+
+    if rope is None and positions is None and cache is None:
+        return None
+    # one array for both queries and keys is read too (Rope.positions_for)
+    pair = cast("tuple[ArrayLike, ArrayLike] | None", positions)
+    problem = AttentionProblem.of(q, k, v, rope=rope, positions=pair, kv_cache=cache)
+    if rope is not None:
+        fmt = rope.format("rotation")
+        for x, name in ((q, "q"), (k, "k")):
+            if not np.array_equal(round_to(x, fmt), x):
+                msg = (
+                    f"rope.rotation_format: expected a format that holds {name} exactly (the "
+                    f"kernel rotates its inputs as it holds them), got {fmt.name}"
+                )
+                raise InvalidArgument(msg)
+    return problem.positions
+
+
+def _rotation_charge(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    given: tuple[np.ndarray, np.ndarray],
+    scale: float | None,
+) -> np.ndarray:
+    """A bound on ``|attention(q, k, v) - attention(q*, k*, v)|`` per output entry, for
+    ``|q - q*| <= g_q`` and ``|k - k*| <= g_k`` entrywise (``given``; Lemma P.3's for the float64
+    rotations ``q``, ``k`` of the exact ``q*``, ``k*``).
+
+    Each logit moves by at most ``|c|·Σ_t (g_q|k| + |q|g_k + g_q·g_k)_t``, at most ``Δ`` per
+    row with the keys' largest ``|k_t|`` and ``g_k,t``; a soft-cap ``c·tanh(s/c)`` is 1-Lipschitz,
+    a bias, a mask and a sink's logit are the same in both. So ``p*_j/p_j`` lies in
+    ``[e^{-2Δ}, e^{2Δ}]`` and ``|Σ_j (p_j - p*_j) v_j| <= (e^{2Δ} - 1)·Σ_j p_j|v_j| <=
+    (e^{2Δ} - 1)·max_j |v_j|``. The float64 evaluation: the sum of ``d`` non-negative terms and
+    two products, rounded up by ``1 + (d + 4)·2^-52``; ``expm1`` and the last product by
+    ``1 + 2^-50``.
+    """
+    g_q, g_k = given
+    d = q.shape[-1]
+    c = abs(1.0 / math.sqrt(d) if scale is None else float(scale))
+    k_top = np.abs(k).max(axis=-2, keepdims=True)
+    g_top = g_k.max(axis=-2, keepdims=True)
+    moved = (g_q * (k_top + g_top) + np.abs(q) * g_top).sum(axis=-1, keepdims=True)
+    delta = c * moved * (1 + (d + 4) * 2.0**-52)
+    return np.expm1(2 * delta) * np.abs(v).max(axis=-2, keepdims=True) * (1 + 2.0**-50)
+
+
+def _charged(oracle: Oracle, extra: np.ndarray, dead: np.ndarray | None) -> Oracle:
+    """``oracle`` with ``extra`` added to its tolerance, but on the rows whose answer the
+    kernel's convention fixes exactly (tolerance 0 in :func:`_fold`)."""
+    extra = np.broadcast_to(extra, oracle.tolerance.shape)
+    if dead is not None and oracle.kernel.fully_masked in ("nan", "zero"):
+        extra = np.where(np.broadcast_to(dead[..., None], extra.shape), 0.0, extra)
+    return dataclasses.replace(oracle, tolerance=oracle.tolerance + extra)
+
+
+def _magnitudes(
+    q: np.ndarray,
+    k: np.ndarray,
+    stages: tuple[Rope | None, tuple[np.ndarray, np.ndarray] | None, KVQuant | None],
+    num: Numerics,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Upper bounds of ``|q|`` and ``|k|`` as the kernel's dot reads them after its decoder
+    stages ``(rope, positions, cache)``: Theorem P.1's and Lemma P.3's errors around the
+    float64 rotations, K.1's around the cached keys, then a rounding into the input format."""
+    from mhanum.rope import reference_rope, rope_error
+
+    rope, pos, cache = stages
+    if rope is None and cache is None:
+        return q, k
+    fin = num.format_of("input")
+    if rope is not None and pos is not None:
+        tops = []
+        for x, at in ((q, pos[0]), (k, pos[1])):
+            x64, g = reference_rope(x, at, rope)
+            tops.append(np.abs(x64) + g + rope_error(x, at, rope))
+        q_top, k_top = tops
+    else:
+        q_top = np.abs(q)
+        k_top = np.abs(k) if cache is None else np.abs(k) + cache.read(k)[1]
+    return q_top * (1 + fin.u) + fin.smallest_normal, k_top * (1 + fin.u) + fin.smallest_normal
+
+
 def attention_tolerance(q: Any, k: Any, v: Any, **kwargs: Any) -> np.ndarray:
     """The per-element certified tolerance of ``kernel`` on these inputs (see
     :func:`attention_oracle` for the arguments): ``|actual - exact| <= tolerance`` whenever the
-    kernel computes as one of its candidate numerics."""
+    kernel computes as one of its candidate numerics. With ``confidence=P``, the probabilistic
+    tolerance: all elements within it together with probability at least ``P`` under the model
+    of independent mean-zero rounding errors (Theorem A.3). With ``rope=`` (and ``positions=``)
+    or ``kv_cache=``, that of a kernel that rotates q and k itself or reads k and v back from a
+    quantized cache, around the exact attention of the exactly rotated, unquantized inputs."""
     return attention_oracle(q, k, v, **kwargs).tolerance
 
 
@@ -370,6 +617,16 @@ def assert_attention_close(actual: Any, q: Any, k: Any, v: Any, **kwargs: Any) -
     there is warned as :class:`PredictedOverflow`, with the bound's term and reason, so that a
     predicted overflow is told apart from a bug without failing a kernel that computes as
     modelled.
+
+    With ``confidence=P`` the tolerance is Theorem A.3's (see :func:`attention_oracle`): it
+    holds for all elements together with probability at least ``P`` under the model of
+    independent mean-zero rounding errors, and the failure message says so, with the
+    probability and the model.
+
+    A decoder kernel passes the unrotated, unquantized inputs with ``rope=`` (and
+    ``positions=``) or ``kv_cache=`` (see :func:`attention_oracle`); one that rotates at the
+    wrong positions or in the wrong layout, or forgets a cache's ``k_scale`` or ``v_scale``,
+    fails wherever its error exceeds the tolerance, with the worst element named.
 
     Raises:
         AttentionMismatch: naming how many elements fail, the worst one (index, actual, exact,
@@ -395,6 +652,7 @@ def mha_oracle(
     dtype: str | None = None,
     num_kv_heads: int | None = None,
     softcap: float | None = None,
+    confidence: float | None = None,
 ) -> Oracle:
     """:func:`attention_oracle` for a multi-head attention layer (Theorem A.2).
 
@@ -406,6 +664,10 @@ def mha_oracle(
         kernel, dtype: as in :func:`attention_oracle`.
         num_kv_heads: grouped-query attention, as in :func:`mhanum.multi_head_attention`.
         softcap: the logit soft-cap of every head, as in :func:`attention_oracle`.
+        confidence: ``None`` for the certified tolerance (Theorem A.2), or a float strictly
+            between 0 and 1 for A.2's probabilistic form (Theorem A.3; the projections' chains
+            are counted in its union bound): a :class:`ProbabilisticOracle`, as in
+            :func:`attention_oracle`.
 
     An output row whose every head attends no key under ``-inf`` masking is the convention's
     exact answer (the output bias when heads return 0, NaN): tolerance 0 there. A row where only
@@ -414,6 +676,7 @@ def mha_oracle(
     from mhanum import reference
     from mhanum.bounds import mha_bound
 
+    confidence = _confidence(confidence)
     kern = get_kernel(kernel)
     fmt = _format_of(x_q, dtype)
     if kern.mask_add is not None and mask is not None:
@@ -439,22 +702,26 @@ def mha_oracle(
         ),
         np.float64,
     )  # fmt: skip
-    kw: dict[str, Any] = {"mask": m, "num_kv_heads": num_kv_heads, "softcap": softcap}
+    kw: dict[str, Any] = {
+        "mask": m, "num_kv_heads": num_kv_heads, "softcap": softcap, "probability": confidence,
+    }  # fmt: skip
     bounds = [mha_bound(xq, xkv, params, num_heads, numerics=n, **kw) for n in kern.candidates(fmt)]
     if dead is not None:
         dead = np.broadcast_to(dead, exact.shape[:-1])
-    return _fold(exact, bounds, dead, kern, fmt)
+    return _fold(exact, bounds, dead, kern, fmt, confidence)
 
 
 def mha_tolerance(x_q: Any, x_kv: Any, params: Any, num_heads: int, **kwargs: Any) -> np.ndarray:
-    """The per-element certified tolerance of a multi-head attention layer (see :func:`mha_oracle`)."""
+    """The per-element certified tolerance of a multi-head attention layer (see :func:`mha_oracle`;
+    ``confidence=P``: the probabilistic one, as in :func:`attention_tolerance`)."""
     return mha_oracle(x_q, x_kv, params, num_heads, **kwargs).tolerance
 
 
 def assert_mha_close(
     actual: Any, x_q: Any, x_kv: Any, params: Any, num_heads: int, **kwargs: Any
 ) -> None:
-    """:func:`assert_attention_close` for a multi-head attention layer (see :func:`mha_oracle`)."""
+    """:func:`assert_attention_close` for a multi-head attention layer (see :func:`mha_oracle`;
+    ``confidence=P``: against the probabilistic tolerance, as in :func:`assert_attention_close`)."""
     assert_close(mha_oracle(x_q, x_kv, params, num_heads, **kwargs), actual, stacklevel=3)
 
 

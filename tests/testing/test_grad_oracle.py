@@ -349,7 +349,7 @@ def test_every_descriptor_is_bounded_and_describes_itself():
         ("models", {"float32": ((1, 2),)}, r"models\['float32'\]: expected"),
         ("scale_rule", "sometimes", "scale_rule: expected one of"),
         ("softmax_backward", "fast", "softmax_backward: expected one of"),
-        ("grouped", "one-dot", "grouped: expected None or"),
+        ("grouped", "summed", "grouped: expected None, 'per-head' or 'one-dot'"),
         ("mask_fill", -1.0, "mask_fill: expected None or a finite number below -1e4"),
     ],
 )
