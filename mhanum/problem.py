@@ -71,8 +71,9 @@ class AttentionProblem:
         positions: with ``rope``, the positions of the queries and of the keys (int64 arrays of
             lengths ``Lq`` and ``Lk``); by default the keys' are ``0..Lk-1`` and the queries are
             the last ``Lq`` of them (a decoding step's alignment).
-        kv_cache: ``None`` or the :class:`mhanum.kvcache.KVQuant` a kernel stores ``k`` and
-            ``v`` in (papers/kvcache.md): the attention reads them back from the cache.
+        kv_cache: ``None`` or the pair of :class:`mhanum.kvcache.KVQuant` a kernel stores
+            ``k`` and ``v`` in (papers/kvcache.md; given as one for both, or as the pair
+            ``(k's, v's)``): the attention reads them back from the cache.
     """
 
     q: Any
@@ -336,17 +337,22 @@ def _rope(
     return rope, checker(positions, d_k=d_k, q_len=q_len, k_len=k_len)
 
 
-def _kv_cache(cache: object, rope: object) -> object:
-    """A :class:`mhanum.kvcache.KVQuant` (checked when it was made), or ``None``."""
+def _kv_cache(cache: object, rope: object) -> tuple[Any, Any] | None:
+    """The caches of k and of v (:class:`mhanum.kvcache.KVQuant`, checked when made): one for
+    both, or a pair ``(k's, v's)``; or ``None``."""
     if cache is None:
         return None
-    if not callable(getattr(cache, "read", None)):
-        msg = f"kv_cache: expected a mhanum.kvcache.KVQuant, got {type(cache).__name__}"
+    pair = tuple(cache) if isinstance(cache, (tuple, list)) else (cache, cache)
+    if len(pair) != 2 or not all(callable(getattr(c, "read", None)) for c in pair):
+        msg = (
+            "kv_cache: expected a mhanum.kvcache.KVQuant or a pair of them (k's, v's), got "
+            f"{type(cache).__name__}"
+        )
         raise InvalidArgument(msg)
     if rope is not None:
         msg = "kv_cache: expected without rope= (a cache of rotated keys is not modelled yet)"
         raise InvalidArgument(msg)
-    return cache
+    return (pair[0], pair[1])
 
 
 def _sink(sink: ArrayLike | None, batch: tuple[int, ...]) -> Array | None:

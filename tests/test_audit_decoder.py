@@ -239,3 +239,12 @@ def test_the_architecture_is_read_from_architectures_without_a_model_type(tmp_pa
         models.architecture(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
     assert models.architecture(tmp_path) == "bert"
+
+
+def test_the_heatmap_names_the_decoder_layers_theorem(audits):
+    """A decoder's layer column is A.1 with RoPE (its heads before the output projection), not
+    BERT's A.2 of the whole layer; the layer's bound is at least each head's."""
+    data = models.heatmap_data(audits["llama"], "fp32")
+    assert data.bound_columns[-2:] == ("layer A.1", "layer A.3")
+    heads, layer = data.bound[:, :-2], data.bound[:, -2]
+    assert (layer[:, None] >= heads).all()

@@ -183,10 +183,37 @@ def test_a_cache_in_an_attention_problem_is_checked() -> None:
 
     x = np.ones((4, 8))
     with pytest.raises(
-        InvalidArgument, match=r"kv_cache: expected a mhanum\.kvcache\.KVQuant, got str"
+        InvalidArgument, match=r"kv_cache: expected a mhanum\.kvcache\.KVQuant or a pair"
     ):
         AttentionProblem.of(x, x, x, kv_cache="int8")
     with pytest.raises(InvalidArgument, match="kv_cache: expected without rope="):
         AttentionProblem.of(x, x, x, kv_cache=KVQuant("int8"), rope=Rope(dim=8))
     with pytest.raises(InvalidArgument, match=r"kv_cache\.placement: expected 'operand'"):
         KVQuant("int8", placement="accumulator").read(x)
+
+
+def test_k_and_v_may_have_caches_of_their_own() -> None:
+    """A pair ``(k's, v's)``: vLLM's calibrated k_scale and v_scale differ (and its dynamic
+    scales divide by 200 and 100). The emulation reads each from its own cache and stays within
+    the bound; a kernel that reads v back with k's scale is far outside it."""
+    import mhanum
+    from mhanum import reference
+    from mhanum.bounds import attention_bound
+
+    rng = np.random.default_rng(11)
+    q, k, v = (round_to(rng.standard_normal((2, 16, 8)), "bfloat16") for _ in range(3))
+    v = v * 4.0  # codes below 448 with v's scale: nothing saturates
+    pair = (KVQuant("float8_e4m3fn", scale=0.01), KVQuant("float8_e4m3fn", scale=0.05))
+    exact = reference.attention(q, k, v)
+    out = np.asarray(mhanum.attention(q, k, v, numerics="fp32", kv_cache=pair), np.float64)
+    bound = attention_bound(q, k, v, numerics="fp32", kv_cache=pair).total
+    assert np.all(np.abs(out - exact) <= bound + 2.0**-52 * np.abs(exact))
+    k_read, v_read = pair[0].read(k)[0], pair[1].read(v)[0]
+    # a kernel that dequantizes v's codes with k's scale
+    wrong = pair[1].read(v)[0] * (0.01 / 0.05)
+    bad = np.asarray(mhanum.attention(q, k_read, wrong, numerics="fp32"), np.float64)
+    assert np.max(np.abs(bad - exact) / bound) > 2
+    good = np.asarray(mhanum.attention(q, k_read, v_read, numerics="fp32"), np.float64)
+    assert np.all(np.abs(good - exact) <= bound + 2.0**-52 * np.abs(exact))
+    with pytest.raises(InvalidArgument, match=r"kv_cache: expected a mhanum\.kvcache\.KVQuant or"):
+        attention_bound(q, k, v, kv_cache=(pair[0],))

@@ -438,7 +438,7 @@ def attention(
     descale: tuple[float, float, float] | None = None,
     rope: Rope | None = None,
     positions: tuple[ArrayLike, ArrayLike] | None = None,
-    kv_cache: KVQuant | None = None,
+    kv_cache: KVQuant | tuple[KVQuant, KVQuant] | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention with explicit numerics.
 
@@ -479,9 +479,10 @@ def attention(
             them in the input format.
         positions: with ``rope``, the queries' and keys' positions (see
             :class:`mhanum.problem.AttentionProblem`).
-        kv_cache: a :class:`mhanum.kvcache.KVQuant`: ``k`` and ``v`` (concrete) are stored in
-            the quantized cache and read back as it states (its operand placement) before the
-            attention, whose numerics then read them in the input format.
+        kv_cache: a :class:`mhanum.kvcache.KVQuant`, or the pair ``(k's, v's)``: ``k`` and
+            ``v`` (concrete) are stored in the quantized cache and read back as it states (its
+            operand placement) before the attention, whose numerics then read them in the
+            input format.
 
     Returns:
         ``(..., Lq, d_v)`` in the dtype that stores ``numerics.output_format``.
@@ -511,7 +512,7 @@ def attention(
         if any(V.is_traced(x) for x in (k, v)):
             msg = "kv_cache: the cache is emulated on concrete k and v; call outside jax.jit"
             raise InvalidArgument(msg)
-        k, v = (p.kv_cache.read(x)[0] for x in (k, v))
+        k, v = p.kv_cache[0].read(k)[0], p.kv_cache[1].read(v)[0]
     if p.sink is not None:
         xp = jnp if any(isinstance(x, jax.Array) for x in (q, k, v, p.sink)) else np
         k, v, mask, bias = masks.with_sink(q, k, v, mask, bias, p.sink, xp=xp)

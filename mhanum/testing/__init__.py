@@ -273,7 +273,7 @@ def attention_oracle(
     confidence: float | None = None,
     rope: Rope | None = None,
     positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
-    kv_cache: KVQuant | str | None = None,
+    kv_cache: KVQuant | tuple[KVQuant, KVQuant] | str | None = None,
 ) -> Oracle:
     """The certified reference of ``attention(q, k, v)`` and the kernel's tolerance around it.
 
@@ -322,8 +322,10 @@ def attention_oracle(
         positions: with ``rope``, the queries' and keys' positions: a pair, one array for both
             (``Lq = Lk``), or by default the keys ``0..Lk-1`` with the queries the last ``Lq``
             of them (a decoding step), as :meth:`mhanum.rope.Rope.positions_for` reads them.
-        kv_cache: a :class:`mhanum.kvcache.KVQuant`, or the name of a convention in
-            :data:`KV_CACHE_KERNELS` (:func:`get_kv_cache`): the kernel stores ``k`` and ``v`` in
+        kv_cache: a :class:`mhanum.kvcache.KVQuant` (or the pair of K's and V's), or the name
+            of a convention in :data:`KV_CACHE_KERNELS` (:func:`get_kv_cache`; for K and V
+            scales of a deployment, pass ``get_kv_cache(name, scale=k_scale,
+            v_scale=v_scale)``): the kernel stores ``k`` and ``v`` in
             that cache and attends the values it reads back (the operand placement). The exact
             answer is the attention of the unquantized ``k`` and ``v``, and the tolerance the
             candidates' bounds with Theorem K.1's entries as the operands' errors
@@ -504,7 +506,7 @@ def _decoder_positions(
     v: np.ndarray,
     rope: Rope | None,
     positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None,
-    cache: KVQuant | None,
+    cache: KVQuant | tuple[KVQuant, KVQuant] | None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """``rope``, ``positions`` and ``kv_cache`` checked together, as ``attention_bound`` checks
     them (:class:`mhanum.problem.AttentionProblem`), and ``q`` and ``k`` held exactly in
@@ -570,7 +572,9 @@ def _charged(oracle: Oracle, extra: np.ndarray, dead: np.ndarray | None) -> Orac
 def _magnitudes(
     q: np.ndarray,
     k: np.ndarray,
-    stages: tuple[Rope | None, tuple[np.ndarray, np.ndarray] | None, KVQuant | None],
+    stages: tuple[
+        Rope | None, tuple[np.ndarray, np.ndarray] | None, KVQuant | tuple[KVQuant, KVQuant] | None
+    ],
     num: Numerics,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Upper bounds of ``|q|`` and ``|k|`` as the kernel's dot reads them after its decoder
@@ -590,7 +594,8 @@ def _magnitudes(
         q_top, k_top = tops
     else:
         q_top = np.abs(q)
-        k_top = np.abs(k) if cache is None else np.abs(k) + cache.read(k)[1]
+        k_cache = cache[0] if isinstance(cache, tuple) else cache
+        k_top = np.abs(k) if k_cache is None else np.abs(k) + k_cache.read(k)[1]
     return q_top * (1 + fin.u) + fin.smallest_normal, k_top * (1 + fin.u) + fin.smallest_normal
 
 

@@ -10,16 +10,21 @@ saturates, and where it applies them when it reads the cache. ``kv_cache=`` of
 deployment uses; the tolerance is then Theorem A.1 with Theorem K.1's entries as the operands'
 errors, against the exact attention of the unquantized ``k`` and ``v``.
 
-Only conventions that Theorem K.1 with the operand placement covers are listed, for one
-:class:`~mhanum.kvcache.KVQuant` that stores both K and V (as ``attention_bound(kv_cache=)``
-takes it). A convention the bounds do not model is named in :data:`KV_CACHE_NOT_MODELLED` with
-the reason, rather than given a tolerance that might not hold.
+Only conventions that Theorem K.1 with the operand placement covers are listed, each as the
+:class:`~mhanum.kvcache.KVQuant` of K and, where it differs, of V (``attention_bound(kv_cache=)``
+takes one for both or the pair). A convention the bounds do not model is named in
+:data:`KV_CACHE_NOT_MODELLED` with the reason, rather than given a tolerance that might not hold.
 
 >>> cache = get_kv_cache("vllm-fp8-e4m3")
 >>> cache.format, cache.granularity, float(cache.scale), cache.placement
 ('float8_e4m3fn', 'tensor', 1.0, 'operand')
 >>> get_kv_cache("vllm-fp8-e4m3", scale=0.05).scale
 0.05
+>>> k_cache, v_cache = get_kv_cache("vllm-fp8-e4m3", scale=0.05, v_scale=0.02)
+>>> float(k_cache.scale), float(v_cache.scale)
+(0.05, 0.02)
+>>> [c.divisor for c in get_kv_cache("vllm-fp8-dynamic")]
+[200.0, 100.0]
 """
 
 from __future__ import annotations
@@ -43,49 +48,59 @@ class KVCacheKernel:
 
     Attributes:
         name: the registry name (``"vllm-fp8-e4m3"``, ...).
-        cache: the :class:`~mhanum.kvcache.KVQuant` that stores both K and V, with the scale the
-            kernel uses when the deployment gives none.
+        cache: the :class:`~mhanum.kvcache.KVQuant` that stores K (and V, unless
+            ``v_cache``), with the scale the kernel uses when the deployment gives none.
         evidence: where each modelling choice was read (files and functions).
         notes: what the model assumes or leaves out.
+        v_cache: V's :class:`~mhanum.kvcache.KVQuant` where it differs from K's, else
+            ``None``.
     """
 
     name: str
     cache: KVQuant
     evidence: tuple[str, ...]
     notes: str = ""
+    v_cache: KVQuant | None = None
 
-    def kv_cache(self, scale: ArrayLike | None = None) -> KVQuant:
-        """The convention's :class:`~mhanum.kvcache.KVQuant`, with ``scale`` (the deployment's
-        scale of both K and V, broadcastable to the granularity's shape) in place of the
-        default when given.
+    def kv_cache(
+        self, scale: ArrayLike | None = None, v_scale: ArrayLike | None = None
+    ) -> KVQuant | tuple[KVQuant, KVQuant]:
+        """The convention's :class:`~mhanum.kvcache.KVQuant` (or the pair of K's and V's),
+        with ``scale`` (the deployment's scale of K, and of V unless ``v_scale`` is given;
+        broadcastable to the granularity's shape) in place of the default when given.
 
         Raises:
             InvalidArgument: for a scale that is not positive and finite (naming
                 ``kv_cache.scale``).
         """
-        if scale is None:
-            return self.cache
-        return dataclasses.replace(self.cache, scale=scale)
+        k_cache = self.cache if scale is None else dataclasses.replace(self.cache, scale=scale)
+        v_cache = self.v_cache or self.cache
+        if v_scale is not None:
+            v_cache = dataclasses.replace(v_cache, scale=v_scale)
+        elif scale is not None and self.v_cache is None:
+            v_cache = k_cache
+        return k_cache if v_cache is k_cache else (k_cache, v_cache)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready description."""
-        c = self.cache
-        scale = None if c.scale is None else getattr(c.scale, "tolist", lambda: c.scale)()
-        return {
-            "name": self.name,
-            "cache": {
-                "format": c.format,
-                "granularity": c.granularity,
-                "scale": scale,
-                "divisor": c.divisor,
-                "scale_format": str(getattr(c.scale_format, "name", c.scale_format)),
-                "dequant_format": str(getattr(c.dequant_format, "name", c.dequant_format)),
-                "placement": c.placement,
-                "saturate": c.saturate,
-            },
-            "evidence": list(self.evidence),
-            "notes": self.notes,
-        }
+        out: dict[str, Any] = {"name": self.name, "cache": _cache_dict(self.cache)}
+        if self.v_cache is not None:
+            out["v_cache"] = _cache_dict(self.v_cache)
+        return out | {"evidence": list(self.evidence), "notes": self.notes}
+
+
+def _cache_dict(c: KVQuant) -> dict[str, Any]:
+    scale = None if c.scale is None else getattr(c.scale, "tolist", lambda: c.scale)()
+    return {
+        "format": c.format,
+        "granularity": c.granularity,
+        "scale": scale,
+        "divisor": c.divisor,
+        "scale_format": str(getattr(c.scale_format, "name", c.scale_format)),
+        "dequant_format": str(getattr(c.dequant_format, "name", c.dequant_format)),
+        "placement": c.placement,
+        "saturate": c.saturate,
+    }
 
 
 _VLLM_WRITE = (
@@ -129,11 +144,37 @@ def _vllm(name: str, fmt: str) -> KVCacheKernel:
                          _VLLM_NOTES)  # fmt: skip
 
 
+_VLLM_DYNAMIC = (
+    "vllm vllm/attention/layer.py: Attention.calc_kv_scales (calculate_kv_scales=True): "
+    "_k_scale.copy_(torch.abs(key).max() / self.k_range) and _v_scale likewise with v_range, "
+    "k_range and v_range float32 tensors of K_SCALE_CONSTANT = 200 and V_SCALE_CONSTANT = 100 "
+    "(vllm/envs.py): the absolute maximum over the whole tensor (exact in its type) divided in "
+    "float32, once, on the first batch; then calculate_kv_scales = False and the scales stay"
+)
+
+
+def _vllm_dynamic() -> KVCacheKernel:
+    base = _vllm("vllm-fp8-dynamic", "float8_e4m3fn")
+    k_cache = dataclasses.replace(base.cache, scale=None, divisor=200.0)
+    return dataclasses.replace(
+        base,
+        cache=k_cache,
+        v_cache=dataclasses.replace(k_cache, divisor=100.0),
+        evidence=(*base.evidence[:3], _VLLM_DYNAMIC),
+        notes=(
+            "the batch the scales are computed on (absmax / 200 for K, absmax / 100 for V, per "
+            "tensor); a later batch reads the frozen scales: get_kv_cache('vllm-fp8-e4m3', "
+            "scale=k_scale, v_scale=v_scale)"
+        ),
+    )
+
+
 KV_CACHE_KERNELS: Mapping[str, KVCacheKernel] = {
     k.name: k
     for k in (
         _vllm("vllm-fp8-e4m3", "float8_e4m3fn"),
         _vllm("vllm-fp8-e5m2", "float8_e5m2"),
+        _vllm_dynamic(),
     )
 }
 """The registered KV-cache conventions, by name."""
@@ -147,11 +188,6 @@ KV_CACHE_NOT_MODELLED: Mapping[str, str] = {
     "the accumulator placement, whose products by the scales are extra roundings of the "
     "logits and of the output that Theorem A.1 does not take yet (attention_bound refuses "
     "KVQuant(placement='accumulator'))",
-    "vllm-fp8-dynamic": "vLLM's calculate_kv_scales (vllm/attention/layer.py, "
-    "Attention.calc_kv_scales): k_scale = max|k| / K_SCALE_CONSTANT and v_scale = max|v| / "
-    "V_SCALE_CONSTANT (200 and 100 by default, vllm/envs.py), computed once in float32 and "
-    "then frozen: the keys' and the values' divisors differ, and attention_bound(kv_cache=) "
-    "takes one KVQuant for both",
     "vllm-flash-attn-fp8": "vLLM's FlashAttention backend over an fp8 cache "
     "(vllm/v1/attention/backends/flash_attn.py, FlashAttentionImpl.forward: "
     "flash_attn_varlen_func with q_descale, k_descale and v_descale): the queries are "
@@ -162,25 +198,32 @@ KV_CACHE_NOT_MODELLED: Mapping[str, str] = {
 theorem)."""
 
 
-def get_kv_cache(kv_cache: KVQuant | str, scale: ArrayLike | None = None) -> KVQuant:
-    """The :class:`~mhanum.kvcache.KVQuant` of a registered convention (``scale``: the
-    deployment's, in place of the default), or ``kv_cache`` itself when it is one.
+def get_kv_cache(
+    kv_cache: KVQuant | tuple[KVQuant, KVQuant] | str,
+    scale: ArrayLike | None = None,
+    v_scale: ArrayLike | None = None,
+) -> KVQuant | tuple[KVQuant, KVQuant]:
+    """The :class:`~mhanum.kvcache.KVQuant` of a registered convention, or the pair of K's and
+    V's where they differ (``scale``: the deployment's scale of K, and of V unless ``v_scale``
+    is given, in place of the default), or ``kv_cache`` itself when it is one or a pair.
 
     Raises:
         InvalidArgument: for an unknown name (naming the conventions that exist, and why a known
             but unmodelled one has none), or a ``scale`` with a :class:`KVQuant`.
     """
-    if isinstance(kv_cache, KVQuant):
-        if scale is not None:
+    given = kv_cache if isinstance(kv_cache, tuple) else (kv_cache,)
+    if all(isinstance(c, KVQuant) for c in given) and len(given) in (1, 2):
+        if scale is not None or v_scale is not None:
             msg = f"scale: expected None with a KVQuant (it states its own), got {scale!r}"
             raise InvalidArgument(msg)
-        return kv_cache
+        return kv_cache  # type: ignore[return-value]
     if isinstance(kv_cache, str) and kv_cache in KV_CACHE_KERNELS:
-        return KV_CACHE_KERNELS[kv_cache].kv_cache(scale)
-    known = isinstance(kv_cache, str) and kv_cache in KV_CACHE_NOT_MODELLED
-    why = f" ({kv_cache} is not modelled: {KV_CACHE_NOT_MODELLED[kv_cache]})" if known else ""
+        return KV_CACHE_KERNELS[kv_cache].kv_cache(scale, v_scale)
+    why = ""
+    if isinstance(kv_cache, str) and kv_cache in KV_CACHE_NOT_MODELLED:
+        why = f" ({kv_cache} is not modelled: {KV_CACHE_NOT_MODELLED[kv_cache]})"
     msg = (
-        f"kv_cache: expected a mhanum.kvcache.KVQuant or one of {', '.join(KV_CACHE_KERNELS)}, "
-        f"got {kv_cache!r}{why}"
+        f"kv_cache: expected a mhanum.kvcache.KVQuant, a pair of them (k's, v's) or one of "
+        f"{', '.join(KV_CACHE_KERNELS)}, got {kv_cache!r}{why}"
     )
     raise InvalidArgument(msg)

@@ -302,6 +302,40 @@ def test_the_vllm_fp8_convention_with_a_calibrated_scale():
     assert_attention_close(out, q, k, v, kernel=KERNEL, kv_cache="vllm-fp8-e4m3")
 
 
+def _vllm_dynamic_kernel(q, k, v, *, v_divisor: float = 100.0):
+    """vLLM's calc_kv_scales then its fp8 cache: ``k_scale = max|k| / 200`` and ``v_scale =
+    max|v| / v_divisor`` (float32 tensors), each stored and read back with its own scale."""
+    k_scale = k.abs().max() / torch.tensor(200.0, dtype=torch.float32)
+    v_scale = v.abs().max() / torch.tensor(v_divisor, dtype=torch.float32)
+
+    def cached(x, s):
+        codes = (x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return (codes.float() * s).to(q.dtype)
+
+    return _sdpa(q, cached(k, k_scale), cached(v, v_scale))
+
+
+def test_vllms_dynamic_scales_are_a_pair_of_caches():
+    """``vllm-fp8-dynamic``: K's scale divides its absolute maximum by 200, V's by 100, so the
+    two caches differ (the pair of K's and V's). A kernel computing them as vLLM does passes;
+    one that reads V with K's scale fails."""
+    q, k, v = _inputs(8, "bfloat16", lq=4)
+    v = (np.asarray(v, np.float32) + 4.0).astype(NP_DTYPES["bfloat16"])  # outputs near 4
+    k_cache, v_cache = get_kv_cache("vllm-fp8-dynamic")
+    assert (k_cache.divisor, v_cache.divisor) == (200.0, 100.0)
+    tq, tk, tv = (_t(x, "bfloat16") for x in (q, k, v))
+    oracle = oracle_of(q, k, v, kernel=KERNEL, kv_cache="vllm-fp8-dynamic")
+    oracle.assert_close(_vllm_dynamic_kernel(tq, tk, tv))
+    k_scale = float(np.max(np.abs(np.asarray(k, np.float32)))) / 200.0
+    v_scale = float(np.max(np.abs(np.asarray(v, np.float32)))) / 100.0
+    codes = (tv.float() / v_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    wrong_v = (codes.float() * k_scale).to(tq.dtype)  # v's codes, k's scale
+    k_read = ((tk.float() / k_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+              * k_scale).to(tq.dtype)  # fmt: skip
+    with pytest.raises(AttentionMismatch, match=WORST):
+        oracle.assert_close(_sdpa(tq, k_read, wrong_v))
+
+
 def test_every_kv_cache_descriptor_states_its_evidence():
     for name, desc in KV_CACHE_KERNELS.items():
         assert desc.name == name
@@ -333,9 +367,9 @@ _Y = np.full((1, 4, 8), 0.1, np.float32)
             {"rope": Rope(dim=8), "positions": [0, -1, 2, 3]},
             "positions: expected non-negative positions",
         ),
-        ({"kv_cache": "int8"}, r"kv_cache: expected a mhanum\.kvcache\.KVQuant or one of"),
+        ({"kv_cache": "int8"}, r"kv_cache: expected a mhanum\.kvcache\.KVQuant, a pair of them"),
         ({"kv_cache": "flashinfer-fp8"}, "flashinfer-fp8 is not modelled: .*accumulator"),
-        ({"kv_cache": 8}, r"kv_cache: expected a mhanum\.kvcache\.KVQuant or one of"),
+        ({"kv_cache": 8}, r"kv_cache: expected a mhanum\.kvcache\.KVQuant, a pair of them"),
         (
             {"kv_cache": KVQuant("int8", placement="accumulator")},
             r"kv_cache\.placement: expected 'operand'",
@@ -362,8 +396,8 @@ def test_bad_kv_cache_descriptor_arguments_are_named():
         get_kv_cache("vllm-fp8-e4m3", scale=-1.0)
     with pytest.raises(InvalidArgument, match="scale: expected None with a KVQuant"):
         get_kv_cache(KVQuant("int8"), scale=2.0)
-    with pytest.raises(InvalidArgument, match="vllm-fp8-dynamic is not modelled"):
-        get_kv_cache("vllm-fp8-dynamic")
+    with pytest.raises(InvalidArgument, match="flashinfer-fp8 is not modelled"):
+        get_kv_cache("flashinfer-fp8")
 
 
 def test_the_reference_rotation_is_charged_not_assumed():

@@ -143,8 +143,9 @@ def attention_bound(
             ``evaluation``).
         positions: with ``rope``, the queries' and keys' positions (see
             :class:`mhanum.problem.AttentionProblem`).
-        kv_cache: a :class:`mhanum.kvcache.KVQuant` the kernel stores ``k`` and ``v`` in
-            (operand placement): the exact attention is that of the given ``k`` and ``v``;
+        kv_cache: a :class:`mhanum.kvcache.KVQuant` the kernel stores ``k`` and ``v`` in, or
+            the pair ``(k's, v's)`` (operand placement): the exact attention is that of the
+            given ``k`` and ``v``;
             Theorem K.1 bounds the entries read back, which enter as the operands' errors
             (step 1), with their rounding into the input format where it is narrower.
 
@@ -276,7 +277,8 @@ def _attention_bound(
     if p.rope is not None:
         qb, kb, errors, rotated = _rotated(p, qb, kb, errors, fmt_in)
     if p.kv_cache is not None:
-        errors = (errors[0], *(_cached(p.kv_cache, x, fmt_in) for x in (kb, vb)))
+        k_cache, v_cache = p.kv_cache
+        errors = (errors[0], _cached(k_cache, kb, fmt_in), _cached(v_cache, vb, fmt_in))
     along = None if gb is None or gu is None or p.descale else (gb, gu)
     stacked = (qb, kb, vb, keep, b, masked, replaced, errors, along, rotated)
     heads = _heads(p, num, lam, stacked)
