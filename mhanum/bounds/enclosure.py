@@ -20,11 +20,11 @@ from mhanum.bounds.factors import (
     compound,
     evaluation_rounding,
     operand_error,
-    scale_rounding,
     tensor_core_anchor,
     unit_eta,
     unit_factor,
 )
+from mhanum.bounds.scale import scale_rounding
 from mhanum.formats import Format
 from mhanum.numerics import Numerics
 

@@ -10,15 +10,13 @@ one (:mod:`~mhanum.bounds.summation`, :mod:`~mhanum.bounds.softmax`,
 
 from __future__ import annotations
 
-import dataclasses
-import fractions
 import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mhanum._errors import InvalidArgument
-from mhanum.formats import Format, representable, round_to
+from mhanum.formats import Format, representable
 from mhanum.numerics import Numerics
 from mhanum.units import (
     SummationOrder,
@@ -29,15 +27,14 @@ from mhanum.units import (
 from mhanum.units.tensorcore import TensorCoreModel, get_model
 
 if TYPE_CHECKING:
-    from mhanum._types import ArrayLike, NumpyArray
+    from mhanum._types import NumpyArray
 
 __all__ = [
     "EVALUATION",
     "F64_DOT",
     "LOG2E",
-    "Linear",
-    "OperandScale",
     "chain",
+    "chain_dot_factor",
     "check_count",
     "check_lam",
     "compound",
@@ -46,24 +43,18 @@ __all__ = [
     "evaluation_rounding",
     "exp_and_sum_factors",
     "gamma",
-    "is_power_of_four",
     "kahan_constants",
     "kahan_factor",
     "lam_or_probability",
-    "linear",
-    "linear_overflow",
     "native_unit",
     "operand_bits",
     "operand_error",
-    "operand_scale",
     "order_of",
     "parse_order",
-    "power_of_two",
     "probabilistic_gamma",
     "product_gamma",
     "rounding_error",
     "safe_weight_sums",
-    "scale_rounding",
     "split_constants",
     "step_w_output",
     "sum_factor",
@@ -362,7 +353,7 @@ def _chain_sum_factor(n: int, order: str, u: float, lam: float | None = None) ->
     return chain(n, order, u, lam, products=False)
 
 
-def _chain_dot_factor(n: int, order: str, u: float, lam: float | None = None) -> float:
+def chain_dot_factor(n: int, order: str, u: float, lam: float | None = None) -> float:
     """Relative error of a dot of length ``n``: each product rounded, then summed in ``order``."""
     return chain(n, order, u, lam, products=True)
 
@@ -515,108 +506,6 @@ def unit_eta(num: Numerics, n: int) -> float:
         model = get_model(num.dot_model or "")
         return tensor_core_eta(model, max(n, 1), order=num.summation)
     return 2 * n * num.dot_passes * eta_a
-
-
-def is_power_of_four(d: int) -> bool:
-    return d & (d - 1) == 0 and (d.bit_length() - 1) % 2 == 0
-
-
-def power_of_two(x: float) -> bool:
-    return x != 0 and math.frexp(x)[0] in (0.5, -0.5)
-
-
-def scale_rounding(f64: float, fmt: Format) -> tuple[float, float, float]:
-    """``(f̂, u_r, u_mul)`` of a scale factor rounded into ``fmt`` (steps 2 and 2').
-
-    ``f̂`` is ``f64`` rounded into ``fmt``; ``|f̂_used - f64| <= u_r|f64|`` for the factor the
-    computation uses, and a product by it is rounded with relative ``u_mul``. A factor that is
-    subnormal in ``fmt`` (or rounds to zero) may be read as zero (XLA treats denormals as zero),
-    so ``u_r = 1`` and its product, if not flushed, is rounded like any other (``u_mul = u``).
-    A factor past ``fmt``'s range rounds to ``inf``: ``u_r = inf``, and every error it enters
-    is infinite (the stages' range checks then name it).
-    """
-    f_hat = float(round_to(f64, fmt))
-    if not math.isfinite(f_hat):
-        return f_hat, math.inf, fmt.u
-    if min(abs(f_hat), abs(f64)) < fmt.smallest_normal:  # subnormal, or rounded up to 2^emin
-        return f_hat, 1.0, fmt.u
-    u_r = 0.0 if f_hat == f64 else fmt.u
-    u_mul = 0.0 if power_of_two(f_hat) else fmt.u
-    return f_hat, u_r, u_mul
-
-
-@dataclasses.dataclass(frozen=True)
-class OperandScale:
-    """The scale factor of step 2' (papers/attention.md), applied to ``q`` (and ``k``).
-
-    Attributes:
-        fmt: the scale format the product is taken in.
-        f64: the float64 factor: the scale, or its square root when it is split over q and k.
-        u64: the relative error of ``f64`` against the exact factor (the default scale's two
-            float64 roundings unless ``d_k = 4^m``; the square root's, unless exact).
-        f_hat, u_r, u_mul: :func:`scale_rounding` of ``f64`` into ``fmt``.
-        u_t: the rounding of an operand of the storage format read into ``fmt`` (0 when
-            ``fmt`` is at least as precise).
-        theta: the compound relative error ``(1 + u_r)(1 + u_t)(1 + u_mul) - 1``.
-        up: a bound on ``|fl64(f64·x)| / |x|``.
-        eta: the read's underflow, times ``f̂`` and rounded in the product, then the product's.
-    """
-
-    fmt: Format
-    f64: float
-    u64: float
-    f_hat: float
-    u_r: float
-    u_mul: float
-    u_t: float
-    theta: float
-    up: float
-    eta: float
-
-    def applied(self, x: np.ndarray, e: Any, g: Any) -> tuple[np.ndarray, Any, Any]:
-        """Step 2' on one operand (papers/attention.md): ``(x_s, e_s, g_s)``: the float64
-        stand-in ``x_s = fl64(f64·x)`` of the scaled operand, ``e_s >= |fl(fl(x̂)·f̂) - x_s|``
-        for the computed one (``x̂`` within ``e`` of ``x``) and ``g_s >= |x_s - f·x*|`` for the
-        exact one (``x`` within ``g`` of the exact ``x*``).
-
-        Examples:
-            >>> s = operand_scale(0.25, 16, False, Numerics(scale="qk"))
-            >>> xs, e_s, g_s = s.applied(np.array([3.0]), 0.0, 0.0)
-            >>> float(xs[0]), bool(e_s[0] <= 2 * s.eta), bool(g_s[0] < 1e-300)  # exact: underflow only
-            (1.5, True, True)
-        """
-        xs = self.f64 * x
-        # the float64 product may itself be subnormal: an absolute 2^-1074 at most
-        rounding = (0.0 if power_of_two(self.f64) else 2.0**-53 * np.abs(xs)) + 2.0**-1074
-        theta, up, u64 = self.theta, self.up, self.u64
-        e_s = up * (theta * np.abs(x) + (1 + theta) * e) + rounding + self.eta
-        g_s = up * g / (1 - u64) + (u64 / (1 - u64)) * up * np.abs(x) + rounding
-        return xs, e_s, g_s
-
-
-def operand_scale(scale: float, d_k: int, default_scale: bool, num: Numerics) -> OperandScale:
-    """Step 2' (papers/attention.md): the factor a kernel applies to its operands when the
-    scale sits on ``q`` (or, split as its square root, on ``q`` and ``k``), with its roundings.
-
-    Examples:
-        >>> s = operand_scale(0.25, 16, False, Numerics(scale="qk"))
-        >>> s.f64, s.u64, s.theta
-        (0.5, 0.0, 0.0)
-    """
-    fmt = num.format_of("scale")
-    u64 = 0.0
-    if default_scale and not is_power_of_four(d_k):
-        u64 = compound(2.0**-53, over=(2.0**-53,))
-    f64 = scale
-    if num.scale == "qk":
-        f64 = math.sqrt(scale)
-        if fractions.Fraction(f64) ** 2 != fractions.Fraction(scale):
-            u64 = compound(u64, 2.0**-53)
-    f_hat, u_r, u_mul = scale_rounding(f64, fmt)
-    u_t = fmt.u if fmt.precision < num.storage_format.precision else 0.0
-    up = abs(f64) * (1 + 2.0**-52)
-    eta = fmt.smallest_normal * (1 + up * (1 + u_r) * (1 + u_mul))
-    return OperandScale(fmt, f64, u64, f_hat, u_r, u_mul, u_t, compound(u_r, u_t, u_mul), up, eta)
 
 
 def conversion_eta(num: Numerics, fmt: Format) -> float:
@@ -857,146 +746,6 @@ def rounding_error(x: np.ndarray, fmt: Format) -> np.ndarray:
     exact = representable(x, fmt)
     tiny = (x != 0) & (np.abs(x) < fmt.smallest_normal)
     return np.where(exact, 0.0, fmt.u * np.abs(x)) + np.where(tiny, fmt.smallest_normal, 0.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Linear:
-    """Theorem A.2 (a): ``y = x w + b`` in float64 and the bounds of the computed ``ŷ``.
-
-    ``|y - y*| <= given`` (float64 evaluation); ``|ŷ - y*| <= fixed + kappa·(e_x @ slope)`` for
-    an operand read with ``|x̂ - x*| <= e_x``.
-    """
-
-    y: np.ndarray
-    given: np.ndarray
-    fixed: np.ndarray
-    slope: np.ndarray
-    kappa: float
-    given_x: np.ndarray
-
-    def error(self, e_x: np.ndarray) -> np.ndarray:
-        return self.fixed + self.kappa * (e_x @ self.slope)
-
-
-def linear(
-    x: np.ndarray,
-    x_given: np.ndarray,
-    w: np.ndarray,
-    b: np.ndarray | None,
-    num: Numerics,
-    out: Format,
-    lam: float | None = None,
-) -> Linear:
-    """A.2 (a) for ``fl_out(fl_a(fl_a(op(x̂) op(ŵ)) + b̂))``, ``w`` and ``b`` rounded to the input format.
-
-    ``x`` stands in for the exact operand ``x*`` with ``|x - x*| <= x_given``.
-    """
-    fmt_in, acc = num.format_of("input"), num.format_of("accum")
-    u_op, eta_op = operand_error(num)
-    d = x.shape[-1]
-    bits = operand_bits(num, fmt_in)
-    g = unit_factor(num, d, lam, bits=(bits, bits))
-    x_bar = np.abs(x) + x_given
-    e_w = rounding_error(w, fmt_in)
-    e_w_op = e_w + u_op * (np.abs(w) + e_w) + eta_op
-    slope = np.abs(w) + e_w_op
-    # x̂ = x* + e: its operand rounding adds u_op|x̂| + η_op, |x̂| <= x_bar + e_x
-    e0 = u_op * x_bar + eta_op
-    if u_op == 0 and eta_op == 0:  # no operand rounding: e0 = 0 (a product of zeros is 0)
-        fixed = x_bar @ e_w_op
-    else:
-        fixed = e0 @ np.abs(w) + x_bar @ e_w_op + e0 @ e_w_op
-    fixed = fixed + g * ((x_bar + e0) @ slope) + unit_eta(num, d)
-    anchor = tensor_core_anchor(num)
-    if anchor:
-        fixed = fixed + g * anchor * (
-            (x_bar + e0).sum(axis=-1, keepdims=True) + slope.sum(axis=0) + d * anchor
-        )
-    kappa = (1 + u_op) * (1 + g)
-    f64 = _chain_dot_factor(d + 1, "sequential", 2.0**-53)
-    y = x @ w
-    y_given = f64 * (np.abs(x) @ np.abs(w))
-    if np.any(x_given):  # (an exact operand adds nothing)
-        y_given = x_given @ np.abs(w) + y_given
-    if b is not None:
-        y = y + b
-        y_given = y_given + f64 * np.abs(b)
-        e_b = rounding_error(b, fmt_in)
-        y_bar = np.abs(y) + y_given
-        fixed = (1 + acc.u) * (fixed + e_b) + acc.u * y_bar + acc.smallest_normal
-        kappa *= 1 + acc.u
-    y_bar = np.abs(y) + y_given
-    fixed = out.u * y_bar + (1 + out.u) * fixed + out.smallest_normal
-    kappa *= 1 + out.u
-    scale = 1 + evaluation_rounding(x.shape[-1])  # the float64 sums over the inputs
-    return Linear(y, y_given * scale, fixed * scale, slope, kappa * scale, x_given)
-
-
-def linear_overflow(
-    lin: Linear,
-    x: np.ndarray,
-    e_x: np.ndarray,
-    w: np.ndarray,
-    b: np.ndarray | None,
-    num: Numerics,
-    out: Format,
-    name: str,
-) -> tuple[np.ndarray, list[str]]:
-    """R.7: the entries of ``ŷ = fl_out(x̂ ŵ + b̂)`` that may overflow, and why.
-
-    With ``x̂`` off ``x`` by at most ``e_x``: the operands read into the operand and
-    accumulation formats, every partial sum of the dot (below ``(1 + g)·Σ|x̂||ŵ| + η``, and
-    with the bias), and the rounding into ``out`` (``|ŷ| <= |y| + given + error``).
-    """
-    fmt_in, acc = num.format_of("input"), num.format_of("accum")
-    op = num.operand_rounding
-    u_op, eta_op = operand_error(num)
-    x_op = (1 + u_op) * (np.abs(x) + lin.given_x + e_x) + eta_op
-    d = x.shape[-1]
-    bits = operand_bits(num, fmt_in)
-    g = unit_factor(num, d, None, bits=(bits, bits))
-    bad = np.zeros(np.broadcast_shapes((*x.shape[:-1], 1), (w.shape[-1],)), bool)
-    reasons: list[str] = []
-
-    def check(upper: ArrayLike, fmt: Format, stage: str) -> None:
-        nonlocal bad
-        hit = ~(np.asarray(upper, np.float64) <= fmt.max_finite)
-        if hit.any():
-            bad = bad | np.broadcast_to(hit, bad.shape)
-            worst = float(np.max(np.where(np.isnan(upper), np.inf, upper)[hit]))
-            reason = (
-                f"{stage}: values up to {worst:.4g} may overflow {fmt.name} "
-                f"(largest finite {fmt.max_finite:.6g})"
-            )
-            if reason not in reasons:
-                reasons.append(reason)
-
-    w_upper = np.abs(w) + rounding_error(w, fmt_in)
-    check(
-        np.broadcast_to(w_upper.max(axis=0), bad.shape),
-        fmt_in,
-        f"{name}: the weights in the input format",
-    )
-    for fmt, where in ((op, "the dot's operand format"), (acc, "the accumulation format")):
-        if fmt is not None:
-            check(x_op.max(axis=-1, keepdims=True), fmt, f"{name}: the operand read into {where}")
-            check(
-                np.broadcast_to(lin.slope.max(axis=0), bad.shape),
-                fmt,
-                f"{name}: the weights read into {where}",
-            )
-    dot = (1 + g) * (x_op @ lin.slope) + unit_eta(num, d)
-    check(dot, acc, f"{name}: the product accumulated")
-    if b is not None:
-        check(
-            dot + (np.abs(b) + rounding_error(b, fmt_in)) * (1 + acc.u) + acc.smallest_normal,
-            acc,
-            f"{name}: the product plus the bias",
-        )
-    check(
-        np.abs(lin.y) + lin.given + lin.error(e_x), out, f"{name}: the result rounded to {out.name}"
-    )
-    return bad, reasons
 
 
 def union_failure(lam: float, chains: int, num: Numerics) -> float:

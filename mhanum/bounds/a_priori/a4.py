@@ -17,8 +17,9 @@ from mhanum.bounds.a_priori.logits import logit_error, read_values
 from mhanum.bounds.a_priori.sizes import Operand, Range, literal
 from mhanum.bounds.a_priori.softcap import capped
 from mhanum.bounds.a_priori.softmax_pv import softmax_pv
-from mhanum.bounds.factors import EVALUATION, linear, linear_overflow
+from mhanum.bounds.factors import EVALUATION
 from mhanum.bounds.forward import ASSUMPTIONS
+from mhanum.bounds.projections import linear, linear_overflow
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
 from mhanum.units import Online

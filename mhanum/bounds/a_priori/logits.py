@@ -11,16 +11,13 @@ from mhanum.bounds.factors import (
     F64_DOT,
     compound,
     conversion_eta,
-    is_power_of_four,
     operand_bits,
     operand_error,
-    operand_scale,
-    power_of_two,
-    scale_rounding,
     tensor_core_anchor,
     unit_eta,
     unit_factor,
 )
+from mhanum.bounds.scale import is_power_of_four, operand_scale, power_of_two, scale_rounding
 from mhanum.numerics import Numerics
 
 __all__ = ["logit_error", "read_values"]

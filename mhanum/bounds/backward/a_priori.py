@@ -36,12 +36,11 @@ from mhanum.bounds.factors import (
     division_error,
     evaluation_rounding,
     exp_and_sum_factors,
-    is_power_of_four,
     operand_bits,
     operand_error,
-    scale_rounding,
     tensor_core_anchor,
 )
+from mhanum.bounds.scale import is_power_of_four, scale_rounding
 from mhanum.formats import Format
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 

@@ -42,8 +42,8 @@ from mhanum.bounds.factors import (
     evaluation_rounding,
     lam_or_probability,
     rounding_error,
-    scale_rounding,
 )
+from mhanum.bounds.scale import scale_rounding
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 from mhanum.problem import AttentionProblem
 

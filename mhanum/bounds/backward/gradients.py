@@ -26,7 +26,8 @@ from mhanum.bounds.enclosure import (
     signed_product,
     transpose,
 )
-from mhanum.bounds.factors import compound, evaluation_rounding, operand_bits, scale_rounding
+from mhanum.bounds.factors import compound, evaluation_rounding, operand_bits
+from mhanum.bounds.scale import scale_rounding
 
 __all__ = [
     "Coupling",

@@ -12,14 +12,8 @@ import numpy as np
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.bounds.enclosure import GRADIENTS, U64, Dot, Ranges, read_error
-from mhanum.bounds.factors import (
-    OperandScale,
-    compound,
-    is_power_of_four,
-    operand_bits,
-    operand_scale,
-    rounding_error,
-)
+from mhanum.bounds.factors import compound, operand_bits, rounding_error
+from mhanum.bounds.scale import OperandScale, is_power_of_four, operand_scale
 from mhanum.formats import Format
 from mhanum.numerics import Backward, Numerics
 from mhanum.problem import AttentionProblem

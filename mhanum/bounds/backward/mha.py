@@ -40,14 +40,13 @@ from mhanum.bounds.factors import (
     chain,
     compound,
     evaluation_rounding,
-    is_power_of_four,
     lam_or_probability,
-    linear,
-    linear_overflow,
     operand_bits,
     rounding_error,
 )
 from mhanum.bounds.forward import head_output_bound, merge_heads, split_heads
+from mhanum.bounds.projections import linear, linear_overflow
+from mhanum.bounds.scale import is_power_of_four
 from mhanum.formats import Format
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 from mhanum.problem import AttentionProblem, MHAProblem

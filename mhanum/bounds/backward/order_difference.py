@@ -20,10 +20,10 @@ from mhanum.bounds.factors import (
     operand_bits,
     operand_error,
     rounding_error,
-    scale_rounding,
     unit_eta,
     unit_factor,
 )
+from mhanum.bounds.scale import scale_rounding
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 from mhanum.problem import AttentionProblem
 

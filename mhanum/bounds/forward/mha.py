@@ -17,8 +17,6 @@ from mhanum.bounds._result import Bound
 from mhanum.bounds.factors import (
     evaluation_rounding,
     lam_or_probability,
-    linear,
-    linear_overflow,
     operand_error,
     rounding_error,
 )
@@ -28,6 +26,7 @@ from mhanum.bounds.forward.head import HeadResult, evaluate_rows
 from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias
 from mhanum.bounds.forward.result import check_scope, head_reasons, result, split_count
 from mhanum.bounds.forward.stage import ALONG, PLAIN, PROJECTED, Head, Setting
+from mhanum.bounds.projections import linear, linear_overflow
 from mhanum.formats import round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams

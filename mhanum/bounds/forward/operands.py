@@ -14,15 +14,13 @@ from mhanum.bounds.factors import (
     LOG2E,
     compound,
     conversion_eta,
-    is_power_of_four,
     operand_bits,
     operand_error,
-    operand_scale,
     rounding_error,
-    scale_rounding,
 )
 from mhanum.bounds.forward.ranges import Ranges
 from mhanum.bounds.forward.stage import Head, Setting
+from mhanum.bounds.scale import is_power_of_four, operand_scale, scale_rounding
 from mhanum.numerics import Numerics
 
 __all__ = ["Constant", "Operands", "constant_step", "operands_step", "stored_operands"]

@@ -1,0 +1,168 @@
+"""Theorem A.2 (a) (papers/attention.md): the projections ``y = x w + b`` of multi-head attention
+in float64, with the bounds of their computed values (:func:`linear`) and the ranges they are
+proved in (:func:`linear_overflow`); read by A.2, A.4's multi-head form and B.6."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from mhanum.bounds.factors import (
+    chain_dot_factor,
+    evaluation_rounding,
+    operand_bits,
+    operand_error,
+    rounding_error,
+    tensor_core_anchor,
+    unit_eta,
+    unit_factor,
+)
+from mhanum.formats import Format
+from mhanum.numerics import Numerics
+
+if TYPE_CHECKING:
+    from mhanum._types import ArrayLike
+
+__all__ = ["Linear", "linear", "linear_overflow"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+    """Theorem A.2 (a): ``y = x w + b`` in float64 and the bounds of the computed ``ŷ``.
+
+    ``|y - y*| <= given`` (float64 evaluation); ``|ŷ - y*| <= fixed + kappa·(e_x @ slope)`` for
+    an operand read with ``|x̂ - x*| <= e_x``.
+    """
+
+    y: np.ndarray
+    given: np.ndarray
+    fixed: np.ndarray
+    slope: np.ndarray
+    kappa: float
+    given_x: np.ndarray
+
+    def error(self, e_x: np.ndarray) -> np.ndarray:
+        return self.fixed + self.kappa * (e_x @ self.slope)
+
+
+def linear(
+    x: np.ndarray,
+    x_given: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None,
+    num: Numerics,
+    out: Format,
+    lam: float | None = None,
+) -> Linear:
+    """A.2 (a) for ``fl_out(fl_a(fl_a(op(x̂) op(ŵ)) + b̂))``, ``w`` and ``b`` rounded to the input format.
+
+    ``x`` stands in for the exact operand ``x*`` with ``|x - x*| <= x_given``.
+    """
+    fmt_in, acc = num.format_of("input"), num.format_of("accum")
+    u_op, eta_op = operand_error(num)
+    d = x.shape[-1]
+    bits = operand_bits(num, fmt_in)
+    g = unit_factor(num, d, lam, bits=(bits, bits))
+    x_bar = np.abs(x) + x_given
+    e_w = rounding_error(w, fmt_in)
+    e_w_op = e_w + u_op * (np.abs(w) + e_w) + eta_op
+    slope = np.abs(w) + e_w_op
+    # x̂ = x* + e: its operand rounding adds u_op|x̂| + η_op, |x̂| <= x_bar + e_x
+    e0 = u_op * x_bar + eta_op
+    if u_op == 0 and eta_op == 0:  # no operand rounding: e0 = 0 (a product of zeros is 0)
+        fixed = x_bar @ e_w_op
+    else:
+        fixed = e0 @ np.abs(w) + x_bar @ e_w_op + e0 @ e_w_op
+    fixed = fixed + g * ((x_bar + e0) @ slope) + unit_eta(num, d)
+    anchor = tensor_core_anchor(num)
+    if anchor:
+        fixed = fixed + g * anchor * (
+            (x_bar + e0).sum(axis=-1, keepdims=True) + slope.sum(axis=0) + d * anchor
+        )
+    kappa = (1 + u_op) * (1 + g)
+    f64 = chain_dot_factor(d + 1, "sequential", 2.0**-53)
+    y = x @ w
+    y_given = f64 * (np.abs(x) @ np.abs(w))
+    if np.any(x_given):  # (an exact operand adds nothing)
+        y_given = x_given @ np.abs(w) + y_given
+    if b is not None:
+        y = y + b
+        y_given = y_given + f64 * np.abs(b)
+        e_b = rounding_error(b, fmt_in)
+        y_bar = np.abs(y) + y_given
+        fixed = (1 + acc.u) * (fixed + e_b) + acc.u * y_bar + acc.smallest_normal
+        kappa *= 1 + acc.u
+    y_bar = np.abs(y) + y_given
+    fixed = out.u * y_bar + (1 + out.u) * fixed + out.smallest_normal
+    kappa *= 1 + out.u
+    scale = 1 + evaluation_rounding(x.shape[-1])  # the float64 sums over the inputs
+    return Linear(y, y_given * scale, fixed * scale, slope, kappa * scale, x_given)
+
+
+def linear_overflow(
+    lin: Linear,
+    x: np.ndarray,
+    e_x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None,
+    num: Numerics,
+    out: Format,
+    name: str,
+) -> tuple[np.ndarray, list[str]]:
+    """R.7: the entries of ``ŷ = fl_out(x̂ ŵ + b̂)`` that may overflow, and why.
+
+    With ``x̂`` off ``x`` by at most ``e_x``: the operands read into the operand and
+    accumulation formats, every partial sum of the dot (below ``(1 + g)·Σ|x̂||ŵ| + η``, and
+    with the bias), and the rounding into ``out`` (``|ŷ| <= |y| + given + error``).
+    """
+    fmt_in, acc = num.format_of("input"), num.format_of("accum")
+    op = num.operand_rounding
+    u_op, eta_op = operand_error(num)
+    x_op = (1 + u_op) * (np.abs(x) + lin.given_x + e_x) + eta_op
+    d = x.shape[-1]
+    bits = operand_bits(num, fmt_in)
+    g = unit_factor(num, d, None, bits=(bits, bits))
+    bad = np.zeros(np.broadcast_shapes((*x.shape[:-1], 1), (w.shape[-1],)), bool)
+    reasons: list[str] = []
+
+    def check(upper: ArrayLike, fmt: Format, stage: str) -> None:
+        nonlocal bad
+        hit = ~(np.asarray(upper, np.float64) <= fmt.max_finite)
+        if hit.any():
+            bad = bad | np.broadcast_to(hit, bad.shape)
+            worst = float(np.max(np.where(np.isnan(upper), np.inf, upper)[hit]))
+            reason = (
+                f"{stage}: values up to {worst:.4g} may overflow {fmt.name} "
+                f"(largest finite {fmt.max_finite:.6g})"
+            )
+            if reason not in reasons:
+                reasons.append(reason)
+
+    w_upper = np.abs(w) + rounding_error(w, fmt_in)
+    check(
+        np.broadcast_to(w_upper.max(axis=0), bad.shape),
+        fmt_in,
+        f"{name}: the weights in the input format",
+    )
+    for fmt, where in ((op, "the dot's operand format"), (acc, "the accumulation format")):
+        if fmt is not None:
+            check(x_op.max(axis=-1, keepdims=True), fmt, f"{name}: the operand read into {where}")
+            check(
+                np.broadcast_to(lin.slope.max(axis=0), bad.shape),
+                fmt,
+                f"{name}: the weights read into {where}",
+            )
+    dot = (1 + g) * (x_op @ lin.slope) + unit_eta(num, d)
+    check(dot, acc, f"{name}: the product accumulated")
+    if b is not None:
+        check(
+            dot + (np.abs(b) + rounding_error(b, fmt_in)) * (1 + acc.u) + acc.smallest_normal,
+            acc,
+            f"{name}: the product plus the bias",
+        )
+    check(
+        np.abs(lin.y) + lin.given + lin.error(e_x), out, f"{name}: the result rounded to {out.name}"
+    )
+    return bad, reasons
