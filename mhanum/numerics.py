@@ -780,6 +780,10 @@ class Backward:
         block_k: key block of the ``flash2`` ``dQ`` partials (``>= 1``).
         grad_format: format of ``dP``, ``D``, ``dP - D`` and ``dS`` (one of the accumulation
             formats). Default: the forward's ``softmax_format``.
+        dp_format: format ``dP = d_out vᵀ`` is rounded to as its dot's result, before ``D`` and
+            ``dS`` read it in ``grad_format`` (``jax.nn``'s half-precision backward rounds the
+            dot to the input type and computes ``dS`` in float32); ``None`` (default): read
+            from the accumulator into ``grad_format`` directly.
         ds_format: format ``dS`` is rounded to before the ``dQ`` and ``dK`` dots. Default:
             ``input`` for ``flash2`` (FlashAttention converts ``dS`` to the input type), else
             ``grad_format``.
@@ -807,6 +811,7 @@ class Backward:
     ds_format: str | None = None
     dq_order: tuple[int, ...] | None = None
     scale_at: str = "output"
+    dp_format: str | None = None
 
     def __post_init__(self) -> None:
         canon = object.__setattr__
@@ -816,7 +821,7 @@ class Backward:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _bad_backward(field, "an integer >= 1", value)
-        for field in ("grad_format", "ds_format"):
+        for field in ("grad_format", "ds_format", "dp_format"):
             value = getattr(self, field)
             if value is not None:
                 canon(self, field, get_format(value, argname=f"backward.{field}").name)
@@ -839,8 +844,9 @@ class Backward:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as strict JSON (``dq_order`` a list); :meth:`from_dict` reads it back.
-        ``scale_at``, added after the first records were written, only where it is not its
-        default, so that a record of an earlier version is written back as it was.
+        ``scale_at`` and ``dp_format``, added after the first records were written, only where
+        they are not their defaults, so that a record of an earlier version is written back as
+        it was.
 
         Examples:
             >>> Backward("flash2", block_k=2, dq_order=(1, 0)).to_dict()["dq_order"]
@@ -851,6 +857,8 @@ class Backward:
         out = {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
         if self.scale_at == "output":
             del out["scale_at"]
+        if self.dp_format is None:
+            del out["dp_format"]
         return out
 
     @classmethod
@@ -870,6 +878,10 @@ class Backward:
         if self.ds_format:
             return grad, get_format(self.ds_format)
         return grad, (num.format_of("input") if self.algorithm == "flash2" else grad)
+
+    def dp_rounding(self) -> Format | None:
+        """The format ``dP`` is rounded to as its dot's result (``dp_format``), or ``None``."""
+        return get_format(self.dp_format) if self.dp_format else None
 
     def key_blocks(self, n_keys: int) -> tuple[int, ...]:
         """The order of the ``dQ`` partials for ``n_keys`` keys (ascending unless given).

@@ -234,3 +234,46 @@ def test_the_scale_on_ds_is_refused_where_it_is_not_modelled():
         dq_order_difference(q, k, v, g, numerics="fp32", backward=DS["flash2"])
     with pytest.raises(InvalidArgument, match=r"backward\.scale_at: expected one of"):
         Backward(scale_at="dq")
+
+
+# dP rounded as its dot's result (Backward.dp_format, jax.nn's half-precision backward): step 4r.
+
+
+@pytest.mark.parametrize("algorithm", ["textbook", "flash2"])
+@pytest.mark.parametrize(
+    ("preset", "dp_format"),
+    [("bf16-fp32acc", "bfloat16"), ("fp16-fp32acc", "float16"), ("fp32", "bfloat16")],
+)
+@settings(max_examples=12)
+@given(problem=_problem())
+def test_every_gradient_is_within_its_bound_with_dp_rounded(preset, dp_format, algorithm, problem):
+    q, k, v, g, mask, scale = problem
+    bw = Backward(algorithm, block_q=4, block_k=4, dp_format=dp_format, scale_at="ds")
+    assert not _violations(q, k, v, g, mask, scale, resolve(preset), bw)
+
+
+@settings(max_examples=8)
+@given(e=st.integers(-60, 40), tiny=st.booleans())
+def test_dp_rounded_to_float16_overflows_or_flushes_with_its_reason(e, tiny):
+    """v and d_out scaled over float16's range: dP rounded to float16 overflows (every gradient
+    it feeds inf, with the reason) or flushes (charged), never silently."""
+    rng = np.random.default_rng(e + 100)
+    q, k, v, g = (rng.standard_normal((L, D)) for _ in range(4))
+    v, g = v * 2.0 ** (e // 2), g * 2.0 ** (e - e // 2)
+    if tiny:
+        g[0] = 2.0**-30
+    bw = Backward("textbook", dp_format="float16")
+    assert not _violations(q, k, v, g, None, None, resolve("fp16-fp32acc"), bw)
+    bound = attention_grad_bound(q, k, v, g, numerics="fp16-fp32acc", backward=bw)
+    if not np.isfinite(bound.dq.total).all():
+        assert any("dP rounded to float16" in r for r in bound.dq.reasons)
+
+
+def test_dp_format_is_refused_where_it_is_not_modelled():
+    with pytest.raises(
+        InvalidArgument, match=r"backward\.dp_format: expected None for Theorem B\.4"
+    ):
+        attention_grad_bound_a_priori(8, 8, 4, q_norm=1.0, k_norm=1.0, v_max=1.0, d_out_max=1.0,
+                                      backward=Backward(dp_format="bfloat16"))  # fmt: skip
+    with pytest.raises(InvalidArgument, match=r"backward\.dp_format: expected one of bfloat16"):
+        Backward(dp_format="float7")

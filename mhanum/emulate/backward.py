@@ -88,6 +88,11 @@ def _running(st: Stages, a_blocks: jax.Array, b_blocks: jax.Array) -> jax.Array:
     return lax.scan(step, first, (a_blocks[1:], b_blocks[1:]))[0]
 
 
+def _dp(acc: jax.Array, fmt: Format | None) -> jax.Array:
+    """``dP``'s dot result, rounded to ``Backward.dp_format`` where one is given."""
+    return acc if fmt is None else to_format(acc, fmt)
+
+
 def _finish(st: Stages, acc: jax.Array, scale: float | None) -> jax.Array:
     """``fl_out(fl_acc(acc·ĉ))`` with ``ĉ = fl_acc(scale)``, or ``fl_out(acc)``."""
     if scale is not None:
@@ -148,10 +153,11 @@ def _textbook(
     slope: jax.Array | None = None,
     cap: float | None = None,
     on_ds: float | None = None,
+    dp_fmt: Format | None = None,
 ) -> tuple[jax.Array, ...]:
     p = to_format(stage_probabilities(st, s), st.prob)  # the stored probabilities
     dv = st.dot(_t(p), g)
-    dp = gr.take(st.dot(g, _t(v)))
+    dp = gr.take(_dp(st.dot(g, _t(v)), dp_fmt))
     pg = gr.take(p)
     d = sum_with(gr, gr.mul(dp, pg), st.num.summation, keepdims=True)
     ds = gr.mul(pg, gr.sub(dp, d))
@@ -172,6 +178,7 @@ def _flash2(
     slope: jax.Array | None = None,
     cap: float | None = None,
     on_ds: float | None = None,
+    dp_fmt: Format | None = None,
 ) -> tuple[jax.Array, ...]:
     sm = st.soft
     lse, o = partial_attention(st, s, v)  # the forward's log-sum-exp and output
@@ -180,7 +187,7 @@ def _flash2(
     empty = jnp.isneginf(lse)
     arg = sm.sub(sm.take(s), jnp.where(empty, jnp.zeros_like(lse), lse))
     p = jnp.where(empty, jnp.zeros_like(arg), sm.exp(arg))
-    dp = gr.take(st.dot(g, _t(v)))
+    dp = gr.take(_dp(st.dot(g, _t(v)), dp_fmt))
     ds = gr.mul(gr.take(p), gr.sub(dp, d))
     ds_r = to_format(_capped(gr, ds, slope, cap, on_ds), ds_fmt)
     p_r = to_format(p, st.prob)
@@ -233,9 +240,13 @@ def _core(
         on_scores = scale if numerics.scale == "scores" else 1.0
         slope = jnp.broadcast_to(_cap_slope(st, gr, q, k, on_scores, softcap), s.shape)
     if backward.algorithm == "textbook":
-        dq, dk, dv, ds = _textbook(st, gr, ds_fmt, q, k, v, g, s, slope, softcap, on_ds)
+        dq, dk, dv, ds = _textbook(
+            st, gr, ds_fmt, q, k, v, g, s, slope, softcap, on_ds, backward.dp_rounding()
+        )
     else:
-        dq, dk, dv, ds = _flash2(st, gr, ds_fmt, backward, q, k, v, g, s, slope, softcap, on_ds)
+        dq, dk, dv, ds = _flash2(
+            st, gr, ds_fmt, backward, q, k, v, g, s, slope, softcap, on_ds, backward.dp_rounding()
+        )
     dtype = st.output.jax_dtype
     grads = (
         _finish(st, dq, f_q).astype(dtype),

@@ -142,6 +142,7 @@ from mhanum.reference._certify import (
 )
 from mhanum.reference._spec import (
     BACKENDS,
+    ScoreSpec,
     check_options,
     check_scale,
     params_float64,
@@ -325,9 +326,13 @@ def attention_grad(
     With ``S = scale·q kᵀ + bias``, ``P = softmax(S)`` (exactly 0 at masked keys) and
     ``O = P v``, the gradients of ``<d_out, O>`` are ``dv = Pᵀ d_out``,
     ``dS = P ∘ (d_out vᵀ - rowsum(P ∘ d_out vᵀ))``, ``dq = scale·dS k``, ``dk = scale·dSᵀ q`` and
-    ``dbias = dS``. They are computed in python-flint's Arb balls (every input float exact,
-    ``exp`` and the sums rigorous) and certified when every ball's radius is at most
-    ``2**-ceil(digits log2 10) / 2`` of its midpoint, or the ball lies within
+    ``dbias = dS``. Without a soft-cap or a sink, and for ``digits`` up to 26, they are first
+    enclosed in double-double balls (:mod:`mhanum.reference._fastref`, Theorem 1 of
+    papers/reference.md carried through the backward pass: no python-flint needed) and
+    returned when every entry is certified, i.e. its ball's radius is at most
+    ``2**-ceil(digits log2 10) / 2`` of its center. Otherwise (and for every entry of such a
+    call) they are computed in python-flint's Arb balls (every input float exact, ``exp`` and
+    the sums rigorous) and certified by the same test, or when the ball lies within
     ``[-2**-1075, 2**-1075]`` (an exact zero, say: the entry is then ``0.0``, its correctly
     rounded value; see **Zeros** in the module docstring), doubling the precision up to
     ``max_prec`` (the forward reference's ``backend="arb"``): backward kernels are measured
@@ -373,6 +378,10 @@ def attention_grad(
     if spec.excluded.all(axis=-1).any():
         msg = "mask: expected every row to attend some key (an empty softmax has no gradient)"
         raise InvalidArgument(msg)
+    if p.sink is None and spec.softcap is None and fast_path_applies(options):
+        fast = _certified_grads(q64, k64, v64, g64, spec, options.digits)
+        if fast is not None:
+            return Gradients(*fast)
     grads = arb_backend().attention_grad(
         q64, k64, v64, g64, spec, options, sink_column=sink is not None
     )
@@ -382,6 +391,21 @@ def attention_grad(
     # sum of its column of dS, certified with the rest
     dq, dk, dv, dbias, dsink = grads
     return Gradients(dq, dk[..., :keys, :], dv[..., :keys, :], dbias[..., :keys], dsink[..., 0, 0])
+
+
+def _certified_grads(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, spec: ScoreSpec, digits: int
+) -> tuple[np.ndarray, ...] | None:
+    """``(dq, dk, dv, dbias)`` from their double-double enclosures
+    (:func:`mhanum.reference._fastref.attention_grad`) where every entry is certified to
+    ``digits`` (the center, rounded to float64); ``None`` where one is not (Arb then)."""
+    with np.errstate(all="ignore"):
+        balls = _fastref.attention_grad(
+            q, k, v, g, spec.excluded, spec.bias, _fastref.scale_ball(spec.scale, spec.d_k)
+        )
+    if not all(_fastref.certified(b, digits).all() for b in balls):
+        return None
+    return tuple(b.hi + b.lo for b in balls)
 
 
 @one_blas_thread

@@ -27,6 +27,7 @@ from mhanum.reference._dd import Ball
 __all__ = [
     "MAX_DIGITS",
     "attention",
+    "attention_grad",
     "certified",
     "multi_head_attention",
     "probabilities",
@@ -176,6 +177,58 @@ def attention(
     if fully_masked != "uniform":
         zero = zero | np.asarray(excluded.all(axis=-1))[..., None]
     return _where(np.broadcast_to(zero, out.hi.shape), out, 0.0, 0.0), undefined
+
+
+def _negated(x: Ball) -> Ball:
+    return Ball(-x.hi, -x.lo, x.rad)
+
+
+def _transposed(x: Ball) -> Ball:
+    return _map(x, lambda a: np.swapaxes(a, -1, -2))
+
+
+def attention_grad(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    excluded: np.ndarray,
+    bias: np.ndarray | None,
+    scale: Ball,
+) -> tuple[Ball, Ball, Ball, Ball]:
+    """Enclosures of the gradients ``(dq, dk, dv, dS)`` of ``<g, softmax(scale q kᵀ + bias) v>``
+    (papers/reference.md, Theorem 1 carried through the backward pass): ``P`` as
+    :func:`attention` encloses it (excluded keys exactly 0), ``dv = Pᵀ g``, ``dP = g vᵀ`` (exact
+    floats, :func:`mhanum.reference._dd.matmul`), ``D = rowsum(P ∘ dP)`` (pairwise, each level a
+    ball sum), ``dS = P ∘ (dP - D)`` (exactly 0 at excluded keys), ``dq = scale·(dS k)`` and
+    ``dk = scale·(dSᵀ q)``; every operation a ball operation of :mod:`mhanum.reference._dd`, so
+    each enclosure is proven. A row that attends one key has ``P = 1`` there and ``D = dP``, so
+    its ``dS`` and ``dq`` are exactly 0 (radius 0). Every row must attend some key (the caller
+    checks it).
+
+    Args:
+        q, k, v, g: float64 ``(..., Lq, d_k)``, ``(..., Lk, d_k)``, ``(..., Lk, d_v)``,
+            ``(..., Lq, d_v)``, broadcast to the batch of ``excluded``.
+        excluded: ``(..., Lq, Lk)``, True where a key is excluded.
+        bias: float64 ``(..., Lq, Lk)`` (0 where excluded) or ``None``.
+        scale: the scale as a ball (:func:`scale_ball`).
+    """
+    shape = excluded.shape
+    batch = shape[:-2]
+    q, k, v, g = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v, g))
+    scores = _dd.matmul(q, np.swapaxes(k, -1, -2))
+    probs, _ = probabilities(scores, scale, bias, excluded, "zero")
+    dv = _dd.ball_matmul(_transposed(probs), _exact(np.ascontiguousarray(g)))
+    dp = _dd.matmul(g, np.swapaxes(v, -1, -2))
+    d = _map(_row_sum(_dd.mul(probs, dp)), lambda a: a[..., None])
+    ds = _dd.mul(probs, _dd.add(dp, _negated(_map(d, lambda a: np.broadcast_to(a, shape)))))
+    # a row that attends one key has P = 1 there and D = dP: its dS (and so its dq) is exactly 0
+    single = ((~excluded).sum(axis=-1) == 1)[..., None]
+    ds = _where(excluded | single, ds, 0.0, 0.0)
+    dq = _dd.mul(scale, _dd.ball_matmul(ds, _exact(np.ascontiguousarray(k))))
+    dq = _where(np.broadcast_to(single, dq.hi.shape), dq, 0.0, 0.0)
+    dk = _dd.mul(scale, _dd.ball_matmul(_transposed(ds), _exact(np.ascontiguousarray(q))))
+    return dq, dk, dv, ds
 
 
 def multi_head_attention(

@@ -402,7 +402,7 @@ def _jax_xla() -> BackwardKernel:
             f: (
                 _textbook(
                     fwd.candidates(f)[0].replace(mask_value=-math.inf),
-                    grad_format=f,
+                    dp_format=f,
                     ds_format=f,
                     scale_at="ds",
                 ),
@@ -416,11 +416,11 @@ def _jax_xla() -> BackwardKernel:
         (
             _JAX_BACKWARD,
             (
-                "half inputs: dP is rounded to the input dtype, D and dS are float32 and dS "
-                "reaches the dots in the input dtype; the model rounds dP, D and dS to the input "
-                "dtype (grad_format = ds_format = dtype), a coarser rounding at every step, and "
-                "dS times the scale in it, where jax multiplies in float32 and then converts: "
-                "the model's coarser rounding of P∘(dP - D) covers that float32 product"
+                "half inputs: dP is rounded to the input dtype (the einsum's output), read into "
+                "float32; D, the softmax backward, and dS times the scale are float32; dS reaches "
+                "the dots in the input dtype: dp_format = ds_format = dtype, grad_format float32; "
+                "the model's dS reads the stored probabilities (the input dtype) where jax reads "
+                "its float32 softmax, a value within the model's enclosure of the probabilities"
             ),
             (
                 "masking: where(mask, logits, -0.7·finfo(float32).max); with a live key of "

@@ -117,6 +117,9 @@ def attention_grad_bound_a_priori(
     bw = resolve_backward(backward)
     check_scope(num, bw)
     check_scores_placement(num, bw, "B.4")
+    if bw.dp_format is not None:
+        msg = f"backward.dp_format: expected None for Theorem B.4, got {bw.dp_format!r}"
+        raise InvalidArgument(msg)
     lq, n, d = (V.positive_int(x, name) for x, name in ((q_len, "q_len"), (kv_len, "kv_len"),
                                                           (d_k, "d_k")))  # fmt: skip
     dv_ = d if d_v is None else V.positive_int(d_v, "d_v")

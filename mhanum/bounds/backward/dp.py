@@ -26,7 +26,8 @@ __all__ = ["RowD", "d_step", "dp_step"]
 
 
 def dp_step(ctx: Context, ops: Operands) -> Enclosure:
-    """Step 4 (papers/backward.md): ``dP = d_out vᵀ`` by B.0, read into the gradient format."""
+    """Step 4 (papers/backward.md): ``dP = d_out vᵀ`` by B.0, rounded to ``dp_format`` where
+    the backward names one (step 4r), and read into the gradient format."""
     x, num, rng = ctx.x, ctx.num, ctx.rng
     acc, grad, dv_ = ctx.fmt("accum"), ctx.grad, ctx.sizes[3]
     ag, av, mg, mv, e, rad = (
@@ -47,7 +48,13 @@ def dp_step(ctx: Context, ops: Operands) -> Enclosure:
     rng.operands(num, ag + e["d_out"], av + e["v"], "d_out vᵀ", ("dq", "dk", "dbias"))
     rng.check((1 + f) * ((ag + e["d_out"]) @ transpose(av + e["v"])) + eta, acc,
               "d_out vᵀ accumulated", ("dq", "dk", "dbias"))  # fmt: skip
-    dp.err = dp.err + read_error(dp.used, acc, grad)
+    src = acc
+    dpf = ctx.bw.dp_rounding()
+    if dpf is not None:  # step 4r: the dot's result rounded to dp_format, then read on
+        dp.err = dp.err + read_error(dp.used, acc, dpf)
+        rng.check(dp.used, dpf, f"dP rounded to {dpf.name}", ("dq", "dk", "dbias"))
+        src = dpf
+    dp.err = dp.err + read_error(dp.used, src, grad)
     rng.check(dp.used, grad, "dP in the gradient format", ("dq", "dk", "dbias"))
     return dp
 
