@@ -744,10 +744,12 @@ def resolve(numerics: Numerics | str | None) -> Numerics:
 BACKWARD_ALGORITHMS = ("textbook", "flash2")
 """The backward passes :class:`Backward` models: the textbook one and FlashAttention-2's."""
 
-SCALE_AT = ("output", "ds")
+SCALE_AT = ("output", "ds", "partials")
 """Where a backward pass multiplies by the scale on the scores: ``"output"``, ``dQ`` and ``dK``
 after their dots, in ``accum``; ``"ds"``, ``dS`` before the dots, in the gradient format (the
-transpose of ``logits *= scale`` in ``jax.nn.dot_product_attention``)."""
+transpose of ``logits *= scale`` in ``jax.nn.dot_product_attention``); ``"partials"``, each
+block's partial ``dQ`` (``dK``) before it is added, in ``accum`` (a GEMM's ``alpha`` applied to
+its product, as PyTorch's CPU flash backward adds ``alpha·(dS_b K_b)`` into ``dQ``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -793,7 +795,9 @@ class Backward:
         scale_at: where the scale on the scores multiplies (one of :data:`SCALE_AT`):
             ``"output"`` (default), ``dQ = fl(ĉ·(dS K))``, ``dK = fl(ĉ·(dSᵀ Q))`` with
             ``ĉ = fl_acc(c)``; ``"ds"``, ``dQ = fl(fl_ds(fl_grad(dS·ĉ)) K)`` with
-            ``ĉ = fl_grad(c)`` (``dK`` likewise), the dots then multiplied by nothing.
+            ``ĉ = fl_grad(c)`` (``dK`` likewise), the dots then multiplied by nothing;
+            ``"partials"``, ``dQ = Σ_b fl_acc(ĉ·(dS_b K_b))`` (``flash2``'s key blocks, ``dK``'s
+            query blocks) with ``ĉ = fl_acc(c)``, the sum multiplied by nothing.
 
     Examples:
         >>> Backward("flash2", block_k=2, dq_order=(1, 0)).dq_order
@@ -907,10 +911,10 @@ class Backward:
         the scaled ones are multiplied by the factor again, as autograd does)."""
         if num.exp_form != "exp":
             raise _bad("exp_form", "'exp' for the backward pass", num.exp_form)
-        if self.scale_at == "ds" and num.scale != "scores":
+        if self.scale_at != "output" and num.scale != "scores":
             msg = (
                 "backward.scale_at: expected 'output' with the scale on q or on q and k "
-                f"(numerics.scale={num.scale!r}), got 'ds'"
+                f"(numerics.scale={num.scale!r}), got {self.scale_at!r}"
             )
             raise InvalidArgument(msg)
         if num.kv_splits is not None:

@@ -226,7 +226,7 @@ def test_the_scale_on_ds_is_refused_where_it_is_not_modelled():
     with pytest.raises(InvalidArgument, match=r"backward\.scale_at: expected 'output' with the"):
         attention_grad_bound(q, k, v, g, numerics=resolve("fp32").replace(scale="qk"),
                              backward=DS["textbook"])  # fmt: skip
-    with pytest.raises(InvalidArgument, match=r"backward\.scale_at: expected 'output' with a"):
+    with pytest.raises(InvalidArgument, match=r"backward\.scale_at: expected 'output' with a tensor-core"):
         attention_grad_bound(q, k, v, g, numerics="tensor-core-bf16", backward=DS["textbook"])
     with pytest.raises(
         InvalidArgument, match=r"backward\.scale_at: expected 'output' for Theorem B\.3"
@@ -277,3 +277,37 @@ def test_dp_format_is_refused_where_it_is_not_modelled():
                                       backward=Backward(dp_format="bfloat16"))  # fmt: skip
     with pytest.raises(InvalidArgument, match=r"backward\.dp_format: expected one of bfloat16"):
         Backward(dp_format="float7")
+
+
+# Each block's partial times the scale before it is added (Backward.scale_at="partials", a
+# GEMM's alpha in PyTorch's CPU flash backward): step 8p.
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-fp32acc", "fp16"])
+@settings(max_examples=12)
+@given(problem=_problem())
+def test_every_gradient_is_within_its_bound_with_scaled_partials(preset, problem):
+    q, k, v, g, mask, scale = problem
+    bw = Backward("flash2", block_q=4, block_k=4, scale_at="partials")
+    assert not _violations(q, k, v, g, mask, scale, resolve(preset), bw)
+
+
+@settings(max_examples=8)
+@given(e=st.integers(-140, 120), scale_exp=st.integers(-60, 8))
+def test_scaled_partials_hold_across_the_exponent_range(e, scale_exp):
+    rng = np.random.default_rng((e + 200) * 1000 + scale_exp + 100)
+    q, k, v, g = (rng.standard_normal((L, D)) for _ in range(4))
+    v, g = v * 2.0**e, g * 2.0 ** (-e // 2)
+    bw = Backward("flash2", block_q=4, block_k=4, scale_at="partials")
+    assert not _violations(q, k, v, g, None, 0.7 * 2.0**scale_exp, resolve("fp32"), bw)
+
+
+def test_scaled_partials_differ_from_one_product_and_agree_for_a_power_of_two():
+    rng = np.random.default_rng(13)
+    q, k, v, g = (rng.standard_normal((16, D)) for _ in range(4))
+    num = resolve("fp32")
+    for scale, same in ((0.25, True), (0.3, False)):
+        a = attention_grad(q, k, v, g, scale=scale, numerics=num, backward=FLASH)
+        b = attention_grad(q, k, v, g, scale=scale, numerics=num,
+                           backward=Backward("flash2", block_q=4, block_k=4, scale_at="partials"))  # fmt: skip
+        assert np.array_equal(np.asarray(a.dq), np.asarray(b.dq)) is same

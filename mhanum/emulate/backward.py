@@ -76,15 +76,22 @@ def _blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
     return jnp.moveaxis(x, axis, 0)
 
 
-def _running(st: Stages, a_blocks: jax.Array, b_blocks: jax.Array) -> jax.Array:
-    """``Σ_b a_b b_b``: each block's dot on the dot unit, added to the running sum in block order
+def _running(
+    st: Stages, a_blocks: jax.Array, b_blocks: jax.Array, scale: float | None = None
+) -> jax.Array:
+    """``Σ_b a_b b_b``: each block's dot on the dot unit (times ``fl_acc(scale)`` when given,
+    ``Backward.scale_at="partials"``), added to the running sum in block order
     (FlashAttention-2's ``dK`` and ``dV`` over query blocks); the first block's dot is the sum."""
     ar = st.acc
 
-    def step(acc: jax.Array, blk: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
-        return ar.add(acc, st.dot(*blk)), None
+    def part(a: jax.Array, b: jax.Array) -> jax.Array:
+        x = st.dot(a, b)
+        return x if scale is None else ar.mul(x, format_constant(ar, scale))
 
-    first = st.dot(a_blocks[0], b_blocks[0])
+    def step(acc: jax.Array, blk: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+        return ar.add(acc, part(*blk)), None
+
+    first = part(a_blocks[0], b_blocks[0])
     return lax.scan(step, first, (a_blocks[1:], b_blocks[1:]))[0]
 
 
@@ -179,6 +186,7 @@ def _flash2(
     cap: float | None = None,
     on_ds: float | None = None,
     dp_fmt: Format | None = None,
+    on_parts: float | None = None,
 ) -> tuple[jax.Array, ...]:
     sm = st.soft
     lse, o = partial_attention(st, s, v)  # the forward's log-sum-exp and output
@@ -194,8 +202,10 @@ def _flash2(
     n_keys = k.shape[-2]
     # dV, dK: over query blocks, in order; dQ: one partial per key block, added in dq_order
     dv = _running(st, _blocks(_t(p_r), -1, bw.block_q), _blocks(g, -2, bw.block_q))
-    dk = _running(st, _blocks(_t(ds_r), -1, bw.block_q), _blocks(q, -2, bw.block_q))
+    dk = _running(st, _blocks(_t(ds_r), -1, bw.block_q), _blocks(q, -2, bw.block_q), on_parts)
     parts = jax.vmap(st.dot)(_blocks(ds_r, -1, bw.block_k), _blocks(k, -2, bw.block_k))
+    if on_parts is not None:
+        parts = st.acc.mul(parts, format_constant(st.acc, on_parts))
     order = jnp.asarray(bw.key_blocks(n_keys))
     parts = parts[order]
 
@@ -232,6 +242,9 @@ def _core(
     on_ds = None
     if backward.scale_at == "ds":  # dS times the scale before the dots, and nothing after
         on_ds, f_q, f_k = scale, None, None
+    on_parts = None
+    if backward.scale_at == "partials" and backward.algorithm == "flash2":
+        on_parts, f_q, f_k = scale, None, None  # each block's partial times the scale
     batch = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], g.shape[:-2])
     q, k, v, g = (jnp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v, g))
     s = jnp.broadcast_to(s, (*batch, *s.shape[-2:]))
@@ -245,8 +258,9 @@ def _core(
         )
     else:
         dq, dk, dv, ds = _flash2(
-            st, gr, ds_fmt, backward, q, k, v, g, s, slope, softcap, on_ds, backward.dp_rounding()
-        )
+            st, gr, ds_fmt, backward, q, k, v, g, s, slope, softcap, on_ds,
+            backward.dp_rounding(), on_parts,
+        )  # fmt: skip
     dtype = st.output.jax_dtype
     grads = (
         _finish(st, dq, f_q).astype(dtype),

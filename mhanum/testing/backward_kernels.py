@@ -76,6 +76,9 @@ class BackwardKernel:
         evidence: where each modelling choice was read (files, functions, versions).
         notes: what the model leaves out or assumes.
         scale_rule: one of :data:`SCALE_RULES`.
+        scale_rules: ``((format, rule), ...)``: the rule of those input formats where it
+            differs from ``scale_rule`` (a kernel whose candidates model every scale placement
+            for float32 inputs but not for half ones).
         softmax_backward: one of :data:`SOFTMAX_BACKWARDS`.
         q_blocks: ``((min_length, block_q), ...)``, largest first: the query block of a kernel
             that picks it from the query length (the first whose ``min_length <= Lq``);
@@ -101,6 +104,7 @@ class BackwardKernel:
     notes: str = ""
     scale_rule: str = "any"
     softmax_backward: str = "fused"
+    scale_rules: tuple[tuple[str, str], ...] = ()
     q_blocks: tuple[tuple[int, int], ...] | None = None
     accumulates_in_input: bool = False
     grouped: str | None = "per-head"
@@ -120,9 +124,10 @@ class BackwardKernel:
                 ):
                     msg = f"models[{fmt!r}]: expected (Numerics, Backward) pairs, got {pair!r}"
                     raise InvalidArgument(msg)
-        if self.scale_rule not in SCALE_RULES:
-            msg = f"scale_rule: expected one of {SCALE_RULES}, got {self.scale_rule!r}"
-            raise InvalidArgument(msg)
+        for rule in (self.scale_rule, *(r for _, r in self.scale_rules)):
+            if rule not in SCALE_RULES:
+                msg = f"scale_rule: expected one of {SCALE_RULES}, got {rule!r}"
+                raise InvalidArgument(msg)
         if self.softmax_backward not in SOFTMAX_BACKWARDS:
             msg = (
                 f"softmax_backward: expected one of {SOFTMAX_BACKWARDS}, "
@@ -185,7 +190,7 @@ class BackwardKernel:
         root = math.sqrt(abs(scale)) if split else abs(scale)
         if not _is_power_of_two(root):
             why = "a power of four" if split else "a power of two"
-            how = "q and k by the scale's square root" if split else "dS by the scale"
+            how = "q and k by the scale's square root" if split else "by the scale elsewhere"
             msg = (
                 f"scale: expected {why} for the multi-head backward of kernel {self.name!r} "
                 f"(it multiplies {how}, and Theorem B.6 models the scale on the scores, after "
@@ -196,21 +201,23 @@ class BackwardKernel:
             (n.replace(scale="scores"), dataclasses.replace(b, scale_at="output")) for n, b in pairs
         )
 
-    def check_scale(self, scale: float) -> None:
-        """Refuse a scale whose placement in the kernel does not round as the model's.
+    def check_scale(self, scale: float, fmt: str | None = None) -> None:
+        """Refuse a scale whose placement in the kernel does not round as the model's (for
+        inputs of ``fmt``, where :attr:`scale_rules` names a rule of its own).
 
         Raises:
             InvalidArgument: naming ``scale``, the kernel and why.
         """
-        if self.scale_rule == "any":
+        rule = dict(self.scale_rules).get(fmt or "", self.scale_rule)
+        if rule == "any":
             return
-        root = abs(scale) if self.scale_rule == "power-of-two" else math.sqrt(abs(scale))
+        root = abs(scale) if rule == "power-of-two" else math.sqrt(abs(scale))
         if _is_power_of_two(root):
             return
         why = {
             "power-of-two": "a power of two (it multiplies by the scale elsewhere than the model)",
             "power-of-four": "a power of four (it multiplies q and k by its square root)",
-        }[self.scale_rule]
+        }[rule]
         msg = (
             f"scale: expected {why} for the backward of kernel {self.name!r}, so that its "
             f"scale placement rounds as the model's; got {scale!r}"
@@ -260,6 +267,7 @@ class BackwardKernel:
             "evidence": list(self.evidence),
             "notes": self.notes,
             "scale_rule": self.scale_rule,
+            "scale_rules": [list(x) for x in self.scale_rules],
             "softmax_backward": self.softmax_backward,
             "q_blocks": None if self.q_blocks is None else [list(x) for x in self.q_blocks],
             "accumulates_in_input": self.accumulates_in_input,
@@ -332,8 +340,15 @@ def _torch_sdpa_math_tf32() -> BackwardKernel:
 
 def _torch_sdpa_flash_cpu() -> BackwardKernel:
     fwd = KERNELS["torch-sdpa-flash-cpu"]
+    # float32: alpha on each GEMM's product (scale_at "partials"), or, as the BLAS does not
+    # document it, on its first operand (scale_at "ds"); half inputs: one block, a power of two
+    placements = {"float32": ("partials", "ds")}
     models = {
-        f: tuple((n, Backward("flash2", block_q=32, block_k=512)) for n in fwd.candidates(f))
+        f: tuple(
+            (n, Backward("flash2", block_q=32, block_k=512, scale_at=at))
+            for n in fwd.candidates(f)
+            for at in placements.get(f, ("output",))
+        )
         for f in fwd.formats
     }
     return BackwardKernel(
@@ -356,8 +371,10 @@ def _torch_sdpa_flash_cpu() -> BackwardKernel:
                 "grad_q, grad_k, grad_v are tensors of the input type: gemm with beta = 1 adds "
                 "each block's partial in it, so half inputs are modelled for one query block "
                 "and one key block only (accumulates_in_input); each partial is scaled before "
-                "it is added, and where the BLAS applies alpha is not documented (scale_rule "
-                "'power-of-two'); the CPU BLAS's GEMM "
+                "it is added, and where the BLAS applies alpha is not documented: float32 "
+                "inputs are modelled with alpha on the product (Backward.scale_at='partials') "
+                "and on the first operand ('ds'), every scale; half inputs with a power-of-two "
+                "scale (scale_rules); the CPU BLAS's GEMM "
                 "accumulates each call's product from zero and adds alpha·acc + beta·C in its "
                 "epilogue (assumed: each call's inner extent, <= 512, is one panel)"
             ),
@@ -372,6 +389,7 @@ def _torch_sdpa_flash_cpu() -> BackwardKernel:
         "the forward as 'torch-sdpa-flash-cpu'; no bias gradient (the CPU flash backward does "
         "not return one)",
         scale_rule="power-of-two",
+        scale_rules=(("float32", "any"),),
         q_blocks=((768, 256), (192, 64), (0, 32)),
         accumulates_in_input=True,
     )

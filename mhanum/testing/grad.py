@@ -309,7 +309,7 @@ def attention_grad_oracle(
         raise InvalidArgument(msg)
     b64 = None if bias is None else as_float64(bias, "bias")
     c = 1.0 / math.sqrt(d) if scale is None else _scale_value(scale)
-    kern.check_scale(c)
+    kern.check_scale(c, fmt)
     kern.check_blocks(lq, lk, fmt, grouped=group > 1)
     candidates = kern.candidates(fmt, lq)
     if kern.softmax_backward == "products" and sink is not None:
@@ -682,7 +682,7 @@ def mha_grad_oracle(
     lq, lk = xq.shape[-2], xkv.shape[-2]
     d = width // num_heads
     c = 1.0 / math.sqrt(d) if scale is None else _scale_value(scale)
-    kern.check_scale(c)
+    kern.check_scale(c, fmt)
     grouped = num_kv_heads is not None and num_kv_heads != num_heads
     kern.check_blocks(lq, lk, fmt, grouped=grouped)
     if hasattr(mask, "detach"):

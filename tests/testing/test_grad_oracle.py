@@ -436,3 +436,21 @@ def test_jax_grouped_heads_are_one_dot_over_the_group(dtype, kv_heads):
     if kv_heads == 2:
         with pytest.raises(GradientMismatch, match="dk: "):
             oracle.assert_close(_jax_gqa_grads(q, k, v, g, dtype, heads_order=[0, 2, 1, 3]))
+
+
+@pytest.mark.parametrize("scale", [None, 0.3], ids=["default", "0.3"])
+def test_torch_cpu_flash_with_a_scale_that_is_no_power_of_two_is_within_the_tolerance(scale):
+    """d = 128, float32, two key blocks of 512 and several query blocks: PyTorch's CPU flash
+    backward scales each block's partial with its GEMM's alpha (or its operand: the BLAS does
+    not say), modelled by Backward(scale_at="partials") and ("ds"); real autograd is within the
+    tolerance, and dq off by a scale rounded to bfloat16 (eight times over) is not."""
+    rng = np.random.default_rng(512)
+    q, g = (draw(rng, (1, 1, 96, 128), "float32") for _ in range(2))
+    k, v = (draw(rng, (1, 1, 600, 128), "float32") for _ in range(2))
+    got = torch_grads(q, k, v, g, backend="flash", dtype="float32", causal=False, scale=scale)
+    oracle = grad_oracle(q, k, v, g, kernel="torch-sdpa-flash-cpu", scale=scale)
+    oracle.assert_close(got)
+    c = 1 / math.sqrt(128) if scale is None else scale
+    off = (float(ml_dtypes.bfloat16(c)) / c) ** 8
+    with pytest.raises(GradientMismatch, match="dq: "):
+        oracle.assert_close({"dq": got["dq"] * off})

@@ -312,6 +312,8 @@ def last_dot_step(ctx: Context, g: LastDot, statement: Statement) -> tuple[Bound
             carried, own = scaled_dot_output(x_up, err, c64, u64, eta, b_sum, ctx)
         else:
             carried, own = scaled_output(x_up, err, c64, c64, u64, num)
+            if ctx.bw.scale_at == "partials" and ctx.flash:  # step 8p
+                own = own + scaled_partials(ctx, g, f, eta, c64)
         ratio = carried / np.where(err > 0, err, 1.0)
         y_up = abs(c64) * x_up + carried + own
     else:
@@ -322,6 +324,25 @@ def last_dot_step(ctx: Context, g: LastDot, statement: Statement) -> tuple[Bound
     terms = {"upstream": ratio * from_a, "inputs": ratio * from_b}
     terms = {**terms, "accumulation": ratio * accumulation, "output": own}
     return statement.bound(g.name, terms, rng), up
+
+
+def scaled_partials(ctx: Context, g: LastDot, f: float, eta: float, c64: float) -> np.ndarray:
+    """Step 8p (``Backward.scale_at="partials"``): each block's partial ``X̂_b`` is multiplied by
+    ``ĉ = fl_acc(c64)`` and rounded before it is added: ``Σ_b |fl(ĉ X̂_b) - ĉ X̂_b| <=
+    u_acc|ĉ| Σ_b |X̂_b| + count·η_acc``, with ``Σ_b |X̂_b| <= (1 + f)|Â_op||B̂_op| + η`` (each
+    block's dot, its operands as the dot reads them). The rest of step 8 (the product of the
+    sum) is charged as if it were there, which covers the sum of scaled partials."""
+    acc = ctx.fmt("accum")
+    c_hat, _, _ = scale_rounding(c64, acc)
+    u_op, eta_op = ctx.dot.u_op, ctx.dot.eta_op
+    a_op = (1 + u_op) * (g.a_up + g.a_err) + eta_op
+    b_op = (1 + u_op) * (g.b_up + g.b_err) + eta_op
+    n = g.a_up.shape[-1]
+    count = -(-n // g.block) if g.block else 1
+    parts = ((1 + f) * (a_op @ b_op) + eta) * (1 + evaluation_rounding(n))
+    stage = f"{g.name}'s partials times the scale"
+    ctx.rng.check(abs(c_hat) * parts * (1 + acc.u) + acc.smallest_normal, acc, stage, (g.name,))
+    return acc.u * abs(c_hat) * parts * (1 + 2 * U64) + count * acc.smallest_normal
 
 
 def scaled_dot_output(

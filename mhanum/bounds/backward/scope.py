@@ -57,10 +57,10 @@ class GradientBounds(NamedTuple):
 def check_scope(num: Numerics, bw: Backward) -> None:
     """Refuses, by name, numerics the backward theorems do not cover."""
     bw.check_forward(num)
-    if bw.scale_at == "ds" and num.dot_kind == "tensor-core":
+    if bw.scale_at != "output" and num.dot_kind == "tensor-core":
         msg = (
-            "backward.scale_at: expected 'output' with a tensor-core dot unit (step 8s does "
-            "not scale its alignment anchor), got 'ds'"
+            "backward.scale_at: expected 'output' with a tensor-core dot unit (steps 8s and 8p "
+            f"do not carry its alignment anchor), got {bw.scale_at!r}"
         )
         raise InvalidArgument(msg)
     if num.softmax_kind == "naive":
