@@ -23,8 +23,8 @@ takes one for both or the pair). A convention the bounds do not model is named i
 >>> k_cache, v_cache = get_kv_cache("vllm-fp8-e4m3", scale=0.05, v_scale=0.02)
 >>> float(k_cache.scale), float(v_cache.scale)
 (0.05, 0.02)
->>> [c.divisor for c in get_kv_cache("vllm-fp8-dynamic")]
-[200.0, 100.0]
+>>> tuple(c.divisor for c in get_kv_cache("vllm-fp8-dynamic"))
+(200.0, 100.0)
 """
 
 from __future__ import annotations
