@@ -226,7 +226,9 @@ def test_the_scale_on_ds_is_refused_where_it_is_not_modelled():
     with pytest.raises(InvalidArgument, match=r"backward\.scale_at: expected 'output' with the"):
         attention_grad_bound(q, k, v, g, numerics=resolve("fp32").replace(scale="qk"),
                              backward=DS["textbook"])  # fmt: skip
-    with pytest.raises(InvalidArgument, match=r"backward\.scale_at: expected 'output' with a tensor-core"):
+    with pytest.raises(
+        InvalidArgument, match=r"backward\.scale_at: expected 'output' with a tensor-core"
+    ):
         attention_grad_bound(q, k, v, g, numerics="tensor-core-bf16", backward=DS["textbook"])
     with pytest.raises(
         InvalidArgument, match=r"backward\.scale_at: expected 'output' for Theorem B\.3"
