@@ -15,8 +15,8 @@ given a tolerance that might not hold.
 
 Examples:
     >>> k = get_backward_kernel("torch-sdpa-flash-cpu")
-    >>> [(b.algorithm, b.block_q, b.block_k) for _, b in k.candidates("float32", 100)]
-    [('flash2', 32, 512)]
+    >>> [(b.algorithm, b.block_q, b.block_k, b.scale_at) for _, b in k.candidates("float32", 100)]
+    [('flash2', 32, 512, 'partials'), ('flash2', 32, 512, 'ds')]
     >>> k.candidates("float32", 200)[0][1].block_q
     64
 """
