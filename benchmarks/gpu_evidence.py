@@ -546,28 +546,16 @@ def run_jax(kernel: str, q, k, v, dtype: str, config: Config, precision: str, de
 def cudnn_candidates(fmt: str) -> tuple[Any, ...]:
     """Provisional cuDNN candidates: the device model (mhanum.devices, online softmax over key
     blocks of 64) and FlashAttention-style online softmaxes on the H100 tensor-core model."""
-    from mhanum import Numerics, devices
+    from mhanum import devices
+    from mhanum.testing import KERNELS
 
-    short = {"bfloat16": "bf16", "float16": "fp16"}[fmt]
     device_model = devices.model_for("cudnn", fmt, "default", "gpu")[1]
+    # FlashAttention-2's models on the H100 tensor-core model, blocks of 64 and 128, with the
+    # scale folded into exp2 or applied to the scores first
     flash = tuple(
-        Numerics(
-            input=fmt,
-            accum="float32",
-            score_format="float32",
-            softmax_format="float32",
-            prob_format=fmt,
-            output_format=fmt,
-            dot=f"tensor-core(h100-{short})",
-            softmax=f"online({block})",
-            online_sums="running",
-            exp_form=form,
-            mask_mode="fill",
-            mask_value=-math.inf,
-            div_ulps=2.0,
-            exp_ulps=4.0,
-        )
-        for block in (64, 128)
+        n.replace(exp_form=form)
+        for n in KERNELS["flash-attention-2"].candidates(fmt)
+        if n.dot.startswith("tensor-core(h100") and n.softmax in ("online(64)", "online(128)")
         for form in ("exp2-folded", "exp2")
     )
     return (device_model, *flash)

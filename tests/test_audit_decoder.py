@@ -17,6 +17,7 @@ pytest.importorskip("safetensors", reason="reading checkpoints needs safetensors
 from mhanum import InvalidArgument, models
 from mhanum.cli import main
 from mhanum.models._decoder_forward import hidden_states
+from tests.test_decoder import tiny_config
 
 KINDS = ("llama", "qwen2", "mistral", "gemma2")
 
@@ -38,25 +39,7 @@ CONFIGURATIONS = {
 def _config(kind: str):
     # initializer_range 0.2: logits of a few units (the default 0.02 leaves them near 0, where
     # neither the soft-cap nor the softmax's rounding is exercised)
-    common = {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
-        "max_position_embeddings": 64, "initializer_range": 0.2,
-    }  # fmt: skip
-    if kind == "llama":
-        rope = {
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
-        }  # fmt: skip
-        return transformers.LlamaConfig(**common, head_dim=16, rope_parameters=rope)
-    if kind == "qwen2":
-        return transformers.Qwen2Config(**common)
-    if kind == "mistral":
-        return transformers.MistralConfig(**common, sliding_window=5)
-    return transformers.Gemma2Config(
-        **common, head_dim=16, sliding_window=5, query_pre_attn_scalar=24,
-        attn_logit_softcapping=2.0,
-    )  # fmt: skip
+    return tiny_config(kind, initializer_range=0.2)
 
 
 @pytest.fixture(scope="module")

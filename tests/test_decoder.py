@@ -24,12 +24,14 @@ from mhanum.models._decoder import (
 _TOLERANCE = 2.0**-20
 
 
-def _tiny(kind: str):
+def tiny_config(kind: str, **extra: object):
+    """A small random-initialised configuration of ``kind`` (2 layers, width 64, 4 heads and 2
+    key/value heads), with ``extra`` fields (``initializer_range``, ...)."""
     transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
     common = {
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
-        "max_position_embeddings": 64,
+        "max_position_embeddings": 64, **extra,
     }  # fmt: skip
     if kind == "llama":
         rope = {
@@ -55,7 +57,9 @@ def _run(kind: str, tmp_path):
     )
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_tiny(kind), attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(
+        tiny_config(kind), attn_implementation="eager"
+    )
     model = model.double().eval()
     model.save_pretrained(tmp_path)
     seen: dict = {}
