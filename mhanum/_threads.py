@@ -17,17 +17,33 @@ one BLAS thread too. Nothing relies on the number of threads: every float64 prod
 bounds' evaluation is charged as a dot summed in any order (``evaluation_rounding``), and the
 reference's products are exact, or bounded, in any summation order (papers/reference.md,
 Lemmas 1, 4 and 5).
+
+The bounds use the cores another way: a head's query rows are evaluated in chunks that share
+nothing (every quantity of Theorem A.1 belongs to one row), so :func:`map_threads` evaluates the
+chunks on a pool of threads, one per core this process may run on (``MHANUM_THREADS`` sets
+another number; ``1`` evaluates them in turn). NumPy releases the interpreter's lock in its
+array loops and the BLAS in its products, so the threads run side by side. Each chunk is
+evaluated exactly as it would be alone, so the bound is the same, bit for bit, whatever the
+number of threads.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from threadpoolctl import ThreadpoolController
 
+from mhanum._errors import InvalidArgument
+
+__all__ = ["bound_threads", "map_threads", "one_blas_thread"]
+
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @functools.cache
@@ -46,3 +62,33 @@ def one_blas_thread(fn: F) -> F:
             return fn(*args, **kwargs)
 
     return limited  # type: ignore[return-value]
+
+
+def bound_threads() -> int:
+    """The number of threads :func:`map_threads` uses: ``MHANUM_THREADS`` if it is set (a
+    positive integer), else the number of cores this process may run on."""
+    text = os.environ.get("MHANUM_THREADS", "").strip()
+    if text:
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < 1:
+            msg = f"MHANUM_THREADS: expected a positive integer, got {text!r}"
+            raise InvalidArgument(msg)
+        return n
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on every platform)
+        return os.cpu_count() or 1
+
+
+def map_threads(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``[fn(x) for x in items]``, evaluated on :func:`bound_threads` threads (in turn where
+    that is one, or for a single item). ``fn`` must not share mutable state between items;
+    NumPy's floating-point error state is per thread, so ``fn`` sets its own."""
+    workers = min(bound_threads(), len(items))
+    if workers <= 1:
+        return [fn(x) for x in items]
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="mhanum") as pool:
+        return list(pool.map(fn, items))

@@ -12,6 +12,9 @@
   An edge is an import of a module (``from a.b import c`` reaches ``a.b.c`` where that is a
   module, else ``a.b``); a package's ``__init__`` importing its own submodules is not a cycle
   with them unless one of them imports the package's ``__init__`` back.
+* The bound engine (``mhanum/bounds/``) stays in small pieces: no module over 800 lines, no
+  function body over 120 lines (its docstring not counted), and no signature over 8 parameters
+  except the public API's.
 """
 
 from __future__ import annotations
@@ -505,3 +508,92 @@ def test_the_any_count_reads_parameters_and_returns():
         "async def h(y: object, /, z: Any) -> tuple[Any, int]: ...\n"
     )
     assert _bare_any_annotations(ast.parse(source)) == 6
+
+
+# --------------------------------------------------------------------------------------------
+# The bound engine in small pieces: one module per theorem, one function per proof step.
+
+MAX_MODULE_LINES = 800
+MAX_BODY_LINES = 120
+MAX_PARAMETERS = 8
+# The public API keeps its keyword signatures: the names exported by the package.
+PUBLIC_API = frozenset(mhanum.__all__) | frozenset(importlib.import_module("mhanum.bounds").__all__)
+
+
+def _body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The lines of a function from its first statement after the docstring to its end."""
+    body = node.body
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
+        body = body[1:]
+    end = node.end_lineno or node.lineno
+    return end - body[0].lineno + 1 if body else 0
+
+
+def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The parameters of a signature, ``*args`` and ``**kwargs`` included, ``self`` and ``cls``
+    not."""
+    a = node.args
+    params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+    return sum(p.arg not in ("self", "cls") for p in params)
+
+
+def size_offenders(name: str, source: str, public: frozenset[str] = PUBLIC_API) -> list[str]:
+    """What breaks the size limits in the module ``name`` of the source ``source``: the module's
+    length, each function's body and each signature but a public function's (a module-level
+    ``def`` whose name ``public`` holds)."""
+    found = []
+    lines = len(source.splitlines())
+    if lines > MAX_MODULE_LINES:
+        found.append(f"{name}: {lines} lines (at most {MAX_MODULE_LINES})")
+    tree = ast.parse(source)
+    top = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        where = f"{name}:{node.lineno} {node.name}"
+        if (body := _body_lines(node)) > MAX_BODY_LINES:
+            found.append(f"{where}: body of {body} lines (at most {MAX_BODY_LINES})")
+        exempt = id(node) in top and node.name in public
+        if not exempt and (n := _parameters(node)) > MAX_PARAMETERS:
+            found.append(f"{where}: {n} parameters (at most {MAX_PARAMETERS})")
+    return found
+
+
+def test_bound_engine_size_limits():
+    """Every module of ``mhanum/bounds/`` holds at most 800 lines, every function body at most 120
+    (from its first statement after the docstring to its end), and every signature at most 8
+    parameters (``self`` and ``cls`` not counted) except the public API's (the names of
+    ``mhanum.__all__`` and ``mhanum.bounds.__all__``, which keep their keyword arguments): a
+    longer step is split into the steps of its proof, and arguments that travel together are
+    one value."""
+    offenders = [
+        found
+        for path in MODULES
+        if path.is_relative_to(ROOT / "bounds")
+        for found in size_offenders(_module_name(path), path.read_text())
+    ]
+    assert offenders == [], "over the bound engine's size limits:\n" + "\n".join(offenders)
+
+
+def test_the_size_rule_catches_what_it_forbids():
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_BODY_LINES))
+    docstring = '    """What it computes.\n\n    Over\n    several\n    lines.\n    """\n'
+    source = (
+        f"def short(a, b, c, d, e, f, g, h):\n{docstring}{body}"  # 120 lines after the docstring
+        f"def long(self, a):\n{body}    return a\n"
+        "def wide(a, b, c, d, e, f, g, h, *, i):\n    pass\n"
+        "def public(a, b, c, d, e, f, g, h, i):\n    pass\n"
+        "class C:\n    def public(self, a, b, c, d, e, f, g, h, i):\n        pass\n"
+    )
+    found = size_offenders("demo", source, frozenset({"public"}))
+    assert found == [
+        "demo:128 long: body of 121 lines (at most 120)",
+        "demo:250 wide: 9 parameters (at most 8)",
+        "demo:255 public: 9 parameters (at most 8)",  # a method: not the public function
+    ]
+    assert size_offenders("demo", "x = 1\n" * 801) == ["demo: 801 lines (at most 800)"]

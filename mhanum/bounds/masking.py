@@ -15,7 +15,9 @@ derives, each as a theorem of ``papers/masking.md``:
 * M.7 the interval of safe constants, and a recommended one.
 
 Throughout, ``B_F`` is the largest value of ``F`` that is ``<= B``: scores are values of ``F``, so
-``|s| <= B`` is the same as ``|s| <= B_F``.
+``|s| <= B`` is the same as ``|s| <= B_F``. The steps of the proofs of M.1–M.6 are those of
+:mod:`mhanum.bounds.masking_steps`; the arithmetic on single values of a format (rounding, the
+ordered list of values M.7 bisects) is :mod:`mhanum.bounds.format_values`.
 """
 
 from __future__ import annotations
@@ -25,11 +27,18 @@ import math
 import re
 from typing import Any
 
-import mpmath
-
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
-from mhanum.formats import Format, get_format, round_to, ulp
+from mhanum.bounds.format_values import fl, fl_sum, from_ordinal, ordinal, round_down
+from mhanum.bounds.masking_steps import (
+    MaskSetting,
+    absorption,
+    computed_leakage,
+    exact_leakage,
+    fully_masked,
+    storage,
+)
+from mhanum.formats import Format, get_format
 from mhanum.numerics import Numerics
 from mhanum.units import ACCUM_FORMATS, mask_mode, softmax_algorithm
 
@@ -42,12 +51,6 @@ __all__ = [
     "recommend_mask_value",
     "safe_mask_range",
 ]
-
-# Assumption (U) of papers/masking.md: exp returns 0 below this fraction of half the smallest
-# subnormal (a relative margin for the carrier's own exp error).
-_UNDERFLOW_MARGIN = 1.0 - 2.0**-8
-_MP = mpmath.MPContext()
-_MP.prec = 113
 
 Outcome = str  # "nan" | "uniform" | "quantised" | "nan_possible"
 
@@ -287,77 +290,6 @@ def _resolve(value: Any, fmt: Format) -> tuple[float | str, float, float]:
     return requested, real, num.mask_constant()
 
 
-# Exact arithmetic on the values of a format --------------------------------------------------------
-
-
-def _fl(x: float, fmt: Format) -> float:
-    return float(round_to(x, fmt))
-
-
-def _fl_sum(a: float, b: float, fmt: Format) -> float:
-    """``fl_F(a + b)`` for values ``a``, ``b`` of ``F``: exact for ``F`` float64, and for narrower
-    formats the float64 sum rounded again, which is innocuous (``53 >= 2p + 2``)."""
-    return _fl(a + b, fmt)
-
-
-def _ordinal(x: float, fmt: Format) -> int:
-    """The signed index of a finite value of ``fmt`` in the ordered list of its values."""
-    a = abs(x)
-    half = 1 << (fmt.precision - 1)
-    if a < fmt.smallest_normal:
-        index = int(a / fmt.smallest_subnormal)
-    else:
-        e = math.frexp(a)[1] - 1
-        index = (e - fmt.emin + 1) * half + int(math.ldexp(a, fmt.precision - 1 - e)) - half
-    return -index if x < 0 else index
-
-
-def _from_ordinal(i: int, fmt: Format) -> float:
-    half = 1 << (fmt.precision - 1)
-    a = abs(i)
-    if a < half:
-        v = math.ldexp(float(a), fmt.emin - fmt.precision + 1)
-    else:
-        e = fmt.emin + a // half - 1
-        v = math.ldexp(float(half + a % half), e - fmt.precision + 1)
-    return -v if i < 0 else v
-
-
-def _round_down(b: float, fmt: Format) -> float:
-    """The largest value of ``fmt`` that is ``<= b`` (``b >= 0``)."""
-    if b >= fmt.max_finite:
-        return fmt.max_finite
-    r = _fl(b, fmt)
-    return r if r <= b else _from_ordinal(_ordinal(r, fmt) - 1, fmt)
-
-
-def _neighbour_gaps(c: float, fmt: Format) -> tuple[float, float]:
-    """Distances from a finite ``c`` to its neighbours toward zero and away from zero."""
-    i = _ordinal(c, fmt)
-    step = -1 if c < 0 else 1
-    toward = abs(c - _from_ordinal(i - step, fmt)) if i != 0 else fmt.smallest_subnormal
-    if abs(i) < _ordinal(fmt.max_finite, fmt):
-        away = abs(_from_ordinal(i + (step if i != 0 else -1), fmt) - c)
-    else:
-        away = float(ulp(c, fmt))
-    return toward, away
-
-
-def _exp_zero_below(fs: Format) -> float:
-    """Assumption U: ``exp(x)`` is 0 in ``F_s`` when ``e^x <= (1 - 2^-8) α/2``."""
-    return math.log(fs.smallest_subnormal) - math.log(2) + math.log(_UNDERFLOW_MARGIN)
-
-
-def _exp_up(x: float) -> mpmath.mpf:
-    return _MP.exp(_MP.mpf(x)) if x < math.inf else _MP.inf
-
-
-def _up(x: Any) -> float:
-    """A float64 ``>=`` the mpmath number ``x``."""
-    f = float(x)
-    return math.nextafter(math.nextafter(f, math.inf), math.inf) if math.isfinite(f) else f
-
-
 # Analysis -----------------------------------------------------------------------------------------
 
 
@@ -438,7 +370,7 @@ def analyze_mask(
     n = _n_keys(n_keys, required=False)
     ke, kd = _ulps(exp_ulps, "exp_ulps"), _ulps(div_ulps, "div_ulps")
     requested, real, c = _resolve(value, f)
-    return _analyze(f, fs, m, kind, b, n, ke, kd, requested, real, c)
+    return _analyze(MaskSetting(f, fs, m, kind, b, n, ke, kd), requested, real, c)
 
 
 def analyze_numerics(
@@ -472,103 +404,18 @@ _ASSUMPTIONS = (
 )
 
 
-def _analyze(
-    f: Format,
-    fs: Format,
-    mode: str,
-    kind: str,
-    b: float,
-    n: int | None,
-    ke: float,
-    kd: float,
-    requested: float | str,
-    real: float,
-    c: float,
-) -> MaskAnalysis:
-    notes: list[str] = []
-    bf = _round_down(b, f)
-    bs = _fl(bf, fs)
-    c_s = _fl(c, fs)
-    stored_overflow = math.isfinite(real) and not math.isfinite(c)
-    if stored_overflow:
-        notes.append(f"M.1: {real!r} exceeds the range of {f.name} and is stored as -inf.")
-    # M.2: fl(s + c) is monotone in s, so the most negative result is at s = -B_F.
-    low = _fl_sum(c, -bf, f) if math.isfinite(c) else c
-    high = _fl_sum(c, bf, f) if math.isfinite(c) else c
-    add_can_overflow = math.isfinite(c) and not math.isfinite(low)
-    if add_can_overflow:
-        notes.append(
-            f"M.2: fl({c!r} + s) = -inf in {f.name} for scores s <= {_add_overflow_threshold(c, f)!r}"
-            f" (|s| <= {bf!r} allowed)."
-        )
-    masked_max = c if mode == "fill" else high
-    masked_min = c if mode == "fill" else low
-    softmax_overflow = (math.isfinite(masked_min) and not math.isfinite(_fl(masked_min, fs))) or (
-        math.isfinite(c) and not math.isfinite(c_s)
-    )
-    if softmax_overflow:
-        notes.append(
-            f"M.1: a finite masked logit becomes -inf on conversion into {fs.name} "
-            f"(largest finite {fs.max_finite!r})."
-        )
-    overflows = stored_overflow or softmax_overflow or (mode == "add" and add_can_overflow)
-
-    # M.3 absorption.
-    absorption_ulp: float | None
-    radius: float | None
-    err: float | None
-    if math.isfinite(c):
-        absorption_ulp = float(ulp(c, f))
-        toward, away = _neighbour_gaps(c, f)
-        radius = min(toward, away) / 2
-        absorbs = low == c == high
-        err = float(ulp(abs(c) + bf, f)) / 2
-        if mode == "add":
-            notes.append(
-                f"M.3: an added constant quantises a logit s to fl(s + c): spacing {absorption_ulp!r}"
-                f" at c, error <= {err!r}; |s| < {radius!r} is absorbed entirely"
-                + (" (every |s| <= B is)." if absorbs else ".")
-            )
-    else:
-        absorption_ulp = radius = err = None
-        absorbs = True
-
-    # M.4 exact leakage.
-    ratio = _exp_up(masked_max + bf) if math.isfinite(masked_max) else _MP.zero
-    leakage_ratio = _up(ratio)
-    leakage_exact = None if n is None else _up((n - 1) * ratio / (1 + (n - 1) * ratio))
-
-    # M.5 computed leakage.
-    zero_below = _exp_zero_below(fs)
-    masked_s = _fl(masked_max, fs)
-    x_arg = _fl_sum(masked_s, bs, fs) if kind != "naive" else masked_s
-    u, alpha = fs.u, fs.smallest_subnormal
-    if x_arg <= zero_below:
-        per_key = 0.0
-        leak_zero = True
-    else:
-        leak_zero = False
-        num = _exp_up(x_arg) * (1 + 2 * ke * u) + ke * alpha
-        if kind == "naive":
-            den = _MP.exp(-_MP.mpf(bs)) * (1 - 2 * ke * u)
-            if den < fs.smallest_normal:
-                den = _MP.zero
-        else:
-            den = _MP.one
-        per_key = (
-            _up(num / den * (1 + _MP.mpf(u)) ** (2 * kd) + kd * alpha) if den > 0 else math.inf
-        )
-    leakage_bound = None if n is None else (0.0 if leak_zero else _up(_MP.mpf(per_key) * (n - 1)))
-    if leak_zero:
-        notes.append(
-            f"M.5: exp of every masked logit (argument <= {x_arg!r}) underflows to 0 in {fs.name}:"
-            " masked keys get probability exactly 0."
-        )
-
+def _analyze(setting: MaskSetting, requested: float | str, real: float, c: float) -> MaskAnalysis:
+    """Theorems M.1–M.6 for the constant ``requested`` (real value ``real``) stored as ``c``,
+    one step of :mod:`mhanum.bounds.masking_steps` each."""
+    n, fs, kind = setting.n_keys, setting.softmax_format, setting.softmax
+    stored = storage(setting, real, c)
+    absorbed = absorption(setting, stored)
+    leakage_ratio, leakage_exact = exact_leakage(setting, stored)
+    leak = computed_leakage(setting, stored)
     # A filled row holds c everywhere: equal logits, whatever the scores were.
-    equal = absorbs or mode == "fill"
-    outcome, why = _fully_masked(mode, kind, fs, ke, c, c_s, low, high, equal, zero_below)
-    notes.append(why)
+    equal = absorbed.absorbs or setting.mode == "fill"
+    outcome, why = fully_masked(setting, stored, equal, leak.zero_below)
+    notes = [*stored.notes, *absorbed.notes, *leak.notes, why]
     if n is not None and outcome == "uniform" and kind != "naive" and n > 2**fs.precision:
         notes.append(
             f"M.6: with {n} > 2^{fs.precision} keys a sum of ones in {fs.name} need not be exact "
@@ -576,102 +423,36 @@ def _analyze(
             "not sum to 1."
         )
     return MaskAnalysis(
-        format=f.name,
+        format=setting.fmt.name,
         softmax_format=fs.name,
-        mode=mode,
+        mode=setting.mode,
         softmax=kind,
         requested=requested,
         requested_value=real,
         stored_value=c,
-        softmax_value=c_s,
-        score_bound=b,
-        score_bound_in_format=bf,
+        softmax_value=stored.c_s,
+        score_bound=setting.score_bound,
+        score_bound_in_format=stored.bf,
         n_keys=n,
-        stored_overflow=stored_overflow,
-        softmax_overflow=softmax_overflow,
-        add_can_overflow=add_can_overflow,
-        overflows=overflows,
-        absorption_ulp=absorption_ulp,
-        absorption_radius=radius,
-        absorbs_scores=absorbs,
-        logit_error_bound=err,
-        masked_logit_max=masked_max,
+        stored_overflow=stored.stored_overflow,
+        softmax_overflow=stored.softmax_overflow,
+        add_can_overflow=stored.add_can_overflow,
+        overflows=stored.overflows,
+        absorption_ulp=absorbed.ulp,
+        absorption_radius=absorbed.radius,
+        absorbs_scores=absorbed.absorbs,
+        logit_error_bound=absorbed.err,
+        masked_logit_max=stored.masked_max,
         leakage_ratio_exact=leakage_ratio,
         leakage_exact=leakage_exact,
-        leakage_per_key=per_key,
-        leakage_bound=leakage_bound,
-        leakage_is_zero=leak_zero,
-        exp_argument_max=x_arg,
-        exp_zero_below=zero_below,
+        leakage_per_key=leak.per_key,
+        leakage_bound=leak.bound,
+        leakage_is_zero=leak.is_zero,
+        exp_argument_max=leak.x_arg,
+        exp_zero_below=leak.zero_below,
         fully_masked_row=outcome,
         notes=tuple(notes),
         assumptions=_ASSUMPTIONS,
-    )
-
-
-def _add_overflow_threshold(c: float, f: Format) -> float:
-    """The largest score ``s`` of ``f`` with ``fl(s + c) = -inf`` (``s`` in ``[-max, 0]``)."""
-    lo, hi = _ordinal(-f.max_finite, f), 0
-    while lo < hi:  # find the largest ordinal whose score overflows
-        mid = (lo + hi + 1) // 2
-        if math.isinf(_fl_sum(c, _from_ordinal(mid, f), f)):
-            lo = mid
-        else:
-            hi = mid - 1
-    return _from_ordinal(lo, f)
-
-
-def _positive_exp(x: float, fs: Format, ke: float) -> bool:
-    """``exp(x)`` is certainly a positive normal number of ``fs`` (assumption E)."""
-    return math.isfinite(x) and math.exp(x) * (1 - 2 * ke * fs.u) >= fs.smallest_normal
-
-
-def _fully_masked(
-    mode: str,
-    kind: str,
-    fs: Format,
-    ke: float,
-    c: float,
-    c_s: float,
-    low: float,
-    high: float,
-    absorbs: bool,
-    zero_below: float,
-) -> tuple[Outcome, str]:
-    """Theorem M.6: the computed softmax of a row whose every key is masked."""
-    if mode == "fill":
-        if not math.isfinite(c_s):
-            return "nan", (
-                "M.6: every masked logit is -inf in the softmax format: a fully-masked row is NaN"
-                " (-inf - (-inf) after the max shift; 0/0 in the naive and online softmax)."
-            )
-        lo_s = hi_s = c_s
-    else:
-        lo_s, hi_s = _fl(low, fs), _fl(high, fs)
-        if not math.isfinite(hi_s):
-            return "nan", "M.6: fl(s + c) = -inf for every score: a fully-masked row is NaN."
-        if not math.isfinite(lo_s):
-            return "nan_possible", (
-                "M.6: fl(s + c) overflows to -inf for the most negative scores: a row whose every "
-                "logit overflows is NaN; other rows are the softmax of the finite logits."
-            )
-    finite = "uniform" if absorbs else "quantised"
-    what = (
-        "all logits equal c: exactly uniform"
-        if absorbs
-        else "the softmax of the quantised logits fl(s + c)"
-    )
-    if kind != "naive":
-        return finite, f"M.6: the max shift makes the row finite: {what}."
-    if hi_s <= zero_below:
-        return "nan", (
-            f"M.6: the naive softmax underflows exp({hi_s!r}) to 0 for every key: 0/0 = NaN."
-        )
-    if _positive_exp(lo_s, fs, ke):
-        return finite, f"M.6: exp of every logit is positive in the naive softmax: {what}."
-    return "nan_possible", (
-        "M.6: exp of the masked logits is near underflow in the naive softmax: NaN (0/0) for "
-        "some rows or exp implementations."
     )
 
 
@@ -711,23 +492,24 @@ def safe_mask_range(
     assert n is not None
     fs = _softmax_format(softmax_format, f)
     ke, kd = _ulps(exp_ulps, "exp_ulps"), _ulps(div_ulps, "div_ulps")
-    bf = _round_down(b, f)
+    setting = MaskSetting(f, fs, m, kind, b, n, ke, kd)
+    bf = round_down(b, f)
 
     def finite_when_added(i: int) -> bool:
-        c = _from_ordinal(i, f)
-        lo = _fl_sum(c, -bf, f)
-        return math.isfinite(lo) and math.isfinite(_fl(lo, fs)) and math.isfinite(_fl(c, fs))
+        c = from_ordinal(i, f)
+        lo = fl_sum(c, -bf, f)
+        return math.isfinite(lo) and math.isfinite(fl(lo, fs)) and math.isfinite(fl(c, fs))
 
     def leaks_little(i: int) -> bool:
-        c = _from_ordinal(i, f)
-        a = _analyze(f, fs, m, kind, b, n, ke, kd, c, c, c)
+        c = from_ordinal(i, f)
+        a = _analyze(setting, c, c, c)
         return a.leakage_bound is not None and a.leakage_bound <= tol
 
-    bottom = _ordinal(-f.max_finite, f)
+    bottom = ordinal(-f.max_finite, f)
     # low: the smallest ordinal that stays finite (finite_when_added is false below, true above).
     lo, hi = bottom, 0
     if not finite_when_added(hi):
-        return _empty(f, fs, m, b, tol, n, "no constant stays finite when a score is added")
+        return _empty(setting, tol, "no constant stays finite when a score is added")
     while lo < hi:
         mid = (lo + hi) // 2
         if finite_when_added(mid):
@@ -736,9 +518,9 @@ def safe_mask_range(
             lo = mid + 1
     low_i = lo
     if not leaks_little(low_i):
-        a = _analyze(f, fs, m, kind, b, n, ke, kd, *(_from_ordinal(low_i, f),) * 3)
+        a = _analyze(setting, *(from_ordinal(low_i, f),) * 3)
         return _empty(
-            f, fs, m, b, tol, n,
+            setting, tol,
             f"even the most negative safe constant leaks up to {a.leakage_bound!r} > {tol!r}",
         )  # fmt: skip
     lo, hi = low_i, 0
@@ -748,7 +530,7 @@ def safe_mask_range(
             lo = mid
         else:
             hi = mid - 1
-    low, high = _from_ordinal(low_i, f), _from_ordinal(lo, f)
+    low, high = from_ordinal(low_i, f), from_ordinal(lo, f)
     below = "no finite value lies" if low == -f.max_finite else f"fl(-{bf!r} + c) overflows to -inf"
     reason = (
         f"below {low!r}, {below}; above {high!r}, the leakage bound "
@@ -757,10 +539,13 @@ def safe_mask_range(
     return MaskRange(f.name, fs.name, m, b, tol, n, low, high, False, reason)
 
 
-def _empty(
-    f: Format, fs: Format, mode: str, b: float, tol: float, n: int, reason: str
-) -> MaskRange:
-    return MaskRange(f.name, fs.name, mode, b, tol, n, math.nan, math.nan, True, reason)
+def _empty(setting: MaskSetting, tol: float, reason: str) -> MaskRange:
+    """The empty range of Theorem M.7 (no constant is safe), and why."""
+    f, fs, n = setting.fmt, setting.softmax_format, setting.n_keys
+    assert n is not None
+    return MaskRange(
+        f.name, fs.name, setting.mode, setting.score_bound, tol, n, math.nan, math.nan, True, reason
+    )
 
 
 def recommend_mask_value(
@@ -794,10 +579,11 @@ def recommend_mask_value(
         )
         raise InvalidArgument(msg)
     f = get_format(fmt)
-    middle = math.sqrt(abs(r.low) * max(abs(r.high), f.smallest_subnormal))
-    k = round(math.log2(middle)) if middle > 0 else f.emin
-    candidates = [-math.ldexp(1.0, j) for j in (k, k - 1, k + 1, k - 2, k + 2)]
-    chosen = next((c for c in candidates if r.contains(c) and _fl(c, f) == c), r.high)
+    # the geometric middle in log2 (the product of the ends overflows float64 for float64)
+    k = round((math.log2(abs(r.low)) + math.log2(max(abs(r.high), f.smallest_subnormal))) / 2)
+    near = (k, k - 1, k + 1, k - 2, k + 2)
+    candidates = [-math.ldexp(1.0, j) for j in near if f.emin - f.precision < j <= f.emax]
+    chosen = next((c for c in candidates if r.contains(c) and fl(c, f) == c), r.high)
     analysis = analyze_mask(
         f, chosen, r.mode, score_bound, n_keys=n_keys, softmax_format=softmax_format,
         softmax=softmax, exp_ulps=exp_ulps, div_ulps=div_ulps,

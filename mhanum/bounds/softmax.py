@@ -23,6 +23,9 @@ Model of the arithmetic in the softmax format ``F`` (unit roundoff ``u = 2^-p``,
   ``γ_h`` with ``h`` the height of its tree (sequential and native ``N - 1``, pairwise
   ``⌈log2 N⌉``, ``blocked(b)`` ``(b - 1) + (⌈N/b⌉ - 1)``), Kahan the constant of Theorem R.4
   (papers/summation.md).
+
+The model's constants, and the steps every row takes, are :mod:`mhanum.bounds.softmax_model`;
+one row of each theorem is :mod:`mhanum.bounds.softmax_rows`.
 """
 
 from __future__ import annotations
@@ -34,8 +37,16 @@ import numpy as np
 
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
-from mhanum.bounds.factors import compound, division_error, summation_gamma
-from mhanum.formats import Format, representable, round_to
+from mhanum.bounds.factors import division_error, summation_gamma
+from mhanum.bounds.softmax_model import UNEVALUABLE, Model, past_evaluation_range
+from mhanum.bounds.softmax_rows import (
+    lse_row,
+    naive_or_safe_row,
+    online_row,
+    online_sum_upper,
+    scaled_maxima_fit,
+)
+from mhanum.formats import representable, round_to
 from mhanum.numerics import Numerics, resolve
 
 __all__ = ["division_error", "logit_perturbation", "lse_bound", "softmax_bound", "summation_gamma"]
@@ -48,388 +59,6 @@ _ASSUMPTIONS = (
     "no overflow (the bound is inf where overflow is not excluded)",
     "logits representable in the score format",
 )
-_FLUSHING = ("float32", "bfloat16", "float64")
-# Slack for evaluating the bound itself in float64 from a long-double softmax.
-_EVAL_SLACK = 1.0 + 2.0**-40
-
-
-def _times(weight: Any, rel: Any, log_weight: Any, log_factor: Any) -> np.ndarray:
-    """``weight·rel`` for a weight ``w = e^(log_weight) >= 0`` and a relative error
-    ``rel = e^(log_factor) - 1 >= 0``, never NaN.
-
-    Where ``rel`` fits float64 it is the product. Where it overflows (an argument error past
-    709, so an argument at least ``709/u`` below the row's maximum: ``w`` has underflowed, and
-    ``0·inf`` would read NaN) it is the upper bound ``e^(log_weight + log_factor)``, its
-    exponent rounded up by ``2^-51`` of the magnitudes it sums (float64 evaluation), plus the
-    smallest subnormal: an exponential of a shifted logit that overflowed the format to
-    ``-inf`` (computed as 0) is covered, as its argument's upper enclosure stays valid.
-    """
-    with np.errstate(over="ignore", invalid="ignore"):
-        fits = np.isfinite(rel)
-        direct = np.asarray(weight, np.float64) * np.where(fits, rel, 0.0)
-        top = log_weight + log_factor
-        top = top + 2.0**-51 * (np.abs(log_weight) + np.abs(log_factor))
-        spaced = np.where(np.isneginf(log_weight), 0.0, np.exp(top) + 2.0**-1074)
-    return np.where(fits, direct, spaced)
-
-
-class _Model:
-    """The error constants of the softmax format under ``numerics``."""
-
-    def __init__(self, num: Numerics) -> None:
-        fmt = num.format_of("softmax")
-        self.fmt: Format = fmt
-        self.u = fmt.u
-        self.eps_exp = 2 * num.exp_ulps * fmt.u
-        self.eps_div = division_error(num.div_ulps, fmt.u)
-        tiny = fmt.smallest_normal
-        self.flushes = fmt.name in _FLUSHING
-        if self.flushes:
-            self.eta_exp = tiny * (1 + self.eps_exp)
-            self.eta_div = tiny * (1 + self.eps_div)
-            self.eta = tiny * (1 + self.u)
-            # an argument x - m read with denormals-as-zero and flushed: 2 inputs and 1 result
-            self.arg_flush = 3 * tiny
-        else:
-            self.eta_exp = self.eps_exp * tiny
-            self.eta_div = self.eps_div * tiny
-            self.eta = self.u * tiny
-            self.arg_flush = 0.0
-        self.order = num.summation
-        self.unit = num.order
-        self.kind = num.summation_kind
-        # the exp2 forms (scale 1 in the softmax alone): x = fl(x̂·L̂), L̂ = fl(log2 e), a
-        # relative rel2 of each logit in natural units; differences rounded in base 2
-        self.base2 = num.exp2
-        self.rel2 = compound(2.0**-53, self.u, self.u) if self.base2 else 0.0
-        # prob_offset k (exp2-folded, online): every exponent lifted by k, in natural units
-        self.lift = num.prob_offset * math.log(2.0)
-
-    def gamma(self, n: int) -> float:
-        return summation_gamma(n, self.order, self.u)
-
-    def sum_abs(self, n: int) -> float:
-        """Absolute underflow error of a sum of ``n`` terms (``2η`` per rounding, generously)."""
-        return 2 * self.unit.roundings(n) * self.eta
-
-    def sum_eta(self, n: int, inv_s: float) -> float:
-        """:meth:`sum_abs` in the units of ``S`` (``inv_s = 1/S``, ``inf`` where every
-        exponential underflows); 0 for a sum that rounds nothing (not ``0·inf``)."""
-        return self.sum_abs(n) * inv_s if self.sum_abs(n) else 0.0
-
-    def exp_rel(self, sigma: np.ndarray) -> np.ndarray:
-        """``e^σ (1 + ε_exp) - 1``: relative error of ``exp`` of an argument off by ``<= σ``
-        (``inf`` past float64's range)."""
-        with np.errstate(over="ignore"):
-            return np.expm1(sigma) + self.eps_exp * np.exp(sigma)
-
-    def log_exp_factor(self, sigma: Any, rel: Any) -> Any:
-        """``log(1 + rel)`` for ``rel = exp_rel(σ)``, as ``σ + log(1 + ε_exp)`` where ``rel``
-        overflows float64 (an argument off by more than 709: finite in log space)."""
-        with np.errstate(over="ignore"):
-            return np.where(np.isfinite(rel), np.log1p(rel), sigma + math.log1p(self.eps_exp))
-
-
-def _rounded_difference(a: np.ndarray, b: np.ndarray, model: _Model) -> np.ndarray:
-    """A bound on ``|fl(a - b) - (a - b)|`` in the softmax format, a posteriori.
-
-    The float64 difference is checked to be exact by TwoSum; an exact difference that the
-    format represents is computed without error. Otherwise the a priori ``u|a - b|``; also
-    where the difference overflows the format (to ``-inf`` for ``a <= b``, its exponential 0):
-    the upper side of the argument stays within it, and ``u|a - b| >= u·max_finite > ln 2``
-    makes the relative error of the exponential at least 1, so the lower side holds too.
-    """
-    d = a - b
-    if model.base2:  # rounded in base 2: no exactness shortcut
-        return model.u * (1 + model.rel2) * np.abs(d) * (1 + 2.0**-50) + model.arg_flush
-    bv = d - a
-    err = (a - (d - bv)) + (-b - bv)
-    exact = (err == 0) & np.isfinite(d)
-    rep = exact & representable(np.where(exact, d, 0.0), model.fmt)
-    error = np.where(exact, np.abs(round_to(np.where(exact, d, 0.0), model.fmt) - d), 0.0)
-    apriori = model.u * np.abs(d) * (1 + 2.0**-50)
-    out = np.where(rep, 0.0, np.where(exact & np.isfinite(error), error, apriori))
-    return out + model.arg_flush
-
-
-def _base2_charge(xr: np.ndarray, finite: np.ndarray, model: _Model) -> np.ndarray:
-    """The exp2 forms' argument error beyond the subtraction (papers/softmax.md, §4): each
-    logit's conversion ``fl(x̂_j·L̂)`` and the shift's, ``rel2(|x̂_j| + R)`` with ``R`` the row's
-    largest ``|x̂|``, and an underflow ``2^emin`` for each (0 for the natural ``exp``)."""
-    if not model.base2:
-        return np.zeros_like(xr)
-    r = float(np.max(np.abs(xr[finite]))) if finite.any() else 0.0
-    tiny = 2 * model.fmt.smallest_normal
-    return (
-        np.where(finite, model.rel2 * (np.abs(xr) + r) * (1 + 2.0**-50) + tiny, 0.0)
-        + _lifted(r, model)[0]
-    )
-
-
-def _lifted(r: float, model: _Model) -> tuple[float, float]:
-    """``prob_offset = k`` (papers/softmax.md, §3'): the exponent's extra error, natural units,
-    and the largest computed exponent ``A``; ``(0, 0)`` without a lift.
-
-    The shift is ``fl(M - k)`` with ``|M| <= (1 + ρ)R``: one more rounding, ``u(|M| + k ln 2)``,
-    and the argument, up to ``k`` larger, is rounded on that much more, ``u(1 + ρ)k ln 2``.
-    ``fl(t·c2) <= M`` for every key of the block, so the argument is at most
-    ``(k ln 2 + u(|M| + k ln 2) + η)(1 + u)``.
-    """
-    if not model.lift:
-        return 0.0, 0.0
-    u, tiny = model.u, model.fmt.smallest_normal
-    shift = u * ((1 + model.rel2) * r + model.lift) * (1 + 2.0**-50) + tiny
-    charge = shift + u * (1 + model.rel2) * model.lift * (1 + 2.0**-50)
-    return charge, (model.lift + shift) * (1 + u) * (1 + 2.0**-50)
-
-
-def _exact_softmax(t: np.ndarray) -> tuple[np.ndarray, float, float]:
-    """``p`` (in long double), ``log S`` with ``S = Σ e^t``, and a bound on ``p``'s relative error.
-
-    ``t`` are the shifted logits (``-inf`` allowed; ``max t = 0`` where the logits are already
-    in the softmax format, otherwise off 0 by their rounding into it): shifted once more by
-    their maximum, in long double. The relative error counts the span of the ``t`` whose
-    exponentials are normal in long double; below, ``p_i`` is smaller than long double's
-    smallest normal (``S >= 1`` in the shifted units), far below every ``η`` the bounds add (at
-    least ``2^-1074`` of float64's arithmetic).
-    """
-    ld = np.longdouble
-    tl = t.astype(ld)
-    top = np.max(tl)
-    tl = tl - top
-    e = np.exp(tl)
-    s = e.sum()
-    p = e / s
-    finite = np.isfinite(tl) & (tl >= np.log(np.finfo(ld).tiny))
-    span = float(np.max(np.abs(tl[finite]))) if finite.any() else 0.0
-    rel = (t.size + 8 + 2 * span) * float(np.finfo(ld).eps)
-    return p, float(top + np.log(s)), rel
-
-
-def _row_bound(
-    p: np.ndarray,
-    p_rel: float,
-    excess: np.ndarray,
-    eta_num: np.ndarray,
-    den_lo: float,
-    den_hi: float,
-    model: _Model,
-) -> np.ndarray:
-    """Combine numerator and denominator enclosures into the componentwise error bound.
-
-    With ``ê_i ∈ [e_i(1 - a_i) - ηe, e_i(1 + a_i) + ηe]`` and ``ŝ ∈ [S(1 - Λ), S(1 + M)]``
-    (``den_lo = Λ``, ``den_hi = M``; the absolute parts already divided by ``S``), the quotient
-    rounded with ``ε_div`` and ``η_div``::
-
-        p̂_i - p_i <= (p_i a_i (1 + ε) + p_i (ε + Λ))/(1 - Λ) + ηe/S (1 + ε)/(1 - Λ) + η_div
-        p_i - p̂_i <= min((p_i a_i + p_i (ε + M))/(1 + M) + ηe/S/(1 + M), p_i) + η_div
-
-    (``p̂_i >= 0``). ``excess`` is ``p_i(1 + p_rel)·a_i`` from :func:`_times`.
-    """
-    eps = model.eps_div
-    if den_lo >= 1 or not math.isfinite(den_lo) or not math.isfinite(den_hi):
-        return np.full(p.shape, math.inf)
-    pu = p.astype(np.float64) * (1 + p_rel)
-    up = (excess * (1 + eps) + pu * (eps + den_lo)) / (1 - den_lo)
-    up = up + eta_num * (1 + eps) / (1 - den_lo)
-    down = (excess + pu * (eps + den_hi)) / (1 + den_hi) + eta_num / (1 + den_hi)
-    return (np.maximum(up, np.minimum(down, pu)) + model.eta_div) * _EVAL_SLACK
-
-
-def _first_order_terms(
-    p: np.ndarray, sigma: np.ndarray, model: _Model, gamma: float
-) -> dict[str, np.ndarray]:
-    pf = p.astype(np.float64)
-    w_sigma = float(np.sum(pf * sigma))
-
-    def times_p(c: Any) -> np.ndarray:
-        with np.errstate(invalid="ignore"):
-            return np.where(pf > 0, pf * c, 0.0)
-
-    return {
-        "shift": times_p(sigma + w_sigma),
-        "exp": times_p(2 * model.eps_exp),
-        "sum": times_p(gamma),
-        "division": times_p(model.eps_div),
-    }
-
-
-def _naive_or_safe(xs: np.ndarray, xr: np.ndarray, model: _Model, safe: bool) -> tuple[Any, ...]:
-    """One row of the naive or safe softmax: (total, first-order terms, underflow)."""
-    n = xs.size
-    finite = np.isfinite(xr)
-    xs, xr = np.where(finite, xs, 0.0), np.where(finite, xr, 0.0)
-    m = float(np.max(xr[finite]))
-    t = np.where(finite, xs - m, -np.inf)
-    p, log_s, p_rel = _exact_softmax(t)
-    sigma = np.where(finite, np.abs(xr - xs), 0.0)
-    if safe:
-        sigma = sigma + np.where(finite, _rounded_difference(xr, np.full_like(xr, m), model), 0.0)
-        sigma = sigma + _base2_charge(xr, finite, model)
-    elif model.flushes:
-        sigma = sigma + np.where(finite, model.fmt.smallest_normal, 0.0)
-    a = np.where(finite, model.exp_rel(sigma), 0.0)
-    log_p = t - log_s + math.log1p(p_rel)
-    excess = _times(p * (1 + p_rel), a, log_p, model.log_exp_factor(sigma, a))
-    shift = 0.0 if safe else m
-    with np.errstate(over="ignore"):
-        inv_s = float(np.exp(np.float64(-log_s - shift)))  # 1/S in the units of the exps
-    eta_e = model.eta_exp * inv_s
-    gamma = model.gamma(n)
-    weighted = float(np.sum(excess))
-    in_sum = weighted + n * eta_e
-    sum_eta = model.sum_eta(n, inv_s)
-    den_hi = in_sum + gamma + in_sum * gamma + sum_eta
-    den_lo = in_sum + gamma * (1 + in_sum) + sum_eta
-    log_top = m + max(float(np.max(model.log_exp_factor(sigma, a))), log_s + math.log1p(den_hi))
-    carrier_emin = -1022 if model.fmt.name == "float64" else -126  # XLA's carrier: f64 or f32
-    reciprocal_flush = -carrier_emin * math.log(2) - 1
-    if not safe and (log_top >= math.log(model.fmt.max_finite) or log_top >= reciprocal_flush):
-        # exp(x) or the sum may overflow, or the sum may exceed 2^-emin / e: XLA divides by a
-        # broadcast row sum as a product with its reciprocal, which is then subnormal and
-        # flushed to zero, so every probability of the row becomes 0 (papers/softmax.md S.1).
-        den_lo = math.inf
-    eta_num = np.where(finite, eta_e, 0.0)
-    total = _row_bound(p, p_rel, excess, eta_num, den_lo, den_hi, model)
-    terms = _first_order_terms(p, sigma, model, gamma)
-    pf = p.astype(np.float64)
-    with np.errstate(invalid="ignore"):  # 1/S = inf where every exponential underflows
-        underflow = eta_num + np.where(pf > 0, (n * eta_e + sum_eta) * pf, 0.0) + model.eta_div
-    return total, terms, underflow
-
-
-def _online(xs: np.ndarray, xr: np.ndarray, model: _Model, block: int) -> tuple[Any, ...]:
-    """One row of the online softmax (Theorem S.3): the recursion of ``papers/softmax.md`` §3."""
-    n = xs.size
-    finite = np.isfinite(xr)
-    xs, xr = np.where(finite, xs, 0.0), np.where(finite, xr, 0.0)
-    n_blocks = -(-n // block)
-    gamma_b = model.gamma(block)
-    base2 = _base2_charge(xr, finite, model)
-    u = model.u
-    # Per-term log(1 + Φ_j), j already summed; Φ the relative error bound of the term in d̂_k.
-    log_phi = np.zeros(n)
-    rescale_log = np.zeros(n)  # the part of log_phi due to rescalings
-    psi = 0.0  # absolute error of d̂_k, in the units of the shift m_k
-    m_prev = -math.inf
-    started = False
-    for k in range(n_blocks):
-        sl = slice(k * block, min((k + 1) * block, n))
-        blk = xr[sl]
-        fin = finite[sl]
-        m_new = max(m_prev, float(np.max(blk[fin]))) if fin.any() else m_prev
-        if started:
-            # ĉ = exp(fl(m_prev - m_new)); d̂·ĉ rounded, then the block sum added, rounded.
-            sig_c = float(_rounded_difference(np.array([m_prev]), np.array([m_new]), model)[0])
-            if model.base2:  # exp2-folded rounds fl(m - m') and its product by c2
-                sig_c = sig_c * (2 + model.u)
-            kappa = model.exp_rel(np.array(sig_c))
-            step = float(model.log_exp_factor(sig_c, kappa)) + 2 * math.log1p(u)
-            done = np.arange(n) < k * block
-            # D_{k-1}^hi, in the units of m_prev, before this rescaling
-            shifted_old = np.where(done & finite, xr - m_prev, -np.inf)
-            old_phi = np.where(done, log_phi, 0.0)
-            old = np.exp(shifted_old)
-            with np.errstate(over="ignore"):
-                old_rel = np.expm1(old_phi)
-            d_old_hi = float(np.sum(old + _times(old, old_rel, shifted_old, old_phi)))
-            log_phi = np.where(done, log_phi + step, log_phi)
-            rescale_log = np.where(done, rescale_log + step, rescale_log)
-            gap = m_prev - m_new  # e^gap (1 + κ): in log space where κ overflows
-            c_hat = _times(math.exp(gap), kappa, gap, model.log_exp_factor(sig_c, kappa))
-            c_hi = math.exp(gap) + float(c_hat) + model.eta_exp
-            psi = (model.eta_exp * d_old_hi + psi * c_hi) * (1 + u) + model.eta
-        if fin.any():
-            sig = _rounded_difference(blk[fin], np.full(int(fin.sum()), m_new), model)
-            sig = sig + base2[sl][fin]
-            idx = np.arange(sl.start, sl.stop)[fin]
-            log_phi[idx] = model.log_exp_factor(sig, model.exp_rel(sig)) + math.log1p(gamma_b)
-            psi_block = block * model.eta_exp * (1 + gamma_b) + model.sum_abs(block)
-            if started:
-                log_phi[idx] += math.log1p(u)
-                psi = (psi + psi_block) * (1 + u) + model.eta
-            else:
-                psi = psi + psi_block
-            started = True
-        m_prev = m_new
-    m = m_prev
-    t = np.where(finite, xs - m, -np.inf)
-    p, log_s, p_rel = _exact_softmax(t)
-    pf = p.astype(np.float64)
-    with np.errstate(over="ignore"):  # inf where the rounding into the format is past 709
-        inv_s = float(np.exp(np.float64(-log_s)))
-    sigma = np.where(finite, np.abs(xr - xs), 0.0)
-    sigma = sigma + np.where(finite, _rounded_difference(xr, np.full_like(xr, m), model), 0.0)
-    sigma = sigma + base2
-    a = np.where(finite, model.exp_rel(sigma), 0.0)
-    with np.errstate(over="ignore"):
-        phi = np.where(finite, np.expm1(log_phi), 0.0)
-    # the shifted logits relative to m_K: x̂_j - m against x_j - m is the input rounding; Φ
-    # already holds the subtraction and exp errors against x̂_j - m_k.
-    with np.errstate(over="ignore"):  # an input rounding past 709: inf, then log space
-        input_rel = np.where(finite, np.expm1(np.abs(xr - xs)), 0.0)
-    log_p = t - log_s + math.log1p(p_rel)
-    with np.errstate(over="ignore", invalid="ignore"):
-        term_rel = np.where(finite, compound(phi, input_rel), 0.0)
-    log_term = np.where(finite, log_phi + np.abs(xr - xs), 0.0)
-    weighted = float(np.sum(_times(pf * (1 + p_rel), term_rel, log_p, log_term)))
-    den_hi = weighted + psi * inv_s
-    den_lo = den_hi
-    eta_num = np.where(finite, model.eta_exp * inv_s, 0.0)
-    excess = _times(pf * (1 + p_rel), a, log_p, model.log_exp_factor(sigma, a))
-    total = _row_bound(p, p_rel, excess, eta_num, den_lo, den_hi, model)
-    terms = _first_order_terms(p, sigma, model, gamma_b)
-    with np.errstate(over="ignore", invalid="ignore"):
-        rescaling = pf * float(np.sum(np.where(pf > 0, pf * np.expm1(rescale_log), 0.0)))
-        underflow = eta_num + np.where(pf > 0, psi * inv_s * pf, 0.0) + model.eta_div
-    rescaling = np.where(pf > 0, rescaling, 0.0)
-    return total, {**terms, "rescaling": rescaling}, underflow
-
-
-def _online_sum_upper(xr: np.ndarray, model: _Model, block: int) -> float:
-    """An enclosure of every exponential and running sum of the online softmax on ``xr``: each
-    exponential at most ``e^A(1 + ε_exp)`` (``A = 0`` without a lift), a block's sum within its
-    ``γ``, and each of the ``K`` rescalings and additions ``(1 + ε_exp)(1 + u)²`` more."""
-    finite = np.isfinite(xr)
-    r = float(np.max(np.abs(xr[finite]))) if finite.any() else 0.0
-    n, blocks = xr.size, -(-xr.size // block)
-    growth = ((1 + model.eps_exp) * (1 + model.u) ** 2) ** blocks
-    with np.errstate(over="ignore"):
-        top = float(np.exp(_lifted(r, model)[1])) if model.lift else 1.0  # inf past float64
-        return n * top * (1 + model.eps_exp) * (1 + model.gamma(block)) * growth
-
-
-_EVAL_RANGE = 2.0**1021  # a quarter of float64's largest finite value
-_UNEVALUABLE = (
-    "logits beyond 2^1021 in magnitude (float64 formats only): the differences and sums that "
-    "the bound is evaluated with in float64 may overflow it"
-)
-
-
-def _past_evaluation_range(xs: np.ndarray, xr: np.ndarray) -> bool:
-    """Whether a row reaches past ``2^1021``: differences of two logits, and sums of four
-    magnitudes, may then overflow the float64 the bound is evaluated in (only a float64 score
-    or softmax format holds such logits)."""
-    finite = np.isfinite(xr)
-    return bool(
-        finite.any() and max(np.max(np.abs(xr[finite])), np.max(np.abs(xs[finite]))) > _EVAL_RANGE
-    )
-
-
-def _scaled_maxima_fit(xr: np.ndarray, model: _Model, block: int | None) -> bool:
-    """The exp2 forms compute ``fl(m·L̂)`` (less ``k``, ``prob_offset``) for the row's maximum,
-    or (online) every running maximum: whether each provably stays finite. Past the range
-    it is ``±inf``, and the maximum's own argument ``inf - inf`` is NaN."""
-    finite = np.isfinite(xr)
-    if block is None:
-        tops = xr[finite].max(keepdims=True)
-    else:
-        pad = -(-xr.size // block) * block - xr.size
-        blocks = np.pad(np.where(finite, xr, -np.inf), (0, pad), constant_values=-np.inf)
-        running = np.maximum.accumulate(blocks.reshape(-1, block).max(axis=1))
-        tops = running[np.isfinite(running)]
-    top = float(np.max(np.abs(tops))) * math.log2(math.e) * (1 + model.rel2) * (1 + 2.0**-50)
-    return (top + model.lift / math.log(2.0)) * (1 + model.u) <= model.fmt.max_finite
 
 
 def _logits(x: Any, num: Numerics) -> np.ndarray:
@@ -520,41 +149,17 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
     """
     num = resolve(numerics)
     arr = _logits(x, num)
-    model = _Model(num)
-    rounded = round_to(arr, model.fmt)
-    if np.isinf(rounded[np.isfinite(arr)]).any():
-        msg = f"x: expected logits within the range of the softmax format {model.fmt.name}"
-        raise InvalidArgument(msg)
+    model = Model(num)
+    rounded = _rounded_into(arr, model)
     rows_x = arr.reshape(-1, arr.shape[-1])
     rows_r = rounded.reshape(-1, arr.shape[-1])
     kind = num.softmax_kind
     totals, unders = [], []
     terms: dict[str, list[np.ndarray]] = {}
-    # an overflow of (online) the sums or (exp2 forms) a maximum times log2 e; a row infinite
-    # otherwise
-    over, scaled_over, vacuous = False, False, False
-    block = num.softmax_block
-    unevaluable = False  # a float64 row past a quarter of float64's range
+    flags: set[str] = set()  # why some row is infinite (see _softmax_row)
     for xs, xr in zip(rows_x, rows_r, strict=True):
-        if _past_evaluation_range(xs, xr):
-            infinite = np.full(xr.shape, np.inf)
-            names = ("shift", "exp", "sum", "division") + ("rescaling",) * (kind == "online")
-            total, t, under = infinite, dict.fromkeys(names, infinite), infinite
-            unevaluable = True
-        else:
-            if kind == "online":
-                assert block is not None
-                total, t, under = _online(xs, xr, model, block)
-            else:
-                total, t, under = _naive_or_safe(xs, xr, model, safe=kind == "safe")
-            if model.base2 and kind != "naive" and not _scaled_maxima_fit(xr, model, block):
-                total, scaled_over = np.full_like(total, np.inf), True
-            elif kind == "online" and not (
-                _online_sum_upper(xr, model, block or 1) <= model.fmt.max_finite
-            ):
-                total, over = np.full_like(total, np.inf), True
-            else:
-                vacuous |= not np.isfinite(total).all()
+        total, t, under, flag = _softmax_row(xs, xr, model, kind, num.softmax_block)
+        flags.add(flag)
         totals.append(total)
         unders.append(under)
         for name, value in t.items():
@@ -566,34 +171,8 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
         rest = total_arr - sum(out.values())
     out["second_order"] = np.where(np.isfinite(rest), np.maximum(rest, 0.0), 0.0)
     label = {"naive": "S.1", "safe": "S.2", "online": "S.3"}[kind]
-    reasons: tuple[str, ...] = ()
-    if vacuous:
-        why = (
-            f"exp of an unshifted logit or the row sum may overflow {model.fmt.name}, or the sum "
-            "exceed 2^-emin of the reciprocal's format (flushed to zero), or the computed sum "
-            "be off by 100%"
-            if kind == "naive"
-            else "the computed row sum may be off by 100% (its error factor reaches 1)"
-        )
-        reasons = (f"{kind} softmax: {why}",)
-    if unevaluable:
-        reasons = (*reasons, _UNEVALUABLE)
-    if scaled_over:
-        why = (
-            f"{kind} softmax ({num.exp_form}): a row's (running) maximum times log2 e may "
-            f"overflow {model.fmt.name} (largest finite {model.fmt.max_finite:.6g}), and "
-            "inf - inf is NaN"
-        )
-        reasons = (*reasons, why)
-    if over:
-        lifted = f" (exponentials lifted by 2^{num.prob_offset}, prob_offset)" * bool(model.lift)
-        why = (
-            f"online softmax: an exponential or the running sum{lifted} may overflow "
-            f"{model.fmt.name} (largest finite {model.fmt.max_finite:.6g})"
-        )
-        reasons = (*reasons, why)
     return Bound(
-        reasons=reasons,
+        reasons=_softmax_reasons(flags, num, model),
         total=total_arr,
         terms=out,
         theorem=f"papers/softmax.md Theorem {label}",
@@ -602,57 +181,70 @@ def softmax_bound(x: Any, numerics: Numerics | str | None = None) -> Bound:
     )
 
 
-def _lse_row(xs: np.ndarray, xr: np.ndarray, model: _Model, shifted: bool, eps_log: float) -> Any:
-    """One row of Theorem S.5: (total, terms) for the basic or shifted log-sum-exp."""
-    if _past_evaluation_range(xs, xr):
-        names = ("input", "sum", "log") + ("add",) * shifted
-        return math.inf, dict.fromkeys(names, math.inf)
-    finite = np.isfinite(xr)
-    xs, xr = np.where(finite, xs, 0.0), np.where(finite, xr, 0.0)
-    n = int(finite.sum())
-    inputs = float(np.max(np.abs(xr - xs)[finite]))
-    k = int(np.flatnonzero(finite)[np.argmax(xr[finite])])
-    a = float(xr[k])
-    t = np.where(finite, xr - a, -np.inf)  # LSE of the rounded logits x̂ from here on
-    e = np.exp(t.astype(np.longdouble))
-    if shifted:
-        others = finite & (np.arange(xr.size) != k)
-        sigma = _rounded_difference(xr, np.full_like(xr, a), model)
-        s_prime = float(np.sum(np.where(others, e, 0)))
-        rel = np.where(others, model.exp_rel(sigma), 0.0)
-        n_sum = max(n - 1, 1)
-        gamma = model.gamma(n_sum)
-        fits = np.isfinite(rel)
-        far = _times(0.0, rel, np.where(others, t, -np.inf), model.log_exp_factor(sigma, rel))
-        dev = float(np.sum(np.where(others & fits, e, 0) * np.where(fits, rel, 0)) + np.sum(far))
-        delta_s = (s_prime + dev) * gamma + dev + (n - 1) * model.eta_exp * (1 + gamma)
-        delta_s = (delta_s + model.sum_abs(n_sum)) * _EVAL_SLACK
-        ell = delta_s / (1 + max(s_prime * (1 - 1e-15) - delta_s, 0.0))
-        b = math.log1p(s_prime)
-        b_err = ell + eps_log * (b + ell) + model.eta
-        y = a + b
-        total = inputs + b_err * (1 + model.u) + model.u * (abs(y) + inputs) + model.eta
-        terms = {"input": inputs, "sum": ell, "log": eps_log * (b + ell), "add": model.u * abs(y)}
+def _rounded_into(arr: np.ndarray, model: Model) -> np.ndarray:
+    """The logits rounded into the softmax format, where none may overflow it."""
+    rounded = round_to(arr, model.fmt)
+    if np.isinf(rounded[np.isfinite(arr)]).any():
+        msg = f"x: expected logits within the range of the softmax format {model.fmt.name}"
+        raise InvalidArgument(msg)
+    return rounded
+
+
+def _softmax_row(
+    xs: np.ndarray, xr: np.ndarray, model: Model, kind: str, block: int | None
+) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray, str]:
+    """One row of Theorem S.1, S.2 or S.3 (``kind``): (total, first-order terms, underflow) and
+    why the row is infinite, if it is: ``"unevaluable"`` (past float64's evaluation range, every
+    entry ``inf``), ``"scaled_over"`` (exp2 forms: a scaled maximum may overflow), ``"over"``
+    (online: an exponential or the running sum may overflow), ``"vacuous"`` (the bound itself
+    is infinite somewhere), else ``""``."""
+    if past_evaluation_range(xs, xr):
+        infinite = np.full(xr.shape, np.inf)
+        names = ("shift", "exp", "sum", "division") + ("rescaling",) * (kind == "online")
+        return infinite, dict.fromkeys(names, infinite), infinite, "unevaluable"
+    if kind == "online":
+        assert block is not None
+        total, t, under = online_row(xs, xr, model, block)
     else:
-        sigma = np.where(finite, model.fmt.smallest_normal if model.flushes else 0.0, 0.0)
-        rel = np.where(finite, model.exp_rel(sigma), 0.0)
-        s_rel = float(np.sum(e))
-        log_s = float(np.log(e.sum()))
-        with np.errstate(over="ignore"):
-            inv_s = float(np.exp(np.float64(-log_s - a)))
-        gamma = model.gamma(n)
-        in_sum = float(np.sum(e * rel)) / s_rel + n * model.eta_exp * inv_s
-        sum_eta = model.sum_eta(n, inv_s)
-        m_up = in_sum + gamma + in_sum * gamma + sum_eta
-        lam = in_sum + gamma * (1 + in_sum) + sum_eta
-        y = a + log_s
-        top = a + max(math.log1p(float(np.max(rel))), log_s + math.log1p(m_up))
-        if not (lam < 1 and top < math.log(model.fmt.max_finite)):  # NaN: infinite
-            return math.inf, {"input": inputs, "sum": math.inf, "log": math.inf}
-        ell = max(math.log1p(m_up), -math.log1p(-lam)) * _EVAL_SLACK
-        total = inputs + ell + eps_log * (abs(y) + inputs + ell)
-        terms = {"input": inputs, "sum": ell, "log": eps_log * (abs(y) + inputs + ell)}
-    return total * _EVAL_SLACK, terms
+        total, t, under = naive_or_safe_row(xs, xr, model, safe=kind == "safe")
+    if model.base2 and kind != "naive" and not scaled_maxima_fit(xr, model, block):
+        return np.full_like(total, np.inf), t, under, "scaled_over"
+    if kind == "online" and not (online_sum_upper(xr, model, block or 1) <= model.fmt.max_finite):
+        return np.full_like(total, np.inf), t, under, "over"
+    return total, t, under, "" if np.isfinite(total).all() else "vacuous"
+
+
+def _softmax_reasons(flags: set[str], num: Numerics, model: Model) -> tuple[str, ...]:
+    """Why :func:`softmax_bound` is infinite on some row, from the rows' flags
+    (:func:`_softmax_row`), in words."""
+    kind = num.softmax_kind
+    reasons: tuple[str, ...] = ()
+    if "vacuous" in flags:
+        why = (
+            f"exp of an unshifted logit or the row sum may overflow {model.fmt.name}, or the sum "
+            "exceed 2^-emin of the reciprocal's format (flushed to zero), or the computed sum "
+            "be off by 100%"
+            if kind == "naive"
+            else "the computed row sum may be off by 100% (its error factor reaches 1)"
+        )
+        reasons = (f"{kind} softmax: {why}",)
+    if "unevaluable" in flags:
+        reasons = (*reasons, UNEVALUABLE)
+    if "scaled_over" in flags:
+        why = (
+            f"{kind} softmax ({num.exp_form}): a row's (running) maximum times log2 e may "
+            f"overflow {model.fmt.name} (largest finite {model.fmt.max_finite:.6g}), and "
+            "inf - inf is NaN"
+        )
+        reasons = (*reasons, why)
+    if "over" in flags:
+        lifted = f" (exponentials lifted by 2^{num.prob_offset}, prob_offset)" * bool(model.lift)
+        why = (
+            f"online softmax: an exponential or the running sum{lifted} may overflow "
+            f"{model.fmt.name} (largest finite {model.fmt.max_finite:.6g})"
+        )
+        reasons = (*reasons, why)
+    return reasons
 
 
 def lse_bound(
@@ -716,15 +308,12 @@ def lse_bound(
         raise InvalidArgument(msg)
     num = resolve(numerics)
     arr = _logits(x, num)
-    model = _Model(num)
-    rounded = round_to(arr, model.fmt)
-    if np.isinf(rounded[np.isfinite(arr)]).any():
-        msg = f"x: expected logits within the range of the softmax format {model.fmt.name}"
-        raise InvalidArgument(msg)
+    model = Model(num)
+    rounded = _rounded_into(arr, model)
     eps_log = 2 * log_ulps * model.u
     rows_x, rows_r = arr.reshape(-1, arr.shape[-1]), rounded.reshape(-1, arr.shape[-1])
     rows = [
-        _lse_row(xs, xr, model, algorithm == "shifted", eps_log)
+        lse_row(xs, xr, model, algorithm == "shifted", eps_log)
         for xs, xr in zip(rows_x, rows_r, strict=True)
     ]
     shape = arr.shape[:-1]
@@ -738,8 +327,8 @@ def lse_bound(
             else "the sum's error may exceed the sum"
         )
         reasons = (f"{algorithm} log-sum-exp in {model.fmt.name}: {why}",)
-        if any(_past_evaluation_range(*r) for r in zip(rows_x, rows_r, strict=True)):
-            reasons = (*reasons, _UNEVALUABLE)
+        if any(past_evaluation_range(*r) for r in zip(rows_x, rows_r, strict=True)):
+            reasons = (*reasons, UNEVALUABLE)
     return Bound(
         reasons=reasons,
         total=total,

@@ -21,6 +21,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from mhanum._threads import bound_threads, map_threads
 from mhanum.reference import _dd
 from mhanum.reference._dd import Ball
 
@@ -159,6 +160,11 @@ def attention(
 ) -> tuple[Ball, np.ndarray]:
     """Enclosure of ``softmax(scale q k^T + bias) v`` and the undefined rows ``(..., Lq)``.
 
+    Every row's enclosure depends on that row of ``q``, ``excluded`` and ``bias`` alone (the
+    scores' splitting scales each row by its own power of two, Lemma 4), so blocks of query
+    rows are evaluated side by side (:func:`mhanum._threads.map_threads`) and stacked; each
+    block's products are bounded in any summation order, as the whole one's are.
+
     Args:
         q, k, v: float64 ``(..., Lq, d_k)``, ``(..., Lk, d_k)``, ``(..., Lk, d_v)``.
         excluded: ``(..., Lq, Lk)``, True where a key is excluded.
@@ -166,6 +172,44 @@ def attention(
         scale: the scale as a ball (:func:`scale_ball`).
         fully_masked: ``"nan"``, ``"zero"`` or ``"uniform"``.
     """
+    rows = excluded.shape[-2]
+    blocks = _row_blocks(rows, excluded.size)
+    if len(blocks) == 1:
+        return _attention_rows(q, k, v, excluded, bias, scale, fully_masked)
+
+    def block(cut: slice) -> tuple[Ball, np.ndarray]:
+        def part(x: np.ndarray) -> np.ndarray:
+            return x[..., cut, :] if x.shape[-2] == rows else x
+
+        b = None if bias is None else part(bias)
+        with np.errstate(all="ignore"):  # (per thread; the caller's state is ignore too)
+            return _attention_rows(part(q), k, v, part(excluded), b, scale, fully_masked)
+
+    done = map_threads(block, blocks)
+    hi, lo, rad = (
+        np.concatenate([getattr(o, part) for o, _ in done], axis=-2) for part in ("hi", "lo", "rad")
+    )
+    return Ball(hi, lo, rad), np.concatenate([u for _, u in done], axis=-1)
+
+
+def _row_blocks(rows: int, logits: int) -> list[slice]:
+    """One block of query rows per thread, each of at least ``8·_CHUNK`` logits (smaller
+    problems are not worth a thread)."""
+    count = max(1, min(bound_threads(), rows, logits // (8 * _CHUNK)))
+    step = -(-rows // count)
+    return [slice(a, a + step) for a in range(0, rows, step)]
+
+
+def _attention_rows(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    excluded: np.ndarray,
+    bias: np.ndarray | None,
+    scale: Ball,
+    fully_masked: str,
+) -> tuple[Ball, np.ndarray]:
+    """:func:`attention` of one block of query rows."""
     shape = excluded.shape
     scores = _dd.matmul(q, np.swapaxes(k, -1, -2))
     probs, undefined = probabilities(scores, scale, bias, excluded, fully_masked)

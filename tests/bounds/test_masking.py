@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import mhanum
 from mhanum import InvalidArgument, Numerics, round_to
 from mhanum.bounds import masking
+from mhanum.bounds.format_values import from_ordinal, ordinal
 from mhanum.bounds.masking import analyze_mask, recommend_mask_value, safe_mask_range
 
 _ACCUM = {"float16": "float32", "bfloat16": "float32", "float32": "float32", "float64": "float64"}
@@ -294,7 +295,7 @@ def test_assumptions_e_and_u_hold_for_the_real_softmax(soft: str) -> None:
 
 def _neighbour(c: float, fmt: str, step: int) -> float:
     f = mhanum.get_format(fmt)
-    return masking._from_ordinal(masking._ordinal(c, f) + step, f)
+    return from_ordinal(ordinal(c, f) + step, f)
 
 
 @pytest.mark.parametrize(
@@ -348,6 +349,21 @@ def test_recommended_value_lies_in_the_safe_range(b: float, tol: float, n: int) 
     rec = recommend_mask_value("float16", b, tol, n_keys=n)
     assert rec.range.contains(rec.value)
     assert float(round_to(rec.value, "float16")) == rec.value
+    assert rec.analysis.leakage_bound is not None
+    assert rec.analysis.leakage_bound <= tol
+    assert not rec.analysis.overflows
+
+
+@pytest.mark.parametrize("fmt", ["float64", "float32", "bfloat16", "float16"])
+@pytest.mark.parametrize(("b", "tol", "n"), [(1.0, 0.5, 2), (1e3, 1e-12, 10**6), (0.0, 0.0, 1)])
+def test_a_safe_constant_is_recommended_in_every_format(fmt, b, tol, n) -> None:
+    """The geometric middle of the safe range is taken in log2: in float64 the product of its
+    ends overflows."""
+    rec = recommend_mask_value(fmt, b, tol, n_keys=n)
+    assert rec.range.contains(rec.value)
+    assert rec.value < 0
+    assert float(round_to(rec.value, fmt)) == rec.value
+    assert math.frexp(rec.value)[0] == -0.5  # a power of two
     assert rec.analysis.leakage_bound is not None
     assert rec.analysis.leakage_bound <= tol
     assert not rec.analysis.overflows

@@ -45,6 +45,7 @@ from mhanum.bounds.factors import (
     rounding_error,
 )
 from mhanum.bounds.forward import head_output_bound, merge_heads, split_heads
+from mhanum.bounds.forward.stage import Setting
 from mhanum.bounds.projections import linear, linear_overflow
 from mhanum.bounds.scale import is_power_of_four
 from mhanum.formats import Format
@@ -357,9 +358,8 @@ def _heads(ly: _Layer, proj: dict[str, tuple[np.ndarray, ...]], d_o: Enclosure) 
     g_mid, g_rad = split_heads(do_mid, heads), split_heads(do_rad, heads)
     # B.2's D: the heads' forward error along their d_out (Theorem A.1g)
     along = (g_mid, np.abs(g_mid) + g_rad) if bw.algorithm == "flash2" else None
-    fwd = head_output_bound(
-        q, k, v, keep, hb, num, c64, p.scale is None, read, (rq, rk, rv), cap, along
-    )
+    setting = Setting(num, c64, p.scale is None, softcap=cap)
+    fwd = head_output_bound((q, k, v), keep, hb, setting, read, (rq, rk, rv), along)
     eps_o, o_mid, o_given, fwd_why, o_along = fwd
     fail(fwd_why, list(fail.hit))
     heads_in = Inputs(

@@ -29,7 +29,7 @@ from mhanum.bounds._result import Bound
 from mhanum.bounds.factors import lam_or_probability, rounding_error
 from mhanum.bounds.forward.along import along_rows, directions
 from mhanum.bounds.forward.evaluation import quiet
-from mhanum.bounds.forward.head import HeadResult, evaluate_rows
+from mhanum.bounds.forward.head import HeadResult, evaluate_heads
 from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias
 from mhanum.bounds.forward.result import check_scope, head_reasons, result, split_count, stack
 from mhanum.bounds.forward.stage import ALONG, PLAIN, Head, Setting
@@ -326,28 +326,25 @@ def _heads(
     setting = Setting(
         num_y, c, p.scale is None and factors is None, lam, p.softcap, factors is not None
     )
-    with quiet():  # overflow in the float64 evaluation is caught by the range checks
-        return [
-            evaluate_rows(
-                Head(
-                    qb[i],
-                    kb[i],
-                    vb[i],
-                    keep[i],
-                    (errors[0][i], errors[1][i], errors[2][i]),
-                    bias=None if b is None else b[i],
-                    given=_given(
-                        None if factors is None else _constant_given(qb[i], kb[i], vb[i], p.scale),
-                        None if rotated is None else (rotated[0][i], rotated[1][i], 0.0),
-                    ),
-                    masked=None if masked is None else masked[i],
-                    replaced=None if replaced is None else replaced[i],
-                    along=None if along is None else (along[0][i], along[1][i]),
-                ),
-                setting,
-            )
-            for i in np.ndindex(*keep.shape[:-2])
-        ]
+    heads = [
+        Head(
+            qb[i],
+            kb[i],
+            vb[i],
+            keep[i],
+            (errors[0][i], errors[1][i], errors[2][i]),
+            bias=None if b is None else b[i],
+            given=_given(
+                None if factors is None else _constant_given(qb[i], kb[i], vb[i], p.scale),
+                None if rotated is None else (rotated[0][i], rotated[1][i], 0.0),
+            ),
+            masked=None if masked is None else masked[i],
+            replaced=None if replaced is None else replaced[i],
+            along=None if along is None else (along[0][i], along[1][i]),
+        )
+        for i in np.ndindex(*keep.shape[:-2])
+    ]
+    return evaluate_heads(heads, setting)
 
 
 def _rotated(

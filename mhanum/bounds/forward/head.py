@@ -4,14 +4,16 @@ output's range (R.6, step W); evaluated on chunks of query rows."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
+from mhanum._threads import map_threads
 from mhanum.bounds._result import where_smaller
 from mhanum.bounds.factors import compound, evaluation_rounding
 from mhanum.bounds.forward.across_keys import across_splits
-from mhanum.bounds.forward.evaluation import on
+from mhanum.bounds.forward.evaluation import on, quiet
 from mhanum.bounds.forward.logits import (
     Logits,
     Masking,
@@ -31,7 +33,7 @@ from mhanum.bounds.forward.operands import (
     stored_operands,
 )
 from mhanum.bounds.forward.ranges import Ranges
-from mhanum.bounds.forward.softmax_pv import softmax_pv
+from mhanum.bounds.forward.softmax_pv import column_median, softmax_pv
 from mhanum.bounds.forward.split_kv import split_pv
 from mhanum.bounds.forward.stage import (
     ALONG,
@@ -48,7 +50,14 @@ from mhanum.bounds.softmax import division_error
 from mhanum.numerics import Numerics
 from mhanum.units import Online
 
-__all__ = ["CHUNK", "HeadResult", "evaluate_head", "evaluate_rows", "given_error"]
+__all__ = [
+    "CHUNK",
+    "HeadResult",
+    "evaluate_head",
+    "evaluate_heads",
+    "evaluate_rows",
+    "given_error",
+]
 
 CHUNK = 2**18  # logits per chunk of query rows: the float64 temporaries stay small
 
@@ -79,7 +88,7 @@ def evaluate_head(head: Head, setting: Setting) -> HeadResult:
     lg, fold, lift_arg = fold_step(lg, live, const.u_c, num, ranges)
     across = across_splits(lg, dots, ops, const, live, head, setting)
     enc = Enclosure(on(live, lg.s, -np.inf), on(live, lg.delta, 0.0), live, fold, across, lift_arg)
-    values = Values(head.v, ops.v_abs, ops.bits_pv, dots.anchor)
+    values = Values(head.v, ops.v_abs, ops.bits_pv, dots.anchor, head.v_centre)
     ctx = Context(num, setting.lam, u_div, ranges)
     if num.kv_splits is None:
         terms, p, _, direct = softmax_pv(enc, values, ctx, head.project, head.along)
@@ -282,17 +291,51 @@ def given_error(
 
 
 def evaluate_rows(head: Head, setting: Setting) -> HeadResult:
-    """:func:`evaluate_head`, evaluated on chunks of query rows.
+    """:func:`evaluate_head`, evaluated on chunks of query rows (:func:`evaluate_heads`)."""
+    return evaluate_heads([head], setting)[0]
+
+
+def evaluate_heads(heads: list[Head], setting: Setting) -> list[HeadResult]:
+    """:func:`evaluate_head` for every head, each evaluated on chunks of query rows.
 
     Every quantity of Theorem A.1 belongs to one query row (the keys and values enter each
     row alike), so the chunks' terms, outputs and range flags are those of the whole head,
-    stacked; the chunks only keep the ``rows × keys`` temporaries small.
+    stacked; the chunks only keep the ``rows × keys`` temporaries small. The chunks share
+    nothing, so they are evaluated side by side (:func:`mhanum._threads.map_threads`), each as
+    it would be alone: the result does not depend on the number of threads.
     """
+    tasks = [(i, cut) for i, head in enumerate(heads) for cut in _row_chunks(head)]
+    if len(tasks) > len(heads):  # (a head in chunks: its values' median once, step 4)
+        heads = [dataclasses.replace(h, v_centre=column_median(h.v)) for h in heads]
+
+    def one(task: tuple[int, slice | None]) -> HeadResult:
+        i, cut = task
+        with quiet():  # (per thread) overflow in float64 is caught by the range checks
+            return evaluate_head(heads[i] if cut is None else heads[i].rows(cut), setting)
+
+    done = map_threads(one, tasks)
+    return [
+        _stacked_rows([r for (i, _), r in zip(tasks, done, strict=True) if i == h], head)
+        for h, head in enumerate(heads)
+    ]
+
+
+def _row_chunks(head: Head) -> list[slice | None]:
+    """The chunks of query rows that keep ``rows × keys`` near :data:`CHUNK` (``None``: the
+    head in one piece)."""
     rows = head.q.shape[-2]
     step = max(1, CHUNK // max(1, head.k.shape[-2]))
     if rows <= step:
-        return evaluate_head(head, setting)
-    parts = [evaluate_head(head.rows(slice(a, a + step)), setting) for a in range(0, rows, step)]
+        return [None]
+    return [slice(a, a + step) for a in range(0, rows, step)]
+
+
+def _stacked_rows(parts: list[HeadResult], head: Head) -> HeadResult:
+    """One head's result from its chunks' (in row order): terms, outputs, parts and range
+    records stacked along the rows."""
+    if len(parts) == 1:
+        return parts[0]
+    rows = head.q.shape[-2]
     ranges = Ranges(rows, head.v.shape[-1])
     for name in dict.fromkeys(n for part in parts for n in part[4].where):
         ranges.where[name] = np.concatenate(

@@ -22,7 +22,7 @@ from mhanum.bounds.factors import (
 )
 from mhanum.bounds.forward.along import along_rows
 from mhanum.bounds.forward.evaluation import quiet
-from mhanum.bounds.forward.head import HeadResult, evaluate_rows
+from mhanum.bounds.forward.head import HeadResult, evaluate_heads, evaluate_rows
 from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias
 from mhanum.bounds.forward.result import check_scope, head_reasons, result, split_count
 from mhanum.bounds.forward.stage import ALONG, PLAIN, PROJECTED, Head, Setting
@@ -51,30 +51,27 @@ def merge_heads(x: np.ndarray) -> np.ndarray:
 
 @one_blas_thread
 def head_output_bound(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
+    operands: tuple[np.ndarray, np.ndarray, np.ndarray],
     keep: np.ndarray,
     bias: np.ndarray | None,
-    num: Numerics,
-    scale: float,
-    default_scale: bool,
+    setting: Setting,
     errors: tuple[np.ndarray, np.ndarray, np.ndarray],
     given: tuple[np.ndarray, np.ndarray, np.ndarray],
-    softcap: float | None = None,
     along: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[str, ...], np.ndarray | None]:
     """Theorem A.1 for heads whose operands are themselves computed (A.2, step (b)).
 
-    ``q, k, v`` ``(..., L, d)`` (any batch of heads) stand in for the exact operands within
-    ``given``; the computed ones the kernel reads are within ``errors`` of the exact ones;
+    ``operands = (q, k, v)`` ``(..., L, d)`` (any batch of heads) stand in for the exact operands
+    within ``given``; the computed ones the kernel reads are within ``errors`` of the exact ones;
     ``keep`` ``(..., Lq, Lk)`` marks the attended keys (every row attends one), ``bias`` is
-    finite where ``keep``; ``softcap`` as for :func:`attention_bound`; ``along = (g, ḡ)``
+    finite where ``keep``; ``setting`` how every head is computed (its numerics, scale and
+    soft-cap, as for :func:`attention_bound`); ``along = (g, ḡ)``
     (``(..., Lq, d_v)``), Theorem A.1g's directions (:func:`attention_bound_along`). Returns
     ``(err, o, o_given, reasons, along)``: ``|Ô - O*| <= err`` (``inf`` where a stage may
     overflow, with the reasons), the float64 output ``o``, ``|o - O*| <= o_given`` and
     ``(..., Lq)`` bounds on ``|Σ_c g*_c (Ô_c - O*_c)|`` (``None`` without ``along``).
     """
+    q, k, v = operands
     batch = keep.shape[:-2]
     rows = q.shape[-2]
     err = np.zeros((*batch, rows, v.shape[-1]))
@@ -89,7 +86,6 @@ def head_output_bound(
                 given=(given[0][i], given[1][i], given[2][i]),
                 along=None if along is None else (along[0][i], along[1][i]),
             )  # fmt: skip
-            setting = Setting(num, scale, default_scale, softcap=softcap)
             terms, o, o_given, parts, ranges = evaluate_rows(head, setting)
             total = np.sum(list(terms.values()), axis=0)
             for name in ("overflow", "vacuous"):
@@ -427,7 +423,7 @@ def _heads(
     u_op, eta_op = operand_error(num)
     wo_slope = (1 + u_op) * np.abs(wo_hat) + eta_op  # >= |ŵ_op|
     setting = Setting(num, c, p.scale is None, lam, p.softcap)
-    results = {}
+    built = {}
     for i in np.ndindex(*keep.shape[:-3], heads):
         (q, eq, gq), (k, ek, gk), (v, ev, gv) = (proj[n] for n in "qkv")
         cols = slice(i[-1] * d_v, (i[-1] + 1) * d_v)
@@ -435,14 +431,14 @@ def _heads(
             project = None
             if num.kv_splits is None:
                 project = (_projected_values(v[i], gv[i], wo_hat[cols], num), wo_slope[cols])
-            head = Head(
+            built[i] = Head(
                 q[i], k[i], v[i], keep[i], (eq[i], ek[i], ev[i]),
                 bias=None if b is None else b[i], given=(gq[i], gk[i], gv[i]),
                 masked=None if masked is None else masked[i],
                 replaced=None if replaced is None else replaced[i], project=project,
             )  # fmt: skip
-            results[i] = evaluate_rows(head, setting)
-    return results
+    # every head's chunks of rows side by side (each evaluated as it would be alone)
+    return dict(zip(built, evaluate_heads(list(built.values()), setting), strict=True))
 
 
 def _gather(results: dict[Any, HeadResult], pick: Any, shape: tuple[int, ...]) -> np.ndarray:

@@ -26,7 +26,7 @@ from mhanum.bounds.forward.stage import ALONG, PLAIN, PROJECTED, WHOLE, Context,
 from mhanum.formats import round_to
 from mhanum.units import Naive, Online, Safe
 
-__all__ = ["centred", "softmax_pv"]
+__all__ = ["centred", "column_median", "softmax_pv"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -360,7 +360,8 @@ def _output(enc: Enclosure, values: Values, pk: _PerKey) -> _Output:
         o = pl @ v
     v_extra = values.v_abs - np.abs(v)  # the values' errors (0 for values read exactly)
     pv_abs = pl @ np.abs(v)
-    return _Output(pl, o, pv_abs, ev_rel * pv_abs, v_extra, centred(v, v_extra))
+    v_dev = centred(v, v_extra, values.centre)
+    return _Output(pl, o, pv_abs, ev_rel * pv_abs, v_extra, v_dev)
 
 
 def _charges(
@@ -603,12 +604,20 @@ def softmax_pv(
     return terms, pk.p, np.where(rs.vacuous, np.inf, rs.t_safe), direct
 
 
-def centred(v: np.ndarray, v_extra: np.ndarray) -> np.ndarray:
+def centred(v: np.ndarray, v_extra: np.ndarray, centre: np.ndarray | None = None) -> np.ndarray:
     """``|v_j - c| + e_j`` (with the float64 subtraction's rounding) for ``c`` the median of
     ``v`` over the keys, per column: a bound on ``|ṽ_j - c|`` for any ``|ṽ_j - v_j| <= e_j``.
     Every ``c`` will do where the weights' deviations sum to zero (step 4); the median makes
-    ``Σ_j |v_j - c|`` least, and removes what the values share (a bias of the projection)."""
+    ``Σ_j |v_j - c|`` least, and removes what the values share (a bias of the projection).
+    ``centre``: that median, where it was taken already (:func:`column_median`)."""
+    if centre is None:
+        centre = column_median(v)
     with np.errstate(invalid="ignore"):
-        finite = np.where(np.isfinite(v), v, 0.0)
-        centre = np.median(finite, axis=-2, keepdims=True)
         return np.abs(v - centre) * (1 + 2.0**-51) + v_extra
+
+
+def column_median(v: np.ndarray) -> np.ndarray:
+    """The median of ``v``'s finite entries over the keys, per column (an infinite entry
+    counts as 0), keeping the keys' axis: :func:`centred`'s ``c``."""
+    finite = np.where(np.isfinite(v), v, 0.0)
+    return np.median(finite, axis=-2, keepdims=True)

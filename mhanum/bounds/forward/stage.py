@@ -45,6 +45,8 @@ class Head:
     themselves against the exact values (A.2: float64 projections; the scale on q and k).
     ``project`` (A.2, step (c')) and ``along`` (A.1g) couple the logits' errors through the
     output projection's weights and along a direction per row (:func:`softmax_pv`).
+    ``v_centre`` is ``v``'s median over the keys per column where it is taken once for the
+    head's chunks of rows (step 4, centred), ``None`` where each chunk takes it.
     """
 
     q: np.ndarray
@@ -58,6 +60,7 @@ class Head:
     replaced: np.ndarray | None = None
     project: tuple[np.ndarray, np.ndarray] | None = None
     along: tuple[np.ndarray, np.ndarray] | None = None
+    v_centre: np.ndarray | None = None
 
     def rows(self, sl: slice) -> Head:
         """The query rows ``sl`` of this head (the keys and values enter every row alike)."""
@@ -126,15 +129,17 @@ class Enclosure:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Values:
     """The values as ``P·V`` reads them (step 1): ``v`` and ``v_abs >= |ṽ|``, the operand bits
-    of the probabilities and the values, and the tensor-core unit's anchor (0 for none)."""
+    of the probabilities and the values, the tensor-core unit's anchor (0 for none) and, where
+    it is known, the keys' median of ``v`` per column (``centre``, step 4 centred)."""
 
     v: np.ndarray
     v_abs: np.ndarray
     bits_pv: tuple[int, int]
     anchor: float
+    centre: np.ndarray | None = None
 
     def keys(self, cut: slice) -> Values:
-        """The values of the keys ``cut``."""
+        """The values of the keys ``cut`` (whose median is their own)."""
         return Values(self.v[cut], self.v_abs[cut], self.bits_pv, self.anchor)
 
 

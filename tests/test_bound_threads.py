@@ -1,0 +1,135 @@
+"""A head's chunks of query rows are evaluated on threads (``mhanum._threads.map_threads``): the
+bound is the same, bit for bit, whatever the number of threads, and equal to the chunks'
+bounds evaluated one by one, stacked."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mhanum.bounds.forward.head as head_module
+from mhanum import masks
+from mhanum._errors import InvalidArgument
+from mhanum._threads import bound_threads, map_threads
+from mhanum.bounds import attention_bound
+from mhanum.bounds.forward.evaluation import quiet
+from mhanum.bounds.forward.stage import Head, Setting
+from mhanum.numerics import Numerics
+
+# rows × keys past one chunk (head.CHUNK): 700 rows of 700 keys are two chunks
+L = 700
+
+
+def _inputs() -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, L, 16)) for _ in range(3))
+    q[0, 5] *= 40.0  # a row whose logits' errors are large (evaluated in log space)
+    v[1, 7] = 1e30  # a large value: the median keeps it out of the centre
+    return q, k, v
+
+
+def _bound(monkeypatch: pytest.MonkeyPatch, threads: str, **kw: Any) -> Any:
+    monkeypatch.setenv("MHANUM_THREADS", threads)
+    q, k, v = _inputs()
+    return attention_bound(q, k, v, numerics="bf16-fp32acc", **kw)
+
+
+@pytest.mark.parametrize("kw", [{}, {"mask": masks.causal()}, {"lam": 4.0}])
+def test_the_bound_is_the_same_bit_for_bit_on_one_two_and_three_threads(monkeypatch, kw):
+    one, two, three = (_bound(monkeypatch, n, **kw) for n in ("1", "2", "3"))
+    for other in (two, three):
+        np.testing.assert_array_equal(other.total, one.total)
+        assert other.terms.keys() == one.terms.keys()
+        for name in one.terms:
+            np.testing.assert_array_equal(other.terms[name], one.terms[name])
+        assert other.reasons == one.reasons
+
+
+def test_the_chunks_run_on_the_pools_threads(monkeypatch):
+    names: list[str] = []
+    inner = head_module.evaluate_head
+
+    def spy(*args: Any) -> Any:
+        names.append(threading.current_thread().name)
+        return inner(*args)
+
+    monkeypatch.setattr(head_module, "evaluate_head", spy)
+    _bound(monkeypatch, "2")
+    assert len(names) == 4  # two heads of two chunks
+    assert all(name.startswith("mhanum") for name in names)
+    names.clear()
+    _bound(monkeypatch, "1")
+    assert names == [threading.current_thread().name] * 4
+
+
+def test_a_head_in_chunks_is_its_chunks_evaluated_alone_and_stacked():
+    q, k, v = (x[0] for x in _inputs())
+    keep = np.tril(np.ones((L, L), bool))
+    zero = np.zeros_like(q)
+    head = Head(q, k, v, keep, (zero, zero, zero))
+    setting = Setting(Numerics.preset("bf16-fp32acc"), 0.25, False)
+    chunks = head_module._row_chunks(head)
+    assert len(chunks) == 2
+    whole = head_module.evaluate_rows(head, setting)
+    with quiet():
+        alone = [head_module.evaluate_head(head.rows(cut), setting) for cut in chunks]
+    np.testing.assert_array_equal(whole[1], np.concatenate([a[1] for a in alone]))
+    for name in whole[0]:
+        np.testing.assert_array_equal(
+            whole[0][name],
+            np.concatenate([np.broadcast_to(a[0][name], a[1].shape) for a in alone]),
+        )
+
+
+def test_map_threads_keeps_the_items_order_and_raises_what_an_item_raises(monkeypatch):
+    monkeypatch.setenv("MHANUM_THREADS", "2")
+    assert map_threads(lambda x: x * x, list(range(7))) == [x * x for x in range(7)]
+
+    def fail(x: int) -> int:
+        if x == 3:
+            raise ValueError("item 3")
+        return x
+
+    with pytest.raises(ValueError, match="item 3"):
+        map_threads(fail, list(range(5)))
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "two", "1.5"])
+def test_a_bad_thread_count_names_the_variable(monkeypatch, text):
+    monkeypatch.setenv("MHANUM_THREADS", text)
+    with pytest.raises(InvalidArgument, match="MHANUM_THREADS: expected a positive integer"):
+        bound_threads()
+
+
+def test_the_default_is_the_cores_this_process_may_use(monkeypatch):
+    monkeypatch.delenv("MHANUM_THREADS", raising=False)
+    assert bound_threads() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("MHANUM_THREADS", "5")
+    assert bound_threads() == 5
+
+
+def test_the_double_double_reference_in_blocks_of_rows_is_the_same_enclosure(monkeypatch):
+    """Each row's enclosure depends on its own row of q, mask and bias: blocks of rows on
+    threads give the whole problem's enclosure (papers/reference.md, Lemma 4)."""
+    from mhanum.reference import _fastref
+
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 1024, 8)) for _ in range(3))
+    excluded = ~np.tril(np.ones((2, 1024, 1024), bool))
+    bias = np.where(excluded, 0.0, rng.standard_normal((2, 1024, 1024)))
+    scale = _fastref.scale_ball(None, 8)
+    results = []
+    for n in ("1", "2", "3"):
+        monkeypatch.setenv("MHANUM_THREADS", n)
+        assert len(_fastref._row_blocks(1024, excluded.size)) == int(n)
+        with np.errstate(all="ignore"):
+            results.append(_fastref.attention(q, k, v, excluded, bias, scale, "zero"))
+    (one, u_one), *others = results
+    for ball, undefined in others:
+        np.testing.assert_array_equal(undefined, u_one)
+        for a, b in zip(ball, one, strict=True):
+            np.testing.assert_array_equal(a, b)
