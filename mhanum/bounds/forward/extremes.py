@@ -60,8 +60,12 @@ def extremes_direct(
     s_hi = e_hi.sum(axis=-1, keepdims=True)
     p = e / e.sum(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore"):
-        p_hi = np.minimum(e_hi / (e_hi + _rest(e_lo, s_lo)), 1.0)
-        p_lo = e_lo / (e_lo + _rest(e_hi, s_hi))
+        # the denominators summed in place on the fresh rests (the same values, fewer arrays)
+        den_hi, den_lo = _rest(e_lo, s_lo), _rest(e_hi, s_hi)
+        den_hi += e_hi
+        den_lo += e_lo
+        p_hi = np.minimum(e_hi / den_hi, 1.0)
+        p_lo = e_lo / den_lo
     p_hi = on(live, p_hi, 0.0)
     p_lo = on(live, p_lo, 0.0)
     return p, p_hi, p_lo, np.log(s_lo)

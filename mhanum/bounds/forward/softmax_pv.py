@@ -234,9 +234,9 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: _PerKey, rs: _RowSum) -> _W
     else:
         p_hat_lo = pk.lo * (1 - ev_rel) - soft
         normal_p = p_hat_lo >= eta_p
-        # (x + 0 = x: no pass where every p̂_j is normal)
-        below = np.where(normal_p, 0.0, np.minimum(p_hat_hi, eta_p))
-        prob = u_p * p_hat_hi if normal_p.all() else u_p * p_hat_hi + below
+        prob = u_p * p_hat_hi
+        if not normal_p.all():  # (x + 0 = x: no pass where every p̂_j is normal)
+            prob += np.where(normal_p, 0.0, np.minimum(p_hat_hi, eta_p))
         if lam is not None and num.dot_kind == "ieee":
             # Theorem A.3'' (papers/attention.md): the relative roundings of p̂_j into F_p and
             # the operand format, keys in their normal ranges, as one martingale per output
@@ -252,9 +252,9 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: _PerKey, rs: _RowSum) -> _W
                 normal,
                 eta_conv,
             )
-    p_hat_hi = p_hat_hi + prob
+    p_hat_hi += prob  # (in place: p_hat_hi is this function's own array)
     operand_p = u_op * p_hat_hi + eta_op
-    p_hat_hi = p_hat_hi + operand_p
+    p_hat_hi += operand_p
     return _Weights(soft, eta_soft, rel, prob, operand_p, p_hat_hi, rounding_keys)
 
 
