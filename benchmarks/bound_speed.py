@@ -9,8 +9,10 @@ Every row prints its goal and whether it is met: ``attention_bound`` at most 5×
 (L = 1024 and 4096; ``fp32`` and ``bf16-fp32acc``, ``d = 64``), ``mha_bound`` at most 5×
 ``multi_head_attention`` (L = 1024, ``d_model = 512``, 8 heads), ``attention_tolerance`` at most
 20× the PyTorch CPU math kernel it checks (L = 1024, ``d = 64``, float32 and bfloat16; needs
-torch), and, with ``--long``, a bound at L = 32,768, ``d = 128``, one head, within 2 GiB of peak
-memory (measured in a fresh process: the growth of its peak resident set over the inputs').
+torch), ``attention_grad_tolerance`` at most 20× that kernel's forward and backward (autograd)
+on the same data, and, with ``--long``, a bound at L = 32,768, ``d = 128``, one head, within
+2 GiB of peak memory (measured in a fresh process: the growth of its peak resident set over
+the inputs').
 
 ``attention_bound`` (Theorem A.1) and ``mha_bound`` (A.2) against ``mhanum.attention`` and
 ``mhanum.multi_head_attention`` with the same numerics (``fp32``: XLA's own dot and reduce;
@@ -138,6 +140,8 @@ def _tolerance_rows(repeat: int) -> None:
     rng = np.random.default_rng(0)
     for dtype in (torch.float32, torch.bfloat16):
         _tolerance_row(torch, dtype, rng, repeat)
+    for dtype in (torch.float32, torch.bfloat16):
+        _grad_tolerance_row(torch, dtype, rng, repeat)
 
 
 def _tolerance_row(torch: Any, dtype: Any, rng: np.random.Generator, repeat: int) -> None:
@@ -153,6 +157,30 @@ def _tolerance_row(torch: Any, dtype: Any, rng: np.random.Generator, repeat: int
     t_b = median_time(lambda: attention_tolerance(q, k, v, kernel="torch-sdpa-math"), repeat)
     name = str(dtype).removeprefix("torch.")
     _row(f"tolerance {name} L=1024 d=64", t_a, t_b, 20.0)
+
+
+def _grad_tolerance_row(torch: Any, dtype: Any, rng: np.random.Generator, repeat: int) -> None:
+    """``attention_grad_tolerance`` against the PyTorch CPU math kernel's forward and backward
+    (autograd through ``scaled_dot_product_attention``, L = 1024, d = 64)."""
+    from mhanum.testing import attention_grad_tolerance
+
+    q, k, v, g = (
+        torch.tensor(rng.standard_normal((1, 1, 1024, 64)), dtype=dtype) for _ in range(4)
+    )
+
+    def kernel() -> object:
+        qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv)
+        out.backward(g)
+        return qq.grad
+
+    t_a = median_time(kernel, repeat)
+    t_b = median_time(
+        lambda: attention_grad_tolerance(q, k, v, g, kernel="torch-sdpa-math"), repeat
+    )
+    name = str(dtype).removeprefix("torch.")
+    _row(f"grad tolerance {name} L=1024 d=64", t_a, t_b, 20.0)
 
 
 def _peak_memory(length: int, d: int) -> float:

@@ -90,5 +90,11 @@ def map_threads(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
     workers = min(bound_threads(), len(items))
     if workers <= 1:
         return [fn(x) for x in items]
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="mhanum") as pool:
+    # one BLAS thread while the pool runs, set once here: an item that limits the BLAS itself
+    # (one_blas_thread) then finds it limited already and leaves it so, whatever order the
+    # items' limits are entered and left in
+    with (
+        _controller().limit(limits=1, user_api="blas"),
+        concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="mhanum") as pool,
+    ):
         return list(pool.map(fn, items))

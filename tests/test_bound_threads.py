@@ -133,3 +133,33 @@ def test_the_double_double_reference_in_blocks_of_rows_is_the_same_enclosure(mon
         np.testing.assert_array_equal(undefined, u_one)
         for a, b in zip(ball, one, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_the_gradient_bound_and_oracle_are_the_same_on_one_and_two_threads(monkeypatch):
+    """B.1 step 7′'s chunks of query rows, and the gradient oracle's reference and candidate
+    bounds, side by side: the same values, and the caller's BLAS setting comes back."""
+    from threadpoolctl import ThreadpoolController, threadpool_limits
+
+    from mhanum.bounds import attention_grad_bound
+    from mhanum.testing import attention_grad_tolerance
+
+    rng = np.random.default_rng(7)
+    q, k, v, g = (rng.standard_normal((512, 64)) for _ in range(4))
+    qt, kt, vt, gt = (x.astype(np.float32)[None, None] for x in (q, k, v, g))
+    runs = []
+    for n in ("1", "2"):
+        monkeypatch.setenv("MHANUM_THREADS", n)
+        with threadpool_limits(limits=2, user_api="blas"):
+            b = attention_grad_bound(q, k, v, g, numerics="bf16-fp32acc")
+            tol = attention_grad_tolerance(qt, kt, vt, gt, kernel="torch-sdpa-math")
+            blas = {
+                lib["num_threads"]
+                for lib in ThreadpoolController().info()
+                if lib["user_api"] == "blas"
+            }
+        assert blas == {2}
+        runs.append((b, tol))
+    (b1, t1), (b2, t2) = runs
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(b2, name).total, getattr(b1, name).total)
+        np.testing.assert_array_equal(t2[name], t1[name])

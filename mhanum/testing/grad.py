@@ -38,6 +38,7 @@ import numpy as np
 
 from mhanum import masks
 from mhanum._errors import InvalidArgument
+from mhanum._threads import map_threads
 from mhanum.testing.backward_kernels import BackwardKernel, get_backward_kernel
 from mhanum.testing.kernels import Kernel
 from mhanum.testing.oracle import Oracle, PredictedOverflow, as_float64
@@ -318,11 +319,15 @@ def attention_grad_oracle(
         raise InvalidArgument(msg)
     if kern.mask_fill is not None and m is not None:
         _check_fill(q64, k64, b64, c, softcap, kern.mask_fill)
-    exact = reference.attention_grad(
-        q64, k64, v64, g64, mask=m, bias=b64, scale=scale, digits=17, softcap=softcap, sink=sink
-    )
-    per: list[dict[str, Any]] = []
-    for num, bw in candidates:
+
+    def certified_gradients() -> Any:
+        return reference.attention_grad(
+            q64, k64, v64, g64, mask=m, bias=b64, scale=scale, digits=17, softcap=softcap,
+            sink=sink,
+        )  # fmt: skip
+
+    def candidate_terms(candidate: tuple[Numerics, Backward]) -> dict[str, Any]:
+        num, bw = candidate
         # a negative scale split over q and k multiplies q by -sqrt(|c|): the bound of -q with
         # |c| (every rounding is symmetric, so each gradient's error is the same up to sign)
         flip = num.scale == "qk" and c < 0
@@ -333,7 +338,15 @@ def attention_grad_oracle(
         terms = _candidate_terms(bounds)
         if kern.softmax_backward == "products":
             _add_products(terms, bounds, q64, k64, v64, g64, m, b64, c, softcap, num, bw)
-        per.append(terms)
+        return terms
+
+    # the reference and every candidate's bounds are independent: side by side on threads
+    jobs: list[tuple[Numerics, Backward] | None] = [None, *candidates]
+    done = map_threads(
+        lambda job: certified_gradients() if job is None else candidate_terms(job), jobs
+    )
+    exact: Any = done[0]
+    per: list[dict[str, Any]] = done[1:]
     exact_map = {"dq": exact.dq, "dk": exact.dk, "dv": exact.dv}
     if b64 is not None:
         exact_map["dbias"] = exact.dbias

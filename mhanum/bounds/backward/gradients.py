@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from mhanum._threads import map_threads
 from mhanum.bounds._result import Bound
 from mhanum.bounds.backward.dp import RowD
 from mhanum.bounds.backward.inputs import Context, Operands
@@ -471,9 +472,15 @@ def _coupled_dq(
     out += (pe * t_rad) @ (ka + kr) + pe_t @ kr
     out += pe_dpr * (np.abs(kbar) + kbar_rad) + pe_dp * kbar_rad
     step = max(1, 2**22 // max(1, n * d))
-    for b in range(k.shape[0]):
-        for i in range(0, lq, step):
-            sl = slice(i, i + step)
+    chunks = [(b, slice(i, i + step)) for b in range(k.shape[0]) for i in range(0, lq, step)]
+
+    def chunk(task: tuple[int, slice]) -> np.ndarray:
+        b, sl = task
+        with np.errstate(over="ignore", invalid="ignore"):  # (per thread, as the caller's)
             diff = t[b, sl, :, None] * k[b, None] - dpm[b, sl, :, None] * kbar[b, sl, None, :]
-            out[b, sl] += np.einsum("ij,ijc->ic", pe[b, sl], np.abs(diff))
+            return np.einsum("ij,ijc->ic", pe[b, sl], np.abs(diff))
+
+    # the chunks of rows side by side, each as it would be alone (mhanum._threads)
+    for (b, sl), part in zip(chunks, map_threads(chunk, chunks), strict=True):
+        out[b, sl] += part
     return out.reshape((*outer, lq, d))
