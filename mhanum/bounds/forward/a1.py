@@ -30,7 +30,7 @@ from mhanum.bounds.factors import lam_or_probability, rounding_error
 from mhanum.bounds.forward.along import along_rows, directions
 from mhanum.bounds.forward.evaluation import quiet
 from mhanum.bounds.forward.head import HeadResult, evaluate_heads
-from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias
+from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias, with_dead_rows
 from mhanum.bounds.forward.result import check_scope, head_reasons, result, split_count, stack
 from mhanum.bounds.forward.stage import ALONG, PLAIN, Head, Setting
 from mhanum.numerics import Numerics, resolve
@@ -260,8 +260,7 @@ def _attention_bound(
     rows, keys = q.shape[-2], k.shape[-2]
     keep, masked, b, replaced = keep_and_bias(mask, bias, (*batch, rows, keys), num)
     dead = dead_rows(keep, masked)
-    if dead.any():
-        keep = keep | dead  # evaluated as unmasked, then infinite with the reason
+    keep = with_dead_rows(keep, dead)  # evaluated as unmasked, then infinite with the reason
     # every chain's event, and two martingale events per output entry (A.3', A.3'')
     chains = math.prod(batch) * rows * (keys * (q.shape[-1] + 1 + v.shape[-1]) + 2 * v.shape[-1])
     chains *= split_count(num, keys)

@@ -14,6 +14,7 @@ from mhanum.bounds._result import where_smaller
 from mhanum.bounds.factors import compound, evaluation_rounding
 from mhanum.bounds.forward.across_keys import across_splits
 from mhanum.bounds.forward.evaluation import on, quiet
+from mhanum.bounds.forward.keys import BandRows
 from mhanum.bounds.forward.logits import (
     Logits,
     Masking,
@@ -322,11 +323,12 @@ def evaluate_heads(heads: list[Head], setting: Setting) -> list[HeadResult]:
 
 def _row_chunks(head: Head) -> list[slice | None]:
     """The chunks of query rows that keep ``rows × keys`` near :data:`CHUNK` (``None``: the
-    head in one piece)."""
+    head in one piece, where its mask is an array already)."""
     rows = head.q.shape[-2]
     step = max(1, CHUNK // max(1, head.k.shape[-2]))
     if rows <= step:
-        return [None]
+        lazy = isinstance(head.keep, BandRows) or isinstance(head.replaced, BandRows)
+        return [slice(0, rows) if lazy else None]
     return [slice(a, a + step) for a in range(0, rows, step)]
 
 

@@ -23,7 +23,7 @@ from mhanum.bounds.factors import (
 from mhanum.bounds.forward.along import along_rows
 from mhanum.bounds.forward.evaluation import quiet
 from mhanum.bounds.forward.head import HeadResult, evaluate_heads, evaluate_rows
-from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias
+from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias, with_dead_rows
 from mhanum.bounds.forward.result import check_scope, head_reasons, result, split_count
 from mhanum.bounds.forward.stage import ALONG, PLAIN, PROJECTED, Head, Setting
 from mhanum.bounds.projections import linear, linear_overflow
@@ -329,7 +329,7 @@ def _mha_bound(p: MHAProblem, num: Numerics, lam: float | None, probability: flo
     lam = lam_or_probability(lam, probability, chains, num)
     keep, masked, b, replaced = keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)
     dead = dead_rows(keep, masked)
-    keep = keep | dead
+    keep = with_dead_rows(keep, dead)
     w: dict[str, Any] = {
         f.name: None if getattr(params, f.name) is None else np.asarray(getattr(params, f.name))
         for f in dataclasses.fields(params)

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from mhanum.bounds.forward.keys import BandRows
 from mhanum.bounds.forward.ranges import Ranges
 from mhanum.numerics import Numerics
 
@@ -67,6 +68,8 @@ class Head:
         n = self.q.shape[-2]
 
         def cut(x: Any) -> Any:
+            if isinstance(x, BandRows):
+                return x.rows(sl)
             if isinstance(x, np.ndarray) and x.ndim >= 2 and x.shape[-2] == n:
                 return x[..., sl, :]
             return x

@@ -1,6 +1,7 @@
-"""A head's chunks of query rows are evaluated on threads (``mhanum._threads.map_threads``): the
-bound is the same, bit for bit, whatever the number of threads, and equal to the chunks'
-bounds evaluated one by one, stacked."""
+"""The bounds are evaluated by blocks of query rows: on threads
+(``mhanum._threads.map_threads``), the bound is the same, bit for bit, whatever the number of
+threads, and equal to the chunks' bounds evaluated one by one, stacked; a band mask is formed a
+block of rows at a time (``bounds.forward.keys.BandRows``), with the dense mask's bound."""
 
 from __future__ import annotations
 
@@ -163,3 +164,51 @@ def test_the_gradient_bound_and_oracle_are_the_same_on_one_and_two_threads(monke
     for name in ("dq", "dk", "dv"):
         np.testing.assert_array_equal(getattr(b2, name).total, getattr(b1, name).total)
         np.testing.assert_array_equal(t2[name], t1[name])
+
+
+BANDS = [
+    masks.causal(),
+    masks.window(5, 0),
+    masks.window(3, 2),
+    masks.causal(offset=-3),  # the first three rows attend no key
+    masks.bottom_right(masks.causal(), 300, 700),
+]
+
+
+@pytest.mark.parametrize("band", BANDS, ids=str)
+@pytest.mark.parametrize("shape", [(300, 700), (700, 700)])
+def test_a_band_formed_a_block_of_rows_at_a_time_gives_the_dense_masks_bound(band, shape):
+    """A band alone under -inf masking is never formed for a whole head
+    (bounds.forward.keys.BandRows): the bound is that of its dense array, bit for bit."""
+    lq, lk = shape
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((2, lq, 16))
+    k, v = (rng.standard_normal((2, lk, 16)) for _ in range(2))
+    lazy = attention_bound(q, k, v, band, numerics="bf16-fp32acc")
+    dense = attention_bound(q, k, v, band.array(lq, lk), numerics="bf16-fp32acc")
+    assert lazy.reasons == dense.reasons
+    assert lazy.terms.keys() == dense.terms.keys()
+    np.testing.assert_array_equal(lazy.total, dense.total)
+    for name in lazy.terms:
+        np.testing.assert_array_equal(lazy.terms[name], dense.terms[name])
+
+
+def test_the_band_of_a_head_is_formed_per_block_of_rows():
+    from mhanum.bounds.forward.keys import BandRows, keep_and_bias
+
+    num = Numerics.preset("bf16-fp32acc")
+    keep, masked, bias, replaced = keep_and_bias(masks.causal(), None, (2, 700, 700), num)
+    assert isinstance(keep, BandRows)
+    assert isinstance(replaced, BandRows)
+    assert masked is None
+    assert bias is None
+    assert keep[(1,)].shape == (700, 700)
+    np.testing.assert_array_equal(
+        keep.rows(slice(5, 9))[1], np.tril(np.ones((700, 700), bool))[5:9]
+    )
+    np.testing.assert_array_equal(replaced.rows(slice(0, 3))[0], ~keep.rows(slice(0, 3))[0])
+    # with a finite masking constant the masked keys are an array, as before
+    finite = num.replace(mask_value=-1e4)
+    keep, masked, _, _ = keep_and_bias(masks.causal(), None, (2, 700, 700), finite)
+    assert isinstance(keep, np.ndarray)
+    assert isinstance(masked, np.ndarray)
