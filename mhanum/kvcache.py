@@ -7,16 +7,16 @@ or per token and head), the scales themselves (given, or computed dynamically fr
 maximum, ``absmax / divisor``), how the kernel divides by them (a correctly rounded division, or
 a product by the rounded reciprocal: both are covered), and where the scale is applied when the
 cache is read: on the operand before the dot (``"operand"``: ``ŝ·c`` rounded into
-``dequant_format``) or on the dot's result (``"accumulator"``: FlashInfer applies the K scale to
-the scores and the V scale to the probabilities).
+``dequant_format``) or on the dot's result (``"accumulator"``: FlashInfer folds the K scale into
+the softmax scale and multiplies its output by the V scale).
 
 * :func:`quantize` stores ``x`` as the kernel does: codes and scales;
 * :func:`dequantize` reads the codes back as the operand placement does;
 * :func:`kv_error` bounds ``|x̂ - x|`` entry by entry (Theorem K.1), for every kernel that
   stores and reads as the :class:`KVQuant` states: the entries' errors that Theorem A.1 takes as
-  its operands' errors (step 1). Under the accumulator placement the bound is that of the codes
-  times the scale, and the product by the scale is one more rounding of the dot's result
-  (:attr:`KVQuant.accumulator_rounding`).
+  its operands' errors (step 1). Under the accumulator placement (one scale per tensor) the
+  attention is that of the codes with the scales as an fp8 descale, and Corollary K.2 takes
+  K.1 over the scale as the codes' errors (:meth:`KVQuant.accumulated`).
 
 Examples:
     >>> import numpy as np
@@ -134,27 +134,38 @@ class KVQuant:
 
     def read(self, x: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """What an attention reads of ``x`` (``(..., tokens, d)``; without a heads axis, one
-        head) stored in this cache, and Theorem K.1's bound on its distance to ``x``.
+        head) stored in this cache, and Theorem K.1's bound on its distance to ``x``: under the
+        operand placement ``fl(ŝ·c)`` in ``dequant_format``; under the accumulator placement
+        ``ŝ·c`` exactly (float64 holds the product of a scale and a code), the value the
+        kernel's dot attends once its result is multiplied by the scale."""
+        shaped = _heads_axis(x)
+        codes, s = quantize(shaped, self)
+        read = dequantize(codes, s, self) if self.placement == "operand" else codes * s
+        shape = np.shape(np.asarray(x, np.float64))
+        return read.reshape(shape), kv_error(shaped, self).reshape(shape)
+
+    def accumulated(self, x: ArrayLike) -> tuple[np.ndarray, float, np.ndarray]:
+        """The accumulator placement (papers/kvcache.md, K.0 item 3) as an attention computes
+        it: the codes its dot reads (float64, shaped as ``x``), the one scale it multiplies the
+        dot's result by (K: into the scores' constant, V: the output), and Theorem K.1's bound
+        on ``|ŝ·c - x|``.
 
         Raises:
-            InvalidArgument: under the accumulator placement, whose extra rounding of the dot
-                Theorem A.1 does not take yet.
+            InvalidArgument: for the operand placement, or a granularity other than
+                ``"tensor"`` (a scale per head or token does not factor out of the dot as
+                one number).
         """
-        if self.placement != "operand":
+        if self.placement != "accumulator" or self.granularity != "tensor":
             msg = (
-                "kv_cache.placement: expected 'operand' in an attention problem (the "
-                "accumulator's extra rounding of the dot is not carried into Theorem A.1 yet)"
+                "kv_cache: expected placement='accumulator' with granularity='tensor' (one "
+                "scale multiplies the dot's result), got "
+                f"placement={self.placement!r}, granularity={self.granularity!r}"
             )
             raise InvalidArgument(msg)
-        values = np.asarray(x, np.float64)
-        shaped = (
-            values if values.ndim >= 3 else values.reshape((1,) * (3 - values.ndim) + values.shape)
-        )
+        shaped = _heads_axis(x)
         codes, s = quantize(shaped, self)
-        return (
-            dequantize(codes, s, self).reshape(values.shape),
-            kv_error(shaped, self).reshape(values.shape),
-        )
+        shape = np.shape(np.asarray(x, np.float64))
+        return codes.reshape(shape), float(np.ravel(s)[0]), kv_error(shaped, self).reshape(shape)
 
     @property
     def accumulator_rounding(self) -> float:
@@ -167,6 +178,12 @@ def _fmt(q: KVQuant, name: str) -> Format:
     f = getattr(q, name)
     assert isinstance(f, Format)
     return f
+
+
+def _heads_axis(x: ArrayLike) -> np.ndarray:
+    """``x`` as float64, with a heads axis in front where it has none (one head)."""
+    values = np.asarray(x, np.float64)
+    return values if values.ndim >= 3 else values.reshape((1,) * (3 - values.ndim) + values.shape)
 
 
 def _reduce_axes(x: np.ndarray, granularity: str) -> tuple[int, ...]:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from mhanum._types import Array, ArrayLike
 
-__all__ = ["AttentionProblem", "MHAProblem", "checked_bias"]
+__all__ = ["Accumulated", "AttentionProblem", "MHAProblem", "checked_bias"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -144,7 +144,7 @@ class AttentionProblem:
             d_out=d_out,
             rope=rope_and_positions[0],
             positions=rope_and_positions[1],
-            kv_cache=_kv_cache(kv_cache, rope),
+            kv_cache=_kv_cache(kv_cache, rope, (descale, sink)),
         )  # fmt: skip
 
     @property
@@ -166,6 +166,40 @@ class AttentionProblem:
         """The scale as a float64 number (``1/sqrt(d_k)`` rounded once when none was given),
         checked against its ``placement`` (``"qk"`` applies its square root to q and k)."""
         return V.scale_value(self.scale, self.d_k, placement=placement)
+
+    def accumulated(self) -> Accumulated | None:
+        """A cache under the accumulator placement (papers/kvcache.md, K.0 item 3) read as
+        the kernel computes it; ``None`` for any other problem (:class:`Accumulated`)."""
+        if self.kv_cache is None or self.kv_cache[0].placement != "accumulator":
+            return None
+        (kc, s_k, e_k), (vc, s_v, e_v) = (
+            cache.accumulated(x) for cache, x in zip(self.kv_cache, (self.k, self.v), strict=True)
+        )
+        k_over, v_over = (np.asarray(x, np.float64) / s for x, s in ((self.k, s_k), (self.v, s_v)))
+        up = 1 + 2.0**-51  # the float64 quotients |c - x|/ŝ rounded up
+        return Accumulated(
+            (kc, vc),
+            (k_over, v_over),
+            (1.0, s_k, s_v),
+            (e_k / s_k * up, e_v / s_v * up),
+            (2.0**-52 * np.abs(k_over), 2.0**-52 * np.abs(v_over)),
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Accumulated:
+    """A cache under the accumulator placement as the kernel computes: its dots read the
+    ``codes`` of k and v, and its scales act as the fp8 descale ``(1, ŝ_k, ŝ_v)`` (``ŝ_k`` joins
+    the scores' constant, ``ŝ_v`` multiplies the output). Theorem A.1 then takes the exact
+    attention as that of ``descale·quotients``, the float64 quotients ``k/ŝ_k`` and ``v/ŝ_v``,
+    the codes within ``errors`` of them (K.1 over the scale) as the operands' errors (step 1),
+    and the quotients within ``given`` of the exact ``x/ŝ`` (one float64 rounding)."""
+
+    codes: tuple[np.ndarray, np.ndarray]
+    quotients: tuple[np.ndarray, np.ndarray]
+    descale: tuple[float, float, float]
+    errors: tuple[np.ndarray, np.ndarray]
+    given: tuple[np.ndarray, np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -337,9 +371,10 @@ def _rope(
     return rope, checker(positions, d_k=d_k, q_len=q_len, k_len=k_len)
 
 
-def _kv_cache(cache: object, rope: object) -> tuple[Any, Any] | None:
+def _kv_cache(cache: object, rope: object, others: tuple[object, object]) -> tuple[Any, Any] | None:
     """The caches of k and of v (:class:`mhanum.kvcache.KVQuant`, checked when made): one for
-    both, or a pair ``(k's, v's)``; or ``None``."""
+    both, or a pair ``(k's, v's)``; or ``None``. Under the accumulator placement both are
+    read so, each with one scale (its products by the scales are the fp8 descale's)."""
     if cache is None:
         return None
     pair = tuple(cache) if isinstance(cache, (tuple, list)) else (cache, cache)
@@ -352,6 +387,25 @@ def _kv_cache(cache: object, rope: object) -> tuple[Any, Any] | None:
     if rope is not None:
         msg = "kv_cache: expected without rope= (a cache of rotated keys is not modelled yet)"
         raise InvalidArgument(msg)
+    placements = [getattr(c, "placement", "operand") for c in pair]
+    if "accumulator" in placements:
+        grains = [getattr(c, "granularity", "tensor") for c in pair]
+        if placements != ["accumulator"] * 2 or grains != ["tensor"] * 2:
+            msg = (
+                "kv_cache: expected the accumulator placement for both k and v, each with "
+                f"granularity='tensor', got placements {placements} and granularities {grains}"
+            )
+            raise InvalidArgument(msg)
+        descale, sink = others
+        if descale is not None:
+            msg = (
+                "descale: expected None with a cache under the accumulator placement (its "
+                f"scales are the descale factors), got {descale!r}"
+            )
+            raise InvalidArgument(msg)
+        if sink is not None:
+            msg = "sink: expected None with a cache under the accumulator placement, got sinks"
+            raise InvalidArgument(msg)
     return (pair[0], pair[1])
 
 

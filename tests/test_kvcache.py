@@ -188,8 +188,66 @@ def test_a_cache_in_an_attention_problem_is_checked() -> None:
         AttentionProblem.of(x, x, x, kv_cache="int8")
     with pytest.raises(InvalidArgument, match="kv_cache: expected without rope="):
         AttentionProblem.of(x, x, x, kv_cache=KVQuant("int8"), rope=Rope(dim=8))
-    with pytest.raises(InvalidArgument, match=r"kv_cache\.placement: expected 'operand'"):
-        KVQuant("int8", placement="accumulator").read(x)
+    with pytest.raises(InvalidArgument, match="kv_cache: expected placement='accumulator'"):
+        KVQuant("int8").accumulated(x)
+    with pytest.raises(InvalidArgument, match="granularity='tensor'"):
+        KVQuant("int8", granularity="head", placement="accumulator").accumulated(x)
+    acc = KVQuant("int8", placement="accumulator")
+    with pytest.raises(InvalidArgument, match="descale: expected None with a cache"):
+        AttentionProblem.of(x, x, x, kv_cache=acc, descale=(1.0, 1.0, 1.0))
+    with pytest.raises(InvalidArgument, match="sink: expected None with a cache"):
+        AttentionProblem.of(x, x, x, kv_cache=acc, sink=0.0)
+    # the accumulator placement reads ŝ·c exactly, within K.1 of x
+    y = np.linspace(-3.0, 3.0, 32).reshape(4, 8)
+    read, err = acc.read(y)
+    codes, scale, err_acc = acc.accumulated(y)
+    np.testing.assert_array_equal(read, codes * scale)
+    np.testing.assert_array_equal(err, err_acc)
+    assert np.all(np.abs(read - y) <= err)
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+@pytest.mark.parametrize("preset", ["fp32", "bf16-fp32acc", "fp16-fp32acc"])
+@pytest.mark.parametrize("scale", [None, 0.01, 3.0])
+def test_the_accumulator_placement_is_within_theorem_a1_with_k1(
+    fmt: str, preset: str, scale: float | None
+) -> None:
+    """K.0 item 3 (FlashInfer): the dots read the codes, K's scale joins the scores' constant
+    and V's multiplies the output once it is in the output format. The emulation computes so
+    (checked against that computation written out), and is within Theorem A.1 of the exact
+    attention of the given k and v, with K.1's errors of the codes against ``x/ŝ`` as the
+    operands' errors and the scales as an fp8 descale (step 7'')."""
+    import mhanum
+    from mhanum import masks, reference
+    from mhanum.bounds import attention_bound
+
+    rng = np.random.default_rng(len(fmt) + (0 if scale is None else int(100 * scale)))
+    q = round_to(rng.standard_normal((2, 48, 16)), "bfloat16")
+    k, v = (rng.standard_normal((2, 48, 16)) * np.array([1.0, 5.0])[:, None, None] for _ in "kv")
+    cache = KVQuant(fmt, scale=scale, placement="accumulator")
+    out = np.asarray(
+        mhanum.attention(q, k, v, masks.causal(), numerics=preset, kv_cache=cache), np.float64
+    )
+    (ck, sk, _), (cv, sv, _) = cache.accumulated(k), cache.accumulated(v)
+    inner = mhanum.attention(q, ck, cv, masks.causal(), numerics=preset, scale=0.25 * sk)
+    by_hand = round_to(
+        np.asarray(inner, np.float64) * sv, mhanum.Numerics.preset(preset).format_of("output")
+    )
+    np.testing.assert_array_equal(out, by_hand)
+    exact = reference.attention(q, k, v, mask=masks.causal())
+    bound = attention_bound(q, k, v, masks.causal(), numerics=preset, kv_cache=cache)
+    finite = np.isfinite(bound.total)
+    assert finite.all() or bound.reasons
+    assert np.all(np.abs(out - exact)[finite] <= (bound.total + 2.0**-52 * np.abs(exact))[finite])
+    if scale is not None:  # (a given scale of 3 leaves int8 codes of 0 and ±1: nothing to see)
+        return
+    # with dynamic scales, a kernel that leaves K's scale out of the scores' constant is
+    # outside the bound
+    forgot = mhanum.attention(q, ck, cv, masks.causal(), numerics=preset, scale=0.25)
+    forgot = round_to(
+        np.asarray(forgot, np.float64) * sv, mhanum.Numerics.preset(preset).format_of("output")
+    )
+    assert np.max((np.abs(forgot - exact) / bound.total)[finite]) > 1
 
 
 def test_k_and_v_may_have_caches_of_their_own() -> None:

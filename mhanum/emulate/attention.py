@@ -508,22 +508,30 @@ def attention(
     q, k, v, mask, bias = p.q, p.k, p.v, p.mask, p.bias
     if p.rope is not None:
         q, k = _rotated(p)
+    descale, rescale_output = p.descale, None
     if p.kv_cache is not None:
         if any(V.is_traced(x) for x in (k, v)):
             msg = "kv_cache: the cache is emulated on concrete k and v; call outside jax.jit"
             raise InvalidArgument(msg)
-        k, v = p.kv_cache[0].read(k)[0], p.kv_cache[1].read(v)[0]
+        acc = p.accumulated()
+        if acc is None:
+            k, v = p.kv_cache[0].read(k)[0], p.kv_cache[1].read(v)[0]
+        else:
+            # the dots read the codes, k's scale joins the scores' constant, and v's multiplies
+            # the output once it is in the output format (FlashInfer: out *= v_scale)
+            (k, v), rescale_output = acc.codes, acc.descale[2]
+            descale = (1.0, acc.descale[1], 1.0)
     if p.sink is not None:
         xp = jnp if any(isinstance(x, jax.Array) for x in (q, k, v, p.sink)) else np
         k, v, mask, bias = masks.with_sink(q, k, v, mask, bias, p.sink, xp=xp)
     if bias is not None:
         bias = host_round(bias, num.format_of("score"))
     factor = p.scale_value(num.scale)
-    if p.descale is not None:
-        factor = factor * p.descale[0] * p.descale[1]
+    if descale is not None:
+        factor = factor * descale[0] * descale[1]
     fmt = num.format_of("input")
     q, k, v = (host_round(x, fmt) for x in (q, k, v))
-    return _attention_jit(
+    out = _attention_jit(
         q,
         k,
         v,
@@ -534,6 +542,10 @@ def attention(
         softcap=p.softcap,
         descale_v=None if p.descale is None else p.descale[2],
     )
+    if rescale_output is None:
+        return out
+    scaled = round_to(np.asarray(out, np.float64) * rescale_output, num.format_of("output"))
+    return jnp.asarray(scaled, dtype=out.dtype)
 
 
 def _rotated(p: AttentionProblem) -> tuple[np.ndarray, np.ndarray]:

@@ -10,7 +10,8 @@ saturates, and where it applies them when it reads the cache. ``kv_cache=`` of
 deployment uses; the tolerance is then Theorem A.1 with Theorem K.1's entries as the operands'
 errors, against the exact attention of the unquantized ``k`` and ``v``.
 
-Only conventions that Theorem K.1 with the operand placement covers are listed, each as the
+Only conventions that Theorem K.1 covers are listed (the operand placement: vLLM's Triton
+attention; the accumulator placement, one scale per tensor: FlashInfer), each as the
 :class:`~mhanum.kvcache.KVQuant` of K and, where it differs, of V (``attention_bound(kv_cache=)``
 takes one for both or the pair). A convention the bounds do not model is named in
 :data:`KV_CACHE_NOT_MODELLED` with the reason, rather than given a tolerance that might not hold.
@@ -25,6 +26,8 @@ takes one for both or the pair). A convention the bounds do not model is named i
 (0.05, 0.02)
 >>> tuple(c.divisor for c in get_kv_cache("vllm-fp8-dynamic"))
 (200.0, 100.0)
+>>> get_kv_cache("flashinfer-fp8-e4m3").placement
+'accumulator'
 """
 
 from __future__ import annotations
@@ -169,25 +172,42 @@ def _vllm_dynamic() -> KVCacheKernel:
     )
 
 
+_FLASHINFER_READ = (
+    "flashinfer flashinfer/decode.py: single_decode_with_kv_cache and "
+    "BatchDecodeWithPagedKVCacheWrapper.run attend the fp8 codes of the cache; 'if k_scale is not "
+    "None: sm_scale *= k_scale' folds K's scale into the softmax scale (a Python float, passed "
+    "to the kernel), and 'if v_scale is not None: out *= v_scale' multiplies the kernel's output, "
+    "already in its dtype, after the kernel: the accumulator placement, one scale per tensor "
+    "(the scalar arguments)"
+)
+_FLASHINFER_NOTES = (
+    "the cache written as vLLM writes it (one float scale per tensor, the quotient in float32, "
+    "saturated); the product sm_scale·k_scale is charged as up to three roundings of the "
+    "scores' constant, and out *= v_scale (torch's product in float32, then the output's dtype) "
+    "as two roundings in the output format (papers/attention.md, step 7'')"
+)
+
+
+def _flashinfer(name: str, fmt: str) -> KVCacheKernel:
+    base = _vllm(name, fmt)
+    cache = dataclasses.replace(base.cache, placement="accumulator")
+    evidence = (_VLLM_WRITE, _VLLM_CONVERT, _FLASHINFER_READ)
+    return KVCacheKernel(name, cache, evidence, _FLASHINFER_NOTES)
+
+
 KV_CACHE_KERNELS: Mapping[str, KVCacheKernel] = {
     k.name: k
     for k in (
         _vllm("vllm-fp8-e4m3", "float8_e4m3fn"),
         _vllm("vllm-fp8-e5m2", "float8_e5m2"),
         _vllm_dynamic(),
+        _flashinfer("flashinfer-fp8-e4m3", "float8_e4m3fn"),
+        _flashinfer("flashinfer-fp8-e5m2", "float8_e5m2"),
     )
 }
 """The registered KV-cache conventions, by name."""
 
 KV_CACHE_NOT_MODELLED: Mapping[str, str] = {
-    "flashinfer-fp8": "FlashInfer's fp8 cache (flashinfer/decode.py: single_decode_with_kv_cache "
-    "and BatchDecodeWithPagedKVCacheWrapper.run): the kernel "
-    "attends the fp8 codes, k_scale folded into the softmax scale (sm_scale *= k_scale, passed "
-    "to the kernel as a float) and v_scale applied to the output (out *= v_scale after the "
-    "kernel, or passed to it as a scale of its output): "
-    "the accumulator placement, whose products by the scales are extra roundings of the "
-    "logits and of the output that Theorem A.1 does not take yet (attention_bound refuses "
-    "KVQuant(placement='accumulator'))",
     "vllm-flash-attn-fp8": "vLLM's FlashAttention backend over an fp8 cache "
     "(vllm/v1/attention/backends/flash_attn.py, FlashAttentionImpl.forward: "
     "flash_attn_varlen_func with q_descale, k_descale and v_descale): the queries are "

@@ -336,14 +336,54 @@ def test_vllms_dynamic_scales_are_a_pair_of_caches():
         oracle.assert_close(_sdpa(tq, k_read, wrong_v))
 
 
+def _flashinfer_kernel(q, k, v, k_scale: float, v_scale: float, *, forget: str = ""):
+    """FlashInfer's fp8 read as its sources state it, over a cache vLLM writes: the attention
+    of the codes with ``sm_scale * k_scale`` (a Python float), then ``out *= v_scale`` in the
+    output's dtype. ``forget``: ``"k"`` or ``"v"``, the scale a buggy kernel leaves out."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def codes(x, s):
+        stored = (x.float() / torch.tensor(s, dtype=torch.float32)).clamp(-448.0, 448.0)
+        return stored.to(torch.float8_e4m3fn).to(q.dtype)
+
+    sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    if forget != "k":
+        sm_scale *= k_scale
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, codes(k, k_scale), codes(v, v_scale), scale=sm_scale
+        )
+    if forget != "v":
+        out *= v_scale
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float32"])
+def test_flashinfers_fp8_read_is_the_accumulator_placement(fmt):
+    """``flashinfer-fp8-e4m3``: the kernel attends the codes, K's scale in the softmax scale
+    and V's on the output (papers/kvcache.md, K.0 item 3). A kernel that computes so passes
+    the certified tolerance against the exact attention of the unquantized k and v; one that
+    forgets either scale fails it."""
+    q, k, v = _inputs(11, fmt, lq=4)
+    k_scale = float(np.max(np.abs(np.asarray(k, np.float32)))) / 448.0 * 2.0
+    v_scale = float(np.max(np.abs(np.asarray(v, np.float32)))) / 448.0 * 3.0
+    cache = get_kv_cache("flashinfer-fp8-e4m3", scale=k_scale, v_scale=v_scale)
+    tq, tk, tv = (_t(x, fmt) for x in (q, k, v))
+    oracle = oracle_of(q, k, v, kernel=KERNEL, kv_cache=cache)
+    oracle.assert_close(_flashinfer_kernel(tq, tk, tv, k_scale, v_scale))
+    for forget in ("k", "v"):
+        with pytest.raises(AttentionMismatch, match=WORST):
+            oracle.assert_close(_flashinfer_kernel(tq, tk, tv, k_scale, v_scale, forget=forget))
+
+
 def test_every_kv_cache_descriptor_states_its_evidence():
     for name, desc in KV_CACHE_KERNELS.items():
         assert desc.name == name
         assert desc.evidence
         assert all(".py" in e or ".cu" in e for e in desc.evidence)
-        assert desc.cache.placement == "operand"
+        assert desc.cache.placement == ("accumulator" if "flashinfer" in name else "operand")
         assert desc.as_dict()["cache"]["format"] == desc.cache.format
-    assert "accumulator placement" in KV_CACHE_NOT_MODELLED["flashinfer-fp8"]
+    assert "fp8 path runs" in KV_CACHE_NOT_MODELLED["vllm-flash-attn-fp8"]
     assert not set(KV_CACHE_KERNELS) & set(KV_CACHE_NOT_MODELLED)
 
 
@@ -368,11 +408,15 @@ _Y = np.full((1, 4, 8), 0.1, np.float32)
             "positions: expected non-negative positions",
         ),
         ({"kv_cache": "int8"}, r"kv_cache: expected a mhanum\.kvcache\.KVQuant, a pair of them"),
-        ({"kv_cache": "flashinfer-fp8"}, "flashinfer-fp8 is not modelled: .*accumulator"),
+        ({"kv_cache": "vllm-flash-attn-fp8"}, "vllm-flash-attn-fp8 is not modelled: .*fp8"),
         ({"kv_cache": 8}, r"kv_cache: expected a mhanum\.kvcache\.KVQuant, a pair of them"),
         (
-            {"kv_cache": KVQuant("int8", placement="accumulator")},
-            r"kv_cache\.placement: expected 'operand'",
+            {"kv_cache": KVQuant("int8", granularity="head", placement="accumulator")},
+            r"kv_cache: expected the accumulator placement .* granularity='tensor'",
+        ),
+        (
+            {"kv_cache": (KVQuant("int8", placement="accumulator"), KVQuant("int8"))},
+            r"kv_cache: expected the accumulator placement for both k and v",
         ),
         (
             {"kv_cache": KVQuant("int8"), "rope": Rope(dim=8)},
@@ -396,8 +440,8 @@ def test_bad_kv_cache_descriptor_arguments_are_named():
         get_kv_cache("vllm-fp8-e4m3", scale=-1.0)
     with pytest.raises(InvalidArgument, match="scale: expected None with a KVQuant"):
         get_kv_cache(KVQuant("int8"), scale=2.0)
-    with pytest.raises(InvalidArgument, match="flashinfer-fp8 is not modelled"):
-        get_kv_cache("flashinfer-fp8")
+    with pytest.raises(InvalidArgument, match="vllm-flash-attn-fp8 is not modelled"):
+        get_kv_cache("vllm-flash-attn-fp8")
 
 
 def test_the_reference_rotation_is_charged_not_assumed():

@@ -18,6 +18,7 @@ height of the summation tree, or Kahan's constant). The proof's steps are the st
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -272,18 +273,36 @@ def _attention_bound(
         gb, gu = directions(direction, out_shape)
     fmt_in = num.format_of("input")
     errors = tuple(rounding_error(x, fmt_in) for x in (qb, kb, vb))
-    rotated = None
+    moved: tuple[Any, Any, Any] | None = None  # the stand-ins' distances to the exact q, k, v
+    num_y = num if p.descale is None else num.replace(output_format=num.descale_format.name)
     if p.rope is not None:
         qb, kb, errors, rotated = _rotated(p, qb, kb, errors, fmt_in)
-    if p.kv_cache is not None:
+        moved = (*rotated, 0.0)
+    acc = p.accumulated()
+    if acc is not None:
+        # K.0 item 3: the dots read the codes, within K.1's errors of the quotients x/ŝ (step
+        # 1), and the scales are the fp8 descale (1, ŝ_k, ŝ_v) of the output rounded first
+        def batched(x: np.ndarray) -> np.ndarray:
+            return np.broadcast_to(x, (*batch, *x.shape[-2:]))
+
+        kb, vb = (batched(x) for x in acc.quotients)
+        errors = (
+            errors[0],
+            *(
+                batched(e) + rounding_error(batched(c), fmt_in)
+                for e, c in zip(acc.errors, acc.codes, strict=True)
+            ),
+        )
+        moved = (0.0, batched(acc.given[0]), batched(acc.given[1]))
+        p, num_y = dataclasses.replace(p, descale=acc.descale), num
+    elif p.kv_cache is not None:
         k_cache, v_cache = p.kv_cache
         errors = (errors[0], _cached(k_cache, kb, fmt_in), _cached(v_cache, vb, fmt_in))
     along = None if gb is None or gu is None or p.descale else (gb, gu)
-    stacked = (qb, kb, vb, keep, b, masked, replaced, errors, along, rotated)
-    heads = _heads(p, num, lam, stacked)
+    stacked = (qb, kb, vb, keep, b, masked, replaced, errors, along, moved)
+    heads = _heads(p, (num, num_y), lam, stacked)
     coupled = [h[3].pop(ALONG, None) for h in heads]
     if p.descale is not None:
-        num_y = num.replace(output_format=num.descale_format.name)
         heads = [_descaled(h, p.descale[2], num, num_y) for h in heads]
     terms = stack([{**h[0], **h[4].terms()} for h in heads], out_shape)
     parts = stack([h[3] for h in heads], out_shape)
@@ -310,15 +329,20 @@ def _attention_bound(
 
 
 def _heads(
-    p: AttentionProblem, num: Numerics, lam: float | None, stacked: tuple[Any, ...]
+    p: AttentionProblem,
+    nums: tuple[Numerics, Numerics],
+    lam: float | None,
+    stacked: tuple[Any, ...],
 ) -> list[HeadResult]:
     """Theorem A.1 for every head of the batch: ``stacked`` holds ``q, k, v, keep, bias,
-    masked, replaced``, the inputs' roundings and A.1g's directions, each with the batch
-    dimensions in front (``None`` where absent). With fp8 descaling the output is left in
-    ``num.descale_format`` (step 7'') and the float64 constant charged (:func:`_constant_given`)."""
-    qb, kb, vb, keep, b, masked, replaced, errors, along, rotated = stacked
+    masked, replaced``, the inputs' roundings, A.1g's directions and the float64 stand-ins'
+    distances to the exact inputs (``moved``), each with the batch dimensions in front
+    (``None`` where absent). ``nums``: the numerics, and those of the output before an fp8
+    descale multiplies it (step 7''; the numerics themselves without one), whose constant is
+    then charged (:func:`_constant_given`)."""
+    qb, kb, vb, keep, b, masked, replaced, errors, along, moved = stacked
+    num, num_y = nums
     factors = p.descale
-    num_y = num if factors is None else num.replace(output_format=num.descale_format.name)
     c = p.scale_value(num.scale)
     if factors is not None:
         c = c * factors[0] * factors[1]  # the loose constant charges its float64 roundings too
@@ -335,7 +359,7 @@ def _heads(
             bias=None if b is None else b[i],
             given=_given(
                 None if factors is None else _constant_given(qb[i], kb[i], vb[i], p.scale),
-                None if rotated is None else (rotated[0][i], rotated[1][i], 0.0),
+                None if moved is None else tuple(_at(g, i) for g in moved),
             ),
             masked=None if masked is None else masked[i],
             replaced=None if replaced is None else replaced[i],
@@ -344,6 +368,11 @@ def _heads(
         for i in np.ndindex(*keep.shape[:-2])
     ]
     return evaluate_heads(heads, setting)
+
+
+def _at(x: Any, i: tuple[int, ...]) -> Any:
+    """``x[i]`` for an array with the batch dimensions in front, ``x`` for a number."""
+    return x[i] if isinstance(x, np.ndarray) else x
 
 
 def _rotated(
