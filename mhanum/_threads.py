@@ -20,8 +20,8 @@ Lemmas 1, 4 and 5).
 
 The bounds use the cores another way: a head's query rows are evaluated in chunks that share
 nothing (every quantity of Theorem A.1 belongs to one row), so :func:`map_threads` evaluates the
-chunks on a pool of threads, one per core this process may run on (``MHANUM_THREADS`` sets
-another number; ``1`` evaluates them in turn). NumPy releases the interpreter's lock in its
+chunks on a pool of threads, one per core this process may run on, at most eight
+(``MHANUM_THREADS`` sets another number; ``1`` evaluates them in turn). NumPy releases the interpreter's lock in its
 array loops and the BLAS in its products, so the threads run side by side. Each chunk is
 evaluated exactly as it would be alone, so the bound is the same, bit for bit, whatever the
 number of threads.
@@ -39,7 +39,7 @@ from threadpoolctl import ThreadpoolController
 
 from mhanum._errors import InvalidArgument
 
-__all__ = ["bound_threads", "map_threads", "one_blas_thread"]
+__all__ = ["MAX_DEFAULT_THREADS", "bound_threads", "map_threads", "one_blas_thread"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -64,9 +64,15 @@ def one_blas_thread(fn: F) -> F:
     return limited  # type: ignore[return-value]
 
 
+MAX_DEFAULT_THREADS = 8
+"""The most threads used by default: each holds one chunk's float64 temporaries (about 80 MB
+for ``2**18`` logits), so memory grows with the threads; ``MHANUM_THREADS`` sets more."""
+
+
 def bound_threads() -> int:
     """The number of threads :func:`map_threads` uses: ``MHANUM_THREADS`` if it is set (a
-    positive integer), else the number of cores this process may run on."""
+    positive integer), else the number of cores this process may run on, at most
+    :data:`MAX_DEFAULT_THREADS`."""
     text = os.environ.get("MHANUM_THREADS", "").strip()
     if text:
         try:
@@ -78,9 +84,10 @@ def bound_threads() -> int:
             raise InvalidArgument(msg)
         return n
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # (not on every platform)
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return min(cores, MAX_DEFAULT_THREADS)
 
 
 def map_threads(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:

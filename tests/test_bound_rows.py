@@ -15,7 +15,7 @@ import pytest
 import mhanum.bounds.forward.head as head_module
 from mhanum import masks
 from mhanum._errors import InvalidArgument
-from mhanum._threads import bound_threads, map_threads
+from mhanum._threads import MAX_DEFAULT_THREADS, bound_threads, map_threads
 from mhanum.bounds import attention_bound
 from mhanum.bounds.forward.evaluation import quiet
 from mhanum.bounds.forward.stage import Head, Setting
@@ -108,7 +108,7 @@ def test_a_bad_thread_count_names_the_variable(monkeypatch, text):
 
 def test_the_default_is_the_cores_this_process_may_use(monkeypatch):
     monkeypatch.delenv("MHANUM_THREADS", raising=False)
-    assert bound_threads() == len(os.sched_getaffinity(0))
+    assert bound_threads() == min(len(os.sched_getaffinity(0)), MAX_DEFAULT_THREADS)
     monkeypatch.setenv("MHANUM_THREADS", "5")
     assert bound_threads() == 5
 
