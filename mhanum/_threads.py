@@ -65,7 +65,7 @@ def one_blas_thread(fn: F) -> F:
 
 
 MAX_DEFAULT_THREADS = 8
-"""The most threads used by default: each holds one chunk's float64 temporaries (about 80 MB
+"""The most threads used by default: each holds one chunk's float64 temporaries (about 150 MB
 for ``2**18`` logits), so memory grows with the threads; ``MHANUM_THREADS`` sets more."""
 
 
