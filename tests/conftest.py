@@ -9,6 +9,9 @@ from pathlib import Path
 # products oversubscribes them (about 100x slower in the reference's Ozaki products). Set before
 # numpy is first imported.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# The bounds' chunks of rows on one thread per process for the same reason
+# (tests/test_bound_rows.py sets its own numbers of threads).
+os.environ.setdefault("MHANUM_THREADS", "1")
 # PyTorch's CPU kernels by one instruction set on every x86 machine (AVX2; AVX-512 machines
 # otherwise dispatch to other kernels, whose float32 roundings differ), so that the figures the
 # docs print from torch are the same wherever the tests run. Set before torch is imported.
