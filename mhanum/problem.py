@@ -374,7 +374,8 @@ def _rope(
 def _kv_cache(cache: object, rope: object, others: tuple[object, object]) -> tuple[Any, Any] | None:
     """The caches of k and of v (:class:`mhanum.kvcache.KVQuant`, checked when made): one for
     both, or a pair ``(k's, v's)``; or ``None``. Under the accumulator placement both are
-    read so, each with one scale (its products by the scales are the fp8 descale's)."""
+    read so, each with one scale (its products by the scales are the fp8 descale's). With
+    RoPE the kernel caches its rotated keys, whose scales must be given (Corollary K.3)."""
     if cache is None:
         return None
     pair = tuple(cache) if isinstance(cache, (tuple, list)) else (cache, cache)
@@ -384,10 +385,15 @@ def _kv_cache(cache: object, rope: object, others: tuple[object, object]) -> tup
             f"{type(cache).__name__}"
         )
         raise InvalidArgument(msg)
-    if rope is not None:
-        msg = "kv_cache: expected without rope= (a cache of rotated keys is not modelled yet)"
-        raise InvalidArgument(msg)
     placements = [getattr(c, "placement", "operand") for c in pair]
+    if rope is not None and (placements[0] != "operand" or getattr(pair[0], "scale", 0) is None):
+        msg = (
+            "kv_cache: expected K's cache with given scales (KVQuant(scale=...)) under the "
+            "operand placement with rope= (the kernel caches its rotated keys: dynamic scales "
+            f"would depend on its rotation), got placement={placements[0]!r}, "
+            f"scale={getattr(pair[0], 'scale', None)!r}"
+        )
+        raise InvalidArgument(msg)
     if "accumulator" in placements:
         grains = [getattr(c, "granularity", "tensor") for c in pair]
         if placements != ["accumulator"] * 2 or grains != ["tensor"] * 2:

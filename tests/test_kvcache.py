@@ -186,7 +186,7 @@ def test_a_cache_in_an_attention_problem_is_checked() -> None:
         InvalidArgument, match=r"kv_cache: expected a mhanum\.kvcache\.KVQuant or a pair"
     ):
         AttentionProblem.of(x, x, x, kv_cache="int8")
-    with pytest.raises(InvalidArgument, match="kv_cache: expected without rope="):
+    with pytest.raises(InvalidArgument, match=r"kv_cache: expected K.s cache with given scales"):
         AttentionProblem.of(x, x, x, kv_cache=KVQuant("int8"), rope=Rope(dim=8))
     with pytest.raises(InvalidArgument, match="kv_cache: expected placement='accumulator'"):
         KVQuant("int8").accumulated(x)
@@ -275,3 +275,42 @@ def test_k_and_v_may_have_caches_of_their_own() -> None:
     assert np.all(np.abs(good - exact) <= bound + 2.0**-52 * np.abs(exact))
     with pytest.raises(InvalidArgument, match=r"kv_cache: expected a mhanum\.kvcache\.KVQuant or"):
         attention_bound(q, k, v, kv_cache=(pair[0],))
+
+
+@pytest.mark.parametrize(("preset", "fmt"), [("fp32", "float32"), ("bf16-fp32acc", "bfloat16")])
+@pytest.mark.parametrize("cache_format", KV_FORMATS)
+def test_rotated_keys_in_a_cache_are_within_corollary_k3(
+    preset: str, fmt: str, cache_format: str
+) -> None:
+    """Corollary K.3 (papers/kvcache.md): the kernel rotates k as the Rope states, then stores
+    the rotated keys in a cache with given scales and reads them back. K.1 grows with
+    ``|x|`` for a given scale, so the bound takes it at the float64 rotation plus Theorem
+    P.1's error. The emulation is within the bound of the exact attention of the exactly
+    rotated inputs (against the reference of the float64 rotation, whose distance to the exact
+    one is the ``evaluation`` term); dynamic scales of rotated keys are refused by name."""
+    import mhanum
+    from mhanum import reference
+    from mhanum.bounds import attention_bound
+    from mhanum.rope import Rope, reference_rope
+
+    rng = np.random.default_rng(KV_FORMATS.index(cache_format))
+    q, k, v = (round_to(rng.standard_normal((32, 16)), fmt) for _ in range(3))
+    k[:, 3] *= 8.0  # an outlier channel
+    rope = Rope(dim=16, base=5e5, table_format=fmt, rotation_format=fmt)
+    positions = (np.arange(4096, 4128), np.arange(4096, 4128))
+    top = float(np.abs(k).max()) * 1.5
+    scale = top / (127.0 if cache_format == "int8" else get_format(cache_format).max_finite)
+    cache = (KVQuant(cache_format, scale=scale), KVQuant(cache_format))  # V's scales dynamic
+    kw = {"numerics": preset, "rope": rope, "positions": positions, "kv_cache": cache}
+    out = np.asarray(mhanum.attention(q, k, v, **kw), np.float64)
+    b = attention_bound(q, k, v, **kw)
+    q64, k64 = (reference_rope(x, p, rope)[0] for x, p in zip((q, k), positions, strict=True))
+    exact = reference.attention(q64, k64, v)
+    err = np.abs(out - exact)
+    assert np.all(err <= b.total + b.terms["evaluation"] + 2.0**-52 * np.abs(exact))
+    # the cache's error is charged: the bound exceeds the one without the cache
+    plain = attention_bound(q, k, v, numerics=preset, rope=rope, positions=positions)
+    assert np.all(b.total >= plain.total)
+    with pytest.raises(InvalidArgument, match=r"kv_cache: expected K's cache with given scales"):
+        attention_bound(q, k, v, numerics=preset, rope=rope, positions=positions,
+                        kv_cache=KVQuant(cache_format))  # fmt: skip

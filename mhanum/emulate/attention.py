@@ -480,9 +480,11 @@ def attention(
         positions: with ``rope``, the queries' and keys' positions (see
             :class:`mhanum.problem.AttentionProblem`).
         kv_cache: a :class:`mhanum.kvcache.KVQuant`, or the pair ``(k's, v's)``: ``k`` and
-            ``v`` (concrete) are stored in the quantized cache and read back as it states (its
-            operand placement) before the attention, whose numerics then read them in the
-            input format.
+            ``v`` (concrete; with ``rope``, the rotated keys) are stored in the quantized cache
+            and read back as it states before the attention, whose numerics then read them in
+            the input format (operand placement); or the attention reads the codes, K's
+            scale joins the scores' constant and V's multiplies the output, rounded into the
+            output format again (accumulator placement, one scale per tensor).
 
     Returns:
         ``(..., Lq, d_v)`` in the dtype that stores ``numerics.output_format``.

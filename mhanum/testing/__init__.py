@@ -329,8 +329,8 @@ def attention_oracle(
             that cache and attends the values it reads back (the operand placement). The exact
             answer is the attention of the unquantized ``k`` and ``v``, and the tolerance the
             candidates' bounds with Theorem K.1's entries as the operands' errors
-            (``attention_bound(..., kv_cache=)``). With ``rope``: refused, as ``attention_bound``
-            refuses a cache of rotated keys.
+            (``attention_bound(..., kv_cache=)``). With ``rope``, the kernel caches its
+            rotated keys (Corollary K.3), whose cache must have given scales.
 
     Returns:
         An :class:`Oracle`; with ``confidence``, a :class:`ProbabilisticOracle`, which carries
@@ -586,16 +586,16 @@ def _magnitudes(
     if rope is None and cache is None:
         return q, k
     fin = num.format_of("input")
+    q_top, k_top = np.abs(q), np.abs(k)
     if rope is not None and pos is not None:
         tops = []
         for x, at in ((q, pos[0]), (k, pos[1])):
             x64, g = reference_rope(x, at, rope)
             tops.append(np.abs(x64) + g + rope_error(x, at, rope))
         q_top, k_top = tops
-    else:
-        q_top = np.abs(q)
-        k_cache = cache[0] if isinstance(cache, tuple) else cache
-        k_top = np.abs(k) if k_cache is None else np.abs(k) + k_cache.read(k)[1]
+    k_cache = cache[0] if isinstance(cache, tuple) else cache
+    if k_cache is not None:  # K.1 grows with |x| (given scales with rope, Corollary K.3)
+        k_top = k_top + k_cache.read(k_top)[1]
     return q_top * (1 + fin.u) + fin.smallest_normal, k_top * (1 + fin.u) + fin.smallest_normal
 
 

@@ -420,7 +420,7 @@ _Y = np.full((1, 4, 8), 0.1, np.float32)
         ),
         (
             {"kv_cache": KVQuant("int8"), "rope": Rope(dim=8)},
-            "kv_cache: expected without rope=",
+            r"kv_cache: expected K.s cache with given scales",
         ),
         (
             {"rope": Rope(dim=8, rotation_format="bfloat16"), "q_values": _Y},

@@ -145,10 +145,12 @@ def attention_bound(
         positions: with ``rope``, the queries' and keys' positions (see
             :class:`mhanum.problem.AttentionProblem`).
         kv_cache: a :class:`mhanum.kvcache.KVQuant` the kernel stores ``k`` and ``v`` in, or
-            the pair ``(k's, v's)`` (operand placement): the exact attention is that of the
-            given ``k`` and ``v``;
-            Theorem K.1 bounds the entries read back, which enter as the operands' errors
-            (step 1), with their rounding into the input format where it is narrower.
+            the pair ``(k's, v's)``: the exact attention is that of the given ``k`` and ``v``.
+            Operand placement: Theorem K.1 bounds the entries read back, which enter as the
+            operands' errors (step 1), with their rounding into the input format where it is
+            narrower; with ``rope`` the kernel caches its rotated keys (Corollary K.3, given
+            scales). Accumulator placement (one scale per tensor): the attention of the codes
+            with the scales as an fp8 descale (Corollary K.2, papers/kvcache.md).
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape, ``inf`` exactly
@@ -297,7 +299,13 @@ def _attention_bound(
         p, num_y = dataclasses.replace(p, descale=acc.descale), num
     elif p.kv_cache is not None:
         k_cache, v_cache = p.kv_cache
-        errors = (errors[0], _cached(k_cache, kb, fmt_in), _cached(v_cache, vb, fmt_in))
+        if p.rope is None:
+            e_k = _cached(k_cache, kb, fmt_in)
+        else:
+            # Corollary K.3: the kernel caches its rotated keys, within e_k of the float64
+            # rotation; with given scales K.1 grows with |x|, so it is taken at |k| + e_k
+            e_k = errors[1] + _cached(k_cache, np.abs(kb) + errors[1], fmt_in)
+        errors = (errors[0], e_k, _cached(v_cache, vb, fmt_in))
     along = None if gb is None or gu is None or p.descale else (gb, gu)
     stacked = (qb, kb, vb, keep, b, masked, replaced, errors, along, moved)
     heads = _heads(p, (num, num_y), lam, stacked)
