@@ -176,13 +176,15 @@ class AttentionProblem:
             cache.accumulated(x) for cache, x in zip(self.kv_cache, (self.k, self.v), strict=True)
         )
         k_over, v_over = (np.asarray(x, np.float64) / s for x, s in ((self.k, s_k), (self.v, s_v)))
-        up = 1 + 2.0**-51  # the float64 quotients |c - x|/ŝ rounded up
+        # the float64 quotients rounded up, and each within one rounding (relative 2^-53, or
+        # 2^-1075 absolute below the normal range) of the exact x/ŝ
+        up, tiny = 1 + 2.0**-51, 2.0**-1074
         return Accumulated(
             (kc, vc),
             (k_over, v_over),
             (1.0, s_k, s_v),
-            (e_k / s_k * up, e_v / s_v * up),
-            (2.0**-52 * np.abs(k_over), 2.0**-52 * np.abs(v_over)),
+            (e_k / s_k * up + tiny, e_v / s_v * up + tiny),
+            (2.0**-52 * np.abs(k_over) + tiny, 2.0**-52 * np.abs(v_over) + tiny),
         )
 
 
