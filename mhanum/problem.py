@@ -106,7 +106,7 @@ class AttentionProblem:
         descale: tuple[float, float, float] | None = None,
         d_out: ArrayLike | None = None,
         rope: object = None,
-        positions: tuple[ArrayLike, ArrayLike] | None = None,
+        positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
         kv_cache: object = None,
     ) -> AttentionProblem:
         """The problem of these arguments, each checked once against the others.
@@ -218,6 +218,8 @@ class MHAProblem:
         mask, bias, scale, sink, softcap: as for :class:`AttentionProblem`, against the scores
             ``(*batch, H, Lq, Lk)``; a sink is one logit per head (``(H,)`` or broadcast).
         d_out: ``None``, or for a backward pass the output's cotangent ``(..., Lq, d_out)``.
+        rope, positions: as for :class:`AttentionProblem`: every head's projected queries and
+            keys are rotated (``rope.dim`` at most the head's ``d_k``).
     """
 
     x_q: Any
@@ -233,6 +235,8 @@ class MHAProblem:
     sink: Any = None
     softcap: float | None = None
     d_out: Any = None
+    rope: Any = None
+    positions: tuple[np.ndarray, np.ndarray] | None = None
     descale: ClassVar[None] = None  # fp8 descale factors: single-head attention only
 
     @classmethod
@@ -250,6 +254,8 @@ class MHAProblem:
         softcap: float | None = None,
         num_kv_heads: int | None = None,
         d_out: ArrayLike | None = None,
+        rope: object = None,
+        positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
     ) -> MHAProblem:
         """The problem of these arguments, each checked once against the others.
 
@@ -279,6 +285,10 @@ class MHAProblem:
         batch = V.broadcast({n: a.shape[:-2] for n, a in arrays.items()})
         scores = (*batch, heads, arrays["x_q"].shape[-2], arrays["x_kv"].shape[-2])
         V.scale_value(scale, full.qk_width // heads)
+        if rope is not None and d_out is not None:
+            msg = "rope: expected None for the gradients of multi-head attention (not modelled)"
+            raise InvalidArgument(msg)
+        rope_and_positions = _rope(rope, positions, full.qk_width // heads, scores[-2], scores[-1])
         return cls(
             arrays["x_q"], arrays["x_kv"], full, grouped, heads,
             None if num_kv_heads is None else int(num_kv_heads), batch,
@@ -288,6 +298,8 @@ class MHAProblem:
             sink=None if sink is None else masks.check_sink(sink, scores[:-2], xp=_namespace(sink)),
             softcap=V.softcap_value(softcap),
             d_out=arrays.get("d_out"),
+            rope=rope_and_positions[0],
+            positions=rope_and_positions[1],
         )  # fmt: skip
 
     @property

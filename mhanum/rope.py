@@ -48,11 +48,13 @@ __all__ = [
     "Rope",
     "angles",
     "apply_rope",
+    "check_holds",
     "check_positions",
     "exact_inv_freq",
     "inv_freq_enclosure",
     "reference_rope",
     "rope_error",
+    "rotation_spread",
 ]
 
 SCALINGS = ("none", "linear", "dynamic", "yarn", "llama3")
@@ -228,6 +230,43 @@ class Rope:
         if self.attention_factor is not None:
             return float(self.attention_factor)
         return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+    def to_dict(self) -> dict[str, object]:
+        """Every field by name, JSON-ready (formats by name); :meth:`from_dict` reads it back.
+
+        Examples:
+            >>> rope = Rope(dim=8, base=500000.0, table_format="bfloat16")
+            >>> rope.to_dict()["table_format"]
+            'bfloat16'
+            >>> Rope.from_dict(rope.to_dict()) == rope
+            True
+        """
+        out: dict[str, object] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.name if isinstance(value, Format) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, mapping: object) -> Rope:
+        """The :class:`Rope` whose fields ``mapping`` (a mapping of field names) holds, as
+        :meth:`to_dict` writes them; a field left out takes its default.
+
+        Raises:
+            InvalidArgument: for a value that is not a mapping, an unknown key, or a field the
+                :class:`Rope` refuses (naming it).
+        """
+        from collections.abc import Mapping
+
+        if not isinstance(mapping, Mapping):
+            msg = f"rope: expected a mapping of Rope fields, got {type(mapping).__name__}"
+            raise InvalidArgument(msg)
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(str(key) for key in mapping if key not in names)
+        if unknown:
+            msg = f"rope: expected keys from {names}, got {unknown}"
+            raise InvalidArgument(msg)
+        return cls(**mapping)
 
 
 def check_positions(positions: ArrayLike, rope: Rope) -> np.ndarray:
@@ -556,7 +595,7 @@ def reference_rope(x: ArrayLike, positions: ArrayLike, rope: Rope) -> tuple[np.n
     return out, err
 
 
-def rope_error(x: ArrayLike, positions: ArrayLike, rope: Rope) -> np.ndarray:
+def rope_error(x: ArrayLike, positions: ArrayLike, rope: Rope, *, held: bool = True) -> np.ndarray:
     """Theorem P.1: a bound on ``|x̂_rot - x_rot|`` entry by entry, ``x_rot`` the exact rotation
     of ``x`` by the exact angles, ``x̂_rot`` any kernel's that computes as ``rope`` states.
 
@@ -564,6 +603,10 @@ def rope_error(x: ArrayLike, positions: ArrayLike, rope: Rope) -> np.ndarray:
     angles' by their product's rounding, the tables' by the angles' (``|cos a - cos b| <=
     |a - b|``), ``cos``'s and ``sin``'s ulps and their roundings, and the rotation's by its two
     products and one sum in ``rotation_format``.
+
+    ``held=False``: ``x`` bounds the magnitudes of the kernel's inputs instead of being them
+    (values of ``rotation_format`` none of whose magnitudes exceed ``|x|``): the bound is
+    nondecreasing in every ``|x_j|``, so its value at ``|x|`` bounds each of theirs.
 
     Examples:
         >>> import numpy as np
@@ -573,7 +616,7 @@ def rope_error(x: ArrayLike, positions: ArrayLike, rope: Rope) -> np.ndarray:
         True
     """
     p = check_positions(positions, rope)
-    x = _check_x(x, rope, p)
+    x = _check_x(x, rope, p, held=held)
     fr = rope.format("rotation")
     seq_len = int(p.max()) + 1
     lo, hi = inv_freq_enclosure(rope, seq_len)
@@ -616,3 +659,39 @@ def rope_error(x: ArrayLike, positions: ArrayLike, rope: Rope) -> np.ndarray:
             + 3 * fr.smallest_normal
         ) * (1 + 8 * _U64)  # fmt: skip
     return out
+
+
+def rotation_spread(e: ArrayLike, rope: Rope) -> np.ndarray:
+    """A bound on ``|R(x') - R(x)|`` entry by entry for the exact rotation ``R`` and any ``x'``
+    within ``e`` of ``x`` (``(..., L, d_head)``): ``k (e_a + e_b)`` for a rotated entry, ``k``
+    the table factor (``|cos θ|, |sin θ| <= 1``), ``e`` for the rest; rounded up.
+
+    Examples:
+        >>> import numpy as np
+        >>> rotation_spread(np.array([[1.0, 2.0, 4.0]]), Rope(dim=2)).tolist()
+        [[3.0000000000000013, 3.0000000000000013, 4.0]]
+    """
+    e = np.asarray(e, np.float64)
+    partner, _, _ = _pairs(rope)
+    out = e.copy()
+    with np.errstate(over="ignore"):
+        out[..., : rope.dim] = (
+            rope.table_scale * (e[..., : rope.dim] + e[..., partner]) * (1 + 4 * _U64)
+        )
+    return out
+
+
+def check_holds(rope: Rope, fmt: Format, what: str) -> None:
+    """A kernel rotates the values it holds: ``rope.rotation_format`` must hold ``fmt``
+    (``what``'s format) exactly, its precision and exponent range at least ``fmt``'s.
+
+    Raises:
+        InvalidArgument: naming ``rope.rotation_format``.
+    """
+    rot = rope.format("rotation")
+    if rot.precision < fmt.precision or rot.emin > fmt.emin or rot.emax < fmt.emax:
+        msg = (
+            f"rope.rotation_format: expected a format that holds {what} ({fmt.name}) exactly "
+            f"(the kernel rotates the values it holds), got {rot.name}"
+        )
+        raise InvalidArgument(msg)

@@ -38,7 +38,7 @@ from mhanum.masks import Band
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
 from mhanum.problem import AttentionProblem, MHAProblem
-from mhanum.rope import apply_rope
+from mhanum.rope import apply_rope, check_holds
 
 if TYPE_CHECKING:
     from mhanum._types import Array, ArrayLike
@@ -640,6 +640,34 @@ def merge_heads(x: jax.Array) -> jax.Array:
     return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
 
 
+def _head_projections(
+    st: Stages, x_q: Any, x_kv: Any, p: Any, num_heads: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each head's ``q``, ``k``, ``v``: the projections stored in the storage format."""
+    x_q, x_kv = to_format(x_q, st.input), to_format(x_kv, st.input)
+    q = split_heads(project(st, x_q, p.wq, p.bq, st.storage), num_heads)
+    k = split_heads(project(st, x_kv, p.wk, p.bk, st.storage), num_heads)
+    v = split_heads(project(st, x_kv, p.wv, p.bv, st.storage), num_heads)
+    return q, k, v
+
+
+def _heads_output(
+    st: Stages, heads: tuple[Any, Any, Any], p: Any, logits: tuple[Any, ...], sink: bool
+) -> jax.Array:
+    """Every head's attention (``logits``: mask, bias, scale, soft-cap), concatenated and
+    projected by ``wo``, ``bo`` into the output format."""
+    q, k, v = heads
+    if sink:  # the sink's key and value: zeros, the last of every row (masks.with_sink)
+        k, v = masks.zero_key(k, xp=jnp), masks.zero_key(v, xp=jnp)
+    o = merge_heads(attend(st, q, k, v, *logits))
+    return project(st, o, p.wo, p.bo, st.output).astype(st.output.jax_dtype)
+
+
+def _input_params(st: Stages, params: MHAParams) -> Any:
+    """The weights rounded into the input format (jax arrays in ``MHAParams``' fields)."""
+    return jax.tree_util.tree_map(lambda w: to_format(w, st.input), params)
+
+
 @functools.partial(jax.jit, static_argnames=("num_heads", "numerics", "scale", "sink", "softcap"))
 def _mha_jit(
     x_q: Any,
@@ -655,15 +683,53 @@ def _mha_jit(
     softcap: float | None = None,
 ) -> jax.Array:
     st = Stages(numerics, runtime_zero(x_q))
-    x_q, x_kv = to_format(x_q, st.input), to_format(x_kv, st.input)
-    p = jax.tree_util.tree_map(lambda w: to_format(w, st.input), params)
-    q = split_heads(project(st, x_q, p.wq, p.bq, st.storage), num_heads)
-    k = split_heads(project(st, x_kv, p.wk, p.bk, st.storage), num_heads)
-    v = split_heads(project(st, x_kv, p.wv, p.bv, st.storage), num_heads)
-    if sink:  # the sink's key and value: zeros, the last of every row (masks.with_sink)
-        k, v = masks.zero_key(k, xp=jnp), masks.zero_key(v, xp=jnp)
-    o = merge_heads(attend(st, q, k, v, mask, bias, scale, softcap))
-    return project(st, o, p.wo, p.bo, st.output).astype(st.output.jax_dtype)
+    p = _input_params(st, params)
+    heads = _head_projections(st, x_q, x_kv, p, num_heads)
+    return _heads_output(st, heads, p, (mask, bias, scale, softcap), sink)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "numerics"))
+def _projections_jit(
+    x_q: Any, x_kv: Any, params: MHAParams, *, num_heads: int, numerics: Numerics
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    st = Stages(numerics, runtime_zero(x_q))
+    return _head_projections(st, x_q, x_kv, _input_params(st, params), num_heads)
+
+
+@functools.partial(jax.jit, static_argnames=("numerics", "scale", "sink", "softcap"))
+def _heads_output_jit(
+    q: Any,
+    k: Any,
+    v: Any,
+    params: MHAParams,
+    mask: Any,
+    bias: Any,
+    *,
+    numerics: Numerics,
+    scale: float,
+    sink: bool = False,
+    softcap: float | None = None,
+) -> jax.Array:
+    st = Stages(numerics, runtime_zero(q))
+    return _heads_output(
+        st, (q, k, v), _input_params(st, params), (mask, bias, scale, softcap), sink
+    )
+
+
+def _rotated_heads(
+    p: MHAProblem, num: Numerics, heads: tuple[jax.Array, jax.Array, jax.Array]
+) -> tuple[np.ndarray, np.ndarray, jax.Array]:
+    """Every head's projected ``q`` and ``k`` rotated as ``p.rope`` states
+    (:func:`mhanum.rope.apply_rope`, on the host) and stored again in the storage format."""
+    assert p.rope is not None
+    assert p.positions is not None
+    storage = num.storage_format
+    q, k, v = heads
+    return (
+        round_to(apply_rope(np.asarray(q, np.float64), p.positions[0], p.rope), storage),
+        round_to(apply_rope(np.asarray(k, np.float64), p.positions[1], p.rope), storage),
+        v,
+    )
 
 
 def multi_head_attention(
@@ -679,6 +745,8 @@ def multi_head_attention(
     num_kv_heads: int | None = None,
     sink: ArrayLike | None = None,
     softcap: float | None = None,
+    rope: Rope | None = None,
+    positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
 ) -> jax.Array:
     """Multi-head attention ``concat_h(attention(x_q Wq_h + bq_h, ...)) Wo + bo`` with explicit numerics.
 
@@ -699,6 +767,11 @@ def multi_head_attention(
             ``(..., H)``): ``e^σ`` joins every row's normaliser in that head, as one more key
             with value 0 that no mask excludes (:func:`mhanum.masks.with_sink`).
         softcap: optional logit soft-cap ``c > 0``, in every head, as in :func:`attention`.
+        rope: a :class:`mhanum.rope.Rope`: every head's projected queries and keys (values of
+            the storage format, which ``rope.rotation_format`` must hold) are rotated as it
+            states (:func:`mhanum.rope.apply_rope`, on the host: concrete inputs only) and
+            stored again in the storage format before the heads' attention.
+        positions: with ``rope``, the queries' and keys' positions, as for :func:`attention`.
         mask: optional boolean array broadcastable to ``(..., H, Lq, Lk)``, **True means attend**
             (a per-batch mask has shape ``(B, 1, Lq, Lk)``), or a :class:`mhanum.masks.Band`.
         bias: optional additive float array broadcastable to ``(..., H, Lq, Lk)``.
@@ -716,12 +789,24 @@ def multi_head_attention(
     check_x64(num)
     p = MHAProblem.of(
         x_q, x_kv, params, num_heads, mask=mask, bias=bias, scale=scale, sink=sink,
-        softcap=softcap, num_kv_heads=num_kv_heads,
+        softcap=softcap, num_kv_heads=num_kv_heads, rope=rope, positions=positions,
     )  # fmt: skip
     mask, bias, _, cap = head_logit_inputs(num, p)
     fmt = num.format_of("input")
     x_q, x_kv = host_round(p.x_q, fmt), host_round(p.x_kv, fmt)
     params = jax.tree_util.tree_map(lambda w: host_round(w, fmt), p.params)
+    if p.rope is not None:
+        check_holds(p.rope, num.storage_format, "the projections' storage format")
+        if any(V.is_traced(x) for x in (x_q, x_kv)):
+            msg = "rope: the rotation is emulated on concrete inputs; call outside jax.jit"
+            raise InvalidArgument(msg)
+        heads = _projections_jit(x_q, x_kv, params, num_heads=p.num_heads, numerics=num)
+        q, k, v = _rotated_heads(p, num, heads)
+        return _heads_output_jit(
+            jnp.asarray(q, heads[0].dtype), jnp.asarray(k, heads[1].dtype), v, params, mask,
+            bias, numerics=num, scale=p.scale_value(num.scale), sink=p.sink is not None,
+            softcap=cap,
+        )  # fmt: skip
     return _mha_jit(
         x_q,
         x_kv,

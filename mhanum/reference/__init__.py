@@ -108,7 +108,7 @@ the masked logits by one finite constant gives).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -136,8 +136,10 @@ from mhanum.reference._certify import (
     fast_certified,
     fast_path_applies,
     has_flint,
+    head_rotation,
     max_digits,
     nearest_float64,
+    rotation,
     sub_spec,
 )
 from mhanum.reference._spec import (
@@ -149,11 +151,10 @@ from mhanum.reference._spec import (
     score_spec,
     sink_row,
 )
-from mhanum.reference._zeros import attention_zeros, mha_zeros
+from mhanum.reference._zeros import attention_zeros, mha_value_zeros, mha_zeros, value_zeros
 
 if TYPE_CHECKING:
     from mhanum._types import ArrayLike
-
 __all__ = [
     "BACKENDS",
     "Gradients",
@@ -183,6 +184,8 @@ def attention(
     sink: ArrayLike | None = None,
     softcap: float | None = None,
     descale: tuple[float, float, float] | None = None,
+    rope: Any = None,
+    positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Exact attention ``softmax(scale * q @ k.T + bias) @ v`` of the given floats, certified.
 
@@ -222,6 +225,18 @@ def attention(
         descale: fp8 descale factors ``(d_q, d_k, d_v)`` (float32 numbers > 0): the attention of
             ``d_q q``, ``d_k k``, ``d_v v``, whose products must be exact in float64 (they are
             for inputs of at most 29 significant bits, fp8 and float16 among them).
+        rope: a :class:`mhanum.rope.Rope`: the attention of the *exactly* rotated ``q`` and
+            ``k`` (papers/rope.md, P.4): the exact ``ω`` of its scaling's formula, the exact
+            angles ``θ = p·ω``, their exact ``cos`` and ``sin`` (times YaRN's table factor), the
+            exact rotation of the given floats; none of ``rope``'s formats round anything
+            here. The rotated entries are irrational, so they are computed as Arb balls
+            (:func:`mhanum.reference._rope.arb_rotation`) at the working precision, which doubles until
+            the outputs certify: ``backend`` ``"auto"`` or ``"arb"`` (the others refuse). An
+            output is proved 0 only when its column of ``v`` is 0 over the row's keys (or by
+            its enclosure, **Zeros** 3).
+        positions: with ``rope``, the queries' and keys' positions, as
+            :meth:`mhanum.rope.Rope.positions_for` reads them (a pair; one array for both when
+            ``Lq = Lk``; by default the keys ``0..Lk-1`` and the queries the last ``Lq``).
 
     Returns:
         float64 array ``(..., Lq, d_v)``, the certified values rounded to nearest; with
@@ -251,8 +266,9 @@ def attention(
     """
     options = check_options(digits, max_prec, fully_masked, backend, return_mpf)
     p = AttentionProblem.of(
-        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, descale=descale
-    )
+        q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, descale=descale,
+        rope=rope, positions=positions,
+    )  # fmt: skip
     q64, k64, v64 = (np.asarray(x).astype(np.float64) for x in (p.q, p.k, p.v))
     if p.descale is not None:
         q64, k64, v64 = (
@@ -260,15 +276,23 @@ def attention(
             for x, d, n in zip((q64, k64, v64), p.descale, "qkv", strict=True)
         )
     mask, bias, shape = p.mask, p.bias, p.scores
+    key_positions = None if p.positions is None else p.positions[1]
     if p.sink is not None:
         b64 = None if bias is None else np.asarray(bias).astype(np.float64)
         k64, v64, mask, bias = masks.with_sink(q64, k64, v64, mask, b64, p.sink)
         shape = (*k64.shape[:-2], q64.shape[-2], k64.shape[-2])
+        if key_positions is not None:  # the sink's key is 0: any position rotates it to 0
+            key_positions = np.append(key_positions, 0)
     batch = shape[:-2]
     spec = score_spec(
         mask, bias, check_scale(scale), shape, q64.shape[-1], options.fully_masked, p.softcap
     )
     check_softcap_backend(spec, options)
+    if p.rope is not None:
+        assert p.positions is not None
+        assert key_positions is not None
+        rotate = rotation(p.rope, (q64, p.positions[0]), (k64, key_positions), options)
+        return arb_backend().attention(q64, k64, v64, spec, options, value_zeros(v64, spec), rotate)
     zeros = attention_zeros(q64, k64, v64, spec)
     if options.backend == "arb":
         return arb_backend().attention(q64, k64, v64, spec, options, zeros)
@@ -509,6 +533,8 @@ def multi_head_attention(
     num_kv_heads: int | None = None,
     sink: ArrayLike | None = None,
     softcap: float | None = None,
+    rope: Any = None,
+    positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Exact multi-head attention ``concat_h(attention_h) @ wo + bo`` of the given floats, certified.
 
@@ -527,6 +553,9 @@ def multi_head_attention(
         num_kv_heads: grouped-query attention, as in :func:`mhanum.multi_head_attention`.
         sink: attention sinks, one per head, as in :func:`mhanum.multi_head_attention`.
         softcap: the logit soft-cap of every head, as in :func:`attention`.
+        rope, positions: every head's projected queries and keys rotated exactly, as in
+            :func:`attention` (Arb balls: ``backend`` ``"auto"`` or ``"arb"``; an output is
+            proved 0 only when its column of ``wo`` and its ``bo`` are 0, or by its enclosure).
         mask: boolean array broadcastable to ``(..., H, Lq, Lk)`` (so an ``(Lq, Lk)`` mask applies
             to every head); True means attend; or a :class:`mhanum.masks.Band`.
         bias: float array broadcastable to ``(..., H, Lq, Lk)``, finite or ``-inf``.
@@ -559,18 +588,28 @@ def multi_head_attention(
     options = check_options(digits, max_prec, fully_masked, backend, return_mpf)
     p = MHAProblem.of(
         x_q, x_kv, params, num_heads, mask=mask, bias=bias, sink=sink, softcap=softcap,
-        num_kv_heads=num_kv_heads,
+        num_kv_heads=num_kv_heads, rope=rope, positions=positions,
     )  # fmt: skip
     params, num_heads = p.params, p.num_heads
     xq64, xkv64 = (np.asarray(x).astype(np.float64) for x in (p.x_q, p.x_kv))
     mask, bias, shape, batch = p.mask, p.bias, p.scores, p.batch
+    key_positions = None if p.positions is None else p.positions[1]
     if p.sink is not None:
         mask, bias, shape = masks.head_sinks(mask, bias, p.sink, shape)
         xkv64, params = sink_row(xkv64, params_float64(params))
         batch = shape[:-3]
+        if key_positions is not None:  # the sink's key projects to 0: any position keeps it 0
+            key_positions = np.append(key_positions, 0)
     spec = score_spec(mask, bias, None, shape, p.d_k, options.fully_masked, p.softcap)
     check_softcap_backend(spec, options)
     params64 = params_float64(params)
+    if p.rope is not None:
+        assert p.positions is not None
+        assert key_positions is not None
+        turn = head_rotation(p.rope, {"q": p.positions[0], "k": key_positions}, options)
+        return arb_backend().multi_head_attention(
+            xq64, xkv64, params64, num_heads, spec, options, mha_value_zeros(params64), turn
+        )
     zeros = mha_zeros(xq64, xkv64, params64, num_heads, spec)
     if options.backend == "arb":
         arb = arb_backend()

@@ -54,7 +54,9 @@ def _flint() -> ModuleType:
 
 
 def _matrix(flint: ModuleType, a: np.ndarray) -> arb_mat:
-    """A 2-D float64 array as an exact ``arb_mat``."""
+    """A 2-D float64 array as an exact ``arb_mat`` (an object array of ``arb`` as its balls)."""
+    if a.dtype == object:
+        return flint.arb_mat(a.tolist())
     return flint.arb_mat([[float(x) for x in row] for row in a])
 
 
@@ -234,19 +236,28 @@ def attention(
     spec: ScoreSpec,
     options: Options,
     exact_zero: _ExactZero | None = None,
+    rotate: Callable[[ModuleType], tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """``softmax(scale q k^T + bias) v`` certified with Arb balls (see the module docstring);
-    ``exact_zero(index)`` proves an output 0 (or is ``None``)."""
+    ``exact_zero(index)`` proves an output 0 (or is ``None``); ``rotate(flint)``, if given,
+    returns the balls of the rotated ``q`` and ``k`` at the working precision, which replace
+    ``q`` and ``k`` in the scores (RoPE, :func:`mhanum.reference._rope.arb_rotation`)."""
     batch = spec.excluded.shape[:-2]
-    q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
     shape = (*batch, q.shape[-2], v.shape[-1])
+
+    def batched(x: np.ndarray) -> np.ndarray:
+        return np.broadcast_to(x, batch + x.shape[-2:])
+
+    v = batched(v)
 
     def run(flint: ModuleType) -> tuple[np.ndarray, np.ndarray]:
         outputs = np.empty(shape, dtype=object)
         undefined = np.zeros(shape[:-1], dtype=bool)
         scale = _scale(flint, spec.scale, spec.d_k)
+        qs, ks = (q, k) if rotate is None else rotate(flint)
+        qs, ks = batched(qs), batched(ks)
         for b in np.ndindex(batch):
-            scores = _matrix(flint, q[b]) * _matrix(flint, k[b].T)
+            scores = _matrix(flint, qs[b]) * _matrix(flint, ks[b].T)
             bias = None if spec.bias is None else spec.bias[b]
             probs, undefined[b] = _softmax_rows(
                 flint, scores, scale, bias, spec.excluded[b], spec.fully_masked, spec.softcap
@@ -384,6 +395,19 @@ def _affine(flint: ModuleType, x: np.ndarray, w: np.ndarray, b: np.ndarray | Non
 
 def _columns(flint: ModuleType, m: arb_mat, start: int, width: int) -> arb_mat:
     return flint.arb_mat([[m[i, start + c] for c in range(width)] for i in range(m.nrows())])
+
+
+def _rotated(
+    flint: ModuleType,
+    m: arb_mat,
+    name: str,
+    rotate: Callable[[ModuleType, np.ndarray, str], np.ndarray],
+) -> arb_mat:
+    """A head's projected queries or keys (``name``) rotated as balls."""
+    balls = np.empty((m.nrows(), m.ncols()), dtype=object)
+    for i, j in np.ndindex(balls.shape):
+        balls[i, j] = m[i, j]
+    return _matrix(flint, rotate(flint, balls, name))
 
 
 def _zero_row(flint: ModuleType, m: arb_mat) -> arb_mat:
@@ -537,9 +561,12 @@ def multi_head_attention(
     spec: ScoreSpec,
     options: Options,
     exact_zero: _ExactZero | None = None,
+    rotate: Callable[[ModuleType, np.ndarray, str], np.ndarray] | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Multi-head attention certified with Arb balls (projections and heads in balls too);
-    ``exact_zero(index)`` proves an output 0 (or is ``None``)."""
+    ``exact_zero(index)`` proves an output 0 (or is ``None``); ``rotate(flint, balls, name)``,
+    if given, rotates a head's projected queries (``name="q"``) or keys (``"k"``), an object
+    array ``(L, d_k)`` of balls (RoPE, :func:`mhanum.reference._rope.arb_rotate`)."""
     batch = spec.excluded.shape[:-3]
     x_q, x_kv = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (x_q, x_kv))
     shape = (*batch, x_q.shape[-2], params.d_out)
@@ -557,9 +584,10 @@ def multi_head_attention(
             v = _affine(flint, x_kv[b], params.wv, params.bv)
             heads = []
             for h in range(num_heads):
-                scores = (
-                    _columns(flint, q, h * d_k, d_k) * _columns(flint, k, h * d_k, d_k).transpose()
-                )
+                q_h, k_h = _columns(flint, q, h * d_k, d_k), _columns(flint, k, h * d_k, d_k)
+                if rotate is not None:
+                    q_h, k_h = (_rotated(flint, m, n, rotate) for m, n in ((q_h, "q"), (k_h, "k")))
+                scores = q_h * k_h.transpose()
                 bias = None if spec.bias is None else spec.bias[(*b, h)]
                 probs, empty = _softmax_rows(
                     flint,

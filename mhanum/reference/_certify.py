@@ -101,6 +101,47 @@ def check_softcap_backend(spec: ScoreSpec, options: Options) -> None:
         raise CertificationError(msg)
 
 
+def _check_rotation_backend(options: Options) -> None:
+    if options.backend not in ("auto", "arb"):
+        msg = (
+            f"backend: {options.backend!r} does not take rope= (the rotated entries are "
+            "irrational: only Arb balls enclose them); use backend='auto' or 'arb'"
+        )
+        raise InvalidArgument(msg)
+
+
+def rotation(
+    rope: Any,
+    queries: tuple[np.ndarray, np.ndarray],
+    keys: tuple[np.ndarray, np.ndarray],
+    options: Options,
+) -> Callable[[ModuleType], tuple[np.ndarray, np.ndarray]]:
+    """The exact rotations of ``(q, positions)`` and ``(k, positions)`` as Arb balls at flint's
+    working precision (:func:`mhanum.reference._rope.arb_rotation`), for the ``"arb"`` backend; the
+    other backends take floats and refuse a rotation, whose entries are irrational."""
+    _check_rotation_backend(options)
+    from mhanum.reference._rope import arb_rotation
+
+    def rotate(flint: ModuleType) -> tuple[np.ndarray, np.ndarray]:
+        return arb_rotation(*queries, rope, flint), arb_rotation(*keys, rope, flint)
+
+    return rotate
+
+
+def head_rotation(
+    rope: Any, positions: dict[str, np.ndarray], options: Options
+) -> Callable[[ModuleType, np.ndarray, str], np.ndarray]:
+    """The exact rotation of a head's projected queries or keys (balls) at ``positions[name]``
+    (:func:`mhanum.reference._rope.arb_rotate`), for the ``"arb"`` backend of multi-head attention."""
+    _check_rotation_backend(options)
+    from mhanum.reference._rope import arb_rotate
+
+    def rotate(flint: ModuleType, balls: np.ndarray, name: str) -> np.ndarray:
+        return arb_rotate(balls, positions[name], rope, flint)
+
+    return rotate
+
+
 def fast_path_applies(options: Options) -> bool:
     """Whether to try the double-double enclosure (``"dd"`` refuses what it cannot certify).
 

@@ -74,6 +74,41 @@ def attention_zeros(q: np.ndarray, k: np.ndarray, v: np.ndarray, spec: ScoreSpec
     return exact_zero
 
 
+def value_zeros(v: np.ndarray, spec: ScoreSpec) -> ExactZero:
+    """Whether an output is exactly 0 with no test of its logits (those of rotated inputs are
+    irrational, and their equalities are not decided): its column of ``v`` is 0 over the keys
+    the row attends, or the row is fully masked and its output 0 (``"uniform"``: the column
+    sums to 0). Sufficient only; a zero it misses is certified by its enclosure."""
+    batch = spec.excluded.shape[:-2]
+    v = np.broadcast_to(v, batch + v.shape[-2:])
+
+    def exact_zero(index: tuple[int, ...]) -> bool:
+        *b, i, c = index
+        keep = ~spec.excluded[(*b, i)]
+        values = v[tuple(b)][:, c]
+        if keep.any():
+            return not values[keep].any()
+        if spec.fully_masked != "uniform":
+            return True
+        return sum(_fraction(x) for x in values) == 0
+
+    return exact_zero
+
+
+def mha_value_zeros(params: MHAParams) -> ExactZero:
+    """Whether an output of multi-head attention is exactly 0 with no test of its logits (those
+    of rotated projections are irrational): its column of ``wo`` is 0 and its ``bo`` is 0 or
+    absent. Sufficient only; a zero it misses is certified by its enclosure."""
+    wo = np.asarray(params.wo)
+    bo = None if params.bo is None else np.asarray(params.bo)
+
+    def exact_zero(index: tuple[int, ...]) -> bool:
+        c = index[-1]
+        return not wo[:, c].any() and (bo is None or not bo[..., c].any())
+
+    return exact_zero
+
+
 def _logit_groups(
     q_row: np.ndarray, keys: np.ndarray, spec: ScoreSpec, row: tuple[int, ...]
 ) -> Any:

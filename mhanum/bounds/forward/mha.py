@@ -31,11 +31,13 @@ from mhanum.formats import round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
 from mhanum.problem import MHAProblem
+from mhanum.rope import check_holds, reference_rope, rope_error, rotation_spread
 
 __all__ = ["head_output_bound", "merge_heads", "mha_bound", "split_heads"]
 
 _INPUT_ROUNDING = ("auto", "exact", "bounded")
 _EXACT_LOGITS = 2**20  # "auto": the reference's cost, logits per call
+_EXACT_ROTATED_LOGITS = 2**12  # with a rope the reference runs in Arb balls
 
 
 def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
@@ -101,12 +103,20 @@ def head_output_bound(
 
 
 def _rounded_inputs(
-    x_q: Any, x_kv: Any, params: MHAParams, num: Numerics, how: str, scale: Any, heads: Any
+    x_q: Any,
+    x_kv: Any,
+    params: MHAParams,
+    num: Numerics,
+    how: str,
+    scale: Any,
+    heads: Any,
+    rotated: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, MHAParams] | None:
     """The inputs and weights rounded into ``numerics.input``, where A.2 takes their rounding
     exactly (``input_rounding``); ``None`` where it bounds it instead: nothing rounds, a custom
     scale (the reference's is ``1/sqrt(d_k)``), a rounded value that is not finite, or (auto)
-    more than ``2^20`` logits. Checks nothing else: the bound's own checks follow."""
+    more than ``2^20`` logits (``2^12`` with a rope, whose reference runs in Arb balls).
+    Checks nothing else: the bound's own checks follow."""
     if scale is not None:
         return None
     fmt = num.format_of("input")
@@ -123,7 +133,7 @@ def _rounded_inputs(
         logits = math.prod(outer) * xs[0].shape[-2] * xs[1].shape[-2] * int(heads)
     except (TypeError, ValueError):
         return None  # the bound's checks name the argument
-    if how == "auto" and logits > _EXACT_LOGITS:
+    if how == "auto" and logits > (_EXACT_ROTATED_LOGITS if rotated else _EXACT_LOGITS):
         return None
     with np.errstate(over="ignore", invalid="ignore"):
         rx = [round_to(x, fmt).astype(np.float64) for x in xs]
@@ -209,6 +219,8 @@ def mha_bound(
     sink: Any = None,
     softcap: float | None = None,
     input_rounding: str = "auto",
+    rope: Any = None,
+    positions: Any = None,
 ) -> Bound:
     """Theorem A.2: a componentwise bound on ``|multi_head_attention(...) − exact|``.
 
@@ -259,6 +271,13 @@ def mha_bound(
         sink: attention sinks, one per head, as in :func:`mhanum.multi_head_attention`; the
             sink's key and value are exact zeros after the projections.
         softcap: the logit soft-cap of every head, as in :func:`attention_bound` (step 3c).
+        rope: a :class:`mhanum.rope.Rope`: every head's projected queries and keys are rotated
+            as it states and stored again (as :func:`mhanum.multi_head_attention` computes);
+            the exact value is then that of the exactly rotated exact projections
+            (``reference.multi_head_attention(..., rope=)``), and step (b) takes the rotated
+            operands' errors of Corollary P.6 (papers/rope.md).
+        positions: with ``rope``, the queries' and keys' positions (see
+            :meth:`mhanum.rope.Rope.positions_for`).
         mask: optional boolean mask broadcastable to ``(..., H, Lq, Lk)``, True = attend, or a
             :class:`mhanum.masks.Band`.
         bias: optional additive bias broadcastable to ``(..., H, Lq, Lk)``.
@@ -291,9 +310,11 @@ def mha_bound(
         msg = f"params: expected an MHAParams, got {type(params).__name__}"
         raise InvalidArgument(msg)
     options = {"mask": mask, "bias": bias, "num_kv_heads": num_kv_heads, "sink": sink}
-    options["softcap"] = softcap
+    options |= {"softcap": softcap, "rope": rope, "positions": positions}
     if input_rounding != "bounded":
-        rounded = _rounded_inputs(x_q, x_kv, params, num, input_rounding, scale, num_heads)
+        rounded = _rounded_inputs(
+            x_q, x_kv, params, num, input_rounding, scale, num_heads, rope is not None
+        )
         if rounded is not None:
             inner = mha_bound(
                 *rounded, num_heads, numerics=num, lam=lam, probability=probability,
@@ -336,6 +357,8 @@ def _mha_bound(p: MHAProblem, num: Numerics, lam: float | None, probability: flo
     }
     w = {name: None if a is None else a.astype(np.float64) for name, a in w.items()}
     proj, bad_rows, reasons = _projections(p, w, outer, num, lam)
+    if p.rope is not None:
+        proj = _rotated_projections(p, proj, num)
     results = _heads(p, num, lam, proj, (keep, b, masked, replaced, w))
     shape = (*outer, heads, rows, d_v)
     ev = evaluation_rounding(max(params.v_width, keys))
@@ -402,6 +425,39 @@ def _projections(
         if p.sink is not None and name != "q":  # the sink's key and value: exact zeros
             proj[name] = tuple(masks.zero_key(x) for x in proj[name])
     return proj, bad_rows, reasons
+
+
+def _rotated_projections(
+    p: MHAProblem, proj: dict[str, tuple[Any, Any, Any]], num: Numerics
+) -> dict[str, tuple[Any, Any, Any]]:
+    """Corollary P.6 (papers/rope.md): every head's projected ``q`` and ``k``, ``(y, e, g)`` of
+    step (a), rotated. The bound is evaluated on the float64 rotation ``R64(y)`` (Lemma P.3,
+    within ``g_R`` of ``R(y)``); the kernel's rotation of its projection ``ŷ`` (within ``e`` of
+    ``y``, held in the storage format) is within ``P.1(|y| + e) + spread(e) + g_R`` of it, and
+    the stand-in within ``g_R + spread(g)`` of the exact rotation of the exact projection
+    (``spread``: :func:`mhanum.rope.rotation_spread`); then one rounding into the storage
+    format where the rotation's is wider. A sink's key (exact zeros, after the rotation in
+    the kernel) is rotated here at position 0, which only adds P.1's constant."""
+    rope, positions = p.rope, p.positions
+    assert rope is not None
+    assert positions is not None
+    storage = num.storage_format
+    check_holds(rope, storage, "the projections' storage format")
+    rot = rope.format("rotation")
+    stored = rot.precision > storage.precision or rot.emin < storage.emin
+    keys = positions[1] if p.sink is None else np.append(positions[1], 0)  # the sink's: 0
+    out = dict(proj)
+    for name, pos in (("q", positions[0]), ("k", keys)):
+        y, e, g = proj[name]
+        with np.errstate(over="ignore", invalid="ignore"):
+            y_rot, g_rot = reference_rope(y, pos, rope)
+            e_rot = (
+                rope_error(np.abs(y) + e, pos, rope, held=False) + rotation_spread(e, rope) + g_rot
+            )
+            if stored:
+                e_rot = e_rot + storage.u * (np.abs(y_rot) + e_rot) + storage.smallest_normal
+        out[name] = (y_rot, e_rot, g_rot + rotation_spread(g, rope))
+    return out
 
 
 def _heads(
