@@ -483,8 +483,9 @@ def replay(path: str | Path) -> Replay:
         return Replay(gcase, same, error, bound, ratio, dominant, checked)
     case: WorstCase = _case(saved, None)
     objective = Objective(
-        case.numerics, case.objective, against=case.against, softcap=case.softcap, sink=case.sink
-    )
+        case.numerics, case.objective, against=case.against, softcap=case.softcap, sink=case.sink,
+        rope=case.rope, positions=case.positions,
+    )  # fmt: skip
     ev = objective(case.q, case.k, case.v, case.mask, certified=True)
     if ev is None:
         raise InvalidArgument(outside)

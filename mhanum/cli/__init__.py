@@ -153,6 +153,26 @@ def _search_numerics(args: argparse.Namespace, prefix: str = "") -> Any:
         raise InvalidArgument(msg) from None
 
 
+def _search_rope(args: argparse.Namespace, num: Numerics) -> tuple[Any, Any]:
+    """The rope (rotating in ``num``'s input format) and positions of ``--rope-dim``, or none;
+    a refusal names an option by its destination (``rope_base: ...``), as main then shows it."""
+    from mhanum import InvalidArgument
+    from mhanum.rope import Rope
+
+    values = {f: getattr(args, f"rope_{f}") for f in ("base", "layout", "table_format")}
+    fields = {f: x for f, x in values.items() if x is not None}
+    if args.rope_dim is None and (fields or args.position_offset is not None):
+        msg = "rope_dim: expected a rotary dimension with the RoPE's other options, got none"
+        raise InvalidArgument(msg)
+    try:
+        fields = {"table_format": num.input, "rotation_format": num.input} | fields
+        rope = None if args.rope_dim is None else Rope(args.rope_dim, **fields)
+    except InvalidArgument as exc:  # "rope.base: ..." -> "rope_base: ..."
+        raise InvalidArgument(str(exc).replace("rope.", "rope_", 1)) from None
+    keys = list(range(args.position_offset or 0, (args.position_offset or 0) + args.kv_len))
+    return rope, None if rope is None else (keys[max(args.kv_len - args.q_len, 0) :], keys)
+
+
 def _gradient_search(args: argparse.Namespace, num: Numerics, shape: Shape) -> int:
     from mhanum import InvalidArgument, cases, search
     from mhanum.numerics import Backward
@@ -160,7 +180,7 @@ def _gradient_search(args: argparse.Namespace, num: Numerics, shape: Shape) -> i
     unused = [flag for flag, given in (
         ("--random", args.random), ("--against", args.against_preset is not None),
         ("--objective", args.objective != "error/bound"), ("--sink", args.sink is not None),
-        ("--kv-splits", args.kv_splits is not None),
+        ("--kv-splits", args.kv_splits is not None), ("--rope-dim", args.rope_dim is not None),
     ) if given]  # fmt: skip
     if unused:
         msg = f"--backward: expected none of {', '.join(unused)} with a gradient search"
@@ -202,6 +222,7 @@ def _mha_search(args: argparse.Namespace, num: Numerics) -> int:
         ("--random", args.random), ("--against", args.against_preset is not None),
         ("--objective", args.objective != "error/bound"),
         ("--softcap", args.softcap is not None), ("--sink", args.sink is not None),
+        ("--rope-dim", args.rope_dim is not None),
         ("--kv-splits", args.kv_splits is not None), ("--backward", args.backward is not None),
         ("--heads", near and args.heads is not None), ("--d-v", args.d_v is not None),
         ("--mha", near and args.mha),
@@ -357,15 +378,19 @@ def _search(args: argparse.Namespace) -> int:
         raise InvalidArgument(msg)
     if args.backward is not None:
         return _gradient_search(args, num, shape)
+    if scale_out and args.rope_dim is not None:
+        msg = "--rope-dim: expected none of --runs, --workers, --scheduler, --journal"
+        raise InvalidArgument(msg)
     if scale_out:
         return _campaign(args, num, shape)
+    rope, positions = _search_rope(args, num)
     out = Path(args.out)
     bar = _search_progress(sys.stderr)
     run = search.random_search if args.random else search.worst_case
     against = _search_numerics(args, "against_")
     case = run(num, shape, objective=args.objective, budget=args.budget, seed=args.seed,
                mask=args.mask, progress=bar, against=against, softcap=args.softcap,
-               sink=args.sink)  # fmt: skip
+               sink=args.sink, rope=rope, positions=positions)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     path = cases.save(case, out, force=args.force, unique=case.violation)
     result = case.summary() | {"case": str(path)}
@@ -376,7 +401,8 @@ def _search(args: argparse.Namespace) -> int:
         print(
             f"{case.method} search, {case.numerics.describe()}"
             f"{'' if case.softcap is None else f', softcap {case.softcap:g}'}"
-            f"{'' if case.sink is None else f', sink {case.sink:g}'}, "
+            f"{'' if case.sink is None else f', sink {case.sink:g}'}"
+            f"{'' if case.rope is None else f', rope dim {case.rope.dim}'}, "
             f"{case.evaluations} evaluations "
             f"in {case.seconds:.1f} s\n"
             f"worst {case.objective}: ratio {case.ratio:.4g} (error {case.error:.3g}, bound "
@@ -497,6 +523,17 @@ def _add_search_arguments(search: argparse.ArgumentParser) -> None:
     search.add_argument(
         "--sink", type=float, default=None, metavar="LOGIT",
         help="attention-sink logit of every head (none)",
+    )  # fmt: skip
+    search.add_argument("--rope-dim", type=int, metavar="D", help="RoPE of dimension D (none)")
+    search.add_argument("--rope-base", type=float, metavar="B", help="the RoPE's base (10000)")
+    search.add_argument("--rope-layout", choices=("half", "interleaved"), help="(half)")
+    search.add_argument(
+        "--rope-table-format", choices=_options.formats(), metavar="FORMAT",
+        help="format of the RoPE's cos and sin tables (the input format)",
+    )  # fmt: skip
+    search.add_argument(
+        "--position-offset", type=int, metavar="P",
+        help="with --rope-dim: the keys' positions are P, P+1, ...; the queries' the last (0)",
     )  # fmt: skip
     for size, default, text in (
         ("q-len", 8, "query length"), ("kv-len", 16, "key and value length"),

@@ -28,6 +28,7 @@ from mhanum._digest import digest_problem, inputs_digest
 from mhanum._errors import InvalidArgument
 from mhanum.bounds import Bound
 from mhanum.numerics import PRESETS, Backward, Numerics
+from mhanum.rope import Rope
 
 if TYPE_CHECKING:
     from mhanum._types import ArrayLike
@@ -109,13 +110,22 @@ def preset_name(num: Numerics) -> str | None:
     return next((name for name, preset in PRESETS.items() if preset == num), None)
 
 
+def int_pair(pair: Sequence[ArrayLike]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Two arrays (or lists) of integers as a pair of int tuples (the queries' and keys'
+    positions)."""
+    first, second = (tuple(int(x) for x in np.asarray(a).ravel()) for a in pair)
+    return first, second
+
+
 _DECODERS: dict[str, Callable[[Any], Any]] = {
     "Numerics": Numerics.from_dict,
     "Backward": Backward.from_dict,
+    "Rope": Rope.from_dict,
     "float": float,
     "int": int,
     "tuple[int, ...]": tuple,
     "tuple[str, ...]": tuple,
+    "tuple[tuple[int, ...], tuple[int, ...]]": int_pair,
 }
 """How a scalar field of each annotated type is read back from JSON (``"inf"`` and ``"nan"``
 strings included: :mod:`mhanum.cases` writes non-finite numbers so)."""
@@ -140,7 +150,9 @@ class Case:
     (``ARRAY_FIELDS``; ``OPTIONAL``: the flat names of those a case may lack), and the fields
     that hold several arrays (``GROUPS``: field name to flat names and to the function that
     builds the field from them). ``LEGACY`` holds the value of a field that records of earlier
-    versions may lack; ``SUMMARY`` the fields :meth:`summary` shows, in order.
+    versions may lack; ``SPARSE`` the optional fields written only when set (added after records
+    were first written, so that an earlier record writes back as it was read); ``SUMMARY`` the
+    fields :meth:`summary` shows, in order.
     """
 
     KIND: ClassVar[str | None] = None
@@ -150,6 +162,7 @@ class Case:
     ARRAY_FIELDS: ClassVar[tuple[str, ...]]
     GROUPS: ClassVar[dict[str, tuple[tuple[str, ...], Callable[..., Any]]]] = {}
     LEGACY: ClassVar[dict[str, Any]] = {}
+    SPARSE: ClassVar[tuple[str, ...]] = ()
     SUMMARY: ClassVar[tuple[str, ...]] = ()
 
     numerics: Numerics
@@ -190,8 +203,10 @@ class Case:
                 value = value.algorithm
             elif isinstance(value, Sizes):
                 value = value.as_dict()
+            elif isinstance(value, Rope):
+                value = value.to_dict()
             elif isinstance(value, tuple):
-                value = list(value)
+                value = as_lists(value)
             out[name] = value
         return out
 
@@ -225,19 +240,22 @@ class Case:
         return {name: flat.get(name) for name in self.INPUTS}
 
     def fields(self) -> dict[str, Any]:
-        """The scalars, JSON-ready: numerics as :meth:`~mhanum.Numerics.to_dict` writes them,
-        the shape as its sizes, tuples as lists."""
+        """The scalars, JSON-ready: numerics and a rope as their ``to_dict`` writes them, the
+        shape as its sizes, tuples (nested ones too) as lists; a field of ``SPARSE`` only when
+        set."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             if f.name in self.ARRAY_FIELDS:
                 continue
             value = getattr(self, f.name)
-            if isinstance(value, (Numerics, Backward)):
+            if value is None and f.name in self.SPARSE:
+                continue
+            if isinstance(value, (Numerics, Backward, Rope)):
                 value = value.to_dict()
             elif isinstance(value, Sizes):
                 value = value.as_dict()
             elif isinstance(value, tuple):
-                value = list(value)
+                value = as_lists(value)
             out[f.name] = value
         return out
 
@@ -321,6 +339,11 @@ def _decode(cls: type[Case], f: dataclasses.Field[Any], value: Any) -> Any:
         return None
     decode = _DECODERS.get(kind.removesuffix(" | None"))
     return value if decode is None else decode(value)
+
+
+def as_lists(value: tuple[object, ...]) -> list[object]:
+    """A tuple as a list, the tuples it holds as lists too (JSON writes them so)."""
+    return [as_lists(x) if isinstance(x, tuple) else x for x in value]
 
 
 def tuple_of(**arrays: np.ndarray) -> tuple[np.ndarray, ...]:

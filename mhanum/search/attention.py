@@ -39,6 +39,15 @@ so the cheap ratio is within ``slack = max_i B64_i / B_i`` of the true one. The 
 with every evaluation; where it exceeds ``1e-6`` (the ``fp64`` preset itself, say) every evaluation
 uses the certified reference instead.
 
+With a rotary embedding (``rope=``, a :class:`mhanum.rope.Rope`, and ``positions=``) the exact
+output ``o`` is the exact attention of the exactly rotated q and k, and the bound ``B`` is
+:func:`mhanum.bounds.attention_bound` with the rope (Theorem P.1 carried into the logits). The
+float64 stand-in ``õ`` rotates with the rope's float64 copy (every ``*_format`` field
+``float64``: ``pow``, ``cos`` and ``sin`` within the rope's ulps of float64) and attends with
+``fp64``; its own bound ``B64`` is ``attention_bound(..., numerics=fp64, rope=<the float64
+copy>)``, which bounds ``|õ_i - o_i|`` against the same exact output (Theorem P.1 in float64 for
+the rotation, Theorem A.1 for the attention): Lemma W.1 holds as stated, with the same slack.
+
 :func:`random_search` spends the same budget on independent random inputs with the same objective,
 for an honest comparison.
 """
@@ -61,6 +70,7 @@ from mhanum.bounds import Bound, attention_bound, schedule_difference
 from mhanum.emulate.attention import attention
 from mhanum.formats import get_format, round_to
 from mhanum.numerics import PRESETS, Numerics, resolve
+from mhanum.rope import Rope, check_holds
 from mhanum.search._core import (
     BoundFunction,
     Candidate,
@@ -70,6 +80,7 @@ from mhanum.search._core import (
     Sizes,
     Tracker,
     check_search,
+    int_pair,
     run_stage,
     shares,
     steer,
@@ -179,6 +190,16 @@ class Objective:
             by the others). The difference of two outputs is exact in float64: no reference.
         softcap: the logit soft-cap of every call (``c·tanh(s/c)``), or ``None``.
         sink: an attention-sink logit in every row's normaliser (every head's), or ``None``.
+        rope: a :class:`mhanum.rope.Rope` that rotates q and k in every call (the exact output
+            is the attention of the exactly rotated inputs), or ``None``; its
+            ``rotation_format`` must hold ``numerics.input`` exactly. Refused with ``against``.
+        positions: with ``rope``, the queries' and keys' positions ``(queries', keys')``
+            (default: as :meth:`mhanum.rope.Rope.positions_for` reads ``None``).
+
+    Raises:
+        InvalidArgument: for an unknown objective, ``against`` missing or out of place, a bad
+            ``softcap`` or ``sink``, a ``rope`` that is not a :class:`mhanum.rope.Rope` or whose
+            ``rotation_format`` does not hold ``numerics.input``, or positions without a rope.
     """
 
     def __init__(
@@ -191,6 +212,8 @@ class Objective:
         against: Numerics | str | None = None,
         softcap: float | None = None,
         sink: float | None = None,
+        rope: Rope | None = None,
+        positions: tuple[ArrayLike, ArrayLike] | None = None,
     ) -> None:
         if objective not in OBJECTIVES:
             msg = f"objective: expected one of {OBJECTIVES}, got {objective!r}"
@@ -204,12 +227,18 @@ class Objective:
         self.against = None if against is None else resolve(against)
         self.softcap = V.softcap_value(softcap)
         self.sink = _sink_value(sink)
+        self.rope = _check_rope(rope, positions, numerics, self.against)
+        self.positions = positions
         # passed only when set, so that a bound function without the arguments still serves
         self.extra: dict[str, Any] = {
             name: value
-            for name, value in (("softcap", self.softcap), ("sink", self.sink))
+            for name, value in (("softcap", self.softcap), ("sink", self.sink), ("rope", rope))
             if value is not None
         }
+        if rope is not None and positions is not None:
+            self.extra["positions"] = positions
+        # the float64 stand-in rotates with the rope's float64 copy (Lemma W.1 with a rope)
+        self.extra64 = self.extra if rope is None else self.extra | {"rope": _float64_rope(rope)}
         self.bound = bound or (
             attention_bound if self.against is None else _difference_bound(self.against)
         )
@@ -254,15 +283,16 @@ class Objective:
         exact = self.certified if certified is None else certified
         slack = 0.0
         if not exact:
+            kw64 = self.extra64
             try:
                 with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                    b64 = attention_bound(q, k, v, mask, numerics=self.fp64, **kw).total
+                    b64 = attention_bound(q, k, v, mask, numerics=self.fp64, **kw64).total
             except InvalidArgument:  # outside Lemma W.1's hypotheses: measure exactly
                 b64 = np.full_like(total, np.inf)
             slack = _max_ratio(np.where(finite, b64, 0.0), total)
             exact = not slack <= SLACK_LIMIT
             if not exact:
-                ref = np.asarray(attention(q, k, v, mask, numerics=self.fp64, **kw), np.float64)
+                ref = np.asarray(attention(q, k, v, mask, numerics=self.fp64, **kw64), np.float64)
                 exact = not bool(np.all(np.isfinite(ref[finite])))
         if exact:
             ref = np.asarray(reference.attention(q, k, v, mask=mask, **kw), np.float64)
@@ -277,6 +307,63 @@ class Objective:
         assert entry is not None  # the caller checked that the bound is finite somewhere
         value = entry.ratio if self.objective.endswith("/bound") else entry.normwise
         return Evaluation(value=value, slack=slack, output=out, **dataclasses.asdict(entry))
+
+
+def _check_rope(
+    rope: object,
+    positions: object,
+    numerics: Numerics,
+    against: Numerics | None = None,
+) -> Rope | None:
+    """A search's rope: ``None``, or a :class:`mhanum.rope.Rope` whose ``rotation_format`` holds
+    ``numerics.input`` exactly (:func:`mhanum.rope.check_holds`: the kernel rotates its inputs as
+    it holds them), without a second schedule; positions only with a rope.
+
+    Raises:
+        InvalidArgument: naming ``rope``, ``rope.rotation_format`` or ``positions``.
+    """
+    if rope is None:
+        if positions is not None:
+            msg = "positions: expected only with rope= (the positions of a rotary embedding)"
+            raise InvalidArgument(msg)
+        return None
+    if not isinstance(rope, Rope):
+        msg = f"rope: expected a mhanum.rope.Rope or None, got {type(rope).__name__}"
+        raise InvalidArgument(msg)
+    if against is not None:
+        msg = (
+            "rope: expected None with against= (Theorem A.5 compares two schedules of the same "
+            "unrotated inputs), got a Rope"
+        )
+        raise InvalidArgument(msg)
+    check_holds(rope, get_format(numerics.input), "the search's input format")
+    return rope
+
+
+def _float64_rope(rope: Rope) -> Rope:
+    """``rope`` with every ``*_format`` field float64: the rotation of the float64 stand-in
+    (Lemma W.1 with a rope), bounded by Theorem P.1 in float64."""
+    formats: dict[str, Any] = {
+        f.name: "float64" for f in dataclasses.fields(rope) if f.name.endswith("_format")
+    }
+    return dataclasses.replace(rope, **formats)
+
+
+def _search_rope(
+    rope: object,
+    positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None,
+    num: Numerics,
+    sizes: Shape,
+) -> tuple[Rope | None, tuple[np.ndarray, np.ndarray] | None]:
+    """A search's rope checked (:func:`_check_rope`) and its positions as the pair
+    ``(queries', keys')`` that :meth:`mhanum.rope.Rope.positions_for` reads for ``sizes``."""
+    checked = _check_rope(rope, positions, num)
+    if checked is None:
+        return None, None
+    pair = checked.positions_for(
+        positions, d_k=sizes.d_k, q_len=sizes.q_len, k_len=sizes.kv_len
+    )  # fmt: skip
+    return checked, pair
 
 
 def _sink_value(sink: float | None) -> float | None:
@@ -340,6 +427,9 @@ class WorstCase(Case):
             ``|â_i - b̂_i|``, ``bound`` Theorem A.5's and ``normwise`` over ``max |â|``).
         softcap: the logit soft-cap of the search, or ``None``.
         sink: the attention-sink logit of the search, or ``None``.
+        rope: the :class:`mhanum.rope.Rope` that rotates q and k in every evaluation, or
+            ``None``.
+        positions: with ``rope``, the queries' and the keys' positions ``(queries', keys')``.
     """
 
     shape: Shape
@@ -356,6 +446,8 @@ class WorstCase(Case):
     against: Numerics | None = None
     softcap: float | None = None
     sink: float | None = None
+    rope: Rope | None = None
+    positions: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     SHAPE: ClassVar[type[Sizes]] = Shape
     INPUTS: ClassVar[tuple[str, ...]] = ("q", "k", "v", "mask")
@@ -364,9 +456,11 @@ class WorstCase(Case):
         "normwise": math.nan, "index": (), "method": "targeted", "budget": 0, "evaluations": 0,
         "cheap_ratio": math.nan, "slack": math.nan,
     }  # fmt: skip
+    SPARSE: ClassVar[tuple[str, ...]] = ("rope", "positions")
     SUMMARY: ClassVar[tuple[str, ...]] = (
         "preset", "numerics", "method", "objective", "error", "bound", "ratio", "normwise",
         "dominant_term", "violation", "evaluations", "seconds", "against?", "softcap?", "sink?",
+        "rope?",
     )  # fmt: skip
 
     @property
@@ -407,6 +501,8 @@ def worst_case(
     against: Numerics | str | None = None,
     softcap: float | None = None,
     sink: float | None = None,
+    rope: Rope | None = None,
+    positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
 ) -> WorstCase:
     """Search for the input on which ``numerics`` is worst, and confirm it.
 
@@ -435,13 +531,24 @@ def worst_case(
             difference objectives: the search hunts inputs on which the two disagree most.
         softcap: a logit soft-cap ``c > 0`` applied in every evaluation (``c·tanh(s/c)``).
         sink: an attention-sink logit ``σ`` in every row's normaliser, in every evaluation.
+        rope: a :class:`mhanum.rope.Rope` that rotates q and k in every evaluation: the error is
+            measured against the exact attention of the exactly rotated inputs and bounded by
+            ``attention_bound(..., rope=)``. Its ``rotation_format`` must hold
+            ``numerics.input`` exactly. Not with ``against``.
+        positions: with ``rope``, the queries' and keys' positions: a pair ``(queries',
+            keys')``, one array for both when ``q_len == kv_len``, or by default the keys
+            ``0..kv_len-1`` and the queries the last ``q_len`` of them
+            (:meth:`mhanum.rope.Rope.positions_for`).
 
     Returns:
         A :class:`WorstCase` measured against the certified reference.
 
     Raises:
-        InvalidArgument: for a bad argument, without JAX's 64-bit mode, or when no input in the
-            budget was within the bound's scope.
+        InvalidArgument: for a bad argument (a ``rope`` that is not a
+            :class:`mhanum.rope.Rope`, whose ``rotation_format`` does not hold
+            ``numerics.input``, or with ``against``; positions without a rope or that do not
+            fit the shape), without JAX's 64-bit mode, or when no input in the budget was
+            within the bound's scope.
 
     Examples:
         >>> import jax
@@ -457,7 +564,11 @@ def worst_case(
         msg = f"refine: expected a fraction in [0, 1), got {refine!r}"
         raise InvalidArgument(msg)
     start = time.perf_counter()
-    goal = Objective(num, objective, bound=bound, against=against, softcap=softcap, sink=sink)
+    checked, pair = _search_rope(rope, positions, num, sizes)
+    goal = Objective(
+        num, objective, bound=bound, against=against, softcap=softcap, sink=sink, rope=checked,
+        positions=pair,
+    )  # fmt: skip
     tracker = _tracker(goal, budget, progress)
     search_budget = max(1, budget - int(refine * budget))
     _targeted(tracker, goal, sizes, search_budget, seed, structure, kind)
@@ -599,7 +710,8 @@ def _confirm(
         method=method, seed=seed, budget=tracker.budget, evaluations=tracker.done,
         cheap_ratio=best.evaluation.ratio, slack=best.evaluation.slack,
         seconds=time.perf_counter() - start, structure=best.structure, against=goal.against,
-        softcap=goal.softcap, sink=goal.sink,
+        softcap=goal.softcap, sink=goal.sink, rope=goal.rope,
+        positions=None if goal.positions is None else int_pair(goal.positions),
     )  # fmt: skip
 
 
@@ -616,6 +728,8 @@ def random_search(
     against: Numerics | str | None = None,
     softcap: float | None = None,
     sink: float | None = None,
+    rope: Rope | None = None,
+    positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
 ) -> WorstCase:
     """The random baseline: ``budget`` independent inputs, the best one confirmed.
 
@@ -626,9 +740,9 @@ def random_search(
     kept with probability 1/2, key 0 kept in a row that would be empty).
 
     Args:
-        numerics, shape, objective, budget, seed, mask, bound, progress, against, softcap, sink:
-            as for
-            :func:`worst_case` (``seed`` seeds a ``numpy.random.Generator``).
+        numerics, shape, objective, budget, seed, mask, bound, progress, against, softcap, sink,
+            rope, positions: as for :func:`worst_case` (``seed`` seeds a
+            ``numpy.random.Generator``).
 
     Returns:
         A :class:`WorstCase` with ``method="random"``.
@@ -637,7 +751,11 @@ def random_search(
     sizes = Shape.of(shape)
     budget, seed, kind = check_search(budget, seed, mask)
     start = time.perf_counter()
-    goal = Objective(num, objective, bound=bound, against=against, softcap=softcap, sink=sink)
+    checked, pair = _search_rope(rope, positions, num, sizes)
+    goal = Objective(
+        num, objective, bound=bound, against=against, softcap=softcap, sink=sink, rope=checked,
+        positions=pair,
+    )  # fmt: skip
     tracker = _tracker(goal, budget, progress)
     rng = np.random.default_rng(seed)
     fmt = get_format(num.input)
