@@ -768,7 +768,10 @@ class Backward:
       ``dK = c·(dSᵀ Q)``: each dot one chain over its whole length.
     * ``"flash2"`` (FlashAttention-2's backward, Dao 2023, Algorithm 2): ``P`` recomputed from
       the forward's log-sum-exp ``lse = fl(m + fl(log ℓ))`` as ``fl(exp(fl(S - lse)))`` in
-      ``softmax_format``; ``D = rowsum(G ∘ O)`` from the forward's output ``O``;
+      ``softmax_format`` (with the forward's ``exp_form="exp2-folded"``, as FlashAttention-2's
+      ``scale_apply_exp2`` does: ``exp2(fl(fl(t·c2) - fl(lse·fl(log2 e))))`` of the unscaled
+      scores ``t``, with ``lse = fl(fl(m·fl(c)) + fl(log ℓ))``);
+      ``D = rowsum(G ∘ O)`` from the forward's output ``O``;
       ``dS = P ∘ (dP - D)``; ``dV`` and ``dK`` accumulated over query blocks of ``block_q``
       (each block's dot, then added to the running sum in block order), ``dQ`` as the sum of
       one partial per key block of ``block_k`` (each a dot from zero), added in ``dq_order``
@@ -909,8 +912,15 @@ class Backward:
         scale placement is modelled: on the scores, ``dQ = c·(dS K)`` and ``dK = c·(dSᵀ Q)``;
         on ``q`` or on ``q`` and ``k``, the dots read the scaled operands and the gradients of
         the scaled ones are multiplied by the factor again, as autograd does)."""
-        if num.exp_form != "exp":
-            raise _bad("exp_form", "'exp' for the backward pass", num.exp_form)
+        if num.exp_form == "exp2-folded" and self.algorithm == "flash2":
+            if num.prob_offset:
+                raise _bad("prob_offset", "0 for the backward pass", num.prob_offset)
+        elif num.exp_form != "exp":
+            raise _bad(
+                "exp_form",
+                "'exp' for the backward pass, or 'exp2-folded' with Backward('flash2')",
+                num.exp_form,
+            )
         if self.scale_at != "output" and num.scale != "scores":
             msg = (
                 "backward.scale_at: expected 'output' with the scale on q or on q and k "

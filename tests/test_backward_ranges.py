@@ -40,7 +40,14 @@ RANGE_SETTINGS = settings(
 )
 
 
-def _theorem(data: st.DataObject, num: Numerics, algorithm: str, softcap: float | None) -> None:
+def theorem_at_the_edges(
+    data: st.DataObject,
+    num: Numerics,
+    algorithm: str | Backward,
+    softcap: float | None,
+    *,
+    bias: bool = True,
+) -> None:
     q_len, kv_len, d_k, d_v = data.draw(st.sampled_from(SHAPES), label="shape")
     x = data.draw(
         mst.attention_inputs(
@@ -57,8 +64,8 @@ def _theorem(data: st.DataObject, num: Numerics, algorithm: str, softcap: float 
         rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="mask seed"))
         mask = rng.random((q_len, kv_len)) < 0.5
         mask[np.arange(q_len), rng.integers(0, kv_len, q_len)] = True  # every row keeps a key
-    kw = {"bias": x.bias, "scale": x.scale, "softcap": softcap}
-    backward = ALGORITHMS[algorithm]
+    kw = {"bias": x.bias if bias else None, "scale": x.scale, "softcap": softcap}
+    backward = ALGORITHMS[algorithm] if isinstance(algorithm, str) else algorithm
     try:
         with np.errstate(all="ignore"):
             bounds = attention_grad_bound(
@@ -90,7 +97,7 @@ def _theorem(data: st.DataObject, num: Numerics, algorithm: str, softcap: float 
 @RANGE_SETTINGS
 @given(data=st.data())
 def test_every_gradient_at_the_range_edges(preset, algorithm, data):
-    _theorem(data, Numerics.preset(preset), algorithm, None)
+    theorem_at_the_edges(data, Numerics.preset(preset), algorithm, None)
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
@@ -98,7 +105,7 @@ def test_every_gradient_at_the_range_edges(preset, algorithm, data):
 @given(data=st.data())
 def test_custom_numerics_gradients_at_the_range_edges(algorithm, data):
     num = data.draw(mst.numerics(presets=False, free=False, custom=True, bounded=True))
-    _theorem(data, num, algorithm, None)
+    theorem_at_the_edges(data, num, algorithm, None)
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
@@ -106,7 +113,7 @@ def test_custom_numerics_gradients_at_the_range_edges(algorithm, data):
 @RANGE_SETTINGS
 @given(data=st.data(), softcap=CAPS)
 def test_soft_capped_gradients_at_the_range_edges(preset, algorithm, data, softcap):
-    _theorem(data, Numerics.preset(preset), algorithm, softcap)
+    theorem_at_the_edges(data, Numerics.preset(preset), algorithm, softcap)
 
 
 def test_an_operand_rounded_past_the_accumulation_format_is_named():

@@ -193,8 +193,15 @@ def _flash2(
     o = to_format(o, st.output)
     d = sum_with(gr, gr.mul(gr.take(g), gr.take(o)), st.num.summation, keepdims=True)
     empty = jnp.isneginf(lse)
-    arg = sm.sub(sm.take(s), jnp.where(empty, jnp.zeros_like(lse), lse))
-    p = jnp.where(empty, jnp.zeros_like(arg), sm.exp(arg))
+    lse = jnp.where(empty, jnp.zeros_like(lse), lse)
+    if st.folded:  # FlashAttention-2's exp2: P = exp2(fl(fl(t·c2) - fl(lse·fl(log2 e))))
+        assert st.c2 is not None
+        top = sm.mul(lse, format_constant(sm, math.log2(math.e)))
+        arg = sm.sub(sm.mul(sm.take(s), st.c2), top)
+        p = jnp.where(empty, jnp.zeros_like(arg), sm.exp2(arg))
+    else:
+        arg = sm.sub(sm.take(s), lse)
+        p = jnp.where(empty, jnp.zeros_like(arg), sm.exp(arg))
     dp = gr.take(_dp(st.dot(g, _t(v)), dp_fmt))
     ds = gr.mul(gr.take(p), gr.sub(dp, d))
     ds_r = to_format(_capped(gr, ds, slope, cap, on_ds), ds_fmt)
@@ -234,6 +241,8 @@ def _core(
     numerics = st.num
     grad_fmt, ds_fmt = backward.formats(numerics)
     gr = Arith(grad_fmt, st.acc.guard)
+    if st.folded:  # the forward's and the recomputation's constants c2 and fl(scale)
+        st.fold(scale)
     s = stage_logits(st, q, k, mask, bias, scale, softcap)
     # the dots of dq and dk read the operands the logits' dot read (the scaled ones when the
     # scale is on q, or on q and k), and their gradients are multiplied by the factor again
@@ -333,7 +342,11 @@ def attention_grad(
 
     Args:
         q, k, v, mask, bias, scale, numerics: as for :func:`mhanum.attention` (the scale on the
-            scores, ``exp_form="exp"``, no split-KV: other numerics are refused by name).
+            scores, ``exp_form="exp"``, or ``"exp2-folded"`` with the FlashAttention-2 backward,
+            no split-KV: other numerics are refused by name). With ``"exp2-folded"`` the
+            backward recomputes ``P = exp2(fl(fl(t·c2) - fl(lse·fl(log2 e))))`` from the
+            unscaled scores ``t`` and the forward's ``lse``, as FlashAttention-2's
+            ``scale_apply_exp2`` does (flash_bwd_kernel.h).
         d_out: the output's cotangent ``(..., Lq, d_v)``, rounded to ``numerics.input``.
         backward: a :class:`mhanum.numerics.Backward` or an algorithm name (``"textbook"``,
             ``"flash2"``); default textbook.

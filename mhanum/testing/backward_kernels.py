@@ -92,6 +92,9 @@ class BackwardKernel:
             gradient, then their sum: ``repeat_interleave``'s backward), ``"one-dot"`` (one dot
             over the group's heads and query rows, in any order: ``jax.nn``'s einsum), or
             ``None`` when grouped heads are not modelled.
+        whole_queries: the kernel accumulates ``dK`` and ``dV`` in its dots' accumulator
+            across the query blocks (FlashAttention-2's ``acc_dk``, ``acc_dv``: one chain over
+            every query), modelled as one query block of all ``Lq`` queries.
         mask_fill: the finite value a kernel puts in place of a masked logit (``jax.nn``:
             ``-0.7·finfo(float32).max``), its candidates modelling ``-inf`` masking: the
             oracle checks on the inputs that every masked exponential is exactly 0; ``None``
@@ -109,6 +112,7 @@ class BackwardKernel:
     accumulates_in_input: bool = False
     grouped: str | None = "per-head"
     mask_fill: float | None = None
+    whole_queries: bool = False
 
     def __post_init__(self) -> None:
         if not self.models or not all(self.models.values()):
@@ -168,7 +172,7 @@ class BackwardKernel:
         if fmt not in self.models:
             msg = f"dtype: expected one of {self.formats} for kernel {self.name!r}, got {fmt!r}"
             raise InvalidArgument(msg)
-        block = self.block_q(lq)
+        block = max(lq, 1) if self.whole_queries else self.block_q(lq)
         if block is None:
             return self.models[fmt]
         return tuple((n, dataclasses.replace(b, block_q=block)) for n, b in self.models[fmt])
@@ -468,6 +472,70 @@ def _jax_xla_tf32() -> BackwardKernel:
     )
 
 
+_FA2_BACKWARD = (
+    "flash-attention csrc/flash_attn/src/flash_bwd_kernel.h (FlashAttention-2), "
+    "compute_dq_dk_dv_1colblock, one key block of kBlockN per thread block, the query blocks "
+    "visited in turn: S = Q K_bᵀ on tensor cores from zero (masked with -inf), "
+    "scale_apply_exp2</*scale_max=*/false>(scores, lse, scale_softmax_log2), i.e. "
+    "P = exp2f(s * scale_log2 - lse * float(M_LOG2E)) from the forward's natural-log "
+    "softmax_lse (softmax.h), dP = dO Vᵀ from zero, dS = P * (dP - D) in float with "
+    "D = dot_do_o(dO, O) in float, P and dS converted to the input type, "
+    "acc_dv += Pᵀ dO and acc_dk += dSᵀ Q as the MMA accumulators across the query blocks, "
+    "acc_dq = dS K_b from zero then atomicAdd into the float32 dq_accum (any order); "
+    "acc_dk *= scale_softmax_rp_dropout, and dq_accum times it in convert_dQ, then the "
+    "input type"
+)
+
+
+def _fa2_backward(name: str, forward: str, extra: tuple[str, ...]) -> BackwardKernel:
+    fwd = KERNELS[forward]
+    models = {
+        f: tuple(
+            (n, Backward("flash2", block_q=1, block_k=block, ds_format=f))
+            for n in fwd.candidates(f)
+            for block in (32, 64, 128)
+        )
+        for f in fwd.formats
+    }
+    return BackwardKernel(
+        name,
+        models,
+        (
+            _FA2_BACKWARD,
+            (
+                "flash_bwd_launch_template.h: run_flash_bwd is run_flash_bwd_seqk_parallel; "
+                "kBlockN is 128, 64 or 32 by head dimension and shared memory (the "
+                "candidates' block_k); dK and dV are one accumulator chain over every query "
+                "(whole_queries)"
+            ),
+            *extra,
+        ),
+        "the forward as its own descriptor's candidates (exp_form='exp2-folded'), Theorem B.2 "
+        "with the recomputation's exp2 (papers/backward.md, step 3f); no dropout, ALiBi, "
+        "grouped heads or bias gradient",
+        scale_rule="any",
+        grouped=None,
+        whole_queries=True,
+    )
+
+
+def _flash_attention_2_backward() -> BackwardKernel:
+    return _fa2_backward("flash-attention-2", "flash-attention-2", ())
+
+
+def _torch_sdpa_flash_cuda_backward() -> BackwardKernel:
+    return _fa2_backward(
+        "torch-sdpa-flash-cuda",
+        "torch-sdpa-flash-cuda",
+        (
+            (
+                "aten/src/ATen/native/transformers/cuda/flash_attn/flash_bwd_kernel.h: "
+                "PyTorch's copy of FlashAttention-2's backward, the same recomputation"
+            ),
+        ),
+    )
+
+
 BACKWARD_KERNELS: Mapping[str, BackwardKernel] = {
     k.name: k
     for k in (
@@ -476,25 +544,27 @@ BACKWARD_KERNELS: Mapping[str, BackwardKernel] = {
         _torch_sdpa_flash_cpu(),
         _jax_xla(),
         _jax_xla_tf32(),
+        _flash_attention_2_backward(),
+        _torch_sdpa_flash_cuda_backward(),
     )
 }
 """The registered backward kernels, by name."""
 
 _EXP2 = (
-    "the backward bound models exp_form='exp' only (Backward.check_forward); {what} recomputes "
-    "the probabilities with exp2 of scores folded with log2(e)"
+    "the backward bound models exp_form='exp' and FlashAttention-2's 'exp2-folded' "
+    "(Backward.check_forward); {what} recomputes the probabilities with exp_form={form!r}"
 )
 
 BACKWARD_NOT_MODELLED: Mapping[str, str] = {
-    "flash-attention-2": _EXP2.format(what="FlashAttention-2's backward (flash_bwd_kernel.h)")
-    + "; its atomicAdd of one dQ partial per key block in any order is what Theorem B.2 covers "
-    "(Backward('flash2'): build a BackwardKernel for a kernel with exp_form='exp')",
-    "torch-sdpa-flash-cuda": _EXP2.format(what="PyTorch's copy of FlashAttention-2"),
-    "flash-attention-3": _EXP2.format(what="FlashAttention-3 (hopper/)"),
-    "torch-sdpa-efficient": _EXP2.format(what="xFormers' CUTLASS backward (kernel_backward.h)"),
-    "triton-tutorial": _EXP2.format(what="the Triton tutorial's _attn_bwd")
+    "flash-attention-3": "FlashAttention-3's backward (hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp): "
+    "not read to the rounding yet (its WGMMA accumulators and the dQ accumulation through "
+    "shared memory and TMA atomics)",
+    "torch-sdpa-efficient": _EXP2.format(
+        what="xFormers' CUTLASS backward (kernel_backward.h)", form="exp2"
+    ),
+    "triton-tutorial": _EXP2.format(what="the Triton tutorial's _attn_bwd", form="exp2-scaled")
     + "; it also pre-scales k by sm_scale·log2(e)",
-    "flex-attention": _EXP2.format(what="flex_attention's backward template"),
+    "flex-attention": _EXP2.format(what="flex_attention's backward template", form="exp2"),
     "torch-sdpa-math-reduced": "allow_fp16_bf16_reduction_math_sdp(True): autograd's "
     "intermediates in the input type, with the scale split over q and k: not read to the "
     "rounding yet",

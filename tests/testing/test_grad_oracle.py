@@ -270,7 +270,8 @@ def _inputs():
 
 BAD = [
     ({"kernel": "nope"}, "kernel: expected one of"),
-    ({"kernel": "flash-attention-2"}, "flash-attention-2's backward is not modelled"),
+    ({"kernel": "flash-attention-3"}, "flash-attention-3's backward is not modelled"),
+    ({"kernel": "flash-attention-2"}, "dtype: expected one of"),
     ({"layout": "bshd"}, "layout: expected one of"),
     ({"dtype": "int8"}, "dtype: expected one of"),
     ({"kernel": "jax-xla", "scale": "big"}, "scale: expected a real number"),

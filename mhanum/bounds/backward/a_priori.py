@@ -115,7 +115,7 @@ def attention_grad_bound_a_priori(
     """
     num = resolve(numerics)
     bw = resolve_backward(backward)
-    check_scope(num, bw)
+    check_scope(num, bw, "B.4")
     check_scores_placement(num, bw, "B.4")
     if bw.dp_format is not None:
         msg = f"backward.dp_format: expected None for Theorem B.4, got {bw.dp_format!r}"

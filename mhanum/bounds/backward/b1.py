@@ -147,7 +147,7 @@ def attention_grad_bound(
     """
     num = resolve(numerics)
     bw = resolve_backward(backward)
-    check_scope(num, bw)
+    check_scope(num, bw, "B.2" if lam is None and probability is None else "B.5")
     problem = AttentionProblem.of(
         q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, d_out=d_out
     )
@@ -265,6 +265,8 @@ def logits_step(ctx: Context, ops: Operands) -> tuple[Enclosure, Enclosure | Non
     # does not save a product that overflows there)
     rng.check(t.used, sc, "q kᵀ rounded to the score format", GRADIENTS)
     t.err = t.err + read_error(t.used, acc, sc)
+    if num.folds_scale:
+        return _folded_logits(ctx, t), None
     c, c64 = x.c64, x.c64
     c_hat, u_r, u_mul = scale_rounding(c64, sc)
     if not math.isfinite(c_hat):  # u_r is inf: so is every error the scale enters
@@ -289,3 +291,26 @@ def logits_step(ctx: Context, ops: Operands) -> tuple[Enclosure, Enclosure | Non
     rng.check(np.where(keep, s.used, 0.0), sc, "the logits in the score format", GRADIENTS)
     s.err = s.err + read_error(s.used, sc, sm)
     return s, slope
+
+
+def _folded_logits(ctx: Context, t: Enclosure) -> Enclosure:
+    """Step 2'' (B.2 with ``exp_form="exp2-folded"``, papers/backward.md): the kernel never
+    forms the scaled logits. The logits the proof reads are the real numbers
+    ``ŝ = t̂·c2·ln 2``, ``t̂`` the scores read into the softmax format and
+    ``c2 = c·log2(e)·(1 + δ_c)``, within ``(1 + δ_c)|c|·err_t + δ_c|c||t|`` of ``s = c·t``;
+    nothing is rounded here (the exponent's roundings are step 3's). R.3'': ``t̂·c2`` must
+    fit the softmax format; a negative or subnormal ``c2`` makes every bound infinite, as in
+    the forward (a masked key's ``-inf·c2``)."""
+    x, rng, sm = ctx.x, ctx.rng, ctx.fmt("softmax")
+    fold = ctx.folded()
+    assert fold is not None
+    if not (fold.c2_hat > 0 and fold.delta_c < 1):
+        stage = f"exp2-folded: the constant c2 = {fold.c2_hat:.4g} (negative or subnormal)"
+        rng.check(np.inf, sm, stage, GRADIENTS)
+    t.err = t.err + read_error(t.used, ctx.fmt("score"), sm)
+    rng.check(t.used * fold.c2_hat * (1 + sm.u), sm, "q kᵀ times c2 (exp2-folded)", GRADIENTS)
+    c_up = abs(x.c64) * (1 + x.u64)
+    s_mid = x.c64 * t.mid
+    s_rad = abs(x.c64) * t.rad * (1 + 2 * U64) + (x.u64 + 2 * U64) * np.abs(s_mid)
+    s_err = c_up * (1 + fold.delta_c) * t.err + fold.delta_c * c_up * t.up
+    return Enclosure(s_mid, s_rad, s_err)

@@ -12,13 +12,15 @@ import numpy as np
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.bounds.enclosure import GRADIENTS, U64, Dot, Ranges, read_error
-from mhanum.bounds.factors import compound, operand_bits, rounding_error
-from mhanum.bounds.scale import OperandScale, is_power_of_four, operand_scale
+from mhanum.bounds.factors import LOG2E, compound, operand_bits, rounding_error
+from mhanum.bounds.scale import OperandScale, is_power_of_four, operand_scale, scale_rounding
 from mhanum.formats import Format
 from mhanum.numerics import Backward, Numerics
 from mhanum.problem import AttentionProblem
 
-__all__ = ["Context", "Inputs", "Operands", "ScaledOperands", "inputs", "operands_step"]
+__all__ = [
+    "Context", "Folded", "Inputs", "Operands", "ScaledOperands", "inputs", "operands_step",
+]  # fmt: skip
 
 
 class Inputs(NamedTuple):
@@ -163,6 +165,35 @@ class Context:
     def fmt(self, role: str) -> Format:
         """The numerics' format of ``role`` (``"input"``, ``"accum"``, ``"score"`` ...)."""
         return self.num.format_of(role)
+
+    def folded(self) -> Folded | None:
+        """B.2 with ``exp_form="exp2-folded"`` (step 2''): the constants' roundings, or
+        ``None`` for the exp form."""
+        if not self.num.folds_scale:
+            return None
+        sm, c64 = self.fmt("softmax"), self.x.c64
+        c2_hat, u_c2, _ = scale_rounding(c64 * LOG2E, sm)
+        _, u_c, _ = scale_rounding(c64, sm)
+        _, u_l, _ = scale_rounding(LOG2E, sm)
+        # c64 within u64 of c; log2(e) and the product in float64: two roundings more
+        return Folded(
+            c2_hat,
+            compound(self.x.u64, U64, U64, u_c2),
+            compound(self.x.u64, u_c),
+            compound(U64, u_l),
+        )
+
+
+class Folded(NamedTuple):
+    """The constants of FlashAttention-2's exp2 (papers/backward.md, step 2''):
+    ``c2 = fl_m(c64·log2 e) = c·log2(e)·(1 + δ_c)``, ``ĉ = fl_m(c64) = c(1 + θ_c)`` (the
+    forward's log-sum-exp factor) and ``L̂ = fl_m(log2 e) = log2(e)(1 + θ_L)`` (the
+    recomputation's), with ``|δ_c| <= delta_c``, ``|θ_c| <= theta_c``, ``|θ_L| <= theta_l``."""
+
+    c2_hat: float
+    delta_c: float
+    theta_c: float
+    theta_l: float
 
 
 @dataclasses.dataclass(frozen=True)

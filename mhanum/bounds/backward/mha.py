@@ -172,7 +172,7 @@ def mha_grad_bound(
     """
     num = resolve(numerics)
     bw = resolve_backward(backward)
-    check_scope(num, bw)
+    check_scope(num, bw, "B.6")
     check_scores_placement(num, bw, "B.6")
     p = MHAProblem.of(
         x_q, x_kv, params, num_heads, mask=mask, bias=bias, scale=scale, sink=sink,

@@ -82,7 +82,7 @@ def dq_order_difference(
     """
     num = resolve(numerics)
     bw = resolve_backward(backward)
-    check_scope(num, bw)
+    check_scope(num, bw, "B.3")
     if bw.scale_at != "output":
         msg = f"backward.scale_at: expected 'output' for Theorem B.3, got {bw.scale_at!r}"
         raise InvalidArgument(msg)

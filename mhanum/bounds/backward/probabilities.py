@@ -13,6 +13,7 @@ from mhanum.bounds.backward.inputs import Context
 from mhanum.bounds.enclosure import U64, Enclosure, flush_floor, log_radius
 from mhanum.bounds.factors import (
     chain,
+    compound,
     division_error,
     evaluation_rounding,
     exp_and_sum_factors,
@@ -120,22 +121,57 @@ def _textbook_rounding(
     return _Rounding(own, absolute, eps_div, u_p)
 
 
+def _fold(ctx: Context, s: Enclosure, keep: np.ndarray) -> np.ndarray | float:
+    """Step 3'' of the forward (papers/attention.md) for the forward's exponentials under
+    ``exp2-folded``: ``fl(fl(t̂·c2) - fl(m̂·c2))`` against ``ŝ_j - m̂·c2·ln 2``, the product's
+    and the shift's roundings, ``u_m(1 + δ_c)(|ŝ_j| + R_i) + 2η_m`` in natural units (``R_i``
+    the row's largest ``|ŝ|``); 0 for the exp form."""
+    fold = ctx.folded()
+    if fold is None:
+        return 0.0
+    sm = ctx.fmt("softmax")
+    s_abs = np.where(keep, s.used, 0.0)
+    r_row = row_max(s_abs, keep)
+    return np.where(keep, sm.u * (1 + fold.delta_c) * (s_abs + r_row) + 2 * sm.smallest_normal, 0.0)
+
+
 def _lse_rounding(
-    ctx: Context, soft: _Softmax, spread: np.ndarray, x_max: np.ndarray, g_sum: float
+    ctx: Context, soft: _Softmax, s: Enclosure, x_max: np.ndarray, g_sum: float
 ) -> _Rounding:
     """B.2: the stored log-sum-exp ``lse = fl(m̂ + fl(log ℓ̂))`` against ``LSE(ŝ) = m̂ + log
-    ℓ(ŝ)``, then ``ŝ - lse``'s rounding and the recomputed exponential's."""
+    ℓ(ŝ)``, then ``ŝ - lse``'s rounding and the recomputed exponential's. Folded (step 3f):
+    ``lse = fl(fl(m̂·ĉ) + fl(log ℓ̂))`` of the raw maximum ``m̂`` against ``LSE(ŝ) =
+    m̂·c2·ln 2 + log ℓ(ŝ)``, and the recomputation ``exp2(fl(fl(t̂·c2) - fl(lse·L̂)))``."""
     sm, n = ctx.fmt("softmax"), ctx.sizes[1]
     u_m, eta_m = sm.u, sm.smallest_normal
+    spread = s.err + s.rad
     eps_e = math.expm1(2 * ctx.num.exp_ulps * math.log1p(u_m))
     r_ell = np.expm1(x_max) * (1 + g_sum) + g_sum + n * eta_m * (1 + g_sum)
     lam_ell = log_radius(r_ell)
     eps_log = eps_e
     log_up = math.log(n) + lam_ell
-    lse_up = np.abs(soft.m_mid) + row_max(spread, soft.keep) + log_up
-    err_lse = lam_ell + eps_log * log_up + eta_m + u_m * lse_up + eta_m
+    fold = ctx.folded()
+    if fold is None:
+        lse_up = np.abs(soft.m_mid) + row_max(spread, soft.keep) + log_up
+        err_lse = lam_ell + eps_log * log_up + eta_m + u_m * lse_up + eta_m
+    else:
+        # |m̂·c| <= R/(1 - δ_c) (ŝ = t̂·c(1 + δ_c)); fl(m̂·ĉ) within u_m of m̂·ĉ, and
+        # |m̂·ĉ - m̂·c2·ln 2| <= |m̂·c|(θ_c + δ_c)
+        r_row = row_max(np.where(soft.keep, s.used, 0.0), soft.keep)
+        mc = r_row / (1 - fold.delta_c)
+        shift = u_m * mc * (1 + fold.theta_c) + eta_m + mc * (fold.theta_c + fold.delta_c)
+        # |fl(m̂·ĉ) + fl(log ℓ̂)| before the sum's rounding, then the stored lse after it
+        lse_up = mc * (1 + fold.theta_c) * (1 + u_m) + log_up * (1 + eps_log) + 2 * eta_m
+        err_lse = lam_ell + eps_log * log_up + eta_m + shift + u_m * lse_up + eta_m
+        lse_up = lse_up * (1 + u_m) + eta_m
     gap2 = soft.arg + math.log(n) + spread + row_max(spread, soft.keep) + err_lse
     own_entry = u_m * gap2 + eta_m + log_radius(eps_e)  # ŝ - lse's rounding, exp's
+    if fold is not None:
+        # fl(t̂·c2) = ŝ(1 + δ1)/ln 2, fl(lse·L̂) = lse(1 + θ_L)(1 + δ2)/ln 2, each with an
+        # underflow: (1 + u_m)(u_m|ŝ| + ((1 + θ_L)(1 + u_m) - 1)|lse| + 2η_m) more
+        u_lse = compound(fold.theta_l, u_m)
+        s_up = np.where(soft.keep, s.used, 0.0)
+        own_entry = own_entry + (1 + u_m) * (u_m * s_up + u_lse * lse_up + 2 * eta_m)
     own = err_lse + own_entry
     absolute = eta_m * np.ones_like(x_max)
     return _Rounding(own, absolute, err_lse=err_lse, own_entry=own_entry)
@@ -182,15 +218,16 @@ def probabilities_step(ctx: Context, s: Enclosure) -> Probabilities:
     gap = soft.arg + spread + row_max(spread, keep)  # |ŝ_j - m̂| <= gap
     u_m, eta_m = sm.u, sm.smallest_normal
     bits_p, bits_in = operand_bits(num, prob), operand_bits(num, ctx.fmt("input"))
-    xs, _, g_sum, _, _ = exp_and_sum_factors(num, n, gap, ctx.lam, (bits_p, bits_in))
-    xs = np.broadcast_to(np.asarray(xs, np.float64), gap.shape)
+    fold = _fold(ctx, s, keep)
+    xs, _, g_sum, _, _ = exp_and_sum_factors(num, n, gap + fold, ctx.lam, (bits_p, bits_in))
+    xs = np.broadcast_to(np.asarray(xs, np.float64), gap.shape) + fold
     x_max = row_max(xs, keep)
     eps_e = math.expm1(2 * num.exp_ulps * math.log1p(u_m))
     ell_low = np.exp(-x_max) * (1 - g_sum) - n * eta_m * (1 + g_sum)
     if not flash:
         rounding = _textbook_rounding(ctx, xs, x_max, g_sum, ell_low)
     else:
-        rounding = _lse_rounding(ctx, soft, spread, x_max, g_sum)
+        rounding = _lse_rounding(ctx, soft, s, x_max, g_sum)
     absolute = rounding.absolute
     shift = _shift(p_up, delta, keep, row_max(delta, keep))
     big_r = rounding.own + delta + shift

@@ -54,9 +54,17 @@ class GradientBounds(NamedTuple):
     dsink: Bound | None = None
 
 
-def check_scope(num: Numerics, bw: Backward) -> None:
-    """Refuses, by name, numerics the backward theorems do not cover."""
+def check_scope(num: Numerics, bw: Backward, theorem: str = "B.2") -> None:
+    """Refuses, by name, numerics the backward theorems do not cover (``theorem``: the one
+    asked for; FlashAttention-2's exp2, ``exp_form="exp2-folded"``, is Theorem B.2's and,
+    through its enclosures of ``dS``, B.3's)."""
     bw.check_forward(num)
+    if num.folds_scale and theorem not in ("B.2", "B.3"):
+        msg = (
+            f"numerics.exp_form: expected 'exp' for Theorem {theorem} (the folded exp2 is "
+            f"covered by Theorems B.2 and B.3), got {num.exp_form!r}"
+        )
+        raise InvalidArgument(msg)
     if bw.scale_at != "output" and num.dot_kind == "tensor-core":
         msg = (
             "backward.scale_at: expected 'output' with a tensor-core dot unit (steps 8s and 8p "
