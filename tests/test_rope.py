@@ -9,7 +9,7 @@ import mpmath
 import numpy as np
 import pytest
 
-from mhanum import InvalidArgument
+from mhanum import InvalidArgument, Numerics
 from mhanum.formats import round_to
 from mhanum.rope import (
     Rope,
@@ -303,3 +303,31 @@ def test_the_papers_figure_script_keeps_the_bound() -> None:
 def test_bad_input_is_refused_by_name(make, match: str) -> None:
     with pytest.raises(InvalidArgument, match=match):
         make()
+
+
+def test_two_schedules_with_rope_differ_within_theorem_a5() -> None:
+    """``schedule_difference(..., rope=)``: two schedules that rotate as the Rope states differ
+    within A.5 (each side's A.1 with the rotated entries' errors, around the exact attention of
+    the exactly rotated inputs); A.5' is not taken, and the bound exceeds the one without the
+    rope (bfloat16 tables at positions past 2^12)."""
+    import mhanum
+    from mhanum.bounds import schedule_difference
+
+    rng = np.random.default_rng(17)
+    q, k, v = (round_to(rng.standard_normal((24, 16)), "bfloat16") for _ in range(3))
+    rope = Rope(dim=16, base=5e5, table_format="bfloat16", rotation_format="bfloat16")
+    positions = (np.arange(5000, 5024), np.arange(5000, 5024))
+    schedules = {
+        "numerics_a": "bf16-fp32acc",
+        "numerics_b": Numerics(
+            input="bfloat16", accum="float32", softmax="online(8)", output_format="bfloat16"
+        ),
+    }
+    kw = {"rope": rope, "positions": positions}
+    a, b = (mhanum.attention(q, k, v, numerics=n, **kw) for n in schedules.values())
+    d = schedule_difference(q, k, v, **schedules, **kw)
+    assert d.theorem == "A.5"
+    gap = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+    assert gap.max() > 0
+    assert np.all(gap <= d.total)
+    assert np.all(d.total >= schedule_difference(q, k, v, **schedules).total)

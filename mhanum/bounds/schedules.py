@@ -72,6 +72,8 @@ def schedule_difference(
     sink: Any = None,
     probability: float | None = None,
     softcap: float | None = None,
+    rope: Any = None,
+    positions: Any = None,
 ) -> Bound:
     """Theorem A.5: a componentwise bound on ``|attention(..., numerics_a) - attention(...,
     numerics_b)|``.
@@ -88,6 +90,11 @@ def schedule_difference(
     Args:
         q, k, v, mask, bias, scale, sink, softcap: as for :func:`attention_bound` (the same inputs for
             both schedules).
+        rope, positions: as for :func:`attention_bound`: both schedules rotate ``q`` and ``k``
+            as the :class:`mhanum.rope.Rope` states, and each side's A.1 is around the exact
+            attention of the exactly rotated inputs. Their rotations need not agree (a kernel's
+            ``cos`` within its ulps), so A.5' (which assumes equal computed logits) is not
+            taken: ``Bound.theorem`` is ``"A.5"``.
         numerics_a, numerics_b: the two schedules, :class:`Numerics` or preset names.
         probability: with A.3 on each side, each at ``1 - (1 - probability)/2``, so that both
             hold, and the difference bound with them, with at least this probability.
@@ -129,10 +136,12 @@ def schedule_difference(
             sink=sink,
             probability=each,
             softcap=softcap,
+            rope=rope,
+            positions=positions,
         )
         for name, num in sides.items()
     }
-    shared = shares_logits(sides["a"], sides["b"])
+    shared = rope is None and shares_logits(sides["a"], sides["b"])
     per_side = {
         name: _around_computed_logits(b, sides[name], np.shape(k)[-2] + 1, v)
         if shared
