@@ -225,9 +225,34 @@ def test_the_architecture_is_read_from_architectures_without_a_model_type(tmp_pa
 
 
 def test_the_heatmap_names_the_decoder_layers_theorem(audits):
-    """A decoder's layer column is A.1 with RoPE (its heads before the output projection), not
-    BERT's A.2 of the whole layer; the layer's bound is at least each head's."""
+    """A decoder's layer column is the whole layer's A.2 with RoPE (Corollary P.6), as a BERT
+    layer's; each figure is at least the error it bounds."""
     data = models.heatmap_data(audits["llama"], "fp32")
-    assert data.bound_columns[-2:] == ("layer A.1", "layer A.3")
-    heads, layer = data.bound[:, :-2], data.bound[:, -2]
-    assert (layer[:, None] >= heads).all()
+    assert data.bound_columns[-2:] == ("layer A.2", "layer A.3")
+    assert (data.bound[:, :-1] >= data.error).all()
+
+
+def test_the_layer_is_audited_through_o_proj_against_the_certified_layer(checkpoints):
+    """The layer's figure is the whole attention block, o_proj included: its measured error is
+    that of ``multi_head_attention(rope=)`` against ``reference.multi_head_attention(rope=)`` on
+    the normed hidden state, recomputed here from the checkpoint's weights, and differs from
+    every head's."""
+    import mhanum
+    from mhanum import reference
+    from mhanum.models._decoder_audit import _layer, decoder_hidden_states
+
+    result = models.audit(checkpoints["qwen2"], presets=("bf16-fp32acc",), layers=[1])
+    p = result.layers[0].preset("bf16-fp32acc")
+    ids = [[int(t) for t in result.tokens[0]]]  # the fixed token ids (no tokenizer)
+    ck, lengths, inputs = decoder_hidden_states(checkpoints["qwen2"], ids, 1)
+    d = _layer(ck, 1, inputs[1], lengths)
+    c = ck.config
+    rope = c.rope(table_format="bfloat16", rotation_format="bfloat16")
+    kw = d.layer_options
+    got = mhanum.multi_head_attention(
+        d.h, d.h, d.params, 4, numerics="bf16-fp32acc", rope=rope, **kw
+    )
+    exact = reference.multi_head_attention(d.h, d.h, d.params, 4, rope=c.rope(), **kw)
+    assert d.params.bq is not None  # qwen2's projections carry biases
+    assert p.error == float(np.max(np.abs(np.asarray(got, np.float64) - exact)))
+    assert all(h.error != p.error for h in p.heads)

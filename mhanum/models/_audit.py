@@ -758,7 +758,7 @@ def _tolerance_words(result: Audit) -> str:
 
 def _legend(result: Audit, verbose: bool) -> list[str]:
     decoder = bool(result.configurations)
-    theorem = "A.1" if decoder else "A.2"
+    theorem = "A.2"
     level = "" if result.probability is None else f" >= {result.probability:g}"
     entries = [
         ("scale", ("max |exact output| of the layer over the sentences' tokens (certified "
@@ -767,7 +767,7 @@ def _legend(result: Audit, verbose: bool) -> list[str]:
          "above it")),
         ("error", ("max |computed - exact| over the layer's output components, on these "
          "sentences")),
-        ("bound", ("Theorem A.1 with RoPE (P.1, P.4) for the heads' attention" if decoder else
+        ("bound", ("Theorem A.2 with RoPE (P.6) for the whole layer" if decoder else
          "Theorem A.2") + ": a theorem, for every rounding of this computation on these inputs"),
         ("P-bound", (f"Theorem A.3 ({theorem} with probabilistic factors): holds on every "
          f"audited layer together with probability{level}, if the rounding errors of sums and dots "
@@ -873,8 +873,8 @@ def render(result: Audit, *, verbose: bool = False) -> str:
         lines.append(f"input: {result.input_note}")
     if result.configurations:
         title = (
-            f"{result.architecture} attention audited, per layer (the heads' outputs, before "
-            "o_proj; q, k, v held in each preset's input format):"
+            f"{result.architecture} attention audited, per layer (its projections, RoPE, "
+            "attention and o_proj under each preset; per head, the heads' attention):"
         )
         lines += ["", title]
         lines += [f"  {line}" for line in result.configurations]

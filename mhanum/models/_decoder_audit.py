@@ -2,16 +2,17 @@
 
 Each layer's input is the hidden state the checkpoint's own layers produce in float64
 (:func:`hidden_states`); the audited computation is the layer's attention after its RMS norm
-and projections: RoPE, grouped-query attention, the layer's causal or sliding-window mask,
-Gemma-2's soft-cap and query scale, up to the heads' outputs (before ``o_proj``). Under a preset
-the projections ``q``, ``k``, ``v`` are held in the preset's input format, as a model in that
-format hands them to its attention kernel; the kernel rotates ``q`` and ``k`` as
-``transformers`` does (float32 tables, then stored and rotated in the input format) and runs the
-attention in the preset's numerics (:func:`mhanum.attention` with ``rope=``). The certified
-reference is the exact attention of those inputs, exactly rotated
-(:func:`mhanum.rope.reference_rope`, :func:`mhanum.reference.attention`), and the bound is
-Theorem A.1 with the rotated entries' errors (Theorem P.1, Corollary P.4;
-:func:`mhanum.bounds.attention_bound` with ``rope=``).
+and projections, through ``o_proj``, as a BERT layer is audited: the projections, RoPE,
+grouped-query attention, the layer's causal or sliding-window mask, Gemma-2's soft-cap and
+query scale, and the output projection. Under a preset the whole layer runs in the preset's
+numerics (:func:`mhanum.multi_head_attention` with ``rope=``, the projections stored and rotated
+in the preset's storage format with float32 tables stored in it, as ``transformers`` does); the
+certified reference is the exact layer, its projections exactly rotated
+(:func:`mhanum.reference.multi_head_attention` with ``rope=``), and the bound is Theorem A.2
+with the rotated projections' errors (Corollary P.6; :func:`mhanum.bounds.mha_bound` with
+``rope=``). Per head, the heads' attention is audited too: the float64 projections held in the
+preset's input format, rotated as the kernel does, attended in its numerics, against the exact
+attention of the exactly rotated inputs and Theorem A.1 with Theorem P.1 (Corollary P.4).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ import numpy as np
 
 from mhanum import bounds, metrics, reference
 from mhanum._errors import InvalidArgument
-from mhanum.emulate.attention import attention
+from mhanum.emulate.attention import attention, multi_head_attention
 from mhanum.formats import round_to
 from mhanum.models._checkpoint import read_config
 from mhanum.models._decoder import DECODERS, DecoderCheckpoint, load_decoder, rms_norm
@@ -36,6 +36,7 @@ from mhanum.models._decoder_forward import hidden_states
 from mhanum.models._records import FrameworkAudit, HeadError, HeadStats, LayerAudit, PresetAudit
 from mhanum.models._verdicts import DEFAULT_SENTENCES, mask_verdicts
 from mhanum.numerics import Numerics
+from mhanum.params import MHAParams
 from mhanum.rope import Rope, reference_rope
 
 __all__ = [
@@ -191,9 +192,11 @@ def slice_layer(ck: DecoderCheckpoint, layer: int) -> DecoderCheckpoint:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderLayer:
-    """One layer's attention inputs in float64: ``q`` ``(B, H, L, d)``, ``k`` and ``v`` with
-    the key/value heads repeated to ``H`` (GQA), the mask ``(L, L)``, the audited rows ``valid``
-    ``(B, L)`` (each sequence's tokens; right padding is never seen by them)."""
+    """One layer's attention inputs in float64: the normed hidden state ``h`` ``(B, L, d)`` and
+    the layer's weights ``params`` (``num_kv_heads`` key/value heads); each head's projections
+    ``q`` ``(B, H, L, d)``, ``k`` and ``v`` with the key/value heads repeated to ``H`` (GQA); the
+    mask ``(L, L)``, the audited rows ``valid`` ``(B, L)`` (each sequence's tokens; right
+    padding is never seen by them)."""
 
     ck: DecoderCheckpoint
     layer: int
@@ -202,17 +205,38 @@ class DecoderLayer:
     v: np.ndarray
     keep: np.ndarray
     valid: np.ndarray
+    h: np.ndarray
+    params: MHAParams
+
+    @property
+    def layer_options(self) -> dict[str, Any]:
+        """The keywords of the whole layer's emulation, reference and bound."""
+        c = self.ck.config
+        return {
+            "num_kv_heads": c.num_key_value_heads, "mask": self.keep, "scale": c.scale,
+            "softcap": c.softcap, "positions": self.positions,
+        }  # fmt: skip
+
+    @functools.cached_property
+    def exact_layer(self) -> np.ndarray:
+        """The certified output of the whole layer, its projections exactly rotated."""
+        c = self.ck.config
+        return np.asarray(
+            reference.multi_head_attention(
+                self.h,
+                self.h,
+                self.params,
+                c.num_attention_heads,
+                rope=c.rope(),
+                **self.layer_options,
+            )
+        )
 
     @property
     def positions(self) -> tuple[np.ndarray, np.ndarray]:
         """The queries' and keys' positions, ``0..L-1``."""
         n = np.arange(self.q.shape[-2])
         return n, n
-
-    def rows(self, a: np.ndarray) -> np.ndarray:
-        """The audited rows of a ``(B, H, L, d)`` array as ``(rows, H·d)``."""
-        b, h, n, d = a.shape
-        return np.swapaxes(a, 1, 2).reshape(b, n, h * d)[self.valid]
 
     def inputs(self, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``q``, ``k``, ``v`` rounded to ``fmt``, as a kernel in that format holds them."""
@@ -257,7 +281,19 @@ def _layer(
     n = x.shape[1]
     keep = np.asarray(c.mask(layer).array(n, n), bool)
     valid = np.arange(n)[None, :] < np.asarray(lengths)[:, None]
-    return DecoderLayer(ck, layer, q, k, v, keep, valid)
+    return DecoderLayer(ck, layer, q, k, v, keep, valid, h, layer_params(ck, layer))
+
+
+def layer_params(ck: DecoderCheckpoint, layer: int) -> MHAParams:
+    """The layer's attention weights in the ``y = x·w + b`` convention (``transformers``'
+    ``nn.Linear`` weights transposed), its key/value heads as stored (``num_kv_heads``)."""
+    prefix = f"model.layers.{layer}.self_attn"
+    w = {n: np.asarray(ck.tensors[f"{prefix}.{n}_proj.weight"], np.float64).T for n in "qkvo"}
+    b = {n: ck.weight(layer, f"self_attn.{n}_proj.bias") for n in "qkvo"}
+    return MHAParams(
+        wq=w["q"], wk=w["k"], wv=w["v"], wo=w["o"],
+        **{f"b{n}": None if b[n] is None else np.asarray(b[n], np.float64) for n in "qkvo"},
+    )  # fmt: skip
 
 
 def _check(error: np.ndarray, bound: np.ndarray) -> float:
@@ -294,45 +330,49 @@ def _head_errors(
 
 
 def decoder_preset(d: DecoderLayer, preset: str, probability: float | None = None) -> PresetAudit:
-    """One decoder layer under one preset (see the module docstring): the measured error against
-    the certified reference, Theorem A.1 with RoPE and, with ``probability``, its probabilistic
-    form (Theorem A.3). A bound the theorem refuses for this combination is reported as not
-    available, with the reason, in :attr:`PresetAudit.note`; the a priori bound (Theorem A.4)
-    is not stated with RoPE and is always reported so."""
+    """One decoder layer under one preset (see the module docstring): the whole layer's
+    measured error against its certified reference and Theorem A.2 with RoPE (Corollary P.6)
+    and, with ``probability``, its probabilistic form (Theorem A.3); per head, the heads'
+    attention against Theorem A.1 with RoPE. A bound the theorems refuse for this combination
+    is reported as not available, with the reason, in :attr:`PresetAudit.note`; the a priori
+    bound (Theorem A.4) is not stated with RoPE and is always reported so."""
     num = Numerics.preset(preset)
-    fmt = num.format_of("input").name
     c = d.ck.config
-    rope = c.rope(table_format=fmt, rotation_format=fmt)
-    q, k, v = d.inputs(fmt)
-    exact = d.exact(q, k, v)
+    heads_count, store = c.num_attention_heads, num.storage_format.name
+    rope = c.rope(table_format=store, rotation_format=store)
+    exact = d.exact_layer
     computed = np.asarray(
-        attention(q, k, v, d.keep, scale=c.scale, softcap=c.softcap, numerics=num, rope=rope,
-                  positions=d.positions),
+        multi_head_attention(d.h, d.h, d.params, heads_count, numerics=num, rope=rope,
+                             **d.layer_options),
         np.float64,
     )  # fmt: skip
-    errors = metrics.errors(d.rows(computed), d.rows(exact))
+    errors = metrics.errors(computed[d.valid], exact[d.valid])
     notes = ["A.4: not stated with RoPE"]
     bound_max = ratio = probable_max = stated = None
     dominant, heads, model = "", tuple[HeadError, ...](), tuple[str, ...]()
     try:
-        b = d.bound(q, k, v, rope, num)
-        total = _bound_total(b, exact)
-        error = np.abs(computed - exact)
-        bound_max = float(d.rows(total).max())
-        ratio = _check(d.rows(error), d.rows(total))
+        b = bounds.mha_bound(
+            d.h, d.h, d.params, heads_count, numerics=num, rope=rope, **d.layer_options
+        )
+        total = np.broadcast_to(np.asarray(b.total, np.float64), exact.shape)
+        bound_max = float(total[d.valid].max())
+        ratio = _check(np.abs(computed - exact)[d.valid], total[d.valid])
         dominant = max(
             b.terms,
             key=lambda n: float(
-                np.max(d.rows(np.broadcast_to(np.asarray(b.terms[n], np.float64), exact.shape)))
+                np.max(np.broadcast_to(np.asarray(b.terms[n], np.float64), exact.shape)[d.valid])
             ),
         )
-        heads = _head_errors(d, error, total, b)
+        heads = _heads_audit(d, num)
     except InvalidArgument as exc:  # a stage or format outside the theorem's scope
-        notes.insert(0, f"A.1: not available: {exc}")
+        notes.insert(0, f"A.2: not available: {exc}")
     if probability is not None and bound_max is not None:
         try:
-            p = d.bound(q, k, v, rope, num, probability=probability)
-            probable_max = float(d.rows(_bound_total(p, exact)).max())
+            p = bounds.mha_bound(
+                d.h, d.h, d.params, heads_count, numerics=num, rope=rope,
+                probability=probability, **d.layer_options,
+            )  # fmt: skip
+            probable_max = float(np.broadcast_to(p.total, exact.shape)[d.valid].max())
             stated = p.probability
             model = tuple(a for a in p.assumptions if a not in b.assumptions)
         except InvalidArgument as exc:
@@ -351,6 +391,25 @@ def decoder_preset(d: DecoderLayer, preset: str, probability: float | None = Non
         probability=stated,
         probable_assumptions=model,
     )
+
+
+def _heads_audit(d: DecoderLayer, num: Numerics) -> tuple[HeadError, ...]:
+    """Per head: the heads' attention of the float64 projections held in the input format,
+    rotated as the kernel does, against the exact attention of the exactly rotated inputs and
+    Theorem A.1 with RoPE (the bound is that of the float64 reference, with Lemma P.3's
+    evaluation term)."""
+    fmt = num.format_of("input").name
+    c = d.ck.config
+    rope = c.rope(table_format=fmt, rotation_format=fmt)
+    q, k, v = d.inputs(fmt)
+    exact = d.exact(q, k, v)
+    computed = np.asarray(
+        attention(q, k, v, d.keep, scale=c.scale, softcap=c.softcap, numerics=num, rope=rope,
+                  positions=d.positions),
+        np.float64,
+    )  # fmt: skip
+    b = d.bound(q, k, v, rope, num)
+    return _head_errors(d, np.abs(computed - exact), _bound_total(b, exact), b)
 
 
 def _head_stats(d: DecoderLayer) -> tuple[tuple[HeadStats, ...], float]:
@@ -394,8 +453,7 @@ def decoder_layer_task(spec: tuple[Any, ...], seed: Any = None) -> dict[str, Any
     per_preset = tuple(decoder_preset(d, name, probability) for name in names)
     masks = mask_verdicts(score_bound, x.shape[1], names, constants)
     runs = tuple(decoder_framework(d, name) for name in frameworks)
-    q, k, v = d.inputs("float64")
-    scale = float(np.max(np.abs(d.rows(d.exact(q, k, v))), initial=0.0))
+    scale = float(np.max(np.abs(d.exact_layer[d.valid]), initial=0.0))
     audit = LayerAudit(layer, score_bound, stats, per_preset, masks, runs, scale)
     return dataclasses.asdict(audit)
 
@@ -431,14 +489,15 @@ def check_frameworks(ck: DecoderCheckpoint, frameworks: Sequence[str]) -> None:
 
 
 def decoder_framework(d: DecoderLayer, framework: str) -> FrameworkAudit:
-    """``transformers``' own attention of the layer (``framework``: ``transformers-eager`` or
-    ``transformers-sdpa``; the model read in float32 from the checkpoint) on the layer's
-    ``q``, ``k``, ``v`` rounded to float32: its rotary tables and ``apply_rotary_pos_emb``, then
-    its attention function with the layer's mask, scale, window and soft-cap, measured against
-    the certified reference of those inputs and judged by Theorem A.1 with RoPE in the path's
-    numerics (:func:`mhanum.adapters.transformers.numerics`)."""
+    """``transformers``' own attention module of the layer (``framework``:
+    ``transformers-eager`` or ``transformers-sdpa``; the model read in float32 from the
+    checkpoint) on the layer's normed hidden state rounded to float32: its projections, rotary
+    tables, ``apply_rotary_pos_emb``, attention function (with the layer's mask, scale, window
+    and soft-cap) and ``o_proj``, measured against the certified reference of the whole layer
+    and judged by Theorem A.2 with RoPE in the path's numerics
+    (:func:`mhanum.adapters.transformers.numerics`; the input's and weights' rounding into
+    float32 included)."""
     import torch
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from mhanum.adapters import transformers as hf
 
@@ -446,36 +505,32 @@ def decoder_framework(d: DecoderLayer, framework: str) -> FrameworkAudit:
     model = _framework_model(str(d.ck.path), path)
     module = model.model.layers[d.layer].self_attn
     c = d.ck.config
-    group = c.num_attention_heads // c.num_key_value_heads
-    q, k, v = d.inputs("float32")
-    qt, kt, vt = (torch.from_numpy(np.ascontiguousarray(a, np.float32)) for a in
-                  (q, k[:, ::group], v[:, ::group]))  # fmt: skip
-    ids = torch.arange(q.shape[-2])[None].expand(q.shape[0], -1)
-    cos, sin = model.model.rotary_emb(qt, ids)
-    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
-    qt, kt = rotate(qt, kt, cos, sin)
-    keep = torch.from_numpy(np.broadcast_to(d.keep, (q.shape[0], 1, *d.keep.shape)).copy())
+    h = torch.from_numpy(np.ascontiguousarray(d.h, np.float32))
+    ids = torch.arange(h.shape[1])[None].expand(h.shape[0], -1)
+    keep = torch.from_numpy(np.broadcast_to(d.keep, (h.shape[0], 1, *d.keep.shape)).copy())
     if path == "eager":
-        fn = sys.modules[type(module).__module__].eager_attention_forward
         mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
     else:
-        fn, mask = ALL_ATTENTION_FUNCTIONS["sdpa"], keep
+        mask = keep
     with torch.no_grad():
-        out, _ = fn(module, qt, kt, vt, mask, dropout=0.0, scaling=c.scale,
-                    sliding_window=getattr(module, "sliding_window", None), softcap=c.softcap)  # fmt: skip
-    got = np.swapaxes(out.double().numpy(), 1, 2)  # (B, L, H, d) -> (B, H, L, d)
-    exact = d.exact(q, k, v)
+        cos_sin = model.model.rotary_emb(h, ids)
+        out = module(h, position_embeddings=cos_sin, attention_mask=mask)[0]
+    got = out.double().numpy()
+    exact = d.exact_layer
     num = hf.numerics(path)
-    b = d.bound(q, k, v, c.rope(), num)
-    total = _bound_total(b, exact)
-    errors = metrics.errors(d.rows(got), d.rows(exact))
+    b = bounds.mha_bound(
+        d.h, d.h, d.params, c.num_attention_heads, numerics=num, rope=c.rope(),
+        **d.layer_options,
+    )  # fmt: skip
+    total = np.broadcast_to(np.asarray(b.total, np.float64), exact.shape)
+    errors = metrics.errors(got[d.valid], exact[d.valid])
     return FrameworkAudit(
         framework=framework,
         version=hf.version(),
         error=errors.max_abs,
         normwise=errors.normwise_max,
-        bound=float(d.rows(total).max()),
-        ratio=_check(d.rows(np.abs(got - exact)), d.rows(total)),
+        bound=float(total[d.valid].max()),
+        ratio=_check(np.abs(got - exact)[d.valid], total[d.valid]),
         numerics=num.describe(),
     )
 

@@ -37,10 +37,9 @@ class HeatmapData:
         preset: the preset's name.
         layers: the layers' indices (the rows).
         bound_columns: the bound panel's column labels: ``"head 0"``, ..., then ``"layer A.2"``
-            (a decoder's ``"layer A.1"``: its heads before the output projection) and
-            ``"layer A.3"``.
-        bound: ``(layers, heads + 2)``: each head's A.1 bound, the layer's A.2 (decoder: A.1)
-            bound and its probabilistic bound (NaN where missing, ``inf`` where infinite).
+            and ``"layer A.3"``.
+        bound: ``(layers, heads + 2)``: each head's A.1 bound, the layer's A.2 bound and its
+            probabilistic bound (NaN where missing, ``inf`` where infinite).
         error_columns: the error panel's column labels: ``"head 0"``, ..., then ``"layer"``.
         error: ``(layers, heads + 1)``: each head's measured error, then the layer's.
         relative: whether the figures are divided by each layer's tolerance.
@@ -85,21 +84,12 @@ def heatmap_data(result: Audit, preset: str) -> HeatmapData:
     return HeatmapData(
         preset=preset,
         layers=tuple(layer.layer for layer in result.layers),
-        bound_columns=(*heads, *_layer_theorems(result)),
+        bound_columns=(*heads, "layer A.2", "layer A.3"),
         bound=np.array(bound_rows, np.float64).reshape(len(result.layers), n_heads + 2),
         error_columns=(*heads, "layer"),
         error=np.array(error_rows, np.float64).reshape(len(result.layers), n_heads + 1),
         relative=judged,
     )
-
-
-def _layer_theorems(result: Audit) -> tuple[str, str]:
-    """The labels of the layer's bound columns: a BERT layer's A.2 (the whole layer) and A.3;
-    a decoder's A.1 with RoPE (every head's attention, before the output projection) and
-    A.3."""
-    if result.architecture == "bert":
-        return "layer A.2", "layer A.3"
-    return "layer A.1", "layer A.3"
 
 
 def _limits(data: HeatmapData) -> tuple[float, float]:

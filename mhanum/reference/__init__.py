@@ -535,13 +535,15 @@ def multi_head_attention(
     softcap: float | None = None,
     rope: Any = None,
     positions: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
+    scale: float | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Exact multi-head attention ``concat_h(attention_h) @ wo + bo`` of the given floats, certified.
 
     ``q = x_q @ wq + bq``, ``k = x_kv @ wk + bk``, ``v = x_kv @ wv + bv`` exactly (a ``None`` bias
     is no bias); head ``h`` takes columns ``[h*d_k, (h+1)*d_k)`` of ``q`` and ``k`` (``d_k =
     wq.shape[1] // num_heads``) and ``[h*d_v, (h+1)*d_v)`` of ``v``; each head is
-    :func:`attention` with scale exactly ``1/sqrt(d_k)``; the heads are concatenated in head order
+    :func:`attention` with scale ``scale`` (default exactly ``1/sqrt(d_k)``); the heads are
+    concatenated in head order
     and projected, ``y = o @ wo + bo``. A row is NaN (with ``fully_masked="nan"``) if it is fully
     masked in any head.
 
@@ -553,6 +555,8 @@ def multi_head_attention(
         num_kv_heads: grouped-query attention, as in :func:`mhanum.multi_head_attention`.
         sink: attention sinks, one per head, as in :func:`mhanum.multi_head_attention`.
         softcap: the logit soft-cap of every head, as in :func:`attention`.
+        scale: the score scale of every head, used exactly; ``None`` means exactly
+            ``1/sqrt(d_k)``.
         rope, positions: every head's projected queries and keys rotated exactly, as in
             :func:`attention` (Arb balls: ``backend`` ``"auto"`` or ``"arb"``; an output is
             proved 0 only when its column of ``wo`` and its ``bo`` are 0, or by its enclosure).
@@ -588,7 +592,7 @@ def multi_head_attention(
     options = check_options(digits, max_prec, fully_masked, backend, return_mpf)
     p = MHAProblem.of(
         x_q, x_kv, params, num_heads, mask=mask, bias=bias, sink=sink, softcap=softcap,
-        num_kv_heads=num_kv_heads, rope=rope, positions=positions,
+        num_kv_heads=num_kv_heads, rope=rope, positions=positions, scale=scale,
     )  # fmt: skip
     params, num_heads = p.params, p.num_heads
     xq64, xkv64 = (np.asarray(x).astype(np.float64) for x in (p.x_q, p.x_kv))
@@ -600,7 +604,7 @@ def multi_head_attention(
         batch = shape[:-3]
         if key_positions is not None:  # the sink's key projects to 0: any position keeps it 0
             key_positions = np.append(key_positions, 0)
-    spec = score_spec(mask, bias, None, shape, p.d_k, options.fully_masked, p.softcap)
+    spec = score_spec(mask, bias, check_scale(scale), shape, p.d_k, options.fully_masked, p.softcap)
     check_softcap_backend(spec, options)
     params64 = params_float64(params)
     if p.rope is not None:
@@ -646,6 +650,7 @@ def multi_head_attention(
     weights = {f.name: getattr(params64, f.name) for f in dataclasses.fields(params64)}
     with np.errstate(all="ignore"):
         out, undefined = _fastref.multi_head_attention(
-            xq64, xkv64, weights, num_heads, spec.excluded, spec.bias, spec.fully_masked
-        )
+            xq64, xkv64, weights, num_heads, spec.excluded, spec.bias, spec.fully_masked,
+            spec.scale,
+        )  # fmt: skip
     return fast_certified(out, undefined, batch, exact_rows, options, zeros)

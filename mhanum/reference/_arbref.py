@@ -576,7 +576,7 @@ def multi_head_attention(
     def run(flint: ModuleType) -> tuple[np.ndarray, np.ndarray]:
         outputs = np.empty(shape, dtype=object)
         undefined = np.zeros(shape[:-1], dtype=bool)
-        scale = _scale(flint, None, d_k)
+        scale = _scale(flint, spec.scale, d_k)
         wo = _matrix(flint, params.wo)
         for b in np.ndindex(batch):
             q = _affine(flint, x_q[b], params.wq, params.bq)
@@ -735,7 +735,7 @@ class _RowAlgebra:
         self, flint: ModuleType, scores: _exact.Dyadic, spec: ScoreSpec
     ) -> list[arb_mat] | None:
         """Arb probabilities of each head (``arb_mat`` ``(R, Lk)``), or ``None`` if undefined."""
-        scale = _scale(flint, None, self.params.qk_width // self.num_heads)
+        scale = _scale(flint, spec.scale, self.params.qk_width // self.num_heads)
         unit = flint.arb(2) ** scores.exp
         heads = []
         for h in range(self.num_heads):

@@ -283,6 +283,7 @@ def multi_head_attention(
     excluded: np.ndarray,
     bias: np.ndarray | None,
     fully_masked: str,
+    scale: tuple[int, int] | None = None,
 ) -> tuple[Ball, np.ndarray]:
     """Enclosure of ``concat_h(attention_h) wo + bo`` and the undefined rows ``(..., Lq)``.
 
@@ -293,6 +294,8 @@ def multi_head_attention(
         excluded: ``(..., H, Lq, Lk)``.
         bias: float64 ``(..., H, Lq, Lk)`` or ``None``.
         fully_masked: the policy, per head.
+        scale: the score scale as an exact dyadic ``(man, exp)``, or ``None`` for
+            ``1/sqrt(d_k)``.
     """
 
     def project(x: np.ndarray, name: str) -> Ball:
@@ -305,8 +308,8 @@ def multi_head_attention(
     q, k, v = project(x_q, "q"), project(x_kv, "k"), project(x_kv, "v")
     shape = excluded.shape
     scores = _dd.ball_matmul(q, _map(k, lambda a: np.swapaxes(a, -1, -2)))
-    scale = scale_ball(None, q.hi.shape[-1])
-    probs, undefined = probabilities(scores, scale, bias, excluded, fully_masked)
+    ball = scale_ball(scale, q.hi.shape[-1])
+    probs, undefined = probabilities(scores, ball, bias, excluded, fully_masked)
     values = _map(v, lambda a: np.broadcast_to(a, (*shape[:-2], *a.shape[-2:])))
     heads = _map(_dd.ball_matmul(probs, values), _merge_heads)
     wo, bo = weights["wo"], weights["bo"]

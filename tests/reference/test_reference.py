@@ -727,3 +727,27 @@ def test_backends_agree_on_a_four_head_layer():
     )
     _assert_agree(exact[1], naive[1], 2 * TOL)
     _floats_match_where_unambiguous(exact[0], naive[1], 2 * TOL)
+
+
+@pytest.mark.parametrize("backend", ["auto", "dd", "exact", "mpmath", "arb"])
+def test_mha_takes_a_scale_used_exactly(backend):
+    """``scale=`` on every head: scale 1/4 with d_k = 4 (whose default is 1/2) is the default
+    scale with ``wq`` and ``bq`` halved (exact), bit for bit, on every backend; and with a rope."""
+    import dataclasses
+
+    from mhanum.rope import Rope
+
+    params = MHAParams.random(8, seed=0)
+    halved = dataclasses.replace(params, wq=params.wq / 2, bq=params.bq / 2)
+    x = np.random.default_rng(0).standard_normal((5, 8))
+    digits = 15 if backend == "dd" else 20
+    scaled = reference.multi_head_attention(
+        x, x, params, 2, scale=0.25, backend=backend, digits=digits
+    )
+    assert np.array_equal(
+        scaled, reference.multi_head_attention(x, x, halved, 2, backend=backend, digits=digits)
+    )
+    if backend in ("auto", "arb"):
+        kw = {"rope": Rope(dim=4, base=500.0), "positions": np.arange(5) + 70, "backend": backend}
+        got = reference.multi_head_attention(x, x, params, 2, scale=0.25, **kw)
+        assert np.array_equal(got, reference.multi_head_attention(x, x, halved, 2, **kw))
