@@ -23,6 +23,11 @@ soon as the part is done (part 1 after every chunk of its grid), so nothing meas
    (``mhanum.testing.NOT_MODELLED``): it is judged against *provisional* candidates (the device
    model of ``mhanum.devices.model_for("cudnn", ...)`` and FlashAttention-style online softmaxes
    on the H100 tensor-core model), each also alone, as evidence for a descriptor.
+2b. ``backward.json``: the backward passes of torch SDPA's flash backend (FlashAttention-2's
+   backward; ``torch-sdpa-flash-cuda``, in the smoke run the CPU's ``torch-sdpa-flash-cpu``) and
+   of FlashAttention-2 where its wheel imports, by autograd on bfloat16 and float16 inputs,
+   plain and causal, each gradient judged by :func:`mhanum.testing.attention_grad_oracle` under
+   the backward descriptor (Theorem B.2 with FlashAttention-2's exp2 recomputation).
 3. ``probes.json``: ``mhanum.tensorcore.run_probes`` (the tensor-core models) and probes of the
    P·V accumulation inside fused attention: zero queries and keys make every probability 1, so
    the output is ``fl(Σ_j v_j) / L`` as the kernel accumulates it; values chosen at rounding ties
@@ -71,11 +76,11 @@ import numpy as np
 jax.config.update("jax_enable_x64", True)
 
 SCHEMA = "mhanum.gpu_evidence/1"
-FILES = ("environment.json", "records.jsonl", "check.txt", "kernels.json", "probes.json",
-         "speed.json", "summary.txt")  # fmt: skip
-PARTS = ("records", "kernels", "probes", "speed")
+FILES = ("environment.json", "records.jsonl", "check.txt", "kernels.json", "backward.json",
+         "probes.json", "speed.json", "summary.txt")  # fmt: skip
+PARTS = ("records", "kernels", "backward", "probes", "speed")
 # the end of each part, as a fraction of the budget (what a part leaves goes to the next)
-SHARES = {"records": 0.4, "kernels": 0.7, "probes": 0.75, "speed": 0.97}
+SHARES = {"records": 0.4, "kernels": 0.66, "backward": 0.72, "probes": 0.77, "speed": 0.97}
 NP_DTYPES: dict[str, Any] = {
     "float32": np.float32,
     "bfloat16": ml_dtypes.bfloat16,
@@ -654,6 +659,153 @@ def judge(spec: dict[str, Any], q, k, v, out: np.ndarray) -> dict[str, Any]:
     return result
 
 
+# -- part 2b: backward passes ------------------------------------------------------------------
+
+BACKWARD_KERNELS = {"torch-sdpa-flash": "torch-sdpa-flash-cuda",
+                    "flash-attention-2": "flash-attention-2"}  # fmt: skip
+BACKWARD_CASES = (("bfloat16", "causal"), ("float16", "causal"), ("bfloat16", "plain"),
+                  ("float16", "plain"))  # fmt: skip
+
+
+def backward_config(smoke: bool, causal: bool) -> Config:
+    """A backward case's sizes: two heads of d = 64 at L = 256 (smoke: 32 queries, d = 16)."""
+    n, d = (32, 16) if smoke else (256, 64)
+    return Config("causal" if causal else "plain", 2, 2, n, d, causal=causal)
+
+
+def run_backward(kernel: str, data: tuple[np.ndarray, ...], dtype: str, config: Config,
+                 device: str) -> tuple[np.ndarray, ...]:  # fmt: skip
+    """``(dq, dk, dv)`` of ``<d_out, attention(q, k, v)>`` by autograd through ``kernel`` (torch
+    SDPA with the flash backend forced, or ``flash_attn_func``), in the (B, H, L, d) layout."""
+    import torch
+
+    q, k, v, g = data
+    t = [x.requires_grad_() for x in _torch_tensors(q, k, v, dtype, device)]
+    grad = torch.from_numpy(np.asarray(g, np.float32)).to(device).to(_torch_dtype(dtype))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if kernel == "torch-sdpa-flash":
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    out = torch.nn.functional.scaled_dot_product_attention(
+                        *t, is_causal=config.causal
+                    )
+                out.backward(grad)
+            else:
+                if importlib.util.find_spec("flash_attn") is None:
+                    raise Refused(
+                        "no flash_attn module: the flash-attention-2 wheel is not installed"
+                    )
+                if device != "cuda":
+                    raise Refused("flash-attention-2 runs on CUDA only")
+                from flash_attn import flash_attn_func
+
+                bshd = [x.transpose(1, 2) for x in t]
+                out = flash_attn_func(*bshd, causal=config.causal)
+                out.backward(grad.transpose(1, 2))
+            if device == "cuda":
+                torch.cuda.synchronize()
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            why = " | ".join(str(w.message) for w in caught)
+            raise Refused(f"{_error(exc)}{' | warnings: ' + why if why else ''}") from None
+    return tuple(_to_numpy(x.grad) for x in t)
+
+
+def judge_backward(
+    spec: dict[str, Any], q, k, v, g, grads: tuple[np.ndarray, ...]
+) -> dict[str, Any]:
+    """The gradient oracle's verdict on ``(dq, dk, dv)`` (run in a host worker process)."""
+    from mhanum.testing import attention_grad_oracle
+
+    jax.config.update("jax_enable_x64", True)
+    start = time.perf_counter()
+    oracle = attention_grad_oracle(
+        q, k, v, g, kernel=spec["descriptor"], dtype=spec["dtype"], is_causal=spec["causal"]
+    )
+    result: dict[str, Any] = {
+        name: _stats(oracle.oracles[name], got)
+        for name, got in zip(("dq", "dk", "dv"), grads, strict=True)
+    }
+    result["judge_s"] = time.perf_counter() - start
+    return result
+
+
+def part_backward(ctx: Context) -> None:
+    """Part 2b: each backward case run on the device, judged on the host workers."""
+    torch_device = "cuda" if ctx.platform == "gpu" else "cpu"
+    rows: list[dict[str, Any]] = []
+    futures: dict[concurrent.futures.Future[Any], dict[str, Any]] = {}
+    not_run: list[str] = []
+    for index, (kernel, (dtype, cname)) in enumerate(
+        (k, c) for k in BACKWARD_KERNELS for c in BACKWARD_CASES
+    ):
+        label = f"{kernel} {dtype} {cname}"
+        if ctx.budget.until("backward") < (5.0 if ctx.smoke else 15.0):
+            not_run.append(label)
+            continue
+        descriptor = BACKWARD_KERNELS[kernel]
+        if kernel == "torch-sdpa-flash" and ctx.platform != "gpu":
+            descriptor = "torch-sdpa-flash-cpu"
+        config = backward_config(ctx.smoke, cname == "causal")
+        row: dict[str, Any] = {"kernel": kernel, "dtype": dtype, "config": cname,
+                               "descriptor": descriptor}  # fmt: skip
+        d_out = case_inputs(config, dtype, index + 100)[0]  # shaped like q
+        data = (*case_inputs(config, dtype, index), d_out)
+        print(f"backward: {label} (at {ctx.budget.elapsed():.0f} s)", flush=True)
+        try:
+            grads = run_backward(kernel, data, dtype, config, torch_device)
+        except Refused as exc:
+            rows.append({**row, "status": "refused", "reason": str(exc)})
+            continue
+        except Exception as exc:  # noqa: BLE001 (a kernel failing is recorded, never fatal)
+            rows.append({**row, "status": "error", "reason": _error(exc),
+                         "traceback": traceback.format_exc(limit=3)[-1500:]})  # fmt: skip
+            continue
+        spec = {"dtype": dtype, "causal": config.causal, "descriptor": descriptor}
+        data64 = tuple(np.asarray(x.astype(np.float32), np.float64) for x in data)
+        if ctx.pool is None:
+            try:
+                row.update(status="judged", **judge_backward(spec, *data64, grads))
+            except Exception as exc:  # noqa: BLE001
+                row.update(status="judge-error", reason=_error(exc))
+            rows.append(row)
+        else:
+            futures[ctx.pool.submit(judge_backward, spec, *data64, grads)] = row
+    wait = max(ctx.budget.until("backward"), 10.0)
+    _, pending = concurrent.futures.wait(futures, timeout=wait)
+    for future, row in futures.items():
+        if future in pending:
+            future.cancel()
+            rows.append({**row, "status": "not-judged", "reason": "judging ran past the budget"})
+            continue
+        try:
+            row.update(status="judged", **future.result())
+        except Exception as exc:  # noqa: BLE001
+            row.update(status="judge-error", reason=_error(exc))
+        rows.append(row)
+    doc = {"schema": SCHEMA, "platform": ctx.platform, "cases": rows, "not_run_for_time": not_run}
+    _write_json(ctx.out / "backward.json", doc)
+    judged = [r for r in rows if r["status"] == "judged"]
+    outside = sum(r[g]["outside"] for r in judged for g in ("dq", "dk", "dv"))
+    worst = max((r[g]["worst_ratio"] for r in judged for g in ("dq", "dk", "dv")), default=None)
+    ctx.say(
+        f"part 2b: {len(rows)} backward cases, {len(judged)} judged, {outside} elements outside "
+        f"their tolerance, worst |error|/tolerance {_g(worst)} -> backward.json"
+    )
+    for r in rows:
+        if r["status"] != "judged":
+            ctx.say(f"  {r['kernel']} {r['dtype']} {r['config']}: {r['status']}: "
+                    f"{r.get('reason', '')[:120]}")  # fmt: skip
+    if not_run:
+        ctx.say(f"  not run for time: {', '.join(not_run)}")
+
+
+def _g(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
 @dataclasses.dataclass
 class Context:
     out: Path
@@ -1164,8 +1316,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     _write_json(out / "environment.json", environment(platform_name))
     workers = (os.cpu_count() or 1) if args.workers is None else args.workers
-    functions = {"records": part_records, "kernels": part_kernels, "probes": part_probes,
-                 "speed": part_speed}  # fmt: skip
+    functions = {"records": part_records, "kernels": part_kernels, "backward": part_backward,
+                 "probes": part_probes, "speed": part_speed}  # fmt: skip
     with _host_pool(workers) as pool:
         ctx = Context(out, smoke, platform_name, budget, summary, pool)
         for name in PARTS:

@@ -151,6 +151,12 @@ class Rope:
         if self.layout not in ("half", "interleaved"):
             msg = f"rope.layout: expected 'half' or 'interleaved', got {self.layout!r}"
             raise InvalidArgument(msg)
+        if self.scaling == "dynamic" and dim < 4:
+            msg = (
+                f"rope.dim: expected at least 4 with scaling 'dynamic' (its base's exponent "
+                f"d/(d-2)), got {dim}"
+            )
+            raise InvalidArgument(msg)
         if self.scaling in ("dynamic", "yarn", "llama3") and self.original_max_position is None:
             msg = f"rope.original_max_position: expected an int for scaling {self.scaling!r}"
             raise InvalidArgument(msg)

@@ -274,6 +274,10 @@ def test_the_papers_figure_script_keeps_the_bound() -> None:
         (lambda: Rope(dim=0), "rope.dim"),
         (lambda: Rope(dim=8, scaling="ntk-by-parts"), "rope.scaling: expected one of"),
         (lambda: Rope(dim=8, scaling="yarn", factor=4.0), "rope.original_max_position"),
+        (
+            lambda: Rope(dim=2, scaling="dynamic", original_max_position=8),
+            r"rope.dim: expected at least 4 with scaling 'dynamic' \(its base's exponent",
+        ),
         (lambda: Rope(dim=8, base=1.0), "rope.base: expected a base above 1"),
         (lambda: Rope(dim=8, factor=math.nan), "rope.factor: expected a finite positive"),
         (lambda: Rope(dim=8, table_format="float12"), "rope.table_format"),

@@ -740,9 +740,9 @@ def random_search(
     kept with probability 1/2, key 0 kept in a row that would be empty).
 
     Args:
-        numerics, shape, objective, budget, seed, mask, bound, progress, against, softcap, sink,
-            rope, positions: as for :func:`worst_case` (``seed`` seeds a
-            ``numpy.random.Generator``).
+        numerics, shape, objective, budget, seed, mask, bound, progress: as for
+            :func:`worst_case` (``seed`` seeds a ``numpy.random.Generator``).
+        against, softcap, sink, rope, positions: as for :func:`worst_case`.
 
     Returns:
         A :class:`WorstCase` with ``method="random"``.
