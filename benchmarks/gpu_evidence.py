@@ -765,26 +765,8 @@ def part_backward(ctx: Context) -> None:
             continue
         spec = {"dtype": dtype, "causal": config.causal, "descriptor": descriptor}
         data64 = tuple(np.asarray(x.astype(np.float32), np.float64) for x in data)
-        if ctx.pool is None:
-            try:
-                row.update(status="judged", **judge_backward(spec, *data64, grads))
-            except Exception as exc:  # noqa: BLE001
-                row.update(status="judge-error", reason=_error(exc))
-            rows.append(row)
-        else:
-            futures[ctx.pool.submit(judge_backward, spec, *data64, grads)] = row
-    wait = max(ctx.budget.until("backward"), 10.0)
-    _, pending = concurrent.futures.wait(futures, timeout=wait)
-    for future, row in futures.items():
-        if future in pending:
-            future.cancel()
-            rows.append({**row, "status": "not-judged", "reason": "judging ran past the budget"})
-            continue
-        try:
-            row.update(status="judged", **future.result())
-        except Exception as exc:  # noqa: BLE001
-            row.update(status="judge-error", reason=_error(exc))
-        rows.append(row)
+        _judge_case(ctx, judge_backward, (spec, *data64, grads), row, rows, futures)
+    _collect(futures, rows, ctx.budget.until("backward"))
     doc = {"schema": SCHEMA, "platform": ctx.platform, "cases": rows, "not_run_for_time": not_run}
     _write_json(ctx.out / "backward.json", doc)
     judged = [r for r in rows if r["status"] == "judged"]
@@ -804,6 +786,44 @@ def part_backward(ctx: Context) -> None:
 
 def _g(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3g}"
+
+
+def _judge_case(
+    ctx: Context,
+    fn: Callable[..., dict[str, Any]],
+    args: tuple[Any, ...],
+    row: dict[str, Any],
+    rows: list[dict[str, Any]],
+    futures: dict[concurrent.futures.Future[Any], dict[str, Any]],
+) -> None:
+    """Judge one case's output by ``fn(*args)``: here, or on a host worker (``futures``)."""
+    if ctx.pool is not None:
+        futures[ctx.pool.submit(fn, *args)] = row
+        return
+    try:
+        row.update(status="judged", **fn(*args))
+    except Exception as exc:  # noqa: BLE001 (a judge failing is recorded, never fatal)
+        row.update(status="judge-error", reason=_error(exc))
+    rows.append(row)
+
+
+def _collect(
+    futures: dict[concurrent.futures.Future[Any], dict[str, Any]],
+    rows: list[dict[str, Any]],
+    seconds: float,
+) -> None:
+    """The host workers' verdicts, each row as judged, failed or not judged in time."""
+    _, pending = concurrent.futures.wait(futures, timeout=max(seconds, 10.0))
+    for future, row in futures.items():
+        if future in pending:
+            future.cancel()
+            rows.append({**row, "status": "not-judged", "reason": "judging ran past the budget"})
+            continue
+        try:
+            row.update(status="judged", **future.result())
+        except Exception as exc:  # noqa: BLE001
+            row.update(status="judge-error", reason=_error(exc))
+        rows.append(row)
 
 
 @dataclasses.dataclass
@@ -900,26 +920,8 @@ def part_kernels(ctx: Context) -> None:
         if dtype not in (*HALF, "float32"):
             spec["descriptor"] = None
         data64 = tuple(np.asarray(x.astype(np.float32), np.float64) for x in data)
-        if ctx.pool is None:
-            try:
-                row.update(status="judged", **judge(spec, *data64, out))
-            except Exception as exc:  # noqa: BLE001
-                row.update(status="judge-error", reason=_error(exc))
-            rows.append(row)
-        else:
-            futures[ctx.pool.submit(judge, spec, *data64, out)] = row
-    wait = max(ctx.budget.until("kernels"), 10.0)
-    _, pending = concurrent.futures.wait(futures, timeout=wait)
-    for future, row in futures.items():
-        if future in pending:
-            future.cancel()
-            rows.append({**row, "status": "not-judged", "reason": "judging ran past the budget"})
-            continue
-        try:
-            row.update(status="judged", **future.result())
-        except Exception as exc:  # noqa: BLE001
-            row.update(status="judge-error", reason=_error(exc))
-        rows.append(row)
+        _judge_case(ctx, judge, (spec, *data64, out), row, rows, futures)
+    _collect(futures, rows, ctx.budget.until("kernels"))
     order = {c: i for i, c in enumerate(todo)}
     rows.sort(key=lambda r: order[(r["kernel"], r["dtype"], r["config"], r["precision"])])
     doc = {
