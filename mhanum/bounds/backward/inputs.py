@@ -175,10 +175,12 @@ class Context:
         c2_hat, u_c2, _ = scale_rounding(c64 * LOG2E, sm)
         _, u_c, _ = scale_rounding(c64, sm)
         _, u_l, _ = scale_rounding(LOG2E, sm)
-        # c64 within u64 of c; log2(e) and the product in float64: two roundings more
+        # c64 within u64 of c; log2(e) and the product in float64: two roundings more; and the
+        # scale rounded into the softmax format first, as FlashAttention-2 forms c2 from its
+        # float32 softmax_scale (flash_api.cpp): either construction is covered
         return Folded(
             c2_hat,
-            compound(self.x.u64, U64, U64, u_c2),
+            compound(self.x.u64, U64, U64, u_c, u_c2),
             compound(self.x.u64, u_c),
             compound(U64, u_l),
         )

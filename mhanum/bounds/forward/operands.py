@@ -184,9 +184,12 @@ def constant_step(setting: Setting, d_k: int, ranges: Ranges) -> Constant:
 
 def _folded_constant(num: Numerics, scale: float, ranges: Ranges) -> tuple[float, float]:
     """Step 2''. ``c2 = fl_m(scale·log2(e))``: the float64 product (one rounding), then rounded
-    into the softmax format; no product with the scores is stored (they stay unscaled).
-    exp2-scaled: the kernel's own ``fl_m(fl_m(scale)·fl_m(log2 e))``, three roundings.
-    Returns ``c2`` and its relative error; R.3'' flags a constant that breaks the kernel."""
+    into the softmax format; no product with the scores is stored (they stay unscaled). The
+    error also covers a kernel that rounds the scale into the softmax format first
+    (FlashAttention-2's ``scale_softmax_log2`` from its float32 ``softmax_scale``,
+    flash_api.cpp): one more rounding. exp2-scaled: the kernel's own
+    ``fl_m(fl_m(scale)·fl_m(log2 e))``, three roundings. Returns ``c2`` and its relative error;
+    R.3'' flags a constant that breaks the kernel."""
     f_m = num.format_of("softmax")
     if num.exp_form == "exp2-scaled":
         s_hat, u_s1, _ = scale_rounding(scale, f_m)
@@ -196,6 +199,7 @@ def _folded_constant(num: Numerics, scale: float, ranges: Ranges) -> tuple[float
         tiny_factor = min(abs(s_hat), abs(scale)) < f_m.smallest_normal
     else:
         c2_hat, u_c, _ = scale_rounding(scale * LOG2E, f_m)
+        u_c = compound(scale_rounding(scale, f_m)[1], u_c)  # fl_m(scale) first, or not
         tiny_factor = False
     u_c = compound(2.0**-53, u_c)
     form = num.exp_form
