@@ -54,6 +54,7 @@ __all__ = [
     "inv_freq_enclosure",
     "reference_rope",
     "rope_error",
+    "rope_error_linear",
     "rotation_spread",
 ]
 
@@ -665,6 +666,27 @@ def rope_error(x: ArrayLike, positions: ArrayLike, rope: Rope, *, held: bool = T
             + 3 * fr.smallest_normal
         ) * (1 + 8 * _U64)  # fmt: skip
     return out
+
+
+def rope_error_linear(positions: ArrayLike, rope: Rope) -> tuple[float, float]:
+    """Theorem P.1 as a linear bound in the magnitudes (for the a priori Theorem A.4): ``(a, e)``
+    with ``|x̂_rot - x_rot|_j <= a·(|x_j| + |x_j'|) + e`` for every input ``x`` held in
+    ``rotation_format`` at these positions (``j'`` the partner of ``j``).
+
+    P.1's bound is, entry by entry, nonnegative multiples of ``|x_j|`` and ``|x_j'|`` plus a
+    constant: its value at ``x = 0`` is the constant, at ``|x| = 1`` the constant plus the
+    multiples' coefficients, so their largest difference (rounded up) bounds every coefficient.
+
+    Examples:
+        >>> a, e = rope_error_linear([0, 1, 4095], Rope(dim=8, table_format="bfloat16"))
+        >>> bool(2.0**-9 < a < 2.0**-5), bool(e < 1e-37)  # the constant: 3 float32 underflows
+        (True, True)
+    """
+    p = check_positions(positions, rope)
+    shape = (p.shape[0], rope.dim)
+    zero = rope_error(np.zeros(shape), p, rope)
+    one = rope_error(np.ones(shape), p, rope)
+    return float(np.max(one - zero)) * (1 + 2.0**-50), float(np.max(zero))
 
 
 def rotation_spread(e: ArrayLike, rope: Rope) -> np.ndarray:

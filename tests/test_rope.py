@@ -335,3 +335,38 @@ def test_two_schedules_with_rope_differ_within_theorem_a5() -> None:
     assert gap.max() > 0
     assert np.all(gap <= d.total)
     assert np.all(d.total >= schedule_difference(q, k, v, **schedules).total)
+
+
+@pytest.mark.parametrize(("preset", "fmt"), [("fp32", "float32"), ("bf16-fp32acc", "bfloat16")])
+def test_the_a_priori_bound_with_rope_covers_every_input_of_those_norms(preset, fmt) -> None:
+    """Corollary P.7 in Theorem A.4: inputs of the stated row norms, rotated by a kernel with
+    bfloat16 tables at positions past 2^12, err within ``attention_bound_a_priori(rope=)`` of the
+    exact attention of the exactly rotated inputs (the certified reference), for rows at the
+    norm and rows far below it; the bound exceeds the one without the rope."""
+    import mhanum
+    from mhanum import reference
+    from mhanum.bounds import attention_bound_a_priori
+
+    rng = np.random.default_rng(23)
+    rope = Rope(dim=16, base=5e5, table_format="bfloat16", rotation_format=fmt)
+    positions = (np.arange(5000, 5012), np.arange(5000, 5012))
+    norm = 6.0
+    kw = {"q_norm": norm, "k_norm": norm, "v_max": 2.0, "numerics": preset}
+    bound = attention_bound_a_priori(12, 12, 16, rope=rope, positions=positions, **kw)
+    assert np.all(bound.total > attention_bound_a_priori(12, 12, 16, **kw).total)
+    for shrink in (1.0, 1e-3):
+        q, k = (rng.standard_normal((12, 16)) for _ in range(2))
+        q, k = (norm * shrink * x / np.linalg.norm(x, axis=-1, keepdims=True) * (1 - 2**-20)
+                for x in (q, k))  # fmt: skip
+        q, k = (round_to(x, fmt) for x in (q, k))
+        v = round_to(rng.uniform(-2, 2, (12, 16)), fmt)
+        out = mhanum.attention(q, k, v, numerics=preset, rope=rope, positions=positions)
+        exact = reference.attention(q, k, v, rope=rope, positions=positions)
+        err = np.abs(np.asarray(out, np.float64) - exact)
+        assert np.all(err <= bound.total)
+    with pytest.raises(InvalidArgument, match=r"rope\.rotation_format: expected a format that"):
+        attention_bound_a_priori(
+            12, 12, 16, rope=Rope(dim=16, rotation_format="bfloat16"), **{**kw, "numerics": "fp32"}
+        )
+    with pytest.raises(InvalidArgument, match="positions: expected only with rope="):
+        attention_bound_a_priori(12, 12, 16, positions=np.arange(12), **kw)

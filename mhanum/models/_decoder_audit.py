@@ -335,7 +335,8 @@ def decoder_preset(d: DecoderLayer, preset: str, probability: float | None = Non
     and, with ``probability``, its probabilistic form (Theorem A.3); per head, the heads'
     attention against Theorem A.1 with RoPE. A bound the theorems refuse for this combination
     is reported as not available, with the reason, in :attr:`PresetAudit.note`; the a priori
-    bound (Theorem A.4) is not stated with RoPE and is always reported so."""
+    bound of a whole layer (Theorem A.4 for MHA) is not stated with RoPE and is always reported
+    so."""
     num = Numerics.preset(preset)
     c = d.ck.config
     heads_count, store = c.num_attention_heads, num.storage_format.name
@@ -347,7 +348,7 @@ def decoder_preset(d: DecoderLayer, preset: str, probability: float | None = Non
         np.float64,
     )  # fmt: skip
     errors = metrics.errors(computed[d.valid], exact[d.valid])
-    notes = ["A.4: not stated with RoPE"]
+    notes = ["A.4: not stated for a layer with RoPE"]
     bound_max = ratio = probable_max = stated = None
     dominant, heads, model = "", tuple[HeadError, ...](), tuple[str, ...]()
     try:

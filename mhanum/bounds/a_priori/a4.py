@@ -22,6 +22,7 @@ from mhanum.bounds.forward import ASSUMPTIONS
 from mhanum.bounds.projections import linear, linear_overflow
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
+from mhanum.rope import Rope, check_holds, rope_error_linear
 from mhanum.units import Online
 
 __all__ = ["attention_bound_a_priori", "mha_bound_a_priori"]
@@ -96,6 +97,8 @@ def attention_bound_a_priori(
     scale: float | None = None,
     min_keys: int | None = None,
     softcap: float | None = None,
+    rope: Any = None,
+    positions: Any = None,
 ) -> Bound:
     """Theorem A.4: an a priori componentwise bound on the error of ``mhanum.attention``.
 
@@ -145,6 +148,15 @@ def attention_bound_a_priori(
             A.4 then reads the capped logits, ``|a| <= c·tanh(c_s·q_norm·k_norm/c)`` within the
             error of Theorem B.9 (a) (papers/backward.md), so the logit range is at most ``2c``
             however large the norms.
+        rope: a :class:`mhanum.rope.Rope` the kernel rotates ``q`` and ``k`` with (held in the
+            input format, which ``rope.rotation_format`` must hold), as for
+            :func:`~mhanum.bounds.attention_bound`; the exact attention is then that of the
+            exactly rotated inputs. Corollary P.7 (papers/rope.md): the exact rotation's rows
+            have norms at most ``max(k, 1)`` times the inputs' (``k`` YaRN's table factor), and
+            the computed ones are within ``ρ(|x_j| + |x_j'|) + ε`` of them, Theorem P.1 as a
+            linear bound (:func:`mhanum.rope.rope_error_linear`) with the inputs' rounding.
+        positions: with ``rope``, the queries' and keys' positions (see
+            :meth:`mhanum.rope.Rope.positions_for`).
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has shape ``(d_v,)`` (the same bound for
@@ -186,6 +198,18 @@ def attention_bound_a_priori(
     # |x̃ - x| <= u_in|x| + η_in for unrounded inputs (A.1 step 1)
     qo = Operand(None, qn, fin.u, np.full(d_k, fin.smallest_normal))
     ko = Operand(None, kn, fin.u, np.full(d_k, fin.smallest_normal))
+    if rope is not None:
+        if not isinstance(rope, Rope):
+            msg = f"rope: expected a mhanum.rope.Rope, got {type(rope).__name__}"
+            raise InvalidArgument(msg)
+        pos = rope.positions_for(positions, d_k=d_k, q_len=q_len, k_len=n)
+        check_holds(rope, num.storage_format, "the input format")
+        qo, ko = (
+            _rotated(norm, at, rope, fin, d_k) for norm, at in zip((qn, kn), pos, strict=True)
+        )
+    elif positions is not None:
+        msg = "positions: expected only with rope= (the positions of a rotary embedding)"
+        raise InvalidArgument(msg)
     v_abs = np.full(d_v, vm)
     with np.errstate(over="ignore"):  # bounds beyond float64 are inf, and flagged
         logits = logit_error(qo, ko, d_k, num, c, scale is None, rng)
@@ -194,6 +218,22 @@ def attention_bound_a_priori(
         v_bar = read_values(v_abs, fin.u * v_abs + fin.smallest_normal, num, rng)
         terms = softmax_pv(logits, n, least, v_abs, v_bar, 0.0, num, rng)
     return _total(terms, "A.4", rng, (d_v,))
+
+
+def _rotated(norm: float, positions: np.ndarray, rope: Any, fin: Any, d_k: int) -> Operand:
+    """Corollary P.7 (papers/rope.md): the rows of inputs of norm at most ``norm``, rounded into
+    the input format and rotated as ``rope`` states. The exact rotation's rows have norm at most
+    ``K·norm``, ``K = max(k, 1)``; the computed ``R̂(fl(x))`` is within
+    ``ρ(|x_j| + |x_j'|) + ε`` of ``R(x)`` entry by entry, ``ρ = a(1 + u) + K u`` and
+    ``ε = 2(a + K)η + e`` (``(a, e)`` Theorem P.1's linear form, ``u``, ``η`` the input
+    format's). The partner map is a permutation, so by Cauchy–Schwarz ``Σ_t e_t|b_t| <=
+    2ρ‖x‖‖b‖ + ‖ε‖‖b‖``: the norm form with ``rel = 2ρ`` (the entries past ``rope.dim`` only
+    round, within ``u|x_j| + η``)."""
+    a, e = rope_error_linear(positions, rope)
+    big = max(rope.table_scale, 1.0)
+    rho = a * (1 + fin.u) + big * fin.u
+    err = 2 * (a + big) * fin.smallest_normal + e
+    return Operand(None, big * norm, 2 * rho * (1 + 2.0**-50), np.full(d_k, err * (1 + 2.0**-50)))
 
 
 def mha_bound_a_priori(
