@@ -52,6 +52,7 @@ __all__ = [
     "check_positions",
     "exact_inv_freq",
     "inv_freq_enclosure",
+    "pair_sum",
     "reference_rope",
     "rope_error",
     "rope_error_linear",
@@ -687,6 +688,22 @@ def rope_error_linear(positions: ArrayLike, rope: Rope) -> tuple[float, float]:
     zero = rope_error(np.zeros(shape), p, rope)
     one = rope_error(np.ones(shape), p, rope)
     return float(np.max(one - zero)) * (1 + 2.0**-50), float(np.max(zero))
+
+
+def pair_sum(x: ArrayLike, rope: Rope) -> np.ndarray:
+    """``x_j + x_j'`` for each rotated entry ``j`` and its partner ``j'``, ``x_j`` past
+    ``rope.dim`` (``(..., d_head)``): the bound of a rotated entry from bounds on both of its
+    pair's inputs.
+
+    Examples:
+        >>> pair_sum(np.array([1.0, 2.0, 4.0]), Rope(dim=2)).tolist()
+        [3.0, 3.0, 4.0]
+    """
+    x = np.asarray(x, np.float64)
+    partner, _, _ = _pairs(rope)
+    out = x.copy()
+    out[..., : rope.dim] = x[..., : rope.dim] + x[..., partner]
+    return out
 
 
 def rotation_spread(e: ArrayLike, rope: Rope) -> np.ndarray:

@@ -256,3 +256,18 @@ def test_the_layer_is_audited_through_o_proj_against_the_certified_layer(checkpo
     assert d.params.bq is not None  # qwen2's projections carry biases
     assert p.error == float(np.max(np.abs(np.asarray(got, np.float64) - exact)))
     assert all(h.error != p.error for h in p.heads)
+
+
+def test_the_a_priori_bound_of_a_decoder_layer(audits):
+    """Theorem A.4 with RoPE (Corollary P.7) from ``max |h|`` and the weights: stated for the
+    layers without a soft-cap, where it bounds the measured error (a theorem over every input
+    of that size); refused by name for Gemma-2's soft-capped layers."""
+    for kind in ("llama", "qwen2", "mistral"):
+        for layer in audits[kind].layers:
+            for p in layer.presets:
+                assert p.a_priori is not None
+                assert p.error <= p.a_priori
+    for layer in audits["gemma2"].layers:
+        for p in layer.presets:
+            assert p.a_priori is None
+            assert "A.4: not stated for a layer with a soft-cap" in p.note

@@ -128,3 +128,27 @@ def test_rope_arguments_are_checked() -> None:
         reference.multi_head_attention(x, x, params, 2, rope=Rope(dim=8), backend="exact")
     with pytest.raises(InvalidArgument, match="rope: expected None for the gradients"):
         MHAProblem.of(x, x, params, 2, rope=Rope(dim=8), d_out=np.ones((4, 16)))
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-fp32acc"])
+def test_the_a_priori_layer_bound_with_rope_covers_the_layer(preset):
+    """Corollary P.7 entrywise in A.4 for multi-head attention: the emulated layer with bfloat16
+    tables past position 2^12 is within ``mha_bound_a_priori(..., rope=)`` (from ``max |x|``
+    and the weights alone) of the certified layer, with grouped keys; the bound is at least
+    the one without the rope, and above it in fp32 (in bf16 both reach the magnitudes' cap at
+    this size)."""
+    from mhanum.bounds import mha_bound_a_priori
+
+    rng = np.random.default_rng(29)
+    x = rng.uniform(-1, 1, (2, 6, 32))
+    params = MHAParams.random(32, seed=3, kv_width=16)
+    fmt = "bfloat16" if preset.startswith("bf16") else "float32"
+    rope = Rope(dim=8, base=5e5, table_format="bfloat16", rotation_format=fmt)
+    kw = {"num_kv_heads": 2, "rope": rope, "positions": POSITIONS}
+    bound = mha_bound_a_priori(params, 4, 6, 6, x_max=1.0, numerics=preset, **kw)
+    plain = mha_bound_a_priori(params, 4, 6, 6, x_max=1.0, numerics=preset, num_kv_heads=2)
+    assert np.all(bound.total >= plain.total)
+    assert preset != "fp32" or np.all(bound.total > plain.total)
+    out = mhanum.multi_head_attention(x, x, params, 4, numerics=preset, **kw)
+    exact = reference.multi_head_attention(x, x, params, 4, **kw)
+    assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= bound.total)

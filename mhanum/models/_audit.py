@@ -777,7 +777,7 @@ def _legend(result: Audit, verbose: bool) -> list[str]:
          "(~d·u), the P-bound lets them cancel as independent errors do (~λ·√d·u); measured "
          "errors cancel more")),
     ]  # fmt: skip
-    if verbose and not decoder:
+    if verbose:
         entries.append(
             ("a priori", ("Theorem A.4 from the weights and max |x| alone: a bound for every "
              "input of that size (logits up to 10⁴ and more), not only these sentences; the "

@@ -334,9 +334,9 @@ def decoder_preset(d: DecoderLayer, preset: str, probability: float | None = Non
     measured error against its certified reference and Theorem A.2 with RoPE (Corollary P.6)
     and, with ``probability``, its probabilistic form (Theorem A.3); per head, the heads'
     attention against Theorem A.1 with RoPE. A bound the theorems refuse for this combination
-    is reported as not available, with the reason, in :attr:`PresetAudit.note`; the a priori
-    bound of a whole layer (Theorem A.4 for MHA) is not stated with RoPE and is always reported
-    so."""
+    is reported as not available, with the reason, in :attr:`PresetAudit.note`. The a priori
+    bound of the layer (Theorem A.4 with Corollary P.7, from ``max |h|`` and the weights) is
+    not stated with a soft-cap (Gemma-2)."""
     num = Numerics.preset(preset)
     c = d.ck.config
     heads_count, store = c.num_attention_heads, num.storage_format.name
@@ -348,7 +348,7 @@ def decoder_preset(d: DecoderLayer, preset: str, probability: float | None = Non
         np.float64,
     )  # fmt: skip
     errors = metrics.errors(computed[d.valid], exact[d.valid])
-    notes = ["A.4: not stated for a layer with RoPE"]
+    notes: list[str] = []
     bound_max = ratio = probable_max = stated = None
     dominant, heads, model = "", tuple[HeadError, ...](), tuple[str, ...]()
     try:
@@ -378,6 +378,7 @@ def decoder_preset(d: DecoderLayer, preset: str, probability: float | None = Non
             model = tuple(a for a in p.assumptions if a not in b.assumptions)
         except InvalidArgument as exc:
             notes.insert(0, f"A.3: not available: {exc}")
+    prior, prior_reasons = _a_priori(d, num, rope, notes)
     return PresetAudit(
         preset=preset,
         error=errors.max_abs,
@@ -385,13 +386,36 @@ def decoder_preset(d: DecoderLayer, preset: str, probability: float | None = Non
         bound=bound_max,
         ratio=ratio,
         dominant_term=dominant,
-        a_priori=None,
+        a_priori=prior,
         heads=heads,
+        a_priori_reasons=prior_reasons,
         note="; ".join(notes),
         probable_bound=probable_max,
         probability=stated,
         probable_assumptions=model,
     )
+
+
+def _a_priori(
+    d: DecoderLayer, num: Numerics, rope: Rope, notes: list[str]
+) -> tuple[float | None, tuple[str, ...]]:
+    """The layer's a priori bound (Theorem A.4 with Corollary P.7) for every input with
+    ``|h| <= max |h|``, and its reasons; ``None`` with a note where it is not stated."""
+    c = d.ck.config
+    if c.softcap is not None:
+        notes.append("A.4: not stated for a layer with a soft-cap")
+        return None, ()
+    length = d.h.shape[-2]
+    try:
+        prior = bounds.mha_bound_a_priori(
+            d.params, c.num_attention_heads, length, length, x_max=float(np.max(np.abs(d.h))),
+            numerics=num, scale=c.scale, num_kv_heads=c.num_key_value_heads, rope=rope,
+            positions=d.positions,
+        )  # fmt: skip
+    except InvalidArgument as exc:
+        notes.append(f"A.4: {exc}")
+        return None, ()
+    return float(np.max(prior.total)), tuple(prior.reasons)
 
 
 def _heads_audit(d: DecoderLayer, num: Numerics) -> tuple[HeadError, ...]:

@@ -22,7 +22,7 @@ from mhanum.bounds.forward import ASSUMPTIONS
 from mhanum.bounds.projections import linear, linear_overflow
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
-from mhanum.rope import Rope, check_holds, rope_error_linear
+from mhanum.rope import Rope, check_holds, pair_sum, rope_error_linear
 from mhanum.units import Online
 
 __all__ = ["attention_bound_a_priori", "mha_bound_a_priori"]
@@ -236,6 +236,22 @@ def _rotated(norm: float, positions: np.ndarray, rope: Any, fin: Any, d_k: int) 
     return Operand(None, big * norm, 2 * rho * (1 + 2.0**-50), np.full(d_k, err * (1 + 2.0**-50)))
 
 
+def _rotated_sizes(o: Operand, rope: Any, positions: np.ndarray) -> Operand:
+    """Corollary P.7, entrywise (papers/rope.md): a head's projected operand in A.2 (a)'s
+    coordinate bounds ``|y*| <= S``, the computed entry within ``E = err + gerr`` of ``y*``,
+    rotated. The stand-in is the exact rotation ``R(y*)``, ``|R(y*)_j| <= K(S_j + S_j')``; the
+    kernel's ``R̂(ŷ)`` is within ``a((S + E)_j + (S + E)_j') + e + K(E_j + E_j')`` of it
+    (Theorem P.1's linear form at ``|ŷ| <= S + E``, and the exact rotation of ``ŷ - y*``), with
+    ``K = max(k, 1)`` (``pair_sum``: ``x_j + x_j'`` on the rotated entries, ``x_j`` past them)."""
+    assert o.size is not None
+    a, e = rope_error_linear(positions, rope)
+    big = max(rope.table_scale, 1.0)
+    total = np.asarray(o.err + o.gerr, np.float64)
+    size = big * pair_sum(o.size, rope)
+    err = (a * pair_sum(o.size + total, rope) + e + big * pair_sum(total, rope)) * (1 + 2.0**-50)
+    return Operand(size * (1 + 2.0**-50), 0.0, 0.0, err, 0.0, 0.0)
+
+
 def mha_bound_a_priori(
     params: MHAParams,
     num_heads: int,
@@ -248,6 +264,8 @@ def mha_bound_a_priori(
     scale: float | None = None,
     min_keys: int | None = None,
     num_kv_heads: int | None = None,
+    rope: Any = None,
+    positions: Any = None,
 ) -> Bound:
     """Theorem A.4 for multi-head attention: a bound from the weights and ``max |x|`` only.
 
@@ -273,6 +291,10 @@ def mha_bound_a_priori(
         q_len, kv_len: sequence lengths.
         x_max: a bound on ``|x_q|`` entries; ``x_kv_max`` on ``|x_kv|`` (default ``x_max``).
         numerics, scale, min_keys: as for :func:`attention_bound_a_priori`.
+        rope, positions: every head's projected queries and keys rotated as the
+            :class:`mhanum.rope.Rope` states (as :func:`mhanum.multi_head_attention` with
+            ``rope=``): Corollary P.7's entrywise form (papers/rope.md) on A.2 (a)'s coordinate
+            bounds, the exact rotation of the exact projection as the stand-in.
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has shape ``(d_out,)``, ``inf`` exactly
@@ -302,8 +324,19 @@ def mha_bound_a_priori(
         raise InvalidArgument(msg)
     xq = _nonnegative(x_max, "x_max")
     xkv = xq if x_kv_max is None else _nonnegative(x_kv_max, "x_kv_max")
+    turn = None
+    if rope is not None:
+        if not isinstance(rope, Rope):
+            msg = f"rope: expected a mhanum.rope.Rope, got {type(rope).__name__}"
+            raise InvalidArgument(msg)
+        pos = rope.positions_for(positions, d_k=params.qk_width // heads, q_len=q_len, k_len=n)
+        check_holds(rope, num.storage_format, "the projections' storage format")
+        turn = (rope, pos)
+    elif positions is not None:
+        msg = "positions: expected only with rope= (the positions of a rotary embedding)"
+        raise InvalidArgument(msg)
     with np.errstate(over="ignore"):  # bounds beyond float64 are inf, and flagged
-        return _mha(params, heads, n, least, xq, xkv, num, scale)
+        return _mha(params, heads, n, least, (xq, xkv), num, scale, turn)
 
 
 def _mha(
@@ -311,12 +344,14 @@ def _mha(
     heads: int,
     n: int,
     least: int,
-    xq: float,
-    xkv: float,
+    x_max: tuple[float, float],
     num: Numerics,
     scale: float | None,
+    turn: tuple[Any, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> Bound:
-    """:func:`mha_bound_a_priori` after its arguments are checked."""
+    """:func:`mha_bound_a_priori` after its arguments are checked (``x_max``: the bounds on
+    ``|x_q|`` and ``|x_kv|``; ``turn``: the rope and the queries' and keys' positions)."""
+    xq, xkv = x_max
     fin, storage, out_fmt = num.format_of("input"), num.storage_format, num.format_of("output")
     w: dict[str, Any] = {
         f.name: None if getattr(params, f.name) is None else np.abs(getattr(params, f.name))
@@ -356,6 +391,10 @@ def _mha(
         )
         qo = Operand(q_size, 0.0, 0.0, e_q, 0.0, g_q)
         ko = Operand(k_size, 0.0, 0.0, e_k, 0.0, g_k)
+        if turn is not None:
+            qo, ko = (
+                _rotated_sizes(o, turn[0], at) for o, at in zip((qo, ko), turn[1], strict=True)
+            )
         logits = logit_error(qo, ko, d_k, num, c, scale is None, rng)
         v_abs, e_v, g_v = (a[vs] for a in bounds["v"])
         v_bar = read_values(v_abs, e_v, num, rng)
