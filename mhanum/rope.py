@@ -610,7 +610,8 @@ def rope_error(x: ArrayLike, positions: ArrayLike, rope: Rope, *, held: bool = T
     The inverse frequencies' error is enclosed on the configuration itself (Lemma P.2), the
     angles' by their product's rounding, the tables' by the angles' (``|cos a - cos b| <=
     |a - b|``), ``cos``'s and ``sin``'s ulps and their roundings, and the rotation's by its two
-    products and one sum in ``rotation_format``.
+    products and one sum in ``rotation_format``. Where the rotated value may overflow
+    ``rotation_format`` (range, R), the bound is ``inf``.
 
     ``held=False``: ``x`` bounds the magnitudes of the kernel's inputs instead of being them
     (values of ``rotation_format`` none of whose magnitudes exceed ``|x|``): the bound is
@@ -666,6 +667,10 @@ def rope_error(x: ArrayLike, positions: ArrayLike, rope: Rope, *, held: bool = T
             xa * e_c[:, freq] + xb * e_s[:, freq] + gamma2 * (first + second)
             + 3 * fr.smallest_normal
         ) * (1 + 8 * _U64)  # fmt: skip
+        # R: the products and the sum are held in rotation_format; where the rotated value may
+        # pass its largest finite number, P.1 says nothing: the bound is inf there
+        reach = (first + second) * (1 + gamma2) + 3 * fr.smallest_normal
+        out[..., : rope.dim] = np.where(reach <= fr.max_finite, out[..., : rope.dim], np.inf)
     return out
 
 

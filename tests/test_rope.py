@@ -39,25 +39,32 @@ SCALED = {
 }
 
 
-def _exact_rotation(x: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
-    """The exact rotation of ``x`` (200-bit mpmath), rounded to float64."""
-    omega = exact_inv_freq(rope, int(positions.max()) + 1, prec=200)
-    k = _CTX.mpf(rope.table_scale)
+def mp_rotation(ctx: mpmath.MPContext, x: np.ndarray, positions: np.ndarray, rope: Rope) -> list:
+    """The exact rotation of ``x`` in mpmath at ``ctx.prec`` (``exact_inv_freq``'s ω, mpmath's
+    cos and sin), rows of mpf, written out independently of :mod:`mhanum.rope`'s pairing."""
+    omega = exact_inv_freq(rope, int(positions.max()) + 1, prec=ctx.prec)
+    k = ctx.mpf(rope.table_scale)
     d, half = rope.dim, rope.dim // 2
-    out = x.copy()
+    rows = []
     for row, p in enumerate(positions):
+        out = [ctx.mpf(float(t)) for t in x[row]]
         for j in range(d):
             if rope.layout == "half":
                 partner, sign, i = (j + half, -1, j) if j < half else (j - half, 1, j - half)
             else:
                 partner, sign, i = j ^ 1, (-1 if j % 2 == 0 else 1), j // 2
-            theta = _CTX.mpf(int(p)) * _CTX.mpf(omega[i])
-            value = (
-                _CTX.mpf(float(x[row, j])) * _CTX.cos(theta) * k
-                + sign * _CTX.mpf(float(x[row, partner])) * _CTX.sin(theta) * k
+            theta = ctx.mpf(int(p)) * ctx.mpf(omega[i])
+            out[j] = k * (
+                ctx.mpf(float(x[row, j])) * ctx.cos(theta)
+                + sign * ctx.mpf(float(x[row, partner])) * ctx.sin(theta)
             )
-            out[row, j] = float(value)
-    return out
+        rows.append(out)
+    return rows
+
+
+def _exact_rotation(x: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
+    """The exact rotation of ``x`` (200-bit mpmath), rounded to float64."""
+    return np.array([[float(t) for t in row] for row in mp_rotation(_CTX, x, positions, rope)])
 
 
 @pytest.mark.parametrize("scaling", sorted(SCALED))
@@ -370,3 +377,25 @@ def test_the_a_priori_bound_with_rope_covers_every_input_of_those_norms(preset, 
         )
     with pytest.raises(InvalidArgument, match="positions: expected only with rope="):
         attention_bound_a_priori(12, 12, 16, positions=np.arange(12), **kw)
+
+
+def test_a_rotation_that_may_overflow_its_format_is_unbounded_with_its_reason() -> None:
+    """Range (R) at the edge of float16: a pair near 60,000 rotates to up to √2 of it, past
+    65,504 at some angles; P.1 is inf there, and so is the attention's bound, with a reason,
+    single-head and multi-head (the rotation stored in the float16 storage format)."""
+    import mhanum
+    from mhanum.bounds import attention_bound, mha_bound
+
+    rope = Rope(dim=4, table_format="float16", rotation_format="float16", product_format="float16")
+    x = np.array([[60000.0] * 4, [1.0] * 4])
+    positions = np.array([3, 4])  # at 3 radians |cos| + |sin| is 1.13: 60,000 may reach 67,900
+    err = rope_error(x, positions, rope)
+    assert np.isinf(err[0, [0, 2]]).all()
+    assert np.isfinite(err[1]).all()
+    b = attention_bound(x, x, x, numerics="fp16-fp32acc", rope=rope, positions=positions)
+    assert np.isinf(b.total).any()
+    assert b.reasons
+    params = mhanum.MHAParams(wq=np.eye(4) * 2, wk=np.eye(4), wv=np.eye(4), wo=np.eye(4))
+    y = mha_bound(x / 2, x / 2, params, 1, numerics="fp16-fp32acc", rope=rope, positions=positions)
+    assert np.isinf(y.total).any()
+    assert y.reasons

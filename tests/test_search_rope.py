@@ -170,11 +170,6 @@ def test_a_rope_reads_back_from_its_dict():
             {"rope": Rope(dim=8, position_format="bfloat16"), "positions": PAST_4096},
             r"^positions: expected positions up to 256",
         ),
-        (
-            "fp32",
-            {"rope": BF16_TABLE, "against": "bf16-fp32acc", "objective": "difference"},
-            r"^rope: expected None with against=",
-        ),
     ],
 )
 @pytest.mark.parametrize("search", [ms.worst_case, ms.random_search])
@@ -220,3 +215,24 @@ def test_cli_refuses_rope_options_naming_them(options, message, tmp_path, capsys
     argv = ["search", "--q-len", "2", "--kv-len", "4", "--d-k", "8", "--budget", "2"]
     assert cli.main([*argv, *options, "-o", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_two_schedules_with_a_rope_differ_within_theorem_a5():
+    """With ``against=`` both schedules rotate, and the search's difference is bounded by
+    ``schedule_difference(..., rope=)`` (Theorem A.5 around the exact attention of the exactly
+    rotated inputs): the confirmed ratio is at most 1 and equals the recomputed one."""
+    from mhanum.bounds import schedule_difference
+
+    case = ms.worst_case(
+        "fp32", SHAPE, budget=6, seed=2, rope=BF16_TABLE, positions=PAST_4096,
+        against="bf16-fp32acc", objective="difference/bound",
+    )  # fmt: skip
+    assert case.rope == BF16_TABLE
+    assert 0 < case.ratio <= 1
+    kw = {"rope": BF16_TABLE, "positions": case.positions}
+    a, b = (np.asarray(attention(case.q, case.k, case.v, numerics=n, **kw), np.float64)
+            for n in ("fp32", "bf16-fp32acc"))  # fmt: skip
+    d = schedule_difference(
+        case.q, case.k, case.v, numerics_a="fp32", numerics_b="bf16-fp32acc", **kw
+    )
+    assert case.ratio == float(np.max(np.abs(a - b) / d.total))

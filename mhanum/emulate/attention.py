@@ -792,14 +792,15 @@ def multi_head_attention(
         softcap=softcap, num_kv_heads=num_kv_heads, rope=rope, positions=positions,
     )  # fmt: skip
     mask, bias, _, cap = head_logit_inputs(num, p)
+    if p.rope is not None:
+        check_holds(p.rope, num.storage_format, "the projections' storage format")
+        if any(V.is_traced(x) for x in (p.x_q, p.x_kv)):
+            msg = "rope: the rotation is emulated on concrete inputs; call outside jax.jit"
+            raise InvalidArgument(msg)
     fmt = num.format_of("input")
     x_q, x_kv = host_round(p.x_q, fmt), host_round(p.x_kv, fmt)
     params = jax.tree_util.tree_map(lambda w: host_round(w, fmt), p.params)
     if p.rope is not None:
-        check_holds(p.rope, num.storage_format, "the projections' storage format")
-        if any(V.is_traced(x) for x in (x_q, x_kv)):
-            msg = "rope: the rotation is emulated on concrete inputs; call outside jax.jit"
-            raise InvalidArgument(msg)
         heads = _projections_jit(x_q, x_kv, params, num_heads=p.num_heads, numerics=num)
         q, k, v = _rotated_heads(p, num, heads)
         return _heads_output_jit(

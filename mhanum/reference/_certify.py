@@ -13,6 +13,7 @@ import numpy as np
 from mhanum._errors import CertificationError, InvalidArgument
 from mhanum.reference import _dd, _exact, _fastref
 from mhanum.reference._dd import Ball
+from mhanum.reference._rope import arb_rotate, arb_rotation
 from mhanum.reference._spec import (
     BACKENDS,
     MAX_DIGITS,
@@ -120,7 +121,6 @@ def rotation(
     working precision (:func:`mhanum.reference._rope.arb_rotation`), for the ``"arb"`` backend; the
     other backends take floats and refuse a rotation, whose entries are irrational."""
     _check_rotation_backend(options)
-    from mhanum.reference._rope import arb_rotation
 
     def rotate(flint: ModuleType) -> tuple[np.ndarray, np.ndarray]:
         return arb_rotation(*queries, rope, flint), arb_rotation(*keys, rope, flint)
@@ -134,7 +134,6 @@ def head_rotation(
     """The exact rotation of a head's projected queries or keys (balls) at ``positions[name]``
     (:func:`mhanum.reference._rope.arb_rotate`), for the ``"arb"`` backend of multi-head attention."""
     _check_rotation_backend(options)
-    from mhanum.reference._rope import arb_rotate
 
     def rotate(flint: ModuleType, balls: np.ndarray, name: str) -> np.ndarray:
         return arb_rotate(balls, positions[name], rope, flint)

@@ -192,7 +192,9 @@ class Objective:
         sink: an attention-sink logit in every row's normaliser (every head's), or ``None``.
         rope: a :class:`mhanum.rope.Rope` that rotates q and k in every call (the exact output
             is the attention of the exactly rotated inputs), or ``None``; its
-            ``rotation_format`` must hold ``numerics.input`` exactly. Refused with ``against``.
+            ``rotation_format`` must hold ``numerics.input`` exactly. With ``against``, both
+            schedules rotate, and the difference is bounded by ``schedule_difference(...,
+            rope=)``.
         positions: with ``rope``, the queries' and keys' positions ``(queries', keys')``
             (default: as :meth:`mhanum.rope.Rope.positions_for` reads ``None``).
 
@@ -227,7 +229,7 @@ class Objective:
         self.against = None if against is None else resolve(against)
         self.softcap = V.softcap_value(softcap)
         self.sink = _sink_value(sink)
-        self.rope = _check_rope(rope, positions, numerics, self.against)
+        self.rope = _check_rope(rope, positions, numerics)
         self.positions = positions
         # passed only when set, so that a bound function without the arguments still serves
         self.extra: dict[str, Any] = {
@@ -309,15 +311,10 @@ class Objective:
         return Evaluation(value=value, slack=slack, output=out, **dataclasses.asdict(entry))
 
 
-def _check_rope(
-    rope: object,
-    positions: object,
-    numerics: Numerics,
-    against: Numerics | None = None,
-) -> Rope | None:
+def _check_rope(rope: object, positions: object, numerics: Numerics) -> Rope | None:
     """A search's rope: ``None``, or a :class:`mhanum.rope.Rope` whose ``rotation_format`` holds
     ``numerics.input`` exactly (:func:`mhanum.rope.check_holds`: the kernel rotates its inputs as
-    it holds them), without a second schedule; positions only with a rope.
+    it holds them); positions only with a rope.
 
     Raises:
         InvalidArgument: naming ``rope``, ``rope.rotation_format`` or ``positions``.
@@ -329,12 +326,6 @@ def _check_rope(
         return None
     if not isinstance(rope, Rope):
         msg = f"rope: expected a mhanum.rope.Rope or None, got {type(rope).__name__}"
-        raise InvalidArgument(msg)
-    if against is not None:
-        msg = (
-            "rope: expected None with against= (Theorem A.5 compares two schedules of the same "
-            "unrotated inputs), got a Rope"
-        )
         raise InvalidArgument(msg)
     check_holds(rope, get_format(numerics.input), "the search's input format")
     return rope
@@ -533,8 +524,9 @@ def worst_case(
         sink: an attention-sink logit ``σ`` in every row's normaliser, in every evaluation.
         rope: a :class:`mhanum.rope.Rope` that rotates q and k in every evaluation: the error is
             measured against the exact attention of the exactly rotated inputs and bounded by
-            ``attention_bound(..., rope=)``. Its ``rotation_format`` must hold
-            ``numerics.input`` exactly. Not with ``against``.
+            ``attention_bound(..., rope=)`` (with ``against``: both schedules rotate, and
+            ``schedule_difference(..., rope=)`` bounds their difference). Its
+            ``rotation_format`` must hold ``numerics.input`` exactly.
         positions: with ``rope``, the queries' and keys' positions: a pair ``(queries',
             keys')``, one array for both when ``q_len == kv_len``, or by default the keys
             ``0..kv_len-1`` and the queries the last ``q_len`` of them
@@ -545,9 +537,8 @@ def worst_case(
 
     Raises:
         InvalidArgument: for a bad argument (a ``rope`` that is not a
-            :class:`mhanum.rope.Rope`, whose ``rotation_format`` does not hold
-            ``numerics.input``, or with ``against``; positions without a rope or that do not
-            fit the shape), without JAX's 64-bit mode, or when no input in the budget was
+            :class:`mhanum.rope.Rope` or whose ``rotation_format`` does not hold
+            ``numerics.input``; positions without a rope or that do not fit the shape), without JAX's 64-bit mode, or when no input in the budget was
             within the bound's scope.
 
     Examples:

@@ -12,8 +12,8 @@ import pytest
 
 from mhanum import InvalidArgument, reference
 from mhanum.reference._rope import arb_rotation
-from mhanum.rope import Rope, exact_inv_freq, reference_rope
-from tests.test_rope import SCALED
+from mhanum.rope import Rope, reference_rope
+from tests.test_rope import SCALED, mp_rotation
 
 POSITIONS = np.array([0, 1, 7, 1857, 65_535, 131_071])
 
@@ -27,28 +27,6 @@ def _balls(x: np.ndarray, positions: np.ndarray, rope: Rope, prec: int) -> np.nd
         flint.ctx.prec = saved
 
 
-def _mp_rotation(ctx: mpmath.MPContext, x: np.ndarray, positions: np.ndarray, rope: Rope) -> list:
-    """The exact rotation in mpmath at ``ctx.prec`` (``exact_inv_freq``'s ω, mpmath's cos, sin),
-    written out independently of :mod:`mhanum.rope`'s pairing tables."""
-    omega = exact_inv_freq(rope, int(positions.max()) + 1, prec=ctx.prec)
-    k, d, half = ctx.mpf(rope.table_scale), rope.dim, rope.dim // 2
-    rows = []
-    for row, p in enumerate(positions):
-        out = [ctx.mpf(float(t)) for t in x[row]]
-        for j in range(d):
-            if rope.layout == "half":
-                partner, sign, i = (j + half, -1, j) if j < half else (j - half, 1, j - half)
-            else:
-                partner, sign, i = j ^ 1, (-1 if j % 2 == 0 else 1), j // 2
-            theta = ctx.mpf(int(p)) * ctx.mpf(omega[i])
-            out[j] = k * (
-                ctx.mpf(float(x[row, j])) * ctx.cos(theta)
-                + sign * ctx.mpf(float(x[row, partner])) * ctx.sin(theta)
-            )
-        rows.append(out)
-    return rows
-
-
 @pytest.mark.parametrize("scaling", sorted(SCALED))
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_the_balls_enclose_the_exact_rotation(scaling: str, layout: str) -> None:
@@ -60,7 +38,7 @@ def test_the_balls_enclose_the_exact_rotation(scaling: str, layout: str) -> None
     balls = _balls(x, POSITIONS, rope, 256)
     ctx = mpmath.MPContext()
     ctx.prec = 400
-    exact = _mp_rotation(ctx, x, POSITIONS, rope)
+    exact = mp_rotation(ctx, x, POSITIONS, rope)
     size = np.abs(x).max()
     for (row, j), ball in np.ndenumerate(balls):
         mid, rad = ball.mid().man_exp(), ball.rad()
@@ -137,7 +115,7 @@ def test_the_reference_agrees_with_a_naive_attention_of_the_exact_rotation() -> 
     )
     ctx = mpmath.MPContext()
     ctx.prec = 400
-    qr, kr = _mp_rotation(ctx, q, positions[0], rope), _mp_rotation(ctx, k, positions[1], rope)
+    qr, kr = mp_rotation(ctx, q, positions[0], rope), mp_rotation(ctx, k, positions[1], rope)
     scale = 1 / ctx.sqrt(8)
     for i in range(3):
         logits = [

@@ -402,6 +402,7 @@ def _rotated(
             or fmt_in.emin > rope.format("rotation").emin
         ):
             e = e + fmt_in.u * (np.abs(x64) + e) + fmt_in.smallest_normal
+            e = np.where(np.abs(x64) + e <= fmt_in.max_finite, e, np.inf)  # R: may overflow
         out.append((x64, e, g))
     (q64, e_q, g_q), (k64, e_k, g_k) = out
     return q64, k64, (e_q, e_k, errors[2]), (g_q, g_k)

@@ -454,8 +454,9 @@ def _rotated_projections(
             e_rot = (
                 rope_error(np.abs(y) + e, pos, rope, held=False) + rotation_spread(e, rope) + g_rot
             )
-            if stored:
+            if stored:  # R: a rotated value that may overflow the storage format: inf
                 e_rot = e_rot + storage.u * (np.abs(y_rot) + e_rot) + storage.smallest_normal
+                e_rot = np.where(np.abs(y_rot) + e_rot <= storage.max_finite, e_rot, np.inf)
         out[name] = (y_rot, e_rot, g_rot + rotation_spread(g, rope))
     return out
 
