@@ -26,7 +26,7 @@ soon as the part is done (part 1 after every chunk of its grid), so nothing meas
 2b. ``backward.json``: the backward passes of torch SDPA's flash backend (FlashAttention-2's
    backward; ``torch-sdpa-flash-cuda``, in the smoke run the CPU's ``torch-sdpa-flash-cpu``) and
    of FlashAttention-2 where its wheel imports, by autograd on bfloat16 and float16 inputs,
-   plain and causal, each gradient judged by :func:`mhanum.testing.attention_grad_oracle` under
+   plain and causal, and grouped heads (bfloat16, causal), each gradient judged by :func:`mhanum.testing.attention_grad_oracle` under
    the backward descriptor (Theorem B.2 with FlashAttention-2's exp2 recomputation).
 3. ``probes.json``: ``mhanum.tensorcore.run_probes`` (the tensor-core models) and probes of the
    P·V accumulation inside fused attention: zero queries and keys make every probability 1, so
@@ -664,13 +664,15 @@ def judge(spec: dict[str, Any], q, k, v, out: np.ndarray) -> dict[str, Any]:
 BACKWARD_KERNELS = {"torch-sdpa-flash": "torch-sdpa-flash-cuda",
                     "flash-attention-2": "flash-attention-2"}  # fmt: skip
 BACKWARD_CASES = (("bfloat16", "causal"), ("float16", "causal"), ("bfloat16", "plain"),
-                  ("float16", "plain"))  # fmt: skip
+                  ("float16", "plain"), ("bfloat16", "gqa-causal"))  # fmt: skip
 
 
-def backward_config(smoke: bool, causal: bool) -> Config:
-    """A backward case's sizes: two heads of d = 64 at L = 256 (smoke: 32 queries, d = 16)."""
+def backward_config(smoke: bool, name: str) -> Config:
+    """A backward case's sizes: two heads of d = 64 at L = 256 (smoke: 32 queries, d = 16);
+    ``gqa-causal``: four query heads on two key heads."""
     n, d = (32, 16) if smoke else (256, 64)
-    return Config("causal" if causal else "plain", 2, 2, n, d, causal=causal)
+    heads = 4 if name == "gqa-causal" else 2
+    return Config(name, heads, 2, n, d, causal=name != "plain")
 
 
 def run_backward(kernel: str, data: tuple[np.ndarray, ...], dtype: str, config: Config,
@@ -690,7 +692,7 @@ def run_backward(kernel: str, data: tuple[np.ndarray, ...], dtype: str, config: 
 
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                     out = torch.nn.functional.scaled_dot_product_attention(
-                        *t, is_causal=config.causal
+                        *t, is_causal=config.causal, enable_gqa=config.gqa
                     )
                 out.backward(grad)
             else:
@@ -722,7 +724,14 @@ def judge_backward(
     jax.config.update("jax_enable_x64", True)
     start = time.perf_counter()
     oracle = attention_grad_oracle(
-        q, k, v, g, kernel=spec["descriptor"], dtype=spec["dtype"], is_causal=spec["causal"]
+        q,
+        k,
+        v,
+        g,
+        kernel=spec["descriptor"],
+        dtype=spec["dtype"],
+        is_causal=spec["causal"],
+        enable_gqa=spec.get("gqa", False),
     )
     result: dict[str, Any] = {
         name: _stats(oracle.oracles[name], got)
@@ -748,7 +757,7 @@ def part_backward(ctx: Context) -> None:
         descriptor = BACKWARD_KERNELS[kernel]
         if kernel == "torch-sdpa-flash" and ctx.platform != "gpu":
             descriptor = "torch-sdpa-flash-cpu"
-        config = backward_config(ctx.smoke, cname == "causal")
+        config = backward_config(ctx.smoke, cname)
         row: dict[str, Any] = {"kernel": kernel, "dtype": dtype, "config": cname,
                                "descriptor": descriptor}  # fmt: skip
         d_out = case_inputs(config, dtype, index + 100)[0]  # shaped like q
@@ -763,7 +772,8 @@ def part_backward(ctx: Context) -> None:
             rows.append({**row, "status": "error", "reason": _error(exc),
                          "traceback": traceback.format_exc(limit=3)[-1500:]})  # fmt: skip
             continue
-        spec = {"dtype": dtype, "causal": config.causal, "descriptor": descriptor}
+        spec = {"dtype": dtype, "causal": config.causal, "descriptor": descriptor,
+                "gqa": config.gqa}  # fmt: skip
         data64 = tuple(np.asarray(x.astype(np.float32), np.float64) for x in data)
         _judge_case(ctx, judge_backward, (spec, *data64, grads), row, rows, futures)
     _collect(futures, rows, ctx.budget.until("backward"))

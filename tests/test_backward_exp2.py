@@ -128,6 +128,36 @@ def test_the_descriptor_judges_its_own_candidates():
             assert np.all(err <= o.tolerance), name
 
 
+@pytest.mark.parametrize("name", ["flash-attention-2", "torch-sdpa-flash-cuda"])
+def test_the_descriptor_judges_grouped_heads(name):
+    """Grouped heads as ``mha_bwd`` computes them (flash_api.cpp): each query head's dK, dV in
+    the input type (``dk_expanded``), then each group's sum in float32, rounded to the input
+    type (``at::sum_out``), within the oracle's ``enable_gqa`` tolerance; a kernel that
+    returns one head's dK instead of the group's sum is outside it."""
+    kernel = get_backward_kernel(name)
+    assert kernel.grouped == "per-head"
+    rng = np.random.default_rng(1)
+    q, g = (round_to(rng.standard_normal((4, 40, 32)), "bfloat16") for _ in range(2))
+    k, v = (round_to(rng.standard_normal((2, 40, 32)), "bfloat16") for _ in range(2))
+    oracle = attention_grad_oracle(
+        q, k, v, g, kernel=kernel, dtype="bfloat16", is_causal=True, enable_gqa=True
+    )
+    mask = np.tril(np.ones((40, 40), bool))
+    num, bw = kernel.candidates("bfloat16", 40)[0]
+    got = mhanum.attention_grad(q, np.repeat(k, 2, 0), np.repeat(v, 2, 0), g, mask,
+                                numerics=num, backward=bw)  # fmt: skip
+    grads = {"dq": np.asarray(got.dq, np.float64)}
+    for n in ("dk", "dv"):
+        per_head = np.asarray(getattr(got, n), np.float64).reshape(2, 2, 40, 32)
+        grads[n] = round_to(per_head.astype(np.float32).sum(axis=1, dtype=np.float32), "bfloat16")
+    for n, x in grads.items():
+        o = oracle.oracles[n]
+        assert x.shape == o.exact.shape, n
+        assert np.all(np.abs(x - o.exact) <= o.tolerance), n
+    one_head = round_to(np.asarray(got.dk, np.float64)[::2], "bfloat16")
+    assert np.any(np.abs(one_head - oracle.oracles["dk"].exact) > oracle.oracles["dk"].tolerance)
+
+
 def test_theorems_without_the_exp2_refuse_it_by_name():
     q, k, v, g = _case(0, "bfloat16", lq=4, lk=4, d=4)
     num = fa2("bfloat16")

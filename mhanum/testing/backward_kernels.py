@@ -508,13 +508,22 @@ def _fa2_backward(name: str, forward: str, extra: tuple[str, ...]) -> BackwardKe
                 "candidates' block_k); dK and dV are one accumulator chain over every query "
                 "(whole_queries)"
             ),
+            (
+                "flash_api.cpp mha_bwd: with num_heads_k != num_heads, dk_expanded and "
+                "dv_expanded are allocated with q's options (the input type, one per query "
+                "head), the kernel reads key head h / (num_heads / num_heads_k), and "
+                "at::sum_out(dk, reshape(dk_expanded, {b, seqlen_k, num_heads_k, group, d}), "
+                "{3}) adds each group (a reduction in float32 for half inputs, in an order of "
+                "its own, then the input type): grouped='per-head'"
+            ),
             *extra,
         ),
         "the forward as its own descriptor's candidates (exp_form='exp2-folded'), Theorem B.2 "
-        "with the recomputation's exp2 (papers/backward.md, step 3f); no dropout, ALiBi, "
-        "grouped heads or bias gradient",
+        "with the recomputation's exp2 (papers/backward.md, step 3f); grouped heads as each "
+        "query head's dK, dV in the input type, then their sum (grouped='per-head'); no "
+        "dropout, ALiBi or bias gradient",
         scale_rule="any",
-        grouped=None,
+        grouped="per-head",
         whole_queries=True,
     )
 
