@@ -23,6 +23,11 @@ sequential order (which a ``native`` bound covers, since it holds for every orde
    recurrence, each partial sum times its own ``1 + δ``): its error ``F_m`` at entry ``m`` is a
    standard-model error, exact up to float64's own, with no first-order caveat.
 
+Theorem A.1 takes two roundings to nearest, as every kernel's conversion makes them: the
+probabilities' into their format (steps 6k and 6r) and the output's (step 7'). The forward
+floors run those two as roundings to nearest of the perturbed values (no ``δ`` chosen; the
+sensitivities pass through them), which is the model those bounds hold in.
+
 Sites left out only lower ``F`` (a floor with fewer roundings is still a floor): products are
 taken exact (a fused multiply-add), exp and division as correctly rounded (``u``, not the
 numerics' ``exp_ulps``/``div_ulps``), and no underflow. Operand roundings (``operand_format``,
@@ -52,7 +57,7 @@ jax.config.update("jax_enable_x64", True)
 
 import mhanum as mn
 from mhanum import InvalidArgument, Numerics
-from mhanum.formats import Format
+from mhanum.formats import Format, round_jax
 
 Sites = dict[str, Any]
 
@@ -150,8 +155,15 @@ class _Run:
     ``D[site]`` has one ``δ`` per partial sum, leading axis).
     """
 
-    def __init__(self, pert: Sites, mode: str, exact: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        pert: Sites,
+        mode: str,
+        exact: dict[str, Any] | None = None,
+        nearest: dict[str, Format] | None = None,
+    ) -> None:
         self.pert, self.mode, self.exact = pert, mode, exact or {}
+        self.nearest = nearest or {}
 
     def _delta(self, name: str, x: jax.Array, delta: jax.Array) -> jax.Array:
         """``delta``, or 0 where ``x`` is a number of the site's format (round to nearest
@@ -163,6 +175,10 @@ class _Run:
         return jnp.where(x.astype(dtype).astype(x.dtype) == x, 0.0, delta)
 
     def round(self, name: str, x: jax.Array) -> jax.Array:
+        if name in self.nearest:
+            # a rounding to nearest, as the kernel makes it: no δ to choose; the sensitivities
+            # (linear) pass through it, the run rounds
+            return x if self.mode == "linear" else round_jax(x, self.nearest[name])
         if name not in self.pert:
             return x
         if self.mode == "linear":
@@ -271,15 +287,18 @@ def _floor(
     masses: dict[str, tuple[jax.Array, bool]],
     u: dict[str, float],
     entries: list[tuple[int, ...]],
+    nearest: dict[str, Format] | None = None,
 ) -> Floor:
     """``masses[site] = (values, is_sum)``: a sum's partial sums (leading axis) or the rounded
-    values themselves."""
+    values themselves; ``nearest``: the sites rounded to nearest as the kernel rounds them
+    (the probabilities into their format: steps 6k and 6r of Theorem A.1 rely on it), which
+    take no ``δ``."""
     zeros = {s: jnp.zeros(m.shape[1:] if is_sum else m.shape) for s, (m, is_sum) in masses.items()}
-    y0, vjp = jax.vjp(lambda e: fwd(_Run(e, "linear")), zeros)
+    y0, vjp = jax.vjp(lambda e: fwd(_Run(e, "linear", nearest=nearest)), zeros)
     known = np.asarray(y0) - exact
     worst, realised, spread, tops = [], [], [], []
     exact_in = {s: _DTYPES[u[s]] for s in masses if u[s] in _DTYPES}
-    real = jax.jit(lambda d: fwd(_Run(d, "real", exact_in)))
+    real = jax.jit(lambda d: fwd(_Run(d, "real", exact_in, nearest)))
     for m in entries:
         cot = jnp.zeros_like(y0).at[m].set(1.0)
         (g,) = vjp(cot)
@@ -325,13 +344,22 @@ def attention_floor(
     c = 1.0 / math.sqrt(q.shape[-1])
     c_hat = float(_rounded(np.array(c), num.format_of("score")))
     u = _Formats.of(num, heads=False, c=c_hat).u
+    nearest = _nearest_sites(num, u)
     exact = np.asarray(mn.reference.attention(q, k, v), np.float64)
 
     def fwd(run: _Run) -> jax.Array:
         return _attend(run, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), c_hat)
 
     masses = _attention_masses(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), c_hat, u)
-    return _floor(fwd, exact, masses, u, entries)
+    return _floor(fwd, exact, masses, u, entries, nearest)
+
+
+def _nearest_sites(num: Numerics, u: dict[str, float]) -> dict[str, Format]:
+    """The roundings Theorem A.1 takes to nearest, as every kernel's conversions make them:
+    the probabilities' into their format (steps 6k and 6r) and the output's (step 7'), taken
+    out of the free sites ``u``."""
+    sites = {"prob_take": num.format_of("prob"), "out_take": num.format_of("output")}
+    return {s: f for s, f in sites.items() if u.pop(s, None) is not None}
 
 
 def _attention_masses(
@@ -384,6 +412,7 @@ def mha_floor(
     c = 1.0 / math.sqrt(dk)
     c_hat = float(_rounded(np.array(c), num.format_of("score")))
     u = _Formats.of(num, heads=True, c=c_hat).u
+    nearest = _nearest_sites(num, u)
     exact = np.asarray(mn.reference.multi_head_attention(x, x, params, heads), np.float64)
     xj = jnp.asarray(x)
 
@@ -410,7 +439,7 @@ def mha_floor(
     y = s[-1] + w_hat["bo"]
     masses |= {"y_dot": (s, True), "y_bias": (y, False), "y_store": (y, False)}
     masses = {n: m for n, m in masses.items() if n in u}
-    return _floor(fwd, exact, masses, u, entries)
+    return _floor(fwd, exact, masses, u, entries, nearest)
 
 
 _LOGIT_SITES = ("qk_dot", "score_take", "scale_mul", "soft_take")

@@ -49,6 +49,7 @@ __all__ = [
     "native_unit",
     "operand_bits",
     "operand_error",
+    "operand_error_of",
     "order_of",
     "parse_order",
     "probabilistic_gamma",
@@ -450,6 +451,24 @@ def operand_error(num: Numerics) -> tuple[float, float]:
         return 0.0, _SPLIT_FLUSH
     op = num.operand_rounding
     return (op.u, op.smallest_normal) if op is not None else (0.0, 0.0)
+
+
+def operand_error_of(num: Numerics, fmt: Format) -> tuple[float, float]:
+    """:func:`operand_error` for an operand held in ``fmt``: no relative error where the operand
+    format holds every value of ``fmt`` (a bfloat16 probability read by a bfloat16 tensor core),
+    whose read is then exact but for a flush below the operand format's smallest normal number
+    (``η_op``, kept)."""
+    u_op, eta_op = operand_error(num)
+    op = num.operand_rounding
+    if (
+        op is not None
+        and num.dot_kind != "split"
+        and op.precision >= fmt.precision
+        and op.emin <= fmt.emin
+        and op.max_finite >= fmt.max_finite
+    ):
+        return 0.0, eta_op
+    return u_op, eta_op
 
 
 def operand_bits(num: Numerics, fmt: Format) -> int:

@@ -124,6 +124,7 @@ def schedule_difference(
             msg = f"probability: expected a number in (0, 1), got {probability!r}"
             raise InvalidArgument(msg)
         each = 1 - (1 - float(probability)) / 2
+    shared = rope is None and shares_logits(sides["a"], sides["b"])
     bounds = {
         name: attention_bound(
             q,
@@ -138,10 +139,10 @@ def schedule_difference(
             softcap=softcap,
             rope=rope,
             positions=positions,
+            known_rounding=not shared,  # A.5' takes the logits term apart
         )
         for name, num in sides.items()
     }
-    shared = rope is None and shares_logits(sides["a"], sides["b"])
     per_side = {
         name: _around_computed_logits(b, sides[name], np.shape(k)[-2] + 1, v)
         if shared

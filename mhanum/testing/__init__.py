@@ -399,7 +399,12 @@ def attention_oracle(
     bounds = []
     for n in candidates:
         q_n, scale_n = _signed_scale(q64, scale, n)
-        bounds.append(attention_bound(q_n, k64, v64, m, numerics=n, scale=scale_n, **kw))
+        bounds.append(
+            attention_bound(
+                q_n, k64, v64, m, numerics=n, scale=scale_n, known_rounding=kern.known_rounding,
+                **kw,
+            )
+        )  # fmt: skip
     oracle = _fold(exact, bounds, dead, kern, fmt, confidence)
     if given is not None:
         oracle = _charged(oracle, _rotation_charge(q_ref, k_ref, v64, given, scale), dead)
@@ -710,7 +715,10 @@ def mha_oracle(
     kw: dict[str, Any] = {
         "mask": m, "num_kv_heads": num_kv_heads, "softcap": softcap, "probability": confidence,
     }  # fmt: skip
-    bounds = [mha_bound(xq, xkv, params, num_heads, numerics=n, **kw) for n in kern.candidates(fmt)]
+    bounds = [
+        mha_bound(xq, xkv, params, num_heads, numerics=n, known_rounding=kern.known_rounding, **kw)
+        for n in kern.candidates(fmt)
+    ]
     if dead is not None:
         dead = np.broadcast_to(dead, exact.shape[:-1])
     return _fold(exact, bounds, dead, kern, fmt, confidence)

@@ -55,6 +55,13 @@ class Kernel:
             gives its row an infinite tolerance with the reason. ``None``: ``-inf`` masking.
         max_head_dim: the largest head dimension (of q·k and of v) the candidates cover, for a
             kernel that runs another algorithm past it; ``None`` for any.
+        known_rounding: whether the tolerance may take the probabilities' roundings as known
+            where their value is (steps 6k and 6r of Theorem A.1): only for a kernel whose
+            weights before their rounding are measured to follow its candidates to within their
+            exponential's stated error. ``False`` (the default) takes step 6's charge, which
+            also covers a kernel whose exponential or scores deviate slightly from the model
+            (measured: PyTorch's CPU flash kernel with AVX2, bfloat16, rounds a weight lying
+            5e-5 above a bfloat16 midpoint down).
     """
 
     name: str
@@ -64,6 +71,7 @@ class Kernel:
     notes: str = ""
     mask_add: float | None = None
     max_head_dim: int | None = None
+    known_rounding: bool = False
 
     def __post_init__(self) -> None:
         if self.fully_masked not in FULLY_MASKED:
@@ -109,6 +117,7 @@ class Kernel:
             "notes": self.notes,
             "mask_add": self.mask_add,
             "max_head_dim": self.max_head_dim,
+            "known_rounding": self.known_rounding,
         }
 
     def check_head_dims(self, *dims: int) -> None:

@@ -46,14 +46,14 @@ def test_sound_on_unrounded_inputs_and_inexact_scales(seed, d_k, preset, order, 
 def test_terms_add_up_and_name_the_dominant_source():
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((4, 16)) for _ in range(3))
-    b = attention_bound(q, k, v, numerics="bf16-fp32acc")
+    b = attention_bound(q, k, v, numerics="bf16-fp32acc", known_rounding=False)
     np.testing.assert_array_equal(b.total, sum(b.terms.values()))
     assert b.theorem == "A.1"
     # Unrounded float64 inputs into bfloat16 (u = 2^-8): rounding q and k moves the logits far
     # more than float32 accumulation does.
     assert b.dominant() == "logits"
     rounded = [mn.round_to(x, "bfloat16") for x in (q, k, v)]
-    exact_inputs = attention_bound(*rounded, numerics="bf16-fp32acc")
+    exact_inputs = attention_bound(*rounded, numerics="bf16-fp32acc", known_rounding=False)
     assert exact_inputs.terms["operands"].max() == 0.0
     # Bound.parts splits the logits term into the sources of the logit errors; they add up to
     # it. Rounding q and k into bfloat16 dominates it; with bfloat16 inputs that source is 0.

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from mhanum import masks
+from mhanum._errors import InvalidArgument
 from mhanum._threads import one_blas_thread
 from mhanum.bounds._result import Bound
 from mhanum.bounds.factors import lam_or_probability, rounding_error
@@ -59,6 +60,7 @@ def attention_bound(
     rope: Any = None,
     positions: Any = None,
     kv_cache: Any = None,
+    known_rounding: bool = True,
 ) -> Bound:
     """Theorem A.1: a componentwise bound on ``|attention(q, k, v, mask, numerics) − exact|``.
 
@@ -151,6 +153,16 @@ def attention_bound(
             narrower; with ``rope`` the kernel caches its rotated keys (Corollary K.3, given
             scales). Accumulator placement (one scale per tensor): the attention of the codes
             with the scales as an fp8 descale (Corollary K.2, papers/kvcache.md).
+        known_rounding: steps 6k and 6r (papers/attention.md), which assume the
+            probabilities' rounding into their format is to nearest, as kernels' conversions
+            are. Where they are stored in a coarser format than the softmax computes them in
+            (``bf16-fp32acc``, half-precision kernels), the value the kernel rounds is
+            enclosed to within much less than the format's spacing, so the rounded value is
+            known for most keys and its rounding enters with its sign: step 6r charges the
+            term ``probability_rounding`` so (online too), and step 6k (not online) bounds the
+            terms ``logits``, ``softmax``, ``probability_rounding`` and ``operands`` together
+            as the term ``known_probabilities``, in the entries where that is smaller.
+            ``False``: the classic steps 4-6 (Theorem A.5' takes them apart).
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape, ``inf`` exactly
@@ -170,7 +182,12 @@ def attention_bound(
         q, k, v, mask=mask, bias=bias, scale=scale, sink=sink, softcap=softcap, descale=descale,
         rope=rope, positions=positions, kv_cache=kv_cache,
     )  # fmt: skip
-    bound, _ = _attention_bound(problem, resolve(numerics), lam, probability, None)
+    if not isinstance(known_rounding, bool):
+        msg = f"known_rounding: expected True or False, got {known_rounding!r}"
+        raise InvalidArgument(msg)
+    bound, _ = _attention_bound(
+        problem, resolve(numerics), lam, probability, None, known=known_rounding
+    )
     return bound
 
 
@@ -249,9 +266,11 @@ def _attention_bound(
     lam: float | None,
     probability: float | None,
     direction: tuple[Any, Any] | None,
+    *,
+    known: bool = True,
 ) -> tuple[Bound, np.ndarray | None]:
     """:func:`attention_bound` of the problem ``p``; with ``direction = (g, g_error)``, also
-    A.1g's per-row bound (:func:`attention_bound_along`)."""
+    A.1g's per-row bound (:func:`attention_bound_along`); ``known``: step 6k allowed."""
     check_scope(num)
     num.check_problem(p)
     q, k, v = (np.asarray(x, np.float64) for x in (p.q, p.k, p.v))
@@ -308,7 +327,7 @@ def _attention_bound(
         errors = (errors[0], e_k, _cached(v_cache, vb, fmt_in))
     along = None if gb is None or gu is None or p.descale else (gb, gu)
     stacked = (qb, kb, vb, keep, b, masked, replaced, errors, along, moved)
-    heads = _heads(p, (num, num_y), lam, stacked)
+    heads = _heads(p, (num, num_y), lam, stacked, known)
     coupled = [h[3].pop(ALONG, None) for h in heads]
     if p.descale is not None:
         heads = [_descaled(h, p.descale[2], num, num_y) for h in heads]
@@ -341,6 +360,7 @@ def _heads(
     nums: tuple[Numerics, Numerics],
     lam: float | None,
     stacked: tuple[Any, ...],
+    known: bool = True,
 ) -> list[HeadResult]:
     """Theorem A.1 for every head of the batch: ``stacked`` holds ``q, k, v, keep, bias,
     masked, replaced``, the inputs' roundings, A.1g's directions and the float64 stand-ins'
@@ -355,8 +375,9 @@ def _heads(
     if factors is not None:
         c = c * factors[0] * factors[1]  # the loose constant charges its float64 roundings too
     setting = Setting(
-        num_y, c, p.scale is None and factors is None, lam, p.softcap, factors is not None
-    )
+        num_y, c, p.scale is None and factors is None, lam, p.softcap, factors is not None,
+        known,
+    )  # fmt: skip
     heads = [
         Head(
             qb[i],

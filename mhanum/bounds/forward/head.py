@@ -13,6 +13,7 @@ from mhanum._threads import map_threads
 from mhanum.bounds._result import where_smaller
 from mhanum.bounds.factors import compound, evaluation_rounding
 from mhanum.bounds.forward.across_keys import across_splits
+from mhanum.bounds.forward.centring import column_median
 from mhanum.bounds.forward.evaluation import on, quiet
 from mhanum.bounds.forward.keys import BandRows
 from mhanum.bounds.forward.logits import (
@@ -34,7 +35,7 @@ from mhanum.bounds.forward.operands import (
     stored_operands,
 )
 from mhanum.bounds.forward.ranges import Ranges
-from mhanum.bounds.forward.softmax_pv import column_median, softmax_pv
+from mhanum.bounds.forward.softmax_pv import softmax_pv
 from mhanum.bounds.forward.split_kv import split_pv
 from mhanum.bounds.forward.stage import (
     ALONG,
@@ -90,7 +91,7 @@ def evaluate_head(head: Head, setting: Setting) -> HeadResult:
     across = across_splits(lg, dots, ops, const, live, head, setting)
     enc = Enclosure(on(live, lg.s, -np.inf), on(live, lg.delta, 0.0), live, fold, across, lift_arg)
     values = Values(head.v, ops.v_abs, ops.bits_pv, dots.anchor, head.v_centre)
-    ctx = Context(num, setting.lam, u_div, ranges)
+    ctx = Context(num, setting.lam, u_div, ranges, setting.known_rounding)
     if num.kv_splits is None:
         terms, p, _, direct = softmax_pv(enc, values, ctx, head.project, head.along)
     else:

@@ -221,6 +221,7 @@ def mha_bound(
     input_rounding: str = "auto",
     rope: Any = None,
     positions: Any = None,
+    known_rounding: bool = True,
 ) -> Bound:
     """Theorem A.2: a componentwise bound on ``|multi_head_attention(...) − exact|``.
 
@@ -291,6 +292,9 @@ def mha_bound(
             inputs and weights into ``numerics.input`` is charged (above). ``"exact"`` needs
             the default scale and falls back to ``"bounded"`` where a rounded value is not
             finite (the range check then says so).
+        known_rounding: step 6r in every head, as for :func:`attention_bound` (the heads'
+            logits term goes through the output projection, step (c'), so step 6k is not
+            taken); ``False``: the classic steps 4-6.
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape ``(..., Lq, d_out)``.
@@ -303,6 +307,9 @@ def mha_bound(
         higham2002 (§3.1); blanchard2021; papers/attention.md Theorems A.1 and A.2.
     """
     num = resolve(numerics)
+    if not isinstance(known_rounding, bool):
+        msg = f"known_rounding: expected True or False, got {known_rounding!r}"
+        raise InvalidArgument(msg)
     if input_rounding not in _INPUT_ROUNDING:
         msg = f"input_rounding: expected one of {_INPUT_ROUNDING}, got {input_rounding!r}"
         raise InvalidArgument(msg)
@@ -318,17 +325,20 @@ def mha_bound(
         if rounded is not None:
             inner = mha_bound(
                 *rounded, num_heads, numerics=num, lam=lam, probability=probability,
-                input_rounding="bounded", **options,
+                input_rounding="bounded", known_rounding=known_rounding, **options,
             )  # fmt: skip
             effect = _rounding_effect((x_q, x_kv, params), rounded, num_heads, options)
             terms = {**inner.terms, "input_rounding": effect}
             return dataclasses.replace(inner, total=inner.total + effect, terms=terms)
     p = MHAProblem.of(x_q, x_kv, params, num_heads, scale=scale, **options)
-    return _mha_bound(p, num, lam, probability)
+    return _mha_bound(p, num, lam, probability, known=known_rounding)
 
 
-def _mha_bound(p: MHAProblem, num: Numerics, lam: float | None, probability: float | None) -> Bound:
-    """:func:`mha_bound` of the problem ``p``, its inputs' rounding bounded (step (a))."""
+def _mha_bound(
+    p: MHAProblem, num: Numerics, lam: float | None, probability: float | None, *, known: bool
+) -> Bound:
+    """:func:`mha_bound` of the problem ``p``, its inputs' rounding bounded (step (a));
+    ``known``: step 6r allowed."""
     check_scope(num)
     num.check_problem(p)
     params, heads, outer = p.params, p.num_heads, p.batch
@@ -359,7 +369,7 @@ def _mha_bound(p: MHAProblem, num: Numerics, lam: float | None, probability: flo
     proj, bad_rows, reasons = _projections(p, w, outer, num, lam)
     if p.rope is not None:
         proj = _rotated_projections(p, proj, num)
-    results = _heads(p, num, lam, proj, (keep, b, masked, replaced, w))
+    results = _heads(p, num, lam, proj, (keep, b, masked, replaced, w), known)
     shape = (*outer, heads, rows, d_v)
     ev = evaluation_rounding(max(params.v_width, keys))
     terms, logits, bad_out = _output_projection(results, shape, w, num, lam, reasons, ev)
@@ -467,6 +477,7 @@ def _heads(
     lam: float | None,
     proj: dict[str, tuple[Any, Any, Any]],
     keys: tuple[Any, ...],
+    known: bool = True,
 ) -> dict[tuple[int, ...], HeadResult]:
     """Step (b): Theorem A.1 for every head, its operands the projections of step (a) (their
     errors as A.1's step 1 takes them, the float64 values' own as ``given``), with step (c')'s
@@ -479,7 +490,7 @@ def _heads(
     wo_hat = round_to(w["wo"], num.format_of("input")).astype(np.float64)  # as the kernel reads
     u_op, eta_op = operand_error(num)
     wo_slope = (1 + u_op) * np.abs(wo_hat) + eta_op  # >= |ŵ_op|
-    setting = Setting(num, c, p.scale is None, lam, p.softcap)
+    setting = Setting(num, c, p.scale is None, lam, p.softcap, known_rounding=known)
     built = {}
     for i in np.ndindex(*keep.shape[:-3], heads):
         (q, eq, gq), (k, ek, gk), (v, ev, gv) = (proj[n] for n in "qkv")

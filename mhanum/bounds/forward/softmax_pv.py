@@ -9,24 +9,43 @@ from typing import Any
 
 import numpy as np
 
+from mhanum._types import NumpyArray
 from mhanum.bounds.factors import (
     compound,
     conversion_eta,
     evaluation_rounding,
     exp_and_sum_factors,
     operand_error,
+    operand_error_of,
     safe_weight_sums,
     step_w_output,
 )
 from mhanum.bounds.forward.across_keys import logits_across_keys
 from mhanum.bounds.forward.along import along_term
-from mhanum.bounds.forward.evaluation import dot, logsumexp, on, times_expm1, weighted_expm1
+from mhanum.bounds.forward.centring import centred
+from mhanum.bounds.forward.evaluation import (
+    dot,
+    logsumexp,
+    on,
+    quiet,
+    times_expm1,
+    weighted_expm1,
+)
 from mhanum.bounds.forward.extremes import direct_rows, extremes
-from mhanum.bounds.forward.stage import ALONG, PLAIN, PROJECTED, WHOLE, Context, Enclosure, Values
+from mhanum.bounds.forward.stage import (
+    ALONG,
+    KNOWN,
+    PLAIN,
+    PROJECTED,
+    WHOLE,
+    Context,
+    Enclosure,
+    Values,
+)
 from mhanum.formats import round_to
 from mhanum.units import Naive, Online, Safe
 
-__all__ = ["centred", "column_median", "softmax_pv"]
+__all__ = ["softmax_pv"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -218,7 +237,7 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: _PerKey, rs: _RowSum) -> _W
     f_p = num.format_of("prob")
     u_p, eta_p = f_p.u, f_p.smallest_normal
     eta_m = num.format_of("softmax").smallest_normal
-    u_op, eta_op = operand_error(num)
+    u_op, eta_op = operand_error_of(num, f_p)
     eta_op = eta_op + conversion_eta(num, num.operand_rounding or f_p)
     online = isinstance(num.softmax_algorithm, Online)
     y = rs.x + math.log1p(u_div) - np.log1p(-rs.t_safe)
@@ -253,9 +272,29 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: _PerKey, rs: _RowSum) -> _W
                 eta_conv,
             )
     p_hat_hi += prob  # (in place: p_hat_hi is this function's own array)
-    operand_p = u_op * p_hat_hi + eta_op
+    operand_p = u_op * p_hat_hi + _read_flush(enc, ctx, pk, rs, soft, eta_op)
     p_hat_hi += operand_p
     return _Weights(soft, eta_soft, rel, prob, operand_p, p_hat_hi, rounding_keys)
+
+
+def _read_flush(
+    enc: Enclosure, ctx: Context, pk: _PerKey, rs: _RowSum, soft: NumpyArray, eta_op: float
+) -> NumpyArray | float:
+    """Step 6, the dot's read of the rounded weights: a flush below the operand (or
+    accumulation) format's smallest normal number ``η_op`` moves a weight by at most ``η_op``
+    (online: divided by the row sum later, ``per_sum``), and only a weight that may lie below
+    it: where the value the kernel rounds into ``F_p`` is at least ``a_j`` with ``a_j(1 - u_p)
+    >= η_op`` (:func:`_weights_before_rounding`; rounding to nearest keeps it there), the read
+    costs nothing."""
+    if not eta_op:
+        return 0.0
+    num = ctx.num
+    with quiet():
+        low, _ = _weights_before_rounding(enc, ctx, pk, rs, soft)
+        may = ~(low * (1 - num.format_of("prob").u) >= eta_op)
+        if isinstance(num.softmax_algorithm, Online):
+            return np.where(may, eta_op * np.maximum(rs.per_sum / rs.lift, 1.0), 0.0)
+        return np.where(may, np.minimum(pk.hi + soft, eta_op), 0.0)
 
 
 def _pv_ranges(
@@ -448,7 +487,7 @@ def _terms(
     f_o = num.format_of("output")
     u_o, eta_o = f_o.u, f_o.smallest_normal
     eta_m = num.format_of("softmax").smallest_normal
-    u_op, eta_op = operand_error(num)
+    u_op, eta_op = operand_error_of(num, num.format_of("prob"))
     eta_op = eta_op + conversion_eta(num, num.operand_rounding or num.format_of("prob"))
     prob_v = w.prob @ v_abs
     # (no product where the operand format reads p̂ exactly: operand_p is 0 then)
@@ -499,6 +538,142 @@ def _rounding_martingale(
     rest_v = dot(w.p_hat_hi, out.v_extra)
     terms["probability_rounding"] = scale_out * np.where(choose, alt * share, det_prob)
     terms["operands"] = scale_out * (np.where(choose, alt * (1 - share), det_op) + rest_v)
+
+
+def _weights_before_rounding(
+    enc: Enclosure, ctx: Context, pk: _PerKey, rs: _RowSum, soft: NumpyArray
+) -> tuple[NumpyArray, NumpyArray]:
+    """``[a_j, b_j]``, an enclosure of the value the kernel rounds into ``F_p``: the normalised
+    ``p̂_j`` (steps 4, 5: ``p̃_j`` within ``[lo_j, hi_j]`` and ``p̂_j`` within ``soft_j`` of
+    it), or, online, the unnormalised ``ê_j = fl(exp(fl(ŝ_j - m)))`` with ``m`` the running
+    maximum when ``j``'s block is visited: at least the largest logit of ``j``'s own block and
+    at most the row's, whatever the blocks' order, and the exponential within the factor
+    ``e^{±x_j}`` of step 5 (which covers the argument's rounding, the fold and the
+    rescalings after it) and ``η_m``."""
+    num = ctx.num
+    if not isinstance(num.softmax_algorithm, Online):
+        ev_rel = evaluation_rounding(enc.s.shape[-1])
+        return pk.lo * (1 - ev_rel) - soft, pk.hi + soft
+    block = num.softmax_algorithm.block
+    n = enc.s.shape[-1]
+    low = on(enc.live, pk.sc - enc.delta, -np.inf)
+    pad = (-n) % block
+    padded = np.pad(low, ((0, 0), (0, pad)), constant_values=-np.inf)
+    own = padded.reshape(low.shape[0], -1, block).max(axis=-1)
+    own = np.repeat(own, block, axis=-1)[:, :n]
+    top = on(enc.live, pk.sc + enc.delta, -np.inf).max(axis=-1, keepdims=True)
+    fold = 0.0 if enc.fold is None else enc.fold
+    x_lo = pk.sc - enc.delta - top - fold - rs.x
+    x_hi = pk.sc + enc.delta - own + fold + rs.x
+    eta_m = num.format_of("softmax").smallest_normal
+    return np.exp(x_lo) * (1 - 2.0**-50) - eta_m, np.exp(x_hi) * (1 + 2.0**-50) + eta_m
+
+
+def _relative_roundings(
+    enc: Enclosure, values: Values, ctx: Context, pk: _PerKey, rs: _RowSum, w: _Weights
+) -> NumpyArray | None:
+    """Step 6r (papers/attention.md): the probabilities' roundings into ``F_p`` with their
+    signs, a bound on what the term ``probability_rounding`` bounds, or ``None`` where it does
+    not apply.
+
+    The kernel rounds a value ``y_j`` in ``[a_j, b_j]`` (:func:`_weights_before_rounding`) to
+    ``fl_p(y_j) = y_j(1 + κ_j)``; by Lemma 6k ``fl_p(y_j)`` lies in ``[A_j, B_j]`` (the nearest
+    values to the neighbours of ``a_j`` and ``b_j``; 0 below the smallest normal number), so
+    ``κ_j`` lies in ``[A_j/b_j - 1, B_j/a_j - 1]``, centre ``κ̄_j``, radius ``r_j``. The
+    weights' share of the output is ``Σ_j κ_j ŵ_j v_j`` with ``ŵ_j`` the kernel's weight before
+    the rounding, within ``L_j + soft_j`` of ``p_j``; so ``|Σ_j κ_j ŵ_j v_j| <= |Σ_j κ̄_j p_j
+    v_j| + Σ_j (|κ̄_j|(L_j + soft_j) + r_j ŵ_j)|v_j|``. A key is taken so where ``r_j <=
+    u_p/4`` and ``|κ̄_j| <= 2u_p`` (a choice on the inputs alone); the others keep step 6's
+    charge. Online, the rescalings' conversions keep theirs (``K η_m`` per key)."""
+    num = ctx.num
+    f_p = num.format_of("prob")
+    u_op, eta_op = operand_error_of(num, f_p)
+    online = isinstance(num.softmax_algorithm, Online)
+    if f_p.u <= num.format_of("softmax").u or num.prob_offset or u_op:
+        return None
+    floor = max(f_p.smallest_normal, eta_op + conversion_eta(num, num.operand_rounding or f_p))
+    ev_rel = evaluation_rounding(enc.s.shape[-1])
+    with quiet():
+        a, b = _weights_before_rounding(enc, ctx, pk, rs, w.soft)
+        low = round_to(np.nextafter(np.maximum(a, 0.0), -np.inf), f_p)
+        low = np.where(a >= floor, low, 0.0)
+        high = round_to(np.nextafter(b, np.inf), f_p)
+        k_lo, k_hi = low / b - 1, high / a - 1
+        centre, radius = (k_lo + k_hi) / 2, (k_hi - k_lo) / 2
+        radius = radius + (np.abs(centre) + radius) * 2.0**-50
+        known = enc.live & (a > 0) & (radius <= f_p.u / 4) & (np.abs(centre) <= 2 * f_p.u)
+        centre, radius = on(known, centre, 0.0), on(known, radius, 0.0)
+        signed = np.abs((centre * pk.p) @ values.v) * (1 + 2.0**-52)
+        weight_hi = pk.hi + w.soft
+        spread = (2 * ev_rel * np.abs(centre) * pk.p + np.abs(centre) * (pk.logits + w.soft)
+                  + radius * weight_hi + np.where(known, 0.0, w.prob)) @ values.v_abs  # fmt: skip
+        charge = (signed + spread) * (1 + ev_rel)
+        if online:
+            eta_m = num.format_of("softmax").smallest_normal
+            charge = charge + rs.blocks * eta_m * rs.per_sum / rs.lift * values.v_abs.sum(axis=0)
+    return np.where(rs.sound, charge, np.inf)
+
+
+_WEIGHTS = ("logits", "softmax", "probability_rounding", "operands")
+
+
+def _known_probabilities(
+    terms: dict[str, Any],
+    enc: Enclosure,
+    values: Values,
+    ctx: Context,
+    pk: _PerKey,
+    rs: _RowSum,
+    w: _Weights,
+    out: _Output,
+) -> None:
+    """Step 6k (papers/attention.md): the rounded probabilities, known where their enclosure
+    lies within one rounding interval of the probability format.
+
+    The kernel's probability before its rounding into ``F_p`` lies in ``[a_j, b_j] =
+    [lo_j(1 - ε) - soft_j, hi_j + soft_j]`` (steps 4 and 5, ``ε`` the float64 evaluation's). Rounding to nearest is monotone for every tie
+    rule, and a flush to zero is too, so ``fl_p`` of it lies in ``[A_j, B_j]``, ``A_j`` the
+    nearest value to a number just below ``a_j`` (0 where ``a_j`` may lie below the smallest
+    normal number) and ``B_j`` the nearest to one just above ``b_j``: one value of ``F_p``
+    where no rounding boundary lies between ``a_j`` and ``b_j``, which is the common case when
+    the probabilities are computed in a finer format than they are stored in. With ``c_j =
+    (A_j + B_j)/2`` and ``ρ_j = (B_j - A_j)/2``, ``|Σ_j fl_p(p̂_j) ṽ_j - o| <= |Σ_j c_j v_j - o|
+    + Σ_j ρ_j |v_j| + Σ_j B_j |ṽ_j - v_j|``: the probabilities' roundings enter with their
+    signs, as the kernel makes them. This bounds the output's weights terms (logits, softmax,
+    probability rounding, operands) at once; where it is smaller, it replaces them as the
+    term ``known_probabilities``. Taken where the dot reads ``fl_p(p̂_j)`` exactly (no operand
+    rounding, or an operand format that holds every value of ``F_p``; a flush on the read,
+    below the operand or accumulation format's smallest normal number, is one more way down
+    to 0 and sets ``A_j = 0`` there) and the softmax is not online (whose weights are
+    unnormalised and rescaled later); not under A.1g or A.2 (c') (``project``, ``along``),
+    which take the logits term apart. Updates ``terms``.
+    """
+    num = ctx.num
+    f_p = num.format_of("prob")
+    u_op, eta_op = operand_error_of(num, f_p)
+    # (a flush on the dot's read, below the operand or accumulation format's smallest normal
+    # number, is one more way down to 0: A_j = 0 below it)
+    floor = max(f_p.smallest_normal, eta_op + conversion_eta(num, num.operand_rounding or f_p))
+    online = isinstance(num.softmax_algorithm, Online)
+    if not ctx.known or online or u_op or f_p.u <= num.format_of("softmax").u:
+        return
+    ev_rel = evaluation_rounding(enc.s.shape[-1])
+    with quiet():
+        below = pk.lo * (1 - ev_rel) - w.soft
+        above = pk.hi + w.soft
+        low = round_to(np.nextafter(np.maximum(below, 0.0), -np.inf), f_p)
+        low = np.where(below >= floor, low, 0.0)
+        high = round_to(np.nextafter(above, np.inf), f_p)
+        low, high = on(enc.live, low, 0.0), on(enc.live, high, 0.0)
+        centre, radius = (low + high) / 2, (high - low) / 2
+        shift = np.abs(centre @ values.v - out.o) * (1 + 2.0**-52)
+        spread = (radius + ev_rel * centre) @ values.v_abs
+        known = (shift + spread + out.ev + dot(high, out.v_extra)) * (1 + ev_rel)
+        known = np.where(rs.sound, known * (1 + num.format_of("output").u), np.inf)
+        choose = known < sum(terms[name] for name in _WEIGHTS)
+    for name in _WEIGHTS:
+        terms[name] = np.where(choose, 0.0, terms[name])
+    terms[KNOWN] = np.where(choose, known, 0.0)
 
 
 def _nearest(terms: dict[str, Any], ctx: Context, out: _Output) -> Any:
@@ -578,6 +753,19 @@ def softmax_pv(
             )
             kept = np.fmin(kept, scale_out * across_keys)
         terms["logits"] = np.where(np.isnan(terms["logits"]), np.nan, kept)
+    # (A.1g's coupled bound reads step 6's charge: it keeps it)
+    classic = along is not None or not ctx.known
+    relative = None if classic else _relative_roundings(enc, values, ctx, pk, rs, ch.w)
+    if relative is not None:
+        # step 6r replaces step 6's charge (or the martingale's, shared with the operands)
+        kept = scale_out * (op_v + dot(ch.w.p_hat_hi, out.v_extra))
+        swap = scale_out * relative + kept < terms["probability_rounding"] + terms["operands"]
+        terms["probability_rounding"] = np.where(
+            swap, scale_out * relative, terms["probability_rounding"]
+        )
+        terms["operands"] = np.where(swap, kept, terms["operands"])
+    if project is None and along is None:
+        _known_probabilities(terms, enc, values, ctx, pk, rs, ch.w, out)
     nearest = _nearest(terms, ctx, out)
     # the last rounding's plain bound (u_o|o| + η_o, and the online division's), which bounds
     # |fl(x) - x| by itself: Theorem A.5' (shared logits) needs it; removed by the head
@@ -602,22 +790,3 @@ def softmax_pv(
         with np.errstate(over="ignore", invalid="ignore"):
             terms[PROJECTED] = ch.logits @ b_proj + (scale_out - 1) * (ch.logits_v @ w_abs)
     return terms, pk.p, np.where(rs.vacuous, np.inf, rs.t_safe), direct
-
-
-def centred(v: np.ndarray, v_extra: np.ndarray, centre: np.ndarray | None = None) -> np.ndarray:
-    """``|v_j - c| + e_j`` (with the float64 subtraction's rounding) for ``c`` the median of
-    ``v`` over the keys, per column: a bound on ``|ṽ_j - c|`` for any ``|ṽ_j - v_j| <= e_j``.
-    Every ``c`` will do where the weights' deviations sum to zero (step 4); the median makes
-    ``Σ_j |v_j - c|`` least, and removes what the values share (a bias of the projection).
-    ``centre``: that median, where it was taken already (:func:`column_median`)."""
-    if centre is None:
-        centre = column_median(v)
-    with np.errstate(invalid="ignore"):
-        return np.abs(v - centre) * (1 + 2.0**-51) + v_extra
-
-
-def column_median(v: np.ndarray) -> np.ndarray:
-    """The median of ``v``'s finite entries over the keys, per column (an infinite entry
-    counts as 0), keeping the keys' axis: :func:`centred`'s ``c``."""
-    finite = np.where(np.isfinite(v), v, 0.0)
-    return np.median(finite, axis=-2, keepdims=True)

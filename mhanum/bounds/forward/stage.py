@@ -15,6 +15,7 @@ from mhanum.numerics import Numerics
 
 __all__ = [
     "ALONG",
+    "KNOWN",
     "PLAIN",
     "PROJECTED",
     "WHOLE",
@@ -30,6 +31,9 @@ PLAIN = "output:plain"  # the plain output term, carried with the logits' parts 
 PROJECTED = "logits:projected"
 # Theorem A.1g: the output's error along a direction g per row, less its entrywise form
 ALONG = "along:coupled"
+# Step 6k: the weights' terms at once, from the rounded probabilities known to within their
+# enclosure (a term of the bound, named here because Theorem A.5' must not take it apart)
+KNOWN = "known_probabilities"
 # Step W: the computed output's magnitude, whatever the logit errors (safe softmax)
 WHOLE = "output:whole"
 
@@ -93,7 +97,8 @@ class Setting:
     """How one head is computed: the numerics, the scale (``default_scale``: ``1/sqrt(d_k)``,
     irrational unless ``d_k = 4^m``), ``lam`` (A.3), the soft-cap (step 3c) and
     ``loose_constant`` (fp8 descaling: the scale constant charged as up to three roundings of
-    its format, and its product as rounded, whatever value the kernel's constant takes)."""
+    its format, and its product as rounded, whatever value the kernel's constant takes);
+    ``known_rounding``: steps 6k and 6r may replace the weights' charges (:class:`Context`)."""
 
     num: Numerics
     scale: float
@@ -101,6 +106,7 @@ class Setting:
     lam: float | None = None
     softcap: float | None = None
     loose_constant: bool = False
+    known_rounding: bool = True
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -149,9 +155,13 @@ class Values:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Context:
     """What every stage of steps 4-7 reads: the numerics, ``lam`` (A.3), the division's
-    relative error and the range record the stages add to."""
+    relative error, the range record the stages add to, and whether steps 6k and 6r (the
+    rounded probabilities known where their enclosure lies within one rounding interval) may
+    replace the charges of steps 4-6 (``False``: the classic steps, which Theorem A.5' takes
+    apart)."""
 
     num: Numerics
     lam: float | None
     u_div: float
     ranges: Ranges
+    known: bool = False
