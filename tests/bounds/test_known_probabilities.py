@@ -253,7 +253,7 @@ def test_a_tensor_core_reads_half_precision_weights_without_charge():
     spread=st.sampled_from([0.0, 1.0, 2.5, 4.0]),
     ties=st.booleans(),
     causal=st.booleans(),
-    form=st.sampled_from(["exp", "exp2-folded"]),
+    form=st.sampled_from(["exp", "exp2-folded", "exp2-scaled", "exp2"]),
     running=st.booleans(),
 )
 def test_sound_online_where_weights_are_stored_coarser(
