@@ -35,6 +35,7 @@ from mhanum.bounds.forward.head import HeadResult, evaluate_heads
 from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias, with_dead_rows
 from mhanum.bounds.forward.result import check_scope, head_reasons, result, split_count, stack
 from mhanum.bounds.forward.stage import ALONG, PLAIN, Head, Setting
+from mhanum.formats import round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.problem import AttentionProblem
 from mhanum.rope import reference_rope, rope_error
@@ -61,6 +62,7 @@ def attention_bound(
     positions: Any = None,
     kv_cache: Any = None,
     known_rounding: bool = True,
+    input_rounding: str = "bounded",
 ) -> Bound:
     """Theorem A.1: a componentwise bound on ``|attention(q, k, v, mask, numerics) − exact|``.
 
@@ -163,6 +165,15 @@ def attention_bound(
             terms ``logits``, ``softmax``, ``probability_rounding`` and ``operands`` together
             as the term ``known_probabilities``, in the entries where that is smaller.
             ``False``: the classic steps 4-6 (Theorem A.5' takes them apart).
+        input_rounding: ``"bounded"`` (default), ``"exact"`` or ``"auto"``: how the rounding of
+            ``q``, ``k``, ``v`` into ``numerics.input`` (to nearest, as the kernel reads
+            float64 inputs) is charged. ``"bounded"``: by step 1, as an error of the operands.
+            ``"exact"``: A.1 is applied to the rounded inputs, and the rounding's effect on the
+            exact attention, ``|o(q̂, k̂, v̂) - o(q, k, v)|``, is computed by two certified
+            references and added as the term ``input_rounding`` (as ``mha_bound`` does). It is
+            the same quantity, signs kept, and so much smaller where the inputs are not values
+            of the input format. ``"auto"``: exact up to ``2^20`` logits, else bounded. Not
+            with ``rope``, ``kv_cache`` or ``descale`` (bounded there).
 
     Returns:
         A :class:`~mhanum.bounds.Bound` whose ``total`` has the output's shape, ``inf`` exactly
@@ -185,6 +196,16 @@ def attention_bound(
     if not isinstance(known_rounding, bool):
         msg = f"known_rounding: expected True or False, got {known_rounding!r}"
         raise InvalidArgument(msg)
+    rounded = _rounded_inputs(problem, resolve(numerics), input_rounding)
+    if rounded is not None:
+        inner = attention_bound(
+            *rounded, mask, bias=bias, numerics=numerics, scale=scale, lam=lam,
+            probability=probability, sink=sink, softcap=softcap, known_rounding=known_rounding,
+        )  # fmt: skip
+        options = {"mask": mask, "bias": bias, "scale": scale, "sink": sink, "softcap": softcap}
+        effect = _rounding_effect((q, k, v), rounded, options)
+        terms = {**inner.terms, "input_rounding": effect}
+        return dataclasses.replace(inner, total=inner.total + effect, terms=terms)
     bound, _ = _attention_bound(
         problem, resolve(numerics), lam, probability, None, known=known_rounding
     )
@@ -258,6 +279,51 @@ def attention_bound_along(
     bound, along = _attention_bound(problem, resolve(numerics), None, None, (g, g_error))
     assert along is not None
     return bound, along
+
+
+_INPUT_ROUNDING = ("bounded", "exact", "auto")
+_EXACT_LOGITS = 2**20  # "auto": the two certified references up to this many logits
+
+
+def _rounded_inputs(
+    p: AttentionProblem, num: Numerics, how: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``q``, ``k``, ``v`` rounded into ``numerics.input`` where A.1 takes their rounding
+    exactly (``input_rounding``), ``None`` where step 1 bounds it: nothing rounds, a rounded
+    value is not finite, a rotation, a cache or a descale stands between the inputs and the
+    dots, or (``"auto"``) more than ``2^20`` logits."""
+    if how not in _INPUT_ROUNDING:
+        msg = f"input_rounding: expected one of {_INPUT_ROUNDING}, got {how!r}"
+        raise InvalidArgument(msg)
+    if how == "bounded" or p.rope is not None or p.kv_cache is not None or p.descale:
+        return None
+    q, k, v = (np.asarray(x, np.float64) for x in (p.q, p.k, p.v))
+    if how == "auto" and math.prod(p.batch) * q.shape[-2] * k.shape[-2] > _EXACT_LOGITS:
+        return None
+    fmt = num.format_of("input")
+    with np.errstate(over="ignore", invalid="ignore"):
+        qr, kr, vr = (round_to(x, fmt).astype(np.float64) for x in (q, k, v))
+    if not all(np.isfinite(x).all() for x in (qr, kr, vr)):
+        return None
+    if all(np.array_equal(a, b) for a, b in zip((qr, kr, vr), (q, k, v), strict=True)):
+        return None
+    return qr, kr, vr
+
+
+def _rounding_effect(
+    given: tuple[Any, Any, Any], rounded: tuple[np.ndarray, ...], options: dict[str, Any]
+) -> np.ndarray:
+    """``|o(q̂, k̂, v̂) - o(q, k, v)|``, bounded above: two certified references, each the exact
+    value rounded to float64 (within ``2^-53`` relative), their difference and its rounding;
+    0 on a fully masked row (the bound is infinite there)."""
+    from mhanum import reference  # the certified exact values (no attention of mhanum's)
+
+    outs = [
+        np.asarray(reference.attention(*x, fully_masked="zero", **options), np.float64)
+        for x in (rounded, given)
+    ]
+    diff = np.abs(outs[0] - outs[1]) + 2.0**-52 * (np.abs(outs[0]) + np.abs(outs[1]))
+    return diff * (1 + 2.0**-50)
 
 
 def _attention_bound(
