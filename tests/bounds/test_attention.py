@@ -540,3 +540,16 @@ def test_mha_logits_term_ignores_what_the_values_share():
         terms.append(np.max(bound.terms["attention.logits"]))
     # what stays: the float64 slack on v·ŵ (2^-40 of |v||ŵ|) and the output rounding's share
     assert terms[1] <= 2 * terms[0]
+
+
+def test_a_float64_evaluation_that_overflows_gives_its_reason():
+    """A one-key float64 row whose logit is -8.99e307 (found at the range edges): the bound's
+    own float64 terms overflow; the entry is infinite, and ``Bound.reasons`` says why."""
+    from mhanum.bounds.forward.a1 import EVALUATION_OVERFLOW
+
+    q = np.array([[9.249179730657929e153]])
+    k = np.array([[-9.718121969797847e153]])
+    v = np.array([[8.988465674311579e307]])
+    b = attention_bound(q, k, v, numerics="fp64")
+    assert not np.all(np.isfinite(b.total))
+    assert EVALUATION_OVERFLOW in b.reasons

@@ -40,7 +40,7 @@ from mhanum.numerics import Numerics, resolve
 from mhanum.problem import AttentionProblem
 from mhanum.rope import reference_rope, rope_error
 
-__all__ = ["attention_bound", "attention_bound_along"]
+__all__ = ["EVALUATION_OVERFLOW", "attention_bound", "attention_bound_along"]
 
 
 @one_blas_thread
@@ -281,6 +281,11 @@ def attention_bound_along(
     return bound, along
 
 
+EVALUATION_OVERFLOW = (
+    "the bound's float64 evaluation overflows: the terms of values near float64's largest "
+    "finite number (a product of the logits' magnitude by a unit roundoff, an exponential of "
+    "it) exceed it, so those entries are infinite"
+)
 _INPUT_ROUNDING = ("bounded", "exact", "auto")
 _EXACT_LOGITS = 2**20  # "auto": the two certified references up to this many logits
 
@@ -409,6 +414,8 @@ def _attention_bound(
         terms["fully_masked"] = np.broadcast_to(np.where(dead, np.inf, 0.0), out_shape)
         reasons = (*reasons, DEAD)
     total = sum(terms.values())
+    if not reasons and not np.all(np.isfinite(np.asarray(total))):
+        reasons = (EVALUATION_OVERFLOW,)
     theorem = "A.1" if num.kv_splits is None else "A.6"
     bound = result(total, terms, theorem, num, lam, chains, all_parts, reasons)
     if gu is None:
