@@ -269,3 +269,16 @@ def test_sound_online_where_weights_are_stored_coarser(
         online_sums="running" if running else "block",
     )  # fmt: skip
     _holds(num, seed, n, spread, ties, causal)
+
+
+@pytest.mark.parametrize("softmax", ["safe", "online(8)"])
+def test_values_that_the_kernel_rounds_are_covered(softmax):
+    """float64 values that are not bfloat16 values: the kernel reads them rounded, and the
+    weights' known roundings multiply the rounded values (the share ``Σ_j (|κ̄_j| + r_j)
+    ŵ_j (v̄_j - |v_j|)`` of step 6r, ``Σ_j B_j (v̄_j - |v_j|)`` of step 6k)."""
+    num = _numerics("bfloat16", inp="bfloat16", softmax=softmax)
+    rng = np.random.default_rng(9)
+    q, k = (round_to(rng.standard_normal((24, 8)), "bfloat16") for _ in range(2))
+    v = rng.standard_normal((24, 8)) * 2.0**10  # far from bfloat16's values
+    bound = attention_bound(q, k, v, numerics=num)
+    assert np.all(_error(q, k, v, num) <= bound.total)

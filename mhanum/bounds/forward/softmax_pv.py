@@ -580,9 +580,10 @@ def _relative_roundings(
     ``fl_p(y_j) = y_j(1 + κ_j)``; by Lemma 6k ``fl_p(y_j)`` lies in ``[A_j, B_j]`` (the nearest
     values to the neighbours of ``a_j`` and ``b_j``; 0 below the smallest normal number), so
     ``κ_j`` lies in ``[A_j/b_j - 1, B_j/a_j - 1]``, centre ``κ̄_j``, radius ``r_j``. The
-    weights' share of the output is ``Σ_j κ_j ŵ_j v_j`` with ``ŵ_j`` the kernel's weight before
-    the rounding, within ``L_j + soft_j`` of ``p_j``; so ``|Σ_j κ_j ŵ_j v_j| <= |Σ_j κ̄_j p_j
-    v_j| + Σ_j (|κ̄_j|(L_j + soft_j) + r_j ŵ_j)|v_j|``. A key is taken so where ``r_j <=
+    weights' share of the output is ``Σ_j κ_j ŵ_j ṽ_j`` with ``ŵ_j`` the kernel's weight before
+    the rounding, within ``L_j + soft_j`` of ``p_j``, and ``ṽ_j`` within ``v̄_j - |v_j|`` of
+    ``v_j``; so it is at most ``|Σ_j κ̄_j p_j v_j| + Σ_j (|κ̄_j|(L_j + soft_j) + r_j ŵ_j)|v_j|
+    + Σ_j (|κ̄_j| + r_j) ŵ_j (v̄_j - |v_j|)``. A key is taken so where ``r_j <=
     u_p/4`` and ``|κ̄_j| <= 2u_p`` (a choice on the inputs alone); the others keep step 6's
     charge. Online, the rescalings' conversions keep theirs (``K η_m`` per key)."""
     num = ctx.num
@@ -607,7 +608,9 @@ def _relative_roundings(
         weight_hi = pk.hi + w.soft
         spread = (2 * ev_rel * np.abs(centre) * pk.p + np.abs(centre) * (pk.logits + w.soft)
                   + radius * weight_hi + np.where(known, 0.0, w.prob)) @ values.v_abs  # fmt: skip
-        charge = (signed + spread) * (1 + ev_rel)
+        # the known keys' roundings read ṽ, within v̄ - |v| of v (0 for values read exactly)
+        read = dot((np.abs(centre) + radius) * weight_hi, values.v_abs - np.abs(values.v))
+        charge = (signed + spread + read) * (1 + ev_rel)
         if online:
             eta_m = num.format_of("softmax").smallest_normal
             charge = charge + rs.blocks * eta_m * rs.per_sum / rs.lift * values.v_abs.sum(axis=0)
