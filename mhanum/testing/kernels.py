@@ -77,6 +77,9 @@ class Kernel:
         if self.fully_masked not in FULLY_MASKED:
             msg = f"fully_masked: expected one of {FULLY_MASKED}, got {self.fully_masked!r}"
             raise InvalidArgument(msg)
+        if not isinstance(self.known_rounding, bool):
+            msg = f"known_rounding: expected True or False, got {self.known_rounding!r}"
+            raise InvalidArgument(msg)
         if not self.models or not all(self.models.values()):
             msg = "models: expected at least one candidate numerics for each input format"
             raise InvalidArgument(msg)

@@ -282,3 +282,13 @@ def test_values_that_the_kernel_rounds_are_covered(softmax):
     v = rng.standard_normal((24, 8)) * 2.0**10  # far from bfloat16's values
     bound = attention_bound(q, k, v, numerics=num)
     assert np.all(_error(q, k, v, num) <= bound.total)
+
+
+def test_a_descriptor_opts_in_with_a_bool_only():
+    import dataclasses
+
+    from mhanum.testing import KERNELS
+
+    with pytest.raises(InvalidArgument, match="known_rounding: expected True or False"):
+        dataclasses.replace(KERNELS["jax-xla"], known_rounding="yes")
+    assert dataclasses.replace(KERNELS["jax-xla"], known_rounding=True).known_rounding

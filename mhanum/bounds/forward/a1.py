@@ -30,7 +30,7 @@ from mhanum._threads import one_blas_thread
 from mhanum.bounds._result import Bound
 from mhanum.bounds.factors import lam_or_probability, rounding_error
 from mhanum.bounds.forward.along import along_rows, directions
-from mhanum.bounds.forward.evaluation import quiet
+from mhanum.bounds.forward.evaluation import certified_difference, quiet
 from mhanum.bounds.forward.head import HeadResult, evaluate_heads
 from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias, with_dead_rows
 from mhanum.bounds.forward.result import check_scope, head_reasons, result, split_count, stack
@@ -323,12 +323,8 @@ def _rounding_effect(
     0 on a fully masked row (the bound is infinite there)."""
     from mhanum import reference  # the certified exact values (no attention of mhanum's)
 
-    outs = [
-        np.asarray(reference.attention(*x, fully_masked="zero", **options), np.float64)
-        for x in (rounded, given)
-    ]
-    diff = np.abs(outs[0] - outs[1]) + 2.0**-52 * (np.abs(outs[0]) + np.abs(outs[1]))
-    return diff * (1 + 2.0**-50)
+    outs = [reference.attention(*x, fully_masked="zero", **options) for x in (rounded, given)]
+    return certified_difference(outs[0], outs[1])
 
 
 def _attention_bound(

@@ -7,8 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from mhanum._types import ArrayLike
+
 __all__ = [
     "TINY",
+    "certified_difference",
     "dot",
     "log_expm1_upper",
     "logsumexp",
@@ -81,3 +84,11 @@ def weighted_expm1(a: np.ndarray, x: np.ndarray, live: np.ndarray) -> np.ndarray
             terms = np.where(live[big], np.log(a[big]) + log_r, -np.inf)
             out[big] = np.exp(logsumexp(terms))
     return out
+
+
+def certified_difference(a: ArrayLike, b: ArrayLike) -> np.ndarray:
+    """An upper bound on ``|a* - b*|`` from ``a`` and ``b``, two certified references (each the
+    exact value rounded to float64, within ``2^-53`` relative, and 0 only where it is exactly):
+    their float64 difference, their own errors, and its rounding, rounded up."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return (np.abs(a - b) + 2.0**-52 * (np.abs(a) + np.abs(b))) * (1 + 2.0**-50)

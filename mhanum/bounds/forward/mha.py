@@ -21,7 +21,7 @@ from mhanum.bounds.factors import (
     rounding_error,
 )
 from mhanum.bounds.forward.along import along_rows
-from mhanum.bounds.forward.evaluation import quiet
+from mhanum.bounds.forward.evaluation import certified_difference, quiet
 from mhanum.bounds.forward.head import HeadResult, evaluate_heads, evaluate_rows
 from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias, with_dead_rows
 from mhanum.bounds.forward.result import check_scope, head_reasons, result, split_count
@@ -159,13 +159,10 @@ def _rounding_effect(
     from mhanum import reference  # the certified exact values (no attention of mhanum's)
 
     ys = [
-        np.asarray(
-            reference.multi_head_attention(x, x_kv, p, heads, fully_masked="zero", **options),
-            np.float64,
-        )
+        reference.multi_head_attention(x, x_kv, p, heads, fully_masked="zero", **options)
         for x, x_kv, p in (rounded, given)
     ]
-    return (np.abs(ys[0] - ys[1]) + 2.0**-52 * (np.abs(ys[0]) + np.abs(ys[1]))) * (1 + 2.0**-50)
+    return certified_difference(ys[0], ys[1])
 
 
 def _projected_values(v: np.ndarray, given: Any, wo: np.ndarray, num: Numerics) -> np.ndarray:

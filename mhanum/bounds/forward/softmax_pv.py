@@ -32,6 +32,7 @@ from mhanum.bounds.forward.evaluation import (
     weighted_expm1,
 )
 from mhanum.bounds.forward.extremes import direct_rows, extremes
+from mhanum.bounds.forward.known_rounding import known_roundings, rounded_range
 from mhanum.bounds.forward.stage import (
     ALONG,
     KNOWN,
@@ -85,7 +86,9 @@ class _RowSum:
 class _Weights:
     """Steps 5' and 6: the computed weights' deviations ``soft`` (with ``eta_soft``), their
     relative part ``rel``, the roundings ``prob`` and ``operand_p``, the bound ``p_hat_hi`` on
-    the weights as ``P·V`` reads them, and A.3'''s keys (``rounding_keys``)."""
+    the weights as ``P·V`` reads them, A.3'''s keys (``rounding_keys``) and, where a later
+    step reads it, the enclosure ``[a_j, b_j]`` of the value the kernel rounds into ``F_p``
+    (``before``, :func:`_weights_before_rounding`)."""
 
     soft: Any
     eta_soft: Any
@@ -94,6 +97,7 @@ class _Weights:
     operand_p: Any
     p_hat_hi: Any
     rounding_keys: tuple[np.ndarray, float, np.ndarray, float] | None
+    before: tuple[NumpyArray, NumpyArray] | None = None
 
 
 def _per_key(enc: Enclosure) -> _PerKey:
@@ -246,6 +250,9 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: _PerKey, rs: _RowSum) -> _W
     soft += eta_soft
     rel = on(rs.sound, times_expm1(pk.hi, rs.x + math.log1p(0.0 if online else u_div)), 0.0)
     p_hat_hi = pk.hi + soft
+    before = None
+    if eta_op or known_roundings(ctx):
+        before = _weights_before_rounding(enc, ctx, pk, rs, soft)
     rounding_keys: tuple[np.ndarray, float, np.ndarray, float] | None = None
     if online:
         per_sum = rs.per_sum
@@ -272,26 +279,30 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: _PerKey, rs: _RowSum) -> _W
                 eta_conv,
             )
     p_hat_hi += prob  # (in place: p_hat_hi is this function's own array)
-    operand_p = u_op * p_hat_hi + _read_flush(enc, ctx, pk, rs, soft, eta_op)
+    operand_p = u_op * p_hat_hi + _read_flush(ctx, pk, rs, soft, (before, eta_op))
     p_hat_hi += operand_p
-    return _Weights(soft, eta_soft, rel, prob, operand_p, p_hat_hi, rounding_keys)
+    return _Weights(soft, eta_soft, rel, prob, operand_p, p_hat_hi, rounding_keys, before)
 
 
 def _read_flush(
-    enc: Enclosure, ctx: Context, pk: _PerKey, rs: _RowSum, soft: NumpyArray, eta_op: float
+    ctx: Context,
+    pk: _PerKey,
+    rs: _RowSum,
+    soft: NumpyArray,
+    read: tuple[tuple[NumpyArray, NumpyArray] | None, float],
 ) -> NumpyArray | float:
     """Step 6, the dot's read of the rounded weights: a flush below the operand (or
     accumulation) format's smallest normal number ``η_op`` moves a weight by at most ``η_op``
     (online: divided by the row sum later, ``per_sum``), and only a weight that may lie below
     it: where the value the kernel rounds into ``F_p`` is at least ``a_j`` with ``a_j(1 - u_p)
     >= η_op`` (:func:`_weights_before_rounding`; rounding to nearest keeps it there), the read
-    costs nothing."""
-    if not eta_op:
+    costs nothing. ``read``: that enclosure and ``η_op``."""
+    before, eta_op = read
+    if not eta_op or before is None:
         return 0.0
     num = ctx.num
     with quiet():
-        low, _ = _weights_before_rounding(enc, ctx, pk, rs, soft)
-        may = ~(low * (1 - num.format_of("prob").u) >= eta_op)
+        may = ~(before[0] * (1 - num.format_of("prob").u) >= eta_op)
         if isinstance(num.softmax_algorithm, Online):
             return np.where(may, eta_op * np.maximum(rs.per_sum / rs.lift, 1.0), 0.0)
         return np.where(may, np.minimum(pk.hi + soft, eta_op), 0.0)
@@ -587,18 +598,14 @@ def _relative_roundings(
     u_p/4`` and ``|κ̄_j| <= 2u_p`` (a choice on the inputs alone); the others keep step 6's
     charge. Online, the rescalings' conversions keep theirs (``K η_m`` per key)."""
     num = ctx.num
-    f_p = num.format_of("prob")
-    u_op, eta_op = operand_error_of(num, f_p)
-    online = isinstance(num.softmax_algorithm, Online)
-    if f_p.u <= num.format_of("softmax").u or num.prob_offset or u_op:
+    if w.before is None or not known_roundings(ctx):
         return None
-    floor = max(f_p.smallest_normal, eta_op + conversion_eta(num, num.operand_rounding or f_p))
+    f_p = num.format_of("prob")
+    online = isinstance(num.softmax_algorithm, Online)
     ev_rel = evaluation_rounding(enc.s.shape[-1])
     with quiet():
-        a, b = _weights_before_rounding(enc, ctx, pk, rs, w.soft)
-        low = round_to(np.nextafter(np.maximum(a, 0.0), -np.inf), f_p)
-        low = np.where(a >= floor, low, 0.0)
-        high = round_to(np.nextafter(b, np.inf), f_p)
+        a, b = w.before
+        low, high = rounded_range(num, w.before)
         k_lo, k_hi = low / b - 1, high / a - 1
         centre, radius = (k_lo + k_hi) / 2, (k_hi - k_lo) / 2
         radius = radius + (np.abs(centre) + radius) * 2.0**-50
@@ -652,21 +659,12 @@ def _known_probabilities(
     which take the logits term apart. Updates ``terms``.
     """
     num = ctx.num
-    f_p = num.format_of("prob")
-    u_op, eta_op = operand_error_of(num, f_p)
-    # (a flush on the dot's read, below the operand or accumulation format's smallest normal
-    # number, is one more way down to 0: A_j = 0 below it)
-    floor = max(f_p.smallest_normal, eta_op + conversion_eta(num, num.operand_rounding or f_p))
     online = isinstance(num.softmax_algorithm, Online)
-    if not ctx.known or online or u_op or f_p.u <= num.format_of("softmax").u:
+    if online or w.before is None or not known_roundings(ctx):
         return
     ev_rel = evaluation_rounding(enc.s.shape[-1])
     with quiet():
-        below = pk.lo * (1 - ev_rel) - w.soft
-        above = pk.hi + w.soft
-        low = round_to(np.nextafter(np.maximum(below, 0.0), -np.inf), f_p)
-        low = np.where(below >= floor, low, 0.0)
-        high = round_to(np.nextafter(above, np.inf), f_p)
+        low, high = rounded_range(num, w.before)  # (not online: step 6k's [a_j, b_j])
         low, high = on(enc.live, low, 0.0), on(enc.live, high, 0.0)
         centre, radius = (low + high) / 2, (high - low) / 2
         shift = np.abs(centre @ values.v - out.o) * (1 + 2.0**-52)
