@@ -23,9 +23,10 @@ sequential order (which a ``native`` bound covers, since it holds for every orde
    recurrence, each partial sum times its own ``1 + δ``): its error ``F_m`` at entry ``m`` is a
    standard-model error, exact up to float64's own, with no first-order caveat.
 
-Theorem A.1 takes two roundings to nearest, as every kernel's conversion makes them: the
+Theorem A.1 takes four roundings to nearest, as every kernel's conversion makes them: the
+scores' into the score format and their product by the scale there (step 3k), the
 probabilities' into their format (steps 6k and 6r) and the output's (step 7'). The forward
-floors run those two as roundings to nearest of the perturbed values (no ``δ`` chosen; the
+floors run those as roundings to nearest of the perturbed values (no ``δ`` chosen; the
 sensitivities pass through them), which is the model those bounds hold in.
 
 Sites left out only lower ``F`` (a floor with fewer roundings is still a floor): products are
@@ -356,9 +357,16 @@ def attention_floor(
 
 def _nearest_sites(num: Numerics, u: dict[str, float]) -> dict[str, Format]:
     """The roundings Theorem A.1 takes to nearest, as every kernel's conversions make them:
-    the probabilities' into their format (steps 6k and 6r) and the output's (step 7'), taken
-    out of the free sites ``u``."""
-    sites = {"prob_take": num.format_of("prob"), "out_take": num.format_of("output")}
+    the scores' into the score format and their product by the scale (step 3k), the
+    probabilities' into their format (steps 6k and 6r) and the output's (step 7'), taken out
+    of the free sites ``u``."""
+    score = num.format_of("score")
+    sites = {
+        "score_take": score,
+        "scale_mul": score,
+        "prob_take": num.format_of("prob"),
+        "out_take": num.format_of("output"),
+    }
     return {s: f for s, f in sites.items() if u.pop(s, None) is not None}
 
 
@@ -605,7 +613,11 @@ def attention_grad_floor(
         "dk_scale": (ds.T @ q * c_hat, False),
         "dk_out": (ds.T @ q * c_hat, False),
     }
+    nearest = None
     if flash:  # the recomputed logits' sites hold the forward's values
         vals |= {f"{site}_b": masses[site] for site in _LOGIT_SITES if site in masses}
-    masses |= {n: m for n, m in vals.items() if n in u}
-    return _floor(fwd, exact, masses, u, entries)
+        # B.2 reads the forward's output through A.1, whose conversions round to nearest
+        # (steps 3k, 6k, 6r, 7'); the recomputed logits' are B.2's own, free
+        nearest = _nearest_sites(num, u)
+    masses = {n: m for n, m in (masses | vals).items() if n in u}
+    return _floor(fwd, exact, masses, u, entries, nearest)

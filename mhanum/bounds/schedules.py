@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from mhanum._errors import InvalidArgument
-from mhanum.bounds._result import Bound
+from mhanum.bounds._result import Bound, where_smaller
 from mhanum.bounds.factors import compound, evaluation_rounding
 from mhanum.bounds.forward import attention_bound
 from mhanum.bounds.softmax import division_error
@@ -83,7 +83,12 @@ def schedule_difference(
     (:func:`shares_logits`), Theorem A.5': each ``A`` is taken around the exact attention of the
     computed logits instead: A.1 without its ``logits``, ``evaluation`` and ``mask`` terms, with
     the output's rounding at its plain bound (which covers the rounding by itself); ``Bound.
-    theorem`` is then ``"A.5'"``. The terms are A.1's, prefixed ``a.`` and ``b.``;
+    theorem`` is then ``"A.5'"``. A.5' evaluates its sides without A.1's known roundings
+    (steps 3k, 6k and 6r), which it cannot take apart; A.5 is taken wherever it is smaller
+    (one term ``A.5`` there), with those steps where the probabilities are stored in a coarser
+    format than the softmax computes them in (not with ``probability``, whose two
+    alternatives would each need their share of the failure probability). The terms are A.1's,
+    prefixed ``a.`` and ``b.``;
     ``Bound.reasons`` joins both sides' (an entry infinite on either side is infinite). Equal
     deterministic schedules compute equal values; the bound does not assume it.
 
@@ -157,6 +162,20 @@ def schedule_difference(
         for name in ("a", "b")
     ]
     total = totals[0] + totals[1]
+    if shared and probability is None:
+        # A.5 itself where it is smaller than A.5' (term "A.5"): on the sides' bounds as they
+        # are, or with A.1's known roundings (steps 3k, 6k, 6r) where those may help
+        plain = [np.asarray(b.total, np.float64) for b in bounds.values()]
+        if _known_may_help(sides):
+            plain = [
+                np.asarray(attention_bound(
+                    q, k, v, mask, bias=bias, numerics=num, scale=scale, sink=sink,
+                    softcap=softcap,
+                ).total, np.float64)
+                for num in sides.values()
+            ]  # fmt: skip
+        terms, _ = where_smaller(terms, plain[0] + plain[1], "A.5")
+        total = sum(terms.values())
     reasons = tuple(dict.fromkeys(r for b in bounds.values() for r in b.reasons))
     fail = sum(1 - b.probability for b in bounds.values())
     assumptions = tuple(dict.fromkeys(a for b in bounds.values() for a in b.assumptions))
@@ -170,6 +189,13 @@ def schedule_difference(
         reasons=reasons,
         lam=None if probability is None else max(b.lam or 0.0 for b in bounds.values()),
     )
+
+
+def _known_may_help(sides: dict[str, Numerics]) -> bool:
+    """Whether A.1's known roundings (steps 3k, 6k and 6r: probabilities stored in a coarser
+    format than the softmax computes them in) may make A.5 smaller than A.5', which takes the
+    logits term apart and so evaluates its sides without them."""
+    return any(n.format_of("prob").u > n.format_of("softmax").u for n in sides.values())
 
 
 def _around_computed_logits(bound: Bound, num: Numerics, keys: int, v: Any) -> dict[str, Any]:

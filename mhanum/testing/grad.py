@@ -334,6 +334,7 @@ def attention_grad_oracle(
         bounds = attention_grad_bound(
             -q64 if flip else q64, k64, v64, g64, m, bias=b64, scale=-c if flip else scale,
             numerics=num, backward=bw, sink=sink, softcap=softcap,
+            known_rounding=False,  # (no backward descriptor's forward is measured to opt in)
         )  # fmt: skip
         terms = _candidate_terms(bounds)
         if kern.softmax_backward == "products":

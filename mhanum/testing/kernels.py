@@ -55,10 +55,10 @@ class Kernel:
             gives its row an infinite tolerance with the reason. ``None``: ``-inf`` masking.
         max_head_dim: the largest head dimension (of q·k and of v) the candidates cover, for a
             kernel that runs another algorithm past it; ``None`` for any.
-        known_rounding: whether the tolerance may take the probabilities' roundings as known
-            where their value is (steps 6k and 6r of Theorem A.1): only for a kernel whose
-            weights before their rounding are measured to follow its candidates to within their
-            exponential's stated error. ``False`` (the default) takes step 6's charge, which
+        known_rounding: whether the tolerance may take the scores' and probabilities'
+            roundings as known where their value is (steps 3k, 6k and 6r of Theorem A.1): only
+            for a kernel whose scores and weights before their rounding are measured to follow
+            its candidates to within their stated errors. ``False`` (the default) takes step 6's charge, which
             also covers a kernel whose exponential or scores deviate slightly from the model
             (measured: PyTorch's CPU flash kernel with AVX2, bfloat16, rounds a weight lying
             5e-5 above a bfloat16 midpoint down).

@@ -18,7 +18,6 @@ import pytest
 import mhanum as mn
 import mhanum.bounds.forward.extremes as extremes_module
 import mhanum.bounds.forward.head as head_module
-import mhanum.bounds.forward.softmax_pv as softmax_pv_module
 from mhanum import Numerics
 from mhanum.bounds import attention_bound, forward, mha_bound
 from mhanum.bounds.factors import EVALUATION
@@ -88,7 +87,7 @@ def test_rows_with_large_logit_errors_take_the_log_space_path():
     q = Q[0] * np.where(np.arange(24) % 3 == 0, 2.0**10, 1.0)[:, None]
     num = Numerics(input="bfloat16", accum="float32")
     mixed = attention_bound(q, K[0], V[0], numerics=num)
-    bound = softmax_pv_module.extremes
+    bound = extremes_module.extremes
     calls = []
 
     def spy(sc, delta, live):
@@ -96,7 +95,7 @@ def test_rows_with_large_logit_errors_take_the_log_space_path():
         return bound(sc, delta, live)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(softmax_pv_module, "extremes", spy)
+        mp.setattr(extremes_module, "extremes", spy)
         mp.setattr(extremes_module, "extremes_direct", extremes_module.extremes_log)
         logspace = attention_bound(q, K[0], V[0], numerics=num)
     assert calls
@@ -106,6 +105,24 @@ def test_rows_with_large_logit_errors_take_the_log_space_path():
     out = np.asarray(mn.attention(q, K[0], V[0], numerics=num), np.float64)
     exact = np.asarray(mn.reference.attention(q, K[0], V[0]), np.float64)
     assert np.all(np.abs(out - exact) <= mixed.total)
+
+
+@pytest.mark.parametrize("delta", [0.5, 5.0, 17.0, 30.0])
+def test_two_tied_keys_each_keep_the_other_in_their_lower_extreme(delta):
+    """Lemma 4 with two tied keys: the least ``p̃_j`` over the box is ``e^{-2δ}/(1 + e^{-2δ})``
+    (the partner raised, ``j`` lowered). In log space, with ``δ`` of 17 or more, the computed
+    shares of ``log_p + δ`` are both just above one half; only one key may then leave the
+    rest out of its sum, or the other's lower extreme would be 1. (A logit of 0.3 gives
+    the same in :func:`log_sum_excluding` directly.)"""
+    sc = np.array([[0.0, 0.0, -np.inf]])
+    live = np.array([[True, True, False]])
+    least = np.exp(-2 * delta) / (1 + np.exp(-2 * delta))
+    for how in (extremes_module.extremes_log, extremes_module.extremes):
+        _, hi, lo, _ = how(sc, np.full(sc.shape, delta), live)
+        assert np.all(lo[0, :2] <= least * (1 + 2.0**-40))
+        assert np.all(hi[0, :2] >= (1 - least) * (1 - 2.0**-40))
+    rest = extremes_module.log_sum_excluding(np.array([[0.3, 0.3, -np.inf]]))
+    assert np.allclose(rest[0, :2], 0.3, rtol=0, atol=2.0**-50)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from mhanum._errors import InvalidArgument
 from mhanum._threads import one_blas_thread
 from mhanum.bounds._result import Bound
 from mhanum.bounds.backward.dp import d_step, dp_step
@@ -75,6 +76,7 @@ def attention_grad_bound(
     probability: float | None = None,
     sink: Any = None,
     softcap: float | None = None,
+    known_rounding: bool = True,
 ) -> GradientBounds:
     """Componentwise bounds on the error of every gradient of attention (Theorems B.1, B.2).
 
@@ -126,6 +128,11 @@ def attention_grad_bound(
         softcap: the logit soft-cap ``c``, as for :func:`mhanum.emulate.backward.attention_grad`
             (Theorem B.7): the capped logits' enclosure (step 2c) and ``dA = dS·σ`` through
             the computed slope ``σ̂ = fl(1 - fl(t̂²))`` (step 6c) for ``dq`` and ``dk``.
+        known_rounding: B.2 (step 5) reads the forward output's error through Theorem A.1 with
+            its known roundings (steps 3k, 6k and 6r of papers/attention.md, which assume the
+            forward's conversions round to nearest) wherever that is smaller than A.1g's;
+            ``False``: A.1g alone, for a kernel that does not opt in
+            (:attr:`mhanum.testing.Kernel.known_rounding`).
 
     Returns:
         :class:`GradientBounds`: ``dq``, ``dk``, ``dv``, ``dbias`` (each a :class:`Bound` with
@@ -145,6 +152,9 @@ def attention_grad_bound(
         >>> b.dq.theorem, b.dq.total.shape, bool(np.max(b.dq.total) < 1e-4)
         ('B.2', (8, 4), True)
     """
+    if not isinstance(known_rounding, bool):
+        msg = f"known_rounding: expected True or False, got {known_rounding!r}"
+        raise InvalidArgument(msg)
     num = resolve(numerics)
     bw = resolve_backward(backward)
     check_scope(num, bw, "B.2" if lam is None and probability is None else "B.5")
@@ -158,7 +168,7 @@ def attention_grad_bound(
     chains = head_chains(lq, n, d, dv_, flash, x.sink) * math.prod(x.q.shape[:-2])
     lam = lam_or_probability(lam, probability, chains, num)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        bounds, dsd = gradient_bounds(x, num, bw, lam, chains)
+        bounds, dsd = gradient_bounds(x, num, bw, lam, chains, known=known_rounding)
         if not x.sink:
             return bounds
         return with_sink(bounds, dsd, num, bw, lam)
@@ -215,12 +225,15 @@ def gradient_bounds(
     bw: Backward,
     lam: float | None = None,
     chains: int = 0,
+    *,
+    known: bool = False,
 ) -> tuple[GradientBounds, dict[str, np.ndarray]]:
     """Theorems B.1/B.2 (B.5 with ``lam``) on the inputs ``x``, step by step: the bounds, and
     ``dS``'s enclosures: ``ds_up >= |dS|``, ``ds_err >= |dŜ - dS|`` and ``ds_used >= |dŜ|`` as
     the dots read it (Theorem B.3, the sink's gradient), and ``>= |g|`` for each exact gradient
-    of a dot (``dq_up`` ..., Theorem B.6)."""
-    ctx = Context.of(x, num, bw, lam)
+    of a dot (``dq_up`` ..., Theorem B.6). ``known``: B.2 may read the forward's output
+    through A.1 with its known roundings (steps 3k, 6k, 6r) where that is smaller."""
+    ctx = Context.of(x, num, bw, lam, known=known)
     ops = operands_step(ctx)
     s, slope = logits_step(ctx, ops)
     pr = probabilities_step(ctx, s)

@@ -20,7 +20,7 @@ from mhanum.bounds.enclosure import (
     transpose_or_none,
 )
 from mhanum.bounds.factors import chain, evaluation_rounding, operand_bits
-from mhanum.bounds.forward import attention_bound_along
+from mhanum.bounds.forward import attention_bound, attention_bound_along
 
 __all__ = ["RowD", "d_step", "dp_step"]
 
@@ -138,15 +138,30 @@ def _forward_error(ctx: Context, ops: Operands) -> tuple[np.ndarray, np.ndarray]
         )  # fmt: skip
         eps_o, why = np.asarray(fwd.total, np.float64), fwd.reasons
         o_along = along[..., None]
+        if ctx.known and num.format_of("prob").u > num.format_of("softmax").u:
+            # A.1 with the known roundings (steps 3k, 6k, 6r), which A.1g cannot take apart,
+            # wherever it is smaller: entrywise, and along d_out through |G|
+            known = attention_bound(
+                q, k, x.v, None if x.keep.all() else x.keep, bias=x.bias, scale=x.scale,
+                numerics=num, softcap=x.cap,
+            )  # fmt: skip
+            eps_o = np.fmin(eps_o, np.asarray(known.total, np.float64))
+            o_along = np.fmin(o_along, _along_entrywise(ctx, ops, eps_o))
     else:
         eps_o, why, given_along = x.forward
-        o_along = (ops.up["d_out"] * eps_o).sum(axis=-1, keepdims=True) * (
-            1 + evaluation_rounding(ctx.sizes[3])
-        )
+        o_along = _along_entrywise(ctx, ops, eps_o)
         if given_along is not None:
             o_along = np.fmin(o_along, given_along[..., None])
     ctx.rng.reasons.extend(f"forward: {r}" for r in why)
     return eps_o, o_along
+
+
+def _along_entrywise(ctx: Context, ops: Operands, eps_o: np.ndarray) -> np.ndarray:
+    """``Σ_c |G_c| ε_O,c`` per row, rounded up: the forward error along ``d_out`` from its
+    entrywise bound."""
+    return (ops.up["d_out"] * eps_o).sum(axis=-1, keepdims=True) * (
+        1 + evaluation_rounding(ctx.sizes[3])
+    )
 
 
 def _d_flash(ctx: Context, ops: Operands, pr: Probabilities) -> RowD:

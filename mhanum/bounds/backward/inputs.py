@@ -128,7 +128,8 @@ def scaled_step(x: Inputs, num: Numerics) -> Inputs:
 @dataclasses.dataclass(frozen=True)
 class Context:
     """What every step of B.1/B.2 reads: the inputs, the numerics, the backward algorithm,
-    ``λ`` (B.5, or ``None``), the ranges every step records into and B.0's dot."""
+    ``λ`` (B.5, or ``None``), the ranges every step records into, B.0's dot and whether B.2
+    may read the forward through A.1's known roundings (``known``)."""
 
     x: Inputs
     num: Numerics
@@ -136,11 +137,14 @@ class Context:
     lam: float | None
     rng: Ranges
     dot: Dot
+    known: bool = False
 
     @classmethod
-    def of(cls, x: Inputs, num: Numerics, bw: Backward, lam: float | None) -> Context:
+    def of(
+        cls, x: Inputs, num: Numerics, bw: Backward, lam: float | None, *, known: bool = False
+    ) -> Context:
         """A fresh context: no stage checked yet."""
-        return cls(x, num, bw, lam, Ranges(), Dot(num))
+        return cls(x, num, bw, lam, Ranges(), Dot(num), known)
 
     @property
     def flash(self) -> bool:

@@ -163,8 +163,11 @@ def attention_bound(
             known for most keys and its rounding enters with its sign: step 6r charges the
             term ``probability_rounding`` so (online too), and step 6k (not online) bounds the
             terms ``logits``, ``softmax``, ``probability_rounding`` and ``operands`` together
-            as the term ``known_probabilities``, in the entries where that is smaller.
-            ``False``: the classic steps 4-6 (Theorem A.5' takes them apart).
+            as the term ``known_probabilities``, in the entries where that is smaller. Step
+            3k adds the scores: rounded into a coarser format than the dot accumulates them
+            in (``bf16-fp32acc``, ``fp16-fp32acc``), each is known where its enclosure lies
+            within one rounding interval, and steps 6k and 6r read the probabilities of
+            those scores. ``False``: the classic steps 3-6 (Theorem A.5' takes them apart).
         input_rounding: ``"bounded"`` (default), ``"exact"`` or ``"auto"``: how the rounding of
             ``q``, ``k``, ``v`` into ``numerics.input`` (to nearest, as the kernel reads
             float64 inputs) is charged. ``"bounded"``: by step 1, as an error of the operands.

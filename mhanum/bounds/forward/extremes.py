@@ -3,11 +3,49 @@ errors, evaluated directly where the errors are small and in log space elsewhere
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from mhanum.bounds.forward.evaluation import logsumexp, on
+from mhanum.bounds.forward.stage import Enclosure
 
-__all__ = ["direct_rows", "extremes", "extremes_direct", "extremes_log", "log_sum_excluding"]
+__all__ = [
+    "PerKey",
+    "direct_rows",
+    "extremes",
+    "extremes_direct",
+    "extremes_log",
+    "log_sum_excluding",
+    "per_key",
+]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PerKey:
+    """Step 4: the row maximum ``top``, the shifted logits ``sc``, ``p``, its extremes ``hi``
+    and ``lo`` over the box, ``log Σ e^{sc - δ}`` and the per-key deviations ``logits``."""
+
+    top: np.ndarray
+    sc: np.ndarray
+    p: np.ndarray
+    hi: np.ndarray
+    lo: np.ndarray
+    log_sum_lo: np.ndarray
+    logits: np.ndarray
+
+
+def per_key(enc: Enclosure) -> PerKey:
+    """Step 4 (per key, Lemma 4). ``p̃_j = p_j e^{ε_j} / Σ_l p_l e^{ε_l}``, ``|ε_l| <= δ_l``,
+    grows with ``ε_j`` and falls with every other ``ε_l``, so its extremes over the box are
+    ``p_j e^{±δ_j} / (p_j e^{±δ_j} + Σ_{l≠j} p_l e^{∓δ_l})``."""
+    s, live = enc.s, enc.live
+    top = s.max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        sc = on(live, s - np.where(np.isfinite(top), top, 0.0), -np.inf)
+    p, p_tilde_hi, p_tilde_lo, log_sum_lo = extremes(sc, enc.delta, live)
+    logits = np.maximum(p_tilde_hi - p, p - p_tilde_lo)
+    return PerKey(top, sc, p, p_tilde_hi, p_tilde_lo, log_sum_lo, logits)
 
 
 def extremes(
@@ -38,12 +76,20 @@ def direct_rows(delta: np.ndarray, live: np.ndarray) -> np.ndarray:
     return live.any(axis=-1) & (on(live, delta, 0.0).max(axis=-1) <= 1.0)
 
 
+def _first_largest(x: np.ndarray) -> np.ndarray:
+    """The first largest entry of each row (one key per row, ties included)."""
+    return np.arange(x.shape[-1]) == np.argmax(x, axis=-1)[..., None]
+
+
 def _rest(e: np.ndarray, total: np.ndarray) -> np.ndarray:
     """``Σ_{l≠j} e_l`` for every ``j``: ``total - e_j`` where ``e_j`` is at most half the total
-    (no cancellation), the direct sum over the others for the one key that may exceed it."""
+    (no cancellation), the direct sum over the others for the one key that may exceed it: the
+    row's first largest (two tied keys whose computed shares both exceed one half must not
+    both leave the other out)."""
     rest = total - e
     dominant = e > 0.5 * total
     if dominant.any():
+        dominant &= _first_largest(e)
         others = np.where(dominant, 0.0, e).sum(axis=-1, keepdims=True)
         rest = np.where(dominant, others, rest)
     return rest
@@ -89,7 +135,9 @@ def log_sum_excluding(a: np.ndarray) -> np.ndarray:
     """``log Σ_{l≠j} e^{a_l}`` over the last axis, for every ``j`` (``-inf`` for a lone key).
 
     ``log Σ - log(1 - share_j)`` loses no accuracy while ``share_j <= 1/2``; at most one key
-    per row has a larger share, and its sum is taken directly over the other keys.
+    per row has a larger share, the row's first largest, and its sum is taken directly over
+    the other keys. (Two tied keys may both have a computed share just above one half; the
+    second is then taken as sharing one half, within its share's rounding.)
     """
     total = logsumexp(a)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -97,6 +145,7 @@ def log_sum_excluding(a: np.ndarray) -> np.ndarray:
         rest = total + np.log1p(-np.minimum(share, 0.5))
         dominant = share > 0.5
         if dominant.any():
+            dominant &= _first_largest(a)
             others = logsumexp(np.where(dominant, -np.inf, a))
             rest = np.where(dominant, others, rest)
     return rest

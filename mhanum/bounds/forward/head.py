@@ -22,6 +22,7 @@ from mhanum.bounds.forward.logits import (
     bias_step,
     dots_step,
     fold_step,
+    known_scores_step,
     logits_step,
     masking_step,
     softcap_step,
@@ -89,7 +90,11 @@ def evaluate_head(head: Head, setting: Setting) -> HeadResult:
     live = masking.live
     lg, fold, lift_arg = fold_step(lg, live, const.u_c, num, ranges)
     across = across_splits(lg, dots, ops, const, live, head, setting)
-    enc = Enclosure(on(live, lg.s, -np.inf), on(live, lg.delta, 0.0), live, fold, across, lift_arg)
+    known = known_scores_step(lg, dots, ops, head, setting, const)
+    kernel = None if known is None else (on(live, known[0], -np.inf), on(live, known[1], 0.0))
+    enc = Enclosure(
+        on(live, lg.s, -np.inf), on(live, lg.delta, 0.0), live, fold, across, lift_arg, kernel
+    )
     values = Values(head.v, ops.v_abs, ops.bits_pv, dots.anchor, head.v_centre)
     ctx = Context(num, setting.lam, u_div, ranges, setting.known_rounding)
     if num.kv_splits is None:

@@ -25,7 +25,7 @@ from mhanum.bounds.forward.evaluation import on
 from mhanum.bounds.forward.operands import Constant, Operands
 from mhanum.bounds.forward.ranges import Ranges
 from mhanum.bounds.forward.stage import Head, Setting
-from mhanum.formats import get_format, round_to
+from mhanum.formats import Format, get_format, round_to
 from mhanum.numerics import Numerics
 from mhanum.units import Fill
 
@@ -37,6 +37,7 @@ __all__ = [
     "bias_step",
     "dots_step",
     "fold_step",
+    "known_scores_step",
     "logits_step",
     "masking_step",
     "softcap_step",
@@ -91,7 +92,6 @@ def dots_step(head: Head, ops: Operands, num: Numerics, lam: float | None) -> Do
     its factor of ``d_k`` terms times ``q_op k_opᵀ`` and its underflow (Theorem S.0), with the
     tensor-core unit's anchor."""
     q, k = head.q, head.k
-    d_k = q.shape[-1]
     t = q @ k.T
     qk_abs = ops.q_abs @ ops.k_abs.T
     # e_q|k| + |q|e_k + e_q e_k (no product for operands read exactly)
@@ -100,15 +100,27 @@ def dots_step(head: Head, ops: Operands, num: Numerics, lam: float | None) -> Do
         operands = ops.e_q_op @ ops.k_op.T
     if np.any(ops.e_k_op):
         operands = operands + ops.q_abs @ ops.e_k_op.T
-    f_qk, anchor = unit_factor(num, d_k, lam, bits=ops.bits_qk), tensor_core_anchor(num)
     # (operands read exactly: q_op = |q|, k_op = |k|, the product already taken)
-    exact = not (np.any(ops.e_q_op) or np.any(ops.e_k_op))
-    qk_op = qk_abs if exact else ops.q_op @ ops.k_op.T
+    qk_op = qk_abs if _read_exactly(ops) else ops.q_op @ ops.k_op.T
+    unit = _unit_error(ops, num, qk_op, lam)
+    return Dots(t, qk_abs, operands, qk_op, unit, tensor_core_anchor(num))
+
+
+def _read_exactly(ops: Operands) -> bool:
+    """Whether the dot reads ``q`` and ``k`` as given (step 1: no operand errors)."""
+    return not (np.any(ops.e_q_op) or np.any(ops.e_k_op))
+
+
+def _unit_error(ops: Operands, num: Numerics, qk_op: np.ndarray, lam: float | None) -> np.ndarray:
+    """Step 3: the dot unit's error on ``q_op k_opᵀ``, its factor of ``d_k`` terms (Theorem
+    S.0; A.3's with ``lam``) and its underflow, with the tensor-core unit's anchor."""
+    d_k = ops.q_op.shape[-1]
+    f_qk, anchor = unit_factor(num, d_k, lam, bits=ops.bits_qk), tensor_core_anchor(num)
     unit = f_qk * qk_op + unit_eta(num, d_k)
     if anchor:
         sums = ops.q_op.sum(axis=-1)[:, None] + ops.k_op.sum(axis=-1)[None, :] + d_k * anchor
         unit = unit + f_qk * anchor * sums
-    return Dots(t, qk_abs, operands, qk_op, unit, anchor)
+    return unit
 
 
 def logits_step(
@@ -335,6 +347,89 @@ def masking_step(lg: Logits, head: Head, num: Numerics, ranges: Ranges) -> tuple
     )
     lg = dataclasses.replace(lg, s=s, delta=delta, sources=sources)
     return lg, Masking(live, live & ~keep)
+
+
+def known_scores_step(
+    lg: Logits, dots: Dots, ops: Operands, head: Head, setting: Setting, const: Constant
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Step 3k (papers/attention.md): the scores the kernel computes, known where their
+    enclosure lies within one rounding interval of the score format (Lemma 6k).
+
+    The dot unit accumulates ``t̂`` within ``e_t`` of ``t = q kᵀ`` (step 3's deterministic
+    unit error, the operands' part of step 1 and the float64 ``t``'s own error), rounds it
+    into the score format ``F_s`` (coarser than the accumulation format) and multiplies by
+    ``ĉ`` there. Rounding to nearest is monotone, so ``fl_s(t̂)`` is the nearest value of
+    ``F_s`` to both float64 neighbours of ``[t - e_t, t + e_t]`` where those agree: the
+    kernel's ``ŝ1``, known. ``ŝ1·ĉ`` is exact in float64 (``2p_s <= 53``), so ``fl_s(ŝ1·ĉ)``
+    is known where the nearest values to its two float64 neighbours agree (not at a tie, whose
+    rule the model leaves open), and a softmax format that holds ``F_s`` reads it exactly.
+    Taken with the scale on the scores, not folded, ``ĉ`` known from the scale's float64
+    value, no soft-cap, no bias, keys not masked, normal and finite scores; not asked for
+    (``known_rounding=False``), ``None``.
+
+    Returns the kernel's scores where known and the float64 logits elsewhere, with the radius
+    the kernel's scores have around them: step 3''s fold where known, ``δ`` elsewhere. The
+    softmax's probabilities of these scores bound the values step 6k rounds (``None`` where
+    no score is known).
+    """
+    num = setting.num
+    f_s, f_m = num.format_of("score"), num.format_of("softmax")
+    eligible = (
+        setting.known_rounding
+        and num.scale == "scores"
+        and not const.folded
+        and setting.softcap is None
+        and head.bias is None
+        and not setting.loose_constant
+        and f_s.u > num.format_of("accum").u
+        and 2 * f_s.precision <= 53
+        and _holds(f_m, f_s)
+    )
+    if not eligible:
+        return None
+    c_hat = _known_constant(setting.scale, f_s)
+    if c_hat is None:
+        return None
+    d_k = head.q.shape[-1]
+    unit = dots.unit if setting.lam is None else _unit_error(ops, num, dots.qk_op, None)
+    e_t = unit + dots.operands + F64_DOT * (d_k + 2) * dots.qk_abs
+    with np.errstate(invalid="ignore", over="ignore"):
+        s1, known = _nearest_of(dots.t - e_t, dots.t + e_t, f_s)
+        s_hat, known_c = _nearest_of(s1 * c_hat, s1 * c_hat, f_s)
+    known = known & known_c & lg.used
+    if head.masked is not None:
+        known = known & ~head.masked
+    if not known.any():
+        return None
+    radius = lg.sources.get("exp_fold", 0.0)
+    return np.where(known, s_hat, lg.s), np.where(known, radius, lg.delta)
+
+
+def _holds(wide: Format, narrow: Format) -> bool:
+    """Whether every value of the format ``narrow`` is a value of ``wide``."""
+    return (
+        wide.precision >= narrow.precision
+        and wide.smallest_normal <= narrow.smallest_normal
+        and wide.max_finite >= narrow.max_finite
+    )
+
+
+def _known_constant(scale: float, f_s: Format) -> float | None:
+    """``ĉ = fl_s(c)``, known where every float64 value within two roundings of the scale's
+    (the default ``fl(1/fl(sqrt(d_k)))``, or a kernel's own) rounds to the same normal value."""
+    lo, hi = scale * (1 - 2.0**-51), scale * (1 + 2.0**-51)
+    c, known = _nearest_of(np.array(min(lo, hi)), np.array(max(lo, hi)), f_s)
+    return float(c) if bool(known) else None
+
+
+def _nearest_of(a: np.ndarray, b: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray]:
+    """Lemma 6k for a value known to lie in ``[a, b]`` (float64, possibly rounded): the nearest
+    value of ``fmt`` to the float64 neighbours below ``a`` and above ``b``, and where they agree
+    on a normal, finite value (the rounding then is that value, for every tie rule)."""
+    low = round_to(np.nextafter(a, -np.inf), fmt)
+    high = round_to(np.nextafter(b, np.inf), fmt)
+    known = (low == high) & np.isfinite(low) & (np.abs(low) >= fmt.smallest_normal)
+    return low, known
 
 
 def fold_step(

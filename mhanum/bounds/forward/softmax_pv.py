@@ -31,7 +31,7 @@ from mhanum.bounds.forward.evaluation import (
     times_expm1,
     weighted_expm1,
 )
-from mhanum.bounds.forward.extremes import direct_rows, extremes
+from mhanum.bounds.forward.extremes import PerKey, direct_rows, per_key
 from mhanum.bounds.forward.known_rounding import known_roundings, rounded_range
 from mhanum.bounds.forward.stage import (
     ALONG,
@@ -47,20 +47,6 @@ from mhanum.formats import round_to
 from mhanum.units import Naive, Online, Safe
 
 __all__ = ["softmax_pv"]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _PerKey:
-    """Step 4: the row maximum ``top``, the shifted logits ``sc``, ``p``, its extremes ``hi``
-    and ``lo`` over the box, ``log Σ e^{sc - δ}`` and the per-key deviations ``logits``."""
-
-    top: np.ndarray
-    sc: np.ndarray
-    p: np.ndarray
-    hi: np.ndarray
-    lo: np.ndarray
-    log_sum_lo: np.ndarray
-    logits: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -100,20 +86,7 @@ class _Weights:
     before: tuple[NumpyArray, NumpyArray] | None = None
 
 
-def _per_key(enc: Enclosure) -> _PerKey:
-    """Step 4 (per key, Lemma 4). ``p̃_j = p_j e^{ε_j} / Σ_l p_l e^{ε_l}``, ``|ε_l| <= δ_l``,
-    grows with ``ε_j`` and falls with every other ``ε_l``, so its extremes over the box are
-    ``p_j e^{±δ_j} / (p_j e^{±δ_j} + Σ_{l≠j} p_l e^{∓δ_l})``."""
-    s, live = enc.s, enc.live
-    top = s.max(axis=-1, keepdims=True)
-    with np.errstate(invalid="ignore"):
-        sc = on(live, s - np.where(np.isfinite(top), top, 0.0), -np.inf)
-    p, p_tilde_hi, p_tilde_lo, log_sum_lo = extremes(sc, enc.delta, live)
-    logits = np.maximum(p_tilde_hi - p, p - p_tilde_lo)
-    return _PerKey(top, sc, p, p_tilde_hi, p_tilde_lo, log_sum_lo, logits)
-
-
-def _row_sum(enc: Enclosure, values: Values, ctx: Context, pk: _PerKey) -> _RowSum:
+def _row_sum(enc: Enclosure, values: Values, ctx: Context, pk: PerKey) -> _RowSum:
     """Step 5: ``|ŝ_j - m| <= G_j`` for the computed maximum ``m`` in ``[lo, hi]`` (safe,
     online), the exponentials' relative errors ``R_j = e^{x_j} - 1`` and the computed row sum's
     relative error ``T``; step W and the naive softmax's flags (:func:`_vacuous_rows`)."""
@@ -192,7 +165,7 @@ def _step_w(
     return whole, rescued
 
 
-def _vacuous_rows(enc: Enclosure, ctx: Context, pk: _PerKey, hi: Any, flagged: Any) -> Any:
+def _vacuous_rows(enc: Enclosure, ctx: Context, pk: PerKey, hi: Any, flagged: Any) -> Any:
     """The rows step 5 cannot bound (``flagged``, term ``vacuous``) and, for the naive softmax,
     those where exp or the row sum may overflow, or the row sum's reciprocal flush to zero:
     XLA divides by the row sum as a product with its reciprocal, which flushes to zero once the
@@ -225,7 +198,7 @@ def _vacuous_rows(enc: Enclosure, ctx: Context, pk: _PerKey, hi: Any, flagged: A
     return flush | over
 
 
-def _probabilities(enc: Enclosure, ctx: Context, pk: _PerKey, rs: _RowSum) -> _Weights:
+def _probabilities(enc: Enclosure, ctx: Context, pk: PerKey, rs: _RowSum) -> _Weights:
     """Steps 5' and 6: the computed weights and their roundings into the probability format
     and the dot's operand format.
 
@@ -253,6 +226,8 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: _PerKey, rs: _RowSum) -> _W
     before = None
     if eta_op or known_roundings(ctx):
         before = _weights_before_rounding(enc, ctx, pk, rs, soft)
+        if enc.kernel is not None and not online:
+            before = _kernel_weights(enc, enc.kernel, rs, (y, eta_soft), before)
     rounding_keys: tuple[np.ndarray, float, np.ndarray, float] | None = None
     if online:
         per_sum = rs.per_sum
@@ -286,7 +261,7 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: _PerKey, rs: _RowSum) -> _W
 
 def _read_flush(
     ctx: Context,
-    pk: _PerKey,
+    pk: PerKey,
     rs: _RowSum,
     soft: NumpyArray,
     read: tuple[tuple[NumpyArray, NumpyArray] | None, float],
@@ -402,7 +377,7 @@ class _Charges:
     p_hat_v: Any
 
 
-def _output(enc: Enclosure, values: Values, pk: _PerKey) -> _Output:
+def _output(enc: Enclosure, values: Values, pk: PerKey) -> _Output:
     """The float64 output of the logits ``s`` and ``|ṽ_j - c|`` (:func:`centred`)."""
     v, ev_rel = values.v, evaluation_rounding(enc.s.shape[-1])
     pl = on(enc.live, pk.p, 0.0)
@@ -417,7 +392,7 @@ def _output(enc: Enclosure, values: Values, pk: _PerKey) -> _Output:
 def _charges(
     values: Values,
     ctx: Context,
-    pk: _PerKey,
+    pk: PerKey,
     rs: _RowSum,
     w: _Weights,
     out: _Output,
@@ -552,7 +527,7 @@ def _rounding_martingale(
 
 
 def _weights_before_rounding(
-    enc: Enclosure, ctx: Context, pk: _PerKey, rs: _RowSum, soft: NumpyArray
+    enc: Enclosure, ctx: Context, pk: PerKey, rs: _RowSum, soft: NumpyArray
 ) -> tuple[NumpyArray, NumpyArray]:
     """``[a_j, b_j]``, an enclosure of the value the kernel rounds into ``F_p``: the normalised
     ``p̂_j`` (steps 4, 5: ``p̃_j`` within ``[lo_j, hi_j]`` and ``p̂_j`` within ``soft_j`` of
@@ -580,8 +555,26 @@ def _weights_before_rounding(
     return np.exp(x_lo) * (1 - 2.0**-50) - eta_m, np.exp(x_hi) * (1 + 2.0**-50) + eta_m
 
 
+def _kernel_weights(
+    enc: Enclosure,
+    kernel: tuple[NumpyArray, NumpyArray],
+    rs: _RowSum,
+    soft_args: tuple[Any, Any],
+    before: tuple[NumpyArray, NumpyArray],
+) -> tuple[NumpyArray, NumpyArray]:
+    """``[a_j, b_j]`` narrowed by step 3k: the kernel's scores lie in ``enc.kernel``'s box too,
+    (``kernel``), so its ``p̃_j`` lies in the box's extremes (step 4), and ``p̂_j`` within ``soft_j`` of it
+    (step 5, with the factors of ``enc``'s wider box, which cover the kernel's scores): both
+    enclosures hold the value the kernel rounds (not online); their intersection is taken."""
+    y, eta_soft = soft_args
+    pk = per_key(dataclasses.replace(enc, s=kernel[0], delta=kernel[1]))
+    soft = on(rs.sound, times_expm1(pk.hi, y), 0.0) + eta_soft
+    ev_rel = evaluation_rounding(enc.s.shape[-1])
+    return np.maximum(before[0], pk.lo * (1 - ev_rel) - soft), np.minimum(before[1], pk.hi + soft)
+
+
 def _relative_roundings(
-    enc: Enclosure, values: Values, ctx: Context, pk: _PerKey, rs: _RowSum, w: _Weights
+    enc: Enclosure, values: Values, ctx: Context, pk: PerKey, rs: _RowSum, w: _Weights
 ) -> NumpyArray | None:
     """Step 6r (papers/attention.md): the probabilities' roundings into ``F_p`` with their
     signs, a bound on what the term ``probability_rounding`` bounds, or ``None`` where it does
@@ -632,7 +625,7 @@ def _known_probabilities(
     enc: Enclosure,
     values: Values,
     ctx: Context,
-    pk: _PerKey,
+    pk: PerKey,
     rs: _RowSum,
     w: _Weights,
     out: _Output,
@@ -734,7 +727,7 @@ def softmax_pv(
     """
     num, lam = ctx.num, ctx.lam
     online = isinstance(num.softmax_algorithm, Online)
-    pk = _per_key(enc)
+    pk = per_key(enc)
     rs = _row_sum(enc, values, ctx, pk)
     w = _probabilities(enc, ctx, pk, rs)
     p_hat_v = w.p_hat_hi @ values.v_abs  # (taken once, while its factors hold)

@@ -114,7 +114,9 @@ class Enclosure:
     """The logits as steps 4-7 take them: ``s`` (``-inf`` where not live) off by at most
     ``delta``; ``fold`` the part of ``delta`` the exponent's argument carries beyond
     ``|ŝ_j - m|`` (step 3''), ``across`` A.3''s splits ``(b, δ')`` of the errors, ``lift_arg``
-    each row's largest argument of a lifted exponential (``prob_offset``, step 3'')."""
+    each row's largest argument of a lifted exponential (``prob_offset``, step 3''), and
+    ``kernel`` step 3k's enclosure of the kernel's scores (centre ``-inf`` where not live,
+    radius), where some are known."""
 
     s: np.ndarray
     delta: np.ndarray
@@ -122,6 +124,7 @@ class Enclosure:
     fold: np.ndarray | None = None
     across: list[tuple[np.ndarray, np.ndarray]] | None = None
     lift_arg: np.ndarray | None = None
+    kernel: tuple[np.ndarray, np.ndarray] | None = None
 
     def keys(self, cut: slice) -> Enclosure:
         """The keys ``cut`` (a split of split-KV, A.6)."""
@@ -132,6 +135,7 @@ class Enclosure:
             None if self.fold is None else self.fold[:, cut],
             None if self.across is None else [(b[:, cut], d[:, cut]) for b, d in self.across],
             self.lift_arg,
+            None if self.kernel is None else (self.kernel[0][:, cut], self.kernel[1][:, cut]),
         )
 
 
