@@ -394,9 +394,17 @@ def known_scores_step(
     unit = dots.unit if setting.lam is None else _unit_error(ops, num, dots.qk_op, None)
     e_t = unit + dots.operands + F64_DOT * (d_k + 2) * dots.qk_abs
     with np.errstate(invalid="ignore", over="ignore"):
-        s1, known = _nearest_of(dots.t - e_t, dots.t + e_t, f_s)
-        s_hat, known_c = _nearest_of(s1 * c_hat, s1 * c_hat, f_s)
-    known = known & known_c & lg.used
+        s1, known = _nearest_within(dots.t, e_t, f_s)
+        product = s1 * c_hat
+        if _power_of_two(c_hat):  # the product is a value of F_s where it is normal, finite
+            s_hat = product
+            known &= (np.abs(product) >= 2 * f_s.smallest_normal) & (
+                np.abs(product) <= f_s.max_finite
+            )
+        else:
+            s_hat, known_c = _nearest_within(product, 0.0, f_s)
+            known &= known_c
+    known = known & lg.used
     if head.masked is not None:
         known = known & ~head.masked
     if not known.any():
@@ -420,6 +428,36 @@ def _known_constant(scale: float, f_s: Format) -> float | None:
     lo, hi = scale * (1 - 2.0**-51), scale * (1 + 2.0**-51)
     c, known = _nearest_of(np.array(min(lo, hi)), np.array(max(lo, hi)), f_s)
     return float(c) if bool(known) else None
+
+
+def _power_of_two(x: float) -> bool:
+    """Whether ``|x|`` is a power of two."""
+    return x != 0 and math.frexp(abs(x))[0] == 0.5
+
+
+def _nearest_within(
+    x: np.ndarray, e: np.ndarray | float, fmt: Format
+) -> tuple[np.ndarray, np.ndarray]:
+    """Lemma 6k for a value known to lie within ``e`` of ``x``: ``r``, the nearest value of
+    ``fmt`` to ``x``, and where every value of ``[x - e, x + e]`` rounds to ``r`` for every tie
+    rule: both ends strictly nearer to ``r`` than half its spacing on their side (``2^(E-p)``
+    for ``|r|`` in ``[2^E, 2^(E+1))``, half that below a power of two), ``r`` finite and at
+    least twice the smallest normal number (no flush reaches it). The distances are exact
+    (Sterbenz) and their sum with ``e`` is rounded up by its one rounding."""
+    r = round_to(x, fmt)
+    ar = np.abs(r)
+    mant, ex = np.frexp(ar)
+    half = np.ldexp(1.0, ex - 1 - fmt.precision)
+    toward = np.where(mant > 0.5, half, half / 2)  # below |r|: half as wide at a power of two
+    away = (x - r) * np.sign(r)  # > 0: beyond |r|
+    up = 1 + 2.0**-52
+    known = (
+        ((away + e) * up < half)
+        & ((e - away) * up < toward)
+        & np.isfinite(r)
+        & (ar >= 2 * fmt.smallest_normal)
+    )
+    return r, known
 
 
 def _nearest_of(a: np.ndarray, b: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray]:

@@ -74,7 +74,8 @@ class _Weights:
     relative part ``rel``, the roundings ``prob`` and ``operand_p``, the bound ``p_hat_hi`` on
     the weights as ``P·V`` reads them, A.3'''s keys (``rounding_keys``) and, where a later
     step reads it, the enclosure ``[a_j, b_j]`` of the value the kernel rounds into ``F_p``
-    (``before``, :func:`_weights_before_rounding`)."""
+    (``before``, :func:`_weights_before_rounding`) and, where steps 6k and 6r read it, Lemma
+    6k's ``[A_j, B_j]`` (``rounded``, :func:`rounded_range`)."""
 
     soft: Any
     eta_soft: Any
@@ -84,6 +85,7 @@ class _Weights:
     p_hat_hi: Any
     rounding_keys: tuple[np.ndarray, float, np.ndarray, float] | None
     before: tuple[NumpyArray, NumpyArray] | None = None
+    rounded: tuple[NumpyArray, NumpyArray] | None = None
 
 
 def _row_sum(enc: Enclosure, values: Values, ctx: Context, pk: PerKey) -> _RowSum:
@@ -256,7 +258,11 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: PerKey, rs: _RowSum) -> _We
     p_hat_hi += prob  # (in place: p_hat_hi is this function's own array)
     operand_p = u_op * p_hat_hi + _read_flush(ctx, pk, rs, soft, (before, eta_op))
     p_hat_hi += operand_p
-    return _Weights(soft, eta_soft, rel, prob, operand_p, p_hat_hi, rounding_keys, before)
+    rounded = None
+    if before is not None and known_roundings(ctx):
+        with quiet():
+            rounded = rounded_range(num, before)
+    return _Weights(soft, eta_soft, rel, prob, operand_p, p_hat_hi, rounding_keys, before, rounded)
 
 
 def _read_flush(
@@ -591,14 +597,14 @@ def _relative_roundings(
     u_p/4`` and ``|κ̄_j| <= 2u_p`` (a choice on the inputs alone); the others keep step 6's
     charge. Online, the rescalings' conversions keep theirs (``K η_m`` per key)."""
     num = ctx.num
-    if w.before is None or not known_roundings(ctx):
+    if w.before is None or w.rounded is None:
         return None
     f_p = num.format_of("prob")
     online = isinstance(num.softmax_algorithm, Online)
     ev_rel = evaluation_rounding(enc.s.shape[-1])
     with quiet():
         a, b = w.before
-        low, high = rounded_range(num, w.before)
+        low, high = w.rounded
         k_lo, k_hi = low / b - 1, high / a - 1
         centre, radius = (k_lo + k_hi) / 2, (k_hi - k_lo) / 2
         radius = radius + (np.abs(centre) + radius) * 2.0**-50
@@ -653,11 +659,11 @@ def _known_probabilities(
     """
     num = ctx.num
     online = isinstance(num.softmax_algorithm, Online)
-    if online or w.before is None or not known_roundings(ctx):
+    if online or w.rounded is None:
         return
     ev_rel = evaluation_rounding(enc.s.shape[-1])
     with quiet():
-        low, high = rounded_range(num, w.before)  # (not online: step 6k's [a_j, b_j])
+        low, high = w.rounded  # (not online: step 6k's [a_j, b_j])
         low, high = on(enc.live, low, 0.0), on(enc.live, high, 0.0)
         centre, radius = (low + high) / 2, (high - low) / 2
         shift = np.abs(centre @ values.v - out.o) * (1 + 2.0**-52)
