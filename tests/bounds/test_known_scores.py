@@ -36,10 +36,26 @@ def _numerics(score: str, **kw: object) -> Numerics:
     return Numerics(**{**base, **kw})
 
 
-def _error(q, k, v, num, mask=None, scale=None) -> np.ndarray:
-    out = np.asarray(mn.attention(q, k, v, mask, numerics=num, scale=scale), np.float64)
-    exact = reference.attention(q, k, v, mask=mask, scale=scale)
+def _error(q, k, v, num, mask=None, scale=None, bias=None, sink=None) -> np.ndarray:
+    kw = {"scale": scale, "bias": bias, "sink": sink}
+    out = np.asarray(mn.attention(q, k, v, mask, numerics=num, **kw), np.float64)
+    exact = reference.attention(q, k, v, mask=mask, **kw)
     return np.abs(out - np.asarray(exact, np.float64))
+
+
+def _bias(kind: str, n: int, f_s, rng) -> tuple[np.ndarray | None, float | None]:
+    """A bias of ``kind`` over ``n × n`` scores, or a sink's logit."""
+    if kind == "normal":
+        return rng.standard_normal((n, n)) * 4, None
+    if kind == "midpoints":  # midpoints between neighbouring values of the score format
+        base = round_to(rng.uniform(1, 2, (n, n)), f_s)
+        return base * (1 + 2.0**-f_s.precision), None
+    if kind == "alibi":  # -slope·|i - j|
+        i = np.arange(n)
+        return -0.25 * np.abs(i[:, None] - i[None, :]).astype(np.float64), None
+    if kind == "sink":
+        return None, float(rng.standard_normal())
+    return None, None
 
 
 def _softmax(s: np.ndarray) -> np.ndarray:
@@ -72,6 +88,29 @@ def test_a_known_score_rounding_is_charged_with_its_sign():
     err = _error(q, k, v, num, scale=1.0)
     assert np.all(err <= bound.total)
     assert np.all(err >= closed - 2.0**-23 * np.abs(c @ v))
+
+
+def test_a_known_score_plus_a_bias_is_charged_with_its_sign():
+    """The closed form above with a bias ``b = 0.2`` on the first key: the kernel adds
+    ``fl(0.2) = 0.2001953125`` to ``fl(x) = 1.296875`` and rounds the sum, 191.625 spacings
+    of bfloat16 above 0 (not a tie), to ``1.5``; the term is ``|c·v - o|`` for the weights
+    ``c`` of those scores, the exact output ``o`` that of ``x + 0.2``."""
+    num = _numerics("bfloat16")
+    x = float(round_to(1.3, "float32"))
+    q, k = np.array([[x]]), np.array([[1.0], [0.0]])
+    v = np.array([[1.0, -0.5], [0.25, 2.0]])
+    bias = np.array([[0.2, 0.0]])
+    bound = attention_bound(q, k, v, numerics=num, scale=1.0, bias=bias)
+    s_hat = 1.5  # fl(1.296875 + 0.2001953125)
+    assert float(round_to(1.296875 + float(round_to(0.2, "bfloat16")), "bfloat16")) == s_hat
+    c = round_to(_softmax(np.array([[s_hat, 0.0]])), "bfloat16")
+    o = _softmax(np.array([[x + 0.2, 0.0]])) @ v
+    closed = np.abs(c @ v - o)
+    known = bound.terms[KNOWN]
+    assert np.all(known >= closed * (1 - 2.0**-40))
+    assert np.all(known <= closed * (1 + 2.0**-20) + 2.0**-40)
+    err = _error(q, k, v, num, scale=1.0, bias=bias)
+    assert np.all(err <= bound.total)
 
 
 def test_a_score_on_a_rounding_midpoint_is_not_taken_as_known():
@@ -129,14 +168,16 @@ def _scales() -> st.SearchStrategy[float | None]:
     ties=st.booleans(),
     scale=_scales(),
     mask=st.sampled_from(["none", "causal", "fill", "add"]),
+    bias=st.sampled_from(["none", "normal", "midpoints", "alibi", "sink"]),
 )
 def test_sound_where_scores_are_rounded_coarser(
-    seed, score, softmax_form, summation, n, spread, ties, scale, mask
+    seed, score, softmax_form, summation, n, spread, ties, scale, mask, bias
 ):
     """The emulation within the bound, with the scores rounded into bfloat16, float16 or an
     fp8 format after a float32 accumulation: queries spread from tiny to wide, keys whose
     dots with the first query lie on rounding midpoints of the score format (``ties``: one
-    nonzero product each, exact in float32), every mask convention."""
+    nonzero product each, exact in float32), every mask convention, biases (normal, on
+    midpoints of the score format, ALiBi's slopes, a sink's logit)."""
     softmax, form = softmax_form
     extra: dict[str, object] = {"softmax": softmax, "exp_form": form, "summation": summation}
     finite = mask in ("fill", "add") or (mask == "causal" and score == "float8_e4m3fn")
@@ -158,8 +199,9 @@ def test_sound_where_scores_are_rounded_coarser(
         k[:, 0] = round_to(k[:, 0], "float32")
     v = round_to(rng.standard_normal((n, d)), "float32")
     m = None if mask == "none" else np.tril(np.ones((n, n), bool))
-    bound = attention_bound(q, k, v, m, numerics=num, scale=scale)
-    err = _error(q, k, v, num, m, scale)
+    b, sink = _bias("none" if (bias == "sink" and form == "exp2") else bias, n, f_s, rng)
+    bound = attention_bound(q, k, v, m, numerics=num, scale=scale, bias=b, sink=sink)
+    err = _error(q, k, v, num, m, scale, bias=b, sink=sink)
     # an infinite entry (a range the computation may leave: a NaN output) comes with a reason
     infinite = np.isinf(bound.total)
     assert not infinite.any() or bound.reasons

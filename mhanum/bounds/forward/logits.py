@@ -358,14 +358,15 @@ def known_scores_step(
     The dot unit accumulates ``t̂`` within ``e_t`` of ``t = q kᵀ`` (step 3's deterministic
     unit error, the operands' part of step 1 and the float64 ``t``'s own error), rounds it
     into the score format ``F_s`` (coarser than the accumulation format) and multiplies by
-    ``ĉ`` there. Rounding to nearest is monotone, so ``fl_s(t̂)`` is the nearest value of
-    ``F_s`` to both float64 neighbours of ``[t - e_t, t + e_t]`` where those agree: the
-    kernel's ``ŝ1``, known. ``ŝ1·ĉ`` is exact in float64 (``2p_s <= 53``), so ``fl_s(ŝ1·ĉ)``
-    is known where the nearest values to its two float64 neighbours agree (not at a tie, whose
-    rule the model leaves open), and a softmax format that holds ``F_s`` reads it exactly.
-    Taken with the scale on the scores, not folded, ``ĉ`` known from the scale's float64
-    value, no soft-cap, no bias, keys not masked, normal and finite scores; not asked for
-    (``known_rounding=False``), ``None``.
+    ``ĉ`` there. Rounding to nearest is monotone, so where every value of ``[t - e_t, t +
+    e_t]`` lies nearer to one value of ``F_s`` than half its spacing on either side, that value
+    is the kernel's ``ŝ1``, for every tie rule (:func:`_nearest_within`). ``ŝ1·ĉ`` is exact in
+    float64 (``2p_s <= 53``), so ``fl_s(ŝ1·ĉ)`` is known where it is not a tie (whose rule the
+    model leaves open); so is ``fl_s(ŝ + b̂)`` with a bias ``b̂ = fl_s(b)`` (itself not a
+    tie), the float64 sum within one rounding of the exact one; and a softmax format that
+    holds ``F_s`` reads the score exactly. Taken with the scale on the scores, not folded,
+    ``ĉ`` known from the scale's float64 value, no soft-cap, keys not masked, normal and
+    finite scores; not asked for (``known_rounding=False``), ``None``.
 
     Returns the kernel's scores where known and the float64 logits elsewhere, with the radius
     the kernel's scores have around them: step 3''s fold where known, ``δ`` elsewhere. The
@@ -379,7 +380,6 @@ def known_scores_step(
         and num.scale == "scores"
         and not const.folded
         and setting.softcap is None
-        and head.bias is None
         and not setting.loose_constant
         and f_s.u > num.format_of("accum").u
         and 2 * f_s.precision <= 53
@@ -404,6 +404,8 @@ def known_scores_step(
         else:
             s_hat, known_c = _nearest_within(product, 0.0, f_s)
             known &= known_c
+        if head.bias is not None:
+            s_hat, known = _biased(s_hat, known, head.bias, f_s)
     known = known & lg.used
     if head.masked is not None:
         known = known & ~head.masked
@@ -411,6 +413,20 @@ def known_scores_step(
         return None
     radius = lg.sources.get("exp_fold", 0.0)
     return np.where(known, s_hat, lg.s), np.where(known, radius, lg.delta)
+
+
+def _biased(
+    s_hat: np.ndarray, known: np.ndarray, bias: np.ndarray, f_s: Format
+) -> tuple[np.ndarray, np.ndarray]:
+    """Step 3k's bias: ``fl_s(ŝ + b̂)`` with ``b̂ = fl_s(b)``, known where ``b̂`` is (not a tie)
+    and where the float64 sum, within ``2^-53`` of the exact one, lies within one rounding
+    interval of ``F_s``; a zero bias adds nothing (``fl(x + 0) = x``)."""
+    b0 = np.where(np.isfinite(bias), bias, 0.0)
+    b_hat, known_b = _nearest_within(b0, 0.0, f_s)
+    x = s_hat + b_hat
+    s_b, known_x = _nearest_within(x, np.abs(x) * 2.0**-52, f_s)
+    zero = b0 == 0
+    return np.where(zero, s_hat, s_b), known & (zero | (known_b & known_x))
 
 
 def _holds(wide: Format, narrow: Format) -> bool:
