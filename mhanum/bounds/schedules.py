@@ -22,6 +22,7 @@ from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound, where_smaller
 from mhanum.bounds.factors import compound, evaluation_rounding
 from mhanum.bounds.forward import attention_bound
+from mhanum.bounds.forward.known_rounding import coarser_probabilities
 from mhanum.bounds.softmax import division_error
 from mhanum.numerics import Numerics, resolve
 
@@ -195,7 +196,7 @@ def _known_may_help(sides: dict[str, Numerics]) -> bool:
     """Whether A.1's known roundings (steps 3k, 6k and 6r: probabilities stored in a coarser
     format than the softmax computes them in) may make A.5 smaller than A.5', which takes the
     logits term apart and so evaluates its sides without them."""
-    return any(n.format_of("prob").u > n.format_of("softmax").u for n in sides.values())
+    return any(coarser_probabilities(n) for n in sides.values())
 
 
 def _around_computed_logits(bound: Bound, num: Numerics, keys: int, v: Any) -> dict[str, Any]:

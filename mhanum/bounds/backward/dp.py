@@ -21,6 +21,7 @@ from mhanum.bounds.enclosure import (
 )
 from mhanum.bounds.factors import chain, evaluation_rounding, operand_bits
 from mhanum.bounds.forward import attention_bound, attention_bound_along
+from mhanum.bounds.forward.known_rounding import coarser_probabilities
 
 __all__ = ["RowD", "d_step", "dp_step"]
 
@@ -138,7 +139,7 @@ def _forward_error(ctx: Context, ops: Operands) -> tuple[np.ndarray, np.ndarray]
         )  # fmt: skip
         eps_o, why = np.asarray(fwd.total, np.float64), fwd.reasons
         o_along = along[..., None]
-        if ctx.known and num.format_of("prob").u > num.format_of("softmax").u:
+        if ctx.known and coarser_probabilities(num):
             # A.1 with the known roundings (steps 3k, 6k, 6r), which A.1g cannot take apart,
             # wherever it is smaller: entrywise, and along d_out through |G|
             known = attention_bound(

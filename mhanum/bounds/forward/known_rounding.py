@@ -12,7 +12,13 @@ from mhanum.bounds.forward.stage import Context
 from mhanum.formats import round_to
 from mhanum.numerics import Numerics
 
-__all__ = ["known_roundings", "rounded_range"]
+__all__ = ["coarser_probabilities", "known_roundings", "rounded_range"]
+
+
+def coarser_probabilities(num: Numerics) -> bool:
+    """Whether ``num`` stores its probabilities in a coarser format than its softmax computes
+    them in: where steps 6k and 6r (and 3k through them) may apply."""
+    return num.format_of("prob").u > num.format_of("softmax").u
 
 
 def known_roundings(ctx: Context) -> bool:
@@ -20,12 +26,11 @@ def known_roundings(ctx: Context) -> bool:
     weights stored in a coarser format than the softmax computes them in, not lifted
     (``prob_offset``), and read by the dot exactly (:func:`operand_error_of`)."""
     num = ctx.num
-    f_p = num.format_of("prob")
     return (
         ctx.known
-        and f_p.u > num.format_of("softmax").u
+        and coarser_probabilities(num)
         and not num.prob_offset
-        and not operand_error_of(num, f_p)[0]
+        and not operand_error_of(num, num.format_of("prob"))[0]
     )
 
 

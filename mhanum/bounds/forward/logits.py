@@ -441,8 +441,7 @@ def _holds(wide: Format, narrow: Format) -> bool:
 def _known_constant(scale: float, f_s: Format) -> float | None:
     """``ĉ = fl_s(c)``, known where every float64 value within two roundings of the scale's
     (the default ``fl(1/fl(sqrt(d_k)))``, or a kernel's own) rounds to the same normal value."""
-    lo, hi = scale * (1 - 2.0**-51), scale * (1 + 2.0**-51)
-    c, known = _nearest_of(np.array(min(lo, hi)), np.array(max(lo, hi)), f_s)
+    c, known = _nearest_within(np.array(scale), abs(scale) * 2.0**-51, f_s)
     return float(c) if bool(known) else None
 
 
@@ -474,16 +473,6 @@ def _nearest_within(
         & (ar >= 2 * fmt.smallest_normal)
     )
     return r, known
-
-
-def _nearest_of(a: np.ndarray, b: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray]:
-    """Lemma 6k for a value known to lie in ``[a, b]`` (float64, possibly rounded): the nearest
-    value of ``fmt`` to the float64 neighbours below ``a`` and above ``b``, and where they agree
-    on a normal, finite value (the rounding then is that value, for every tie rule)."""
-    low = round_to(np.nextafter(a, -np.inf), fmt)
-    high = round_to(np.nextafter(b, np.inf), fmt)
-    known = (low == high) & np.isfinite(low) & (np.abs(low) >= fmt.smallest_normal)
-    return low, known
 
 
 def fold_step(

@@ -568,10 +568,10 @@ def _kernel_weights(
     soft_args: tuple[Any, Any],
     before: tuple[NumpyArray, NumpyArray],
 ) -> tuple[NumpyArray, NumpyArray]:
-    """``[a_j, b_j]`` narrowed by step 3k: the kernel's scores lie in ``enc.kernel``'s box too,
-    (``kernel``), so its ``p̃_j`` lies in the box's extremes (step 4), and ``p̂_j`` within ``soft_j`` of it
-    (step 5, with the factors of ``enc``'s wider box, which cover the kernel's scores): both
-    enclosures hold the value the kernel rounds (not online); their intersection is taken."""
+    """``[a_j, b_j]`` narrowed by step 3k: the kernel's scores lie in the box ``kernel`` too,
+    so its ``p̃_j`` lies within that box's extremes (step 4) and ``p̂_j`` within ``soft_j`` of
+    it (step 5, with the factors of ``enc``'s wider box, which cover the kernel's scores).
+    Both enclosures hold the value the kernel rounds (not online): their intersection."""
     y, eta_soft = soft_args
     pk = per_key(dataclasses.replace(enc, s=kernel[0], delta=kernel[1]))
     soft = on(rs.sound, times_expm1(pk.hi, y), 0.0) + eta_soft
