@@ -5,6 +5,7 @@ proved in (:func:`linear_overflow`); read by A.2, A.4's multi-head form and B.6.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,7 +26,7 @@ from mhanum.numerics import Numerics
 if TYPE_CHECKING:
     from mhanum._types import ArrayLike
 
-__all__ = ["Linear", "linear", "linear_overflow"]
+__all__ = ["Linear", "Roundings", "linear", "linear_overflow"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,11 @@ class Linear:
     """Theorem A.2 (a): ``y = x w + b`` in float64 and the bounds of the computed ``ŷ``.
 
     ``|y - y*| <= given`` (float64 evaluation); ``|ŷ - y*| <= fixed + kappa·(e_x @ slope)`` for
-    an operand read with ``|x̂ - x*| <= e_x``.
+    an operand read with ``|x̂ - x*| <= e_x``. ``rounded`` is what Theorem A.3‴ reads
+    (:meth:`roundings`): the part of the error that is not a relative rounding of the
+    accumulation or the storage (``fixed, slope factor``), and the bound on those roundings'
+    increments (``(Σ T²)^½``, ``fixed, slope factor``), ``None`` where it does not apply
+    (operand rounding, tensor-core or split dots, a compensated sum).
     """
 
     y: np.ndarray
@@ -42,9 +47,46 @@ class Linear:
     slope: np.ndarray
     kappa: float
     given_x: np.ndarray
+    rounded: Roundings | None = None
 
     def error(self, e_x: np.ndarray) -> np.ndarray:
         return self.fixed + self.kappa * (e_x @ self.slope)
+
+    def roundings(self, e_x: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Theorem A.3‴: ``(moved, sigma)`` for an operand within ``e_x``. ``ŷ - y*`` is
+        ``Σ_r δ_r T_r`` over the dot's, the bias's and the storage's relative roundings plus a
+        rest at most ``error - moved`` (the inputs' and weights' rounding, underflow);
+        ``moved`` bounds the sum, ``sigma >= (Σ_r |T_r|²)^½`` times their unit roundoffs."""
+        r = self.rounded
+        if r is None:
+            return None
+        e = e_x @ self.slope
+        before = r.before[0] + r.before[1] * e  # E_2, the bound before the last rounding
+        # the last rounding's underflow only where the value may be below the normal range
+        low = np.abs(self.y) - self.given - before < r.eta_last[0]
+        rest = r.rest[0] + r.rest[1] * e + np.where(low, r.eta_last[1], 0.0)
+        return np.maximum(self.error(e_x) - rest, 0.0), r.sigma[0] + r.sigma[1] * e
+
+
+@dataclasses.dataclass(frozen=True)
+class Roundings:
+    """Theorem A.3‴'s split of A.2 (a), each part affine in ``e_x @ slope`` (``(c_0, c_1)``):
+    the rest but the last rounding's underflow, the increments' root-sum-square, ``E_2``
+    before the last rounding, and that rounding's smallest normal number and underflow."""
+
+    rest: tuple[np.ndarray, float]
+    sigma: tuple[np.ndarray, float]
+    before: tuple[np.ndarray, float]
+    eta_last: tuple[float, float]
+
+    def scaled(self, scale: float) -> Roundings:
+        """Every bound times ``scale`` (the float64 sums' rounding)."""
+        return Roundings(
+            (self.rest[0] * scale, self.rest[1] * scale),
+            (self.sigma[0] * scale, self.sigma[1] * scale),
+            (self.before[0] * scale, self.before[1] * scale),
+            (self.eta_last[0], self.eta_last[1] * scale),
+        )
 
 
 def linear(
@@ -95,10 +137,53 @@ def linear(
         fixed = (1 + acc.u) * (fixed + e_b) + acc.u * y_bar + acc.smallest_normal
         kappa *= 1 + acc.u
     y_bar = np.abs(y) + y_given
+    rounded = _roundings(x_bar, e_w, slope, b, num, out, (y_bar, fixed, kappa))
     fixed = out.u * y_bar + (1 + out.u) * fixed + out.smallest_normal
     kappa *= 1 + out.u
     scale = 1 + evaluation_rounding(x.shape[-1])  # the float64 sums over the inputs
-    return Linear(y, y_given * scale, fixed * scale, slope, kappa * scale, x_given)
+    return Linear(
+        y, y_given * scale, fixed * scale, slope, kappa * scale, x_given,
+        None if rounded is None else rounded.scaled(scale),
+    )  # fmt: skip
+
+
+def _roundings(
+    x_bar: np.ndarray,
+    e_w: np.ndarray,
+    slope: np.ndarray,
+    b: np.ndarray | None,
+    num: Numerics,
+    out: Format,
+    before: tuple[np.ndarray, np.ndarray, float],
+) -> Roundings | None:
+    """Theorem A.3‴'s split of A.2 (a), each part affine in ``e_x @ slope`` (``(c_0, c_1)``).
+
+    ``ŷ - y* = (x̂ - x*)ŵ + x*(ŵ - w) + (b̂ - b) + Σ_r δ_r T_r + η``: the rest is at most
+    ``e_x|ŵ| + x̄ e_w + |b̂ - b| + η`` (the dot's, the sum's and the storage's underflow); the
+    relative roundings are at most ``2d - 1`` of the dot's, ``|T| <= (1 + g)Σ|x̂||ŵ|`` (``g``
+    the deterministic factor; twice each where the backend may carry a narrower format), the
+    bias's on ``|ỹ| <= ȳ + E`` and the storage's on ``|ỹ| <= ȳ + E_2`` (``before``: ``ȳ``
+    and ``E_2 = fixed + kappa·(e_x @ slope)`` before the last rounding)."""
+    if num.operand_rounding is not None or num.dot_kind != "ieee" or num.order.compensated:
+        return None
+    acc = num.format_of("accum")
+    d = x_bar.shape[-1]
+    y_bar, fixed, kappa = before
+    twice = 2 if num.order.carried and acc.u > 2.0**-24 else 1
+    g_det = unit_factor(num, d, None, bits=(operand_bits(num, num.format_of("input")),) * 2)
+    rest_0 = x_bar @ e_w + unit_eta(num, d)
+    if b is not None:
+        rest_0 = rest_0 + rounding_error(b, num.format_of("input")) + acc.smallest_normal
+    dot = acc.u * (1 + g_det) * math.sqrt(twice * (2 * d - 1))
+    # (Σ T²)^½ <= dot·(x̄ + e_x)|ŵ| + u_a(ȳ + E_2) [bias] + u_F(ȳ + E_2)
+    last = (acc.u if b is not None else 0.0) + out.u
+    sig_0 = dot * (x_bar @ slope) + last * (y_bar + fixed)
+    return Roundings(
+        (rest_0, 1.0),
+        (sig_0, dot + last * kappa),
+        (fixed, kappa),
+        (out.smallest_normal, out.smallest_normal),
+    )
 
 
 def linear_overflow(

@@ -11,9 +11,9 @@ import numpy as np
 from mhanum.bounds.factors import F64_DOT, evaluation_rounding, unit_eta, unit_factor
 from mhanum.bounds.forward.logits import Constant, Dots, Logits
 from mhanum.bounds.forward.operands import Operands
-from mhanum.bounds.forward.stage import Head, Setting, Values
+from mhanum.bounds.forward.stage import Head, Setting, StoredSplit, Values
 
-__all__ = ["across_splits", "dot_increments", "logits_across_keys"]
+__all__ = ["across_splits", "dot_increments", "logits_across_keys", "stored_split"]
 
 
 def across_splits(
@@ -34,6 +34,26 @@ def across_splits(
     increments ``c·t̂_j·δ_s`` and ``c·t̂_j·δ_mul`` with ``|t̂_j| <= T_j``, the rest of ``θ``
     (``δ_c``, common to the row, and the products of ``δ``s) deterministic.
     """
+    split = _dot_split(lg, dots, ops, const, head, setting)
+    if split is None:
+        return None
+    b_dot, rest, t_hat = split
+    across = [(b_dot, np.where(live, np.maximum(rest, 0.0), 0.0))]
+    if t_hat is not None:
+        num, scale = setting.num, setting.scale
+        u_s = num.format_of("score").u
+        b_score = np.sqrt(b_dot**2 + (abs(scale) * math.hypot(u_s, const.u_mul) * t_hat) ** 2)
+        rest_score = rest - abs(scale) * (u_s + const.u_mul) * t_hat
+        across.append((b_score, np.where(live, np.maximum(rest_score, 0.0), 0.0)))
+    return across
+
+
+def _dot_split(
+    lg: Logits, dots: Dots, ops: Operands, const: Constant, head: Head, setting: Setting
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """A.3''s first split ``(b, δ')`` (the dots' roundings in the martingale), and the bound
+    ``T_j`` on the scores' ``|t̂_j|`` where their roundings may join it (no bias, the scale
+    on the scores); ``None`` outside A.3''s scope."""
     num, lam, scale = setting.num, setting.lam, setting.scale
     if not (
         lam is not None
@@ -44,7 +64,7 @@ def across_splits(
     ):
         return None
     d_k = ops.q_op.shape[-1]
-    u_a, u_s = num.format_of("accum").u, num.format_of("score").u
+    u_a = num.format_of("accum").u
     g_det = unit_factor(num, d_k, None, bits=ops.bits_qk)
     twice = 2 if num.order.carried and u_a > 2.0**-24 else 1
     b_dot = (
@@ -59,13 +79,40 @@ def across_splits(
         + abs(scale) * k_b * unit_eta(num, d_k)
         + abs(scale) * (k_b - 1) * g_det * dots.qk_op
     )
-    across = [(b_dot, np.where(live, np.maximum(rest, 0.0), 0.0))]
+    t_hat = None
     if head.bias is None and num.scale == "scores":
         t_hat = np.abs(dots.t) + dots.operands + g_det * dots.qk_op + unit_eta(num, d_k)
-        b_score = np.sqrt(b_dot**2 + (abs(scale) * math.hypot(u_s, const.u_mul) * t_hat) ** 2)
-        rest_score = rest - abs(scale) * (u_s + const.u_mul) * t_hat
-        across.append((b_score, np.where(live, np.maximum(rest_score, 0.0), 0.0)))
-    return across
+    return b_dot, rest, t_hat
+
+
+def stored_split(
+    lg: Logits, dots: Dots, ops: Operands, const: Constant, live: np.ndarray, head: Head,
+    setting: Setting,
+) -> StoredSplit | None:  # fmt: skip
+    """Theorem A.3‴ (papers/attention.md) at the logits: the projections' relative roundings
+    ``μ`` move ``ε_j`` by ``c(μ_q·k_j + q·μ_kj)`` to first order, with coefficients of the
+    exact target's; that part (and the scores' roundings, where A.3''s second split takes
+    them) leaves ``δ'_j`` for the martingale through the output projection. ``None`` outside
+    A.3''s scope or without ``head.stored``. The operand part of ``δ_j`` is ``|c|(1 + θ)(e_q|k|
+    + |q|e_k + e_q e_k)`` with ``e >= |μ| + ρ``, so ``δ'_j`` less ``|c|(μ̄_q|k| + |q|μ̄_k)``
+    (``μ̄``: ``head.stored.moved``) still bounds the rest."""
+    st = head.stored
+    split = None if st is None else _dot_split(lg, dots, ops, const, head, setting)
+    if split is None or st is None:
+        return None
+    b_dot, rest, t_hat = split
+    c = abs(setting.scale)
+    (m_q, m_k, _), (s_q, s_k, _) = st.moved, st.sigma
+    moved = c * (m_q @ ops.k_abs.T + ops.q_abs @ m_k.T)
+    w_k = c * c * ((ops.q_abs * ops.q_abs) @ (s_k * s_k).T)
+    w_s = np.zeros_like(w_k)
+    if t_hat is not None:
+        u_s = setting.num.format_of("score").u
+        moved = moved + c * (u_s + const.u_mul) * t_hat
+        w_s = (c * math.hypot(u_s, const.u_mul) * t_hat) ** 2
+    rest = np.where(live, np.maximum(rest - moved, 0.0), 0.0)
+    moved, w_k, w_s = (np.where(live, x, 0.0) for x in (moved, w_k, w_s))
+    return StoredSplit(b_dot, rest, moved, w_k, w_s, c * c * s_q * s_q, head.k, st)
 
 
 def dot_increments(
@@ -108,6 +155,7 @@ def logits_across_keys(
     per_key: np.ndarray,
     across: tuple[np.ndarray, np.ndarray],
     lam: float,
+    second_order: bool = True,
 ) -> Any:
     """Theorem A.3' (papers/attention.md): the logits term with the dots' errors summed across keys.
 
@@ -117,6 +165,9 @@ def logits_across_keys(
     ``p_j |v_j - o| b_j``: by Azuma-Hoeffding ``|Σ| <= λ (Σ_j (p_j (v_j - o) b_j)²)^½`` but with
     probability ``2 exp(-λ²/2)`` per output. The rest of ``ε_j`` is at most ``δ'_j``, and
     ``Σ_j (p̃_j - p_j)(v̂_j - v_j)`` at most the per-key deviations times ``v_abs - |v|``.
+    ``second_order=False`` leaves out the part of the ``r_j`` (the caller bounds it: Theorem
+    A.3‴). The cancellation in ``Σ_j (p_j b_j)² (v_j - o)²`` is charged ``2^-49`` and twice
+    the float64 sums' rounding of its absolute terms.
     """
     ev_rel = evaluation_rounding(p.shape[-1])  # float64 sums over the keys
     b, rest = across
@@ -127,13 +178,14 @@ def logits_across_keys(
         w = (pl * b) ** 2
         w_v2, w_v, w_0 = w @ (v * v), w @ v, w.sum(axis=-1, keepdims=True)
         var = w_v2 - 2 * o * w_v + o * o * w_0  # Σ_j (p_j b_j)² (v_j - o)², cancellation below
-        slack = 2.0**-49 * (w_v2 + 2 * np.abs(o) * (w @ np.abs(v)) + o * o * w_0)
+        slack = (2.0**-49 + 2 * ev_rel) * (w_v2 + 2 * np.abs(o) * (w @ np.abs(v)) + o * o * w_0)
         martingale = lam * np.sqrt(np.maximum(var + slack, 0.0))
         d = np.where(live, delta, 0.0)
         second = np.expm1(d) - d  # |e^ε - 1 - ε| for |ε| <= δ
         spread = np.abs(v)
         det = (pl * rest) @ spread + np.abs(o) * (pl * rest).sum(axis=-1, keepdims=True)
-        det = det + (pl * second) @ spread + np.abs(o) * (pl * second).sum(axis=-1, keepdims=True)
+        if second_order:
+            det = det + (pl * second) @ spread + np.abs(o) * (pl * second).sum(-1, keepdims=True)
         z_inv = np.exp(d.max(axis=-1, keepdims=True))
         used = per_key @ (v_abs - np.abs(v))
         return (z_inv * (martingale + det) + used) * (1 + ev_rel)

@@ -12,7 +12,7 @@ import numpy as np
 from mhanum._threads import map_threads
 from mhanum.bounds._result import where_smaller
 from mhanum.bounds.factors import compound, evaluation_rounding
-from mhanum.bounds.forward.across_keys import across_splits
+from mhanum.bounds.forward.across_keys import across_splits, stored_split
 from mhanum.bounds.forward.centring import column_median
 from mhanum.bounds.forward.evaluation import on, quiet
 from mhanum.bounds.forward.keys import BandRows
@@ -42,6 +42,8 @@ from mhanum.bounds.forward.stage import (
     ALONG,
     PLAIN,
     PROJECTED,
+    STORED_PARTS,
+    UNSHAPED,
     WHOLE,
     Context,
     Enclosure,
@@ -92,9 +94,11 @@ def evaluate_head(head: Head, setting: Setting) -> HeadResult:
     across = across_splits(lg, dots, ops, const, live, head, setting)
     known = known_scores_step(lg, dots, ops, head, setting, const)
     kernel = None if known is None else (on(live, known[0], -np.inf), on(live, known[1], 0.0))
+    stored = stored_split(lg, dots, ops, const, live, head, setting)
     enc = Enclosure(
-        on(live, lg.s, -np.inf), on(live, lg.delta, 0.0), live, fold, across, lift_arg, kernel
-    )
+        on(live, lg.s, -np.inf), on(live, lg.delta, 0.0), live, fold, across, lift_arg, kernel,
+        stored,
+    )  # fmt: skip
     values = Values(head.v, ops.v_abs, ops.bits_pv, dots.anchor, head.v_centre)
     ctx = Context(num, setting.lam, u_div, ranges, setting.known_rounding)
     if num.kv_splits is None:
@@ -156,6 +160,9 @@ def _parts(
         parts[PROJECTED] = projected * (1 + ev_rel)
     if along_rows is not None:
         parts[ALONG] = along_rows
+    for name in STORED_PARTS:
+        if name in terms:
+            parts[name] = terms.pop(name)
     return parts
 
 
@@ -264,7 +271,7 @@ def _at_most_magnitudes(
     for name, x in parts.items():
         if name == PLAIN:
             continue
-        if name in (PROJECTED, ALONG):
+        if name in UNSHAPED:
             parts[name] = np.where(rows, np.inf, x)
         else:
             parts[name] = np.where(take, 0.0, x)
@@ -358,7 +365,7 @@ def _stacked_rows(parts: list[HeadResult], head: Head) -> HeadResult:
         return {
             n: np.concatenate(
                 [
-                    d[n] if n in (PROJECTED, ALONG) else np.broadcast_to(d.get(n, 0.0), shape)
+                    d[n] if n in UNSHAPED else np.broadcast_to(d.get(n, 0.0), shape)
                     for d, shape in zip(dicts, shapes, strict=True)
                 ]
             )

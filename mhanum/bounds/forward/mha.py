@@ -25,7 +25,17 @@ from mhanum.bounds.forward.evaluation import certified_difference, quiet
 from mhanum.bounds.forward.head import HeadResult, evaluate_heads, evaluate_rows
 from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias, with_dead_rows
 from mhanum.bounds.forward.result import check_scope, head_reasons, result, split_count
-from mhanum.bounds.forward.stage import ALONG, PLAIN, PROJECTED, Head, Setting
+from mhanum.bounds.forward.stage import (
+    ALONG,
+    PLAIN,
+    PROJECTED,
+    STORED_PARTS,
+    UNSHAPED,
+    Head,
+    Setting,
+    Stored,
+)
+from mhanum.bounds.forward.stored import stored_scope
 from mhanum.bounds.projections import linear, linear_overflow
 from mhanum.formats import round_to
 from mhanum.numerics import Numerics, resolve
@@ -282,7 +292,11 @@ def mha_bound(
         numerics: a :class:`Numerics` or preset name.
         scale: the logit scale; default ``1/sqrt(d_k)``.
         lam: the probabilistic variant, as for :func:`attention_bound` (the projections' chains
-            are counted in ``Bound.probability``).
+            are counted in ``Bound.probability``); where it is smaller, Theorem A.3‴ bounds the
+            terms ``attention.logits`` and ``attention.operands`` together: the projections'
+            and the scores' roundings as one martingale per output entry through the output
+            projection's weights (IEEE dots, no operand rounding, the scale on the scores, no
+            rotation or split-KV; one more event per output entry).
         probability: instead of ``lam``, the probability the bound should state, as for
             :func:`attention_bound`.
         input_rounding: ``"auto"``, ``"exact"`` or ``"bounded"``: how the rounding of the
@@ -354,6 +368,9 @@ def _mha_bound(
         + keys * (params.qk_width + params.v_width) * params.d_kv
         + rows * params.d_out * params.v_width
     )
+    across_heads = (lam is not None or probability is not None) and stored_scope(p, num)
+    if across_heads:  # Theorem A.3‴: one more event per output entry
+        chains += math.prod(outer) * rows * params.d_out
     lam = lam_or_probability(lam, probability, chains, num)
     keep, masked, b, replaced = keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)
     dead = dead_rows(keep, masked)
@@ -363,13 +380,15 @@ def _mha_bound(
         for f in dataclasses.fields(params)
     }
     w = {name: None if a is None else a.astype(np.float64) for name, a in w.items()}
-    proj, bad_rows, reasons = _projections(p, w, outer, num, lam)
+    proj, bad_rows, reasons, last = _projections(p, w, outer, num, lam)
     if p.rope is not None:
         proj = _rotated_projections(p, proj, num)
-    results = _heads(p, num, lam, proj, (keep, b, masked, replaced, w), known)
+    stored = last if across_heads and all(x is not None for x in last.values()) else None
+    results = _heads(p, num, lam, proj, (keep, b, masked, replaced, w, stored), known)
     shape = (*outer, heads, rows, d_v)
     ev = evaluation_rounding(max(params.v_width, keys))
-    terms, logits, bad_out = _output_projection(results, shape, w, num, lam, reasons, ev)
+    group = heads // (p.num_kv_heads or heads)
+    terms, logits, bad_out = _output_projection(results, shape, w, num, (lam, group), reasons, ev)
     full = terms["output_projection"].shape
     head_bad = {
         n: _gather(results, lambda r, n=n: r[4].where.get(n, np.zeros(r[4].shape, bool)), shape)
@@ -393,16 +412,17 @@ def _mha_bound(
 
 def _projections(
     p: MHAProblem, w: dict[str, Any], outer: tuple[int, ...], num: Numerics, lam: float | None
-) -> tuple[dict[str, tuple[Any, Any, Any]], np.ndarray, list[str]]:
+) -> tuple[dict[str, tuple[Any, Any, Any]], np.ndarray, list[str], dict[str, Any]]:
     """Step (a): each projection ``y = x w + b`` per head, ``(y, e, g)``: the float64 value,
     the bound on the computed one's error against the exact one (the inputs' rounding
     included) and the float64 value's own (``given``). R.7: rows of the output that an
     overflow may reach (a query row: that row; a key or value anywhere: every row of the batch
-    element), and why."""
+    element), and why. Last, per head, the bound on the relative part of each entry's last
+    rounding into the storage format (Theorem A.3‴)."""
     heads, rows = p.num_heads, p.scores[-2]
     xs = {"x_q": np.asarray(p.x_q, np.float64), "x_kv": np.asarray(p.x_kv, np.float64)}
     fmt_in, storage = num.format_of("input"), num.storage_format
-    proj = {}
+    proj, last = {}, {}
     bad_rows = np.zeros((*outer, rows, 1), bool)
     reasons: list[str] = []
     for name, x, wn, bn in (
@@ -429,9 +449,13 @@ def _projections(
             split_heads(used + lin.given, heads),
             split_heads(lin.given, heads),
         )
+        split = lin.roundings(e_in)
+        parts = None if split is None else tuple(split_heads(x, heads) for x in split)
         if p.sink is not None and name != "q":  # the sink's key and value: exact zeros
             proj[name] = tuple(masks.zero_key(x) for x in proj[name])
-    return proj, bad_rows, reasons
+            parts = None if parts is None else tuple(masks.zero_key(x) for x in parts)
+        last[name] = parts
+    return proj, bad_rows, reasons, last
 
 
 def _rotated_projections(
@@ -479,8 +503,9 @@ def _heads(
     """Step (b): Theorem A.1 for every head, its operands the projections of step (a) (their
     errors as A.1's step 1 takes them, the float64 values' own as ``given``), with step (c')'s
     values through the output projection's weights as the kernel reads them. ``keys``: the
-    attended keys, the bias, the masked and replaced logits and the weights."""
-    keep, b, masked, replaced, w = keys
+    attended keys, the bias, the masked and replaced logits, the weights and, for Theorem
+    A.3‴, the projections' last roundings (``None``: not taken)."""
+    keep, b, masked, replaced, w, last = keys
     heads = p.num_heads
     c = p.scale_value(num.scale)
     d_v = p.params.v_width // heads
@@ -501,6 +526,11 @@ def _heads(
                 bias=None if b is None else b[i], given=(gq[i], gk[i], gv[i]),
                 masked=None if masked is None else masked[i],
                 replaced=None if replaced is None else replaced[i], project=project,
+                stored=None if last is None else Stored(
+                    (last["q"][0][i], last["k"][0][i], last["v"][0][i]),
+                    (last["q"][1][i], last["k"][1][i], last["v"][1][i]),
+                    wo_hat[cols],
+                ),
             )  # fmt: skip
     # every head's chunks of rows side by side (each evaluated as it would be alone)
     return dict(zip(built, evaluate_heads(list(built.values()), setting), strict=True))
@@ -516,21 +546,22 @@ def _output_projection(
     shape: tuple[int, ...],
     w: dict[str, Any],
     num: Numerics,
-    lam: float | None,
+    lam_group: tuple[float | None, int],
     reasons: list[str],
     ev: float,
 ) -> tuple[dict[str, Any], dict[str, Any], Any]:
     """Steps (c) and (c'): the heads' terms through the output projection, and its own error
-    (``output_projection``); the logits term through the weights (step (c'), where smaller).
-    Returns the terms, the logits term's parts and the outputs the projection may overflow;
-    adds the heads' and the projection's reasons to ``reasons``. ``ev``: the float64
-    evaluation's relative rounding of step (c')'s sums."""
-    outer, rows = shape[:-3], shape[-2]
+    (``output_projection``); the logits term through the weights (step (c'), where smaller);
+    then Theorem A.3‴ where the heads carry its parts (``lam_group``: ``lam`` and the query
+    heads per key/value head). Returns the terms, the logits term's parts and the outputs the
+    projection may overflow; adds the heads' and the projection's reasons to ``reasons``.
+    ``ev``: the float64 evaluation's relative rounding of step (c')'s sums."""
+    lam, group = lam_group
     names = sorted({name for r in results.values() for name in r[0]})
     head_terms = {
         n: _gather(results, lambda r, n=n: r[0].get(n, np.zeros_like(r[1])), shape) for n in names
     }
-    sources = sorted({name for r in results.values() for name in r[3]} - {PLAIN, PROJECTED})
+    sources = sorted({n for r in results.values() for n in r[3]} - {PLAIN, *UNSHAPED})
     head_parts = {
         n: _gather(results, lambda r, n=n: r[3].get(n, np.zeros_like(r[1])), shape) for n in sources
     }
@@ -544,18 +575,67 @@ def _output_projection(
     terms = {f"attention.{n}": out.kappa * (t @ out.slope) for n, t in head_terms.items()}
     logits = {n: out.kappa * (t @ out.slope) for n, t in head_parts.items()}
     if num.kv_splits is None and "logits" in head_terms:
-        projected = [r[3][PROJECTED] for r in results.values()]
         kept = _logits_through_projection(
             terms["attention.logits"],
             head_terms["logits"] @ out.slope,
-            np.sum(projected, axis=0)
-            if not outer
-            else np.stack(projected).reshape(*outer, shape[-3], rows, -1).sum(axis=-3),
+            _head_sum(results, PROJECTED, shape),
             ev,
         )
-        with np.errstate(invalid="ignore", divide="ignore"):
-            share = np.where(terms["attention.logits"] > 0, kept / terms["attention.logits"], 0.0)
-        logits = {n: np.where(np.isfinite(share), share * x, x) for n, x in logits.items()}
+        logits = _shared(logits, terms["attention.logits"], kept)
         terms["attention.logits"] = kept
+    if lam is not None and all(STORED_PARTS[0] in r[3] for r in results.values()):
+        _across_heads(terms, logits, (results, shape, out), lam, group)
     terms["output_projection"] = out.fixed
     return terms, logits, bad_out
+
+
+def _head_sum(results: dict[Any, HeadResult], name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The heads' part ``name`` (``(Lq, d_out)`` each) summed over the heads, per batch entry."""
+    parts = [r[3][name] for r in results.values()]
+    outer, rows = shape[:-3], shape[-2]
+    if not outer:
+        return np.sum(parts, axis=0)
+    return np.stack(parts).reshape(*outer, shape[-3], rows, -1).sum(axis=-3)
+
+
+def _shared(logits: dict[str, Any], before: np.ndarray, after: np.ndarray) -> dict[str, Any]:
+    """The logits term's parts (``Bound.parts``) scaled as the term went from ``before`` to
+    ``after``."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = np.where(before > 0, after / before, 0.0)
+    return {n: np.where(np.isfinite(share), share * x, x) for n, x in logits.items()}
+
+
+def _across_heads(
+    terms: dict[str, Any],
+    logits: dict[str, Any],
+    heads: tuple[dict[Any, HeadResult], tuple[int, ...], Any],
+    lam: float,
+    group: int,
+) -> None:
+    """Theorem A.3‴ (papers/attention.md): the projections' last roundings (and the scores')
+    as one martingale per output entry through the weights, across the heads, with the rest
+    of each head's logits and operands terms through ``|ŵ|`` as in (c):
+    ``κ(R|ŵ| + λ(Σ_h V_q + g Σ_h V_kv)^½ + S) + (κ - 1) F|ŵ|`` (``R``, ``F``, ``V``, ``S`` the
+    heads' parts ``rest``, ``first``, ``var_q``/``var_kv`` and ``second``, :mod:`stored`; a
+    key/value head's roundings reach ``g`` query heads, so its squares count ``g`` times).
+    Where smaller, it replaces ``attention.logits`` + ``attention.operands``, shared between
+    them in their proportion. The choice depends on the inputs only: one event per entry."""
+    results, shape, out = heads
+    rest_name, first_name, var_q, var_kv, second = STORED_PARTS
+    rest = _gather(results, lambda r: r[3][rest_name], shape)
+    first = _gather(results, lambda r: r[3][first_name], shape)
+    var = _head_sum(results, var_q, shape) + group * _head_sum(results, var_kv, shape)
+    with np.errstate(invalid="ignore", over="ignore"):
+        across = out.kappa * (
+            rest @ out.slope + lam * np.sqrt(var) + _head_sum(results, second, shape)
+        ) + (out.kappa - 1) * (first @ out.slope)
+    before_l, before_o = terms["attention.logits"], terms["attention.operands"]
+    before = before_l + before_o
+    take = np.isfinite(across) & (across < before)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        share = np.where(before > 0, before_l / before, 1.0)
+        after_l = np.where(take, across * share, before_l)
+        terms["attention.operands"] = np.where(take, across * (1 - share), before_o)
+    logits.update(_shared(logits, before_l, after_l))
+    terms["attention.logits"] = after_l

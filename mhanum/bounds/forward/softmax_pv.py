@@ -43,6 +43,7 @@ from mhanum.bounds.forward.stage import (
     Enclosure,
     Values,
 )
+from mhanum.bounds.forward.stored import stored_parts
 from mhanum.formats import round_to
 from mhanum.units import Naive, Online, Safe
 
@@ -789,4 +790,7 @@ def softmax_pv(
         b_proj, w_abs = project
         with np.errstate(over="ignore", invalid="ignore"):
             terms[PROJECTED] = ch.logits @ b_proj + (scale_out - 1) * (ch.logits_v @ w_abs)
+    if enc.stored is not None and lam is not None:  # Theorem A.3‴ (A.2's share of this head)
+        weights = (pk.p, ch.w.p_hat_hi, ch.logits)
+        terms.update(stored_parts(enc, values, weights, terms["operands"], scale_out, lam))
     return terms, pk.p, np.where(rs.vacuous, np.inf, rs.t_safe), direct

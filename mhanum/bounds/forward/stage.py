@@ -5,6 +5,7 @@ them, and the names of the side terms a stage carries out with its terms."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,11 +19,15 @@ __all__ = [
     "KNOWN",
     "PLAIN",
     "PROJECTED",
+    "STORED_PARTS",
+    "UNSHAPED",
     "WHOLE",
     "Context",
     "Enclosure",
     "Head",
     "Setting",
+    "Stored",
+    "StoredSplit",
     "Values",
 ]
 
@@ -36,6 +41,50 @@ ALONG = "along:coupled"
 KNOWN = "known_probabilities"
 # Step W: the computed output's magnitude, whatever the logit errors (safe softmax)
 WHOLE = "output:whole"
+# Theorem A.3‴: a head's parts for the projections' last roundings through the output
+# projection, each entry's (:mod:`mhanum.bounds.forward.stored`); the first two shaped like
+# the head's output, the rest like the layer's
+STORED_PARTS = ("stored:rest", "stored:first", "stored:var_q", "stored:var_kv", "stored:second")
+# the side parts a head carries out whose shape is not the output's
+UNSHAPED = frozenset((PROJECTED, ALONG, *STORED_PARTS))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Stored:
+    """A.2 under A.3's model (Theorem A.3‴): the projections' relative roundings (their dots',
+    biases' and the storage's) as martingale increments. ``moved`` bounds their sum in each
+    entry of the head's ``q``, ``k``, ``v`` (the rest of each operand's error is ``errors -
+    moved``) and ``sigma`` the root-sum-square of their bounds
+    (:meth:`mhanum.bounds.projections.Linear.roundings`); ``w`` is the head's rows of the
+    output projection's weights as the kernel reads them (signed)."""
+
+    moved: tuple[np.ndarray, np.ndarray, np.ndarray]
+    sigma: tuple[np.ndarray, np.ndarray, np.ndarray]
+    w: np.ndarray
+
+    def rows(self, cut: Callable[[np.ndarray], np.ndarray]) -> Stored:
+        """The query rows of this head (``cut`` applied to the queries' parts)."""
+        m, s = self.moved, self.sigma
+        return Stored((cut(m[0]), m[1], m[2]), (cut(s[0]), s[1], s[2]), self.w)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StoredSplit:
+    """Theorem A.3‴ at the logits (:func:`mhanum.bounds.forward.across_keys.stored_split`):
+    ``(b, rest)`` A.3''s split with the projections' last roundings (and, where A.3''s second
+    split takes them, the scores' roundings) taken out of ``rest``; ``moved`` bounds their
+    part of each logit's error; ``w_k`` and ``w_s`` the squared increments of the keys' and
+    the scores' roundings per key (before the weights ``p_j (v_j - o)``); ``c2_sig_q`` the
+    queries' ``c²σ_q²`` and ``k`` the keys (the exact target's)."""
+
+    b: np.ndarray
+    rest: np.ndarray
+    moved: np.ndarray
+    w_k: np.ndarray
+    w_s: np.ndarray
+    c2_sig_q: np.ndarray
+    k: np.ndarray
+    stored: Stored
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -49,7 +98,8 @@ class Head:
     operand-format rounding (step 1); ``given`` bounds the errors of the float64 ``q, k, v``
     themselves against the exact values (A.2: float64 projections; the scale on q and k).
     ``project`` (A.2, step (c')) and ``along`` (A.1g) couple the logits' errors through the
-    output projection's weights and along a direction per row (:func:`softmax_pv`).
+    output projection's weights and along a direction per row (:func:`softmax_pv`); ``stored``
+    (A.2 with ``lam``, Theorem A.3‴) the projections' last roundings.
     ``v_centre`` is ``v``'s median over the keys per column where it is taken once for the
     head's chunks of rows (step 4, centred), ``None`` where each chunk takes it.
     """
@@ -66,6 +116,7 @@ class Head:
     project: tuple[np.ndarray, np.ndarray] | None = None
     along: tuple[np.ndarray, np.ndarray] | None = None
     v_centre: np.ndarray | None = None
+    stored: Stored | None = None
 
     def rows(self, sl: slice) -> Head:
         """The query rows ``sl`` of this head (the keys and values enter every row alike)."""
@@ -78,7 +129,7 @@ class Head:
                 return x[..., sl, :]
             return x
 
-        e, g, a = self.errors, self.given, self.along
+        e, g, a, st = self.errors, self.given, self.along, self.stored
         return dataclasses.replace(
             self,
             q=cut(self.q),
@@ -89,6 +140,7 @@ class Head:
             masked=cut(self.masked),
             replaced=cut(self.replaced),
             along=None if a is None else (cut(a[0]), cut(a[1])),
+            stored=None if st is None else st.rows(cut),
         )
 
 
@@ -116,7 +168,7 @@ class Enclosure:
     ``|ŝ_j - m|`` (step 3''), ``across`` A.3''s splits ``(b, δ')`` of the errors, ``lift_arg``
     each row's largest argument of a lifted exponential (``prob_offset``, step 3''), and
     ``kernel`` step 3k's enclosure of the kernel's scores (centre ``-inf`` where not live,
-    radius), where some are known."""
+    radius), where some are known; ``stored`` Theorem A.3‴'s split (A.2 with ``lam``)."""
 
     s: np.ndarray
     delta: np.ndarray
@@ -125,6 +177,7 @@ class Enclosure:
     across: list[tuple[np.ndarray, np.ndarray]] | None = None
     lift_arg: np.ndarray | None = None
     kernel: tuple[np.ndarray, np.ndarray] | None = None
+    stored: StoredSplit | None = None
 
     def keys(self, cut: slice) -> Enclosure:
         """The keys ``cut`` (a split of split-KV, A.6)."""

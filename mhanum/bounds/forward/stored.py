@@ -1,0 +1,167 @@
+"""Theorem A.3‴ (papers/attention.md): multi-head attention under A.3's model, the projections'
+relative roundings (their dots', biases' and storage's) and the scores' as one martingale per
+entry of the layer's output, through the output projection's weights with their signs.
+
+A head's share (:func:`stored_parts`) is evaluated with its softmax stage, on its chunk of
+query rows; :func:`mhanum.bounds.forward.mha` adds the heads' shares and takes the bound
+where it is smaller than A.2's terms ``attention.logits`` and ``attention.operands``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mhanum.bounds.factors import evaluation_rounding
+from mhanum.bounds.forward.across_keys import logits_across_keys
+from mhanum.bounds.forward.stage import STORED_PARTS, Enclosure, StoredSplit, Values
+from mhanum.numerics import Numerics
+from mhanum.problem import MHAProblem
+
+__all__ = ["spread", "stored_parts", "stored_scope"]
+
+
+def stored_scope(p: MHAProblem, num: Numerics) -> bool:
+    """Whether Theorem A.3‴ applies to the layer ``p`` (with ``lam``): A.3''s scope (IEEE dots,
+    no exp2, no soft-cap; a finite masking constant leaves its heads out), the scale on the
+    scores, the weights and operands read as stored (no operand rounding), no rotation and no
+    split-KV."""
+    return (
+        num.dot_kind == "ieee"
+        and not num.exp2
+        and p.softcap is None
+        and p.rope is None
+        and num.kv_splits is None
+        and num.operand_rounding is None
+        and num.scale == "scores"
+    )
+
+
+def spread(
+    w: np.ndarray, z: np.ndarray, z_err: np.ndarray, centre: tuple[np.ndarray, np.ndarray]
+) -> np.ndarray:
+    """``(Σ_j w_ij (z*_jm - c*_im)²)^½`` bounded above, for ``w >= 0``, float64 values ``z``
+    within ``z_err`` of ``z*`` and a centre ``c = centre[0]`` within ``centre[1]`` of ``c*``.
+
+    By Minkowski's inequality it is at most ``(Σ w (z - c)²)^½ + (Σ w)^½ (max_j z_err_j + |c -
+    c*|)``; the first is formed as ``w z² - 2c (w z) + c² Σ w``, with a slack for its
+    cancellation and the float64 sums' rounding of the absolute terms (``Σ w|z| <= (Σ w ·
+    Σ w z²)^½``)."""
+    c, c_err = centre
+    ev = 2 * evaluation_rounding(w.shape[-1]) + 2.0**-49
+    w_sum = w.sum(axis=-1, keepdims=True)
+    with np.errstate(over="ignore", invalid="ignore"):
+        w_z2, w_z = w @ (z * z), w @ z
+        square = w_z2 - 2 * c * w_z + c * c * w_sum
+        slack = ev * (w_z2 + 2 * np.abs(c) * np.sqrt(w_sum * w_z2) + c * c * w_sum)
+        first = np.sqrt(np.maximum(square + slack, 0.0))
+        err = z_err.max(axis=0, initial=0.0) + c_err
+        return (first + np.sqrt(w_sum) * err) * (1 + ev)
+
+
+def stored_parts(
+    enc: Enclosure,
+    values: Values,
+    weights: tuple[np.ndarray, np.ndarray, np.ndarray],
+    operands: np.ndarray,
+    scale_out: float,
+    lam: float,
+) -> dict[str, np.ndarray]:
+    """One head's share of Theorem A.3‴ for its rows (``enc.stored`` set).
+
+    ``weights``: the exact target's probabilities ``p``, the bound ``p̂_hi`` on the weights as
+    ``P·V`` reads them and step 4's per-key deviations; ``operands`` the term ``operands``,
+    ``scale_out`` the head output's rounding factor. With A.3''s identity ``Σ_j (p̃_j - p_j)
+    v_j = (1/Z) Σ_j p_j (ε_j + r_j)(v_j - o)`` and ``ε_j`` = the moved roundings ``+`` the dots'
+    ``+`` a rest at most ``δ'_j``, it returns (:data:`STORED_PARTS`):
+
+    * ``rest`` ``(rows, d_v)``: the dots' martingale of A.3' and the deviations times the
+      values' errors, plus ``operands`` less ``p̂_hi μ̄_v`` (the values' moved roundings);
+    * ``first`` ``(rows, d_v)``: a bound on the head's output error but ``rest``;
+    * ``var_q``, ``var_kv`` ``(rows, d_out)``: the sums of the squared bounds on the martingale
+      increments through the weights ``ŵ``, the queries' and scores' (this head's own) and
+      the keys' and values' (shared by a group of heads);
+    * ``second`` ``(rows, d_out)``: the rest through ``ŵ`` with its signs, ``Σ_j p_j x_j
+      (z_jm - ō_m)`` (``z = v ŵ``): ``(1/Z - 1)`` on the moved roundings, ``1/Z`` on ``δ'``
+      and ``r``; the head's output rounding through ``|ŵ|``.
+    """
+    st = enc.stored
+    assert st is not None
+    p, p_hat_hi, per_key = weights
+    live, v, w = enc.live, values.v, st.stored.w
+    ev = evaluation_rounding(p.shape[-1])
+    pl = np.where(live, np.nan_to_num(p), 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        dots = logits_across_keys(
+            p, enc.delta, values, live, per_key, (st.b, np.zeros_like(st.rest)), lam,
+            second_order=False,
+        )  # fmt: skip
+        mu_v = p_hat_hi @ st.stored.moved[2]  # >= |Σ_j ĉ_j μ_vj|, ĉ the weights P·V reads
+        rest = scale_out * dots + np.maximum(operands - mu_v, 0.0)
+        d = np.where(live, enc.delta, 0.0)
+        z_inv = np.exp(d.max(axis=-1, keepdims=True))
+        # per key: the moved roundings' part of ε_j, and δ'_j + (e^δ - 1 - δ) >= |ε' + r_j|
+        moved, other = pl * st.moved, pl * (st.rest + np.expm1(d) - d)
+        o = pl @ v
+        unsigned = _deviation(moved + other, np.abs(v), np.abs(o))
+        first = z_inv * scale_out * unsigned + scale_out * mu_v
+        z = v @ w
+        z_err = evaluation_rounding(v.shape[-1]) * (np.abs(v) @ np.abs(w))
+        o_bar = pl @ z
+        through = (z, z_err, o_bar, pl @ z_err + ev * (pl @ np.abs(z)))
+        var_q, var_kv = _variances(pl, p_hat_hi, st, through, ev)
+        z_abs, o_abs = np.abs(z) + z_err, np.abs(o_bar) + through[3]
+        w_abs = np.abs(w)
+        second = (
+            (z_inv - 1) * _deviation(moved, z_abs, o_abs)
+            + z_inv * _deviation(other, z_abs, o_abs)
+            + z_inv * (scale_out - 1) * (unsigned @ w_abs)
+            + (scale_out - 1) * (mu_v @ w_abs)
+        )
+    up = 1 + 4 * ev
+    return dict(
+        zip(
+            STORED_PARTS,
+            (rest * up, first * up, var_q * up * up, var_kv * up * up, second * up),
+            strict=True,
+        )
+    )
+
+
+def _deviation(weights: np.ndarray, x_abs: np.ndarray, c_abs: np.ndarray) -> np.ndarray:
+    """``Σ_j w_j |x_j - c| <= w x̄ + c̄ Σ w`` for ``w >= 0``, ``|x| <= x̄`` and ``|c| <= c̄``."""
+    return weights @ x_abs + c_abs * weights.sum(axis=-1, keepdims=True)
+
+
+def _variances(
+    p: np.ndarray,
+    p_hat_hi: np.ndarray,
+    st: StoredSplit,
+    through: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    ev: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The squared increments' sums through ``ŵ`` (``z = v ŵ``, ``ō = p z``):
+
+    * queries: ``c μ_q,t Σ_j p_j k_jt (z_j - ō)``, by Cauchy-Schwarz (``Σ_j p_j (z_j - ō) = 0``
+      up to ``1 - Σ p``) at most ``c μ_q,t (Var_p k_t Var_p z)^½ + c μ_q,t |κ_t| |ō| ε``;
+    * scores and keys: ``p_j (z_j - ō)`` times ``w_s`` and ``w_k`` (per key);
+    * values: ``p̂_hi,j μ_v,jl ŵ_lm``.
+    """
+    stored = st.stored
+    w, k = stored.w, st.k
+    z, z_err, o_bar, o_err = through
+    sigma_z = spread(p, z, z_err, (o_bar, o_err))
+    kappa = p @ k
+    sigma_k = spread(p, k, np.zeros_like(k), (kappa, np.zeros_like(kappa)))
+    not_one = np.abs(1 - p.sum(axis=-1, keepdims=True)) + ev
+    q_part = np.sqrt((st.c2_sig_q * sigma_k * sigma_k).sum(axis=-1, keepdims=True)) * sigma_z
+    q_part = (
+        q_part
+        + np.sqrt((st.c2_sig_q * kappa * kappa).sum(axis=-1, keepdims=True))
+        * (np.abs(o_bar) + o_err)
+        * not_one
+    )
+    s_part = spread(p * p * st.w_s, z, z_err, (o_bar, o_err))
+    k_part = spread(p * p * st.w_k, z, z_err, (o_bar, o_err))
+    sig_v = stored.sigma[2]
+    v_part = (p_hat_hi * p_hat_hi) @ ((sig_v * sig_v) @ (w * w))
+    return q_part * q_part + s_part * s_part, k_part * k_part + v_part * (1 + ev)
