@@ -204,3 +204,28 @@ def test_the_model_fails_where_every_stored_query_rounds_the_same_way():
     certain = mha_bound(x_q, x_kv, params, 1, numerics=num)
     assert err.max() > 1.1 * probable.total.max()
     assert np.all(err <= certain.total)
+
+
+@pytest.mark.parametrize("preset", ["bf16-fp32acc", "fp16-fp32acc", "fp8-e4m3-fp32acc"])
+@pytest.mark.parametrize(
+    ("x_scale", "w_scale"), [(2.0**-60, 1.0), (1.0, 2.0**-12), (2.0**30, 1.0), (2.0**8, 2.0**6)]
+)
+def test_every_error_lies_within_the_bound_at_the_formats_edges(preset, x_scale, w_scale):
+    """Inputs and weights over the exponent range: projections below the storage format's
+    normal range (their underflow charged), near its largest finite value, or beyond it (the
+    bound is then inf, with the reason)."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 16)) * x_scale
+    p = mn.MHAParams.random(16, seed=1)
+    p = mn.MHAParams(
+        *(
+            None if a is None else a * w_scale
+            for a in (p.wq, p.wk, p.wv, p.wo, p.bq, p.bk, p.bv, p.bo)
+        )
+    )
+    num = mn.Numerics.preset(preset)
+    bound = mha_bound(x, x, p, 2, numerics=num, probability=0.99)
+    err = _error(x, p, 2, num)
+    finite = np.isfinite(bound.total)
+    assert np.all(err[finite] <= bound.total[finite])
+    assert finite.all() or bound.reasons
