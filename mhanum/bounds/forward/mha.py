@@ -619,8 +619,10 @@ def _across_heads(
     ``κ(R|ŵ| + λ(Σ_h V_q + g Σ_h V_kv)^½ + S) + (κ - 1) F|ŵ|`` (``R``, ``F``, ``V``, ``S`` the
     heads' parts ``rest``, ``first``, ``var_q``/``var_kv`` and ``second``, :mod:`stored`; a
     key/value head's roundings reach ``g`` query heads, so its squares count ``g`` times).
-    Where smaller, it replaces ``attention.logits`` + ``attention.operands``, shared between
-    them in their proportion. The choice depends on the inputs only: one event per entry."""
+    Where smaller, it replaces ``attention.logits`` + ``attention.operands`` +
+    ``attention.probability_rounding`` (the probabilities' roundings join the martingale where
+    A.3'' takes them), shared in their proportion. The choice depends on the inputs only: one
+    event per entry."""
     results, shape, out = heads
     rest_name, first_name, var_q, var_kv, second = STORED_PARTS
     rest = _gather(results, lambda r: r[3][rest_name], shape)
@@ -630,12 +632,13 @@ def _across_heads(
         across = out.kappa * (
             rest @ out.slope + lam * np.sqrt(var) + _head_sum(results, second, shape)
         ) + (out.kappa - 1) * (first @ out.slope)
-    before_l, before_o = terms["attention.logits"], terms["attention.operands"]
-    before = before_l + before_o
+    names = ("attention.logits", "attention.operands", "attention.probability_rounding")
+    before = sum(terms[n] for n in names)
     take = np.isfinite(across) & (across < before)
+    after = {}
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        share = np.where(before > 0, before_l / before, 1.0)
-        after_l = np.where(take, across * share, before_l)
-        terms["attention.operands"] = np.where(take, across * (1 - share), before_o)
-    logits.update(_shared(logits, before_l, after_l))
-    terms["attention.logits"] = after_l
+        for n in names:
+            share = np.where(before > 0, terms[n] / before, 1.0 / len(names))
+            after[n] = np.where(take, across * share, terms[n])
+    logits.update(_shared(logits, terms[names[0]], after[names[0]]))
+    terms.update(after)

@@ -9,6 +9,8 @@ where it is smaller than A.2's terms ``attention.logits`` and ``attention.operan
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from mhanum.bounds.factors import evaluation_rounding
@@ -17,7 +19,7 @@ from mhanum.bounds.forward.stage import STORED_PARTS, Enclosure, StoredSplit, Va
 from mhanum.numerics import Numerics
 from mhanum.problem import MHAProblem
 
-__all__ = ["spread", "stored_parts", "stored_scope"]
+__all__ = ["Rounding", "spread", "stored_parts", "stored_scope"]
 
 
 def stored_scope(p: MHAProblem, num: Numerics) -> bool:
@@ -62,20 +64,25 @@ def stored_parts(
     enc: Enclosure,
     values: Values,
     weights: tuple[np.ndarray, np.ndarray, np.ndarray],
-    operands: np.ndarray,
+    rounding: Rounding,
+    terms: dict[str, np.ndarray],
     scale_out: float,
     lam: float,
 ) -> dict[str, np.ndarray]:
     """One head's share of Theorem A.3‴ for its rows (``enc.stored`` set).
 
     ``weights``: the exact target's probabilities ``p``, the bound ``p̂_hi`` on the weights as
-    ``P·V`` reads them and step 4's per-key deviations; ``operands`` the term ``operands``,
-    ``scale_out`` the head output's rounding factor. With A.3''s identity ``Σ_j (p̃_j - p_j)
-    v_j = (1/Z) Σ_j p_j (ε_j + r_j)(v_j - o)`` and ``ε_j`` = the moved roundings ``+`` the dots'
-    ``+`` a rest at most ``δ'_j``, it returns (:data:`STORED_PARTS`):
+    ``P·V`` reads them and step 4's per-key deviations; ``rounding`` the probabilities'
+    roundings (:class:`Rounding`), ``terms`` the head's terms, ``scale_out`` the head output's
+    rounding factor. With A.3''s identity ``Σ_j (p̃_j - p_j) v_j = (1/Z) Σ_j p_j (ε_j + r_j)(v_j
+    - o)`` and ``ε_j`` = the moved roundings ``+`` the dots' ``+`` a rest at most ``δ'_j``, and
+    the probabilities' and values' parts split as ``Σ_j (p̂''_j - p̂_j) v_j + Σ_j p̂''_j (v̂_j -
+    v_j)``, it returns (:data:`STORED_PARTS`) bounds on the head's terms ``logits``,
+    ``operands`` and ``probability_rounding`` together:
 
     * ``rest`` ``(rows, d_v)``: the dots' martingale of A.3' and the deviations times the
-      values' errors, plus ``operands`` less ``p̂_hi μ̄_v`` (the values' moved roundings);
+      values' errors, plus ``p̂_hi (v̄ - |v|)`` less ``p̂_hi μ̄_v`` (the values' moved
+      roundings), plus the probabilities' term where A.3'' does not apply;
     * ``first`` ``(rows, d_v)``: a bound on the head's output error but ``rest``;
     * ``var_q``, ``var_kv`` ``(rows, d_out)``: the sums of the squared bounds on the martingale
       increments through the weights ``ŵ``, the queries' and scores' (this head's own) and
@@ -96,7 +103,6 @@ def stored_parts(
             second_order=False,
         )  # fmt: skip
         mu_v = p_hat_hi @ st.stored.moved[2]  # >= |Σ_j ĉ_j μ_vj|, ĉ the weights P·V reads
-        rest = scale_out * dots + np.maximum(operands - mu_v, 0.0)
         d = np.where(live, enc.delta, 0.0)
         z_inv = np.exp(d.max(axis=-1, keepdims=True))
         # per key: the moved roundings' part of ε_j, and δ'_j + (e^δ - 1 - δ) >= |ε' + r_j|
@@ -117,6 +123,9 @@ def stored_parts(
             + z_inv * (scale_out - 1) * (unsigned @ w_abs)
             + (scale_out - 1) * (mu_v @ w_abs)
         )
+        more = _probabilities_through(rounding, terms, mu_v, (z_abs, w_abs), scale_out)
+        rest = scale_out * dots + more[0]
+        first, var_q, second = first + more[1], var_q + more[2], second + more[3]
     up = 1 + 4 * ev
     return dict(
         zip(
@@ -125,6 +134,45 @@ def stored_parts(
             strict=True,
         )
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Rounding:
+    """A head's probabilities' roundings (step 6): A.3''s keys (``keys``: the bounds on
+    ``|p̂_j|`` of the keys in their formats' normal ranges, ``u_p² + u_op²(1 + u_p)²``, those
+    keys and their conversion's underflow; ``None`` where A.3'' does not apply), the per-key
+    charges ``each >= |p̂''_j - p̂_j|``, their products with ``|v|`` (``prob_v``, per output
+    column) and ``p̂_hi (v̄ - |v|)`` (``values``)."""
+
+    keys: tuple[np.ndarray, float, np.ndarray, float] | None
+    each: np.ndarray
+    prob_v: np.ndarray
+    values: np.ndarray
+
+
+def _probabilities_through(
+    rounding: Rounding,
+    terms: dict[str, np.ndarray],
+    mu_v: np.ndarray,
+    through: tuple[np.ndarray, np.ndarray],
+    scale_out: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The probabilities' and the values' parts ``(rest, first, var, second)``. With A.3''s
+    keys, ``(p̂''_j - p̂_j) v_j`` through ``ŵ`` is ``(δ_p + δ_op(1 + δ_p)) p̂_j z_j`` for a key
+    in its normal ranges (increments, predictable: ``p̂_j`` precedes the roundings) and at
+    most its charge times ``|z_j|`` for another; the values' ``p̂''_j (v̂_j - v_j)`` keeps
+    ``p̂_hi (v̄ - |v|)`` less the moved part. Without them, the head's terms as they are."""
+    z_abs, w_abs = through
+    if rounding.keys is None:
+        rest = np.maximum(terms["operands"] - mu_v, 0.0) + terms["probability_rounding"]
+        zero = np.zeros(())
+        return rest, zero, zero, zero
+    w_keys, c2, normal, eta_conv = rounding.keys
+    kept = np.where(normal, eta_conv, rounding.each)
+    rest = np.maximum(scale_out * rounding.values - mu_v, 0.0)
+    var = c2 * ((w_keys * w_keys) @ (z_abs * z_abs))
+    second = kept @ z_abs + (scale_out - 1) * (rounding.prob_v @ w_abs)
+    return rest, scale_out * rounding.prob_v, var, second
 
 
 def _deviation(weights: np.ndarray, x_abs: np.ndarray, c_abs: np.ndarray) -> np.ndarray:
