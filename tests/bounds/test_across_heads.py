@@ -21,7 +21,7 @@ import mhanum.bounds.forward.mha as mha_module
 from mhanum import masks, reference
 from mhanum.bounds import mha_bound
 from mhanum.bounds.factors import evaluation_rounding, union_failure
-from mhanum.bounds.forward.stored import spread
+from mhanum.bounds.forward.stored import queries_exactly, spread
 from mhanum.bounds.projections import linear
 
 SCOPE = ("bf16-fp32acc", "fp16-fp32acc", "fp32", "bf16")
@@ -229,3 +229,40 @@ def test_every_error_lies_within_the_bound_at_the_formats_edges(preset, x_scale,
     finite = np.isfinite(bound.total)
     assert np.all(err[finite] <= bound.total[finite])
     assert finite.all() or bound.reasons
+
+
+def test_the_queries_coefficients_formed_bound_the_exact_ones():
+    """``queries_exactly`` against the coefficients in exact rational arithmetic:
+    ``(Σ_t c²σ_t² α*_tm²)^½`` with ``α*_tm = Σ_j p_j k_jt (z*_jm - ō*_m)``, ``z* = v ŵ`` and
+    ``ō* = Σ_j p_j z*_j`` exactly, for float64 inputs on scales from 2^-30 to 2^30."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(7)
+    for scale in (2.0**-30, 1.0, 2.0**30):
+        p = rng.random((3, 5))
+        p /= p.sum(-1, keepdims=True)
+        k, v, w = (
+            rng.standard_normal((5, 4)) * scale,
+            rng.standard_normal((5, 2)),
+            rng.standard_normal((2, 3)),
+        )
+        z = v @ w
+        z_err = evaluation_rounding(2) * (np.abs(v) @ np.abs(w))
+        o_bar = p @ z
+        o_err = p @ z_err + evaluation_rounding(5) * (p @ np.abs(z))
+        c2_sig = rng.random((3, 4))
+        got = queries_exactly(p, k, c2_sig, (z, z_err, o_bar, o_err))
+        f = np.vectorize(Fraction, otypes=[object])
+        pf, kf, vf, wf = f(p), f(k), f(v), f(w)
+        zf = vf.dot(wf)
+        of = pf.dot(zf)
+        for i in range(3):
+            for m in range(3):
+                alpha = [
+                    sum(pf[i, j] * kf[j, t] * (zf[j, m] - of[i, m]) for j in range(5))
+                    for t in range(4)
+                ]
+                exact = math.sqrt(
+                    float(sum(Fraction(c2_sig[i, t]) * alpha[t] ** 2 for t in range(4)))
+                )
+                assert exact <= got[i, m] * (1 + 2.0**-50)

@@ -19,7 +19,11 @@ from mhanum.bounds.forward.stage import STORED_PARTS, Enclosure, StoredSplit, Va
 from mhanum.numerics import Numerics
 from mhanum.problem import MHAProblem
 
-__all__ = ["Rounding", "spread", "stored_parts", "stored_scope"]
+__all__ = ["EXACT_QUERIES", "Rounding", "queries_exactly", "spread", "stored_parts", "stored_scope"]
+
+# the queries' coefficients are formed where a chunk has at most this many (rows·keys·d_k·d_out
+# products); Cauchy-Schwarz's bound otherwise
+EXACT_QUERIES = 2**28
 
 
 def stored_scope(p: MHAProblem, num: Numerics) -> bool:
@@ -180,6 +184,30 @@ def _deviation(weights: np.ndarray, x_abs: np.ndarray, c_abs: np.ndarray) -> np.
     return weights @ x_abs + c_abs * weights.sum(axis=-1, keepdims=True)
 
 
+def queries_exactly(
+    p: np.ndarray,
+    k: np.ndarray,
+    c2_sig_q: np.ndarray,
+    through: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+) -> np.ndarray:
+    """``(Σ_t c²σ_q,t² α_tm²)^½`` with the queries' coefficients ``α_tm = Σ_j p_j k_jt (z*_jm -
+    ō*_m)`` formed (``rows·d_k·d_out`` of them) instead of Cauchy-Schwarz's bound: the float64
+    ``α = p(k z) - κ ō`` is within ``2γ(Σ_j p_j|k_jt||z_jm| + Σ_j p_j|k_jt| |ō_m|) + Σ_j p_j|k_jt|
+    (ζ_jm + ω_m)`` of the exact one (``Σ p|k||z| <= (p k²)^½ (p z²)^½``), added by Minkowski."""
+    z, z_err, o_bar, o_err = through
+    kappa, k_abs = p @ k, p @ np.abs(k)
+    alpha = np.einsum("ij,jt,jm->itm", p, k, z, optimize=True) - kappa[..., None] * o_bar[:, None]
+    gamma = 2 * evaluation_rounding(p.shape[-1] + 2)
+    magnitude = np.sqrt(p @ (k * k))[..., None] * np.sqrt(p @ (z * z))[:, None]
+    error = gamma * (magnitude + k_abs[..., None] * np.abs(o_bar)[:, None])
+    error = error + k_abs[..., None] * (z_err.max(axis=0) + o_err)[:, None]
+    weights = c2_sig_q[..., None]
+    return (
+        np.sqrt((weights * alpha * alpha).sum(axis=-2))
+        + np.sqrt((weights * error * error).sum(axis=-2))
+    ) * (1 + gamma)
+
+
 def _variances(
     p: np.ndarray,
     p_hat_hi: np.ndarray,
@@ -208,6 +236,8 @@ def _variances(
         * (np.abs(o_bar) + o_err)
         * not_one
     )
+    if p.size * k.shape[-1] * z.shape[-1] <= EXACT_QUERIES:
+        q_part = np.fmin(q_part, queries_exactly(p, k, st.c2_sig_q, through))
     s_part = spread(p * p * st.w_s, z, z_err, (o_bar, o_err))
     k_part = spread(p * p * st.w_k, z, z_err, (o_bar, o_err))
     sig_v = stored.sigma[2]
