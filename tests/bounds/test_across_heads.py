@@ -182,7 +182,7 @@ def test_the_model_fails_where_every_stored_query_rounds_the_same_way():
     """The independence model is not a fact of round to nearest. Here every query entry
     ``±(1 + 2^-8) + 2^-12`` (a bfloat16 midpoint and a sixteenth of a unit beyond) is stored
     rounded by ``+2^-8(1 - 2^-4)``: the half of the keys with ``k = 1/2`` all gain
-    ``c·512·2^-8·(15/16)/2 = 0.0414`` in their logits. The error is 1.16 times A.3‴'s bound
+    ``c·512·2^-8·(15/16)/2 = 0.0414`` in their logits. The error is 1.37 times A.3‴'s bound
     (probability 0.99 stated), and within the deterministic A.2 (4.7 times it): inputs of
     such structure belong to ``lam=None`` (papers/attention.md, A.3‴)."""
     d, keys = 512, 64
@@ -202,7 +202,7 @@ def test_the_model_fails_where_every_stored_query_rounds_the_same_way():
     err = np.abs(np.asarray(out, np.float64) - reference.multi_head_attention(x_q, x_kv, params, 1))
     probable = mha_bound(x_q, x_kv, params, 1, numerics=num, probability=0.99)
     certain = mha_bound(x_q, x_kv, params, 1, numerics=num)
-    assert err.max() > 1.1 * probable.total.max()
+    assert err.max() > 1.25 * probable.total.max()
     assert np.all(err <= certain.total)
 
 

@@ -791,8 +791,8 @@ def softmax_pv(
         with np.errstate(over="ignore", invalid="ignore"):
             terms[PROJECTED] = ch.logits @ b_proj + (scale_out - 1) * (ch.logits_v @ w_abs)
     if enc.stored is not None and lam is not None:  # Theorem A.3‴ (A.2's share of this head)
-        each, rest_v = ch.w.prob + ch.w.operand_p, dot(ch.w.p_hat_hi, out.v_extra)
-        rnd = Rounding(ch.w.rounding_keys, each, each @ values.v_abs, rest_v)
-        weights = (pk.p, ch.w.p_hat_hi, ch.logits)
+        each = ch.w.prob + ch.w.operand_p
+        rnd = Rounding(ch.w.rounding_keys, each, each @ values.v_abs, out.v_extra)
+        weights = (pk.p, ch.logits)
         terms.update(stored_parts(enc, values, weights, rnd, terms, scale_out, lam))
     return terms, pk.p, np.where(rs.vacuous, np.inf, rs.t_safe), direct

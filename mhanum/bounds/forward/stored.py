@@ -67,7 +67,7 @@ def spread(
 def stored_parts(
     enc: Enclosure,
     values: Values,
-    weights: tuple[np.ndarray, np.ndarray, np.ndarray],
+    weights: tuple[np.ndarray, np.ndarray],
     rounding: Rounding,
     terms: dict[str, np.ndarray],
     scale_out: float,
@@ -75,18 +75,19 @@ def stored_parts(
 ) -> dict[str, np.ndarray]:
     """One head's share of Theorem A.3‴ for its rows (``enc.stored`` set).
 
-    ``weights``: the exact target's probabilities ``p``, the bound ``p̂_hi`` on the weights as
-    ``P·V`` reads them and step 4's per-key deviations; ``rounding`` the probabilities'
-    roundings (:class:`Rounding`), ``terms`` the head's terms, ``scale_out`` the head output's
-    rounding factor. With A.3''s identity ``Σ_j (p̃_j - p_j) v_j = (1/Z) Σ_j p_j (ε_j + r_j)(v_j
-    - o)`` and ``ε_j`` = the moved roundings ``+`` the dots' ``+`` a rest at most ``δ'_j``, and
-    the probabilities' and values' parts split as ``Σ_j (p̂''_j - p̂_j) v_j + Σ_j p̂''_j (v̂_j -
-    v_j)``, it returns (:data:`STORED_PARTS`) bounds on the head's terms ``logits``,
+    ``weights``: the exact target's probabilities ``p`` and step 4's per-key deviations;
+    ``rounding`` the probabilities' roundings and the values' errors (:class:`Rounding`),
+    ``terms`` the head's terms, ``scale_out`` the head output's rounding factor. A.1 splits
+    the output's error as ``Σ_j (p̃_j - p_j) ṽ_j + Σ_j (p̂_j - p̃_j) ṽ_j + Σ_j (p̂''_j - p̂_j)
+    ṽ_j + Σ_j p_j (ṽ_j - v_j)`` (logits, softmax, rounding, operands; ``ṽ`` the values as
+    read) and the rest. With A.3''s identity ``Σ_j (p̃_j - p_j) v_j = (1/Z) Σ_j p_j (ε_j +
+    r_j)(v_j - o)`` and ``ε_j`` = the moved roundings ``+`` the dots' ``+`` a rest at most
+    ``δ'_j``, it returns (:data:`STORED_PARTS`) bounds on the head's terms ``logits``,
     ``operands`` and ``probability_rounding`` together:
 
     * ``rest`` ``(rows, d_v)``: the dots' martingale of A.3' and the deviations times the
-      values' errors, plus ``p̂_hi (v̄ - |v|)`` less ``p̂_hi μ̄_v`` (the values' moved
-      roundings), plus the probabilities' term where A.3'' does not apply;
+      values' errors, ``p (v̄ - |v| - μ̄_v)`` (the values' rest), and the probabilities' term
+      where A.3'' does not apply;
     * ``first`` ``(rows, d_v)``: a bound on the head's output error but ``rest``;
     * ``var_q``, ``var_kv`` ``(rows, d_out)``: the sums of the squared bounds on the martingale
       increments through the weights ``ŵ``, the queries' and scores' (this head's own) and
@@ -97,7 +98,7 @@ def stored_parts(
     """
     st = enc.stored
     assert st is not None
-    p, p_hat_hi, per_key = weights
+    p, per_key = weights
     live, v, w = enc.live, values.v, st.stored.w
     ev = evaluation_rounding(p.shape[-1])
     pl = np.where(live, np.nan_to_num(p), 0.0)
@@ -106,7 +107,7 @@ def stored_parts(
             p, enc.delta, values, live, per_key, (st.b, np.zeros_like(st.rest)), lam,
             second_order=False,
         )  # fmt: skip
-        mu_v = p_hat_hi @ st.stored.moved[2]  # >= |Σ_j ĉ_j μ_vj|, ĉ the weights P·V reads
+        mu_v = pl @ st.stored.moved[2]  # >= |Σ_j p_j μ_vj| (A.1's split: p_j (ṽ_j - v_j))
         d = np.where(live, enc.delta, 0.0)
         z_inv = np.exp(d.max(axis=-1, keepdims=True))
         # per key: the moved roundings' part of ε_j, and δ'_j + (e^δ - 1 - δ) >= |ε' + r_j|
@@ -118,7 +119,7 @@ def stored_parts(
         z_err = evaluation_rounding(v.shape[-1]) * (np.abs(v) @ np.abs(w))
         o_bar = pl @ z
         through = (z, z_err, o_bar, pl @ z_err + ev * (pl @ np.abs(z)))
-        var_q, var_kv = _variances(pl, p_hat_hi, st, through, ev)
+        var_q, var_kv = _variances(pl, st, through, ev)
         z_abs, o_abs = np.abs(z) + z_err, np.abs(o_bar) + through[3]
         w_abs = np.abs(w)
         second = (
@@ -127,9 +128,14 @@ def stored_parts(
             + z_inv * (scale_out - 1) * (unsigned @ w_abs)
             + (scale_out - 1) * (mu_v @ w_abs)
         )
-        more = _probabilities_through(rounding, terms, mu_v, (z_abs, w_abs), scale_out)
-        rest = scale_out * dots + more[0]
-        first, var_q, second = first + more[1], var_q + more[2], second + more[3]
+        # A.1's values' part Σ_j p_j (ṽ_j - v_j): its moved roundings in the martingale
+        values_rest = pl @ np.maximum(rounding.v_extra - st.stored.moved[2], 0.0)
+        z_read = z_abs + rounding.v_extra @ w_abs  # >= |ṽ_j ŵ_m|, the values as read
+        more = _probabilities_through(rounding, terms["probability_rounding"], z_read)
+        rest = scale_out * (dots + values_rest) + more[0]
+        first = first + scale_out * more[1]
+        var_q = var_q + more[2]
+        second = second + more[3] + (scale_out - 1) * (more[1] @ w_abs)
     up = 1 + 4 * ev
     return dict(
         zip(
@@ -145,38 +151,31 @@ class Rounding:
     """A head's probabilities' roundings (step 6): A.3''s keys (``keys``: the bounds on
     ``|p̂_j|`` of the keys in their formats' normal ranges, ``u_p² + u_op²(1 + u_p)²``, those
     keys and their conversion's underflow; ``None`` where A.3'' does not apply), the per-key
-    charges ``each >= |p̂''_j - p̂_j|``, their products with ``|v|`` (``prob_v``, per output
-    column) and ``p̂_hi (v̄ - |v|)`` (``values``)."""
+    charges ``each >= |p̂''_j - p̂_j|``, their products with ``v̄`` (``prob_v``, per output
+    column) and the values' errors as read, ``v_extra >= |ṽ_j - v_j|`` (step 1)."""
 
     keys: tuple[np.ndarray, float, np.ndarray, float] | None
     each: np.ndarray
     prob_v: np.ndarray
-    values: np.ndarray
+    v_extra: np.ndarray
 
 
 def _probabilities_through(
-    rounding: Rounding,
-    terms: dict[str, np.ndarray],
-    mu_v: np.ndarray,
-    through: tuple[np.ndarray, np.ndarray],
-    scale_out: float,
+    rounding: Rounding, term: np.ndarray, z_read: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The probabilities' and the values' parts ``(rest, first, var, second)``. With A.3''s
-    keys, ``(p̂''_j - p̂_j) v_j`` through ``ŵ`` is ``(δ_p + δ_op(1 + δ_p)) p̂_j z_j`` for a key
-    in its normal ranges (increments, predictable: ``p̂_j`` precedes the roundings) and at
-    most its charge times ``|z_j|`` for another; the values' ``p̂''_j (v̂_j - v_j)`` keeps
-    ``p̂_hi (v̄ - |v|)`` less the moved part. Without them, the head's terms as they are."""
-    z_abs, w_abs = through
+    """A.1's probabilities' part ``Σ_j (p̂''_j - p̂_j) ṽ_j`` through ``ŵ`` before the head's
+    output rounding, as ``(rest, part, var, second)``: for A.3''s keys ``(δ_p + δ_op(1 +
+    δ_p)) p̂_j ṽ_j ŵ`` (increments whose coefficients precede them: the logits' side and the
+    values' roundings), at most ``c2^½ p̄_j |ṽ_j ŵ_m|`` (``var``), another key's charge times
+    ``|ṽ_j ŵ_m|`` (``second``); ``part`` bounds it per column. Without A.3''s keys, the
+    head's term ``term`` as it is (``rest``)."""
+    zero = np.zeros(())
     if rounding.keys is None:
-        rest = np.maximum(terms["operands"] - mu_v, 0.0) + terms["probability_rounding"]
-        zero = np.zeros(())
-        return rest, zero, zero, zero
+        return term, zero, zero, zero
     w_keys, c2, normal, eta_conv = rounding.keys
     kept = np.where(normal, eta_conv, rounding.each)
-    rest = np.maximum(scale_out * rounding.values - mu_v, 0.0)
-    var = c2 * ((w_keys * w_keys) @ (z_abs * z_abs))
-    second = kept @ z_abs + (scale_out - 1) * (rounding.prob_v @ w_abs)
-    return rest, scale_out * rounding.prob_v, var, second
+    var = c2 * ((w_keys * w_keys) @ (z_read * z_read))
+    return zero, rounding.prob_v, var, kept @ z_read
 
 
 def _deviation(weights: np.ndarray, x_abs: np.ndarray, c_abs: np.ndarray) -> np.ndarray:
@@ -210,7 +209,6 @@ def queries_exactly(
 
 def _variances(
     p: np.ndarray,
-    p_hat_hi: np.ndarray,
     st: StoredSplit,
     through: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     ev: float,
@@ -220,7 +218,7 @@ def _variances(
     * queries: ``c μ_q,t Σ_j p_j k_jt (z_j - ō)``, by Cauchy-Schwarz (``Σ_j p_j (z_j - ō) = 0``
       up to ``1 - Σ p``) at most ``c μ_q,t (Var_p k_t Var_p z)^½ + c μ_q,t |κ_t| |ō| ε``;
     * scores and keys: ``p_j (z_j - ō)`` times ``w_s`` and ``w_k`` (per key);
-    * values: ``p̂_hi,j μ_v,jl ŵ_lm``.
+    * values: ``p_j μ_v,jl ŵ_lm`` (A.1's split: the exact target's weights on ``ṽ - v``).
     """
     stored = st.stored
     w, k = stored.w, st.k
@@ -241,5 +239,5 @@ def _variances(
     s_part = spread(p * p * st.w_s, z, z_err, (o_bar, o_err))
     k_part = spread(p * p * st.w_k, z, z_err, (o_bar, o_err))
     sig_v = stored.sigma[2]
-    v_part = (p_hat_hi * p_hat_hi) @ ((sig_v * sig_v) @ (w * w))
+    v_part = (p * p) @ ((sig_v * sig_v) @ (w * w))
     return q_part * q_part + s_part * s_part, k_part * k_part + v_part * (1 + ev)
