@@ -293,8 +293,9 @@ def mha_bound(
         scale: the logit scale; default ``1/sqrt(d_k)``.
         lam: the probabilistic variant, as for :func:`attention_bound` (the projections' chains
             are counted in ``Bound.probability``); where it is smaller, Theorem A.3‴ bounds the
-            terms ``attention.logits`` and ``attention.operands`` together: the projections'
-            and the scores' roundings as one martingale per output entry through the output
+            terms ``attention.logits``, ``attention.operands`` and
+            ``attention.probability_rounding`` together: the projections', the scores' and the
+            probabilities' roundings as one martingale per output entry through the output
             projection's weights (IEEE dots, no operand rounding, the scale on the scores, no
             rotation or split-KV; one more event per output entry).
         probability: instead of ``lam``, the probability the bound should state, as for

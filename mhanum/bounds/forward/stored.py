@@ -169,13 +169,13 @@ def _probabilities_through(
     values' roundings), at most ``c2^½ p̄_j |ṽ_j ŵ_m|`` (``var``), another key's charge times
     ``|ṽ_j ŵ_m|`` (``second``); ``part`` bounds it per column. Without A.3''s keys, the
     head's term ``term`` as it is (``rest``)."""
-    zero = np.zeros(())
     if rounding.keys is None:
-        return term, zero, zero, zero
+        zero = np.zeros(())
+        return term, np.zeros_like(term), zero, zero
     w_keys, c2, normal, eta_conv = rounding.keys
     kept = np.where(normal, eta_conv, rounding.each)
     var = c2 * ((w_keys * w_keys) @ (z_read * z_read))
-    return zero, rounding.prob_v, var, kept @ z_read
+    return np.zeros(()), rounding.prob_v, var, kept @ z_read
 
 
 def _deviation(weights: np.ndarray, x_abs: np.ndarray, c_abs: np.ndarray) -> np.ndarray:
