@@ -505,7 +505,7 @@ def _heads(
     errors as A.1's step 1 takes them, the float64 values' own as ``given``), with step (c')'s
     values through the output projection's weights as the kernel reads them. ``keys``: the
     attended keys, the bias, the masked and replaced logits, the weights and, for Theorem
-    A.3‴, the projections' last roundings (``None``: not taken)."""
+    A.3‴, the projections' relative roundings (``None``: not taken)."""
     keep, b, masked, replaced, w, last = keys
     heads = p.num_heads
     c = p.scale_value(num.scale)
@@ -614,9 +614,10 @@ def _across_heads(
     lam: float,
     group: int,
 ) -> None:
-    """Theorem A.3‴ (papers/attention.md): the projections' last roundings (and the scores')
-    as one martingale per output entry through the weights, across the heads, with the rest
-    of each head's logits and operands terms through ``|ŵ|`` as in (c):
+    """Theorem A.3‴ (papers/attention.md): the projections', the scores' and the
+    probabilities' roundings as one martingale per output entry through the weights, across
+    the heads, with the rest of each head's logits, operands and probabilities' terms through
+    ``|ŵ|`` as in (c):
     ``κ(R|ŵ| + λ(Σ_h V_q + g Σ_h V_kv)^½ + S) + (κ - 1) F|ŵ|`` (``R``, ``F``, ``V``, ``S`` the
     heads' parts ``rest``, ``first``, ``var_q``/``var_kv`` and ``second``, :mod:`stored`; a
     key/value head's roundings reach ``g`` query heads, so its squares count ``g`` times).

@@ -41,9 +41,9 @@ ALONG = "along:coupled"
 KNOWN = "known_probabilities"
 # Step W: the computed output's magnitude, whatever the logit errors (safe softmax)
 WHOLE = "output:whole"
-# Theorem A.3‴: a head's parts for the projections' last roundings through the output
-# projection, each entry's (:mod:`mhanum.bounds.forward.stored`); the first two shaped like
-# the head's output, the rest like the layer's
+# Theorem A.3‴: a head's parts for the projections', the scores' and the probabilities'
+# roundings through the output projection, each entry's (:mod:`mhanum.bounds.forward.stored`);
+# the first two shaped like the head's output, the rest like the layer's
 STORED_PARTS = ("stored:rest", "stored:first", "stored:var_q", "stored:var_kv", "stored:second")
 # the side parts a head carries out whose shape is not the output's
 UNSHAPED = frozenset((PROJECTED, ALONG, *STORED_PARTS))
@@ -71,7 +71,7 @@ class Stored:
 @dataclasses.dataclass(frozen=True, eq=False)
 class StoredSplit:
     """Theorem A.3‴ at the logits (:func:`mhanum.bounds.forward.across_keys.stored_split`):
-    ``(b, rest)`` A.3''s split with the projections' last roundings (and, where A.3''s second
+    ``(b, rest)`` A.3''s split with the projections' relative roundings (and, where A.3''s second
     split takes them, the scores' roundings) taken out of ``rest``; ``moved`` bounds their
     part of each logit's error; ``w_k`` and ``w_s`` the squared increments of the keys' and
     the scores' roundings per key (before the weights ``p_j (v_j - o)``); ``c2_sig_q`` the
@@ -99,7 +99,7 @@ class Head:
     themselves against the exact values (A.2: float64 projections; the scale on q and k).
     ``project`` (A.2, step (c')) and ``along`` (A.1g) couple the logits' errors through the
     output projection's weights and along a direction per row (:func:`softmax_pv`); ``stored``
-    (A.2 with ``lam``, Theorem A.3‴) the projections' last roundings.
+    (A.2 with ``lam``, Theorem A.3‴) the projections' relative roundings.
     ``v_centre`` is ``v``'s median over the keys per column where it is taken once for the
     head's chunks of rows (step 4, centred), ``None`` where each chunk takes it.
     """
