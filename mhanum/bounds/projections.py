@@ -89,6 +89,7 @@ class Roundings:
         )
 
 
+@np.errstate(invalid="ignore", over="ignore")
 def linear(
     x: np.ndarray,
     x_given: np.ndarray,
@@ -103,20 +104,6 @@ def linear(
     ``x`` stands in for the exact operand ``x*`` with ``|x - x*| <= x_given``. Values that
     overflow float64 give ``inf`` bounds, which :func:`linear_overflow` explains.
     """
-    with np.errstate(invalid="ignore", over="ignore"):
-        return _linear(x, x_given, w, b, num, out, lam)
-
-
-def _linear(
-    x: np.ndarray,
-    x_given: np.ndarray,
-    w: np.ndarray,
-    b: np.ndarray | None,
-    num: Numerics,
-    out: Format,
-    lam: float | None,
-) -> Linear:
-    """:func:`linear`'s evaluation."""
     fmt_in, acc = num.format_of("input"), num.format_of("accum")
     u_op, eta_op = operand_error(num)
     d = x.shape[-1]

@@ -37,23 +37,22 @@ def across_splits(
     split = _dot_split(lg, dots, ops, const, head, setting)
     if split is None:
         return None
-    b_dot, rest, t_hat = split
+    b_dot, rest, scores = split
     across = [(b_dot, np.where(live, np.maximum(rest, 0.0), 0.0))]
-    if t_hat is not None:
-        num, scale = setting.num, setting.scale
-        u_s = num.format_of("score").u
-        b_score = np.sqrt(b_dot**2 + (abs(scale) * math.hypot(u_s, const.u_mul) * t_hat) ** 2)
-        rest_score = rest - abs(scale) * (u_s + const.u_mul) * t_hat
-        across.append((b_score, np.where(live, np.maximum(rest_score, 0.0), 0.0)))
+    if scores is not None:
+        b_s, moved_s = scores
+        rest_score = np.where(live, np.maximum(rest - moved_s, 0.0), 0.0)
+        across.append((np.sqrt(b_dot**2 + b_s**2), rest_score))
     return across
 
 
 def _dot_split(
     lg: Logits, dots: Dots, ops: Operands, const: Constant, head: Head, setting: Setting
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
-    """A.3''s first split ``(b, δ')`` (the dots' roundings in the martingale), and the bound
-    ``T_j`` on the scores' ``|t̂_j|`` where their roundings may join it (no bias, the scale
-    on the scores); ``None`` outside A.3''s scope."""
+) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None] | None:
+    """A.3''s first split ``(b, δ')`` (the dots' roundings in the martingale), and where the
+    scores' roundings may join it (no bias, the scale on the scores) their increments' bound
+    ``|c|(u_s² + u_mul²)^½ T_j`` and their part ``|c|(u_s + u_mul) T_j`` of ``δ'_j``, with
+    ``T_j >= |t̂_j|``; ``None`` outside A.3''s scope."""
     num, lam, scale = setting.num, setting.lam, setting.scale
     if not (
         lam is not None
@@ -79,10 +78,12 @@ def _dot_split(
         + abs(scale) * k_b * unit_eta(num, d_k)
         + abs(scale) * (k_b - 1) * g_det * dots.qk_op
     )
-    t_hat = None
-    if head.bias is None and num.scale == "scores":
-        t_hat = np.abs(dots.t) + dots.operands + g_det * dots.qk_op + unit_eta(num, d_k)
-    return b_dot, rest, t_hat
+    if head.bias is not None or num.scale != "scores":
+        return b_dot, rest, None
+    t_hat = np.abs(dots.t) + dots.operands + g_det * dots.qk_op + unit_eta(num, d_k)
+    u_s = num.format_of("score").u
+    scores = (math.hypot(u_s, const.u_mul) * t_hat, (u_s + const.u_mul) * t_hat)
+    return b_dot, rest, (abs(scale) * scores[0], abs(scale) * scores[1])
 
 
 def stored_split(
@@ -100,16 +101,15 @@ def stored_split(
     split = None if st is None else _dot_split(lg, dots, ops, const, head, setting)
     if split is None or st is None:
         return None
-    b_dot, rest, t_hat = split
+    b_dot, rest, scores = split
     c = abs(setting.scale)
     (m_q, m_k, _), (s_q, s_k, _) = st.moved, st.sigma
     moved = c * (m_q @ ops.k_abs.T + ops.q_abs @ m_k.T)
     w_k = c * c * ((ops.q_abs * ops.q_abs) @ (s_k * s_k).T)
     w_s = np.zeros_like(w_k)
-    if t_hat is not None:
-        u_s = setting.num.format_of("score").u
-        moved = moved + c * (u_s + const.u_mul) * t_hat
-        w_s = (c * math.hypot(u_s, const.u_mul) * t_hat) ** 2
+    if scores is not None:
+        moved = moved + scores[1]
+        w_s = scores[0] ** 2
     rest = np.where(live, np.maximum(rest - moved, 0.0), 0.0)
     moved, w_k, w_s = (np.where(live, x, 0.0) for x in (moved, w_k, w_s))
     return StoredSplit(b_dot, rest, moved, w_k, w_s, c * c * s_q * s_q, head.k, st)
