@@ -20,7 +20,6 @@ constant such as ``finfo.min`` or ``-1e9`` and gives ``0/0 = NaN``.
 from __future__ import annotations
 
 import functools
-import math
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -32,6 +31,7 @@ from mhanum import _validate as V
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum.emulate._arith import Arith, runtime_zero, to_format
+from mhanum.emulate.constants import LOG2E, Const, Constants
 from mhanum.emulate.summation import matmul_with, sum_with
 from mhanum.formats import Format, round_to
 from mhanum.masks import Band
@@ -69,14 +69,13 @@ def host_round(x: ArrayLike, fmt: Format) -> Array:
     return jnp.asarray(rounded.astype(carrier))
 
 
-_LOG2E = math.log2(math.e)  # the float64 constant (M_LOG2E), as the kernels multiply by it
-
-
 class Stages:
-    """The arithmetic of each stage of one run, sharing one runtime zero."""
+    """The arithmetic of each stage of one run, sharing one runtime zero, and the run's
+    constants (:class:`mhanum.emulate.constants.Constants`)."""
 
-    def __init__(self, num: Numerics, guard: jax.Array) -> None:
+    def __init__(self, num: Numerics, guard: jax.Array, consts: Constants) -> None:
         self.num = num
+        self.consts = consts
         self.acc = Arith(num.format_of("accum"), guard)
         self.score = Arith(num.format_of("score"), guard)
         self.soft = Arith(num.format_of("softmax"), guard)
@@ -88,22 +87,28 @@ class Stages:
         self.operand = num.operand_rounding
         self.base2 = num.exp2
         self.folded = num.folds_scale
-        self.c2: jax.Array | None = None  # exp2: the base-2 constant, set by fold()
+        self.c2: jax.Array | None = None  # exp2: the base-2 constant
         self.c_lse: jax.Array | None = None  # exp2-folded: fl(scale), a split's lse factor
+        self._fold()
 
-    def fold(self, scale: float) -> None:
+    def _fold(self) -> None:
         """Set the folded constant: ``c2 = fl(scale·log2(e))`` (the float64 product, rounded;
         ``exp2-folded``) or ``fl(fl(scale)·fl(log2(e)))`` (the kernel's own product in the
         softmax format; ``exp2-scaled``), or ``fl(log2(e))`` on the scaled scores (``exp2``)."""
         if self.num.exp_form == "exp2":
-            self.c2 = format_constant(self.soft, _LOG2E)
+            self.c2 = format_constant(self.soft, LOG2E)
         elif self.num.exp_form == "exp2-scaled":
-            fmt = self.soft.fmt
-            factors = float(round_to(scale, fmt)) * float(round_to(_LOG2E, fmt))
-            self.c2 = format_constant(self.soft, factors)
+            self.c2 = self.constant(self.soft, Const.SCALE_LOG2E_FACTORS)
         elif self.folded:
-            self.c2 = format_constant(self.soft, scale * _LOG2E)
-            self.c_lse = format_constant(self.soft, scale)
+            self.c2 = self.constant(self.soft, Const.SCALE_LOG2E)
+            self.c_lse = self.constant(self.soft, Const.SCALE)
+
+    def constant(self, ar: Arith, c: Const | float) -> jax.Array:
+        """The run's constant ``c`` rounded into ``ar``'s format (an operand of the program), or
+        a Python float rounded on the host (a literal of the program)."""
+        if isinstance(c, Const):
+            return jnp.asarray(self.consts.value(c, ar.fmt))
+        return format_constant(ar, c)
 
     def exp_shifted(self, x: jax.Array, shift: jax.Array) -> jax.Array:
         """``exp(x - shift)``, or (folded) ``exp2(fl(fl(x·c2) - fl(shift·c2)))``, with
@@ -163,32 +168,32 @@ def format_constant(ar: Arith, value: float) -> jax.Array:
     return jnp.asarray(float(round_to(value, ar.fmt)), ar.dtype)
 
 
-def _scaled(st: Stages, x: jax.Array, factor: float) -> jax.Array:
+def _scaled(st: Stages, x: jax.Array, factor: Const) -> jax.Array:
     ar = st.scaled
-    return ar.mul(ar.take(x), format_constant(ar, factor))
+    return ar.mul(ar.take(x), st.constant(ar, factor))
 
 
-def scaled_operands(st: Stages, q: jax.Array, k: jax.Array, scale: float) -> tuple[jax.Array, ...]:
+def scaled_operands(st: Stages, q: jax.Array, k: jax.Array) -> tuple[jax.Array, ...]:
     """The operands of the logits' dot: ``q`` times ``fl(scale)`` (placement ``"q"``), or ``q``
     and ``k`` each times ``fl(sqrt(scale))`` (``"qk"``), read into and multiplied in the scale
     format; ``q`` and ``k`` as given when the scale is on the scores."""
     if st.num.scale == "q":
-        return _scaled(st, q, scale), k
+        return _scaled(st, q, Const.SCALE), k
     if st.num.scale == "qk":
-        return _scaled(st, q, math.sqrt(scale)), _scaled(st, k, math.sqrt(scale))
+        return _scaled(st, q, Const.SQRT_SCALE), _scaled(st, k, Const.SQRT_SCALE)
     return q, k
 
 
-def softcap_tanh(st: Stages, s: jax.Array, cap: float) -> jax.Array:
+def softcap_tanh(st: Stages, s: jax.Array) -> jax.Array:
     """``t̂ = fl(tanh(fl(s·r̂)))`` in the score format, ``r̂ = fl(1/c)``: the soft-cap's ``tanh``."""
     sc = st.score
-    return sc.tanh(sc.mul(s, format_constant(sc, 1.0 / cap)))
+    return sc.tanh(sc.mul(s, st.constant(sc, Const.INV_CAP)))
 
 
-def _softcap(st: Stages, s: jax.Array, cap: float) -> jax.Array:
+def _softcap(st: Stages, s: jax.Array) -> jax.Array:
     """``fl(ĉ·t̂)`` in the score format, ``ĉ = fl(c)`` (:func:`softcap_tanh`)."""
     sc = st.score
-    return sc.mul(format_constant(sc, cap), softcap_tanh(st, s, cap))
+    return sc.mul(st.constant(sc, Const.CAP), softcap_tanh(st, s))
 
 
 def stage_logits(
@@ -197,17 +202,17 @@ def stage_logits(
     k: jax.Array,
     mask: Band | jax.Array | None,
     bias: jax.Array | None,
-    scale: float,
-    softcap: float | None = None,
 ) -> jax.Array:
+    """The logits as the kernel forms them: the scaled scores, soft-capped (where the run's
+    constants hold a cap), the bias added, the mask applied, in the score format."""
     num = st.num
-    q, k = scaled_operands(st, q, k, scale)
+    q, k = scaled_operands(st, q, k)
     sc = st.score
     s = sc.take(st.dot(q, jnp.swapaxes(k, -1, -2)))
     if num.scale == "scores" and not st.folded:
-        s = sc.mul(s, format_constant(sc, scale))
-    if softcap is not None:
-        s = _softcap(st, s, softcap)
+        s = sc.mul(s, st.constant(sc, Const.SCALE))
+    if st.consts.capped:
+        s = _softcap(st, s)
     if bias is not None:
         s = sc.add(s, sc.take(bias))
     if mask is not None:
@@ -385,14 +390,11 @@ def attend(
     v: jax.Array,
     mask: Band | jax.Array | None,
     bias: jax.Array | None,
-    scale: float,
-    softcap: float | None = None,
     descale_v: float | None = None,
 ) -> jax.Array:
     """The attention of every stage as ``st`` rounds it: the logits, the softmax (its
     algorithm), ``P·V``, rounded to the output format."""
-    st.fold(scale)
-    s = stage_logits(st, q, k, mask, bias, scale, softcap)
+    s = stage_logits(st, q, k, mask, bias)
     if st.num.kv_splits is not None:
         y = _split_kv(st, s, v)
     elif st.num.softmax_kind == "online":
@@ -405,22 +407,21 @@ def attend(
     return to_format(y, st.output)
 
 
-@functools.partial(jax.jit, static_argnames=("numerics", "scale", "softcap", "descale_v"))
+@functools.partial(jax.jit, static_argnames=("numerics", "descale_v"))
 def _attention_jit(
     q: Any,
     k: Any,
     v: Any,
     mask: Any,
     bias: Any,
+    consts: Constants,
     *,
     numerics: Numerics,
-    scale: float,
-    softcap: float | None = None,
     descale_v: float | None = None,
 ) -> jax.Array:
-    st = Stages(numerics, runtime_zero(q))
+    st = Stages(numerics, runtime_zero(q), consts)
     q, k, v = (to_format(x, st.input) for x in (q, k, v))
-    out = attend(st, q, k, v, mask, bias, scale, softcap, descale_v)
+    out = attend(st, q, k, v, mask, bias, descale_v)
     return out.astype(st.output.jax_dtype)
 
 
@@ -539,9 +540,8 @@ def attention(
         v,
         mask,
         bias,
+        Constants.of(num, factor, p.softcap),
         numerics=num,
-        scale=factor,
-        softcap=p.softcap,
         descale_v=None if p.descale is None else p.descale[2],
     )
     if rescale_output is None:
@@ -565,8 +565,7 @@ def _rotated(p: AttentionProblem) -> tuple[np.ndarray, np.ndarray]:
 
 @functools.partial(jax.jit, static_argnames=("numerics",))
 def _softmax_jit(x: Any, mask: Any, *, numerics: Numerics) -> jax.Array:
-    st = Stages(numerics, runtime_zero(x))
-    st.fold(1.0)
+    st = Stages(numerics, runtime_zero(x), Constants.of(numerics, 1.0))
     s = st.score.take(x)
     if mask is not None:
         constant = jnp.asarray(numerics.mask_constant(), st.score.dtype)
@@ -654,8 +653,8 @@ def _head_projections(
 def _heads_output(
     st: Stages, heads: tuple[Any, Any, Any], p: Any, logits: tuple[Any, ...], sink: bool
 ) -> jax.Array:
-    """Every head's attention (``logits``: mask, bias, scale, soft-cap), concatenated and
-    projected by ``wo``, ``bo`` into the output format."""
+    """Every head's attention (``logits``: mask, bias), concatenated and projected by ``wo``,
+    ``bo`` into the output format."""
     q, k, v = heads
     if sink:  # the sink's key and value: zeros, the last of every row (masks.with_sink)
         k, v = masks.zero_key(k, xp=jnp), masks.zero_key(v, xp=jnp)
@@ -668,35 +667,34 @@ def _input_params(st: Stages, params: MHAParams) -> Any:
     return jax.tree_util.tree_map(lambda w: to_format(w, st.input), params)
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "numerics", "scale", "sink", "softcap"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "numerics", "sink"))
 def _mha_jit(
     x_q: Any,
     x_kv: Any,
     params: MHAParams,
     mask: Any,
     bias: Any,
+    consts: Constants,
     *,
     num_heads: int,
     numerics: Numerics,
-    scale: float,
     sink: bool = False,
-    softcap: float | None = None,
 ) -> jax.Array:
-    st = Stages(numerics, runtime_zero(x_q))
+    st = Stages(numerics, runtime_zero(x_q), consts)
     p = _input_params(st, params)
     heads = _head_projections(st, x_q, x_kv, p, num_heads)
-    return _heads_output(st, heads, p, (mask, bias, scale, softcap), sink)
+    return _heads_output(st, heads, p, (mask, bias), sink)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "numerics"))
 def _projections_jit(
     x_q: Any, x_kv: Any, params: MHAParams, *, num_heads: int, numerics: Numerics
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    st = Stages(numerics, runtime_zero(x_q))
+    st = Stages(numerics, runtime_zero(x_q), Constants.of(numerics, 1.0))
     return _head_projections(st, x_q, x_kv, _input_params(st, params), num_heads)
 
 
-@functools.partial(jax.jit, static_argnames=("numerics", "scale", "sink", "softcap"))
+@functools.partial(jax.jit, static_argnames=("numerics", "sink"))
 def _heads_output_jit(
     q: Any,
     k: Any,
@@ -704,16 +702,13 @@ def _heads_output_jit(
     params: MHAParams,
     mask: Any,
     bias: Any,
+    consts: Constants,
     *,
     numerics: Numerics,
-    scale: float,
     sink: bool = False,
-    softcap: float | None = None,
 ) -> jax.Array:
-    st = Stages(numerics, runtime_zero(q))
-    return _heads_output(
-        st, (q, k, v), _input_params(st, params), (mask, bias, scale, softcap), sink
-    )
+    st = Stages(numerics, runtime_zero(q), consts)
+    return _heads_output(st, (q, k, v), _input_params(st, params), (mask, bias), sink)
 
 
 def _rotated_heads(
@@ -800,23 +795,15 @@ def multi_head_attention(
     fmt = num.format_of("input")
     x_q, x_kv = host_round(p.x_q, fmt), host_round(p.x_kv, fmt)
     params = jax.tree_util.tree_map(lambda w: host_round(w, fmt), p.params)
+    consts = Constants.of(num, p.scale_value(num.scale), cap)
     if p.rope is not None:
         heads = _projections_jit(x_q, x_kv, params, num_heads=p.num_heads, numerics=num)
         q, k, v = _rotated_heads(p, num, heads)
         return _heads_output_jit(
             jnp.asarray(q, heads[0].dtype), jnp.asarray(k, heads[1].dtype), v, params, mask,
-            bias, numerics=num, scale=p.scale_value(num.scale), sink=p.sink is not None,
-            softcap=cap,
+            bias, consts, numerics=num, sink=p.sink is not None,
         )  # fmt: skip
     return _mha_jit(
-        x_q,
-        x_kv,
-        params,
-        mask,
-        bias,
-        num_heads=p.num_heads,
-        numerics=num,
-        scale=p.scale_value(num.scale),
+        x_q, x_kv, params, mask, bias, consts, num_heads=p.num_heads, numerics=num,
         sink=p.sink is not None,
-        softcap=cap,
-    )
+    )  # fmt: skip

@@ -17,7 +17,6 @@ does); FlashAttention-2 gives 0 (its log-sum-exp is ``-inf`` and its probabiliti
 from __future__ import annotations
 
 import functools
-import math
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -31,7 +30,6 @@ from mhanum.emulate.attention import (
     Stages,
     attend,
     check_x64,
-    format_constant,
     head_logit_inputs,
     host_round,
     merge_heads,
@@ -43,6 +41,7 @@ from mhanum.emulate.attention import (
     stage_logits,
     stage_probabilities,
 )
+from mhanum.emulate.constants import LOG2E, Const, Constants
 from mhanum.emulate.summation import sum_with
 from mhanum.gradients import Gradients, MHAGradients
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
@@ -77,7 +76,7 @@ def _blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
 
 
 def _running(
-    st: Stages, a_blocks: jax.Array, b_blocks: jax.Array, scale: float | None = None
+    st: Stages, a_blocks: jax.Array, b_blocks: jax.Array, scale: Const | None = None
 ) -> jax.Array:
     """``Σ_b a_b b_b``: each block's dot on the dot unit (times ``fl_acc(scale)`` when given,
     ``Backward.scale_at="partials"``), added to the running sum in block order
@@ -86,7 +85,7 @@ def _running(
 
     def part(a: jax.Array, b: jax.Array) -> jax.Array:
         x = st.dot(a, b)
-        return x if scale is None else ar.mul(x, format_constant(ar, scale))
+        return x if scale is None else ar.mul(x, st.constant(ar, scale))
 
     def step(acc: jax.Array, blk: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
         return ar.add(acc, part(*blk)), None
@@ -100,52 +99,51 @@ def _dp(acc: jax.Array, fmt: Format | None) -> jax.Array:
     return acc if fmt is None else to_format(acc, fmt)
 
 
-def _finish(st: Stages, acc: jax.Array, scale: float | None) -> jax.Array:
+def _finish(st: Stages, acc: jax.Array, scale: Const | None) -> jax.Array:
     """``fl_out(fl_acc(acc·ĉ))`` with ``ĉ = fl_acc(scale)``, or ``fl_out(acc)``."""
     if scale is not None:
-        acc = st.acc.mul(acc, format_constant(st.acc, scale))
+        acc = st.acc.mul(acc, st.constant(st.acc, scale))
     return to_format(acc, st.output)
 
 
-def gradient_factors(placement: str, scale: float) -> tuple[float | None, float | None]:
+def gradient_factors(placement: str) -> tuple[Const | None, Const | None]:
     """The factors ``dq`` and ``dk`` are multiplied by after their dots (``None``: none): the
     scale on the scores, ``(c, c)``; on ``q``, ``(c, None)`` (``dk``'s dot reads the scaled
     ``q``); ``sqrt(c)`` on ``q`` and ``k``, ``(sqrt(c), sqrt(c))``.
 
     Examples:
-        >>> gradient_factors("q", 0.125), gradient_factors("qk", 0.25)
-        ((0.125, None), (0.5, 0.5))
+        >>> [c and c.value for c in gradient_factors("q") + gradient_factors("qk")]
+        ['c', None, 'sqrt(c)', 'sqrt(c)']
     """
     if placement == "q":
-        return scale, None
+        return Const.SCALE, None
     if placement == "qk":
-        return math.sqrt(scale), math.sqrt(scale)
-    return scale, scale
+        return Const.SQRT_SCALE, Const.SQRT_SCALE
+    return Const.SCALE, Const.SCALE
 
 
 def _cap_slope(
-    st: Stages, gr: Arith, q: jax.Array, k: jax.Array, scale: float, cap: float
+    st: Stages, gr: Arith, q: jax.Array, k: jax.Array, scale: Const | float
 ) -> jax.Array:
     """``σ̂ = fl(1 - fl(t̂·t̂))`` in the gradient format, ``t̂`` the forward's soft-cap ``tanh``
     (autograd's ``tanh`` backward, from its output)."""
     sc = st.score
-    raw = sc.mul(sc.take(st.dot(q, _t(k))), format_constant(sc, scale))
-    t = gr.take(softcap_tanh(st, raw, cap))
+    raw = sc.mul(sc.take(st.dot(q, _t(k))), st.constant(sc, scale))
+    t = gr.take(softcap_tanh(st, raw))
     return gr.sub(jnp.ones_like(t), gr.mul(t, t))
 
 
 def _capped(
-    gr: Arith, ds: jax.Array, slope: jax.Array | None, cap: float | None, scale: float | None = None
+    st: Stages, gr: Arith, ds: jax.Array, slope: jax.Array | None, scale: Const | None = None
 ) -> jax.Array:
     """The gradient of the scaled scores ``dA = fl(fl(fl(dS·ĉ)·σ̂)·r̂)`` through the soft-cap
     ``c·tanh(a/c)`` (autograd: the product by ``ĉ``, ``tanh``'s backward, the product by
     ``r̂ = fl(1/c)``); ``dS`` itself without a cap. With ``scale`` (``Backward.scale_at="ds"``)
     the gradient of the unscaled scores ``fl(dA·fl(scale))``, all in the gradient format."""
-    if cap is not None:
-        assert slope is not None
-        ds = gr.mul(gr.mul(ds, format_constant(gr, cap)), slope)
-        ds = gr.mul(ds, format_constant(gr, 1.0 / cap))
-    return ds if scale is None else gr.mul(ds, format_constant(gr, scale))
+    if slope is not None:
+        ds = gr.mul(gr.mul(ds, st.constant(gr, Const.CAP)), slope)
+        ds = gr.mul(ds, st.constant(gr, Const.INV_CAP))
+    return ds if scale is None else gr.mul(ds, st.constant(gr, scale))
 
 
 def _textbook(
@@ -158,8 +156,7 @@ def _textbook(
     g: jax.Array,
     s: jax.Array,
     slope: jax.Array | None = None,
-    cap: float | None = None,
-    on_ds: float | None = None,
+    on_ds: Const | None = None,
     dp_fmt: Format | None = None,
 ) -> tuple[jax.Array, ...]:
     p = to_format(stage_probabilities(st, s), st.prob)  # the stored probabilities
@@ -168,7 +165,7 @@ def _textbook(
     pg = gr.take(p)
     d = sum_with(gr, gr.mul(dp, pg), st.num.summation, keepdims=True)
     ds = gr.mul(pg, gr.sub(dp, d))
-    ds_r = to_format(_capped(gr, ds, slope, cap, on_ds), ds_fmt)
+    ds_r = to_format(_capped(st, gr, ds, slope, on_ds), ds_fmt)
     return st.dot(ds_r, k), st.dot(_t(ds_r), q), dv, ds
 
 
@@ -183,10 +180,9 @@ def _flash2(
     g: jax.Array,
     s: jax.Array,
     slope: jax.Array | None = None,
-    cap: float | None = None,
-    on_ds: float | None = None,
+    on_ds: Const | None = None,
     dp_fmt: Format | None = None,
-    on_parts: float | None = None,
+    on_parts: Const | None = None,
 ) -> tuple[jax.Array, ...]:
     sm = st.soft
     lse, o = partial_attention(st, s, v)  # the forward's log-sum-exp and output
@@ -196,7 +192,7 @@ def _flash2(
     lse = jnp.where(empty, jnp.zeros_like(lse), lse)
     if st.folded:  # FlashAttention-2's exp2: P = exp2(fl(fl(t·c2) - fl(lse·fl(log2 e))))
         assert st.c2 is not None
-        top = sm.mul(lse, format_constant(sm, math.log2(math.e)))
+        top = sm.mul(lse, st.constant(sm, LOG2E))
         arg = sm.sub(sm.mul(sm.take(s), st.c2), top)
         p = jnp.where(empty, jnp.zeros_like(arg), sm.exp2(arg))
     else:
@@ -204,7 +200,7 @@ def _flash2(
         p = jnp.where(empty, jnp.zeros_like(arg), sm.exp(arg))
     dp = gr.take(_dp(st.dot(g, _t(v)), dp_fmt))
     ds = gr.mul(gr.take(p), gr.sub(dp, d))
-    ds_r = to_format(_capped(gr, ds, slope, cap, on_ds), ds_fmt)
+    ds_r = to_format(_capped(st, gr, ds, slope, on_ds), ds_fmt)
     p_r = to_format(p, st.prob)
     n_keys = k.shape[-2]
     # dV, dK: over query blocks, in order; dQ: one partial per key block, added in dq_order
@@ -212,7 +208,7 @@ def _flash2(
     dk = _running(st, _blocks(_t(ds_r), -1, bw.block_q), _blocks(q, -2, bw.block_q), on_parts)
     parts = jax.vmap(st.dot)(_blocks(ds_r, -1, bw.block_k), _blocks(k, -2, bw.block_k))
     if on_parts is not None:
-        parts = st.acc.mul(parts, format_constant(st.acc, on_parts))
+        parts = st.acc.mul(parts, st.constant(st.acc, on_parts))
     order = jnp.asarray(bw.key_blocks(n_keys))
     parts = parts[order]
 
@@ -232,43 +228,39 @@ def _core(
     mask: Band | jax.Array | None,
     bias: jax.Array | None,
     backward: Backward,
-    scale: float,
     sink: bool,
-    softcap: float | None = None,
 ) -> tuple[jax.Array, ...]:
     """The backward of one attention from operands already in the input format: ``(dq, dk, dv,
     dbias[, dsink])`` in the output format."""
     numerics = st.num
     grad_fmt, ds_fmt = backward.formats(numerics)
     gr = Arith(grad_fmt, st.acc.guard)
-    if st.folded:  # the forward's and the recomputation's constants c2 and fl(scale)
-        st.fold(scale)
-    s = stage_logits(st, q, k, mask, bias, scale, softcap)
+    s = stage_logits(st, q, k, mask, bias)
     # the dots of dq and dk read the operands the logits' dot read (the scaled ones when the
     # scale is on q, or on q and k), and their gradients are multiplied by the factor again
-    q, k = scaled_operands(st, q, k, scale)
-    f_q, f_k = gradient_factors(numerics.scale, scale)
+    q, k = scaled_operands(st, q, k)
+    f_q, f_k = gradient_factors(numerics.scale)
     on_ds = None
     if backward.scale_at == "ds":  # dS times the scale before the dots, and nothing after
-        on_ds, f_q, f_k = scale, None, None
+        on_ds, f_q, f_k = Const.SCALE, None, None
     on_parts = None
     if backward.scale_at == "partials" and backward.algorithm == "flash2":
-        on_parts, f_q, f_k = scale, None, None  # each block's partial times the scale
+        on_parts, f_q, f_k = Const.SCALE, None, None  # each block's partial times the scale
     batch = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], g.shape[:-2])
     q, k, v, g = (jnp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v, g))
     s = jnp.broadcast_to(s, (*batch, *s.shape[-2:]))
     slope = None
-    if softcap is not None:
-        on_scores = scale if numerics.scale == "scores" else 1.0
-        slope = jnp.broadcast_to(_cap_slope(st, gr, q, k, on_scores, softcap), s.shape)
+    if st.consts.capped:
+        on_scores = Const.SCALE if numerics.scale == "scores" else 1.0
+        slope = jnp.broadcast_to(_cap_slope(st, gr, q, k, on_scores), s.shape)
     if backward.algorithm == "textbook":
         dq, dk, dv, ds = _textbook(
-            st, gr, ds_fmt, q, k, v, g, s, slope, softcap, on_ds, backward.dp_rounding()
+            st, gr, ds_fmt, q, k, v, g, s, slope, on_ds, backward.dp_rounding()
         )
     else:
         dq, dk, dv, ds = _flash2(
-            st, gr, ds_fmt, backward, q, k, v, g, s, slope, softcap, on_ds,
-            backward.dp_rounding(), on_parts,
+            st, gr, ds_fmt, backward, q, k, v, g, s, slope, on_ds, backward.dp_rounding(),
+            on_parts,
         )  # fmt: skip
     dtype = st.output.jax_dtype
     grads = (
@@ -295,7 +287,7 @@ def _core(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("numerics", "backward", "scale", "sink", "softcap"))
+@functools.partial(jax.jit, static_argnames=("numerics", "backward", "sink"))
 def _grad_jit(
     q: jax.Array,
     k: jax.Array,
@@ -303,16 +295,15 @@ def _grad_jit(
     g: jax.Array,
     mask: jax.Array,
     bias: jax.Array,
+    consts: Constants,
     *,
     numerics: Numerics,
     backward: Backward,
-    scale: float,
     sink: bool = False,
-    softcap: float | None = None,
 ) -> tuple[jax.Array, ...]:
-    st = Stages(numerics, runtime_zero(q))
+    st = Stages(numerics, runtime_zero(q), consts)
     q, k, v, g = (to_format(x, st.input) for x in (q, k, v, g))
-    return _core(st, q, k, v, g, mask, bias, backward, scale, sink, softcap)
+    return _core(st, q, k, v, g, mask, bias, backward, sink)
 
 
 def attention_grad(
@@ -396,10 +387,10 @@ def attention_grad(
         b = host_round(b, num.format_of("score"))
     fmt = num.format_of("input")
     qa, ka, va, ga = (host_round(x, fmt) for x in (qa, ka, va, ga))
+    consts = Constants.of(num, p.scale_value(num.scale), p.softcap, *bw.formats(num)[:1])
     out = _grad_jit(
-        qa, ka, va, ga, m, b, numerics=num, backward=bw, scale=p.scale_value(num.scale),
-        sink=p.sink is not None, softcap=p.softcap,
-    )  # fmt: skip
+        qa, ka, va, ga, m, b, consts, numerics=num, backward=bw, sink=p.sink is not None
+    )
     return Gradients(*out)
 
 
@@ -426,7 +417,7 @@ def _group_sum(st: Stages, x: jax.Array, group: int) -> jax.Array:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("num_heads", "group", "numerics", "backward", "scale", "sink", "softcap"),
+    static_argnames=("num_heads", "group", "numerics", "backward", "sink"),
 )
 def _mha_grad_jit(
     x_q: jax.Array,
@@ -435,16 +426,15 @@ def _mha_grad_jit(
     g: jax.Array,
     mask: Band | jax.Array | None,
     bias: jax.Array | None,
+    consts: Constants,
     *,
     num_heads: int,
     group: int,
     numerics: Numerics,
     backward: Backward,
-    scale: float,
     sink: bool = False,
-    softcap: float | None = None,
 ) -> tuple[Any, ...]:
-    st = Stages(numerics, runtime_zero(x_q))
+    st = Stages(numerics, runtime_zero(x_q), consts)
     x_q, x_kv, g = (to_format(x, st.input) for x in (x_q, x_kv, g))
     p = jax.tree_util.tree_map(lambda w: to_format(w, st.input), params)
     # the forward, as multi_head_attention computes it; a grouped key/value head repeated for
@@ -456,7 +446,7 @@ def _mha_grad_jit(
     )
     if sink:  # the sink's key and value: zeros, the last of every row (masks.with_sink)
         k, v = masks.zero_key(k, xp=jnp), masks.zero_key(v, xp=jnp)
-    o = merge_heads(attend(st, q, k, v, mask, bias, scale, softcap))
+    o = merge_heads(attend(st, q, k, v, mask, bias))
     out = st.output
 
     def grad_dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -468,7 +458,7 @@ def _mha_grad_jit(
     # the heads' cotangent, then every head's backward from its own operands
     d_o = grad_dot(g, _t(p.wo))
     qi, ki, vi, gi = (to_format(x, st.input) for x in (q, k, v, split_heads(d_o, num_heads)))
-    heads = _core(st, qi, ki, vi, gi, mask, bias, backward, scale, sink, softcap)
+    heads = _core(st, qi, ki, vi, gi, mask, bias, backward, sink)
     dq = merge_heads(heads[0])
     dk, dv = (merge_heads(_group_sum(st, x, group)) for x in heads[1:3])
     dbias = heads[3]
@@ -584,8 +574,9 @@ def mha_grad(
         for x in (p.x_q, p.x_kv, p.d_out)
     )
     params = jax.tree_util.tree_map(lambda w: host_round(w, fmt), p.grouped)
+    consts = Constants.of(num, p.scale_value(num.scale), cap, *bw.formats(num)[:1])
     dx_q, dx_kv, grads, dbias, dsink = _mha_grad_jit(
-        xq, xkv, params, gj, mask, bias, num_heads=heads, group=group, numerics=num, backward=bw,
-        scale=p.scale_value(num.scale), sink=p.sink is not None, softcap=cap,
+        xq, xkv, params, gj, mask, bias, consts, num_heads=heads, group=group, numerics=num,
+        backward=bw, sink=p.sink is not None,
     )  # fmt: skip
     return MHAGradients(dx_q, dx_kv, MHAParams(**grads), dbias, dsink)

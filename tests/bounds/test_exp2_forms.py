@@ -24,6 +24,7 @@ from mhanum.bounds import attention_bound
 from mhanum.bounds.softmax import softmax_bound
 from mhanum.emulate._arith import runtime_zero
 from mhanum.emulate.attention import Stages
+from mhanum.emulate.constants import Constants
 
 LOG2E = math.log2(math.e)
 ZERO = runtime_zero(jnp.zeros((1,), jnp.float32))
@@ -41,17 +42,17 @@ def test_the_constant_is_the_kernels_own_product():
         for s in (1 / math.sqrt(d) for d in range(2, 400))
         if f32(f32(s) * f32(LOG2E)) != f32(s * LOG2E)
     )
-    st = Stages(_scaled(softmax="online(4)"), ZERO)
-    st.fold(scale)
+    num = _scaled(softmax="online(4)")
+    st = Stages(num, ZERO, Constants.of(num, scale))
     assert float(st.c2) == float(f32(f32(scale) * f32(LOG2E)))
-    folded = Stages(Numerics(exp_form="exp2-folded"), ZERO)
-    folded.fold(scale)
+    num = Numerics(exp_form="exp2-folded")
+    folded = Stages(num, ZERO, Constants.of(num, scale))
     assert float(folded.c2) == float(f32(scale * LOG2E)) != float(st.c2)
 
 
 def test_the_rescaling_is_exp2_of_the_difference_of_the_scaled_maxima():
-    st = Stages(_scaled(softmax="online(4)"), ZERO)
-    st.fold(0.125)
+    num = _scaled(softmax="online(4)")
+    st = Stages(num, ZERO, Constants.of(num, 0.125))
     c2 = np.float32(st.c2)
     # maxima far from zero and close together: fl(m·c2) - fl(m'·c2) and fl(m - m')·c2 differ
     m = np.asarray([[-np.inf], [1000.3], [77.77], [3.0e4]], np.float32)
@@ -146,8 +147,8 @@ def test_the_three_base2_forms_agree_where_they_should():
         np.testing.assert_array_equal(out["exp2-scaled"], out["exp2"])
         if softmax == "safe":
             np.testing.assert_array_equal(out["exp2-folded"], out["exp2"])
-    st = Stages(_base2(softmax="safe"), ZERO)
-    st.fold(0.125)  # the scale is on the scores: the constant is fl(log2 e) whatever it is
+    num = _base2(softmax="safe")  # the scale is on the scores: c2 is fl(log2 e) whatever it is
+    st = Stages(num, ZERO, Constants.of(num, 0.125))
     assert float(st.c2) == float(np.float32(LOG2E))
 
 
