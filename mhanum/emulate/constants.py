@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from mhanum.emulate._arith import carrier_dtype
 from mhanum.formats import Format, round_to
 from mhanum.numerics import Numerics
 
@@ -53,18 +54,20 @@ class Const(enum.Enum):
     INV_CAP = "1/cap"
 
 
-def _values(scale: float, cap: float | None, fmt: Format) -> dict[Const, float]:
-    """Every constant's float64 value before its one rounding into ``fmt``."""
-    values = {
-        Const.SCALE: scale,
-        Const.SQRT_SCALE: math.sqrt(scale) if scale >= 0 else math.nan,  # "qk" takes c >= 0
-        Const.SCALE_LOG2E: scale * LOG2E,
-        Const.SCALE_LOG2E_FACTORS: float(round_to(scale, fmt)) * float(round_to(LOG2E, fmt)),
-    }
-    if cap is not None:
-        values[Const.CAP] = cap
-        values[Const.INV_CAP] = 1.0 / cap
-    return values
+_SCALED = (Const.SCALE, Const.SQRT_SCALE, Const.SCALE_LOG2E, Const.SCALE_LOG2E_FACTORS)
+_CAPPED = (Const.CAP, Const.INV_CAP)
+
+
+def _values(scale: float, cap: float | None, fmt: Format) -> list[float]:
+    """The constants' float64 values (those of ``_SCALED``, then of ``_CAPPED`` with a cap)
+    before their one rounding into ``fmt``."""
+    values = [
+        scale,
+        math.sqrt(scale) if scale >= 0 else math.nan,  # "qk" takes c >= 0
+        scale * LOG2E,
+        float(round_to(scale, fmt)) * float(round_to(LOG2E, fmt)),
+    ]
+    return values if cap is None else [*values, cap, 1.0 / cap]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -89,14 +92,12 @@ class Constants:
         scores, softmax and scale stages, and in ``extra`` (a gradient's format)."""
         stages = (num.format_of(role) for role in ("accum", "score", "softmax", "scale"))
         formats = tuple(dict.fromkeys((*stages, *extra)))
-        names: tuple[Const, ...] = ()
-        tables = []
-        for fmt in formats:
-            values = _values(scale, cap, fmt)
-            names = tuple(values)
-            carrier = np.float64 if fmt.name == "float64" else np.float32
-            tables.append(round_to(np.array(list(values.values())), fmt).astype(carrier))
-        return cls(formats, names, tuple(tables))
+        names = _SCALED if cap is None else (*_SCALED, *_CAPPED)
+        tables = tuple(
+            round_to(np.array(_values(scale, cap, fmt)), fmt).astype(carrier_dtype(fmt))
+            for fmt in formats
+        )
+        return cls(formats, names, tables)
 
     @property
     def capped(self) -> bool:
