@@ -110,7 +110,7 @@ def _jax(q, k, v, *, dtype, causal, scale):
 KERNELS: dict[str, Callable[..., np.ndarray]] = {
     "torch-sdpa-math": lambda q, k, v, **kw: _torch_sdpa(q, k, v, backend="math", **kw),
     "torch-sdpa-flash-cpu": lambda q, k, v, **kw: _torch_sdpa(q, k, v, backend="flash", **kw),
-    "jax-xla": _jax,
+    "jax-xla-cpu": _jax,
 }
 
 

@@ -526,6 +526,31 @@ def _flex_attention() -> Kernel:
     )
 
 
+def _jax_xla_cpu() -> Kernel:
+    k = _jax_xla()
+    return Kernel(
+        "jax-xla-cpu",
+        k.models,
+        k.fully_masked,
+        (
+            *k.evidence,
+            (
+                "XLA's CPU backend (jax 0.10): the float32 weights before their rounding to the "
+                "input type follow the model (an exponential within exp_ulps, the sum in any "
+                "order, a correctly rounded division), measured by reading every bfloat16 and "
+                "float16 weight back through identity columns of v: 535,342 weights of 60 drawn "
+                "problems (1 to 64 queries, 7 to 1,024 keys, logits spread up to 30, near-tied "
+                "keys, causal rows), each within the rounding Lemma 6k allows; "
+                "tests/testing/test_known_rounding_evidence.py repeats it on every run"
+            ),
+        ),
+        "'jax-xla' where the kernel runs on XLA's CPU backend: its weights' roundings to the input "
+        "type are taken as known (steps 6k and 6r of Theorem A.1, known_rounding=True); on a GPU, "
+        "where this is not measured, use 'jax-xla' (half inputs) or 'jax-xla-tf32'",
+        known_rounding=True,
+    )
+
+
 def _jax_xla_tf32() -> Kernel:
     base = _jax_xla().models["float32"][0].replace(operand_format="tf32")
     return Kernel(
@@ -555,6 +580,7 @@ KERNELS: Mapping[str, Kernel] = {
         _torch_sdpa_math_tf32(),
         _torch_sdpa_flash_cpu(),
         _jax_xla(),
+        _jax_xla_cpu(),
         _jax_xla_tf32(),
         _flash_attention_2(),
         _torch_sdpa_flash_cuda(),
