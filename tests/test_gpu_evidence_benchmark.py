@@ -178,3 +178,25 @@ def test_the_provisional_cudnn_candidates_judge_as_the_oracle() -> None:
         q, k, v, kernel=one, dtype="bfloat16", is_causal=True, enable_gqa=True
     )
     assert result["candidates"][0]["worst_ratio"] == float(oracle.check(out)[1].max())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_jax_xla_is_judged_with_known_roundings_beside(dtype: str) -> None:
+    """On a GPU, jax.nn's half-precision cases judged by ``jax-xla`` are also judged with the
+    known roundings of ``jax-xla-cpu`` (``with_known_rounding``): the evidence that would let
+    ``jax-xla`` take them there. Here the same path on the CPU's output, where they hold."""
+    config = evidence.configs(smoke=True)["causal"]
+    data = evidence.case_inputs(config, dtype, 1)
+    out = evidence.run_jax(
+        "jax-xla", *data, dtype, config, "default", evidence.jax.devices("cpu")[0]
+    )
+    data64 = tuple(np.asarray(x.astype(np.float32), np.float64) for x in data)
+    spec = {"dtype": dtype, "config": dataclasses.asdict(config), "descriptor": "jax-xla"}
+    result = evidence.judge(spec, *data64, out)
+    known = result["with_known_rounding"]
+    assert result["outside"] == 0
+    assert known["outside"] == 0
+    assert known["elements"] == result["elements"] == out.size
+    assert known["median_tolerance_over_error"] < result["median_tolerance_over_error"]
+    assert evidence.descriptor_for("jax-xla", "cpu", dtype, "default") == ("jax-xla-cpu", True)
+    assert evidence.descriptor_for("jax-xla", "gpu", dtype, "default") == ("jax-xla", True)
