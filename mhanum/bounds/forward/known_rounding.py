@@ -1,18 +1,30 @@
 """Lemma 6k and when steps 6k and 6r take it (papers/attention.md): rounding to nearest is
 monotone, so a value known to lie in ``[a, b]`` rounds into ``[A, B]``, one value of the
-format where no rounding boundary lies between ``a`` and ``b``."""
+format where no rounding boundary lies between ``a`` and ``b``; and ``[a, b]`` itself, the
+enclosure of the weight a kernel rounds into the probability format (which step 6 reads too)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from mhanum._types import NumpyArray
-from mhanum.bounds.factors import conversion_eta, operand_error_of
-from mhanum.bounds.forward.stage import Context
+from mhanum.bounds.factors import conversion_eta, evaluation_rounding, operand_error_of
+from mhanum.bounds.forward.evaluation import on, times_expm1
+from mhanum.bounds.forward.extremes import PerKey, per_key
+from mhanum.bounds.forward.stage import Context, Enclosure
 from mhanum.formats import round_to
 from mhanum.numerics import Numerics
+from mhanum.units import Online
 
-__all__ = ["coarser_probabilities", "known_roundings", "rounded_range"]
+__all__ = [
+    "coarser_probabilities",
+    "kernel_weights",
+    "known_roundings",
+    "rounded_range",
+    "weights_before_rounding",
+]
 
 
 def coarser_probabilities(num: Numerics) -> bool:
@@ -56,3 +68,51 @@ def rounded_range(
     low = round_to(np.nextafter(np.maximum(a, 0.0), -np.inf), f_p)
     low = np.where(a >= max(f_p.smallest_normal, eta_read), low, 0.0)
     return low, round_to(np.nextafter(b, np.inf), f_p)
+
+
+def weights_before_rounding(
+    enc: Enclosure, ctx: Context, pk: PerKey, x: NumpyArray, soft: NumpyArray
+) -> tuple[NumpyArray, NumpyArray]:
+    """``[a_j, b_j]``, an enclosure of the value the kernel rounds into ``F_p``: the normalised
+    ``p̂_j`` (steps 4, 5: ``p̃_j`` within ``[lo_j, hi_j]`` and ``p̂_j`` within ``soft_j`` of
+    it), or, online, the unnormalised ``ê_j = fl(exp(fl(ŝ_j - m)))`` with ``m`` the running
+    maximum when ``j``'s block is visited: at least the largest logit of ``j``'s own block and
+    at most the row's, whatever the blocks' order, and the exponential within the factor
+    ``e^{±x_j}`` of step 5 (``x``, which covers the argument's rounding, the fold and the
+    rescalings after it) and ``η_m``."""
+    num = ctx.num
+    if not isinstance(num.softmax_algorithm, Online):
+        ev_rel = evaluation_rounding(enc.s.shape[-1])
+        return pk.lo * (1 - ev_rel) - soft, pk.hi + soft
+    block = num.softmax_algorithm.block
+    n = enc.s.shape[-1]
+    low = on(enc.live, pk.sc - enc.delta, -np.inf)
+    pad = (-n) % block
+    padded = np.pad(low, ((0, 0), (0, pad)), constant_values=-np.inf)
+    own = padded.reshape(low.shape[0], -1, block).max(axis=-1)
+    own = np.repeat(own, block, axis=-1)[:, :n]
+    top = on(enc.live, pk.sc + enc.delta, -np.inf).max(axis=-1, keepdims=True)
+    fold = 0.0 if enc.fold is None else enc.fold
+    x_lo = pk.sc - enc.delta - top - fold - x
+    x_hi = pk.sc + enc.delta - own + fold + x
+    eta_m = num.format_of("softmax").smallest_normal
+    return np.exp(x_lo) * (1 - 2.0**-50) - eta_m, np.exp(x_hi) * (1 + 2.0**-50) + eta_m
+
+
+def kernel_weights(
+    enc: Enclosure,
+    kernel: tuple[NumpyArray, NumpyArray],
+    sound: NumpyArray,
+    soft_args: tuple[NumpyArray, NumpyArray],
+    before: tuple[NumpyArray, NumpyArray],
+) -> tuple[NumpyArray, NumpyArray]:
+    """``[a_j, b_j]`` narrowed by step 3k: the kernel's scores lie in the box ``kernel`` too,
+    so its ``p̃_j`` lies within that box's extremes (step 4) and ``p̂_j`` within ``soft_j`` of
+    it (step 5, with the factors of ``enc``'s wider box, which cover the kernel's scores;
+    ``sound``: the rows step 5 bounds).
+    Both enclosures hold the value the kernel rounds (not online): their intersection."""
+    y, eta_soft = soft_args
+    pk = per_key(dataclasses.replace(enc, s=kernel[0], delta=kernel[1]))
+    soft = on(sound, times_expm1(pk.hi, y), 0.0) + eta_soft
+    ev_rel = evaluation_rounding(enc.s.shape[-1])
+    return np.maximum(before[0], pk.lo * (1 - ev_rel) - soft), np.minimum(before[1], pk.hi + soft)

@@ -32,7 +32,12 @@ from mhanum.bounds.forward.evaluation import (
     weighted_expm1,
 )
 from mhanum.bounds.forward.extremes import PerKey, direct_rows, per_key
-from mhanum.bounds.forward.known_rounding import known_roundings, rounded_range
+from mhanum.bounds.forward.known_rounding import (
+    kernel_weights,
+    known_roundings,
+    rounded_range,
+    weights_before_rounding,
+)
 from mhanum.bounds.forward.stage import (
     ALONG,
     KNOWN,
@@ -41,6 +46,7 @@ from mhanum.bounds.forward.stage import (
     WHOLE,
     Context,
     Enclosure,
+    RoundingKeys,
     Values,
 )
 from mhanum.bounds.forward.stored import Rounding, stored_parts
@@ -75,7 +81,7 @@ class _Weights:
     relative part ``rel``, the roundings ``prob`` and ``operand_p``, the bound ``p_hat_hi`` on
     the weights as ``P·V`` reads them, A.3'''s keys (``rounding_keys``) and, where a later
     step reads it, the enclosure ``[a_j, b_j]`` of the value the kernel rounds into ``F_p``
-    (``before``, :func:`_weights_before_rounding`) and, where steps 6k and 6r read it, Lemma
+    (``before``, :func:`~mhanum.bounds.forward.known_rounding.weights_before_rounding`) and, where steps 6k and 6r read it, Lemma
     6k's ``[A_j, B_j]`` (``rounded``, :func:`rounded_range`)."""
 
     soft: Any
@@ -84,7 +90,7 @@ class _Weights:
     prob: Any
     operand_p: Any
     p_hat_hi: Any
-    rounding_keys: tuple[np.ndarray, float, np.ndarray, float] | None
+    rounding_keys: RoundingKeys | None
     before: tuple[NumpyArray, NumpyArray] | None = None
     rounded: tuple[NumpyArray, NumpyArray] | None = None
 
@@ -227,14 +233,20 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: PerKey, rs: _RowSum) -> _We
     rel = on(rs.sound, times_expm1(pk.hi, rs.x + math.log1p(0.0 if online else u_div)), 0.0)
     p_hat_hi = pk.hi + soft
     before = None
-    if eta_op or known_roundings(ctx):
-        before = _weights_before_rounding(enc, ctx, pk, rs, soft)
+    if eta_op or known_roundings(ctx) or (online and not num.prob_offset):
+        before = weights_before_rounding(enc, ctx, pk, rs.x, soft)
         if enc.kernel is not None and not online:
-            before = _kernel_weights(enc, enc.kernel, rs, (y, eta_soft), before)
-    rounding_keys: tuple[np.ndarray, float, np.ndarray, float] | None = None
+            before = kernel_weights(enc, enc.kernel, rs.sound, (y, eta_soft), before)
+    rounding_keys: RoundingKeys | None = None
+    online_keys = None
     if online:
-        per_sum = rs.per_sum
-        prob = u_p * p_hat_hi + (eta_p * per_sum + rs.blocks * eta_m * per_sum) / rs.lift
+        # a flush below F_p's smallest normal number only where the unnormalised weight may
+        # lie below it (not lifted: [a_j, b_j] is the unlifted weight's)
+        may_flush = eta_p if before is None else np.where(before[0] >= eta_p, 0.0, eta_p)
+        absolute = (may_flush + rs.blocks * eta_m) * rs.per_sum / rs.lift
+        prob = u_p * p_hat_hi + absolute
+        if lam is not None and num.dot_kind == "ieee" and not u_op:
+            online_keys = (np.where(enc.live, p_hat_hi, 0.0), absolute)
     else:
         p_hat_lo = pk.lo * (1 - ev_rel) - soft
         normal_p = p_hat_lo >= eta_p
@@ -259,6 +271,12 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: PerKey, rs: _RowSum) -> _We
     p_hat_hi += prob  # (in place: p_hat_hi is this function's own array)
     operand_p = u_op * p_hat_hi + _read_flush(ctx, pk, rs, soft, (before, eta_op))
     p_hat_hi += operand_p
+    if online_keys is not None:
+        # Theorem A.3'', online: the unnormalised weights' relative roundings into F_p, with the
+        # rescalings and the division they share with the unrounded ones as coefficients; each
+        # key keeps its absolute parts (a flush, in F_p or in the dot's read) deterministic
+        w_keys, absolute = online_keys
+        rounding_keys = (w_keys, u_p**2, enc.live, absolute + operand_p)
     rounded = None
     if before is not None and known_roundings(ctx):
         with quiet():
@@ -277,7 +295,7 @@ def _read_flush(
     accumulation) format's smallest normal number ``η_op`` moves a weight by at most ``η_op``
     (online: divided by the row sum later, ``per_sum``), and only a weight that may lie below
     it: where the value the kernel rounds into ``F_p`` is at least ``a_j`` with ``a_j(1 - u_p)
-    >= η_op`` (:func:`_weights_before_rounding`; rounding to nearest keeps it there), the read
+    >= η_op`` (:func:`~mhanum.bounds.forward.known_rounding.weights_before_rounding`; rounding to nearest keeps it there), the read
     costs nothing. ``read``: that enclosure and ``η_op``."""
     before, eta_op = read
     if not eta_op or before is None:
@@ -533,53 +551,6 @@ def _rounding_martingale(
     terms["operands"] = scale_out * (np.where(choose, alt * (1 - share), det_op) + rest_v)
 
 
-def _weights_before_rounding(
-    enc: Enclosure, ctx: Context, pk: PerKey, rs: _RowSum, soft: NumpyArray
-) -> tuple[NumpyArray, NumpyArray]:
-    """``[a_j, b_j]``, an enclosure of the value the kernel rounds into ``F_p``: the normalised
-    ``p̂_j`` (steps 4, 5: ``p̃_j`` within ``[lo_j, hi_j]`` and ``p̂_j`` within ``soft_j`` of
-    it), or, online, the unnormalised ``ê_j = fl(exp(fl(ŝ_j - m)))`` with ``m`` the running
-    maximum when ``j``'s block is visited: at least the largest logit of ``j``'s own block and
-    at most the row's, whatever the blocks' order, and the exponential within the factor
-    ``e^{±x_j}`` of step 5 (which covers the argument's rounding, the fold and the
-    rescalings after it) and ``η_m``."""
-    num = ctx.num
-    if not isinstance(num.softmax_algorithm, Online):
-        ev_rel = evaluation_rounding(enc.s.shape[-1])
-        return pk.lo * (1 - ev_rel) - soft, pk.hi + soft
-    block = num.softmax_algorithm.block
-    n = enc.s.shape[-1]
-    low = on(enc.live, pk.sc - enc.delta, -np.inf)
-    pad = (-n) % block
-    padded = np.pad(low, ((0, 0), (0, pad)), constant_values=-np.inf)
-    own = padded.reshape(low.shape[0], -1, block).max(axis=-1)
-    own = np.repeat(own, block, axis=-1)[:, :n]
-    top = on(enc.live, pk.sc + enc.delta, -np.inf).max(axis=-1, keepdims=True)
-    fold = 0.0 if enc.fold is None else enc.fold
-    x_lo = pk.sc - enc.delta - top - fold - rs.x
-    x_hi = pk.sc + enc.delta - own + fold + rs.x
-    eta_m = num.format_of("softmax").smallest_normal
-    return np.exp(x_lo) * (1 - 2.0**-50) - eta_m, np.exp(x_hi) * (1 + 2.0**-50) + eta_m
-
-
-def _kernel_weights(
-    enc: Enclosure,
-    kernel: tuple[NumpyArray, NumpyArray],
-    rs: _RowSum,
-    soft_args: tuple[Any, Any],
-    before: tuple[NumpyArray, NumpyArray],
-) -> tuple[NumpyArray, NumpyArray]:
-    """``[a_j, b_j]`` narrowed by step 3k: the kernel's scores lie in the box ``kernel`` too,
-    so its ``p̃_j`` lies within that box's extremes (step 4) and ``p̂_j`` within ``soft_j`` of
-    it (step 5, with the factors of ``enc``'s wider box, which cover the kernel's scores).
-    Both enclosures hold the value the kernel rounds (not online): their intersection."""
-    y, eta_soft = soft_args
-    pk = per_key(dataclasses.replace(enc, s=kernel[0], delta=kernel[1]))
-    soft = on(rs.sound, times_expm1(pk.hi, y), 0.0) + eta_soft
-    ev_rel = evaluation_rounding(enc.s.shape[-1])
-    return np.maximum(before[0], pk.lo * (1 - ev_rel) - soft), np.minimum(before[1], pk.hi + soft)
-
-
 def _relative_roundings(
     enc: Enclosure, values: Values, ctx: Context, pk: PerKey, rs: _RowSum, w: _Weights
 ) -> NumpyArray | None:
@@ -587,7 +558,7 @@ def _relative_roundings(
     signs, a bound on what the term ``probability_rounding`` bounds, or ``None`` where it does
     not apply.
 
-    The kernel rounds a value ``y_j`` in ``[a_j, b_j]`` (:func:`_weights_before_rounding`) to
+    The kernel rounds a value ``y_j`` in ``[a_j, b_j]`` (:func:`~mhanum.bounds.forward.known_rounding.weights_before_rounding`) to
     ``fl_p(y_j) = y_j(1 + κ_j)``; by Lemma 6k ``fl_p(y_j)`` lies in ``[A_j, B_j]`` (the nearest
     values to the neighbours of ``a_j`` and ``b_j``; 0 below the smallest normal number), so
     ``κ_j`` lies in ``[A_j/b_j - 1, B_j/a_j - 1]``, centre ``κ̄_j``, radius ``r_j``. The

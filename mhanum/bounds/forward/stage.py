@@ -25,6 +25,7 @@ __all__ = [
     "Context",
     "Enclosure",
     "Head",
+    "RoundingKeys",
     "Setting",
     "Stored",
     "StoredSplit",
@@ -47,6 +48,12 @@ WHOLE = "output:whole"
 STORED_PARTS = ("stored:rest", "stored:first", "stored:var_q", "stored:var_kv", "stored:second")
 # the side parts a head carries out whose shape is not the output's
 UNSHAPED = frozenset((PROJECTED, ALONG, *STORED_PARTS))
+# Theorem A.3'': the keys whose weights' relative roundings join the martingale, as ``(w, c2,
+# keys, kept)``: ``w_j`` bounds the rounding's coefficient, ``c2`` the squared relative
+# roundings' bound (``u_p² + u_op²(1 + u_p)²``), ``keys`` those keys (the others keep step 6's
+# charge) and ``kept`` what each of them keeps deterministic (a conversion's or a flush's
+# absolute part; a number or an array over the keys)
+RoundingKeys = tuple[np.ndarray, float, np.ndarray, "float | np.ndarray"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -15,7 +15,13 @@ import numpy as np
 
 from mhanum.bounds.factors import evaluation_rounding
 from mhanum.bounds.forward.across_keys import logits_across_keys
-from mhanum.bounds.forward.stage import STORED_PARTS, Enclosure, StoredSplit, Values
+from mhanum.bounds.forward.stage import (
+    STORED_PARTS,
+    Enclosure,
+    RoundingKeys,
+    StoredSplit,
+    Values,
+)
 from mhanum.numerics import Numerics
 from mhanum.problem import MHAProblem
 
@@ -150,11 +156,11 @@ def stored_parts(
 class Rounding:
     """A head's probabilities' roundings (step 6): A.3''s keys (``keys``: the bounds on
     ``|p̂_j|`` of the keys in their formats' normal ranges, ``u_p² + u_op²(1 + u_p)²``, those
-    keys and their conversion's underflow; ``None`` where A.3'' does not apply), the per-key
+    keys and what each keeps deterministic; ``None`` where A.3'' does not apply), the per-key
     charges ``each >= |p̂''_j - p̂_j|``, their products with ``v̄`` (``prob_v``, per output
     column) and the values' errors as read, ``v_extra >= |ṽ_j - v_j|`` (step 1)."""
 
-    keys: tuple[np.ndarray, float, np.ndarray, float] | None
+    keys: RoundingKeys | None
     each: np.ndarray
     prob_v: np.ndarray
     v_extra: np.ndarray
