@@ -22,6 +22,7 @@ __all__ = [
     "coarser_probabilities",
     "kernel_weights",
     "known_roundings",
+    "online_weights_above",
     "rounded_range",
     "weights_before_rounding",
 ]
@@ -91,12 +92,21 @@ def weights_before_rounding(
     padded = np.pad(low, ((0, 0), (0, pad)), constant_values=-np.inf)
     own = padded.reshape(low.shape[0], -1, block).max(axis=-1)
     own = np.repeat(own, block, axis=-1)[:, :n]
+    fold = 0.0 if enc.fold is None else enc.fold
+    x_hi = pk.sc + enc.delta - own + fold + x
+    eta_m = num.format_of("softmax").smallest_normal
+    return online_weights_above(enc, ctx, pk, x), np.exp(x_hi) * (1 + 2.0**-50) + eta_m
+
+
+def online_weights_above(enc: Enclosure, ctx: Context, pk: PerKey, x: NumpyArray) -> NumpyArray:
+    """``a_j`` of :func:`weights_before_rounding` for the online softmax alone: the running
+    maximum is at most the row's largest logit, and the exponential within ``e^{-x_j}`` and
+    ``η_m`` (step 6 reads it to charge a flush only where ``ê_j`` may lie below ``F_p``'s
+    smallest normal number)."""
     top = on(enc.live, pk.sc + enc.delta, -np.inf).max(axis=-1, keepdims=True)
     fold = 0.0 if enc.fold is None else enc.fold
     x_lo = pk.sc - enc.delta - top - fold - x
-    x_hi = pk.sc + enc.delta - own + fold + x
-    eta_m = num.format_of("softmax").smallest_normal
-    return np.exp(x_lo) * (1 - 2.0**-50) - eta_m, np.exp(x_hi) * (1 + 2.0**-50) + eta_m
+    return np.exp(x_lo) * (1 - 2.0**-50) - ctx.num.format_of("softmax").smallest_normal
 
 
 def kernel_weights(

@@ -35,6 +35,7 @@ from mhanum.bounds.forward.extremes import PerKey, direct_rows, per_key
 from mhanum.bounds.forward.known_rounding import (
     kernel_weights,
     known_roundings,
+    online_weights_above,
     rounded_range,
     weights_before_rounding,
 )
@@ -81,8 +82,9 @@ class _Weights:
     relative part ``rel``, the roundings ``prob`` and ``operand_p``, the bound ``p_hat_hi`` on
     the weights as ``P·V`` reads them, A.3'''s keys (``rounding_keys``) and, where a later
     step reads it, the enclosure ``[a_j, b_j]`` of the value the kernel rounds into ``F_p``
-    (``before``, :func:`~mhanum.bounds.forward.known_rounding.weights_before_rounding`) and, where steps 6k and 6r read it, Lemma
-    6k's ``[A_j, B_j]`` (``rounded``, :func:`rounded_range`)."""
+    (``before``, :func:`~mhanum.bounds.forward.known_rounding.weights_before_rounding`) and,
+    where steps 6k and 6r read it, Lemma 6k's ``[A_j, B_j]`` (``rounded``,
+    :func:`rounded_range`)."""
 
     soft: Any
     eta_soft: Any
@@ -233,7 +235,7 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: PerKey, rs: _RowSum) -> _We
     rel = on(rs.sound, times_expm1(pk.hi, rs.x + math.log1p(0.0 if online else u_div)), 0.0)
     p_hat_hi = pk.hi + soft
     before = None
-    if eta_op or known_roundings(ctx) or (online and not num.prob_offset):
+    if eta_op or known_roundings(ctx):
         before = weights_before_rounding(enc, ctx, pk, rs.x, soft)
         if enc.kernel is not None and not online:
             before = kernel_weights(enc, enc.kernel, rs.sound, (y, eta_soft), before)
@@ -241,8 +243,12 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: PerKey, rs: _RowSum) -> _We
     online_keys = None
     if online:
         # a flush below F_p's smallest normal number only where the unnormalised weight may
-        # lie below it (not lifted: [a_j, b_j] is the unlifted weight's)
-        may_flush = eta_p if before is None else np.where(before[0] >= eta_p, 0.0, eta_p)
+        # lie below it (not lifted: a_j is the unlifted weight's); looked at where that
+        # number is not negligible (float16, fp8: every key keeps it elsewhere)
+        may_flush: float | NumpyArray = eta_p
+        if not num.prob_offset and (before is not None or eta_p >= 2.0**-30):
+            lowest = online_weights_above(enc, ctx, pk, rs.x) if before is None else before[0]
+            may_flush = np.where(lowest >= eta_p, 0.0, eta_p)
         absolute = (may_flush + rs.blocks * eta_m) * rs.per_sum / rs.lift
         prob = u_p * p_hat_hi + absolute
         if lam is not None and num.dot_kind == "ieee" and not u_op:
@@ -295,8 +301,9 @@ def _read_flush(
     accumulation) format's smallest normal number ``η_op`` moves a weight by at most ``η_op``
     (online: divided by the row sum later, ``per_sum``), and only a weight that may lie below
     it: where the value the kernel rounds into ``F_p`` is at least ``a_j`` with ``a_j(1 - u_p)
-    >= η_op`` (:func:`~mhanum.bounds.forward.known_rounding.weights_before_rounding`; rounding to nearest keeps it there), the read
-    costs nothing. ``read``: that enclosure and ``η_op``."""
+    >= η_op`` (:func:`~mhanum.bounds.forward.known_rounding.weights_before_rounding`; rounding
+    to nearest keeps it there), the read costs nothing. ``read``: that enclosure and
+    ``η_op``."""
     before, eta_op = read
     if not eta_op or before is None:
         return 0.0
@@ -558,7 +565,8 @@ def _relative_roundings(
     signs, a bound on what the term ``probability_rounding`` bounds, or ``None`` where it does
     not apply.
 
-    The kernel rounds a value ``y_j`` in ``[a_j, b_j]`` (:func:`~mhanum.bounds.forward.known_rounding.weights_before_rounding`) to
+    The kernel rounds a value ``y_j`` in ``[a_j, b_j]``
+    (:func:`~mhanum.bounds.forward.known_rounding.weights_before_rounding`) to
     ``fl_p(y_j) = y_j(1 + κ_j)``; by Lemma 6k ``fl_p(y_j)`` lies in ``[A_j, B_j]`` (the nearest
     values to the neighbours of ``a_j`` and ``b_j``; 0 below the smallest normal number), so
     ``κ_j`` lies in ``[A_j/b_j - 1, B_j/a_j - 1]``, centre ``κ̄_j``, radius ``r_j``. The
