@@ -537,7 +537,7 @@ def _jax_xla_cpu() -> Kernel:
             (
                 "XLA's CPU backend (jax 0.10): the float32 weights before their rounding to the "
                 "input type follow the model (an exponential within exp_ulps, the sum in any "
-                "order, a correctly rounded division), measured by reading every bfloat16 and "
+                "order, the division within div_ulps), measured by reading every bfloat16 and "
                 "float16 weight back through identity columns of v: 535,342 weights of 60 drawn "
                 "problems (1 to 64 queries, 7 to 1,024 keys, logits spread up to 30, near-tied "
                 "keys, causal rows), each within the rounding Lemma 6k allows; "
