@@ -6,8 +6,10 @@
 1. ``attention_bound`` with and without the known roundings (``known_rounding=True`` /
    ``False``), on random normal inputs in the input format (``d = 64``), for the numerics of
    ``jax-xla`` (a float32 softmax whose probabilities are stored in the half format: step 6k)
-   and of ``torch-sdpa-flash-cpu`` (an online softmax storing its unnormalised weights in the
-   half format: step 6r), each in bfloat16 and float16: the median over the output entries of
+   and of ``torch-sdpa-flash-cpu`` (an online softmax over blocks of 512 keys storing its
+   unnormalised weights in the half format: step 6k online on rows of one block, ``L <= 512``,
+   step 6r beyond; its half-precision exponential within 2^-12, the AVX2 kernels'), each in
+   bfloat16 and float16: the median over the output entries of
    bound ÷ |error| against the certified reference (the error is the emulation's), side by side.
 2. The testing oracle's tolerance for the tensor-core descriptors (``flash-attention-2``,
    ``torch-sdpa-efficient``), judged on their candidates' emulation: the median over the

@@ -11,7 +11,7 @@ import numpy as np
 
 from mhanum._types import NumpyArray
 from mhanum.bounds.factors import conversion_eta, evaluation_rounding, operand_error_of
-from mhanum.bounds.forward.evaluation import on, times_expm1
+from mhanum.bounds.forward.evaluation import on, quiet, times_expm1
 from mhanum.bounds.forward.extremes import PerKey, per_key
 from mhanum.bounds.forward.stage import Context, Enclosure
 from mhanum.formats import round_to
@@ -22,6 +22,7 @@ __all__ = [
     "coarser_probabilities",
     "kernel_weights",
     "known_roundings",
+    "online_row_sum",
     "online_weights_above",
     "rounded_range",
     "weights_before_rounding",
@@ -107,6 +108,32 @@ def online_weights_above(enc: Enclosure, ctx: Context, pk: PerKey, x: NumpyArray
     fold = 0.0 if enc.fold is None else enc.fold
     x_lo = pk.sc - enc.delta - top - fold - x
     return np.exp(x_lo) * (1 - 2.0**-50) - ctx.num.format_of("softmax").smallest_normal
+
+
+def online_row_sum(
+    before: tuple[NumpyArray, NumpyArray], live: NumpyArray, g_sum: float | NumpyArray, eta_m: float
+) -> tuple[NumpyArray, NumpyArray]:
+    """Step 6k online: ``[l_lo, l_hi]`` holds the row sum ``l̂`` a one-block online kernel
+    divides by, the float sum in any order of its unrounded weights ``ê_j`` in ``[a_j, b_j]``
+    (:func:`weights_before_rounding`; 0 on a masked key): within step 5's factor ``g_sum`` of
+    their exact sum, and ``n·η_m`` for partial sums flushed below ``F_m``'s smallest normal
+    number. Evaluated in float64 and rounded outward (``l_lo`` may be 0 or less: no bound).
+
+    Examples:
+        >>> import numpy as np
+        >>> live = np.array([[True, True, False]])
+        >>> before = (np.array([[0.5, 0.25, 9.0]]), np.array([[0.5, 0.25, 9.0]]))
+        >>> lo, hi = online_row_sum(before, live, 2.0**-23, 2.0**-126)
+        >>> bool(lo[0, 0] < 0.75 < hi[0, 0]) and float(hi[0, 0] - lo[0, 0]) < 2e-7
+        True
+    """
+    a, b = before
+    n = live.shape[-1]
+    out = 1 + evaluation_rounding(n) + 2.0**-50
+    with quiet():
+        low = np.where(live, np.maximum(a, 0.0), 0.0).sum(axis=-1, keepdims=True)
+        high = np.where(live, b, 0.0).sum(axis=-1, keepdims=True)
+        return low * (1 - g_sum) / out - n * eta_m, high * (1 + g_sum) * out + n * eta_m
 
 
 def kernel_weights(

@@ -35,6 +35,7 @@ from mhanum.bounds.forward.extremes import PerKey, direct_rows, per_key
 from mhanum.bounds.forward.known_rounding import (
     kernel_weights,
     known_roundings,
+    online_row_sum,
     online_weights_above,
     rounded_range,
     weights_before_rounding,
@@ -633,22 +634,35 @@ def _known_probabilities(
     term ``known_probabilities``. Taken where the dot reads ``fl_p(p̂_j)`` exactly (no operand
     rounding, or an operand format that holds every value of ``F_p``; a flush on the read,
     below the operand or accumulation format's smallest normal number, is one more way down
-    to 0 and sets ``A_j = 0`` there) and the softmax is not online (whose weights are
-    unnormalised and rescaled later); not under A.1g or A.2 (c') (``project``, ``along``),
-    which take the logits term apart. Updates ``terms``.
+    to 0 and sets ``A_j = 0`` there); not under A.1g or A.2 (c') (``project``, ``along``),
+    which take the logits term apart. Online, for rows of one block (``n <= B``) with masked
+    keys at weight 0: the kernel divides ``Σ_j fl_p(ê_j) ṽ_j`` by its row sum ``l̂``, in
+    ``[l_lo, l_hi]`` (:func:`~mhanum.bounds.forward.known_rounding.online_row_sum`), and
+    ``c·v/l - o`` is monotone in ``l``, so ``|Σ_j c_j v_j/l̂ - o|`` is at most its larger value
+    at the two ends; the radii and the values' errors over ``l_lo``. Updates ``terms``.
     """
     num = ctx.num
     online = isinstance(num.softmax_algorithm, Online)
-    if online or w.rounded is None:
+    zeros = num.mask_value == -math.inf or enc.live.all()  # masked keys weigh 0 exactly
+    if w.rounded is None or w.before is None or (online and (rs.blocks != 1 or not zeros)):
         return
     ev_rel = evaluation_rounding(enc.s.shape[-1])
+    eta_m = num.format_of("softmax").smallest_normal
     with quiet():
-        low, high = w.rounded  # (not online: step 6k's [a_j, b_j])
+        low, high = w.rounded
         low, high = on(enc.live, low, 0.0), on(enc.live, high, 0.0)
         centre, radius = (low + high) / 2, (high - low) / 2
-        shift = np.abs(centre @ values.v - out.o) * (1 + 2.0**-52)
-        spread = (radius + ev_rel * centre) @ values.v_abs
-        known = (shift + spread + out.ev + dot(high, out.v_extra)) * (1 + ev_rel)
+        c_v = centre @ values.v
+        spread = (radius + ev_rel * centre) @ values.v_abs + dot(high, out.v_extra)
+        if online:  # one block: Σ_j fl_p(ê_j) ṽ_j / l̂, l̂ in [l_lo, l_hi] (step 6k, online)
+            l_lo, l_hi = online_row_sum(w.before, enc.live, rs.g_sum, eta_m)
+            shift = np.maximum(np.abs(c_v / l_lo - out.o), np.abs(c_v / l_hi - out.o))
+            shift = shift + np.abs(c_v / l_lo) * 2.0**-51
+            known = (shift + spread / l_lo + out.ev) * (1 + ev_rel)
+            known = np.where(l_lo > 0, known * (1 + ctx.u_div), np.inf)
+        else:
+            shift = np.abs(c_v - out.o) * (1 + 2.0**-52)
+            known = (shift + spread + out.ev) * (1 + ev_rel)
         known = np.where(rs.sound, known * (1 + num.format_of("output").u), np.inf)
         choose = known < sum(terms[name] for name in _WEIGHTS)
     for name in _WEIGHTS:
@@ -656,12 +670,14 @@ def _known_probabilities(
     terms[KNOWN] = np.where(choose, known, 0.0)
 
 
-def _nearest(terms: dict[str, Any], ctx: Context, out: _Output) -> Any:
+def _nearest(terms: dict[str, Any], ctx: Context, out: _Output, u_last: Any) -> Any:
     """Step 7'. The last rounding is to nearest: the computed ``x`` (``|x - o*| <= E``, the
     other terms) rounds to a value at least as close to ``x`` as any value ``r`` of the
     format (plus ``η`` for a flush to zero), and ``r = fl(o)`` is within ``|fl(o) - o| + ε +
     E`` of ``x`` (``ε``: ``o``'s own float64 error). Where ``o`` is (nearly) a value of the
-    format and ``E`` is below half its spacing, this is far below ``u|o|``."""
+    format and ``E`` is below half its spacing, this is far below ``u|o|``. Online the output
+    is first the division's ``y`` in the softmax format, within ``E + u_÷(|o| + ε + E)`` of
+    the exact output (``u_last``: ``u_÷``, 0 on a one-key row's exact ``acc/1``), and ``fl_o(y)`` is within ``|fl_o(o) - o| + ε`` plus twice that."""
     num, o, ev = ctx.num, out.o, out.ev
     fm, f_o = num.format_of("softmax"), num.format_of("output")
     eta_m, eta_o = fm.smallest_normal, f_o.smallest_normal
@@ -669,10 +685,11 @@ def _nearest(terms: dict[str, Any], ctx: Context, out: _Output) -> Any:
     off_o = np.abs(round_to(o, f_o) - o) + ev
     # a flush to zero departs from the nearest value only below the smallest normal number
     low = np.abs(o) - ev - e_other  # <= |x|
-    if isinstance(num.softmax_algorithm, Online):  # y = fl_m(x), x = acc/l, then z = fl_o(y)
-        off_m = np.abs(round_to(o, fm) - o) + ev
-        flush_m = np.where(low < eta_m, eta_m, 0.0)
-        y_off = off_m + 2 * e_other + flush_m  # >= |y - o*|
+    if isinstance(num.softmax_algorithm, Online):  # y = fl(acc/l) in F_m, then z = fl_o(y)
+        # the division within u_last of the quotient acc/l (no need to round to nearest), or
+        # a flush below F_m's smallest normal number: |y - o*| <= E + u_last(|o*| + E) (+ η_m)
+        flush_m = np.where(low * (1 - u_last) < eta_m, eta_m, 0.0)
+        y_off = e_other + u_last * (np.abs(o) + ev + e_other) + flush_m  # >= |y - o*|
         flush_o = np.where(np.abs(o) - ev - y_off < eta_o, eta_o, 0.0)
         return off_o + 2 * y_off - e_other + flush_o
     return off_o + e_other + np.where(low < eta_o, eta_o, 0.0)
@@ -746,7 +763,7 @@ def softmax_pv(
         terms["operands"] = np.where(swap, kept, terms["operands"])
     if project is None and along is None:
         _known_probabilities(terms, enc, values, ctx, pk, rs, ch.w, out)
-    nearest = _nearest(terms, ctx, out)
+    nearest = _nearest(terms, ctx, out, ch.u_last)
     # the last rounding's plain bound (u_o|o| + η_o, and the online division's), which bounds
     # |fl(x) - x| by itself: Theorem A.5' (shared logits) needs it; removed by the head
     terms[PLAIN] = terms["output"]
