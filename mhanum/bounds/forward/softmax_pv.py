@@ -670,7 +670,7 @@ def _known_probabilities(
     terms[KNOWN] = np.where(choose, known, 0.0)
 
 
-def _nearest(terms: dict[str, Any], ctx: Context, out: _Output, u_last: Any) -> Any:
+def _nearest(terms: dict[str, Any], ctx: Context, out: _Output, u_last: float | NumpyArray) -> Any:
     """Step 7'. The last rounding is to nearest: the computed ``x`` (``|x - o*| <= E``, the
     other terms) rounds to a value at least as close to ``x`` as any value ``r`` of the
     format (plus ``η`` for a flush to zero), and ``r = fl(o)`` is within ``|fl(o) - o| + ε +
