@@ -43,6 +43,13 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_line(line: str) -> None:
+    """One line on standard error, written whole: ``print`` writes the text and its newline
+    apart, and a Ctrl-C between them would leave the interruption's message on the same line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 class _ProgressBar:
     """``[#####.....] 12/40 max ratio 0.031`` on a stream: redrawn in place on a terminal, else a
     line every tenth of the way."""
@@ -276,7 +283,7 @@ def _mha_campaign(args: argparse.Namespace, num: Numerics) -> int:
     from mhanum import cases, parallel, search
 
     def show(done: int, total: int, key: str) -> None:
-        print(f"[{done}/{total}] {key}", file=sys.stderr, flush=True)
+        _progress_line(f"[{done}/{total}] {key}")
 
     shape = search.MHAShape(
         q_len=args.q_len, kv_len=args.kv_len, d_model=args.d_model, batch=args.batch
@@ -311,7 +318,7 @@ def _campaign(args: argparse.Namespace, num: Numerics, shape: Shape) -> int:
     from mhanum import cases, parallel, search
 
     def show(done: int, total: int, key: str) -> None:
-        print(f"[{done}/{total}] {key}", file=sys.stderr, flush=True)
+        _progress_line(f"[{done}/{total}] {key}")
 
     with parallel.executor_for(args.workers, args.scheduler) as executor:
         found = search.campaign(
