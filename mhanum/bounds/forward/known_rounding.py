@@ -23,7 +23,7 @@ __all__ = [
     "kernel_weights",
     "known_roundings",
     "online_row_sum",
-    "online_weights_above",
+    "online_weights_lower_end",
     "rounded_range",
     "weights_before_rounding",
 ]
@@ -96,10 +96,10 @@ def weights_before_rounding(
     fold = 0.0 if enc.fold is None else enc.fold
     x_hi = pk.sc + enc.delta - own + fold + x
     eta_m = num.format_of("softmax").smallest_normal
-    return online_weights_above(enc, ctx, pk, x), np.exp(x_hi) * (1 + 2.0**-50) + eta_m
+    return online_weights_lower_end(enc, ctx, pk, x), np.exp(x_hi) * (1 + 2.0**-50) + eta_m
 
 
-def online_weights_above(enc: Enclosure, ctx: Context, pk: PerKey, x: NumpyArray) -> NumpyArray:
+def online_weights_lower_end(enc: Enclosure, ctx: Context, pk: PerKey, x: NumpyArray) -> NumpyArray:
     """``a_j`` of :func:`weights_before_rounding` for the online softmax alone: the running
     maximum is at most the row's largest logit, and the exponential within ``e^{-x_j}`` and
     ``η_m`` (step 6 reads it to charge a flush only where ``ê_j`` may lie below ``F_p``'s

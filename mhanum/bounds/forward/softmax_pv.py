@@ -36,7 +36,7 @@ from mhanum.bounds.forward.known_rounding import (
     kernel_weights,
     known_roundings,
     online_row_sum,
-    online_weights_above,
+    online_weights_lower_end,
     rounded_range,
     weights_before_rounding,
 )
@@ -248,7 +248,7 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: PerKey, rs: _RowSum) -> _We
         # number is not negligible (float16, fp8: every key keeps it elsewhere)
         may_flush: float | NumpyArray = eta_p
         if not num.prob_offset and (before is not None or eta_p >= 2.0**-30):
-            lowest = online_weights_above(enc, ctx, pk, rs.x) if before is None else before[0]
+            lowest = online_weights_lower_end(enc, ctx, pk, rs.x) if before is None else before[0]
             may_flush = np.where(lowest >= eta_p, 0.0, eta_p)
         absolute = (may_flush + rs.blocks * eta_m) * rs.per_sum / rs.lift
         prob = u_p * p_hat_hi + absolute
