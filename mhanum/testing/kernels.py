@@ -242,7 +242,7 @@ def _torch_sdpa_flash_cpu() -> Kernel:
                 "fast float exponential meant for outputs rounded to half precision, measured "
                 "through the kernel's logsumexp (torch 2.13) within 1.5e-4 relative of exp over "
                 "every residue of its range reduction; the model takes 2^-12 (exp_ulps = "
-                f"{_FAST_EXP_ULPS:g}); the AVX-512 kernels measured within 5e-7"
+                f"{_FAST_EXP_ULPS:g}); the AVX-512 kernels measured within 6e-7"
             ),
             (
                 "the weights before their rounding to the input type follow the model (with "
