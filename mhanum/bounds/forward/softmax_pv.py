@@ -643,11 +643,12 @@ def _known_probabilities(
     """
     num = ctx.num
     online = isinstance(num.softmax_algorithm, Online)
-    zeros = num.mask_value == -math.inf or enc.live.all()  # masked keys weigh 0 exactly
-    if w.rounded is None or w.before is None or (online and (rs.blocks != 1 or not zeros)):
+    if w.rounded is None or w.before is None:
+        return
+    # online: one block, and masked keys weigh 0 exactly (a -inf mask, or none masked)
+    if online and (rs.blocks != 1 or not (num.mask_value == -math.inf or enc.live.all())):
         return
     ev_rel = evaluation_rounding(enc.s.shape[-1])
-    eta_m = num.format_of("softmax").smallest_normal
     with quiet():
         low, high = w.rounded
         low, high = on(enc.live, low, 0.0), on(enc.live, high, 0.0)
@@ -655,6 +656,7 @@ def _known_probabilities(
         c_v = centre @ values.v
         spread = (radius + ev_rel * centre) @ values.v_abs + dot(high, out.v_extra)
         if online:  # one block: Σ_j fl_p(ê_j) ṽ_j / l̂, l̂ in [l_lo, l_hi] (step 6k, online)
+            eta_m = num.format_of("softmax").smallest_normal
             l_lo, l_hi = online_row_sum(w.before, enc.live, rs.g_sum, eta_m)
             shift = np.maximum(np.abs(c_v / l_lo - out.o), np.abs(c_v / l_hi - out.o))
             shift = shift + np.abs(c_v / l_lo) * 2.0**-51
@@ -677,7 +679,8 @@ def _nearest(terms: dict[str, Any], ctx: Context, out: _Output, u_last: float | 
     E`` of ``x`` (``ε``: ``o``'s own float64 error). Where ``o`` is (nearly) a value of the
     format and ``E`` is below half its spacing, this is far below ``u|o|``. Online the output
     is first the division's ``y`` in the softmax format, within ``E + u_÷(|o| + ε + E)`` of
-    the exact output (``u_last``: ``u_÷``, 0 on a one-key row's exact ``acc/1``), and ``fl_o(y)`` is within ``|fl_o(o) - o| + ε`` plus twice that."""
+    the exact output (``u_last``: ``u_÷``, 0 on a one-key row's exact ``acc/1``), and
+    ``fl_o(y)`` is within ``|fl_o(o) - o| + ε`` plus twice that."""
     num, o, ev = ctx.num, out.o, out.ev
     fm, f_o = num.format_of("softmax"), num.format_of("output")
     eta_m, eta_o = fm.smallest_normal, f_o.smallest_normal
