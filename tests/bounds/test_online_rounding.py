@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import mpmath
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -20,6 +21,11 @@ from hypothesis import strategies as st
 import mhanum as mn
 from mhanum import Numerics, reference
 from mhanum.bounds import attention_bound, mha_bound
+from mhanum.bounds.factors import exp_and_sum_factors
+from mhanum.bounds.forward.extremes import per_key
+from mhanum.bounds.forward.known_rounding import online_weights_lower_end
+from mhanum.bounds.forward.ranges import Ranges
+from mhanum.bounds.forward.stage import Context, Enclosure
 from mhanum.formats import get_format, round_to
 
 
@@ -170,3 +176,26 @@ def test_step_6k_online_follows_the_error_on_rows_of_one_block(prob):
     assert np.all(_error(q, k, v, num) <= known.total)
     blocks = attention_bound(q, k, v, numerics=_online(prob, 16))
     assert not np.any(blocks.terms.get("known_probabilities", 0.0))
+
+
+@pytest.mark.parametrize("exp_ulps", [20.0, 2048.0])
+def test_the_online_weights_lower_end_holds_at_the_exponentials_extreme(exp_ulps):
+    """Step 6r's lower end ``a_j`` of ``ê_j = fl(exp(fl(ŝ_j - m)))`` (one block, the running
+    maximum the row's) against the least value the model allows, computed in mpmath: the
+    argument off by ``u_m|ŝ_j - m| + η_m`` and the exponential by ``ε_e = 2·exp_ulps·u_m``
+    below, ``e^{ŝ_j - m - σ_j}(1 - ε_e) - η_m``. ``e^{-x_j}`` in place of ``1 - ε_e`` would
+    be ``ε_e²`` above it (``2^-24`` relative for ``exp_ulps = 2048``)."""
+    num = _online("float16").replace(exp_ulps=exp_ulps)
+    s = np.array([[0.0, -0.75, -1.5, -3.25, -9.0]])
+    enc = Enclosure(s, np.zeros_like(s), np.ones_like(s, bool))
+    pk = per_key(enc)
+    gap = -pk.sc  # |ŝ_j - m|: exact scores, the row's maximum 0
+    x = exp_and_sum_factors(num, s.shape[-1], gap, None, (24, 24))[0]
+    lower = online_weights_lower_end(enc, Context(num, None, 0.0, Ranges(*s.shape)), pk, np.asarray(x))
+    u_m, eta_m = 2.0**-24, 2.0**-126
+    ctx = mpmath.MPContext()
+    ctx.prec = 200
+    for j, sj in enumerate(s[0]):
+        sigma = ctx.mpf(u_m) * abs(ctx.mpf(sj)) + eta_m
+        least = ctx.exp(ctx.mpf(sj) - sigma) * (1 - 2 * exp_ulps * ctx.mpf(u_m)) - eta_m
+        assert ctx.mpf(float(lower[0, j])) <= least

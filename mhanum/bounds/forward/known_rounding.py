@@ -101,13 +101,19 @@ def weights_before_rounding(
 
 def online_weights_lower_end(enc: Enclosure, ctx: Context, pk: PerKey, x: NumpyArray) -> NumpyArray:
     """``a_j`` of :func:`weights_before_rounding` for the online softmax alone: the running
-    maximum is at most the row's largest logit, and the exponential within ``e^{-x_j}`` and
-    ``η_m`` (step 6 reads it to charge a flush only where ``ê_j`` may lie below ``F_p``'s
-    smallest normal number)."""
+    maximum is at most the row's largest logit, and the exponential within ``e^{-x_j}(1 -
+    expm1(x_j)²)`` and ``η_m`` (step 6 reads it to charge a flush only where ``ê_j`` may lie
+    below ``F_p``'s smallest normal number).
+
+    ``e^{-x_j}`` alone is not a lower factor: ``x_j = σ_j + Σ_i log1p(ε_i)`` (the argument's
+    error, then the exponentials' and the rescalings' relative errors ``ε_i``), and a value
+    ``ε_i`` below is ``1 - ε_i = (1 - ε_i²)/(1 + ε_i)``, so the factor is at least
+    ``e^{-x_j}(1 - (Σ_i ε_i)²)`` with ``Σ_i ε_i <= expm1(x_j)`` (step 6r, papers/attention.md)."""
     top = on(enc.live, pk.sc + enc.delta, -np.inf).max(axis=-1, keepdims=True)
     fold = 0.0 if enc.fold is None else enc.fold
     x_lo = pk.sc - enc.delta - top - fold - x
-    return np.exp(x_lo) * (1 - 2.0**-50) - ctx.num.format_of("softmax").smallest_normal
+    below = np.maximum(1 - np.expm1(x) ** 2, 0.0) * (1 - 2.0**-50)
+    return np.exp(x_lo) * below - ctx.num.format_of("softmax").smallest_normal
 
 
 def online_row_sum(
