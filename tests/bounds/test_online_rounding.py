@@ -191,7 +191,9 @@ def test_the_online_weights_lower_end_holds_at_the_exponentials_extreme(exp_ulps
     pk = per_key(enc)
     gap = -pk.sc  # |ŝ_j - m|: exact scores, the row's maximum 0
     x = exp_and_sum_factors(num, s.shape[-1], gap, None, (24, 24))[0]
-    lower = online_weights_lower_end(enc, Context(num, None, 0.0, Ranges(*s.shape)), pk, np.asarray(x))
+    lower = online_weights_lower_end(
+        enc, Context(num, None, 0.0, Ranges(*s.shape)), pk, np.asarray(x)
+    )
     u_m, eta_m = 2.0**-24, 2.0**-126
     ctx = mpmath.MPContext()
     ctx.prec = 200
