@@ -61,6 +61,7 @@ __all__ = [
 _SCALES = ("scores", "q", "qk")
 _EXP_FORMS = ("exp", "exp2", "exp2-folded", "exp2-scaled")
 _ONLINE_SUMS = ("block", "running")
+_UNDERFLOWS = ("flush", "gradual")
 _FINFO = re.compile(r"^(?:(\d*\.?\d+)\s*\*\s*)?finfo\.min$")
 
 
@@ -168,6 +169,13 @@ class Numerics:
             ``prob_format`` (FlashAttention-3 takes ``k = 8`` for e4m3, whose largest value is
             448); the row sum carries the same ``2^k`` and the final division cancels it. Needs
             ``exp_form="exp2-folded"`` and the online softmax; 0 (default) for none.
+        prob_underflow: what the rounding of a weight into ``prob_format`` does below that
+            format's smallest normal number ``η_p``: ``"flush"`` (default) allows any value the
+            rounding to nearest or a flush to zero may give (an error up to ``η_p``), which
+            covers every kernel; ``"gradual"`` states IEEE gradual underflow, the nearest
+            subnormal value (an error at most ``u_p·η_p``, half the subnormal spacing), as the
+            conversions of XLA's and PyTorch's CPU kernels measure. The bounds read it (steps
+            6 and 6k of Theorem A.1); the emulation rounds with gradual underflow under either.
 
     Raises:
         InvalidArgument: for an unknown format, order or algorithm, or an inconsistent combination.
@@ -200,6 +208,7 @@ class Numerics:
     kv_splits: int | None = None
     tanh_ulps: float = 8.0
     prob_offset: int = 0
+    prob_underflow: str = "flush"
 
     def __post_init__(self) -> None:
         canon = object.__setattr__
@@ -264,6 +273,8 @@ class Numerics:
         if offset and (self.exp_form != "exp2-folded" or self.softmax_kind != "online"):
             raise _bad("prob_offset", "0 unless exp_form='exp2-folded' with the online softmax",
                        offset)  # fmt: skip
+        if self.prob_underflow not in _UNDERFLOWS:
+            raise _bad("prob_underflow", f"one of {_UNDERFLOWS}", self.prob_underflow)
         for field in ("exp_ulps", "div_ulps", "tanh_ulps"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -537,7 +548,9 @@ class Numerics:
         """Every field as strict JSON: the formats and the units (:attr:`summation`,
         :attr:`softmax`, :attr:`dot`, ...) by their canonical spelling, ``-inf`` as the string
         ``"-inf"``, so that ``json.dumps(..., allow_nan=False)`` takes it and :meth:`from_dict`
-        reads it back equal.
+        reads it back equal. ``prob_underflow``, added after the first records were written,
+        only where it is not its default, so that a record of an earlier version is written
+        back as it was.
 
         Examples:
             >>> Numerics.preset("bf16-fp32acc").to_dict()["mask_value"]
@@ -546,7 +559,10 @@ class Numerics:
             >>> Numerics.from_dict(num.to_dict()) == num
             True
         """
-        return {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out = {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if self.prob_underflow == "flush":  # added later: a record of an earlier version as it was
+            del out["prob_underflow"]
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Numerics:

@@ -269,6 +269,7 @@ def _custom_numerics(draw: st.DrawFn, fields: dict[str, Any], bounded: bool) -> 
         "scale_format": maybe(_CUSTOM_FORMATS),
         "mask_mode": draw(st.sampled_from(("fill", "add"))),
         "mask_value": draw(st.sampled_from(_MASK_VALUES)),
+        "prob_underflow": draw(st.sampled_from(("flush", "gradual"))),
     }
     form = pick("exp_form", ("exp",))
     if form != "exp":

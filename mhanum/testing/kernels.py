@@ -212,15 +212,21 @@ def _torch_sdpa_math_reduced() -> Kernel:
 _FAST_EXP_ULPS = 2048.0
 
 
+def _gradual(num: Numerics) -> Numerics:
+    """``num`` with its float16 weights rounded with gradual underflow (measured for the CPU
+    kernels' float32 -> float16 conversions); other formats as they were."""
+    return num.replace(prob_underflow="gradual") if num.prob_format == "float16" else num
+
+
 def _torch_sdpa_flash_cpu() -> Kernel:
     base = Numerics(
         input="float32", accum="float32", scale="scores", softmax="online(512)",
         mask_mode="add", mask_value=-math.inf, div_ulps=2.0, exp_ulps=20.0,
     )  # fmt: skip
     half = {
-        f: (base.replace(input=f, score_format="float32", scale_format="float32",
-                         softmax_format="float32", prob_format=f, output_format=f,
-                         exp_ulps=_FAST_EXP_ULPS),)
+        f: (_gradual(base.replace(input=f, score_format="float32", scale_format="float32",
+                                  softmax_format="float32", prob_format=f, output_format=f,
+                                  exp_ulps=_FAST_EXP_ULPS)),)
         for f in _HALF
     }  # fmt: skip
     return Kernel(
@@ -243,7 +249,10 @@ def _torch_sdpa_flash_cpu() -> Kernel:
                 "through the kernel's logsumexp (torch 2.13) within 1.5e-4 relative of exp at "
                 "819,200 arguments in [-4.2, 0), six periods of its range reduction; the model "
                 "takes 2^-12 (exp_ulps = "
-                f"{_FAST_EXP_ULPS:g}); the AVX-512 kernels measured within 6e-7"
+                f"{_FAST_EXP_ULPS:g}); the AVX-512 kernels' logsumexp measured within 6e-7, but "
+                "their half-precision weights are not within 512 ulps of exp (the read-back of "
+                "their roundings finds one outside at exp_ulps = 512, none at 1024), so the "
+                "model's 2^-12 is kept for every machine"
             ),
             (
                 "the weights before their rounding to the input type follow the model (with "
@@ -254,6 +263,11 @@ def _torch_sdpa_flash_cpu() -> Kernel:
                 "allows, and on 60 problems of the peers' kinds with no element outside the "
                 "tolerance: known_rounding=True; tests/testing/test_known_rounding_evidence.py "
                 "repeats it on every run"
+            ),
+            (
+                "float16 weights below float16's smallest normal number are rounded to the "
+                "nearest subnormal (gradual underflow, prob_underflow='gradual'), not flushed: "
+                "the same read-back, weights down to e^-30 of the row's largest"
             ),
         ),
         "float32 inputs: the same model as mhanum.adapters.torch.sdpa_model('flash')",
@@ -558,7 +572,7 @@ def _jax_xla_cpu() -> Kernel:
     k = _jax_xla()
     return Kernel(
         "jax-xla-cpu",
-        k.models,
+        {f: tuple(_gradual(m) for m in models) for f, models in k.models.items()},
         k.fully_masked,
         (
             *k.evidence,
@@ -570,6 +584,12 @@ def _jax_xla_cpu() -> Kernel:
                 "problems (1 to 64 queries, 7 to 1,024 keys, logits spread up to 30, near-tied "
                 "keys, causal rows), each within the rounding Lemma 6k allows; "
                 "tests/testing/test_known_rounding_evidence.py repeats it on every run"
+            ),
+            (
+                "float16 weights below float16's smallest normal number are rounded to the "
+                "nearest subnormal (gradual underflow, prob_underflow='gradual'), not flushed, "
+                "in the same read-back (XLA's CPU runtime flushes float32 subnormals, which the "
+                "softmax format's own smallest normal number covers)"
             ),
         ),
         "'jax-xla' where the kernel runs on XLA's CPU backend: its weights' roundings to the input "

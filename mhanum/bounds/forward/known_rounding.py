@@ -20,11 +20,13 @@ from mhanum.units import Online
 
 __all__ = [
     "coarser_probabilities",
+    "flush_floor",
     "kernel_weights",
     "known_roundings",
     "online_row_sum",
     "online_weights_lower_end",
     "rounded_range",
+    "underflow_charge",
     "weights_before_rounding",
 ]
 
@@ -48,13 +50,35 @@ def known_roundings(ctx: Context) -> bool:
     )
 
 
+def underflow_charge(num: Numerics) -> float:
+    """Step 6: the absolute error of rounding a weight below ``F_p``'s smallest normal number
+    ``η_p``: ``η_p`` where the rounding may flush it to zero (``prob_underflow="flush"``),
+    ``u_p·η_p``, half the subnormal spacing, under gradual underflow.
+
+    Examples:
+        >>> num = Numerics(input="float16", accum="float32", prob_format="float16")
+        >>> underflow_charge(num) == 2.0**-14
+        True
+        >>> underflow_charge(num.replace(prob_underflow="gradual")) == 2.0**-25
+        True
+    """
+    f_p = num.format_of("prob")
+    return f_p.smallest_normal * (f_p.u if num.prob_underflow == "gradual" else 1.0)
+
+
+def flush_floor(num: Numerics) -> float:
+    """Lemma 6k: below this value the rounding into ``F_p`` may give 0 besides its nearest
+    values: ``F_p``'s smallest normal number where it may flush, 0 under gradual underflow."""
+    return 0.0 if num.prob_underflow == "gradual" else num.format_of("prob").smallest_normal
+
+
 def rounded_range(
     num: Numerics, before: tuple[NumpyArray, NumpyArray]
 ) -> tuple[NumpyArray, NumpyArray]:
     """Lemma 6k: ``[A_j, B_j]``, the values ``fl_p`` may give for a value in ``[a_j, b_j]``:
     the nearest values of ``F_p`` to the float64 neighbours below ``a_j`` and above ``b_j``,
-    and 0 below the smallest normal number of ``F_p`` or of the dot's read of it (a flush is
-    one more way down to 0).
+    and 0 below the smallest normal number of ``F_p`` (unless it underflows gradually:
+    :func:`flush_floor`) or of the dot's read of it (a flush is one more way down to 0).
 
     Examples:
         >>> import numpy as np
@@ -68,7 +92,7 @@ def rounded_range(
     eta_read = operand_error_of(num, f_p)[1] + conversion_eta(num, num.operand_rounding or f_p)
     a, b = before
     low = round_to(np.nextafter(np.maximum(a, 0.0), -np.inf), f_p)
-    low = np.where(a >= max(f_p.smallest_normal, eta_read), low, 0.0)
+    low = np.where(a >= max(flush_floor(num), eta_read), low, 0.0)
     return low, round_to(np.nextafter(b, np.inf), f_p)
 
 

@@ -38,6 +38,7 @@ from mhanum.bounds.forward.known_rounding import (
     online_row_sum,
     online_weights_lower_end,
     rounded_range,
+    underflow_charge,
     weights_before_rounding,
 )
 from mhanum.bounds.forward.stage import (
@@ -219,12 +220,13 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: PerKey, rs: _RowSum) -> _We
     ``T/(1 - T)·Σ_j p̃_j |ṽ_j|``. Online there is no per-key division: the output's one
     division is charged in the output's factor and term. Step 6: an absolute
     ``min(p̂_j, η_p)`` only where ``p̂_j`` may lie below F_p's smallest normal number (0 is a
-    candidate of the rounding there).
+    candidate of the rounding there; ``u_p·η_p`` under gradual underflow).
     """
     num, lam, u_div = ctx.num, ctx.lam, ctx.u_div
     ev_rel = evaluation_rounding(enc.s.shape[-1])  # float64 sums over the keys
     f_p = num.format_of("prob")
     u_p, eta_p = f_p.u, f_p.smallest_normal
+    eta_under = underflow_charge(num)  # below η_p: a flush, or half the subnormal spacing
     eta_m = num.format_of("softmax").smallest_normal
     u_op, eta_op = operand_error_of(num, f_p)
     eta_op = eta_op + conversion_eta(num, num.operand_rounding or f_p)
@@ -246,10 +248,10 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: PerKey, rs: _RowSum) -> _We
         # a flush below F_p's smallest normal number only where the unnormalised weight may
         # lie below it (not lifted: a_j is the unlifted weight's); looked at where that
         # number is not negligible (float16, fp8: every key keeps it elsewhere)
-        may_flush: float | NumpyArray = eta_p
+        may_flush: float | NumpyArray = eta_under
         if not num.prob_offset and (before is not None or eta_p >= 2.0**-30):
             lowest = online_weights_lower_end(enc, ctx, pk, rs.x) if before is None else before[0]
-            may_flush = np.where(lowest >= eta_p, 0.0, eta_p)
+            may_flush = np.where(lowest >= eta_p, 0.0, eta_under)
         absolute = (may_flush + rs.blocks * eta_m) * rs.per_sum / rs.lift
         prob = u_p * p_hat_hi + absolute
         if lam is not None and num.dot_kind == "ieee" and not u_op:
@@ -259,7 +261,7 @@ def _probabilities(enc: Enclosure, ctx: Context, pk: PerKey, rs: _RowSum) -> _We
         normal_p = p_hat_lo >= eta_p
         prob = u_p * p_hat_hi
         if not normal_p.all():  # (x + 0 = x: no pass where every p̂_j is normal)
-            prob += np.where(normal_p, 0.0, np.minimum(p_hat_hi, eta_p))
+            prob += np.where(normal_p, 0.0, np.minimum(p_hat_hi, eta_under))
         if lam is not None and num.dot_kind == "ieee":
             # Theorem A.3'' (papers/attention.md): the relative roundings of p̂_j into F_p and
             # the operand format, keys in their normal ranges, as one martingale per output
