@@ -6,14 +6,15 @@ enclosure of the weight a kernel rounds into the probability format (which step 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 
 from mhanum._types import NumpyArray
 from mhanum.bounds.factors import conversion_eta, evaluation_rounding, operand_error_of
-from mhanum.bounds.forward.evaluation import on, quiet, times_expm1
+from mhanum.bounds.forward.evaluation import dot, on, quiet, times_expm1
 from mhanum.bounds.forward.extremes import PerKey, per_key
-from mhanum.bounds.forward.stage import Context, Enclosure
+from mhanum.bounds.forward.stage import Context, Enclosure, Values
 from mhanum.formats import round_to
 from mhanum.numerics import Numerics
 from mhanum.units import Online
@@ -26,6 +27,7 @@ __all__ = [
     "online_row_sum",
     "online_weights_lower_end",
     "rounded_range",
+    "row_factor_known",
     "underflow_charge",
     "weights_before_rounding",
 ]
@@ -183,3 +185,80 @@ def kernel_weights(
     soft = on(sound, times_expm1(pk.hi, y), 0.0) + eta_soft
     ev_rel = evaluation_rounding(enc.s.shape[-1])
     return np.maximum(before[0], pk.lo * (1 - ev_rel) - soft), np.minimum(before[1], pk.hi + soft)
+
+
+ROW_PIECES = 4
+"""The most pieces step 6k's row factor is cut into (each one more pair of products)."""
+
+
+def row_factor_known(
+    enc: Enclosure,
+    ctx: Context,
+    weights: tuple[NumpyArray, NumpyArray, NumpyArray],
+    values: Values,
+    target: tuple[NumpyArray, NumpyArray, NumpyArray],
+) -> NumpyArray | None:
+    """Step 6k with the row's common factor (not online; papers/attention.md): a bound on
+    ``|Σ_j fl_p(p̂_j) ṽ_j - o|``, or ``None`` where the step is not taken.
+
+    The kernel's ``p̂_j = fl(ê_j/d̂)`` is ``G_j/Λ`` up to its own roundings, with ``G_j =
+    e^{ŝ_j - t}`` times the exponential's factor (in ``[e^{-x_j}(1 - expm1(x_j)²), e^{x_j}]``)
+    and ``Λ = d̂·e^{m̂ - t}`` one number for the row (``t`` the row's largest centre): ``Λ =
+    (1 + τ)Σ_k e^{ŝ_k - t}`` with ``|τ| <= T`` (step 5), in ``[Λ_-, Λ_+]``. For ``Λ`` in a piece
+    ``[Λ_a, Λ_b]`` of that interval, ``p̂_j`` lies in ``[G_j^-(1 - ε_÷)/Λ_b - η, G_j^+(1 +
+    ε_÷)/Λ_a + η]`` (``η`` step 5's absolute part, ``eta_soft``), narrower than step 6k's
+    ``[a_j, b_j]`` by the row sum's and the normalisation's spread, which are common to the row;
+    Lemma 6k rounds it, and step 6k's bound for that piece follows. The kernel's ``Λ`` lies in
+    one piece, so the largest of the pieces' bounds holds. ``weights``: step 5's ``x``, ``T``
+    and ``eta_soft``; ``target``: the float64 output ``o``, its evaluation error and the values'
+    errors ``v̄ - |v|``. Taken where the row's spread is at least a key's own (else ``None``),
+    in up to :data:`ROW_PIECES` pieces.
+    """
+    x, t_sum, eta = weights
+    o, ev_out, v_extra = target
+    live, n = enc.live, enc.s.shape[-1]
+    if enc.fold is not None or isinstance(ctx.num.softmax_algorithm, Online):
+        return None
+    ev = evaluation_rounding(n)
+    s_lo, s_hi = enc.s - enc.delta, enc.s + enc.delta
+    if enc.kernel is not None:  # step 3k: the kernel's scores lie in its box too
+        s_lo = np.maximum(s_lo, enc.kernel[0] - enc.kernel[1])
+        s_hi = np.minimum(s_hi, enc.kernel[0] + enc.kernel[1])
+    with quiet():
+        top = on(live, enc.s, -np.inf).max(axis=-1, keepdims=True)
+        top = np.where(np.isfinite(top), top, 0.0)
+        below = np.maximum(1 - np.expm1(x) ** 2, 0.0)
+        g_lo = on(live, np.exp(s_lo - top - x) * below, 0.0) * (1 - ev)
+        g_hi = on(live, np.exp(s_hi - top + x), 0.0) * (1 + ev)
+        lam_lo = (1 - t_sum) * on(live, np.exp(s_lo - top), 0.0).sum(-1, keepdims=True)
+        lam_hi = (1 + t_sum) * on(live, np.exp(s_hi - top), 0.0).sum(-1, keepdims=True)
+        lam_lo, lam_hi = lam_lo * (1 - ev), lam_hi * (1 + ev)
+        spread = np.log(lam_hi / lam_lo)
+        own = np.log(g_hi / g_lo)
+    with quiet(), warnings.catch_warnings():  # (a row without a live key: no width)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        # each row's own number of pieces: the bound of a row is the row's alone
+        width = np.nanmedian(np.where(live & np.isfinite(own), own, np.nan), axis=-1)
+        pieces = np.minimum(np.ceil(spread / np.maximum(width[:, None], 2.0**-52)), ROW_PIECES)
+    ok = (lam_lo > 0) & np.isfinite(spread) & (pieces >= 2)
+    if not ok.any():
+        return None
+    pieces = np.where(ok, pieces, 1.0)
+    ratio = np.where(ok, spread / pieces, 0.0)
+    u_div = ctx.u_div
+    worst = np.zeros_like(o)
+    for piece in range(int(pieces.max())):
+        with quiet():  # (a row of fewer pieces repeats its last, which reaches Λ_+)
+            index = np.minimum(piece, pieces - 1)
+            lam_a = np.where(ok, lam_lo * np.exp(ratio * index) * (1 - 2.0**-50), 1.0)
+            upper = np.where(index == pieces - 1, lam_hi, lam_lo * np.exp(ratio * (index + 1)))
+            lam_b = np.where(ok, upper * (1 + 2.0**-50), 1.0)
+            a = g_lo * (1 - u_div) / lam_b * (1 - ev) - eta
+            b = g_hi * (1 + u_div) / lam_a * (1 + ev) + eta
+            low, high = rounded_range(ctx.num, (a, b))
+            low, high = on(live, low, 0.0), on(live, high, 0.0)
+            centre, radius = (low + high) / 2, (high - low) / 2
+            shift = np.abs(centre @ values.v - o) * (1 + 2.0**-52)
+            spread_v = (radius + ev * centre) @ values.v_abs + dot(high, v_extra)
+            worst = np.maximum(worst, (shift + spread_v + ev_out) * (1 + ev))
+    return np.where(ok, worst, np.inf)

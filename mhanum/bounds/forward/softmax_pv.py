@@ -38,6 +38,7 @@ from mhanum.bounds.forward.known_rounding import (
     online_row_sum,
     online_weights_lower_end,
     rounded_range,
+    row_factor_known,
     underflow_charge,
     weights_before_rounding,
 )
@@ -82,11 +83,9 @@ class _RowSum:
 class _Weights:
     """Steps 5' and 6: the computed weights' deviations ``soft`` (with ``eta_soft``), their
     relative part ``rel``, the roundings ``prob`` and ``operand_p``, the bound ``p_hat_hi`` on
-    the weights as ``P·V`` reads them, A.3'''s keys (``rounding_keys``) and, where a later
-    step reads it, the enclosure ``[a_j, b_j]`` of the value the kernel rounds into ``F_p``
-    (``before``, :func:`~mhanum.bounds.forward.known_rounding.weights_before_rounding`) and,
-    where steps 6k and 6r read it, Lemma 6k's ``[A_j, B_j]`` (``rounded``,
-    :func:`rounded_range`)."""
+    the weights as ``P·V`` reads them, A.3'''s keys (``rounding_keys``), the enclosure
+    ``[a_j, b_j]`` of the value the kernel rounds into ``F_p`` (``before``) and Lemma 6k's
+    ``[A_j, B_j]`` (``rounded``), where later steps read them."""
 
     soft: Any
     eta_soft: Any
@@ -664,9 +663,11 @@ def _known_probabilities(
             shift = shift + np.abs(c_v / l_lo) * 2.0**-51
             known = (shift + spread / l_lo + out.ev) * (1 + ev_rel)
             known = np.where(l_lo > 0, known * (1 + ctx.u_div), np.inf)
-        else:
-            shift = np.abs(c_v - out.o) * (1 + 2.0**-52)
-            known = (shift + spread + out.ev) * (1 + ev_rel)
+        else:  # and with the row's common factor cut into pieces, where that is taken
+            known = (np.abs(c_v - out.o) * (1 + 2.0**-52) + spread + out.ev) * (1 + ev_rel)
+            row = (rs.x, rs.t_safe, w.eta_soft), values, (out.o, out.ev, out.v_extra)
+            common = row_factor_known(enc, ctx, *row)
+            known = known if common is None else np.minimum(known, common)
         known = np.where(rs.sound, known * (1 + num.format_of("output").u), np.inf)
         choose = known < sum(terms[name] for name in _WEIGHTS)
     for name in _WEIGHTS:
