@@ -6,7 +6,6 @@ enclosure of the weight a kernel rounds into the probability format (which step 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import numpy as np
 
@@ -189,6 +188,8 @@ def kernel_weights(
 
 ROW_PIECES = 4
 """The most pieces step 6k's row factor is cut into (each one more pair of products)."""
+PIECES_FROM = 3
+"""The least: a row whose spread is under twice its keys' own gains too little for the cost."""
 
 
 def row_factor_known(
@@ -211,8 +212,9 @@ def row_factor_known(
     Lemma 6k rounds it, and step 6k's bound for that piece follows. The kernel's ``Λ`` lies in
     one piece, so the largest of the pieces' bounds holds. ``weights``: step 5's ``x``, ``T``
     and ``eta_soft``; ``target``: the float64 output ``o``, its evaluation error and the values'
-    errors ``v̄ - |v|``. Taken where the row's spread is at least a key's own (else ``None``),
-    in up to :data:`ROW_PIECES` pieces.
+    errors ``v̄ - |v|``. Taken on the rows whose spread is at least ``u_p/2`` (about a quarter
+    of the keys' roundings at stake) and twice a key's own (else ``inf``, and ``None`` for no
+    row), in :data:`PIECES_FROM` to :data:`ROW_PIECES` pieces.
     """
     x, t_sum, eta = weights
     o, ev_out, v_extra = target
@@ -220,6 +222,15 @@ def row_factor_known(
     if enc.fold is not None or isinstance(ctx.num.softmax_algorithm, Online):
         return None
     ev = evaluation_rounding(n)
+    enough = ctx.num.format_of("prob").u / 2
+    # a test on δ alone: Λ's spread is at most log((1 + T)/(1 - T)) + 2 max δ, a key's about
+    # 2δ + 2x (less where step 3k narrows the box)
+    with quiet():
+        delta = on(live, enc.delta, 0.0)
+        most = np.log((1 + t_sum) / (1 - t_sum)) + 2 * delta.max(-1, keepdims=True) + 4 * ev
+        least = 2 * (delta + on(live, x, 0.0)).sum(-1, keepdims=True) / live.sum(-1, keepdims=True)
+        if not np.any((most >= enough) & (most > (PIECES_FROM - 1) * least)):
+            return None  # (no row can take it)
     s_lo, s_hi = enc.s - enc.delta, enc.s + enc.delta
     if enc.kernel is not None:  # step 3k: the kernel's scores lie in its box too
         s_lo = np.maximum(s_lo, enc.kernel[0] - enc.kernel[1])
@@ -234,13 +245,14 @@ def row_factor_known(
         lam_hi = (1 + t_sum) * on(live, np.exp(s_hi - top), 0.0).sum(-1, keepdims=True)
         lam_lo, lam_hi = lam_lo * (1 - ev), lam_hi * (1 + ev)
         spread = np.log(lam_hi / lam_lo)
-        own = np.log(g_hi / g_lo)
-    with quiet(), warnings.catch_warnings():  # (a row without a live key: no width)
-        warnings.simplefilter("ignore", RuntimeWarning)
+        # a key's own spread, log(G_j^+/G_j^-), averaged over the row's live keys
+        own = on(live, s_hi - s_lo + 2 * x - np.log(below), 0.0)
+        width = own.sum(-1, keepdims=True) / live.sum(-1, keepdims=True) + 2 * ev
         # each row's own number of pieces: the bound of a row is the row's alone
-        width = np.nanmedian(np.where(live & np.isfinite(own), own, np.nan), axis=-1)
-        pieces = np.minimum(np.ceil(spread / np.maximum(width[:, None], 2.0**-52)), ROW_PIECES)
-    ok = (lam_lo > 0) & np.isfinite(spread) & (pieces >= 2)
+        pieces = np.minimum(np.ceil(spread / np.maximum(width, 2.0**-52)), ROW_PIECES)
+    # taken where the row's spread alone moves about a quarter of the keys across a rounding
+    # boundary of F_p (spacings 2u_p to 4u_p relative) and exceeds a key's own
+    ok = (lam_lo > 0) & np.isfinite(spread) & (pieces >= PIECES_FROM) & (spread >= enough)
     if not ok.any():
         return None
     pieces = np.where(ok, pieces, 1.0)
