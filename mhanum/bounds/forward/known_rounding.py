@@ -188,8 +188,6 @@ def kernel_weights(
 
 ROW_PIECES = 4
 """The most pieces step 6k's row factor is cut into (each one more pair of products)."""
-PIECES_FROM = 3
-"""The least: a row whose spread is under twice its keys' own gains too little for the cost."""
 
 
 def row_factor_known(
@@ -198,6 +196,7 @@ def row_factor_known(
     weights: tuple[NumpyArray, NumpyArray, NumpyArray],
     values: Values,
     target: tuple[NumpyArray, NumpyArray, NumpyArray],
+    unknown_keys: NumpyArray,
 ) -> NumpyArray | None:
     """Step 6k with the row's common factor (not online; papers/attention.md): a bound on
     ``|Σ_j fl_p(p̂_j) ṽ_j - o|``, or ``None`` where the step is not taken.
@@ -212,9 +211,10 @@ def row_factor_known(
     Lemma 6k rounds it, and step 6k's bound for that piece follows. The kernel's ``Λ`` lies in
     one piece, so the largest of the pieces' bounds holds. ``weights``: step 5's ``x``, ``T``
     and ``eta_soft``; ``target``: the float64 output ``o``, its evaluation error and the values'
-    errors ``v̄ - |v|``. Taken on the rows whose spread is at least ``u_p/2`` (about a quarter
-    of the keys' roundings at stake) and twice a key's own (else ``inf``, and ``None`` for no
-    row), in :data:`PIECES_FROM` to :data:`ROW_PIECES` pieces.
+    errors ``v̄ - |v|``; ``unknown_keys``: where step 6k's own ``[A_j, B_j]`` holds two values.
+    Taken on the rows where that is so for at least a quarter of the live keys and the spread
+    is at least a key's own (else ``inf``, and ``None`` for no row), in up to
+    :data:`ROW_PIECES` pieces.
     """
     x, t_sum, eta = weights
     o, ev_out, v_extra = target
@@ -222,15 +222,12 @@ def row_factor_known(
     if enc.fold is not None or isinstance(ctx.num.softmax_algorithm, Online):
         return None
     ev = evaluation_rounding(n)
-    enough = ctx.num.format_of("prob").u / 2
-    # a test on δ alone: Λ's spread is at most log((1 + T)/(1 - T)) + 2 max δ, a key's about
-    # 2δ + 2x (less where step 3k narrows the box)
-    with quiet():
-        delta = on(live, enc.delta, 0.0)
-        most = np.log((1 + t_sum) / (1 - t_sum)) + 2 * delta.max(-1, keepdims=True) + 4 * ev
-        least = 2 * (delta + on(live, x, 0.0)).sum(-1, keepdims=True) / live.sum(-1, keepdims=True)
-        if not np.any((most >= enough) & (most > (PIECES_FROM - 1) * least)):
-            return None  # (no row can take it)
+    with quiet():  # the rows where at least a quarter of the roundings are not known
+        unknown = on(live, unknown_keys, False).sum(-1, keepdims=True) * 4 >= live.sum(
+            -1, keepdims=True
+        )
+    if not unknown.any():
+        return None
     s_lo, s_hi = enc.s - enc.delta, enc.s + enc.delta
     if enc.kernel is not None:  # step 3k: the kernel's scores lie in its box too
         s_lo = np.maximum(s_lo, enc.kernel[0] - enc.kernel[1])
@@ -252,7 +249,7 @@ def row_factor_known(
         pieces = np.minimum(np.ceil(spread / np.maximum(width, 2.0**-52)), ROW_PIECES)
     # taken where the row's spread alone moves about a quarter of the keys across a rounding
     # boundary of F_p (spacings 2u_p to 4u_p relative) and exceeds a key's own
-    ok = (lam_lo > 0) & np.isfinite(spread) & (pieces >= PIECES_FROM) & (spread >= enough)
+    ok = (lam_lo > 0) & np.isfinite(spread) & (pieces >= 2) & unknown
     if not ok.any():
         return None
     pieces = np.where(ok, pieces, 1.0)

@@ -666,7 +666,7 @@ def _known_probabilities(
         else:  # and with the row's common factor cut into pieces, where that is taken
             known = (np.abs(c_v - out.o) * (1 + 2.0**-52) + spread + out.ev) * (1 + ev_rel)
             row = (rs.x, rs.t_safe, w.eta_soft), values, (out.o, out.ev, out.v_extra)
-            common = row_factor_known(enc, ctx, *row)
+            common = row_factor_known(enc, ctx, *row, high > low)
             known = known if common is None else np.minimum(known, common)
         known = np.where(rs.sound, known * (1 + num.format_of("output").u), np.inf)
         choose = known < sum(terms[name] for name in _WEIGHTS)
