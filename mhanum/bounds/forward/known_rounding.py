@@ -212,7 +212,7 @@ def row_factor_known(
     one piece, so the largest of the pieces' bounds holds. ``weights``: step 5's ``x``, ``T``
     and ``eta_soft``; ``target``: the float64 output ``o``, its evaluation error and the values'
     errors ``v̄ - |v|``; ``unknown_keys``: where step 6k's own ``[A_j, B_j]`` holds two values.
-    Taken on the rows where that is so for at least a quarter of the live keys and the spread
+    Taken on the rows where that is so for at least an eighth of the live keys and the spread
     is at least a key's own (else ``inf``, and ``None`` for no row), in up to
     :data:`ROW_PIECES` pieces.
     """
@@ -222,8 +222,8 @@ def row_factor_known(
     if enc.fold is not None or isinstance(ctx.num.softmax_algorithm, Online):
         return None
     ev = evaluation_rounding(n)
-    with quiet():  # the rows where at least a quarter of the roundings are not known
-        unknown = on(live, unknown_keys, False).sum(-1, keepdims=True) * 4 >= live.sum(
+    with quiet():  # the rows where at least an eighth of the roundings are not known
+        unknown = on(live, unknown_keys, False).sum(-1, keepdims=True) * 8 >= live.sum(
             -1, keepdims=True
         )
     if not unknown.any():
@@ -247,8 +247,6 @@ def row_factor_known(
         width = own.sum(-1, keepdims=True) / live.sum(-1, keepdims=True) + 2 * ev
         # each row's own number of pieces: the bound of a row is the row's alone
         pieces = np.minimum(np.ceil(spread / np.maximum(width, 2.0**-52)), ROW_PIECES)
-    # taken where the row's spread alone moves about a quarter of the keys across a rounding
-    # boundary of F_p (spacings 2u_p to 4u_p relative) and exceeds a key's own
     ok = (lam_lo > 0) & np.isfinite(spread) & (pieces >= 2) & unknown
     if not ok.any():
         return None
