@@ -11,14 +11,18 @@ another format (:func:`read_error`), bound products of enclosed matrices (:func:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
 
 from mhanum.bounds.factors import (
+    F64_DOT,
     chain,
     compound,
     evaluation_rounding,
+    gamma,
+    native_unit,
     operand_error,
     tensor_core_anchor,
     unit_eta,
@@ -33,12 +37,16 @@ __all__ = [
     "U64",
     "Dot",
     "Enclosure",
+    "OneSigned",
     "Ranges",
     "dot_factor",
     "f64_dot",
     "flush_floor",
     "kbar_enclosure",
     "log_radius",
+    "one_signed_dot_error",
+    "one_signed_sizes",
+    "one_signed_total",
     "plain_output",
     "product_spread",
     "read_error",
@@ -173,6 +181,90 @@ def dot_factor(
     count = -(-n // block)
     factor = unit_factor(num, block, lam, bits=bits, extra=count - 1)
     return factor, count * unit_eta(num, block) + count * eta_a, count
+
+
+def one_signed_total(absolute: np.ndarray, signed: np.ndarray, n: int) -> np.ndarray:
+    """``C >= max(P, N)``, the larger of the sums of the positive and of the negative products
+    of a dot of ``n`` terms: ``(Σ|y_k| + |Σ y_k|)/2``, at most ``Σ|y_k|``. ``absolute >= Σ|y_k|``
+    and ``signed >= |Σ y_k|`` (the exact dot's magnitude), both evaluated in float64, whose
+    rounding of ``absolute`` (at most ``n + 2`` operations) is charged to both."""
+    absolute = absolute * (1 + F64_DOT * (n + 2))
+    return np.minimum(absolute, 0.5 * (absolute + signed))
+
+
+def one_signed_dot_error(
+    num: Numerics,
+    n: int,
+    bits: tuple[int, int],
+    absolute: np.ndarray,
+    one_signed: np.ndarray,
+    lam: float | None = None,
+) -> np.ndarray | None:
+    """Theorem R.8 (papers/summation.md): the error of a dot of ``n`` products ``y_k`` on
+    ``num``'s IEEE unit, in any tree order, through the one-signed total ``C = max(P, N)``.
+
+    Every addition rounds the exact sum of a subset of the computed products, plus its
+    operands' errors, and a subset's exact sum lies in ``[-N, P]``. So each of the ``n - 1``
+    additions rounds a value of magnitude at most ``T = C + κA + Jη``, and
+
+    ``|fl(Σ y_k) - Σ y_k| <= u_×A + (n - 1)u_*T + (2n - 1)η``
+
+    with ``A = Σ|y_k|`` (``absolute``), ``C`` (``one_signed``: :func:`one_signed_total`),
+    ``u_*`` an addition's unit (``u'`` where a format narrower than float32 may be carried in
+    float32), ``u_×`` the products' (0 when exact), ``η`` the accumulation format's smallest
+    normal number (a flushed result), ``κ = u_× + γ_{n-2}(u_*)(1 + u_×)`` and ``J = n(1 +
+    γ_{n-2}(u_*)) + (n - 2)(1 + u_*)^{n-2}``. With ``lam`` (Theorem R.8', the model of R.6: the
+    relative roundings independent and of mean zero) the roundings' part is one martingale,
+    ``λ((u_×A)² + (n - 1)(u_*T)²)^½``, which fails with probability at most ``2e^{-λ²/2}``
+    (one event per dot). ``None`` where the theorem does not apply: a split or tensor-core
+    unit, a compensated order, ``γ_{n-2}(u_*)`` infinite, and (with ``lam``) a format carried
+    in float32 (two roundings per addition).
+    """
+    sizes = one_signed_sizes(num, n, bits, absolute, one_signed)
+    if sizes is None or (lam is not None and sizes.u_add != num.format_of("accum").u):
+        return None
+    a, eta = sizes.absolute, num.format_of("accum").smallest_normal
+    if lam is None:
+        bound = sizes.u_mul * a + (n - 1) * sizes.u_add * sizes.rounded
+    else:
+        bound = lam * np.hypot(sizes.u_mul * a, math.sqrt(n - 1) * sizes.u_add * sizes.rounded)
+    return (bound + (2 * n - 1) * eta) * (1 + 2.0**-40)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneSigned:
+    """Theorem R.8's sizes of a dot: each addition's unit ``u_add`` (``u_*``), the products'
+    ``u_mul`` (``u_×``), ``κ``, ``absolute >= Σ|y_k|`` (with its float64 rounding), ``rounded >= |T_v|``
+    (``C + κA + Jη``, the value every addition rounds) and ``growth``, by how much the bound
+    ``u_×A + (n - 1)u_*T`` grows per unit more of ``A`` and ``C`` (``u_× + (n - 1)u_*(1 + κ)``)."""
+
+    u_add: float
+    u_mul: float
+    kappa: float
+    absolute: np.ndarray
+    rounded: np.ndarray
+    growth: float
+
+
+def one_signed_sizes(
+    num: Numerics, n: int, bits: tuple[int, int], absolute: np.ndarray, one_signed: np.ndarray
+) -> OneSigned | None:
+    """Theorem R.8's sizes (:class:`OneSigned`) of a dot of ``n`` products on ``num``'s unit, or
+    ``None`` outside it (a split or tensor-core unit, a compensated order, ``n < 2``,
+    ``γ_{n-2}(u_*)`` infinite)."""
+    order, acc = num.order, num.format_of("accum")
+    if num.dot_kind != "ieee" or not order.tree or n < 2:
+        return None
+    u_add = native_unit(acc.u) if order.carried else acc.u
+    u_mul = 0.0 if sum(bits) <= acc.precision else acc.u
+    g = gamma(n - 2, u_add)
+    if not math.isfinite(g):
+        return None
+    kappa = u_mul + g * (1 + u_mul)
+    j = n * (1 + g) + (n - 2) * (1 + u_add) ** (n - 2)
+    a = absolute * (1 + F64_DOT * (n + 2))
+    rounded = one_signed + kappa * a + j * acc.smallest_normal
+    return OneSigned(u_add, u_mul, kappa, a, rounded, u_mul + (n - 1) * u_add * (1 + kappa))
 
 
 def f64_dot(n: int) -> float:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mhanum.bounds.enclosure import one_signed_dot_error, one_signed_sizes, one_signed_total
 from mhanum.bounds.factors import (
     chain_dot_factor,
     evaluation_rounding,
@@ -119,16 +120,20 @@ def linear(
         fixed = x_bar @ e_w_op
     else:
         fixed = e0 @ np.abs(w) + x_bar @ e_w_op + e0 @ e_w_op
-    fixed = fixed + g * ((x_bar + e0) @ slope) + unit_eta(num, d)
+    f64 = chain_dot_factor(d + 1, "sequential", 2.0**-53)
+    y = x @ w
+    y_given = f64 * (np.abs(x) @ np.abs(w))
+    # >= |x̃·w̃| at e_x = 0, the exact dot of the operands as read (Theorem R.8's signed sum)
+    signed = np.abs(y) + y_given + (x_given + e0) @ slope + np.abs(x) @ e_w_op
+    a0 = (x_bar + e0) @ slope
+    accumulation, growth = _accumulation(num, (d, bits), a0, signed, g)
+    fixed = fixed + accumulation
     anchor = tensor_core_anchor(num)
     if anchor:
         fixed = fixed + g * anchor * (
             (x_bar + e0).sum(axis=-1, keepdims=True) + slope.sum(axis=0) + d * anchor
         )
-    kappa = (1 + u_op) * (1 + g)
-    f64 = chain_dot_factor(d + 1, "sequential", 2.0**-53)
-    y = x @ w
-    y_given = f64 * (np.abs(x) @ np.abs(w))
+    kappa = (1 + u_op) * (1 + growth)
     if np.any(x_given):  # (an exact operand adds nothing)
         y_given = x_given @ np.abs(w) + y_given
     if b is not None:
@@ -139,7 +144,7 @@ def linear(
         fixed = (1 + acc.u) * (fixed + e_b) + acc.u * y_bar + acc.smallest_normal
         kappa *= 1 + acc.u
     y_bar = np.abs(y) + y_given
-    rounded = _roundings(x_bar, e_w, slope, b, num, out, (y_bar, fixed, kappa))
+    rounded = _roundings(x_bar, e_w, slope, b, num, out, (y_bar, fixed, kappa), signed)
     fixed = out.u * y_bar + (1 + out.u) * fixed + out.smallest_normal
     kappa *= 1 + out.u
     scale = 1 + evaluation_rounding(x.shape[-1])  # the float64 sums over the inputs
@@ -147,6 +152,25 @@ def linear(
         y, y_given * scale, fixed * scale, slope, kappa * scale, x_given,
         None if rounded is None else rounded.scaled(scale),
     )  # fmt: skip
+
+
+def _accumulation(
+    num: Numerics, dot: tuple[int, int], a0: np.ndarray, signed: np.ndarray, g: float
+) -> tuple[np.ndarray, float]:
+    """A.2 (a)'s accumulation error at ``e_x = 0`` and its growth per unit more of ``Σ|x̃||w̃|``:
+    ``g·Σ|x̃||w̃|`` and the underflow (Theorem S.0, R.5), or where smaller Theorem R.8's through
+    the one-signed total (``signed >= |x̃·w̃|``), which grows by ``OneSigned.growth`` at most
+    (``A`` and ``C`` each by at most the extra ``Σ|x̃||w̃|``); ``dot = (d, operand bits)``."""
+    d, bits = dot
+    plain = g * a0 + unit_eta(num, d)
+    if tensor_core_anchor(num):
+        return plain, g
+    one_signed = one_signed_total(a0, signed, d)
+    sizes = one_signed_sizes(num, d, (bits, bits), a0, one_signed)
+    r8 = one_signed_dot_error(num, d, (bits, bits), a0, one_signed)
+    if sizes is None or r8 is None:
+        return plain, g
+    return np.minimum(plain, r8), max(g, sizes.growth)
 
 
 def _roundings(
@@ -157,6 +181,7 @@ def _roundings(
     num: Numerics,
     out: Format,
     before: tuple[np.ndarray, np.ndarray, float],
+    signed: np.ndarray,
 ) -> Roundings | None:
     """Theorem A.3‴'s split of A.2 (a), each part affine in ``e_x @ slope`` (``(c_0, c_1)``).
 
@@ -179,13 +204,38 @@ def _roundings(
     dot = acc.u * (1 + g_det) * math.sqrt(twice * (2 * d - 1))
     # (Σ T²)^½ <= dot·(x̄ + e_x)|ŵ| + u_a(ȳ + E_2) [bias] + u_F(ȳ + E_2)
     last = (acc.u if b is not None else 0.0) + out.u
-    sig_0 = dot * (x_bar @ slope) + last * (y_bar + fixed)
+    bits = operand_bits(num, num.format_of("input"))
+    sums = _dot_spread(num, (d, bits), x_bar @ slope, signed, dot)
+    sig_0 = sums + last * (y_bar + fixed)
     return Roundings(
         (rest_0, 1.0),
         (sig_0, dot + last * kappa),
         (fixed, kappa),
         (out.smallest_normal, out.smallest_normal),
     )
+
+
+def _dot_spread(
+    num: Numerics, dot_shape: tuple[int, int], a0: np.ndarray, signed: np.ndarray, dot: float
+) -> np.ndarray:
+    """``(Σ_r T_r²)^½`` over the dot's relative roundings at ``e_x = 0``: ``dot·Σ|x̂||ŵ|``, or
+    where smaller Theorem R.8's sizes (one rounding per addition): the products' ``T_k``
+    have ``Σ T_k² <= (Σ|x̂_k ŵ_k|)²`` (none where exact), each of the ``d - 1`` additions rounds
+    ``|T_v| <= C + κA + Jη`` (``C`` the one-signed total), so ``((u_×A)² + (d - 1)(u_a T)²)^½``.
+    That grows by at most ``u_a((u_×/u_a)² + (d - 1)(1 + κ)²)^½`` per unit more of
+    ``Σ|x̂||ŵ|`` (``A`` and ``C`` each by at most that much), below ``dot``, which stays the
+    slope; ``dot_shape = (d, operand bits)``."""
+    d, bits = dot_shape
+    plain = dot * a0
+    u_a = num.format_of("accum").u
+    sizes = one_signed_sizes(num, d, (bits, bits), a0, one_signed_total(a0, signed, d))
+    if sizes is None or sizes.u_add != u_a:  # (two roundings per addition: the plain form)
+        return plain
+    slope = math.hypot(sizes.u_mul, u_a * math.sqrt(d - 1) * (1 + sizes.kappa))
+    if slope > dot:
+        return plain
+    spread = np.hypot(sizes.u_mul * sizes.absolute, u_a * math.sqrt(d - 1) * sizes.rounded)
+    return np.minimum(plain, spread)
 
 
 def linear_overflow(

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from mhanum.bounds.enclosure import one_signed_dot_error, one_signed_total
 from mhanum.bounds.factors import (
     F64_DOT,
     LOG2E,
@@ -102,7 +103,7 @@ def dots_step(head: Head, ops: Operands, num: Numerics, lam: float | None) -> Do
         operands = operands + ops.q_abs @ ops.e_k_op.T
     # (operands read exactly: q_op = |q|, k_op = |k|, the product already taken)
     qk_op = qk_abs if _read_exactly(ops) else ops.q_op @ ops.k_op.T
-    unit = _unit_error(ops, num, qk_op, lam)
+    unit = _unit_error(ops, num, qk_op, lam, _signed_dot(t, operands, qk_abs))
     return Dots(t, qk_abs, operands, qk_op, unit, tensor_core_anchor(num))
 
 
@@ -111,15 +112,31 @@ def _read_exactly(ops: Operands) -> bool:
     return not (np.any(ops.e_q_op) or np.any(ops.e_k_op))
 
 
-def _unit_error(ops: Operands, num: Numerics, qk_op: np.ndarray, lam: float | None) -> np.ndarray:
+def _signed_dot(t: np.ndarray, operands: np.ndarray, qk_abs: np.ndarray) -> np.ndarray:
+    """``>= |q̂·k̂|``, the exact dot of the operands as read: ``|t|``, their errors' part, and
+    the float64 ``t``'s own error."""
+    return np.abs(t) + operands + F64_DOT * (qk_abs.shape[-1] + 2) * qk_abs
+
+
+def _unit_error(
+    ops: Operands, num: Numerics, qk_op: np.ndarray, lam: float | None, signed: np.ndarray
+) -> np.ndarray:
     """Step 3: the dot unit's error on ``q_op k_opᵀ``, its factor of ``d_k`` terms (Theorem
-    S.0; A.3's with ``lam``) and its underflow, with the tensor-core unit's anchor."""
+    S.0; A.3's with ``lam``) and its underflow, with the tensor-core unit's anchor; on an IEEE
+    unit also at most Theorem R.8's, through the one-signed total of the products (``signed
+    >= |q̂·k̂|``), and with ``lam`` R.8''s. R.8 holds on every event; R.8' fails on one event
+    per dot, of the ``d_k`` chains' the union bound counts for it, and which form is taken
+    depends on the inputs only, so each dot's bound is still one of the counted events."""
     d_k = ops.q_op.shape[-1]
     f_qk, anchor = unit_factor(num, d_k, lam, bits=ops.bits_qk), tensor_core_anchor(num)
     unit = f_qk * qk_op + unit_eta(num, d_k)
     if anchor:
         sums = ops.q_op.sum(axis=-1)[:, None] + ops.k_op.sum(axis=-1)[None, :] + d_k * anchor
-        unit = unit + f_qk * anchor * sums
+        return unit + f_qk * anchor * sums
+    c = one_signed_total(qk_op, signed, d_k)
+    for form in {None, lam}:  # R.8, and R.8' with lam: one event per dot, within the d_k
+        one_signed = one_signed_dot_error(num, d_k, ops.bits_qk, qk_op, c, form)
+        unit = unit if one_signed is None else np.minimum(unit, one_signed)
     return unit
 
 
@@ -391,7 +408,11 @@ def known_scores_step(
     if c_hat is None:
         return None
     d_k = head.q.shape[-1]
-    unit = dots.unit if setting.lam is None else _unit_error(ops, num, dots.qk_op, None)
+    unit = dots.unit
+    if setting.lam is not None:
+        unit = _unit_error(
+            ops, num, dots.qk_op, None, _signed_dot(dots.t, dots.operands, dots.qk_abs)
+        )
     e_t = unit + dots.operands + F64_DOT * (d_k + 2) * dots.qk_abs
     with np.errstate(invalid="ignore", over="ignore"):
         s1, known = _nearest_within(dots.t, e_t, f_s)

@@ -42,6 +42,7 @@ from mhanum.bounds.forward.known_rounding import (
     underflow_charge,
     weights_before_rounding,
 )
+from mhanum.bounds.forward.pv_dot import pv_one_signed
 from mhanum.bounds.forward.stage import (
     ALONG,
     KNOWN,
@@ -473,12 +474,7 @@ def _one_key_rows(
         rounding_keys = (np.where(single, 0.0, w_keys), c2, normal & ~single, eta_conv)
     p_hat_hi = np.where(single, np.where(live, 1.0, 0.0), w.p_hat_hi)
     w = dataclasses.replace(
-        w,
-        soft=soft,
-        prob=prob,
-        operand_p=operand_p,
-        p_hat_hi=p_hat_hi,
-        rounding_keys=rounding_keys,
+        w, soft=soft, prob=prob, operand_p=operand_p, p_hat_hi=p_hat_hi, rounding_keys=rounding_keys
     )
     eta_pv, g_row = ch.eta_pv, ch.g_row
     if num.dot_kind != "split":
@@ -504,22 +500,26 @@ def _terms(
     products ``prob·|v|`` and ``operand_p·|v|`` A.3'' compares with its martingale."""
     num, v_abs, w = ctx.num, values.v_abs, ch.w
     online = isinstance(num.softmax_algorithm, Online)
-    f_o = num.format_of("output")
+    f_o, eta_m = num.format_of("output"), num.format_of("softmax").smallest_normal
     u_o, eta_o = f_o.u, f_o.smallest_normal
-    eta_m = num.format_of("softmax").smallest_normal
     u_op, eta_op = operand_error_of(num, num.format_of("prob"))
     eta_op = eta_op + conversion_eta(num, num.operand_rounding or num.format_of("prob"))
     prob_v = w.prob @ v_abs
     # (no product where the operand format reads p̂ exactly: operand_p is 0 then)
     op_v = w.operand_p @ v_abs if u_op or np.any(eta_op) else np.zeros_like(prob_v)
     pv_under = ch.eta_pv * rs.per_sum / rs.lift if online else ch.eta_pv
+    pv = ch.g_row * ch.p_hat_v + pv_under
+    if not online and num.kv_splits is None:  # or Theorem R.8's, through the one-signed total
+        read, output = (ch.p_hat_v, v_abs), (out.o, out.ev, out.pl, out.v_extra)
+        dev = ch.logits + w.soft + w.prob + w.operand_p
+        pv = np.fmin(pv, pv_one_signed(num, values.bits_pv, read, output, dev, ctx.lam))
     o_abs = np.abs(out.o)
     terms = {
         "logits": scale_out * ch.logits_v,
         "softmax": scale_out * ch.soft_term,
         "probability_rounding": scale_out * prob_v,
         "operands": scale_out * (op_v + dot(w.p_hat_hi, out.v_extra)),
-        "pv": scale_out * (ch.g_row * ch.p_hat_v + pv_under),
+        "pv": scale_out * pv,
         "output": (
             u_o * o_abs + eta_o + ((1 + u_o) * (ch.u_last * o_abs + eta_m) if online else 0.0)
         ),

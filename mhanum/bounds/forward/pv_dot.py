@@ -1,0 +1,45 @@
+"""Step 7's ``P·V`` dot by Theorem R.8 (papers/summation.md): its additions charged through the
+one-signed total of the products ``p̂_j ṽ_j``, not through ``Σ_j p̂_j |ṽ_j|`` along every key."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mhanum._types import NumpyArray
+from mhanum.bounds.enclosure import one_signed_dot_error, one_signed_total
+from mhanum.bounds.factors import evaluation_rounding
+from mhanum.bounds.forward.evaluation import quiet
+from mhanum.numerics import Numerics
+
+__all__ = ["pv_one_signed"]
+
+
+def pv_one_signed(
+    num: Numerics,
+    bits: tuple[int, int],
+    read: tuple[NumpyArray, NumpyArray],
+    output: tuple[NumpyArray, NumpyArray, NumpyArray, NumpyArray],
+    deviations: NumpyArray,
+    lam: float | None,
+) -> NumpyArray | float:
+    """The error of ``P·V``'s dot (not online) by Theorem R.8 (with ``lam``, the smaller of R.8
+    and R.8', one event per output entry of the ``d_v`` per key the union bound counts), or
+    ``inf`` outside it.
+
+    ``read = (p̂|v|, v̄)``: ``Σ_j p̂_j|ṽ_j|`` of the weights and values as the dot reads them
+    and ``v̄ >= |ṽ|``; ``output = (o, its float64 error, p, v_extra)``: the float64 ``o = p v``
+    of the exact softmax ``p`` of the logits and ``v_extra >= |ṽ - v|``; ``deviations >= |p̂_j
+    - p_j|`` per key (steps 4-6: the logits', the softmax's, the rounding into ``F_p`` and the
+    operand read). The products' signed sum is then ``|Σ_j p̂_j ṽ_j| <= |o| + Σ_j p_j (v̄_j -
+    |v_j|) + Σ_j |p̂_j - p_j| v̄_j``, and the one-signed total ``C`` follows
+    (:func:`one_signed_total`).
+    """
+    (p_hat_v, v_abs), (o, ev, p, v_extra) = read, output
+    n = v_abs.shape[-2]
+    with quiet():
+        signed = np.abs(o) + ev + p @ v_extra + deviations @ v_abs
+        signed = signed * (1 + evaluation_rounding(n))
+        c = one_signed_total(p_hat_v, signed, n)
+        bounds = [one_signed_dot_error(num, n, bits, p_hat_v, c, form) for form in {None, lam}]
+    found = [b for b in bounds if b is not None]
+    return np.inf if not found else np.minimum.reduce(found)
