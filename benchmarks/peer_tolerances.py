@@ -3,6 +3,7 @@
     python benchmarks/peer_tolerances.py            # every configuration and every planted bug
     python benchmarks/peer_tolerances.py --quick    # two configurations, fewer draws
     python benchmarks/peer_tolerances.py --probabilistic-only   # part 3 alone
+    python benchmarks/peer_tolerances.py --floor-only           # part 4 alone
 
 Part 1 runs real kernels (torch's SDPA math and CPU flash backends, ``jax.nn.dot_product_attention``)
 on configurations of the kinds their test suites use and prints, per configuration: the false
@@ -33,6 +34,12 @@ channels and long rows. Per format it prints the median over the configurations 
 tolerance ÷ |error| (over the elements with a nonzero error), the false alarms (elements and
 configurations outside the tolerance), the goals beside them, and which bound terms govern the
 probabilistic tolerance.
+
+Part 4 sets the float32 tolerances of ``jax-xla-cpu`` beside the floor (``rounding_floor.py``):
+the error of a worst-case rounding that the kernel's model allows, every sum in its worst order
+(float32 sums in any order, as the model states). No sound certified tolerance is below it, so
+its median ÷ |error| is the least figure any certified tolerance of that model can reach on
+these inputs.
 """
 
 from __future__ import annotations
@@ -455,6 +462,97 @@ def print_probabilistic(results: dict[str, list[dict[str, Any]]], draws: int) ->
     return met
 
 
+# -- part 4: the floor under the certified tolerance ------------------------------------------
+
+FLOOR_KERNEL = "jax-xla-cpu"  # float32: the model of benchmarks/rounding_floor.py (fp32 preset)
+FLOOR_ENTRIES = 12
+
+
+def _floor_module() -> Any:
+    """``benchmarks/rounding_floor.py``, imported from beside this script."""
+    import os
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import rounding_floor
+
+    return rounding_floor
+
+
+def floor_configuration(family: str, seed: int) -> dict[str, Any]:
+    """On the first head of a part-3 configuration in float32, at ``FLOOR_ENTRIES`` drawn
+    elements with an error: the kernel's error, the certified and the probabilistic
+    tolerance, and the worst-case rounding's error ``F`` (``rounding_floor.attention_floor``,
+    every sum in its worst order). That rounding is one the kernel's model allows (float32
+    sums in any order, every operation within ``u``, an exact product, a correctly rounded
+    exponential), so no sound certified tolerance can be below ``|F|``; and ``Q``, the 0.99
+    quantile of the first-order error over random signs of the same roundings in the same
+    orders (``Floor.quantile``), which no tolerance that holds with probability 0.99 under
+    A.3's independence model can be below."""
+    config, (q, k, v) = family_inputs(family, "float32", seed)
+    _, _, lq, lk, d, causal, scale = config
+    out = KERNELS[FLOOR_KERNEL](q, k, v, dtype="float32", causal=causal, scale=scale)
+    tol = {}
+    for name, confidence in (("certified", None), ("probabilistic", CONFIDENCE)):
+        oracle = attention_oracle(
+            q, k, v, is_causal=causal, scale=scale, kernel=FLOOR_KERNEL, confidence=confidence
+        )
+        tol[name] = oracle.tolerance[0, 0]
+    err = np.abs(out - oracle.exact)[0, 0]
+    rng = np.random.default_rng([len(FAMILIES) + FAMILIES.index(family), seed])
+    where = np.flatnonzero(err > 0)
+    picks = rng.choice(where, min(FLOOR_ENTRIES, where.size), replace=False)
+    entries = [tuple(int(i) for i in np.unravel_index(j, err.shape)) for j in picks]
+    mask = np.tril(np.ones((lq, lk), bool)) if causal else None
+    c = 1 / math.sqrt(d) if scale is None else scale
+    head = [np.asarray(a[0, 0], np.float64) for a in (q, k, v)]
+    f = _floor_module().attention_floor(
+        *head, "fp32", entries, scale=c, mask=mask, order="worst", keep_increments=True
+    )
+    at = tuple(np.array(e) for e in zip(*entries, strict=True))
+    return {
+        "err": err[at],
+        "certified": tol["certified"][at],
+        "probabilistic": tol["probabilistic"][at],
+        "floor": np.abs(f.realised),
+        "quantile": f.quantile(CONFIDENCE),
+    }
+
+
+def print_floor(draws: int) -> bool:
+    """Print part 4; True when no certified tolerance is below the floor's error."""
+    print(
+        f"\npart 4: the floor under the certified tolerance, {FLOOR_KERNEL} in float32, "
+        f"{FLOOR_ENTRIES} elements of the first head of {draws} configurations per family"
+    )
+    print("F: the error of a worst-case rounding the kernel's model allows (every sum in its "
+          "worst order), which no sound certified tolerance can be below; Q: the 0.99 quantile "
+          "of the error with those roundings' signs drawn at random, which no tolerance at "
+          "probability 0.99 under A.3's model can be below; medians over the elements")  # fmt: skip
+    print(f"{'family':12s} {'certified/err':>14s} {'F/err':>8s} {'certified/F':>12s} "
+          f"{'probabilistic/err':>18s} {'Q/err':>8s} {'prob./Q':>8s} {'below F':>8s}")  # fmt: skip
+    sound = True
+    every: dict[str, list[np.ndarray]] = {}
+    for family in FAMILIES:
+        rows = [floor_configuration(family, seed) for seed in range(draws)]
+        col = {key: np.concatenate([r[key] for r in rows]) for key in rows[0]}
+        for key, val in col.items():
+            every.setdefault(key, []).append(val)
+        below = int(np.sum(col["certified"] < col["floor"]))
+        sound &= below == 0
+        _floor_row(family, col, below)
+    col = {key: np.concatenate(val) for key, val in every.items()}
+    _floor_row("all", col, int(np.sum(col["certified"] < col["floor"])))
+    return sound
+
+
+def _floor_row(label: str, col: dict[str, np.ndarray], below: int) -> None:
+    err, cert, prob, fl, qu = (col[key] for key in ("err", "certified", "probabilistic",
+                                                    "floor", "quantile"))  # fmt: skip
+    print(f"{label:12s} {np.median(cert / err):14.3g} {np.median(fl / err):8.3g} "
+          f"{np.median(cert / fl):12.3g} {np.median(prob / err):18.3g} "
+          f"{np.median(qu / err):8.3g} {np.median(prob / qu):8.3g} {below:8d}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two configurations, 3 draws")
@@ -463,8 +561,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="part 3 alone (the probabilistic tolerance)",
     )
+    parser.add_argument(
+        "--floor-only",
+        action="store_true",
+        help="part 4 alone (the floor under the float32 certified tolerance)",
+    )
     args = parser.parse_args(argv)
     p_draws = 2 if args.quick else DRAWS
+    f_draws = 2 if args.quick else 4
+    if args.floor_only:
+        return 0 if print_floor(f_draws) else 1
     if args.probabilistic_only:
         met = print_probabilistic(probabilistic(p_draws), p_draws)
         return 0 if met else 2
@@ -510,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"false alarms on the correct kernel: {sum(r['good_alarms'] for r in rows)}")
     print_probabilistic(probabilistic(p_draws), p_draws)
-    return 1 if alarms else 0
+    sound = print_floor(f_draws)
+    return 1 if alarms or not sound else 0
 
 
 if __name__ == "__main__":

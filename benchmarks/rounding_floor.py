@@ -121,15 +121,43 @@ class _Formats:
         return cls(u)
 
 
-def _partial_sums(a: jax.Array, b: jax.Array) -> jax.Array:
+def _worst_order(terms: jax.Array, axis: int) -> jax.Array:
+    """Per sum of ``terms`` along ``axis``, an order of its addends that keeps the partial sums
+    far from 0 (a ``native`` bound holds for every order): the addends of the sign with the
+    larger total first, largest first, then the others, smallest first. Indices along ``axis``."""
+    total = jnp.sum(terms, axis=axis, keepdims=True)
+    lead = jnp.where(total >= 0, terms > 0, terms < 0)
+    size = jnp.abs(terms)
+    return jnp.lexsort((jnp.where(lead, -size, size), ~lead), axis=axis)
+
+
+def _ordered(
+    terms: jax.Array, axis: int, orders: dict[str, jax.Array] | None, name: str
+) -> jax.Array:
+    """``terms`` in sequential order along ``axis``, or (``orders`` given) in the worst order,
+    which ``orders[name]`` records for the run."""
+    if orders is None:
+        return terms
+    orders[name] = _worst_order(terms, axis)
+    return jnp.take_along_axis(terms, orders[name], axis=axis)
+
+
+def _partial_sums(
+    a: jax.Array, b: jax.Array, orders: dict[str, jax.Array] | None = None, name: str = ""
+) -> jax.Array:
     """``S[k, ..., i, j] = Σ_{t ≤ k} a[..., i, t] b[..., t, j]``: a sequential dot's partial sums,
-    0 where the ``k``-th addend is exactly 0 (adding it is exact: a masked key's, say)."""
-    terms = a[..., :, :, None] * b[..., None, :, :]
+    0 where the ``k``-th addend is exactly 0 (adding it is exact: a masked key's, say); with
+    ``orders``, its addends in the worst order (:func:`_worst_order`)."""
+    terms = _ordered(a[..., :, :, None] * b[..., None, :, :], -2, orders, name)
     return jnp.moveaxis(jnp.where(terms == 0, 0.0, jnp.cumsum(terms, axis=-2)), -2, 0)
 
 
-def _cumulative(e: jax.Array) -> jax.Array:
-    """A row sum's partial sums (leading axis), 0 where the addend is exactly 0."""
+def _cumulative(
+    e: jax.Array, orders: dict[str, jax.Array] | None = None, name: str = ""
+) -> jax.Array:
+    """A row sum's partial sums (leading axis), 0 where the addend is exactly 0; with
+    ``orders``, in the worst order."""
+    e = _ordered(e, -1, orders, name)
     return jnp.moveaxis(jnp.where(e == 0, 0.0, jnp.cumsum(e, axis=-1)), -1, 0)[..., None]
 
 
@@ -162,9 +190,10 @@ class _Run:
         mode: str,
         exact: dict[str, Any] | None = None,
         nearest: dict[str, Format] | None = None,
+        orders: dict[str, jax.Array] | None = None,
     ) -> None:
         self.pert, self.mode, self.exact = pert, mode, exact or {}
-        self.nearest = nearest or {}
+        self.nearest, self.orders = nearest or {}, orders or {}
 
     def _delta(self, name: str, x: jax.Array, delta: jax.Array) -> jax.Array:
         """``delta``, or 0 where ``x`` is a number of the site's format (round to nearest
@@ -190,6 +219,10 @@ class _Run:
         if name not in self.pert or self.mode == "linear":
             return self.round(name, a @ b)
         deltas = self.pert[name]  # (n, ..., i, j): the k-th addition's δ (k ≥ 1; row 0 unused)
+        if name in self.orders:  # each dot's addends in its own order
+            terms = a[..., :, :, None] * b[..., None, :, :]
+            terms = jnp.take_along_axis(terms, self.orders[name], axis=-2)
+            return self._chain(name, jnp.moveaxis(terms, -2, 0), deltas)
 
         def step(acc: jax.Array, tk: tuple[jax.Array, jax.Array, jax.Array]) -> Any:
             at, bt, dk = tk
@@ -201,22 +234,29 @@ class _Run:
         first = a_t[0][..., :, None] * b_t[0][..., None, :]
         return jax.lax.scan(step, first, (a_t[1:], b_t[1:], deltas[1:]))[0]
 
-    def sum(self, name: str, e: jax.Array) -> jax.Array:
-        if name not in self.pert or self.mode == "linear":
-            return self.round(name, jnp.sum(e, axis=-1, keepdims=True))
-        deltas = self.pert[name]  # (n, ..., 1)
-        e_t = jnp.moveaxis(e, -1, 0)[..., None]
+    def _chain(self, name: str, terms: jax.Array, deltas: jax.Array) -> jax.Array:
+        """The addends ``terms`` (leading axis) added in that order, the ``k``-th partial sum
+        times ``1 + deltas[k]``."""
 
         def step(acc: jax.Array, tk: tuple[jax.Array, jax.Array]) -> Any:
             x = acc + tk[0]
             return x * (1 + self._delta(name, x, tk[1])), None
 
-        return jax.lax.scan(step, e_t[0], (e_t[1:], deltas[1:]))[0]
+        return jax.lax.scan(step, terms[0], (terms[1:], deltas[1:]))[0]
+
+    def sum(self, name: str, e: jax.Array) -> jax.Array:
+        if name not in self.pert or self.mode == "linear":
+            return self.round(name, jnp.sum(e, axis=-1, keepdims=True))
+        if name in self.orders:
+            e = jnp.take_along_axis(e, self.orders[name], axis=-1)
+        return self._chain(name, jnp.moveaxis(e, -1, 0)[..., None], self.pert[name])
 
 
-def _attend(run: _Run, q: jax.Array, k: jax.Array, v: jax.Array, c: float) -> jax.Array:
+def _attend(
+    run: _Run, q: jax.Array, k: jax.Array, v: jax.Array, c: float, keep: jax.Array | None = None
+) -> jax.Array:
     t = run.round("score_take", run.dot("qk_dot", q, jnp.swapaxes(k, -1, -2)))
-    a = run.round("soft_take", run.round("scale_mul", t * c))
+    a = _live(run.round("soft_take", run.round("scale_mul", t * c)), keep)
     d = run.round("shift", a - jnp.max(a, axis=-1, keepdims=True))
     e = run.round("exp", jnp.exp(d))
     p = run.round("prob_take", run.round("div", e / run.sum("sum", e)))
@@ -257,6 +297,7 @@ class Floor:
             (``F``, the floor).
         spread: per entry, ``sqrt(Σ_k g_k² u_k²)`` (the exact sensitivities' root sum of squares).
         top: per entry, the ``_TOP`` largest increments ``|g_k| u_k``, largest first.
+        increments: per entry, every increment ``|g_k| u_k`` (:meth:`quantile`), or none.
     """
 
     entries: list[tuple[int, ...]]
@@ -265,6 +306,34 @@ class Floor:
     realised: np.ndarray
     spread: np.ndarray
     top: np.ndarray
+    increments: list[np.ndarray] | None = None
+
+    def quantile(self, p: float, draws: int = 4000, seed: int = 0) -> np.ndarray:
+        """Per entry, the ``p``-quantile of the first-order error ``|known + Σ_k s_k |g_k| u_k|``
+        over independent random signs ``s_k = ±1`` (every rounding ``±u_k``, mean zero:
+        roundings the independence model of A.3 allows), from ``draws`` samples: the
+        ``_SIGNED`` largest increments with drawn signs, the sum of the rest as its normal law
+        (:func:`_berry_esseen`: the quantile is taken at ``p`` less twice its distance). A
+        bound that holds with probability ``p`` at an entry under that model is at least this
+        there (up to the sampling error and second order)."""
+        if self.increments is None:
+            msg = "increments: this floor kept none (keep_increments=False)"
+            raise InvalidArgument(msg)
+        rng = np.random.default_rng(seed)
+        out = []
+        for known, inc in zip(self.known, self.increments, strict=True):
+            inc = -np.sort(-inc)
+            big, small = inc[:_SIGNED], inc[_SIGNED:]
+            sums = np.concatenate([
+                known + (rng.integers(0, 2, (chunk, big.size), dtype=np.int8) * 2 - 1) @ big
+                for chunk in np.diff(np.r_[0:draws:500, draws])
+            ])  # fmt: skip
+            gap = 0.0
+            if small.size:  # the rest's sum as its normal law, off by at most ``gap``
+                sums = sums + rng.standard_normal(draws) * math.sqrt(float(np.sum(small**2)))
+                gap = _berry_esseen(small)
+            out.append(float(np.quantile(np.abs(sums), max(p - 2 * gap, 0.0))))
+        return np.array(out)
 
     def hoeffding(self, lam: float) -> np.ndarray:
         """Per entry, the least bound of A.3's form on the exact sensitivities: the ``t`` largest
@@ -282,6 +351,18 @@ class Floor:
         return np.array(out)
 
 
+_SIGNED = 16384  # the largest increments Floor.quantile draws signs for; the rest as one normal
+
+
+def _berry_esseen(small: np.ndarray) -> float:
+    """How far in distribution (Kolmogorov) the sum of random signs times ``small`` is from its
+    normal law at most (Berry–Esseen for independent terms, constant 0.56:
+    ``0.56·Σc³/(Σc²)^{3/2}``). A probability of ``|sum| <= t`` computed with the normal law is
+    then off by at most twice that, so :meth:`Floor.quantile` takes the quantile at ``p``
+    less twice that: the true ``p``-quantile is at least it."""
+    return 0.56 * float(np.sum(small**3)) / float(np.sum(small**2)) ** 1.5
+
+
 def _floor(
     fwd: Callable[[_Run], jax.Array],
     exact: np.ndarray,
@@ -289,17 +370,21 @@ def _floor(
     u: dict[str, float],
     entries: list[tuple[int, ...]],
     nearest: dict[str, Format] | None = None,
+    orders: dict[str, jax.Array] | None = None,
+    keep_increments: bool = False,
 ) -> Floor:
     """``masses[site] = (values, is_sum)``: a sum's partial sums (leading axis) or the rounded
     values themselves; ``nearest``: the sites rounded to nearest as the kernel rounds them
     (the probabilities into their format: steps 6k and 6r of Theorem A.1 rely on it), which
-    take no ``δ``."""
+    take no ``δ``; ``orders``: the sums whose addends the run takes in another order than
+    their index's (the ``masses``' partial sums in that order)."""
     zeros = {s: jnp.zeros(m.shape[1:] if is_sum else m.shape) for s, (m, is_sum) in masses.items()}
     y0, vjp = jax.vjp(lambda e: fwd(_Run(e, "linear", nearest=nearest)), zeros)
     known = np.asarray(y0) - exact
-    worst, realised, spread, tops = [], [], [], []
+    worst, realised, spread, tops, kept = [], [], [], [], []
     exact_in = {s: _DTYPES[u[s]] for s in masses if u[s] in _DTYPES}
-    real = jax.jit(lambda d: fwd(_Run(d, "real", exact_in, nearest)))
+    # the orders as an argument: as constants of the program XLA would fold their gathers
+    real = jax.jit(lambda d, o: fwd(_Run(d, "real", exact_in, nearest, o)))
     for m in entries:
         cot = jnp.zeros_like(y0).at[m].set(1.0)
         (g,) = vjp(cot)
@@ -317,8 +402,10 @@ def _floor(
         top = -np.sort(-np.partition(inc, -_TOP)[-_TOP:]) if inc.size > _TOP else -np.sort(-inc)
         tops.append(np.pad(top, (0, _TOP - top.size)))
         worst.append(abs(known[m]) + float(np.sum(inc)))
-        realised.append(float(real(deltas)[m]) - exact[m])
+        realised.append(float(real(deltas, orders or {})[m]) - exact[m])
         spread.append(math.sqrt(float(np.sum(inc**2))))
+        if keep_increments:
+            kept.append(inc[inc > 0])
     return Floor(
         entries,
         np.array([known[m] for m in entries]),
@@ -326,14 +413,34 @@ def _floor(
         np.array(realised),
         np.array(spread),
         np.array(tops),
+        kept if keep_increments else None,
     )
 
 
+ORDERS = ("sequential", "worst")
+"""The orders of the sums a floor takes: each sum in its index order, or each in its own worst
+order (:func:`_worst_order`: the partial sums kept far from 0), which only a bound for every
+order (``native``) must cover."""
+
+
+def _order_book(order: str) -> dict[str, jax.Array] | None:
+    """The record of the sums' orders a floor in ``order`` keeps (None: index order)."""
+    if order not in ORDERS:
+        msg = f"order: expected one of {ORDERS}, got {order!r}"
+        raise InvalidArgument(msg)
+    return {} if order == "worst" else None
+
+
 def attention_floor(
-    q: Any, k: Any, v: Any, numerics: Numerics | str, entries: list[tuple[int, ...]]
-) -> Floor:
+    q: Any, k: Any, v: Any, numerics: Numerics | str, entries: list[tuple[int, ...]],
+    *, scale: float | None = None, mask: Any = None, order: str = "sequential",
+    keep_increments: bool = False,
+) -> Floor:  # fmt: skip
     """The floor of :func:`mhanum.attention` on ``(L, d)`` inputs already in the input format,
-    default scale ``1/sqrt(d)``, at ``entries`` of the output."""
+    at ``entries`` of the output: ``scale`` (default ``1/sqrt(d)``), ``mask`` (``(Lq, Lk)``
+    booleans, True where attended, every row keeping a key) or none, every sum in the
+    ``order`` of :data:`ORDERS` (``"worst"``: a floor of the bounds for every order only);
+    ``keep_increments`` for :meth:`Floor.quantile`."""
     num = Numerics.preset(numerics) if isinstance(numerics, str) else numerics
     _check(num)
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
@@ -342,17 +449,31 @@ def attention_floor(
         if not np.array_equal(_rounded(x, fmt), x):
             msg = f"{name}: expected values of the input format {fmt.name}"
             raise InvalidArgument(msg)
-    c = 1.0 / math.sqrt(q.shape[-1])
+    orders = _order_book(order)
+    c = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     c_hat = float(_rounded(np.array(c), num.format_of("score")))
     u = _Formats.of(num, heads=False, c=c_hat).u
     nearest = _nearest_sites(num, u)
-    exact = np.asarray(mn.reference.attention(q, k, v), np.float64)
+    keep = _keep(mask, (q.shape[-2], k.shape[-2]))
+    exact = np.asarray(mn.reference.attention(q, k, v, mask=mask, scale=c), np.float64)
+    qj, kj, vj = (jnp.asarray(x) for x in (q, k, v))
 
     def fwd(run: _Run) -> jax.Array:
-        return _attend(run, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), c_hat)
+        return _attend(run, qj, kj, vj, c_hat, keep)
 
-    masses = _attention_masses(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), c_hat, u)
-    return _floor(fwd, exact, masses, u, entries, nearest)
+    masses = _attention_masses(qj, kj, vj, c_hat, u, keep, orders)
+    return _floor(fwd, exact, masses, u, entries, nearest, orders, keep_increments)
+
+
+def _keep(mask: Any, shape: tuple[int, int]) -> jax.Array | None:
+    """``mask`` as the attended keys, checked: ``shape`` booleans, a key in every row."""
+    if mask is None:
+        return None
+    keep = np.asarray(mask, bool)
+    if keep.shape != shape or not keep.any(axis=-1).all():
+        msg = f"mask: expected {shape} booleans, a key in every row"
+        raise InvalidArgument(msg)
+    return jnp.asarray(keep)
 
 
 def _nearest_sites(num: Numerics, u: dict[str, float]) -> dict[str, Format]:
@@ -372,10 +493,11 @@ def _nearest_sites(num: Numerics, u: dict[str, float]) -> dict[str, Format]:
 
 def _attention_masses(
     q: jax.Array, k: jax.Array, v: jax.Array, c: float, u: dict[str, float],
-    keep: jax.Array | None = None,
+    keep: jax.Array | None = None, orders: dict[str, jax.Array] | None = None,
 ) -> dict[str, tuple[jax.Array, bool]]:  # fmt: skip
     """Every site's values at the unperturbed point (exact arithmetic, known roundings in);
-    ``keep``: the attended keys (a masked logit's sites are 0)."""
+    ``keep``: the attended keys (a masked logit's sites are 0); ``orders``: the sums' orders
+    (worst), recorded there."""
     t = q @ jnp.swapaxes(k, -1, -2)
     a = t * c
     live = _live(a, keep)
@@ -384,16 +506,16 @@ def _attention_masses(
     d = jnp.where(jnp.isfinite(d), d, 0.0)
     p = e / jnp.sum(e, axis=-1, keepdims=True)
     vals: dict[str, tuple[jax.Array, bool]] = {
-        "qk_dot": (_partial_sums(q, jnp.swapaxes(k, -1, -2)), True),
+        "qk_dot": (_partial_sums(q, jnp.swapaxes(k, -1, -2), orders, "qk_dot"), True),
         "score_take": (t, False),
         "scale_mul": (a, False),
         "soft_take": (a, False),
         "shift": (d, False),
         "exp": (e, False),
-        "sum": (_cumulative(e), True),
+        "sum": (_cumulative(e, orders, "sum"), True),
         "div": (p, False),
         "prob_take": (p, False),
-        "pv_dot": (_partial_sums(p, v), True),
+        "pv_dot": (_partial_sums(p, v, orders, "pv_dot"), True),
         "out_take": (p @ v, False),
     }
     return {s: m for s, m in vals.items() if s in u}
@@ -401,11 +523,11 @@ def _attention_masses(
 
 def mha_floor(
     x: Any, params: mn.MHAParams, heads: int, numerics: Numerics | str,
-    entries: list[tuple[int, ...]],
+    entries: list[tuple[int, ...]], *, order: str = "sequential", keep_increments: bool = False,
 ) -> Floor:  # fmt: skip
     """The floor of :func:`mhanum.multi_head_attention` (self-attention on ``x`` ``(L, d_model)``,
     already in the input format; the weights are rounded into it as the emulation does) at
-    ``entries`` of the output."""
+    ``entries`` of the output, every sum in the ``order`` of :data:`ORDERS`."""
     num = Numerics.preset(numerics) if isinstance(numerics, str) else numerics
     _check(num)
     x = np.asarray(x, np.float64)
@@ -413,6 +535,7 @@ def mha_floor(
     if not np.array_equal(_rounded(x, fmt), x):
         msg = f"x: expected values of the input format {fmt.name}"
         raise InvalidArgument(msg)
+    orders = _order_book(order)
     names = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
     w_exact = {n: np.asarray(getattr(params, n), np.float64) for n in names}
     w_hat = {n: jnp.asarray(_rounded(a, fmt)) for n, a in w_exact.items()}
@@ -430,7 +553,7 @@ def mha_floor(
     masses: dict[str, tuple[jax.Array, bool]] = {}
     proj = {}
     for z in "qkv":
-        s = _partial_sums(xj, w_hat[f"w{z}"])
+        s = _partial_sums(xj, w_hat[f"w{z}"], orders, f"{z}_dot")
         proj[z] = s[-1] + w_hat[f"b{z}"]
         masses |= {
             f"{z}_dot": (s, True),
@@ -438,16 +561,16 @@ def mha_floor(
             f"{z}_store": (proj[z], False),
         }
     q, k, v = (_split(proj[z], heads) for z in "qkv")
-    masses |= _attention_masses(q, k, v, c_hat, u)
+    masses |= _attention_masses(q, k, v, c_hat, u, None, orders)
     t = q @ jnp.swapaxes(k, -1, -2)
     a = t * c_hat
     p = jax.nn.softmax(a, axis=-1)
     o = _merge(p @ v)
-    s = _partial_sums(o, w_hat["wo"])
+    s = _partial_sums(o, w_hat["wo"], orders, "y_dot")
     y = s[-1] + w_hat["bo"]
     masses |= {"y_dot": (s, True), "y_bias": (y, False), "y_store": (y, False)}
     masses = {n: m for n, m in masses.items() if n in u}
-    return _floor(fwd, exact, masses, u, entries, nearest)
+    return _floor(fwd, exact, masses, u, entries, nearest, orders, keep_increments)
 
 
 _LOGIT_SITES = ("qk_dot", "score_take", "scale_mul", "soft_take")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -37,3 +38,14 @@ def test_every_planted_bug_beyond_rounding_is_caught(bug):
     beyond = [d for d in draws if d["effect"] > 1]
     assert beyond, f"{bug}: no draw beyond rounding, so the test could not fail"
     assert all(d["caught"] for d in beyond), (bug, draws)
+
+
+@pytest.mark.parametrize(("family", "seed"), [("normal", 0), ("outlier", 4)])
+def test_no_float32_tolerance_is_below_the_floor(family, seed):
+    """The worst-case rounding (every sum in its worst order, which the kernel's float32 model
+    allows) errs by at most the certified tolerance, and the 0.99 quantile of its randomly
+    signed roundings by at most the probabilistic one: an adversarial check of both, with
+    roundings chosen against them."""
+    row = bench.floor_configuration(family, seed)
+    assert np.all(row["floor"] <= row["certified"]), row
+    assert np.all(row["quantile"] <= row["probabilistic"]), row
