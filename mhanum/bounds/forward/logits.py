@@ -103,8 +103,9 @@ def dots_step(head: Head, ops: Operands, num: Numerics, lam: float | None) -> Do
         operands = operands + ops.q_abs @ ops.e_k_op.T
     # (operands read exactly: q_op = |q|, k_op = |k|, the product already taken)
     qk_op = qk_abs if _read_exactly(ops) else ops.q_op @ ops.k_op.T
-    unit = _unit_error(ops, num, qk_op, lam, _signed_dot(t, operands, qk_abs))
-    return Dots(t, qk_abs, operands, qk_op, unit, tensor_core_anchor(num))
+    dots = Dots(t, qk_abs, operands, qk_op, np.zeros_like(t), tensor_core_anchor(num))
+    unit = _unit_error(ops, num, qk_op, lam, _signed_dot(dots, ops.q_op.shape[-1]))
+    return dataclasses.replace(dots, unit=unit)
 
 
 def _read_exactly(ops: Operands) -> bool:
@@ -112,10 +113,10 @@ def _read_exactly(ops: Operands) -> bool:
     return not (np.any(ops.e_q_op) or np.any(ops.e_k_op))
 
 
-def _signed_dot(t: np.ndarray, operands: np.ndarray, qk_abs: np.ndarray) -> np.ndarray:
+def _signed_dot(dots: Dots, d_k: int) -> np.ndarray:
     """``>= |q̂·k̂|``, the exact dot of the operands as read: ``|t|``, their errors' part, and
-    the float64 ``t``'s own error."""
-    return np.abs(t) + operands + F64_DOT * (qk_abs.shape[-1] + 2) * qk_abs
+    the float64 ``t``'s own error (``d_k`` products and sums)."""
+    return np.abs(dots.t) + dots.operands + F64_DOT * (d_k + 2) * dots.qk_abs
 
 
 def _unit_error(
@@ -410,9 +411,7 @@ def known_scores_step(
     d_k = head.q.shape[-1]
     unit = dots.unit
     if setting.lam is not None:
-        unit = _unit_error(
-            ops, num, dots.qk_op, None, _signed_dot(dots.t, dots.operands, dots.qk_abs)
-        )
+        unit = _unit_error(ops, num, dots.qk_op, None, _signed_dot(dots, d_k))
     e_t = unit + dots.operands + F64_DOT * (d_k + 2) * dots.qk_abs
     with np.errstate(invalid="ignore", over="ignore"):
         s1, known = _nearest_within(dots.t, e_t, f_s)
