@@ -51,7 +51,9 @@ LN2 = math.log(2.0)
 @dataclasses.dataclass(frozen=True, eq=False)
 class Dots:
     """Step 3's dots: ``t = q kᵀ`` (float64), ``|q||k|ᵀ``, the operands' part
-    ``e_q|k| + |q|e_k + e_q e_k``, ``q_op k_opᵀ``, the unit's error and its anchor."""
+    ``e_q|k| + |q|e_k + e_q e_k``, ``q_op k_opᵀ``, the unit's error, its anchor, and a bound on
+    every partial sum of the accumulation (R.3's ``(1 + γ)q_op k_opᵀ`` and underflow: R.8's
+    smaller error bounds the result, not the partial sums on the way)."""
 
     t: np.ndarray
     qk_abs: np.ndarray
@@ -59,6 +61,7 @@ class Dots:
     qk_op: np.ndarray
     unit: np.ndarray
     anchor: float
+    partials: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -103,7 +106,8 @@ def dots_step(head: Head, ops: Operands, num: Numerics, lam: float | None) -> Do
         operands = operands + ops.q_abs @ ops.e_k_op.T
     # (operands read exactly: q_op = |q|, k_op = |k|, the product already taken)
     qk_op = qk_abs if _read_exactly(ops) else ops.q_op @ ops.k_op.T
-    dots = Dots(t, qk_abs, operands, qk_op, np.zeros_like(t), tensor_core_anchor(num))
+    partials = qk_op + _unit_error(ops, num, qk_op, None, None)
+    dots = Dots(t, qk_abs, operands, qk_op, partials, tensor_core_anchor(num), partials)
     unit = _unit_error(ops, num, qk_op, lam, _signed_dot(dots, ops.q_op.shape[-1]))
     return dataclasses.replace(dots, unit=unit)
 
@@ -120,20 +124,23 @@ def _signed_dot(dots: Dots, d_k: int) -> np.ndarray:
 
 
 def _unit_error(
-    ops: Operands, num: Numerics, qk_op: np.ndarray, lam: float | None, signed: np.ndarray
+    ops: Operands, num: Numerics, qk_op: np.ndarray, lam: float | None, signed: np.ndarray | None
 ) -> np.ndarray:
     """Step 3: the dot unit's error on ``q_op k_opᵀ``, its factor of ``d_k`` terms (Theorem
     S.0; A.3's with ``lam``) and its underflow, with the tensor-core unit's anchor; on an IEEE
     unit also at most Theorem R.8's, through the one-signed total of the products (``signed
-    >= |q̂·k̂|``), and with ``lam`` R.8''s. R.8 holds on every event; R.8' fails on one event
-    per dot, of the ``d_k`` chains' the union bound counts for it, and which form is taken
-    depends on the inputs only, so each dot's bound is still one of the counted events."""
+    >= |q̂·k̂|``; ``None``: not), and with ``lam`` R.8''s. R.8 holds on every event; R.8' fails
+    on one event per dot, of the ``d_k`` chains' the union bound counts for it, and which form
+    is taken depends on the inputs only, so each dot's bound is still one of the counted
+    events."""
     d_k = ops.q_op.shape[-1]
     f_qk, anchor = unit_factor(num, d_k, lam, bits=ops.bits_qk), tensor_core_anchor(num)
     unit = f_qk * qk_op + unit_eta(num, d_k)
     if anchor:
         sums = ops.q_op.sum(axis=-1)[:, None] + ops.k_op.sum(axis=-1)[None, :] + d_k * anchor
         return unit + f_qk * anchor * sums
+    if signed is None:
+        return unit
     c = one_signed_total(qk_op, signed, d_k)
     for form in {None, lam}:  # R.8, and R.8' with lam: one event per dot, within the d_k
         one_signed = one_signed_dot_error(num, d_k, ops.bits_qk, qk_op, c, form)
@@ -163,7 +170,7 @@ def logits_step(
     }
     used = np.ones_like(head.keep) if head.replaced is None else ~head.replaced
     acc_upper = on(used, dots.qk_op + dots.unit, 0.0)
-    ranges.check(acc_upper, acc, "QKᵀ accumulated")
+    ranges.check(on(used, dots.partials, 0.0), acc, "QKᵀ accumulated")
     ranges.check(acc_upper, f_s, "QKᵀ rounded to the score format")
     s_upper = abs(c_hat) * ((1 + u_s) * acc_upper + eta_s) * (1 + u_s) + eta_s
     if const.folded:
