@@ -221,29 +221,39 @@ def one_signed_dot_error(
     in float32 (two roundings per addition).
     """
     sizes = one_signed_sizes(num, n, bits, absolute, one_signed)
-    if sizes is None or (lam is not None and sizes.u_add != num.format_of("accum").u):
-        return None
-    a, eta = sizes.absolute, num.format_of("accum").smallest_normal
-    if lam is None:
-        bound = sizes.u_mul * a + (n - 1) * sizes.u_add * sizes.rounded
-    else:
-        bound = lam * np.hypot(sizes.u_mul * a, math.sqrt(n - 1) * sizes.u_add * sizes.rounded)
-    return (bound + (2 * n - 1) * eta) * (1 + 2.0**-40)
+    return None if sizes is None else sizes.error(lam)
 
 
 @dataclasses.dataclass(frozen=True)
 class OneSigned:
-    """Theorem R.8's sizes of a dot: each addition's unit ``u_add`` (``u_*``), the products'
+    """Theorem R.8's sizes of a dot of ``n`` products: the accumulation format's smallest normal
+    number ``eta`` and unit ``u_acc``, each addition's unit ``u_add`` (``u_*``), the products'
     ``u_mul`` (``u_×``), ``κ``, ``absolute >= Σ|y_k|`` (with its float64 rounding), ``rounded >= |T_v|``
     (``C + κA + Jη``, the value every addition rounds) and ``growth``, by how much the bound
     ``u_×A + (n - 1)u_*T`` grows per unit more of ``A`` and ``C`` (``u_× + (n - 1)u_*(1 + κ)``)."""
 
+    n: int
+    eta: float
+    u_acc: float
     u_add: float
     u_mul: float
     kappa: float
     absolute: np.ndarray
     rounded: np.ndarray
     growth: float
+
+    def error(self, lam: float | None = None) -> np.ndarray | None:
+        """R.8's bound ``u_×A + (n - 1)u_*T + (2n - 1)η``, or with ``lam`` R.8''s
+        ``λ((u_×A)² + (n - 1)(u_*T)²)^½ + (2n - 1)η`` (``None`` where additions round twice)."""
+        n, a = self.n, self.absolute
+        products = self.u_mul * a if self.u_mul else np.zeros_like(a)  # (no 0·inf)
+        if lam is None:
+            bound = products + (n - 1) * self.u_add * self.rounded
+        elif self.u_add != self.u_acc:  # a format carried in float32: two roundings
+            return None
+        else:
+            bound = lam * np.hypot(products, math.sqrt(n - 1) * self.u_add * self.rounded)
+        return (bound + (2 * n - 1) * self.eta) * (1 + 2.0**-40)
 
 
 def one_signed_sizes(
@@ -264,7 +274,8 @@ def one_signed_sizes(
     j = n * (1 + g) + (n - 2) * (1 + u_add) ** (n - 2)
     a = absolute * (1 + F64_DOT * (n + 2))
     rounded = one_signed + kappa * a + j * acc.smallest_normal
-    return OneSigned(u_add, u_mul, kappa, a, rounded, u_mul + (n - 1) * u_add * (1 + kappa))
+    growth = u_mul + (n - 1) * u_add * (1 + kappa)
+    return OneSigned(n, acc.smallest_normal, acc.u, u_add, u_mul, kappa, a, rounded, growth)
 
 
 def f64_dot(n: int) -> float:

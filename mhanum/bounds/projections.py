@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mhanum.bounds.enclosure import one_signed_dot_error, one_signed_sizes, one_signed_total
+from mhanum.bounds.enclosure import one_signed_sizes, one_signed_total
 from mhanum.bounds.factors import (
     chain_dot_factor,
     evaluation_rounding,
@@ -165,12 +165,11 @@ def _accumulation(
     plain = g * a0 + unit_eta(num, d)
     if tensor_core_anchor(num):
         return plain, g
-    one_signed = one_signed_total(a0, signed, d)
-    sizes = one_signed_sizes(num, d, (bits, bits), a0, one_signed)
-    r8 = one_signed_dot_error(num, d, (bits, bits), a0, one_signed)
+    sizes = one_signed_sizes(num, d, (bits, bits), a0, one_signed_total(a0, signed, d))
+    r8 = None if sizes is None else sizes.error()
     if sizes is None or r8 is None:
         return plain, g
-    return np.minimum(plain, r8), max(g, sizes.growth)
+    return np.fmin(plain, r8), max(g, sizes.growth)
 
 
 def _roundings(
@@ -235,7 +234,7 @@ def _dot_spread(
     if slope > dot:
         return plain
     spread = np.hypot(sizes.u_mul * sizes.absolute, u_a * math.sqrt(d - 1) * sizes.rounded)
-    return np.minimum(plain, spread)
+    return np.fmin(plain, spread)
 
 
 def linear_overflow(

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from mhanum.bounds.enclosure import one_signed_dot_error, one_signed_total
+from mhanum.bounds.enclosure import one_signed_sizes, one_signed_total
 from mhanum.bounds.factors import (
     F64_DOT,
     LOG2E,
@@ -141,10 +141,12 @@ def _unit_error(
         return unit + f_qk * anchor * sums
     if signed is None:
         return unit
-    c = one_signed_total(qk_op, signed, d_k)
+    sizes = one_signed_sizes(num, d_k, ops.bits_qk, qk_op, one_signed_total(qk_op, signed, d_k))
+    if sizes is None:
+        return unit
     for form in {None, lam}:  # R.8, and R.8' with lam: one event per dot, within the d_k
-        one_signed = one_signed_dot_error(num, d_k, ops.bits_qk, qk_op, c, form)
-        unit = unit if one_signed is None else np.minimum(unit, one_signed)
+        one_signed = sizes.error(form)
+        unit = unit if one_signed is None else np.fmin(unit, one_signed)
     return unit
 
 

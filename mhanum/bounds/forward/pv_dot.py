@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from mhanum._types import NumpyArray
-from mhanum.bounds.enclosure import one_signed_dot_error, one_signed_total
+from mhanum.bounds.enclosure import one_signed_sizes, one_signed_total
 from mhanum.bounds.factors import evaluation_rounding
 from mhanum.bounds.forward.evaluation import quiet
 from mhanum.numerics import Numerics
@@ -39,7 +39,7 @@ def pv_one_signed(
     with quiet():
         signed = np.abs(o) + ev + p @ v_extra + deviations @ v_abs
         signed = signed * (1 + evaluation_rounding(n))
-        c = one_signed_total(p_hat_v, signed, n)
-        bounds = [one_signed_dot_error(num, n, bits, p_hat_v, c, form) for form in {None, lam}]
+        sizes = one_signed_sizes(num, n, bits, p_hat_v, one_signed_total(p_hat_v, signed, n))
+        bounds = [] if sizes is None else [sizes.error(form) for form in {None, lam}]
     found = [b for b in bounds if b is not None]
-    return np.inf if not found else np.minimum.reduce(found)
+    return np.inf if not found else np.fmin.reduce(found)
