@@ -162,6 +162,23 @@ def test_a1_on_long_rows_covers_the_worst_order_floor(preset):
         assert np.all(ratios <= 1.6), ratios
 
 
+def test_a3_stays_above_the_quantile_floor_of_its_model():
+    """A.3 with probability 0.99 (its three martingales merged, Theorem A.3e) holds at every
+    entry with at least that probability under the model, so at no entry may it be below the
+    0.99 quantile ``Q`` of the first-order error with every rounding's sign drawn and every sum
+    in its worst order (an instance of the model). fp32, L = d = 64, 16 entries: A.3 is 4.5 to
+    6 times ``Q`` there (the union over every chain and entry, λ = 6.08, against about 2.6 for
+    one entry's quantile)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (np.asarray(mn.round_to(rng.standard_normal((64, 64)), "float32"), np.float64)
+               for _ in range(3))  # fmt: skip
+    bound = np.asarray(attention_bound(q, k, v, numerics="fp32", probability=0.99).total)
+    entries = [(i, j) for i in range(3, 64, 16) for j in range(5, 64, 16)]
+    f = floor.attention_floor(q, k, v, "fp32", entries, order="worst", keep_increments=True)
+    ratios = np.array([bound[e] for e in entries]) / f.quantile(0.99)
+    assert np.all(ratios >= 1), ratios
+
+
 def test_the_quantile_of_random_signs():
     """One increment: |±c| = c always. Two equal ones: 0 or 2c, each with probability 1/2, so
     the 0.99 quantile is 2c. 20,000 equal ones: 16,384 drawn and the rest's normal law within

@@ -245,15 +245,33 @@ class OneSigned:
     def error(self, lam: float | None = None) -> np.ndarray | None:
         """R.8's bound ``u_×A + (n - 1)u_*T + (2n - 1)η``, or with ``lam`` R.8''s
         ``λ((u_×A)² + (n - 1)(u_*T)²)^½ + (2n - 1)η`` (``None`` where additions round twice)."""
-        n, a = self.n, self.absolute
-        products = self.u_mul * a if self.u_mul else np.zeros_like(a)  # (no 0·inf)
         if lam is None:
-            bound = products + (n - 1) * self.u_add * self.rounded
-        elif self.u_add != self.u_acc:  # a format carried in float32: two roundings
+            return self.deterministic()
+        spread = self.spread()
+        return None if spread is None else lam * spread + self.underflow()
+
+    def deterministic(self) -> np.ndarray:
+        """R.8's bound ``u_×A + (n - 1)u_*T + (2n - 1)η``."""
+        bound = self._products() + (self.n - 1) * self.u_add * self.rounded
+        return (bound + (2 * self.n - 1) * self.eta) * (1 + 2.0**-40)
+
+    def spread(self) -> np.ndarray | None:
+        """R.8''s ``((u_×A)² + (n - 1)(u_*T)²)^½``, at least the root-sum-square of the bounds
+        on the martingale's increments (``None`` where additions round twice: a format carried
+        in float32)."""
+        if self.u_add != self.u_acc:
             return None
-        else:
-            bound = lam * np.hypot(products, math.sqrt(n - 1) * self.u_add * self.rounded)
-        return (bound + (2 * n - 1) * self.eta) * (1 + 2.0**-40)
+        return np.hypot(self._products(), math.sqrt(self.n - 1) * self.u_add * self.rounded) * (
+            1 + 2.0**-40
+        )
+
+    def underflow(self) -> float:
+        """R.8's underflow part ``(2n - 1)η``, with probability 1."""
+        return (2 * self.n - 1) * self.eta * (1 + 2.0**-40)
+
+    def _products(self) -> np.ndarray:
+        a = self.absolute
+        return self.u_mul * a if self.u_mul else np.zeros_like(a)  # (no 0·inf)
 
 
 def one_signed_sizes(

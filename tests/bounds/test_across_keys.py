@@ -19,6 +19,9 @@ import mhanum.bounds.forward.softmax_pv as softmax_pv_module
 from mhanum import reference
 from mhanum.bounds import attention_bound
 from mhanum.bounds.factors import gamma
+from mhanum.bounds.forward.one_martingale import Increments
+
+INF = np.array(np.inf)
 
 CASES = [
     ("fp32", "native"),
@@ -45,8 +48,10 @@ def test_across_keys_is_tighter_and_holds_on_random_inputs(preset, order, monkey
         out = np.asarray(mn.attention(q, k, v, numerics=num), np.float64)
         err = np.abs(out - np.asarray(reference.attention(q, k, v), np.float64))
         assert np.all(err <= bound.total)
-        with monkeypatch.context() as mp:  # step 4's logits term alone
-            mp.setattr(softmax_pv_module, "logits_across_keys", lambda *a: np.inf)
+        with monkeypatch.context() as mp:  # A.3' without A.3e, then step 4's logits term alone
+            mp.setattr(softmax_pv_module, "one_martingale_step", lambda *a: None)
+            bound = attention_bound(q, k, v, numerics=num, lam=6.0, known_rounding=False)
+            mp.setattr(softmax_pv_module, "logits_increments", lambda *a: Increments(INF, INF))
             step4 = attention_bound(q, k, v, numerics=num, lam=6.0, known_rounding=False)
         assert np.all(bound.terms["logits"] <= step4.terms["logits"])
         gains.append(float(np.median(step4.terms["logits"] / bound.terms["logits"])))
@@ -55,12 +60,12 @@ def test_across_keys_is_tighter_and_holds_on_random_inputs(preset, order, monkey
         assert min(gains) > 3
 
 
-def test_the_probability_counts_two_events_per_output_entry():
+def test_the_probability_counts_three_events_per_output_entry():
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((5, 8)) for _ in range(3))
     lam, u = 6.0, 2.0**-24
     bound = attention_bound(q, k, v, numerics="fp32", lam=lam)
-    chains = 5 * (5 * (8 + 1 + 8) + 2 * 8)  # A.3' and A.3'': two per output entry
+    chains = 5 * (5 * (8 + 1 + 8) + 3 * 8)  # A.3', A.3'' and A.3e: three per output entry
     fail = chains * 2 * math.exp(-((lam * (1 - u)) ** 2) / 2)
     assert bound.probability == pytest.approx(1 - fail, rel=1e-12)
 
@@ -74,7 +79,7 @@ def test_a_requested_probability_is_stated_and_its_lam_is_the_union_bounds(proba
     bound = attention_bound(q, k, v, numerics="bf16-fp32acc", probability=probability)
     assert bound.probability >= probability
     assert bound.lam is not None
-    chains = 2 * 5 * (5 * (8 + 1 + 8) + 2 * 8)
+    chains = 2 * 5 * (5 * (8 + 1 + 8) + 3 * 8)
     u = 2.0**-24
     below = bound.lam * (1 - 1e-9)
     assert 1 - chains * 2 * math.exp(-((below * (1 - u)) ** 2) / 2) < probability

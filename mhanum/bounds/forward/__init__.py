@@ -3,7 +3,8 @@
 :mod:`~mhanum.bounds.forward.operands`, :mod:`~mhanum.bounds.forward.logits` and
 :mod:`~mhanum.bounds.forward.softmax_pv`, chained per head in
 :mod:`~mhanum.bounds.forward.head`), A.1g (:mod:`~mhanum.bounds.forward.along`), A.2
-(:mod:`~mhanum.bounds.forward.mha`), A.3' (:mod:`~mhanum.bounds.forward.across_keys`) and A.6
+(:mod:`~mhanum.bounds.forward.mha`), A.3' (:mod:`~mhanum.bounds.forward.across_keys`), A.3''
+and A.3e (:mod:`~mhanum.bounds.forward.one_martingale`) and A.6
 (:mod:`~mhanum.bounds.forward.split_kv`)."""
 
 from mhanum.bounds.forward.a1 import attention_bound, attention_bound_along

@@ -353,8 +353,8 @@ def _attention_bound(
     keep, masked, b, replaced = keep_and_bias(mask, bias, (*batch, rows, keys), num)
     dead = dead_rows(keep, masked)
     keep = with_dead_rows(keep, dead)  # evaluated as unmasked, then infinite with the reason
-    # every chain's event, and two martingale events per output entry (A.3', A.3'')
-    chains = math.prod(batch) * rows * (keys * (q.shape[-1] + 1 + v.shape[-1]) + 2 * v.shape[-1])
+    # every chain's event, and three martingale events per output entry (A.3', A.3'', A.3e)
+    chains = math.prod(batch) * rows * (keys * (q.shape[-1] + 1 + v.shape[-1]) + 3 * v.shape[-1])
     chains *= split_count(num, keys)
     lam = lam_or_probability(lam, probability, chains, num)
     qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))

@@ -4,16 +4,21 @@ keys, for the probabilistic bound."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 
 from mhanum.bounds.factors import F64_DOT, evaluation_rounding, unit_eta, unit_factor
 from mhanum.bounds.forward.logits import Constant, Dots, Logits
+from mhanum.bounds.forward.one_martingale import Increments
 from mhanum.bounds.forward.operands import Operands
 from mhanum.bounds.forward.stage import Head, Setting, StoredSplit, Values
 
-__all__ = ["across_splits", "dot_increments", "logits_across_keys", "stored_split"]
+__all__ = [
+    "across_splits",
+    "dot_increments",
+    "logits_increments",
+    "stored_split",
+]
 
 
 def across_splits(
@@ -21,7 +26,7 @@ def across_splits(
     setting: Setting,
 ) -> list[tuple[np.ndarray, np.ndarray]] | None:  # fmt: skip
     """Theorem A.3': the splits ``(b, δ')`` of the logits' errors that step 4's logits term
-    may replace by the martingale across the keys (:func:`logits_across_keys`); ``None``
+    may replace by the martingale across the keys (:func:`logits_increments`); ``None``
     outside its scope (deterministic, split or tensor-core dots, a finite masking constant,
     exp2, a soft-cap).
 
@@ -147,27 +152,27 @@ def dot_increments(
     return math.sqrt(twice) * np.hypot((1 + g_det) * products, sums)
 
 
-def logits_across_keys(
+def logits_increments(
     p: np.ndarray,
     delta: np.ndarray,
     values: Values,
     live: np.ndarray,
     per_key: np.ndarray,
     across: tuple[np.ndarray, np.ndarray],
-    lam: float,
     second_order: bool = True,
-) -> Any:
-    """Theorem A.3' (papers/attention.md): the logits term with the dots' errors summed across keys.
+) -> Increments:
+    """Theorem A.3' (papers/attention.md): the logits term in martingale form.
 
     ``Σ_j (p̃_j - p_j) v_j = (1/Z) Σ_j p_j (ε_j + r_j)(v_j - o)`` with ``Z >= e^{-max δ}`` and
     ``|r_j| <= e^{δ_j} - 1 - δ_j``. The dots' part of ``ε_j`` is ``Σ_k δ_k T_k`` over their
     roundings, a martingale whose increments ``p_j (v_j - o) δ_k T_k`` are bounded by
     ``p_j |v_j - o| b_j``: by Azuma-Hoeffding ``|Σ| <= λ (Σ_j (p_j (v_j - o) b_j)²)^½`` but with
-    probability ``2 exp(-λ²/2)`` per output. The rest of ``ε_j`` is at most ``δ'_j``, and
-    ``Σ_j (p̃_j - p_j)(v̂_j - v_j)`` at most the per-key deviations times ``v_abs - |v|``.
-    ``second_order=False`` leaves out the part of the ``r_j`` (the caller bounds it: Theorem
-    A.3‴). The cancellation in ``Σ_j (p_j b_j)² (v_j - o)²`` is charged ``2^-49`` and twice
-    the float64 sums' rounding of its absolute terms.
+    probability ``2 exp(-λ²/2)`` per output (``spread``, divided by ``Z``: ``divided =
+    e^{max δ}``). The rest of ``ε_j`` is at most ``δ'_j``, and ``Σ_j (p̃_j - p_j)(v̂_j - v_j)``
+    at most the per-key deviations times ``v_abs - |v|`` (``fixed``). ``second_order=False``
+    leaves out the part of the ``r_j`` (the caller bounds it: Theorem A.3‴). The cancellation
+    in ``Σ_j (p_j b_j)² (v_j - o)²`` is charged ``2^-49`` and twice the float64 sums' rounding
+    of its absolute terms.
     """
     ev_rel = evaluation_rounding(p.shape[-1])  # float64 sums over the keys
     b, rest = across
@@ -179,13 +184,14 @@ def logits_across_keys(
         w_v2, w_v, w_0 = w @ (v * v), w @ v, w.sum(axis=-1, keepdims=True)
         var = w_v2 - 2 * o * w_v + o * o * w_0  # Σ_j (p_j b_j)² (v_j - o)², cancellation below
         slack = (2.0**-49 + 2 * ev_rel) * (w_v2 + 2 * np.abs(o) * (w @ np.abs(v)) + o * o * w_0)
-        martingale = lam * np.sqrt(np.maximum(var + slack, 0.0))
+        spread = np.sqrt(np.maximum(var + slack, 0.0))
         d = np.where(live, delta, 0.0)
         second = np.expm1(d) - d  # |e^ε - 1 - ε| for |ε| <= δ
-        spread = np.abs(v)
-        det = (pl * rest) @ spread + np.abs(o) * (pl * rest).sum(axis=-1, keepdims=True)
+        spread_v = np.abs(v)
+        det = (pl * rest) @ spread_v + np.abs(o) * (pl * rest).sum(axis=-1, keepdims=True)
         if second_order:
-            det = det + (pl * second) @ spread + np.abs(o) * (pl * second).sum(-1, keepdims=True)
+            det = det + (pl * second) @ spread_v + np.abs(o) * (pl * second).sum(-1, keepdims=True)
         z_inv = np.exp(d.max(axis=-1, keepdims=True))
         used = per_key @ (v_abs - np.abs(v))
-        return (z_inv * (martingale + det) + used) * (1 + ev_rel)
+        factor = 1 + ev_rel
+        return Increments((z_inv * det + used) * factor, spread * factor, z_inv * factor)

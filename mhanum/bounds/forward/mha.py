@@ -363,7 +363,7 @@ def _mha_bound(
     chains = math.prod(outer) * (
         heads
         * rows
-        * (keys * (params.qk_width // heads + 1 + d_v) + 2 * d_v)
+        * (keys * (params.qk_width // heads + 1 + d_v) + 3 * d_v)  # A.3', A.3'', A.3e
         * split_count(num, keys)
         + rows * params.qk_width * params.d_q
         + keys * (params.qk_width + params.v_width) * params.d_kv

@@ -9,6 +9,7 @@ from mhanum._types import NumpyArray
 from mhanum.bounds.enclosure import one_signed_sizes, one_signed_total
 from mhanum.bounds.factors import evaluation_rounding
 from mhanum.bounds.forward.evaluation import quiet
+from mhanum.bounds.forward.one_martingale import Increments
 from mhanum.numerics import Numerics
 
 __all__ = ["pv_one_signed"]
@@ -21,10 +22,11 @@ def pv_one_signed(
     output: tuple[NumpyArray, NumpyArray, NumpyArray, NumpyArray],
     deviations: NumpyArray,
     lam: float | None,
-) -> NumpyArray | float:
+) -> tuple[NumpyArray | float, Increments | None]:
     """The error of ``P·V``'s dot (not online) by Theorem R.8 (with ``lam``, the smaller of R.8
     and R.8', one event per output entry of the ``d_v`` per key the union bound counts), or
-    ``inf`` outside it.
+    ``inf`` outside it; and with ``lam``, R.8''s martingale form for Theorem A.3e (``None``
+    outside R.8').
 
     ``read = (p̂|v|, v̄)``: ``Σ_j p̂_j|ṽ_j|`` of the weights and values as the dot reads them
     and ``v̄ >= |ṽ|``; ``output = (o, its float64 error, p, v_extra)``: the float64 ``o = p v``
@@ -42,4 +44,10 @@ def pv_one_signed(
         sizes = one_signed_sizes(num, n, bits, p_hat_v, one_signed_total(p_hat_v, signed, n))
         bounds = [] if sizes is None else [sizes.error(form) for form in {None, lam}]
     found = [b for b in bounds if b is not None]
-    return np.inf if not found else np.fmin.reduce(found)
+    spread = None if sizes is None or lam is None else sizes.spread()
+    form = None
+    if sizes is not None and spread is not None:
+        form = Increments(
+            np.full_like(spread, sizes.underflow()), spread, None, sizes.deterministic()
+        )
+    return (np.inf if not found else np.fmin.reduce(found)), form

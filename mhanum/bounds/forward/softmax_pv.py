@@ -20,7 +20,7 @@ from mhanum.bounds.factors import (
     safe_weight_sums,
     step_w_output,
 )
-from mhanum.bounds.forward.across_keys import logits_across_keys
+from mhanum.bounds.forward.across_keys import logits_increments
 from mhanum.bounds.forward.along import along_term
 from mhanum.bounds.forward.centring import centred
 from mhanum.bounds.forward.evaluation import (
@@ -41,6 +41,13 @@ from mhanum.bounds.forward.known_rounding import (
     row_factor_known,
     underflow_charge,
     weights_before_rounding,
+)
+from mhanum.bounds.forward.one_martingale import (
+    GROUPS,
+    Increments,
+    one_martingale_step,
+    replace_group,
+    rounding_martingale,
 )
 from mhanum.bounds.forward.pv_dot import pv_one_signed
 from mhanum.bounds.forward.stage import (
@@ -495,9 +502,10 @@ def _one_key_rows(
 
 def _terms(
     values: Values, ctx: Context, rs: _RowSum, ch: _Charges, out: _Output, scale_out: Any
-) -> tuple[dict[str, Any], Any, Any]:
-    """Step 7: the terms (each carried through the output's rounding, ``scale_out``), and the
-    products ``prob·|v|`` and ``operand_p·|v|`` A.3'' compares with its martingale."""
+) -> tuple[dict[str, Any], Any, Increments | None]:
+    """Step 7: the terms (each carried through the output's rounding, ``scale_out``), the
+    product ``operand_p·|v|``, and with ``lam`` ``P·V``'s martingale form (R.8', Theorem
+    A.3e)."""
     num, v_abs, w = ctx.num, values.v_abs, ch.w
     online = isinstance(num.softmax_algorithm, Online)
     f_o, eta_m = num.format_of("output"), num.format_of("softmax").smallest_normal
@@ -508,11 +516,12 @@ def _terms(
     # (no product where the operand format reads p̂ exactly: operand_p is 0 then)
     op_v = w.operand_p @ v_abs if u_op or np.any(eta_op) else np.zeros_like(prob_v)
     pv_under = ch.eta_pv * rs.per_sum / rs.lift if online else ch.eta_pv
-    pv = ch.g_row * ch.p_hat_v + pv_under
+    pv, form = ch.g_row * ch.p_hat_v + pv_under, None
     if not online and num.kv_splits is None:  # or Theorem R.8's, through the one-signed total
         read, output = (ch.p_hat_v, v_abs), (out.o, out.ev, out.pl, out.v_extra)
         dev = ch.logits + w.soft + w.prob + w.operand_p
-        pv = np.fmin(pv, pv_one_signed(num, values.bits_pv, read, output, dev, ctx.lam))
+        r8, form = pv_one_signed(num, values.bits_pv, read, output, dev, ctx.lam)
+        pv = np.fmin(pv, r8)
     o_abs = np.abs(out.o)
     terms = {
         "logits": scale_out * ch.logits_v,
@@ -524,40 +533,24 @@ def _terms(
             u_o * o_abs + eta_o + ((1 + u_o) * (ch.u_last * o_abs + eta_m) if online else 0.0)
         ),
     }
-    return terms, prob_v, op_v
+    return terms, op_v, None if form is None else form.scaled(scale_out)
 
 
 def _rounding_martingale(
-    terms: dict[str, Any],
-    values: Values,
-    ctx: Context,
-    ch: _Charges,
-    out: _Output,
-    dets: tuple[Any, Any, Any],
-) -> None:
+    terms: dict[str, Any], values: Values, ctx: Context, ch: _Charges, out: _Output, scale: float
+) -> Increments | None:
     """Theorem A.3'' (papers/attention.md): where the martingale of the keys' relative
-    roundings into the probability and operand formats is smaller, it replaces them, and the
-    two terms share it as they share the deterministic charge (the choice depends on the
-    inputs only: one event per entry). ``dets``: ``prob·|v|``, ``operand_p·|v|`` and the
-    output's factor. Updates ``terms``."""
-    w, v_abs, lam = ch.w, values.v_abs, ctx.lam
-    if w.rounding_keys is None or lam is None:
-        return
-    prob_v, op_v, scale_out = dets
-    ev_rel = evaluation_rounding(ch.logits.shape[-1])
-    w_keys, c2, normal, eta_conv = w.rounding_keys
-    with np.errstate(over="ignore", invalid="ignore"):
-        mart = lam * np.sqrt(c2 * ((w_keys * w_keys) @ (v_abs * v_abs)))
-        kept_prob = np.where(normal, 0.0, w.prob) @ v_abs
-        kept_op = np.where(normal, eta_conv, w.operand_p) @ v_abs
-        det_prob, det_op = prob_v, op_v
-        det = det_prob + det_op
-        alt = (mart + kept_prob + kept_op) * (1 + ev_rel)
-        share = np.where(det > 0, det_prob / det, 1.0)
-    choose = alt < det
-    rest_v = dot(w.p_hat_hi, out.v_extra)
-    terms["probability_rounding"] = scale_out * np.where(choose, alt * share, det_prob)
-    terms["operands"] = scale_out * (np.where(choose, alt * (1 - share), det_op) + rest_v)
+    roundings into the probability and operand formats is smaller, it replaces the two terms
+    (the choice depends on the inputs only: one event per entry); ``scale`` is the output's
+    factor. Returns the martingale form for Theorem A.3e. Updates ``terms``."""
+    w = ch.w
+    if w.rounding_keys is None or ctx.lam is None:
+        return None
+    rest = dot(w.p_hat_hi, out.v_extra)
+    form = rounding_martingale(w.rounding_keys, (w.prob, w.operand_p), values.v_abs, rest)
+    form = form.scaled(scale)
+    replace_group(terms, GROUPS["rounding"], form.bound(ctx.lam))
+    return form
 
 
 def _relative_roundings(
@@ -745,16 +738,18 @@ def softmax_pv(
     ch = _charges(values, ctx, pk, rs, w, out, (eta_pv, p_hat_v))
     ch = _one_key_rows(enc, values, ctx, ch, out)
     scale_out = (1 + num.format_of("output").u) * ((1 + ctx.u_div) if online else 1.0)
-    terms, prob_v, op_v = _terms(values, ctx, rs, ch, out, scale_out)
-    _rounding_martingale(terms, values, ctx, ch, out, (prob_v, op_v, scale_out))
+    terms, op_v, pv_form = _terms(values, ctx, rs, ch, out, scale_out)
+    forms = {"pv": [pv_form] if pv_form else [], "logits": []}
+    forms["rounding"] = [
+        f for f in [_rounding_martingale(terms, values, ctx, ch, out, scale_out)] if f
+    ]
     if enc.across is not None and lam is not None:
         # the output's rounding carries this error as it carries the others (scale_out)
         kept = terms["logits"]
         for split in enc.across:
-            across_keys = logits_across_keys(
-                pk.p, enc.delta, values, enc.live, ch.logits, split, lam
-            )
-            kept = np.fmin(kept, scale_out * across_keys)
+            inc = logits_increments(pk.p, enc.delta, values, enc.live, ch.logits, split)
+            forms["logits"].append(inc.scaled(scale_out))
+            kept = np.fmin(kept, forms["logits"][-1].bound(lam))
         terms["logits"] = np.where(np.isnan(terms["logits"]), np.nan, kept)
     # (A.1g's coupled bound reads step 6's charge: it keeps it)
     classic = along is not None or not ctx.known
@@ -769,6 +764,8 @@ def softmax_pv(
         terms["operands"] = np.where(swap, kept, terms["operands"])
     if project is None and along is None:
         _known_probabilities(terms, enc, values, ctx, pk, rs, ch.w, out)
+        if lam is not None and enc.stored is None:  # Theorem A.3e: one martingale per entry
+            one_martingale_step(terms, forms, lam)
     nearest = _nearest(terms, ctx, out, ch.u_last)
     # the last rounding's plain bound (u_o|o| + η_o, and the online division's), which bounds
     # |fl(x) - x| by itself: Theorem A.5' (shared logits) needs it; removed by the head

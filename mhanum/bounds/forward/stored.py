@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from mhanum.bounds.factors import evaluation_rounding
-from mhanum.bounds.forward.across_keys import logits_across_keys
+from mhanum.bounds.forward.across_keys import logits_increments
 from mhanum.bounds.forward.stage import (
     STORED_PARTS,
     Enclosure,
@@ -109,10 +109,8 @@ def stored_parts(
     ev = evaluation_rounding(p.shape[-1])
     pl = np.where(live, np.nan_to_num(p), 0.0)
     with np.errstate(over="ignore", invalid="ignore"):
-        dots = logits_across_keys(
-            p, enc.delta, values, live, per_key, (st.b, np.zeros_like(st.rest)), lam,
-            second_order=False,
-        )  # fmt: skip
+        split = (st.b, np.zeros_like(st.rest))
+        dots = logits_increments(p, enc.delta, values, live, per_key, split, False).bound(lam)
         mu_v = pl @ st.stored.moved[2]  # >= |Σ_j p_j μ_vj| (A.1's split: p_j (ṽ_j - v_j))
         d = np.where(live, enc.delta, 0.0)
         z_inv = np.exp(d.max(axis=-1, keepdims=True))
