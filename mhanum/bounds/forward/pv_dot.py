@@ -42,12 +42,12 @@ def pv_one_signed(
         signed = np.abs(o) + ev + p @ v_extra + deviations @ v_abs
         signed = signed * (1 + evaluation_rounding(n))
         sizes = one_signed_sizes(num, n, bits, p_hat_v, one_signed_total(p_hat_v, signed, n))
-        bounds = [] if sizes is None else [sizes.error(form) for form in {None, lam}]
-    found = [b for b in bounds if b is not None]
-    spread = None if sizes is None or lam is None else sizes.spread()
-    form = None
-    if sizes is not None and spread is not None:
-        form = Increments(
-            np.full_like(spread, sizes.underflow()), spread, None, sizes.deterministic()
-        )
+        found: list[NumpyArray] = []
+        form = None
+        if sizes is not None:
+            found.append(sizes.deterministic())
+            spread = None if lam is None else sizes.spread()
+            if spread is not None and lam is not None:
+                form = Increments(np.full_like(spread, sizes.underflow()), spread, None, found[0])
+                found.append(form.bound(lam))
     return (np.inf if not found else np.fmin.reduce(found)), form

@@ -739,10 +739,12 @@ def softmax_pv(
     ch = _one_key_rows(enc, values, ctx, ch, out)
     scale_out = (1 + num.format_of("output").u) * ((1 + ctx.u_div) if online else 1.0)
     terms, op_v, pv_form = _terms(values, ctx, rs, ch, out, scale_out)
-    forms = {"pv": [pv_form] if pv_form else [], "logits": []}
-    forms["rounding"] = [
-        f for f in [_rounding_martingale(terms, values, ctx, ch, out, scale_out)] if f
-    ]
+    rounding = _rounding_martingale(terms, values, ctx, ch, out, scale_out)
+    forms: dict[str, list[Increments]] = {
+        "pv": [] if pv_form is None else [pv_form],
+        "logits": [],
+        "rounding": [] if rounding is None else [rounding],
+    }
     if enc.across is not None and lam is not None:
         # the output's rounding carries this error as it carries the others (scale_out)
         kept = terms["logits"]
