@@ -8,9 +8,10 @@
    inputs (``L = d = 64``): the bound divided by the error at the 99th percentile of
    error/bound over the entries (the 1% of entries where the bound is tightest). Goals: at
    most 10 for ``fp32`` and ``tf32``, at most 3 for ``bf16-fp32acc`` and ``fp16-fp32acc``.
-   The kernel reads the float32 inputs rounded into the preset's input format; the bound takes
-   that rounding exactly (``input_rounding="exact"``: two certified references), as A.2's
-   default does.
+   The kernel reads the float32 inputs rounded into the preset's input format (``tf32``: and
+   its dots read them rounded into TF32); the bound takes that rounding exactly
+   (``input_rounding="exact"``: two certified references, and step 1k for the dots' reads),
+   as A.2's default does.
 2. **Multi-head attention at the README demo's size** (``d_model = 512``, 8 heads, ``L = 64``,
    random normal float32 inputs, ``MHAParams.random``): max bound / max error of Theorem A.2
    with ``probability=0.99`` (and deterministic, for comparison). Goal: at most 30 for the

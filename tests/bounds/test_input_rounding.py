@@ -9,6 +9,7 @@ import pytest
 import mhanum as mn
 from mhanum import InvalidArgument, reference
 from mhanum.bounds import attention_bound
+from mhanum.bounds.forward.operands import read_by_the_dot
 from mhanum.formats import round_to
 from mhanum.masks import causal as causal_band
 from mhanum.rope import Rope
@@ -26,12 +27,40 @@ def test_the_exact_rounding_is_the_references_difference_and_holds(preset, causa
     certified references); the bound holds on the emulation, which reads the rounded inputs,
     and is below the bounded form at the median (the inputs' rounding enters with its signs)."""
     num = mn.Numerics.preset(preset)
+    fmt = num.format_of("input")
+    _the_term_is_the_difference_and_the_bound_holds(num, causal, lambda x, _: round_to(x, fmt))
+
+
+OPERAND_ROUNDINGS = {
+    "tf32": mn.Numerics.preset("tf32"),
+    "tf32-q": mn.Numerics.preset("tf32").replace(scale="q"),
+    "tf32-qk": mn.Numerics.preset("tf32").replace(scale="qk"),
+    "bf16x1": mn.Numerics.preset("fp32").replace(dot="bf16x1"),
+    "fp32-bf16-operands": mn.Numerics.preset("fp32").replace(operand_format="bfloat16"),
+}
+
+
+@pytest.mark.parametrize("name", OPERAND_ROUNDINGS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_operands_read_enters_with_its_signs_and_holds(name, causal):
+    """Step 1k: float32 inputs (nothing rounds into the input format) read by dots through an
+    operand format; the term is the references' difference for the operands as the dots read
+    them (``q`` with the scale on the scores, ``k`` unless it is on ``q`` and ``k``, ``v``)."""
+    num = OPERAND_ROUNDINGS[name]
+
+    def read(x: np.ndarray, which: str) -> np.ndarray:
+        direct = which == "v" or (which == "k" and num.scale != "qk") or num.scale == "scores"
+        return read_by_the_dot(x, num) if direct else x
+
+    _the_term_is_the_difference_and_the_bound_holds(num, causal, read)
+
+
+def _the_term_is_the_difference_and_the_bound_holds(num, causal, read):
     q, k, v = _inputs(1)
     mask = causal_band() if causal else None
     exact = attention_bound(q, k, v, mask, numerics=num, input_rounding="exact")
     bounded = attention_bound(q, k, v, mask, numerics=num)
-    fmt = num.format_of("input")
-    rounded = [round_to(x, fmt) for x in (q, k, v)]
+    rounded = [read(x, which) for x, which in zip((q, k, v), "qkv", strict=True)]
     keep = np.tril(np.ones((32, 32), bool)) if causal else None
     shift = np.abs(
         reference.attention(*rounded, mask=keep) - reference.attention(q, k, v, mask=keep)

@@ -33,6 +33,7 @@ from mhanum.bounds.forward.along import along_rows, directions
 from mhanum.bounds.forward.evaluation import certified_difference, quiet
 from mhanum.bounds.forward.head import HeadResult, evaluate_heads
 from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias, with_dead_rows
+from mhanum.bounds.forward.operands import read_by_the_dot
 from mhanum.bounds.forward.result import check_scope, head_reasons, result, split_count, stack
 from mhanum.bounds.forward.stage import ALONG, PLAIN, Head, Setting
 from mhanum.formats import round_to
@@ -175,7 +176,11 @@ def attention_bound(
             exact attention, ``|o(q̂, k̂, v̂) - o(q, k, v)|``, is computed by two certified
             references and added as the term ``input_rounding`` (as ``mha_bound`` does). It is
             the same quantity, signs kept, and so much smaller where the inputs are not values
-            of the input format. ``"auto"``: exact up to ``2^20`` logits, else bounded. Not
+            of the input format. Where a dot rounds its operands into an operand format
+            (``tf32``, ``dot="bf16x1"``), the inputs it reads directly are taken as it reads
+            them too, wherever that value is known (step 1k; not at a tie of the operand
+            format, nor below its smallest normal number), and their rounding joins the term
+            ``input_rounding``. ``"auto"``: exact up to ``2^20`` logits, else bounded. Not
             with ``rope``, ``kv_cache`` or ``descale`` (bounded there).
 
     Returns:
@@ -297,9 +302,10 @@ def _rounded_inputs(
     p: AttentionProblem, num: Numerics, how: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """``q``, ``k``, ``v`` rounded into ``numerics.input`` where A.1 takes their rounding
-    exactly (``input_rounding``), ``None`` where step 1 bounds it: nothing rounds, a rounded
-    value is not finite, a rotation, a cache or a descale stands between the inputs and the
-    dots, or (``"auto"``) more than ``2^20`` logits."""
+    exactly (``input_rounding``), and into the operand format where a dot reads them through
+    it and the value read is known (step 1k, :func:`read_by_the_dot`); ``None`` where step 1
+    bounds it: nothing rounds, a rounded value is not finite, a rotation, a cache or a descale
+    stands between the inputs and the dots, or (``"auto"``) more than ``2^20`` logits."""
     if how not in _INPUT_ROUNDING:
         msg = f"input_rounding: expected one of {_INPUT_ROUNDING}, got {how!r}"
         raise InvalidArgument(msg)
@@ -313,6 +319,12 @@ def _rounded_inputs(
         qr, kr, vr = (round_to(x, fmt).astype(np.float64) for x in (q, k, v))
     if not all(np.isfinite(x).all() for x in (qr, kr, vr)):
         return None
+    # step 1k: the operands a dot reads directly, through its operand format (not a scaled one)
+    if num.scale == "scores":
+        qr = read_by_the_dot(qr, num)
+    if num.scale != "qk":
+        kr = read_by_the_dot(kr, num)
+    vr = read_by_the_dot(vr, num)
     if all(np.array_equal(a, b) for a, b in zip((qr, kr, vr), (q, k, v), strict=True)):
         return None
     return qr, kr, vr

@@ -24,6 +24,7 @@ from mhanum.bounds.forward.along import along_rows
 from mhanum.bounds.forward.evaluation import certified_difference, quiet
 from mhanum.bounds.forward.head import HeadResult, evaluate_heads, evaluate_rows
 from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias, with_dead_rows
+from mhanum.bounds.forward.operands import read_by_the_dot
 from mhanum.bounds.forward.result import check_scope, head_reasons, result, split_count
 from mhanum.bounds.forward.stage import (
     ALONG,
@@ -112,6 +113,9 @@ def head_output_bound(
     return err, out, out_given, tuple(dict.fromkeys(head_reasons(reasons))), rows_along
 
 
+_DOT_WEIGHTS = ("wq", "wk", "wv", "wo")  # read by the projections' dots (the biases are added)
+
+
 def _rounded_inputs(
     x_q: Any,
     x_kv: Any,
@@ -123,7 +127,9 @@ def _rounded_inputs(
     rotated: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, MHAParams] | None:
     """The inputs and weights rounded into ``numerics.input``, where A.2 takes their rounding
-    exactly (``input_rounding``); ``None`` where it bounds it instead: nothing rounds, a custom
+    exactly (``input_rounding``), and those the projections' dots read (not the biases) into
+    the operand format where the value read is known (step 1k,
+    :func:`~mhanum.bounds.forward.operands.read_by_the_dot`); ``None`` where it bounds it instead: nothing rounds, a custom
     scale (the reference's is ``1/sqrt(d_k)``), a rounded value that is not finite, or (auto)
     more than ``2^20`` logits (``2^12`` with a rope, whose reference runs in Arb balls).
     Checks nothing else: the bound's own checks follow."""
@@ -151,6 +157,10 @@ def _rounded_inputs(
     values = [*rx, *rw.values()]
     if not all(np.isfinite(a).all() for a in values):
         return None
+    # step 1k: the inputs and weights the projections' dots read, through their operand format
+    rx = [read_by_the_dot(x, num) for x in rx]
+    rw = {n: read_by_the_dot(a, num) if n in _DOT_WEIGHTS else a for n, a in rw.items()}
+    values = [*rx, *rw.values()]
     originals = [*xs, *weights.values()]
     if all(np.array_equal(a, b) for a, b in zip(values, originals, strict=True)):
         return None
@@ -256,7 +266,9 @@ def mha_bound(
     ``numerics.input`` is not bounded but computed: the bound is A.2 for the rounded inputs
     and weights (what the computation reads, exactly) plus the term ``input_rounding``,
     ``|y(x̂, ŵ) - y(x, w)|`` of two certified references (each within ``2^-53`` relative).
-    That costs two evaluations of :func:`mhanum.reference.multi_head_attention`; the
+    Where the dots round their operands into an operand format (``tf32``), the inputs and the
+    weight matrices are taken as the projections' dots read them, where that value is known
+    (step 1k of papers/attention.md). That costs two evaluations of :func:`mhanum.reference.multi_head_attention`; the
     default ``"auto"`` takes it where something rounds and there are at most ``2^20``
     logits, ``"bounded"`` never.
 

@@ -21,9 +21,17 @@ from mhanum.bounds.factors import (
 from mhanum.bounds.forward.ranges import Ranges
 from mhanum.bounds.forward.stage import Head, Setting
 from mhanum.bounds.scale import is_power_of_four, operand_scale, scale_rounding
+from mhanum.formats import representable, round_to
 from mhanum.numerics import Numerics
 
-__all__ = ["Constant", "Operands", "constant_step", "operands_step", "stored_operands"]
+__all__ = [
+    "Constant",
+    "Operands",
+    "constant_step",
+    "operands_step",
+    "read_by_the_dot",
+    "stored_operands",
+]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -153,6 +161,41 @@ def operands_step(head: Head, num: Numerics, ranges: Ranges) -> Operands:
             ranges.check(k_op, fmt, f"k read into {where}", rows="k")
             ranges.check(v_abs, fmt, f"v read into {where}", cols=True)
     return Operands(q_abs, k_abs, q_op, k_op, e_q_op, e_k_op, v_abs, bits_qk, bits_pv)
+
+
+def read_by_the_dot(x: np.ndarray, num: Numerics) -> np.ndarray:
+    """Step 1k (papers/attention.md): ``x``, values of the input format that a dot reads
+    directly, with each entry replaced by the value the dot reads, ``fl_op(x)`` (its rounding
+    to nearest into the operand format ``F_op``), where that value is known: not at a tie of
+    ``F_op`` (any tie rule), ``x`` and ``fl_op(x)`` at least ``F_op``'s smallest normal number
+    (a smaller one may be read as zero), ``fl_op(x)`` finite and a value of the input format.
+    Elsewhere ``x`` stays, and step 1 charges its rounding as before. The dot's read of the
+    value returned is then the value itself: the kernel reads the same operands from ``x``
+    and from what this returns. Unchanged without an IEEE dot's operand rounding.
+
+    Examples:
+        >>> num = Numerics(input="float32", accum="float32", operand_format="tf32")
+        >>> x = np.array([1 + 2.0**-12, 1 + 2.0**-11, 1 + 3 * 2.0**-11, 2.0**-130])
+        >>> read_by_the_dot(x, num).tolist() == [1.0, 1 + 2.0**-11, 1 + 3 * 2.0**-11, 2.0**-130]
+        True
+    """
+    op = num.operand_rounding
+    if op is None or num.dot_kind != "ieee":
+        return x
+    x = np.asarray(x, np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        near = round_to(x, op)
+        down = round_to(x, op, mode="toward_zero")
+        binade = np.frexp(x)[1]  # |x| = m 2^e, m in [1/2, 1): F_op's spacing there 2^(e - p)
+        tie = np.abs(x - down) == np.ldexp(1.0, binade - op.precision - 1)
+        known = (
+            np.isfinite(near)
+            & (np.abs(x) >= op.smallest_normal)
+            & (np.abs(near) >= op.smallest_normal)
+            & ~tie
+            & representable(np.where(np.isfinite(near), near, 0.0), num.format_of("input"))
+        )
+    return np.where(known, near, x)
 
 
 def constant_step(setting: Setting, d_k: int, ranges: Ranges) -> Constant:
