@@ -99,11 +99,14 @@ def linear(
     num: Numerics,
     out: Format,
     lam: float | None = None,
+    x_exact: bool = False,
 ) -> Linear:
     """A.2 (a) for ``fl_out(fl_a(fl_a(op(x̂) op(ŵ)) + b̂))``, ``w`` and ``b`` rounded to the input format.
 
     ``x`` stands in for the exact operand ``x*`` with ``|x - x*| <= x_given``. Values that
     overflow float64 give ``inf`` bounds, which :func:`linear_overflow` explains.
+    ``x_exact``: ``x`` is the layer's input, which the kernel holds as ``fl_in(x)`` (exactly
+    ``x`` where ``x`` is a value of the input format); a computed ``x`` is not.
     """
     fmt_in, acc = num.format_of("input"), num.format_of("accum")
     u_op, eta_op = operand_error(num)
@@ -116,6 +119,17 @@ def linear(
     slope = np.abs(w) + e_w_op
     # x̂ = x* + e: its operand rounding adds u_op|x̂| + η_op, |x̂| <= x_bar + e_x
     e0 = u_op * x_bar + eta_op
+    op = num.operand_rounding
+    if op is not None and num.dot_kind == "ieee":
+        # an operand the kernel holds exactly (a value of the input format, no error before
+        # the read) is read with its own rounding into the operand format: none for a normal
+        # value of it (step 1k passes such values; A.1's step 1 does the same). The weights
+        # always; x where it is the layer's input (``x_exact``), not a computed value
+        e_w_op = np.where(e_w == 0, rounding_error(w, op), e_w_op)
+        slope = np.abs(w) + e_w_op
+        if x_exact:
+            held = (x_given == 0) & (rounding_error(x, fmt_in) == 0)
+            e0 = np.where(held, rounding_error(x, op), e0)
     if u_op == 0 and eta_op == 0:  # no operand rounding: e0 = 0 (a product of zeros is 0)
         fixed = x_bar @ e_w_op
     else:

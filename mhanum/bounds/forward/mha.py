@@ -444,7 +444,7 @@ def _projections(
         ("v", "x_kv", "wv", "bv"),
     ):
         x64 = np.broadcast_to(xs[x], (*outer, *xs[x].shape[-2:]))
-        lin = linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage, lam)
+        lin = linear(x64, np.zeros_like(x64), w[wn], w[bn], num, storage, lam, x_exact=True)
         e_in = rounding_error(x64, fmt_in)
         used = lin.error(e_in)
         bad_in = np.asarray(~(np.abs(x64) + e_in <= fmt_in.max_finite))
