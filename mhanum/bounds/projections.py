@@ -116,7 +116,6 @@ def linear(
     x_bar = np.abs(x) + x_given
     e_w = rounding_error(w, fmt_in)
     e_w_op = e_w + u_op * (np.abs(w) + e_w) + eta_op
-    slope = np.abs(w) + e_w_op
     # x̂ = x* + e: its operand rounding adds u_op|x̂| + η_op, |x̂| <= x_bar + e_x
     e0 = u_op * x_bar + eta_op
     op = num.operand_rounding
@@ -126,10 +125,10 @@ def linear(
         # value of it (step 1k passes such values; A.1's step 1 does the same). The weights
         # always; x where it is the layer's input (``x_exact``), not a computed value
         e_w_op = np.where(e_w == 0, rounding_error(w, op), e_w_op)
-        slope = np.abs(w) + e_w_op
         if x_exact:
             held = (x_given == 0) & (rounding_error(x, fmt_in) == 0)
             e0 = np.where(held, rounding_error(x, op), e0)
+    slope = np.abs(w) + e_w_op
     if u_op == 0 and eta_op == 0:  # no operand rounding: e0 = 0 (a product of zeros is 0)
         fixed = x_bar @ e_w_op
     else:

@@ -129,9 +129,10 @@ def _rounded_inputs(
     """The inputs and weights rounded into ``numerics.input``, where A.2 takes their rounding
     exactly (``input_rounding``), and those the projections' dots read (not the biases) into
     the operand format where the value read is known (step 1k,
-    :func:`~mhanum.bounds.forward.operands.read_by_the_dot`); ``None`` where it bounds it instead: nothing rounds, a custom
-    scale (the reference's is ``1/sqrt(d_k)``), a rounded value that is not finite, or (auto)
-    more than ``2^20`` logits (``2^12`` with a rope, whose reference runs in Arb balls).
+    :func:`~mhanum.bounds.forward.operands.read_by_the_dot`); ``None`` where it bounds it
+    instead: nothing rounds, a custom scale (the reference's is ``1/sqrt(d_k)``), a rounded
+    value that is not finite, or (auto) more than ``2^20`` logits (``2^12`` with a rope, whose
+    reference runs in Arb balls).
     Checks nothing else: the bound's own checks follow."""
     if scale is not None:
         return None
@@ -268,9 +269,9 @@ def mha_bound(
     ``|y(x̂, ŵ) - y(x, w)|`` of two certified references (each within ``2^-53`` relative).
     Where the dots round their operands into an operand format (``tf32``), the inputs and the
     weight matrices are taken as the projections' dots read them, where that value is known
-    (step 1k of papers/attention.md). That costs two evaluations of :func:`mhanum.reference.multi_head_attention`; the
-    default ``"auto"`` takes it where something rounds and there are at most ``2^20``
-    logits, ``"bounded"`` never.
+    (step 1k of papers/attention.md). That costs two evaluations of
+    :func:`mhanum.reference.multi_head_attention`; the default ``"auto"`` takes it where
+    something rounds and there are at most ``2^20`` logits, ``"bounded"`` never.
 
     The terms are those of A.1 propagated through the output projection
     (``attention.logits``, ``attention.softmax``, ...) and ``output_projection``, the error of
