@@ -39,7 +39,7 @@ class Linear:
     (:meth:`roundings`): the part of the error that is not a relative rounding of the
     accumulation or the storage (``fixed, slope factor``), and the bound on those roundings'
     increments (``(Σ T²)^½``, ``fixed, slope factor``), ``None`` where it does not apply
-    (operand rounding, tensor-core or split dots, a compensated sum).
+    (tensor-core dots, a compensated sum).
     """
 
     y: np.ndarray
@@ -157,7 +157,7 @@ def linear(
         fixed = (1 + acc.u) * (fixed + e_b) + acc.u * y_bar + acc.smallest_normal
         kappa *= 1 + acc.u
     y_bar = np.abs(y) + y_given
-    rounded = _roundings(x_bar, e_w, slope, b, num, out, (y_bar, fixed, kappa), signed)
+    rounded = _roundings((x_bar, e0), e_w_op, slope, b, num, out, (y_bar, fixed, kappa), signed)
     fixed = out.u * y_bar + (1 + out.u) * fixed + out.smallest_normal
     kappa *= 1 + out.u
     scale = 1 + evaluation_rounding(x.shape[-1])  # the float64 sums over the inputs
@@ -186,7 +186,7 @@ def _accumulation(
 
 
 def _roundings(
-    x_bar: np.ndarray,
+    x_read: tuple[np.ndarray, np.ndarray],
     e_w: np.ndarray,
     slope: np.ndarray,
     b: np.ndarray | None,
@@ -197,31 +197,38 @@ def _roundings(
 ) -> Roundings | None:
     """Theorem A.3‴'s split of A.2 (a), each part affine in ``e_x @ slope`` (``(c_0, c_1)``).
 
-    ``ŷ - y* = (x̂ - x*)ŵ + x*(ŵ - w) + (b̂ - b) + Σ_r δ_r T_r + η``: the rest is at most
-    ``e_x|ŵ| + x̄ e_w + |b̂ - b| + η`` (the dot's, the sum's and the storage's underflow); the
-    relative roundings are at most ``2d - 1`` of the dot's, ``|T| <= (1 + g)Σ|x̂||ŵ|`` (``g``
-    the deterministic factor; twice each where the backend may carry a narrower format), the
-    bias's on ``|ỹ| <= ȳ + E`` and the storage's on ``|ỹ| <= ȳ + E_2`` (``before``: ``ȳ``
-    and ``E_2 = fixed + kappa·(e_x @ slope)`` before the last rounding)."""
-    if num.operand_rounding is not None or num.dot_kind != "ieee" or num.order.compensated:
+    ``ŷ - y* = (x̃ - x*)w̃ + x*(w̃ - w) + (b̂ - b) + Σ_r δ_r T_r + η`` (``x̃``, ``w̃`` the
+    operands as the dot reads them): with ``x_read = (x̄, e_0)``, ``|x̃ - x̂| <= e_0 + u_op e_x``
+    (the read into the operand format; ``e_0 = 0`` without one) and ``|w̃ - w| <= e_w``, the
+    rest is at most ``e_0|w̃| + (1 + u_op)e_x|w̃| + x̄ e_w + |b̂ - b| + η`` (the dot's, the
+    sum's and the storage's underflow); the relative roundings are at most ``2d - 1`` of the
+    dot's, ``|T| <= (1 + g)Σ|x̃||w̃|`` (``g`` the deterministic factor; twice each where the
+    backend may carry a narrower format), the bias's on ``|ỹ| <= ȳ + E`` and the storage's on
+    ``|ỹ| <= ȳ + E_2`` (``before``: ``ȳ`` and ``E_2 = fixed + kappa·(e_x @ slope)`` before the
+    last rounding)."""
+    if num.dot_kind != "ieee" or num.order.compensated:
         return None
+    x_bar, e0 = x_read
+    u_op = operand_error(num)[0]
     acc = num.format_of("accum")
     d = x_bar.shape[-1]
     y_bar, fixed, kappa = before
     twice = 2 if num.order.carried and acc.u > 2.0**-24 else 1
     g_det = unit_factor(num, d, None, bits=(operand_bits(num, num.format_of("input")),) * 2)
     rest_0 = x_bar @ e_w + unit_eta(num, d)
+    if np.any(e0):
+        rest_0 = rest_0 + e0 @ slope
     if b is not None:
         rest_0 = rest_0 + rounding_error(b, num.format_of("input")) + acc.smallest_normal
     dot = acc.u * (1 + g_det) * math.sqrt(twice * (2 * d - 1))
-    # (Σ T²)^½ <= dot·(x̄ + e_x)|ŵ| + u_a(ȳ + E_2) [bias] + u_F(ȳ + E_2)
+    # (Σ T²)^½ <= dot·(x̄ + e_0 + (1 + u_op)e_x)|w̃| + u_a(ȳ + E_2) [bias] + u_F(ȳ + E_2)
     last = (acc.u if b is not None else 0.0) + out.u
     bits = operand_bits(num, num.format_of("input"))
-    sums = _dot_spread(num, (d, bits), x_bar @ slope, signed, dot)
+    sums = _dot_spread(num, (d, bits), (x_bar + e0) @ slope, signed, dot)
     sig_0 = sums + last * (y_bar + fixed)
     return Roundings(
-        (rest_0, 1.0),
-        (sig_0, dot + last * kappa),
+        (rest_0, 1.0 + u_op),
+        (sig_0, dot * (1 + u_op) + last * kappa),
         (fixed, kappa),
         (out.smallest_normal, out.smallest_normal),
     )

@@ -307,10 +307,11 @@ def mha_bound(
         lam: the probabilistic variant, as for :func:`attention_bound` (the projections' chains
             are counted in ``Bound.probability``); where it is smaller, Theorem A.3‴ bounds the
             terms ``attention.logits``, ``attention.operands`` and
-            ``attention.probability_rounding`` together: the projections', the scores' and the
-            probabilities' roundings as one martingale per output entry through the output
-            projection's weights (IEEE dots, no operand rounding, the scale on the scores, no
-            rotation or split-KV; one more event per output entry).
+            ``attention.probability_rounding`` together: the projections', the attention's
+            reads of them into an operand format (TF32), the scores' and the probabilities'
+            roundings as one martingale per output entry through the output projection's
+            weights (IEEE dots, the scale on the scores, no rotation or split-KV; one more
+            event per output entry).
         probability: instead of ``lam``, the probability the bound should state, as for
             :func:`attention_bound`.
         input_rounding: ``"auto"``, ``"exact"`` or ``"bounded"``: how the rounding of the
@@ -397,7 +398,9 @@ def _mha_bound(
     proj, bad_rows, reasons, last = _projections(p, w, outer, num, lam)
     if p.rope is not None:
         proj = _rotated_projections(p, proj, num)
-    stored = last if across_heads and all(x is not None for x in last.values()) else None
+    stored = None
+    if across_heads and all(x is not None for x in last.values()):
+        stored = _read_by_the_attention(last, proj, num)
     results = _heads(p, num, lam, proj, (keep, b, masked, replaced, w, stored), known)
     shape = (*outer, heads, rows, d_v)
     ev = evaluation_rounding(max(params.v_width, keys))
@@ -470,6 +473,27 @@ def _projections(
             parts = None if parts is None else tuple(masks.zero_key(x) for x in parts)
         last[name] = parts
     return proj, bad_rows, reasons, last
+
+
+def _read_by_the_attention(
+    last: dict[str, Any], proj: dict[str, tuple[Any, Any, Any]], num: Numerics
+) -> dict[str, Any]:
+    """Theorem A.3‴ (papers/attention.md): the attention's dots read the stored ``q̂``, ``k̂``,
+    ``v̂`` into their operand format (TF32), ``fl_op(x̂) = x̂(1 + δ)`` with ``|δ| <= u_op`` in its
+    normal range: one more relative rounding per entry, of size at most ``u_op(|y| + e) >=
+    u_op|x̂|`` (``(y, e, g)`` of step (a)), added to each entry's ``moved`` and, in quadrature,
+    to its ``sigma``. The read's underflow ``η_op`` stays in the rest (A.1's step 1 charges
+    ``e + u_op(|y| + e) + η_op``). Unchanged without an operand format."""
+    u_op = operand_error(num)[0]
+    if not u_op:
+        return last
+    out = {}
+    for name, (moved, sigma) in last.items():
+        y, e, _ = proj[name]
+        with quiet():
+            read = u_op * (np.abs(y) + e)
+            out[name] = (moved + read, np.hypot(sigma, read))
+    return out
 
 
 def _rotated_projections(

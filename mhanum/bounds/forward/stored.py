@@ -35,15 +35,14 @@ EXACT_QUERIES = 2**28
 def stored_scope(p: MHAProblem, num: Numerics) -> bool:
     """Whether Theorem A.3‴ applies to the layer ``p`` (with ``lam``): A.3''s scope (IEEE dots,
     no exp2, no soft-cap; a finite masking constant leaves its heads out), the scale on the
-    scores, the weights and operands read as stored (no operand rounding), no rotation and no
-    split-KV."""
+    scores, no rotation and no split-KV. A dot's read of its operands into an operand format
+    (TF32) is a relative rounding like the storage's: its increments join the martingale."""
     return (
         num.dot_kind == "ieee"
         and not num.exp2
         and p.softcap is None
         and p.rope is None
         and num.kv_splits is None
-        and num.operand_rounding is None
         and num.scale == "scores"
     )
 
