@@ -82,3 +82,43 @@ def test_probabilities_below_the_smallest_normal_are_charged_what_flushing_moves
     assert np.min(term) >= flushed
     assert np.max(term) <= 1.01 * (flushed * (1 + 2.0**-11) + 2.0**-11)
     assert np.all(_error(q, k, v, num) <= bound.total)
+
+
+@pytest.mark.parametrize("softmax", ["safe", "online(16)"])
+def test_an_output_proven_normal_carries_no_underflow_term(softmax):
+    # Step 7: the output's rounding into float16 moves a normal value by at most u_o|x|; η_o =
+    # 2^-14 (6.1e-5, as large as u_o·0.125) only where the value may lie below the normal range.
+    # Outputs about 1: the plain term is u_o|o| (online: and the division's), with no η_o.
+    num = Numerics.preset("fp16-fp32acc").replace(softmax=softmax)
+    fmt = get_format("float16")
+    rng = np.random.default_rng(8)
+    q, k = (np.asarray(mn.round_to(rng.standard_normal((8, 16)), fmt), np.float64) for _ in "qk")
+    v = np.asarray(mn.round_to(1 + 0.1 * rng.standard_normal((32, 16)), fmt), np.float64)
+    k = np.concatenate([k, k, k, k])[:32]
+    bound = attention_bound(q, k, v, numerics=num, known_rounding=False)
+    o = np.asarray(reference.attention(q, k, v), np.float64)
+    plain = np.asarray(bound.parts["output"]["rounding"])
+    assert np.all(plain >= fmt.u * np.abs(o))
+    assert np.all(plain < fmt.u * np.abs(o) * 1.01 + (2.0**-22 if "online" in softmax else 0.0))
+    assert np.all(_error(q, k, v, num) <= bound.total)
+
+
+@pytest.mark.parametrize("softmax", ["safe", "online(16)"])
+@pytest.mark.parametrize("exponent", [-13, -14, -15, -20, -25])
+def test_outputs_at_the_edge_of_the_normal_range_are_within_the_bound(softmax, exponent):
+    # Values of both signs about 2^e, e from -13 to -25: outputs on both sides of float16's
+    # smallest normal 2^-14 and down among its subnormals. Where |o| - ε - E may be below 2^-14
+    # the rounding's η_o is charged; everywhere the measured error is within the bound.
+    num = Numerics.preset("fp16-fp32acc").replace(softmax=softmax)
+    fmt = get_format("float16")
+    rng = np.random.default_rng(9 - exponent)
+    q = np.asarray(mn.round_to(rng.standard_normal((8, 16)), fmt), np.float64)
+    k = np.asarray(mn.round_to(rng.standard_normal((16, 16)), fmt), np.float64)
+    v = rng.choice([-1.0, 1.0], (16, 16)) * (1 + rng.random((16, 16))) * 2.0**exponent
+    v = np.asarray(mn.round_to(v, fmt), np.float64)
+    bound = attention_bound(q, k, v, numerics=num, known_rounding=False)
+    o = np.asarray(reference.attention(q, k, v), np.float64)
+    plain = np.asarray(bound.parts["output"]["rounding"])
+    below = np.abs(o) < fmt.smallest_normal
+    assert np.all(plain[below] >= fmt.smallest_normal)
+    assert np.all(_error(q, k, v, num) <= bound.total)

@@ -114,11 +114,12 @@ def _classic(kernel):
 def test_the_known_roundings_tighten_and_have_teeth(fmt, kernel):
     """On the weights read back: the tolerance with the known roundings is the classic one or
     smaller at every element, and smaller at the median by a factor (a regression figure:
-    measured 1.85 for bfloat16 and 2.39 for float16 with jax, 1.5 asserted; 1.52 and 1.32 with
+    measured 1.85 for bfloat16 and 1.94 for float16 with jax, 1.5 asserted; 1.80 and 1.24 with
     torch's one-block online softmax (step 6k online, whose row sum's enclosure is shared by
     the row), 1.2 asserted; the output's own rounding, which both charge, is most of each
     tolerance here); a weight whose enclosure holds one value of the format, moved by one
-    spacing, fails the known tolerance and passes the classic one."""
+    spacing, fails the known tolerance; in bfloat16 it passes the classic one (in float16 the
+    classic one, 1.12 spacings there, catches it too: the error is 1.37 spacings)."""
     q, k = _problem(fmt, SHAPES[0], seed=3, spread=1.0, ties=False)
     out, known, _ = _read_back(q, k, 0, fmt, kernel, False, None)
     _, classic, _ = _read_back(q, k, 0, fmt, _classic(kernel), False, None, run=kernel)
@@ -135,7 +136,7 @@ def test_the_known_roundings_tighten_and_have_teeth(fmt, kernel):
     moved = out.copy()
     moved[0, 0, 0, j] = float(np.nextafter(DTYPES[fmt](w), DTYPES[fmt](2.0)))
     assert known.check(moved)[0][0, 0, 0, j]
-    assert not classic.check(moved)[0][0, 0, 0, j]
+    assert classic.check(moved)[0][0, 0, 0, j] == (fmt == "float16")
 
 
 def test_the_cpu_descriptor_is_jax_xla_with_known_roundings():

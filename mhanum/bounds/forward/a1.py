@@ -77,6 +77,7 @@ def attention_bound(
           + \\dots + \\underbrace{\\gamma_{n}(u_a)\\,\\hat p\\,|V|}_{PV}
           + \\underbrace{u_o |o| + \\eta_o}_{\\text{output}},
 
+    (``η_o`` only where the value rounded may lie below the output format's normal range),
     where ``Δ_i = max_j |ŝ_ij − s_ij|`` is bounded from the dot factor of ``d_k`` terms times
     ``|q|·|k|``, the scale and bias roundings, and the softmax deviation follows Blanchard, Higham
     & Higham (2021) made rigorous, with the online rescalings counted (papers/attention.md gives

@@ -42,6 +42,7 @@ from mhanum.bounds.forward.known_rounding import (
     underflow_charge,
     weights_before_rounding,
 )
+from mhanum.bounds.forward.last_rounding import nearest_output, read_by_the_output
 from mhanum.bounds.forward.one_martingale import (
     GROUPS,
     Increments,
@@ -62,7 +63,6 @@ from mhanum.bounds.forward.stage import (
     Values,
 )
 from mhanum.bounds.forward.stored import Rounding, stored_parts
-from mhanum.formats import round_to
 from mhanum.units import Naive, Online, Safe
 
 __all__ = ["softmax_pv"]
@@ -509,7 +509,7 @@ def _terms(
     num, v_abs, w = ctx.num, values.v_abs, ch.w
     online = isinstance(num.softmax_algorithm, Online)
     f_o, eta_m = num.format_of("output"), num.format_of("softmax").smallest_normal
-    u_o, eta_o = f_o.u, f_o.smallest_normal
+    u_o = f_o.u
     u_op, eta_op = operand_error_of(num, num.format_of("prob"))
     eta_op = eta_op + conversion_eta(num, num.operand_rounding or num.format_of("prob"))
     prob_v = w.prob @ v_abs
@@ -529,9 +529,9 @@ def _terms(
         "probability_rounding": scale_out * prob_v,
         "operands": scale_out * (op_v + dot(w.p_hat_hi, out.v_extra)),
         "pv": scale_out * pv,
-        "output": (
-            u_o * o_abs + eta_o + ((1 + u_o) * (ch.u_last * o_abs + eta_m) if online else 0.0)
-        ),
+        # (the output's underflow, η_o, where the value rounded may be below F_o's normal
+        # range: added by softmax_pv once the other terms bound that value)
+        "output": u_o * o_abs + ((1 + u_o) * (ch.u_last * o_abs + eta_m) if online else 0.0),
     }
     return terms, op_v, None if form is None else form.scaled(scale_out)
 
@@ -668,32 +668,6 @@ def _known_probabilities(
     terms[KNOWN] = np.where(choose, known, 0.0)
 
 
-def _nearest(terms: dict[str, Any], ctx: Context, out: _Output, u_last: float | NumpyArray) -> Any:
-    """Step 7'. The last rounding is to nearest: the computed ``x`` (``|x - o*| <= E``, the
-    other terms) rounds to a value at least as close to ``x`` as any value ``r`` of the
-    format (plus ``η`` for a flush to zero), and ``r = fl(o)`` is within ``|fl(o) - o| + ε +
-    E`` of ``x`` (``ε``: ``o``'s own float64 error). Where ``o`` is (nearly) a value of the
-    format and ``E`` is below half its spacing, this is far below ``u|o|``. Online the output
-    is first the division's ``y`` in the softmax format, within ``E + u_÷(|o| + ε + E)`` of
-    the exact output (``u_last``: ``u_÷``, 0 on a one-key row's exact ``acc/1``), and
-    ``fl_o(y)`` is within ``|fl_o(o) - o| + ε`` plus twice that."""
-    num, o, ev = ctx.num, out.o, out.ev
-    fm, f_o = num.format_of("softmax"), num.format_of("output")
-    eta_m, eta_o = fm.smallest_normal, f_o.smallest_normal
-    e_other = sum(terms[n] for n in terms if n != "output")
-    off_o = np.abs(round_to(o, f_o) - o) + ev
-    # a flush to zero departs from the nearest value only below the smallest normal number
-    low = np.abs(o) - ev - e_other  # <= |x|
-    if isinstance(num.softmax_algorithm, Online):  # y = fl(acc/l) in F_m, then z = fl_o(y)
-        # the division within u_last of the quotient acc/l (no need to round to nearest), or
-        # a flush below F_m's smallest normal number: |y - o*| <= E + u_last(|o*| + E) (+ η_m)
-        flush_m = np.where(low * (1 - u_last) < eta_m, eta_m, 0.0)
-        y_off = e_other + u_last * (np.abs(o) + ev + e_other) + flush_m  # >= |y - o*|
-        flush_o = np.where(np.abs(o) - ev - y_off < eta_o, eta_o, 0.0)
-        return off_o + 2 * y_off - e_other + flush_o
-    return off_o + e_other + np.where(low < eta_o, eta_o, 0.0)
-
-
 def softmax_pv(
     enc: Enclosure,
     values: Values,
@@ -768,9 +742,12 @@ def softmax_pv(
         _known_probabilities(terms, enc, values, ctx, pk, rs, ch.w, out)
         if lam is not None and enc.stored is None:  # Theorem A.3e: one martingale per entry
             one_martingale_step(terms, forms, lam)
-    nearest = _nearest(terms, ctx, out, ch.u_last)
-    # the last rounding's plain bound (u_o|o| + η_o, and the online division's), which bounds
-    # |fl(x) - x| by itself: Theorem A.5' (shared logits) needs it; removed by the head
+    read = read_by_the_output(terms, num, (out.o, out.ev), ch.u_last)
+    nearest = nearest_output(num, (out.o, out.ev), read)
+    # the last rounding's plain bound (u_o|o|, η_o where the value it reads may be below F_o's
+    # normal range, and the online division's), which bounds |fl(x) - x| by itself: Theorem
+    # A.5' (shared logits) needs it; removed by the head
+    terms["output"] = terms["output"] + read[2]
     terms[PLAIN] = terms["output"]
     terms["output"] = np.fmin(terms["output"], nearest)
     # p = e/Σe on every row (the direct evaluation) is the exact softmax of these logits
