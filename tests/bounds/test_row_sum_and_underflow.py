@@ -122,3 +122,26 @@ def test_outputs_at_the_edge_of_the_normal_range_are_within_the_bound(softmax, e
     below = np.abs(o) < fmt.smallest_normal
     assert np.all(plain[below] >= fmt.smallest_normal)
     assert np.all(_error(q, k, v, num) <= bound.total)
+
+
+@pytest.mark.parametrize("exponent", [0, -13, -20])
+def test_split_kv_charges_the_output_underflow_where_it_may_occur(exponent):
+    # A.6: the merged value rounded into float16 carries η_o = 2^-14 only where |o| - ε - E may
+    # lie below 2^-14: not with outputs about 1, everywhere among the subnormals (2^-20), and
+    # the measured error within the bound at each scale.
+    num = Numerics.preset("fp16-fp32acc").replace(softmax="online(16)", kv_splits=4)
+    fmt = get_format("float16")
+    rng = np.random.default_rng(10 - exponent)
+    q = np.asarray(mn.round_to(rng.standard_normal((8, 16)), fmt), np.float64)
+    k = np.asarray(mn.round_to(rng.standard_normal((64, 16)), fmt), np.float64)
+    sign = 1.0 if exponent == 0 else rng.choice([-1.0, 1.0], (64, 16))
+    v = np.asarray(mn.round_to(sign * (1 + rng.random((64, 16))) * 2.0**exponent, fmt), np.float64)
+    bound = attention_bound(q, k, v, numerics=num)
+    o = np.asarray(reference.attention(q, k, v), np.float64)
+    term = np.asarray(bound.terms["output"])
+    if exponent == 0:  # u_o(|o| + E), and the splits' own float32 roundings (< 2^-20): no η_o
+        total = np.asarray(bound.total)
+        assert np.all(term <= fmt.u * (np.abs(o) + total) * (1 + 2.0**-20) + 2.0**-20)
+    below = np.abs(o) < fmt.smallest_normal
+    assert np.all(term[below] >= fmt.smallest_normal)
+    assert np.all(_error(q, k, v, num) <= bound.total)

@@ -186,6 +186,11 @@ def split_pv(
     upper = np.abs(o) + ev + sum(terms.values())
     ctx.ranges.check(upper, fa, "split-KV: the merged output accumulated", entries=True)
     if not inside:
-        terms["output"] = terms["output"] + fo.u * upper + fo.smallest_normal
+        # the merged value x rounded into F_o: |x| >= |o| - ε - E; η_o only where x may be
+        # below F_o's normal range (step 7)
+        with np.errstate(invalid="ignore"):
+            low = np.abs(o) - ev - sum(terms.values())
+            eta = np.where(low >= fo.smallest_normal, 0.0, fo.smallest_normal)
+        terms["output"] = terms["output"] + fo.u * upper + eta
     terms[PLAIN] = terms["output"]
     return terms, p, np.zeros_like(r, dtype=np.float64)
