@@ -621,10 +621,30 @@ def _output_projection(
         )
         logits = _shared(logits, terms["attention.logits"], kept)
         terms["attention.logits"] = kept
-    if lam is not None and all(STORED_PARTS[0] in r[3] for r in results.values()):
-        _across_heads(terms, logits, (results, shape, out), lam, group)
     terms["output_projection"] = out.fixed
+    if lam is not None and all(STORED_PARTS[0] in r[3] for r in results.values()):
+        read = _read_by_the_projection(o, o_given, w["wo"], out, num)
+        _across_heads(terms, logits, (results, shape, out, read), lam, group)
     return terms, logits, bad_out
+
+
+def _read_by_the_projection(
+    o: np.ndarray, o_given: np.ndarray, wo: np.ndarray, out: Any, num: Numerics
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Theorem A.3‴: the output projection's read of the head outputs into its operand format,
+    ``fl_op(ô_l) = ô_l(1 + δ_l)``, is ``δ_l o*_l ŵ_lm`` (a martingale increment, at most
+    ``u_op x̄_l |w̃_lm|`` with ``x̄ = |o| + g >= |o*|``) plus ``δ_l(ô_l - o*_l)ŵ_lm``, which A.2 (a)
+    charges in its factor ``κ``. Returns the first part's deterministic charge in
+    ``output_projection`` (``u_op x̄|w|``, less: A.2 (a) charges it as ``e_0|w|``) and its
+    increments' squared sum ``u_op² x̄²|w̃|²``; ``None`` without an operand format."""
+    u_op = operand_error(num)[0]
+    if not u_op:
+        return None
+    x_bar = np.abs(o) + o_given
+    with quiet():
+        charged = u_op * (x_bar @ np.abs(wo)) * (1 - 2.0**-40)
+        var = u_op * u_op * ((x_bar * x_bar) @ (out.slope * out.slope)) * (1 + 2.0**-40)
+    return charged, var
 
 
 def _head_sum(results: dict[Any, HeadResult], name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -647,7 +667,7 @@ def _shared(logits: dict[str, Any], before: np.ndarray, after: np.ndarray) -> di
 def _across_heads(
     terms: dict[str, Any],
     logits: dict[str, Any],
-    heads: tuple[dict[Any, HeadResult], tuple[int, ...], Any],
+    heads: tuple[dict[Any, HeadResult], tuple[int, ...], Any, Any],
     lam: float,
     group: int,
 ) -> None:
@@ -660,20 +680,29 @@ def _across_heads(
     key/value head's roundings reach ``g`` query heads, so its squares count ``g`` times).
     Where smaller, it replaces ``attention.logits`` + ``attention.operands`` +
     ``attention.probability_rounding`` (the probabilities' roundings join the martingale where
-    A.3'' takes them), shared in their proportion. The choice depends on the inputs only: one
-    event per entry."""
-    results, shape, out = heads
+    A.3'' takes them), shared in their proportion. With an operand format (``heads[3]``, from
+    :func:`_read_by_the_projection`), the output projection's read of the head outputs joins
+    the martingale too, and its charge leaves ``output_projection``; the choice then weighs
+    both. The choice depends on the inputs only: one event per entry."""
+    results, shape, out, read = heads
     rest_name, first_name, var_q, var_kv, second = STORED_PARTS
     rest = _gather(results, lambda r: r[3][rest_name], shape)
     first = _gather(results, lambda r: r[3][first_name], shape)
     var = _head_sum(results, var_q, shape) + group * _head_sum(results, var_kv, shape)
+    projection = terms["output_projection"]
     with np.errstate(invalid="ignore", over="ignore"):
+        if read is not None:  # the output projection's read of the head outputs
+            projection = np.maximum(projection - read[0], 0.0) * (1 + 2.0**-50)
+            var = var + read[1]
         across = out.kappa * (
             rest @ out.slope + lam * np.sqrt(var) + _head_sum(results, second, shape)
         ) + (out.kappa - 1) * (first @ out.slope)
     names = ("attention.logits", "attention.operands", "attention.probability_rounding")
     before = sum(terms[n] for n in names)
-    take = np.isfinite(across) & (across < before)
+    with np.errstate(invalid="ignore", over="ignore"):
+        gain = terms["output_projection"] - projection  # 0 without an operand format
+        take = np.isfinite(across) & (across - gain < before)
+    terms["output_projection"] = np.where(take, projection, terms["output_projection"])
     after = {}
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         for n in names:
