@@ -689,20 +689,21 @@ def _across_heads(
     rest = _gather(results, lambda r: r[3][rest_name], shape)
     first = _gather(results, lambda r: r[3][first_name], shape)
     var = _head_sum(results, var_q, shape) + group * _head_sum(results, var_kv, shape)
-    projection = terms["output_projection"]
+    projection, gain = terms["output_projection"], 0.0
     with np.errstate(invalid="ignore", over="ignore"):
         if read is not None:  # the output projection's read of the head outputs
             projection = np.maximum(projection - read[0], 0.0) * (1 + 2.0**-50)
+            gain = terms["output_projection"] - projection
             var = var + read[1]
         across = out.kappa * (
             rest @ out.slope + lam * np.sqrt(var) + _head_sum(results, second, shape)
         ) + (out.kappa - 1) * (first @ out.slope)
     names = ("attention.logits", "attention.operands", "attention.probability_rounding")
     before = sum(terms[n] for n in names)
-    with np.errstate(invalid="ignore", over="ignore"):
-        gain = terms["output_projection"] - projection  # 0 without an operand format
+    with np.errstate(invalid="ignore"):
         take = np.isfinite(across) & (across - gain < before)
-    terms["output_projection"] = np.where(take, projection, terms["output_projection"])
+    if read is not None:
+        terms["output_projection"] = np.where(take, projection, terms["output_projection"])
     after = {}
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         for n in names:
