@@ -173,7 +173,10 @@ def dask_executor(
                     n_workers=workers,
                     threads_per_worker=1,
                     processes=True,
-                    dashboard_address=None,
+                    # its HTTP server on a free local port: the default 8787 would clash
+                    # with another cluster on this machine (dashboard_address=None still
+                    # takes 8787)
+                    dashboard_address="127.0.0.1:0",
                 )
             )
             client = stack.enter_context(Client(cluster))
