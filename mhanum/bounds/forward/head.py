@@ -43,6 +43,7 @@ from mhanum.bounds.forward.stage import (
     PLAIN,
     PROJECTED,
     STORED_PARTS,
+    STORED_PV,
     UNSHAPED,
     WHOLE,
     Context,
@@ -160,7 +161,7 @@ def _parts(
         parts[PROJECTED] = projected * (1 + ev_rel)
     if along_rows is not None:
         parts[ALONG] = along_rows
-    for name in STORED_PARTS:
+    for name in (*STORED_PARTS, *STORED_PV):
         if name in terms:
             parts[name] = terms.pop(name)
     return parts

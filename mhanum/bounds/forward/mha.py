@@ -13,6 +13,7 @@ import numpy as np
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum._threads import one_blas_thread
+from mhanum._types import NumpyArray
 from mhanum.bounds._result import Bound
 from mhanum.bounds.factors import (
     evaluation_rounding,
@@ -31,13 +32,14 @@ from mhanum.bounds.forward.stage import (
     PLAIN,
     PROJECTED,
     STORED_PARTS,
+    STORED_PV,
     UNSHAPED,
     Head,
     Setting,
     Stored,
 )
 from mhanum.bounds.forward.stored import stored_scope
-from mhanum.bounds.projections import linear, linear_overflow
+from mhanum.bounds.projections import Linear, linear, linear_overflow
 from mhanum.formats import round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
@@ -682,8 +684,12 @@ def _across_heads(
     ``attention.probability_rounding`` (the probabilities' roundings join the martingale where
     A.3'' takes them), shared in their proportion. With an operand format (``heads[3]``, from
     :func:`_read_by_the_projection`), the output projection's read of the head outputs joins
-    the martingale too, and its charge leaves ``output_projection``; the choice then weighs
-    both. The choice depends on the inputs only: one event per entry."""
+    the martingale too, and its charge leaves ``output_projection``. Where the heads carry
+    their ``P·V`` roundings' parts (:func:`stored.stored_pv`), those join it as well, as a
+    second form that replaces ``attention.pv`` too: ``V`` gains ``Σ_l spread_l² ŵ_lm²``, ``S``
+    the rest ``(fixed + (scale_out - 1) det)|ŵ|`` and ``F`` their bound ``(det + fixed)|ŵ|``.
+    The choice among none and the two forms weighs every term it moves, and depends on the
+    inputs only: one event per entry."""
     results, shape, out, read = heads
     rest_name, first_name, var_q, var_kv, second = STORED_PARTS
     rest = _gather(results, lambda r: r[3][rest_name], shape)
@@ -695,19 +701,72 @@ def _across_heads(
             projection = np.maximum(projection - read[0], 0.0) * (1 + 2.0**-50)
             gain = terms["output_projection"] - projection
             var = var + read[1]
-        across = out.kappa * (
-            rest @ out.slope + lam * np.sqrt(var) + _head_sum(results, second, shape)
-        ) + (out.kappa - 1) * (first @ out.slope)
+        r_w, s_sum = rest @ out.slope, _head_sum(results, second, shape)
+        across = out.kappa * (r_w + lam * np.sqrt(var) + s_sum) + (out.kappa - 1) * (
+            first @ out.slope
+        )
     names = ("attention.logits", "attention.operands", "attention.probability_rounding")
-    before = sum(terms[n] for n in names)
+    forms: list[tuple[tuple[str, ...], NumpyArray]] = [(names, across)]
+    pv = _pv_through(results, shape, out, (r_w + s_sum, var, first), lam)
+    if pv is not None:
+        forms.append(((*names, "attention.pv"), pv))
+    _take_across(terms, logits, forms, (projection, gain))
+
+
+def _pv_through(
+    results: dict[Any, HeadResult],
+    shape: tuple[int, ...],
+    out: Linear,
+    parts: tuple[np.ndarray, np.ndarray, np.ndarray],
+    lam: float,
+) -> np.ndarray | None:
+    """Theorem A.3‴'s second form: its ``R|ŵ| + S``, ``V`` and ``F`` (``parts``) with the heads'
+    ``P·V`` roundings joined (:func:`stored.stored_pv`); ``None`` unless every head has them."""
+    if not all(STORED_PV[0] in r[3] for r in results.values()):
+        return None
+    fixed, var, first = parts
+    pv_var, pv_first, pv_second = (
+        _gather(results, lambda r, n=n: r[3][n], shape) for n in STORED_PV
+    )
+    with np.errstate(invalid="ignore", over="ignore"):
+        var = var + pv_var @ (out.slope * out.slope)
+        fixed = fixed + pv_second @ out.slope
+        return out.kappa * (fixed + lam * np.sqrt(var)) + (out.kappa - 1) * (
+            first @ out.slope + pv_first @ out.slope
+        )
+
+
+def _take_across(
+    terms: dict[str, Any],
+    logits: dict[str, Any],
+    forms: list[tuple[tuple[str, ...], NumpyArray]],
+    projection_gain: tuple[NumpyArray, NumpyArray | float],
+) -> None:
+    """Per entry, the smallest of the terms as they are and each form of Theorem A.3‴ in
+    place of the terms it names (less ``gain``, the output projection's read it takes over);
+    the chosen form is shared among its terms in their proportion. Updates ``terms`` and the
+    logits term's parts."""
+    projection, gain = projection_gain
+    names = forms[-1][0]
+    total = sum(terms[n] for n in names)
+    best, choice = total, np.zeros(np.shape(total), dtype=int)
     with np.errstate(invalid="ignore"):
-        take = np.isfinite(across) & (across - gain < before)
-    if read is not None:
-        terms["output_projection"] = np.where(take, projection, terms["output_projection"])
-    after = {}
+        for i, (moved, across) in enumerate(forms, start=1):
+            kept = sum((terms[n] for n in names if n not in moved), np.zeros(()))
+            option = across - gain + kept
+            take = np.isfinite(option) & (option < best)
+            best, choice = np.where(take, option, best), np.where(take, i, choice)
+    taken = choice > 0
+    if not np.isscalar(gain):
+        terms["output_projection"] = np.where(taken, projection, terms["output_projection"])
+    before_logits = terms[names[0]]
+    after = {n: terms[n] for n in names}
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        for n in names:
-            share = np.where(before > 0, terms[n] / before, 1.0 / len(names))
-            after[n] = np.where(take, across * share, terms[n])
-    logits.update(_shared(logits, terms[names[0]], after[names[0]]))
+        for i, (moved, across) in enumerate(forms, start=1):
+            here = choice == i
+            before = sum(terms[n] for n in moved)
+            for n in moved:
+                share = np.where(before > 0, terms[n] / before, 1.0 / len(moved))
+                after[n] = np.where(here, across * share, after[n])
+    logits.update(_shared(logits, before_logits, after[names[0]]))
     terms.update(after)

@@ -62,7 +62,7 @@ from mhanum.bounds.forward.stage import (
     RoundingKeys,
     Values,
 )
-from mhanum.bounds.forward.stored import Rounding, stored_parts
+from mhanum.bounds.forward.stored import Rounding, stored_parts, stored_pv
 from mhanum.units import Naive, Online, Safe
 
 __all__ = ["softmax_pv"]
@@ -773,4 +773,6 @@ def softmax_pv(
         rnd = Rounding(ch.w.rounding_keys, each, each @ values.v_abs, out.v_extra)
         weights = (pk.p, ch.logits)
         terms.update(stored_parts(enc, values, weights, rnd, terms, scale_out, lam))
+        if pv_form is not None:  # (its P·V roundings may join the martingale as well)
+            terms.update(stored_pv(pv_form, scale_out, enc.s.shape[-1]))
     return terms, pk.p, np.where(rs.vacuous, np.inf, rs.t_safe), direct

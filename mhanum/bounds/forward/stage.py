@@ -20,6 +20,7 @@ __all__ = [
     "PLAIN",
     "PROJECTED",
     "STORED_PARTS",
+    "STORED_PV",
     "UNSHAPED",
     "WHOLE",
     "Context",
@@ -46,8 +47,12 @@ WHOLE = "output:whole"
 # roundings through the output projection, each entry's (:mod:`mhanum.bounds.forward.stored`);
 # the first two shaped like the head's output, the rest like the layer's
 STORED_PARTS = ("stored:rest", "stored:first", "stored:var_q", "stored:var_kv", "stored:second")
+# Theorem A.3‴: a head's P·V roundings (R.8') through the output projection, shaped like the
+# head's output: their increments' squared bounds, their bound with probability 1 and their
+# deterministic rest (:func:`mhanum.bounds.forward.stored.stored_pv`)
+STORED_PV = ("stored:pv_var", "stored:pv_first", "stored:pv_second")
 # the side parts a head carries out whose shape is not the output's
-UNSHAPED = frozenset((PROJECTED, ALONG, *STORED_PARTS))
+UNSHAPED = frozenset((PROJECTED, ALONG, *STORED_PARTS, *STORED_PV))
 # Theorem A.3'': the keys whose weights' relative roundings join the martingale, as ``(w, c2,
 # keys, kept)``: ``w_j`` bounds the rounding's coefficient, ``c2`` the squared relative
 # roundings' bound (``u_p² + u_op²(1 + u_p)²``), ``keys`` those keys (the others keep step 6's

@@ -15,8 +15,10 @@ import numpy as np
 
 from mhanum.bounds.factors import evaluation_rounding
 from mhanum.bounds.forward.across_keys import logits_increments
+from mhanum.bounds.forward.one_martingale import Increments
 from mhanum.bounds.forward.stage import (
     STORED_PARTS,
+    STORED_PV,
     Enclosure,
     RoundingKeys,
     StoredSplit,
@@ -25,7 +27,15 @@ from mhanum.bounds.forward.stage import (
 from mhanum.numerics import Numerics
 from mhanum.problem import MHAProblem
 
-__all__ = ["EXACT_QUERIES", "Rounding", "queries_exactly", "spread", "stored_parts", "stored_scope"]
+__all__ = [
+    "EXACT_QUERIES",
+    "Rounding",
+    "queries_exactly",
+    "spread",
+    "stored_parts",
+    "stored_pv",
+    "stored_scope",
+]
 
 # the queries' coefficients are formed where a chunk has at most this many (rows·keys·d_k·d_out
 # products); Cauchy-Schwarz's bound otherwise
@@ -147,6 +157,30 @@ def stored_parts(
             strict=True,
         )
     )
+
+
+def stored_pv(form: Increments, scale_out: float, keys: int) -> dict[str, np.ndarray]:
+    """One head's ``P·V`` roundings for Theorem A.3‴ (papers/attention.md, "P·V's roundings"),
+    from their martingale form (R.8', already carried through the head output's rounding:
+    ``form.scaled(scale_out)``, ``divided`` 1). The ``P·V`` part of head output ``l``'s error is
+    ``M_l + F_l`` before that rounding (``M_l`` the martingale of the dot's roundings, its
+    increments' squared bounds summing to at most ``spread_l²`` and ``|M_l| <= det_l`` with
+    probability 1; ``|F_l| <= fixed_l``), and ``(M_l + F_l)(1 + δ_l)`` after it, ``|δ_l| <=
+    scale_out - 1``. Through the output projection's weights ``ŵ``, ``Σ_l M_l ŵ_lm`` is a
+    martingale of the same increments times the fixed ``ŵ_lm`` (they join the layer's, one
+    event per output entry), and the rest is at most ``Σ_l (fixed_l + (scale_out - 1)(det_l +
+    fixed_l))|ŵ_lm|``. Returns, per head output entry (:data:`STORED_PV`): ``spread²``
+    (``pv_var``), ``det + fixed`` (``pv_first``, a bound on the part with probability 1) and
+    ``fixed + (scale_out - 1) det`` (``pv_second``, the rest), each for the scaled form, which
+    is larger; ``keys`` sizes the float64 evaluation's margin."""
+    up = 1 + 4 * evaluation_rounding(keys)
+    with np.errstate(over="ignore", invalid="ignore"):
+        spread_sq = form.spread * form.spread
+        first = form.det + form.fixed
+        second = form.fixed + (scale_out - 1) * form.det
+    shape = np.shape(form.spread)
+    parts = (spread_sq * up * up, first * up, second * up)
+    return {n: np.broadcast_to(x, shape) for n, x in zip(STORED_PV, parts, strict=True)}
 
 
 @dataclasses.dataclass(frozen=True)
