@@ -12,6 +12,7 @@ from mhanum.bounds.forward.logits import Constant, Dots, Logits
 from mhanum.bounds.forward.one_martingale import Increments
 from mhanum.bounds.forward.operands import Operands
 from mhanum.bounds.forward.stage import Head, Setting, StoredSplit, Values
+from mhanum.numerics import Numerics
 
 __all__ = [
     "across_splits",
@@ -70,7 +71,7 @@ def _dot_split(
     d_k = ops.q_op.shape[-1]
     u_a = num.format_of("accum").u
     g_det = unit_factor(num, d_k, None, bits=ops.bits_qk)
-    twice = 2 if num.order.carried and u_a > 2.0**-24 else 1
+    twice = _rounded_twice(num)
     b_dot = (
         abs(scale)
         * u_a
@@ -89,6 +90,12 @@ def _dot_split(
     u_s = num.format_of("score").u
     scores = (math.hypot(u_s, const.u_mul) * t_hat, (u_s + const.u_mul) * t_hat)
     return b_dot, rest, (abs(scale) * scores[0], abs(scale) * scores[1])
+
+
+def _rounded_twice(num: Numerics) -> int:
+    """2 where each of a dot's roundings may be two (the native order of a format XLA may carry
+    in float32), else 1."""
+    return 2 if num.order.carried and num.format_of("accum").u > 2.0**-24 else 1
 
 
 def stored_split(
@@ -117,7 +124,10 @@ def stored_split(
         w_s = scores[0] ** 2
     rest = np.where(live, np.maximum(rest - moved, 0.0), 0.0)
     moved, w_k, w_s = (np.where(live, x, 0.0) for x in (moved, w_k, w_s))
-    return StoredSplit(b_dot, rest, moved, w_k, w_s, c * c * s_q * s_q, head.k, st)
+    # |Σ_k δ_k T_k| <= Σ_k b_k <= K^½ (Σ_k b_k²)^½ over the dot's K increments (Cauchy-Schwarz)
+    count = _rounded_twice(setting.num) * (2 * ops.q_op.shape[-1] - 1)
+    dot_det = np.where(live, math.sqrt(count) * b_dot, 0.0)
+    return StoredSplit(b_dot, rest, moved, w_k, w_s, c * c * s_q * s_q, head.k, st, dot_det)
 
 
 def dot_increments(

@@ -42,6 +42,7 @@ from mhanum.bounds.forward.stage import (
     ALONG,
     PLAIN,
     PROJECTED,
+    STORED_DOTS,
     STORED_PARTS,
     STORED_PV,
     UNSHAPED,
@@ -161,7 +162,7 @@ def _parts(
         parts[PROJECTED] = projected * (1 + ev_rel)
     if along_rows is not None:
         parts[ALONG] = along_rows
-    for name in (*STORED_PARTS, *STORED_PV):
+    for name in (*STORED_PARTS, *STORED_PV, *STORED_DOTS):
         if name in terms:
             parts[name] = terms.pop(name)
     return parts

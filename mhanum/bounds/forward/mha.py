@@ -13,7 +13,6 @@ import numpy as np
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum._threads import one_blas_thread
-from mhanum._types import NumpyArray
 from mhanum.bounds._result import Bound
 from mhanum.bounds.factors import (
     evaluation_rounding,
@@ -21,6 +20,7 @@ from mhanum.bounds.factors import (
     operand_error,
     rounding_error,
 )
+from mhanum.bounds.forward.across_heads import across_heads, gather, head_sum, merge_heads, shared
 from mhanum.bounds.forward.along import along_rows
 from mhanum.bounds.forward.evaluation import certified_difference, quiet
 from mhanum.bounds.forward.head import HeadResult, evaluate_heads, evaluate_rows
@@ -32,14 +32,13 @@ from mhanum.bounds.forward.stage import (
     PLAIN,
     PROJECTED,
     STORED_PARTS,
-    STORED_PV,
     UNSHAPED,
     Head,
     Setting,
     Stored,
 )
 from mhanum.bounds.forward.stored import stored_scope
-from mhanum.bounds.projections import Linear, linear, linear_overflow
+from mhanum.bounds.projections import linear, linear_overflow
 from mhanum.formats import round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
@@ -56,12 +55,6 @@ _EXACT_ROTATED_LOGITS = 2**12  # with a rope the reference runs in Arb balls
 def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
     """``(..., L, H·d)`` to ``(..., H, L, d)``."""
     return np.swapaxes(x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads), -2, -3)
-
-
-def merge_heads(x: np.ndarray) -> np.ndarray:
-    """``(..., H, L, d)`` to ``(..., L, H·d)``."""
-    x = np.swapaxes(x, -2, -3)
-    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
 
 
 @one_blas_thread
@@ -410,7 +403,7 @@ def _mha_bound(
     terms, logits, bad_out = _output_projection(results, shape, w, num, (lam, group), reasons, ev)
     full = terms["output_projection"].shape
     head_bad = {
-        n: _gather(results, lambda r, n=n: r[4].where.get(n, np.zeros(r[4].shape, bool)), shape)
+        n: gather(results, lambda r, n=n: r[4].where.get(n, np.zeros(r[4].shape, bool)), shape)
         for n in ("overflow", "vacuous")
     }
     overflow = np.broadcast_to(bad_rows | head_bad["overflow"].any(axis=-1, keepdims=True), full)
@@ -576,11 +569,6 @@ def _heads(
     return dict(zip(built, evaluate_heads(list(built.values()), setting), strict=True))
 
 
-def _gather(results: dict[Any, HeadResult], pick: Any, shape: tuple[int, ...]) -> np.ndarray:
-    """``pick`` of every head's result, as ``(..., Lq, H·d)``."""
-    return merge_heads(np.stack([pick(r) for r in results.values()]).reshape(shape))
-
-
 def _output_projection(
     results: dict[Any, HeadResult],
     shape: tuple[int, ...],
@@ -599,13 +587,13 @@ def _output_projection(
     lam, group = lam_group
     names = sorted({name for r in results.values() for name in r[0]})
     head_terms = {
-        n: _gather(results, lambda r, n=n: r[0].get(n, np.zeros_like(r[1])), shape) for n in names
+        n: gather(results, lambda r, n=n: r[0].get(n, np.zeros_like(r[1])), shape) for n in names
     }
     sources = sorted({n for r in results.values() for n in r[3]} - {PLAIN, *UNSHAPED})
     head_parts = {
-        n: _gather(results, lambda r, n=n: r[3].get(n, np.zeros_like(r[1])), shape) for n in sources
+        n: gather(results, lambda r, n=n: r[3].get(n, np.zeros_like(r[1])), shape) for n in sources
     }
-    o, o_given = _gather(results, lambda r: r[1], shape), _gather(results, lambda r: r[2], shape)
+    o, o_given = gather(results, lambda r: r[1], shape), gather(results, lambda r: r[2], shape)
     f_o = num.format_of("output")
     out = linear(o, o_given, w["wo"], w["bo"], num, f_o, lam)
     reasons += head_reasons(r[4] for r in results.values())
@@ -618,15 +606,15 @@ def _output_projection(
         kept = _logits_through_projection(
             terms["attention.logits"],
             head_terms["logits"] @ out.slope,
-            _head_sum(results, PROJECTED, shape),
+            head_sum(results, PROJECTED, shape),
             ev,
         )
-        logits = _shared(logits, terms["attention.logits"], kept)
+        logits = shared(logits, terms["attention.logits"], kept)
         terms["attention.logits"] = kept
     terms["output_projection"] = out.fixed
     if lam is not None and all(STORED_PARTS[0] in r[3] for r in results.values()):
         read = _read_by_the_projection(o, o_given, w["wo"], out, num)
-        _across_heads(terms, logits, (results, shape, out, read), lam, group)
+        across_heads(terms, logits, (results, shape, out, read), lam, group)
     return terms, logits, bad_out
 
 
@@ -647,126 +635,3 @@ def _read_by_the_projection(
         charged = u_op * (x_bar @ np.abs(wo)) * (1 - 2.0**-40)
         var = u_op * u_op * ((x_bar * x_bar) @ (out.slope * out.slope)) * (1 + 2.0**-40)
     return charged, var
-
-
-def _head_sum(results: dict[Any, HeadResult], name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """The heads' part ``name`` (``(Lq, d_out)`` each) summed over the heads, per batch entry."""
-    parts = [r[3][name] for r in results.values()]
-    outer, rows = shape[:-3], shape[-2]
-    if not outer:
-        return np.sum(parts, axis=0)
-    return np.stack(parts).reshape(*outer, shape[-3], rows, -1).sum(axis=-3)
-
-
-def _shared(logits: dict[str, Any], before: np.ndarray, after: np.ndarray) -> dict[str, Any]:
-    """The logits term's parts (``Bound.parts``) scaled as the term went from ``before`` to
-    ``after``."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        share = np.where(before > 0, after / before, 0.0)
-    return {n: np.where(np.isfinite(share), share * x, x) for n, x in logits.items()}
-
-
-def _across_heads(
-    terms: dict[str, Any],
-    logits: dict[str, Any],
-    heads: tuple[dict[Any, HeadResult], tuple[int, ...], Any, Any],
-    lam: float,
-    group: int,
-) -> None:
-    """Theorem A.3‴ (papers/attention.md): the projections', the scores' and the
-    probabilities' roundings as one martingale per output entry through the weights, across
-    the heads, with the rest of each head's logits, operands and probabilities' terms through
-    ``|ŵ|`` as in (c):
-    ``κ(R|ŵ| + λ(Σ_h V_q + g Σ_h V_kv)^½ + S) + (κ - 1) F|ŵ|`` (``R``, ``F``, ``V``, ``S`` the
-    heads' parts ``rest``, ``first``, ``var_q``/``var_kv`` and ``second``, :mod:`stored`; a
-    key/value head's roundings reach ``g`` query heads, so its squares count ``g`` times).
-    Where smaller, it replaces ``attention.logits`` + ``attention.operands`` +
-    ``attention.probability_rounding`` (the probabilities' roundings join the martingale where
-    A.3'' takes them), shared in their proportion. With an operand format (``heads[3]``, from
-    :func:`_read_by_the_projection`), the output projection's read of the head outputs joins
-    the martingale too, and its charge leaves ``output_projection``. Where the heads carry
-    their ``P·V`` roundings' parts (:func:`stored.stored_pv`), those join it as well, as a
-    second form that replaces ``attention.pv`` too: ``V`` gains ``Σ_l spread_l² ŵ_lm²``, ``S``
-    the rest ``(fixed + (scale_out - 1) det)|ŵ|`` and ``F`` their bound ``(det + fixed)|ŵ|``.
-    The choice among none and the two forms weighs every term it moves, and depends on the
-    inputs only: one event per entry."""
-    results, shape, out, read = heads
-    rest_name, first_name, var_q, var_kv, second = STORED_PARTS
-    rest = _gather(results, lambda r: r[3][rest_name], shape)
-    first = _gather(results, lambda r: r[3][first_name], shape)
-    var = _head_sum(results, var_q, shape) + group * _head_sum(results, var_kv, shape)
-    projection, gain = terms["output_projection"], 0.0
-    with np.errstate(invalid="ignore", over="ignore"):
-        if read is not None:  # the output projection's read of the head outputs
-            projection = np.maximum(projection - read[0], 0.0) * (1 + 2.0**-50)
-            gain = terms["output_projection"] - projection
-            var = var + read[1]
-        r_w, s_sum = rest @ out.slope, _head_sum(results, second, shape)
-        across = out.kappa * (r_w + lam * np.sqrt(var) + s_sum) + (out.kappa - 1) * (
-            first @ out.slope
-        )
-    names = ("attention.logits", "attention.operands", "attention.probability_rounding")
-    forms: list[tuple[tuple[str, ...], NumpyArray]] = [(names, across)]
-    pv = _pv_through(results, shape, out, (r_w + s_sum, var, first), lam)
-    if pv is not None:
-        forms.append(((*names, "attention.pv"), pv))
-    _take_across(terms, logits, forms, (projection, gain))
-
-
-def _pv_through(
-    results: dict[Any, HeadResult],
-    shape: tuple[int, ...],
-    out: Linear,
-    parts: tuple[np.ndarray, np.ndarray, np.ndarray],
-    lam: float,
-) -> np.ndarray | None:
-    """Theorem A.3‴'s second form: its ``R|ŵ| + S``, ``V`` and ``F`` (``parts``) with the heads'
-    ``P·V`` roundings joined (:func:`stored.stored_pv`); ``None`` unless every head has them."""
-    if not all(STORED_PV[0] in r[3] for r in results.values()):
-        return None
-    fixed, var, first = parts
-    pv_var, pv_first, pv_second = (
-        _gather(results, lambda r, n=n: r[3][n], shape) for n in STORED_PV
-    )
-    with np.errstate(invalid="ignore", over="ignore"):
-        var = var + pv_var @ (out.slope * out.slope)
-        fixed = fixed + pv_second @ out.slope
-        return out.kappa * (fixed + lam * np.sqrt(var)) + (out.kappa - 1) * (
-            first @ out.slope + pv_first @ out.slope
-        )
-
-
-def _take_across(
-    terms: dict[str, Any],
-    logits: dict[str, Any],
-    forms: list[tuple[tuple[str, ...], NumpyArray]],
-    projection_gain: tuple[NumpyArray, NumpyArray | float],
-) -> None:
-    """Per entry, the smallest of the terms as they are and each form of Theorem A.3‴ in
-    place of the terms it names (less ``gain``, the output projection's read it takes over);
-    the chosen form is shared among its terms in their proportion. Updates ``terms`` and the
-    logits term's parts."""
-    projection, gain = projection_gain
-    names = forms[-1][0]
-    total = sum(terms[n] for n in names)
-    best, choice = total, np.zeros(np.shape(total), dtype=int)
-    with np.errstate(invalid="ignore"):
-        for i, (moved, across) in enumerate(forms, start=1):
-            kept = sum((terms[n] for n in names if n not in moved), np.zeros(()))
-            option = across - gain + kept
-            take = np.isfinite(option) & (option < best)
-            best, choice = np.where(take, option, best), np.where(take, i, choice)
-    taken = choice > 0
-    if not np.isscalar(gain):
-        terms["output_projection"] = np.where(taken, projection, terms["output_projection"])
-    before_logits = terms[names[0]]
-    after = {n: terms[n] for n in names}
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        for i, (moved, across) in enumerate(forms, start=1):
-            here = choice == i
-            before = sum(terms[n] for n in moved)
-            for n in moved:
-                share = np.where(before > 0, terms[n] / before, 1.0 / len(moved))
-                after[n] = np.where(here, across * share, after[n])
-    logits.update(_shared(logits, before_logits, after[names[0]]))
-    terms.update(after)

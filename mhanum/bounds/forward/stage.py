@@ -19,6 +19,7 @@ __all__ = [
     "KNOWN",
     "PLAIN",
     "PROJECTED",
+    "STORED_DOTS",
     "STORED_PARTS",
     "STORED_PV",
     "UNSHAPED",
@@ -51,8 +52,13 @@ STORED_PARTS = ("stored:rest", "stored:first", "stored:var_q", "stored:var_kv", 
 # head's output: their increments' squared bounds, their bound with probability 1 and their
 # deterministic rest (:func:`mhanum.bounds.forward.stored.stored_pv`)
 STORED_PV = ("stored:pv_var", "stored:pv_first", "stored:pv_second")
+# Theorem A.3‴: a head's QKᵀ dots' martingale (A.3') through ``ŵ`` with its signs instead of
+# through ``|ŵ|`` on its own event: the rest without it (``rest_signed``, shaped like the head's
+# output), its increments' squared bounds (``dots_var``, like the layer's output), its rest and
+# its bound with probability 1 (``dots_second`` like the layer's, ``dots_first`` like the head's)
+STORED_DOTS = ("stored:rest_signed", "stored:dots_var", "stored:dots_second", "stored:dots_first")
 # the side parts a head carries out whose shape is not the output's
-UNSHAPED = frozenset((PROJECTED, ALONG, *STORED_PARTS, *STORED_PV))
+UNSHAPED = frozenset((PROJECTED, ALONG, *STORED_PARTS, *STORED_PV, *STORED_DOTS))
 # Theorem A.3'': the keys whose weights' relative roundings join the martingale, as ``(w, c2,
 # keys, kept)``: ``w_j`` bounds the rounding's coefficient, ``c2`` the squared relative
 # roundings' bound (``u_p² + u_op²(1 + u_p)²``), ``keys`` those keys (the others keep step 6's
@@ -87,7 +93,8 @@ class StoredSplit:
     split takes them, the scores' roundings) taken out of ``rest``; ``moved`` bounds their
     part of each logit's error; ``w_k`` and ``w_s`` the squared increments of the keys' and
     the scores' roundings per key (before the weights ``p_j (v_j - o)``); ``c2_sig_q`` the
-    queries' ``c²σ_q²`` and ``k`` the keys (the exact target's)."""
+    queries' ``c²σ_q²`` and ``k`` the keys (the exact target's); ``dot_det`` bounds the dots'
+    part of each logit's error (the martingale of ``b``) with probability 1."""
 
     b: np.ndarray
     rest: np.ndarray
@@ -97,6 +104,7 @@ class StoredSplit:
     c2_sig_q: np.ndarray
     k: np.ndarray
     stored: Stored
+    dot_det: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

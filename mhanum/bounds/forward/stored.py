@@ -17,6 +17,7 @@ from mhanum.bounds.factors import evaluation_rounding
 from mhanum.bounds.forward.across_keys import logits_increments
 from mhanum.bounds.forward.one_martingale import Increments
 from mhanum.bounds.forward.stage import (
+    STORED_DOTS,
     STORED_PARTS,
     STORED_PV,
     Enclosure,
@@ -119,7 +120,8 @@ def stored_parts(
     pl = np.where(live, np.nan_to_num(p), 0.0)
     with np.errstate(over="ignore", invalid="ignore"):
         split = (st.b, np.zeros_like(st.rest))
-        dots = logits_increments(p, enc.delta, values, live, per_key, split, False).bound(lam)
+        dots_form = logits_increments(p, enc.delta, values, live, per_key, split, False)
+        dots, used = dots_form.bound(lam), dots_form.fixed
         mu_v = pl @ st.stored.moved[2]  # >= |Σ_j p_j μ_vj| (A.1's split: p_j (ṽ_j - v_j))
         d = np.where(live, enc.delta, 0.0)
         z_inv = np.exp(d.max(axis=-1, keepdims=True))
@@ -149,14 +151,48 @@ def stored_parts(
         first = first + scale_out * more[1]
         var_q = var_q + more[2]
         second = second + more[3] + (scale_out - 1) * (more[1] @ w_abs)
+        signed_rest = scale_out * (used + values_rest) + more[0]
+        dot_parts = _dots_through((pl, st), (signed_rest, z_inv, scale_out), through, (v, o), w_abs)
     up = 1 + 4 * ev
-    return dict(
-        zip(
-            STORED_PARTS,
-            (rest * up, first * up, var_q * up * up, var_kv * up * up, second * up),
-            strict=True,
+    parts = (rest * up, first * up, var_q * up * up, var_kv * up * up, second * up)
+    ups = (up, up * up, up, up)
+    return {
+        **dict(zip(STORED_PARTS, parts, strict=True)),
+        **{n: x * f for n, x, f in zip(STORED_DOTS, dot_parts, ups, strict=True)},
+    }
+
+
+def _dots_through(
+    weights: tuple[np.ndarray, StoredSplit],
+    factors: tuple[np.ndarray, np.ndarray, float],
+    through: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    values: tuple[np.ndarray, np.ndarray],
+    w_abs: np.ndarray,
+) -> tuple[np.ndarray, ...]:
+    """The ``QKᵀ`` dots' part of the logits' error (A.3') through ``ŵ`` with its signs, the
+    second form of the head's rest (:data:`STORED_DOTS`; the first, ``rest``, takes its
+    martingale through ``|ŵ|`` on its own event per head output entry): ``signed_rest`` is
+    ``rest`` without it (given in ``factors``), and ``(1/Z) Σ_j p_j ε^dot_j (z_jm - ō_m)`` is ``Σ_j p_j ε^dot_j (z_jm - ō_m)``, whose
+    increments ``p_j (z_jm - ō_m) δ_k T_k`` are bounded by ``p_j |z_jm - ō_m| b_jk`` (``dots_var``
+    ``>= Σ_j p_j² b_j² (z*_jm - ō*_m)²``, :func:`spread`), plus ``(1/Z - 1)`` times it, at most
+    ``(e^{max δ} - 1) Σ_j p_j D_j |z_jm - ō_m|`` with ``D_j >= |ε^dot_j|`` (``dot_det``); the
+    head output's rounding ``θ_l`` on ``(1/Z) Σ_j p_j ε^dot_j (v_jl - o_l)`` adds its bound
+    ``F`` (``dots_first``) times ``scale_out - 1`` through ``|ŵ|`` (``dots_second``).
+    ``weights``: the exact target's ``p`` (0 off the live keys) and the head's split;
+    ``factors``: ``signed_rest``, ``e^{max δ}`` and ``scale_out``; ``values``: ``v`` and ``o``."""
+    (pl, st), (signed_rest, z_inv, scale_out) = weights, factors
+    z, z_err, o_bar, o_err = through
+    v, o = values
+    with np.errstate(over="ignore", invalid="ignore"):
+        b_w = pl * st.b
+        var = spread(b_w * b_w, z, z_err, (o_bar, o_err)) ** 2
+        d_w = pl * st.dot_det
+        unsigned = _deviation(d_w, np.abs(v), np.abs(o))
+        z_abs, o_abs = np.abs(z) + z_err, np.abs(o_bar) + o_err
+        second = (z_inv - 1) * _deviation(d_w, z_abs, o_abs) + z_inv * (scale_out - 1) * (
+            unsigned @ w_abs
         )
-    )
+        return signed_rest, var, second, z_inv * scale_out * unsigned
 
 
 def stored_pv(form: Increments, scale_out: float, keys: int) -> dict[str, np.ndarray]:
