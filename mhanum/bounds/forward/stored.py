@@ -169,17 +169,18 @@ def _dots_through(
     values: tuple[np.ndarray, np.ndarray],
     w_abs: np.ndarray,
 ) -> tuple[np.ndarray, ...]:
-    """The ``QKᵀ`` dots' part of the logits' error (A.3') through ``ŵ`` with its signs, the
-    second form of the head's rest (:data:`STORED_DOTS`; the first, ``rest``, takes its
-    martingale through ``|ŵ|`` on its own event per head output entry): ``signed_rest`` is
-    ``rest`` without it (given in ``factors``), and ``(1/Z) Σ_j p_j ε^dot_j (z_jm - ō_m)`` is ``Σ_j p_j ε^dot_j (z_jm - ō_m)``, whose
-    increments ``p_j (z_jm - ō_m) δ_k T_k`` are bounded by ``p_j |z_jm - ō_m| b_jk`` (``dots_var``
-    ``>= Σ_j p_j² b_j² (z*_jm - ō*_m)²``, :func:`spread`), plus ``(1/Z - 1)`` times it, at most
-    ``(e^{max δ} - 1) Σ_j p_j D_j |z_jm - ō_m|`` with ``D_j >= |ε^dot_j|`` (``dot_det``); the
-    head output's rounding ``θ_l`` on ``(1/Z) Σ_j p_j ε^dot_j (v_jl - o_l)`` adds its bound
-    ``F`` (``dots_first``) times ``scale_out - 1`` through ``|ŵ|`` (``dots_second``).
-    ``weights``: the exact target's ``p`` (0 off the live keys) and the head's split;
-    ``factors``: ``signed_rest``, ``e^{max δ}`` and ``scale_out``; ``values``: ``v`` and ``o``."""
+    """The ``QKᵀ`` dots' part of the logits' error (A.3') through ``ŵ`` with its signs: the
+    second form of the head's rest (:data:`STORED_DOTS`). The first, ``rest``, takes the dots'
+    martingale through ``|ŵ|`` on its own event per head output entry; ``signed_rest`` is
+    ``rest`` without it. Through ``ŵ`` the part is ``(1/Z) M_m`` with ``M_m = Σ_j p_j ε^dot_j
+    (z_jm - ō_m)``, a martingale whose increments ``p_j (z_jm - ō_m) δ_k T_k`` are bounded by
+    ``p_j |z_jm - ō_m| b_jk`` (``dots_var >= Σ_j p_j² b_j² (z*_jm - ō*_m)²``, :func:`spread`),
+    plus ``(1/Z - 1) M_m``, at most ``(e^{max δ} - 1) Σ_j p_j D_j |z_jm - ō_m|`` with ``D_j >=
+    |ε^dot_j|`` (``dot_det``). The head output's rounding ``θ_l`` on ``(1/Z) Σ_j p_j ε^dot_j
+    (v_jl - o_l)`` adds that part's bound ``F`` (``dots_first``) times ``scale_out - 1``
+    through ``|ŵ|`` (``dots_second``, with the ``(1/Z - 1)`` part). ``weights``: the exact
+    target's ``p`` (0 off the live keys) and the head's split; ``factors``: ``signed_rest``,
+    ``e^{max δ}`` and ``scale_out``; ``values``: ``v`` and ``o``."""
     (pl, st), (signed_rest, z_inv, scale_out) = weights, factors
     z, z_err, o_bar, o_err = through
     v, o = values
