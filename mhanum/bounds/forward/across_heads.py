@@ -93,10 +93,12 @@ def across_heads(
     if signed is not None:
         parts.append(signed)
         forms.append((names, _form(signed, out.kappa, lam)))
-    for part in parts:
-        pv = _pv_through(results, shape, out, part, lam)
-        if pv is not None:
-            forms.append(((*names, "attention.pv"), pv))
+    pv = _pv_through(results, shape, out)
+    if pv is not None:
+        with np.errstate(invalid="ignore", over="ignore"):
+            for part in parts:
+                joined = (part[0] + pv[0], part[1] + pv[1], part[2] + pv[2])
+                forms.append(((*names, "attention.pv"), _form(joined, out.kappa, lam)))
     _take_across(terms, logits, forms, (projection, gain))
 
 
@@ -130,27 +132,18 @@ def _form(parts: tuple[Any, Any, Any], kappa: float, lam: float) -> NumpyArray:
 
 
 def _pv_through(
-    results: dict[Any, HeadResult],
-    shape: tuple[int, ...],
-    out: Linear,
-    parts: tuple[np.ndarray, np.ndarray, np.ndarray],
-    lam: float,
-) -> np.ndarray | None:
-    """Theorem A.3‴'s form with the heads' ``P·V`` roundings joined (:func:`stored.stored_pv`)
-    to ``parts = (R|ŵ| + S, V, F|ŵ|)``; ``None`` unless every head has them."""
+    results: dict[Any, HeadResult], shape: tuple[int, ...], out: Linear
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """What the heads' ``P·V`` roundings (:func:`stored.stored_pv`) add to Theorem A.3‴'s
+    ``(R|ŵ| + S, V, F|ŵ|)`` when they join its martingale (formed once for every form they
+    join); ``None`` unless every head has them."""
     if not all(STORED_PV[0] in r[3] for r in results.values()):
         return None
-    fixed, var, first = parts
     pv_var, pv_first, pv_second = (
         gather(results, lambda r, n=n: r[3][n], shape) for n in STORED_PV
     )
     with np.errstate(invalid="ignore", over="ignore"):
-        joined = (
-            fixed + pv_second @ out.slope,
-            var + pv_var @ (out.slope * out.slope),
-            first + pv_first @ out.slope,
-        )
-    return _form(joined, out.kappa, lam)
+        return pv_second @ out.slope, pv_var @ (out.slope * out.slope), pv_first @ out.slope
 
 
 def _take_across(
