@@ -61,9 +61,12 @@ def across_heads(
     key/value head's roundings reach ``g`` query heads, so its squares count ``g`` times).
     Where smaller, it replaces ``attention.logits`` + ``attention.operands`` +
     ``attention.probability_rounding`` (the probabilities' roundings join the martingale where
-    A.3'' takes them), shared in their proportion. With an operand format (``heads[3]``, from
-    :func:`_read_by_the_projection`), the output projection's read of the head outputs joins
-    the martingale too, and its charge leaves ``output_projection``. Where the heads carry
+    A.3'' takes them), shared in their proportion. ``heads[3]`` is ``(read, own)``: with an
+    operand format, the output projection's read of the head outputs (``read``, from
+    ``mha._read_by_the_projection``) joins the martingale too, and its charge leaves
+    ``output_projection``; so do the output projection's own roundings, its dot's, bias's and
+    storage's (``own``, from ``mha._projection_roundings``: what ``output_projection`` keeps,
+    and their squared increments). Where the heads carry
     their ``P·V`` roundings' parts (:func:`stored.stored_pv`), those join it as well, as a
     form that replaces ``attention.pv`` too: ``V`` gains ``Σ_l spread_l² ŵ_lm²``, ``S`` the
     rest ``(fixed + (scale_out - 1) det)|ŵ|`` and ``F`` their bound ``(det + fixed)|ŵ|``. The
@@ -71,35 +74,69 @@ def across_heads(
     through ``ŵ`` with its signs instead (:func:`_dots_signed`). The choice among the terms as
     they are and the forms weighs every term it moves, and depends on the inputs only: one
     event per entry."""
-    results, shape, out, read = heads
+    results, shape, out, (read, own) = heads
     rest_name, first_name, var_q, var_kv, second = STORED_PARTS
     rest = gather(results, lambda r: r[3][rest_name], shape)
     first = gather(results, lambda r: r[3][first_name], shape)
     var = head_sum(results, var_q, shape) + group * head_sum(results, var_kv, shape)
-    projection, gain = terms["output_projection"], 0.0
+    charges = _projection_charges(terms["output_projection"], read, own)
     with np.errstate(invalid="ignore", over="ignore"):
-        if read is not None:  # the output projection's read of the head outputs
-            projection = np.maximum(projection - read[0], 0.0) * (1 + 2.0**-50)
-            gain = terms["output_projection"] - projection
-            var = var + read[1]
         r_w, s_sum = rest @ out.slope, head_sum(results, second, shape)
         f_w = first @ out.slope
-        across = out.kappa * (r_w + lam * np.sqrt(var) + s_sum) + (out.kappa - 1) * f_w
         parts = [(r_w + s_sum, var, f_w)]
-    names = ("attention.logits", "attention.operands", "attention.probability_rounding")
-    forms: list[tuple[tuple[str, ...], NumpyArray]] = [(names, across)]
+    names: tuple[str, ...] = (
+        "attention.logits",
+        "attention.operands",
+        "attention.probability_rounding",
+    )
     # the QKᵀ dots' martingale with the weights' signs (A.3'), where the heads carry it
     signed = _dots_signed(results, shape, out, (s_sum, var, first))
     if signed is not None:
         parts.append(signed)
-        forms.append((names, _form(signed, out.kappa, lam)))
+    forms: list[tuple[tuple[str, ...], tuple[Any, Any, Any]]] = [(names, part) for part in parts]
     pv = _pv_through(results, shape, out)
     if pv is not None:
         with np.errstate(invalid="ignore", over="ignore"):
-            for part in parts:
-                joined = (part[0] + pv[0], part[1] + pv[1], part[2] + pv[2])
-                forms.append(((*names, "attention.pv"), _form(joined, out.kappa, lam)))
-    _take_across(terms, logits, forms, (projection, gain))
+            forms += [
+                ((*names, "attention.pv"), (part[0] + pv[0], part[1] + pv[1], part[2] + pv[2]))
+                for part in parts
+            ]
+    # each form with each way of charging the output projection (its own roundings in the
+    # martingale or not)
+    options: list[tuple[tuple[str, ...], NumpyArray, tuple[NumpyArray, NumpyArray | float]]] = []
+    with np.errstate(invalid="ignore", over="ignore"):
+        for moved, (fixed, v, f) in forms:
+            for projection, gain, extra in charges:
+                across = _form((fixed, v + extra, f), out.kappa, lam)
+                options.append((moved, across, (projection, gain)))
+    _take_across(terms, logits, options)
+
+
+def _projection_charges(
+    charged: NumpyArray,
+    read: tuple[NumpyArray, NumpyArray] | None,
+    own: tuple[NumpyArray, NumpyArray] | None,
+) -> list[tuple[NumpyArray, NumpyArray | float, NumpyArray | float]]:
+    """The ways A.3‴ may charge the output projection: ``(what output_projection keeps, what it
+    gives up, what the martingale's V gains)``, with its read of the head outputs in the
+    martingale (``read``: its charge and squared increments) and, as a second way, its own
+    roundings too (``own``: what it then keeps, and their squared increments). One way alone
+    (``charged``, nothing moved) without either."""
+    ways: list[tuple[NumpyArray, NumpyArray | float, NumpyArray | float]] = []
+    start: list[tuple[NumpyArray, NumpyArray | float]] = [(charged, 0.0)]
+    if own is not None:
+        start.append(own)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for kept, extra in start:
+            projection = np.minimum(charged, kept)
+            if read is not None:  # the output projection's read of the head outputs
+                projection = np.minimum(
+                    projection, np.maximum(projection - read[0], 0.0) * (1 + 2.0**-50)
+                )
+                extra = extra + read[1]
+            gain = np.where(projection < charged, charged - projection, 0.0)
+            ways.append((projection, gain, extra))
+    return ways
 
 
 def _dots_signed(
@@ -149,30 +186,29 @@ def _pv_through(
 def _take_across(
     terms: dict[str, Any],
     logits: dict[str, Any],
-    forms: list[tuple[tuple[str, ...], NumpyArray]],
-    projection_gain: tuple[NumpyArray, NumpyArray | float],
+    forms: list[tuple[tuple[str, ...], NumpyArray, tuple[NumpyArray, NumpyArray | float]]],
 ) -> None:
     """Per entry, the smallest of the terms as they are and each form of Theorem A.3‴ in
-    place of the terms it names (less ``gain``, the output projection's read it takes over);
-    the chosen form is shared among its terms in their proportion. Updates ``terms`` and the
-    logits term's parts."""
-    projection, gain = projection_gain
-    names = forms[-1][0]
+    place of the terms it names, with its charge of the output projection (``(what
+    output_projection keeps, gain)``: the form is weighed less ``gain``, the part it takes
+    over); the chosen form is shared among its terms in their proportion. Updates ``terms``
+    and the logits term's parts."""
+    names = max((f[0] for f in forms), key=len)
     total = sum(terms[n] for n in names)
     best, choice = total, np.zeros(np.shape(total), dtype=int)
     with np.errstate(invalid="ignore"):
-        for i, (moved, across) in enumerate(forms, start=1):
+        for i, (moved, across, (_, gain)) in enumerate(forms, start=1):
             kept = sum((terms[n] for n in names if n not in moved), np.zeros(()))
             option = across - gain + kept
             take = np.isfinite(option) & (option < best)
             best, choice = np.where(take, option, best), np.where(take, i, choice)
-    taken = choice > 0
-    if not np.isscalar(gain):
-        terms["output_projection"] = np.where(taken, projection, terms["output_projection"])
+    projection = terms["output_projection"]
+    for i, (_, _, (kept_projection, _)) in enumerate(forms, start=1):
+        projection = np.where(choice == i, kept_projection, projection)
     before_logits = terms[names[0]]
     after = {n: terms[n] for n in names}
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        for i, (moved, across) in enumerate(forms, start=1):
+        for i, (moved, across, _) in enumerate(forms, start=1):
             here = choice == i
             before = sum(terms[n] for n in moved)
             for n in moved:
@@ -180,3 +216,4 @@ def _take_across(
                 after[n] = np.where(here, across * share, after[n])
     logits.update(shared(logits, before_logits, after[names[0]]))
     terms.update(after)
+    terms["output_projection"] = projection

@@ -42,6 +42,7 @@ from mhanum.bounds.forward.stage import (
     ALONG,
     PLAIN,
     PROJECTED,
+    SOFTMAX_PROJECTED,
     STORED_DOTS,
     STORED_PARTS,
     STORED_PV,
@@ -143,10 +144,12 @@ def _parts(
 ) -> dict[str, Any]:
     """The logits term apportioned to the sources of ``δ`` by their p-weighted share in each
     row (``Bound.parts``), with the side terms the softmax stage carried out of ``terms``:
-    the plain output term, A.2 (c')'s projected logits term and A.1g's coupled bound."""
+    the plain output term, A.2 (c')'s and (c'')'s projected logits and softmax terms and
+    A.1g's coupled bound."""
     ev_rel = evaluation_rounding(p.shape[-1])  # float64 sums over the keys
     plain = terms.pop(PLAIN)
     projected = terms.pop(PROJECTED, None)
+    soft_projected = terms.pop(SOFTMAX_PROJECTED, None)
     along_rows = terms.pop(ALONG, None)
     row_delta = (p * enc.delta).sum(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -160,6 +163,8 @@ def _parts(
     parts[PLAIN] = plain * (1 + ev_rel)
     if projected is not None:
         parts[PROJECTED] = projected * (1 + ev_rel)
+    if soft_projected is not None:
+        parts[SOFTMAX_PROJECTED] = soft_projected * (1 + ev_rel)
     if along_rows is not None:
         parts[ALONG] = along_rows
     for name in (*STORED_PARTS, *STORED_PV, *STORED_DOTS):

@@ -31,14 +31,16 @@ from mhanum.bounds.forward.stage import (
     ALONG,
     PLAIN,
     PROJECTED,
+    SOFTMAX_PROJECTED,
     STORED_PARTS,
     UNSHAPED,
     Head,
+    Projection,
     Setting,
     Stored,
 )
 from mhanum.bounds.forward.stored import stored_scope
-from mhanum.bounds.projections import linear, linear_overflow
+from mhanum.bounds.projections import Linear, linear, linear_overflow
 from mhanum.formats import round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
@@ -181,30 +183,33 @@ def _rounding_effect(
     return certified_difference(ys[0], ys[1])
 
 
-def _projected_values(v: np.ndarray, given: Any, wo: np.ndarray, num: Numerics) -> np.ndarray:
-    """A.2 (c'): ``B_jm >= |v*_j·ŵ_op,m - c_m|`` for one head's values ``v`` (float64, off the
-    exact ones by at most ``given``) and its rows ``wo`` of the output projection's weights as
-    rounded to the input format, read through the operand format (``ŵ_op``), with
-    ``c_m`` the median over the keys of ``v_j·ŵ_m`` (any constant will do: the deviations of the
-    probabilities sum to zero)."""
+def _projected_values(v: np.ndarray, given: Any, wo: np.ndarray, num: Numerics) -> Projection:
+    """A.2 (c') and (c''): one head's values ``v`` (float64, off the exact ones by at most
+    ``given``) through its rows ``wo`` of the output projection's weights as rounded to the
+    input format, read through the operand format (``ŵ_op``): ``B_jm >= |v*_j·ŵ_op,m - c_m|``
+    with ``c_m`` the median over the keys of ``v_j·ŵ_m`` (any constant will do for the logits:
+    the deviations of the probabilities sum to zero), and ``|v*_j·ŵ_op,m|`` bounded alike."""
     u_op, eta_op = operand_error(num)
     vw = v @ wo
     centre = np.median(vw, axis=0, keepdims=True)
     v_abs, w_abs = np.abs(v), np.abs(wo)
+    slope = (1 + u_op) * w_abs + eta_op
     # the float64 product's rounding, the values' own error and the operand rounding of ŵ
     spread = evaluation_rounding(v.shape[-1]) * v_abs + np.broadcast_to(given, v.shape)
-    extra = spread @ ((1 + u_op) * w_abs + eta_op)
+    extra = spread @ slope
     if u_op or eta_op:
         extra = extra + v_abs @ (u_op * w_abs + eta_op)
-    return np.abs(vw - centre) * (1 + 2.0**-51) + extra
+    centred = np.abs(vw - centre) * (1 + 2.0**-51) + extra
+    return Projection(centred, slope, np.abs(vw) * (1 + 2.0**-51) + extra, wo)
 
 
-def _logits_through_projection(
+def _through_projection(
     term: np.ndarray, linear: np.ndarray, projected: np.ndarray, ev: float
 ) -> np.ndarray:
-    """A.2 (c'): the logits term ``κ (t L|v|) |ŵ|`` of step (c), with its linear part
-    ``Σ_l t_l|ŵ_lm|`` (``linear``) replaced where the heads' ``Λ`` (``projected``, step (c'))
-    is smaller: ``term - (linear - Λ)``, the factor ``κ >= 1`` kept on the rest. ``ev`` is the
+    """A.2 (c') and (c''): a head term ``κ t|ŵ|`` of step (c) (the logits' or the softmax's),
+    with its linear part ``Σ_l t_l|ŵ_lm|`` (``linear``) replaced where the heads' bound through
+    the signed weights (``projected``, :func:`through_weights.through_weights`) is smaller:
+    ``term - (linear - projected)``, the factor ``κ >= 1`` kept on the rest. ``ev`` is the
     float64 evaluation's relative rounding of both."""
     with np.errstate(invalid="ignore", over="ignore"):
         gain = np.where(
@@ -543,8 +548,6 @@ def _heads(
     c = p.scale_value(num.scale)
     d_v = p.params.v_width // heads
     wo_hat = round_to(w["wo"], num.format_of("input")).astype(np.float64)  # as the kernel reads
-    u_op, eta_op = operand_error(num)
-    wo_slope = (1 + u_op) * np.abs(wo_hat) + eta_op  # >= |ŵ_op|
     setting = Setting(num, c, p.scale is None, lam, p.softcap, known_rounding=known)
     built = {}
     for i in np.ndindex(*keep.shape[:-3], heads):
@@ -553,7 +556,7 @@ def _heads(
         with quiet():
             project = None
             if num.kv_splits is None:
-                project = (_projected_values(v[i], gv[i], wo_hat[cols], num), wo_slope[cols])
+                project = _projected_values(v[i], gv[i], wo_hat[cols], num)
             built[i] = Head(
                 q[i], k[i], v[i], keep[i], (eq[i], ek[i], ev[i]),
                 bias=None if b is None else b[i], given=(gq[i], gk[i], gv[i]),
@@ -603,7 +606,7 @@ def _output_projection(
     terms = {f"attention.{n}": out.kappa * (t @ out.slope) for n, t in head_terms.items()}
     logits = {n: out.kappa * (t @ out.slope) for n, t in head_parts.items()}
     if num.kv_splits is None and "logits" in head_terms:
-        kept = _logits_through_projection(
+        kept = _through_projection(
             terms["attention.logits"],
             head_terms["logits"] @ out.slope,
             head_sum(results, PROJECTED, shape),
@@ -611,11 +614,42 @@ def _output_projection(
         )
         logits = shared(logits, terms["attention.logits"], kept)
         terms["attention.logits"] = kept
+    if num.kv_splits is None and "softmax" in head_terms:  # step (c'')
+        terms["attention.softmax"] = _through_projection(
+            terms["attention.softmax"],
+            head_terms["softmax"] @ out.slope,
+            head_sum(results, SOFTMAX_PROJECTED, shape),
+            ev,
+        )
     terms["output_projection"] = out.fixed
     if lam is not None and all(STORED_PARTS[0] in r[3] for r in results.values()):
         read = _read_by_the_projection(o, o_given, w["wo"], out, num)
-        across_heads(terms, logits, (results, shape, out, read), lam, group)
+        own = _projection_roundings(out, o_err)
+        across_heads(terms, logits, (results, shape, out, (read, own)), lam, group)
     return terms, logits, bad_out
+
+
+def _projection_roundings(out: Linear, o_err: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Theorem A.3‴: the output projection's own relative roundings (its dot's, its bias's and
+    the storage's, :meth:`Linear.roundings`) as increments of the layer's martingale. They come
+    last, and each is a rounding times a partial sum fixed by the roundings before it, at most
+    A.2 (a)'s ``T_r`` at the head outputs' error ``o_err``. Returns what ``output_projection``
+    keeps (the rest: the weights' and the read's rounding, the underflows, where the value
+    stored may be below the normal range at that error) and the increments' squared sum
+    ``σ²``; ``None`` where A.2 (a) has no such split (a tensor-core dot, a compensated sum).
+    Entries whose charge or ``σ`` is not finite keep the whole charge and add nothing."""
+    r = out.rounded
+    if r is None:
+        return None
+    with quiet():
+        e = o_err @ out.slope
+        before = r.before[0] + r.before[1] * e  # E_2 at the heads' error
+        low = np.abs(out.y) - out.given - before < r.eta_last[0]
+        rest = (r.rest[0] + np.where(low, r.eta_last[1], 0.0)) * (1 + 2.0**-50)
+        sigma = r.sigma[0] + r.sigma[1] * e
+        var = sigma * sigma * (1 + 2.0**-50)
+        usable = np.isfinite(out.fixed) & np.isfinite(var) & (rest < out.fixed)
+    return np.where(usable, rest, out.fixed), np.where(usable, var, 0.0)
 
 
 def _read_by_the_projection(

@@ -55,14 +55,15 @@ from mhanum.bounds.forward.stage import (
     ALONG,
     KNOWN,
     PLAIN,
-    PROJECTED,
     WHOLE,
     Context,
     Enclosure,
+    Projection,
     RoundingKeys,
     Values,
 )
 from mhanum.bounds.forward.stored import Rounding, stored_parts, stored_pv
+from mhanum.bounds.forward.through_weights import through_weights
 from mhanum.units import Naive, Online, Safe
 
 __all__ = ["softmax_pv"]
@@ -672,7 +673,7 @@ def softmax_pv(
     enc: Enclosure,
     values: Values,
     ctx: Context,
-    project: tuple[np.ndarray, np.ndarray] | None = None,
+    project: Projection | None = None,
     along: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """Steps 4-7 of A.1 (papers/attention.md) for logits ``enc.s`` off by at most ``enc.delta``.
@@ -684,11 +685,9 @@ def softmax_pv(
     A.3''s for each split. The choice, entry by entry, depends on the inputs only, not on the
     roundings, so each entry's bound is still one event. ``lift_arg`` (``prob_offset = k``)
     is each row's largest argument of a lifted exponential, which the ranges of step R.5
-    take. ``project`` (A.2, step (c')) is ``(B, W)``: ``B_jm >= |v_j·ŵ_m - c_m|`` for the
-    output projection's weights ``ŵ`` as the kernel reads them and a constant ``c_m``, and
-    ``W >= |ŵ|``; the terms then carry ``Λ = L B + (κ - 1)(L|v|) W`` (``L`` the logits'
-    per-key deviations of step 4, ``κ`` the output's rounding factor), a bound on
-    ``|Σ_l (ô - o)^logits_l ŵ_lm|``. ``along`` (Theorem A.1g, deterministic only) is
+    take. ``project`` (A.2, steps (c') and (c''), a :class:`Projection`): the terms then
+    carry the bounds on ``|Σ_l e_l ŵ_lm|`` for the logits' and the softmax's parts ``e`` of
+    the output's error (:func:`through_weights`). ``along`` (Theorem A.1g, deterministic only) is
     ``(g, ḡ)``, one direction per query row with ``ḡ >= |g*|`` for the exact one: the terms
     then carry, per row, the coupled bound on ``|Σ_c g*_c (ô_c - o_c)|`` less its entrywise
     form ``Σ_c ḡ_c (terms)_c`` (``ALONG``).
@@ -762,12 +761,16 @@ def softmax_pv(
         if np.any(rs.rescued):
             terms["softmax"] = np.where(rs.rescued, np.inf, terms["softmax"])
     if project is not None:
-        # A.2 (c'): Σ_j (p̃_j - p_j) = 0, so the logits' part of the output, through the
-        # projection, is Σ_j (p̃_j - p_j)(v_j·ŵ_m - c_m), each output entry's rounding
-        # (1 + δ_l) apart: at most L B + (κ - 1) Σ_l (L|v|)_l |ŵ_lm|
-        b_proj, w_abs = project
-        with np.errstate(over="ignore", invalid="ignore"):
-            terms[PROJECTED] = ch.logits @ b_proj + (scale_out - 1) * (ch.logits_v @ w_abs)
+        # A.2 (c'), (c''): the logits' and the softmax's parts of the output through the
+        # projection with the weights' signs
+        w = ch.w
+        softmax = (w.rel, w.soft, w.eta_soft, ch.soft_term, pk.hi)
+        output = (out.o, out.pl, out.ev, out.v_extra)
+        terms.update(
+            through_weights(
+                project, (ch.logits, ch.logits_v), softmax, rs.t_safe, output, scale_out
+            )
+        )
     if enc.stored is not None and lam is not None:  # Theorem A.3‴ (A.2's share of this head)
         each = ch.w.prob + ch.w.operand_p
         rnd = Rounding(ch.w.rounding_keys, each, each @ values.v_abs, out.v_extra)

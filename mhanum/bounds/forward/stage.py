@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -19,6 +19,7 @@ __all__ = [
     "KNOWN",
     "PLAIN",
     "PROJECTED",
+    "SOFTMAX_PROJECTED",
     "STORED_DOTS",
     "STORED_PARTS",
     "STORED_PV",
@@ -27,6 +28,7 @@ __all__ = [
     "Context",
     "Enclosure",
     "Head",
+    "Projection",
     "RoundingKeys",
     "Setting",
     "Stored",
@@ -37,6 +39,8 @@ __all__ = [
 PLAIN = "output:plain"  # the plain output term, carried with the logits' parts out of a head
 # A.2: the logits term through the output projection's weights (step (c')), carried likewise
 PROJECTED = "logits:projected"
+# A.2: the softmax term through the output projection's weights (step (c'')), carried likewise
+SOFTMAX_PROJECTED = "softmax:projected"
 # Theorem A.1g: the output's error along a direction g per row, less its entrywise form
 ALONG = "along:coupled"
 # Step 6k: the weights' terms at once, from the rounded probabilities known to within their
@@ -58,7 +62,7 @@ STORED_PV = ("stored:pv_var", "stored:pv_first", "stored:pv_second")
 # its bound with probability 1 (``dots_second`` like the layer's, ``dots_first`` like the head's)
 STORED_DOTS = ("stored:rest_signed", "stored:dots_var", "stored:dots_second", "stored:dots_first")
 # the side parts a head carries out whose shape is not the output's
-UNSHAPED = frozenset((PROJECTED, ALONG, *STORED_PARTS, *STORED_PV, *STORED_DOTS))
+UNSHAPED = frozenset((PROJECTED, SOFTMAX_PROJECTED, ALONG, *STORED_PARTS, *STORED_PV, *STORED_DOTS))
 # Theorem A.3'': the keys whose weights' relative roundings join the martingale, as ``(w, c2,
 # keys, kept)``: ``w_j`` bounds the rounding's coefficient, ``c2`` the squared relative
 # roundings' bound (``u_p² + u_op²(1 + u_p)²``), ``keys`` those keys (the others keep step 6's
@@ -107,6 +111,18 @@ class StoredSplit:
     dot_det: np.ndarray
 
 
+class Projection(NamedTuple):
+    """A.2 (c') and (c''): a head's values through its rows ``ŵ`` of the output projection's
+    weights (as rounded to the input format; the kernel reads ``ŵ_op``, within ``slope``).
+    ``centred`` ``B_jm >= |v*_j·ŵ_op,m - c_m|`` (``c_m`` the keys' median of ``v_j·ŵ_m``),
+    ``plain`` ``>= |v*_j·ŵ_op,m|``, for the exact values ``v*``; ``slope >= |ŵ_op|``."""
+
+    centred: np.ndarray
+    slope: np.ndarray
+    plain: np.ndarray
+    weights: np.ndarray
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Head:
     """One head's inputs, 2-D (papers/attention.md, A.1; A.2 step (b)).
@@ -133,7 +149,7 @@ class Head:
     given: tuple[Any, Any, Any] | None = None
     masked: np.ndarray | None = None
     replaced: np.ndarray | None = None
-    project: tuple[np.ndarray, np.ndarray] | None = None
+    project: Projection | None = None
     along: tuple[np.ndarray, np.ndarray] | None = None
     v_centre: np.ndarray | None = None
     stored: Stored | None = None
