@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import mhanum as mn
 import mhanum.bounds.forward.across_heads as across_module
 import mhanum.bounds.forward.mha as mha_module
+import mhanum.bounds.forward.stored as stored_module
 from mhanum import masks, reference
 from mhanum.bounds import mha_bound
 from mhanum.bounds.factors import evaluation_rounding, union_failure
@@ -51,12 +52,12 @@ def _without(monkeypatch, *args, **kw):
         return mha_bound(*args, **kw)
 
 
-def _with_and_without(monkeypatch, step, x, params, num):
+def _with_and_without(monkeypatch, step, x, params, num, replacement=lambda *a: None):
     """The bound at 4 heads and ``λ = 6``, and the same with A.3‴'s ``step`` (``(module,
-    name)``) taking nothing."""
+    name)``) taking nothing (or ``replacement``)."""
     bound = mha_bound(x, x, params, 4, numerics=num, lam=6.0)
     with monkeypatch.context() as mp:
-        mp.setattr(*step, lambda *a: None)
+        mp.setattr(*step, replacement)
         return bound, mha_bound(x, x, params, 4, numerics=num, lam=6.0)
 
 
@@ -133,11 +134,13 @@ def test_outside_its_scope_nothing_changes(preset, monkeypatch):
 
 
 def test_the_probability_counts_one_event_per_output_entry(monkeypatch):
+    """One event per output entry (its martingale) and one per head's row (the normaliser's):
+    6 rows, ``d_out = 32``, 4 heads."""
     x, params = _layer(4, 32, 6)
     lam = 6.0
     now = mha_bound(x, x, params, 4, numerics="bf16-fp32acc", lam=lam)
     before = _without(monkeypatch, x, x, params, 4, numerics="bf16-fp32acc", lam=lam)
-    extra = union_failure(lam, 6 * 32, mn.Numerics.preset("bf16-fp32acc"))
+    extra = union_failure(lam, 6 * (32 + 4), mn.Numerics.preset("bf16-fp32acc"))
     assert before.probability - now.probability == pytest.approx(extra, rel=1e-9)
 
 
@@ -373,5 +376,43 @@ def test_the_output_projections_own_roundings_join_the_martingale(preset, monkey
         assert before.total.max() > 1.3 * bound.total.max()
     if preset == "bf16-fp32acc":
         np.testing.assert_array_equal(bound.total, before.total)
+    assert np.all(bound.total <= before.total * (1 + 2.0**-40))
+    assert np.all(_error(x, params, 4, num) <= bound.total)
+
+
+@pytest.mark.parametrize("preset", ["fp32", "tf32", "bf16-fp32acc"])
+def test_the_normaliser_averages_the_rows_logit_errors(preset, monkeypatch):
+    """``|1/Z - 1|`` per head's row: ``e^{max δ} - 1`` (the row's largest logit error), or, on
+    one more event per row, ``ζ/(1 - ζ)`` with ``Z - 1``'s first-order part a martingale
+    (:func:`stored.normaliser`). At ``d_model = 128`` and ``λ = 6`` it is below the certain one
+    on every row (measured 0.016-0.038 of it in float32, a tenth asserted; up to 0.52 in tf32
+    and 0.73 in bfloat16), the bound's largest entry falls (measured 1.018 times in float32,
+    1.014 in tf32, 1.061 in bfloat16; 1.01 asserted), it never rises, and every error stays
+    within it."""
+    num = mn.Numerics.preset(preset)
+    x, params = _layer(11, 128, 32)
+    seen = []
+    original = stored_module.normaliser
+
+    def spy(p, st, other, rest):
+        got = original(p, st, other, rest)
+        seen.append((got, np.expm1(rest[0].max(axis=-1, keepdims=True))))
+        return got
+
+    monkeypatch.setattr(stored_module, "normaliser", spy)
+    bound, before = _with_and_without(
+        monkeypatch,
+        (stored_module, "normaliser"),
+        x,
+        params,
+        num,
+        replacement=lambda p, st, other, rest: np.expm1(rest[0].max(axis=-1, keepdims=True)),
+    )
+    assert seen
+    for got, certain in seen:
+        assert np.all(got <= certain)
+        if preset == "fp32":
+            assert np.all(got < 0.1 * certain)
+    assert before.total.max() > 1.01 * bound.total.max()
     assert np.all(bound.total <= before.total * (1 + 2.0**-40))
     assert np.all(_error(x, params, 4, num) <= bound.total)

@@ -384,8 +384,8 @@ def _mha_bound(
         + rows * params.d_out * params.v_width
     )
     across_heads = (lam is not None or probability is not None) and stored_scope(p, num)
-    if across_heads:  # Theorem A.3‴: one more event per output entry
-        chains += math.prod(outer) * rows * params.d_out
+    if across_heads:  # Theorem A.3‴: one more event per output entry, and per head's row
+        chains += math.prod(outer) * rows * (params.d_out + heads)
     lam = lam_or_probability(lam, probability, chains, num)
     keep, masked, b, replaced = keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)
     dead = dead_rows(keep, masked)

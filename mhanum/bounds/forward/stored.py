@@ -31,6 +31,7 @@ from mhanum.problem import MHAProblem
 __all__ = [
     "EXACT_QUERIES",
     "Rounding",
+    "normaliser",
     "queries_exactly",
     "spread",
     "stored_parts",
@@ -124,9 +125,9 @@ def stored_parts(
         dots, used = dots_form.bound(lam), dots_form.fixed
         mu_v = pl @ st.stored.moved[2]  # >= |Σ_j p_j μ_vj| (A.1's split: p_j (ṽ_j - v_j))
         d = np.where(live, enc.delta, 0.0)
-        z_inv = np.exp(d.max(axis=-1, keepdims=True))
         # per key: the moved roundings' part of ε_j, and δ'_j + (e^δ - 1 - δ) >= |ε' + r_j|
         moved, other = pl * st.moved, pl * (st.rest + np.expm1(d) - d)
+        z_inv = 1 + normaliser(pl, st, other, (d, ev, lam))  # 1/Z, and |1/Z - 1| + 1, at most
         o = pl @ v
         unsigned = _deviation(moved + other, np.abs(v), np.abs(o))
         first = z_inv * scale_out * unsigned + scale_out * mu_v
@@ -160,6 +161,35 @@ def stored_parts(
         **dict(zip(STORED_PARTS, parts, strict=True)),
         **{n: x * f for n, x, f in zip(STORED_DOTS, dot_parts, ups, strict=True)},
     }
+
+
+def normaliser(
+    p: np.ndarray, st: StoredSplit, other: np.ndarray, rest: tuple[np.ndarray, float, float]
+) -> np.ndarray:
+    """Theorem A.3‴, the normaliser: a bound on ``|1/Z - 1|`` per row, ``Z = Σ_j p_j e^{ε_j}``.
+
+    ``e^{max δ} - 1`` always; and, on one more event per row, ``ζ/(1 - ζ)`` where ``ζ < 1``:
+    ``Z - 1 = Σ_j p_j (e^{ε_j} - 1)`` is ``M_Z = Σ_j p_j (ε^dot_j + ε^μ_j)``, the dots' and the
+    moved roundings' first-order part, a martingale in the order of A.3‴ with increments
+    ``c δ T_t κ_t`` (the queries', ``κ = Σ_j p_j k_j``), ``p_j`` times the keys', the scores'
+    and the dots' (``w_k``, ``w_s``, ``b_j²`` per key), plus ``Σ_j p_j (ε'_j + r_j)``, within
+    ``other``'s sum: ``ζ = λ V_Z^½ + Σ_j other_j`` and the float64 weights' sum off 1.
+    ``rest = (δ, ev, λ)``: the logits' deterministic bounds, the float64 sums' relative
+    rounding and ``λ``."""
+    d, ev, lam = rest
+    certain = np.expm1(d.max(axis=-1, keepdims=True))
+    kappa = np.abs(p @ st.k) + 2 * ev * (p @ np.abs(st.k))
+    pp = p * p
+    var = (st.c2_sig_q * kappa * kappa).sum(axis=-1, keepdims=True) + (
+        pp * (st.w_k + st.w_s + st.b * st.b)
+    ).sum(axis=-1, keepdims=True)
+    off_one = (np.abs(1 - p.sum(axis=-1, keepdims=True)) + 8 * ev) * (1 + certain)
+    zeta = (lam * np.sqrt(var * (1 + 8 * ev)) + other.sum(axis=-1, keepdims=True) + off_one) * (
+        1 + 8 * ev
+    )
+    with np.errstate(divide="ignore", invalid="ignore"):
+        probable = np.where(zeta < 0.5, zeta / (1 - zeta) * (1 + 4 * ev), np.inf)
+    return np.fmin(certain, probable)
 
 
 def _dots_through(
