@@ -493,7 +493,7 @@ def test_the_probabilistic_bound_counts_one_chain_per_term(algorithm, sink):
     """B.5's Bound.probability is the union bound over every term of every sum and dot (R.6's
     corollary), counted by hand: ``q kᵀ``, the row sums, ``G Vᵀ``, ``D``, ``dQ``, ``dK``,
     ``dV`` and the sink's column sum, per batch element."""
-    from mhanum.bounds.factors import union_failure
+    from mhanum.bounds.union import union_failure
     from mhanum.numerics import resolve
 
     rng = np.random.default_rng(7)

@@ -11,7 +11,8 @@ import pytest
 import mhanum
 from mhanum import Backward, InvalidArgument, MHAParams, reference
 from mhanum.bounds.backward import mha_grad_bound
-from mhanum.bounds.factors import chain, lam_or_probability, union_failure
+from mhanum.bounds.factors import chain
+from mhanum.bounds.union import lam_or_probability, union_failure
 from mhanum.formats import round_to
 from mhanum.numerics import resolve
 

@@ -45,7 +45,6 @@ __all__ = [
     "gamma",
     "kahan_constants",
     "kahan_factor",
-    "lam_or_probability",
     "native_unit",
     "operand_bits",
     "operand_error",
@@ -64,7 +63,6 @@ __all__ = [
     "tensor_core_eta",
     "tensor_core_factor",
     "tree_height",
-    "union_failure",
     "unit_eta",
     "unit_factor",
 ]
@@ -765,34 +763,3 @@ def rounding_error(x: np.ndarray, fmt: Format) -> np.ndarray:
     exact = representable(x, fmt)
     tiny = (x != 0) & (np.abs(x) < fmt.smallest_normal)
     return np.where(exact, 0.0, fmt.u * np.abs(x)) + np.where(tiny, fmt.smallest_normal, 0.0)
-
-
-def union_failure(lam: float, chains: int, num: Numerics) -> float:
-    """The union bound's failure probability ``N·2exp(-λ²(1-u)²/2)`` over ``N`` chains."""
-    u = max(num.format_of(r).u for r in ("accum", "softmax"))
-    return chains * 2 * math.exp(-((lam * (1 - u)) ** 2) / 2)
-
-
-def lam_or_probability(
-    lam: float | None, probability: float | None, chains: int, num: Numerics
-) -> float | None:
-    """The ``λ`` of the probabilistic variant: ``lam`` as given, or the ``λ`` that solves the
-    union bound over ``chains`` events for ``probability`` (raised by float64 spacings until
-    the stated probability, evaluated as :class:`Bound` states it, is at least ``probability``)."""
-    if probability is None:
-        return None if lam is None else check_lam(lam, "lam")
-    if lam is not None:
-        msg = (
-            "lam, probability: expected one of them (or neither), got "
-            f"lam={lam!r} and probability={probability!r}"
-        )
-        raise InvalidArgument(msg)
-    ok = isinstance(probability, (int, float, np.floating)) and not isinstance(probability, bool)
-    if not ok or not (0 < probability < 1):
-        msg = f"probability: expected a number in (0, 1), got {probability!r}"
-        raise InvalidArgument(msg)
-    u = max(num.format_of(r).u for r in ("accum", "softmax"))
-    found = math.sqrt(2 * math.log(2 * chains / (1 - probability))) / (1 - u)
-    while 1.0 - union_failure(found, chains, num) < probability:  # the formula's own rounding
-        found = math.nextafter(found, math.inf)
-    return found

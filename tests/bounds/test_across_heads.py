@@ -24,9 +24,16 @@ import mhanum.bounds.forward.mha as mha_module
 import mhanum.bounds.forward.stored as stored_module
 from mhanum import masks, reference
 from mhanum.bounds import mha_bound
-from mhanum.bounds.factors import evaluation_rounding, union_failure
+from mhanum.bounds.factors import evaluation_rounding
 from mhanum.bounds.forward.stored import queries_exactly, spread
 from mhanum.bounds.projections import linear
+from mhanum.bounds.union import (
+    ENTRIES_SHARE,
+    lam_or_probability,
+    lam_split,
+    split_failure,
+    union_failure,
+)
 
 SCOPE = ("bf16-fp32acc", "fp16-fp32acc", "fp32", "bf16", "tf32")
 # the largest entry's gain over A.3 alone at the size below, measured 1.92, 2.37, 13.0, 1.0 and
@@ -416,3 +423,49 @@ def test_the_normaliser_averages_the_rows_logit_errors(preset, monkeypatch):
     assert before.total.max() > 1.01 * bound.total.max()
     assert np.all(bound.total <= before.total * (1 + 2.0**-40))
     assert np.all(_error(x, params, 4, num) <= bound.total)
+
+
+def test_lam_split_states_at_least_the_probability_asked_for():
+    """``lam_split``: the chains' ``λ`` solved on nine tenths of the failure probability, the
+    entries' on a tenth, the stated probability (both classes' union bound together) at least
+    the one asked for, and the chains' share not exceeded by more than rounding."""
+    num = mn.Numerics.preset("fp32")
+    for chains, entries, probability in [(7 * 10**7, 33_280, 0.99), (500, 40, 0.5), (10, 10, 0.9)]:
+        lam_c, lam_e = lam_split(probability, chains, entries, num)
+        failure = split_failure((lam_c, lam_e), (chains, entries), num)
+        assert 1 - failure >= probability
+        share = 1 - (1 - probability) * (1 - ENTRIES_SHARE)  # the chains' probability
+        assert 1 - union_failure(lam_c, chains, num) >= share
+        assert 1 - union_failure(lam_c, chains, num) < share + 1e-12  # (no more than that)
+        if entries < chains:
+            assert lam_e < lam_c
+    with pytest.raises(mn.InvalidArgument, match="probability: expected a number in"):
+        lam_split(1.5, 10, 10, num)
+
+
+def test_the_entries_events_take_a_lambda_of_their_own(monkeypatch):
+    """With ``probability=``, A.3‴'s per-entry and per-row events (``L_q(d_out + h)``) take a
+    tenth of the failure probability and the chains the rest, each class its own ``λ``
+    (``bound.lam`` the chains'). At the README demo size in float32 the bound's largest entry
+    falls 1.09 times against one ``λ`` for every event (1.05 asserted), the chains' ``λ``
+    grows by 0.2% (6.84 to 6.85), the stated probability is the one asked for, and every
+    error stays within the bound."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 64, 512)).astype(np.float32).astype(np.float64)
+    params = mn.MHAParams.random(512, seed=0)
+    num = mn.Numerics.preset("fp32")
+    bound = mha_bound(x, x, params, 8, numerics=num, probability=0.99)
+
+    def one(lam, probability, counts, num):
+        found = lam_or_probability(lam, probability, sum(counts), num)
+        return found, found, None
+
+    with monkeypatch.context() as mp:
+        mp.setattr(mha_module, "_lams", one)
+        single = mha_bound(x, x, params, 8, numerics=num, probability=0.99)
+    assert single.lam < bound.lam < single.lam * 1.003
+    assert 0.99 <= bound.probability < 0.99 + 1e-9
+    assert single.total.max() > 1.05 * bound.total.max()
+    out = np.asarray(mn.multi_head_attention(x, x, params, 8, numerics=num), np.float64)
+    err = np.abs(out - reference.multi_head_attention(x, x, params, 8))
+    assert np.all(err <= bound.total)

@@ -37,14 +37,9 @@ from mhanum.bounds.enclosure import (
     transpose,
     transpose_or_none,
 )
-from mhanum.bounds.factors import (
-    chain,
-    compound,
-    evaluation_rounding,
-    lam_or_probability,
-    rounding_error,
-)
+from mhanum.bounds.factors import chain, compound, evaluation_rounding, rounding_error
 from mhanum.bounds.scale import scale_rounding
+from mhanum.bounds.union import lam_or_probability
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 from mhanum.problem import AttentionProblem
 

@@ -36,18 +36,12 @@ from mhanum.bounds.enclosure import (
     f64_dot,
     read_error,
 )
-from mhanum.bounds.factors import (
-    chain,
-    compound,
-    evaluation_rounding,
-    lam_or_probability,
-    operand_bits,
-    rounding_error,
-)
+from mhanum.bounds.factors import chain, compound, evaluation_rounding, operand_bits, rounding_error
 from mhanum.bounds.forward import head_output_bound, merge_heads, split_heads
 from mhanum.bounds.forward.stage import Setting
 from mhanum.bounds.projections import linear, linear_overflow
 from mhanum.bounds.scale import is_power_of_four
+from mhanum.bounds.union import lam_or_probability
 from mhanum.formats import Format
 from mhanum.numerics import Backward, Numerics, resolve, resolve_backward
 from mhanum.problem import AttentionProblem, MHAProblem

@@ -12,8 +12,8 @@ import numpy as np
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
 from mhanum.bounds.enclosure import Ranges
-from mhanum.bounds.factors import union_failure
 from mhanum.bounds.forward import PROBABILISTIC
+from mhanum.bounds.union import union_failure
 from mhanum.numerics import Backward, Numerics
 
 __all__ = [

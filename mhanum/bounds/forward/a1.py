@@ -28,14 +28,22 @@ from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum._threads import one_blas_thread
 from mhanum.bounds._result import Bound
-from mhanum.bounds.factors import lam_or_probability, rounding_error
+from mhanum.bounds.factors import rounding_error
 from mhanum.bounds.forward.along import along_rows, directions
 from mhanum.bounds.forward.evaluation import certified_difference, quiet
 from mhanum.bounds.forward.head import HeadResult, evaluate_heads
 from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias, with_dead_rows
 from mhanum.bounds.forward.operands import read_by_the_dot
-from mhanum.bounds.forward.result import check_scope, head_reasons, result, split_count, stack
+from mhanum.bounds.forward.result import (
+    Events,
+    check_scope,
+    head_reasons,
+    result,
+    split_count,
+    stack,
+)
 from mhanum.bounds.forward.stage import ALONG, PLAIN, Head, Setting
+from mhanum.bounds.union import lam_or_probability
 from mhanum.formats import round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.problem import AttentionProblem
@@ -429,7 +437,7 @@ def _attention_bound(
     if not reasons and not np.all(np.isfinite(np.asarray(total))):
         reasons = (EVALUATION_OVERFLOW,)
     theorem = "A.1" if num.kv_splits is None else "A.6"
-    bound = result(total, terms, theorem, num, lam, chains, all_parts, reasons)
+    bound = result(total, terms, theorem, num, Events(lam, chains), all_parts, reasons)
     if gu is None:
         return bound, None
     present = [c for c in coupled if c is not None]

@@ -14,19 +14,14 @@ from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum._threads import one_blas_thread
 from mhanum.bounds._result import Bound
-from mhanum.bounds.factors import (
-    evaluation_rounding,
-    lam_or_probability,
-    operand_error,
-    rounding_error,
-)
+from mhanum.bounds.factors import evaluation_rounding, operand_error, rounding_error
 from mhanum.bounds.forward.across_heads import across_heads, gather, head_sum, merge_heads, shared
 from mhanum.bounds.forward.along import along_rows
 from mhanum.bounds.forward.evaluation import certified_difference, quiet
 from mhanum.bounds.forward.head import HeadResult, evaluate_heads, evaluate_rows
 from mhanum.bounds.forward.keys import DEAD, dead_rows, keep_and_bias, with_dead_rows
 from mhanum.bounds.forward.operands import read_by_the_dot
-from mhanum.bounds.forward.result import check_scope, head_reasons, result, split_count
+from mhanum.bounds.forward.result import Events, check_scope, head_reasons, result, split_count
 from mhanum.bounds.forward.stage import (
     ALONG,
     PLAIN,
@@ -41,6 +36,7 @@ from mhanum.bounds.forward.stage import (
 )
 from mhanum.bounds.forward.stored import stored_scope
 from mhanum.bounds.projections import Linear, linear, linear_overflow
+from mhanum.bounds.union import lam_or_probability, lam_split, split_failure
 from mhanum.formats import round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
@@ -311,9 +307,11 @@ def mha_bound(
             reads of them into an operand format (TF32), the scores' and the probabilities'
             roundings as one martingale per output entry through the output projection's
             weights (IEEE dots, the scale on the scores, no rotation or split-KV; one more
-            event per output entry).
+            event per output entry, and one per head's row for its normaliser).
         probability: instead of ``lam``, the probability the bound should state, as for
-            :func:`attention_bound`.
+            :func:`attention_bound`. Where Theorem A.3‴ applies, its per-entry and per-row
+            events take a ``λ`` of their own: each class is solved on half the failure
+            probability, and ``Bound.lam`` is the chains' (Theorem A.3's).
         input_rounding: ``"auto"``, ``"exact"`` or ``"bounded"``: how the rounding of the
             inputs and weights into ``numerics.input`` is charged (above). ``"exact"`` needs
             the default scale and falls back to ``"bounded"`` where a rounded value is not
@@ -384,9 +382,10 @@ def _mha_bound(
         + rows * params.d_out * params.v_width
     )
     across_heads = (lam is not None or probability is not None) and stored_scope(p, num)
-    if across_heads:  # Theorem A.3‴: one more event per output entry, and per head's row
-        chains += math.prod(outer) * rows * (params.d_out + heads)
-    lam = lam_or_probability(lam, probability, chains, num)
+    # Theorem A.3‴: one more event per output entry, and per head's row
+    entries = math.prod(outer) * rows * (params.d_out + heads) if across_heads else 0
+    lam, lam_e, failure = _lams(lam, probability, (chains, entries), num)
+    chains += entries
     keep, masked, b, replaced = keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)
     dead = dead_rows(keep, masked)
     keep = with_dead_rows(keep, dead)
@@ -401,11 +400,13 @@ def _mha_bound(
     stored = None
     if across_heads and all(x is not None for x in last.values()):
         stored = _read_by_the_attention(last, proj, num)
-    results = _heads(p, num, lam, proj, (keep, b, masked, replaced, w, stored), known)
+    results = _heads(p, num, (lam, lam_e), proj, (keep, b, masked, replaced, w, stored), known)
     shape = (*outer, heads, rows, d_v)
     ev = evaluation_rounding(max(params.v_width, keys))
     group = heads // (p.num_kv_heads or heads)
-    terms, logits, bad_out = _output_projection(results, shape, w, num, (lam, group), reasons, ev)
+    terms, logits, bad_out = _output_projection(
+        results, shape, w, num, (lam, group, lam_e), reasons, ev
+    )
     full = terms["output_projection"].shape
     head_bad = {
         n: gather(results, lambda r, n=n: r[4].where.get(n, np.zeros(r[4].shape, bool)), shape)
@@ -423,8 +424,26 @@ def _mha_bound(
     total = sum(terms.values())
     reasons = list(dict.fromkeys(reasons))
     return result(
-        total, terms, "A.2", num, lam, chains, {"attention.logits": logits}, tuple(reasons)
-    )
+        total, terms, "A.2", num, Events(lam, chains, failure), {"attention.logits": logits},
+        tuple(reasons),
+    )  # fmt: skip
+
+
+def _lams(
+    lam: float | None, probability: float | None, counts: tuple[int, int], num: Numerics
+) -> tuple[float | None, float | None, float | None]:
+    """``(λ, λ_e, failure)``: ``lam`` for every event (``failure`` None: the union over them
+    all); or, for ``probability`` with A.3‴'s ``entries`` (``counts = (chains, entries)``), the
+    chains' ``λ`` and the entries' ``λ_e``, each on half the failure probability
+    (:func:`lam_split`), and the failure they state together."""
+    chains, entries = counts
+    if probability is None or not entries:
+        found = lam_or_probability(lam, probability, chains + entries, num)
+        return found, found, None
+    if lam is not None:
+        lam_or_probability(lam, probability, chains, num)  # (the error it raises)
+    lams = lam_split(probability, chains, entries, num)
+    return *lams, split_failure(lams, counts, num)
 
 
 def _projections(
@@ -533,7 +552,7 @@ def _rotated_projections(
 def _heads(
     p: MHAProblem,
     num: Numerics,
-    lam: float | None,
+    lams: tuple[float | None, float | None],
     proj: dict[str, tuple[Any, Any, Any]],
     keys: tuple[Any, ...],
     known: bool = True,
@@ -544,6 +563,7 @@ def _heads(
     attended keys, the bias, the masked and replaced logits, the weights and, for Theorem
     A.3‴, the projections' relative roundings (``None``: not taken)."""
     keep, b, masked, replaced, w, last = keys
+    lam, lam_e = lams
     heads = p.num_heads
     c = p.scale_value(num.scale)
     d_v = p.params.v_width // heads
@@ -565,7 +585,7 @@ def _heads(
                 stored=None if last is None else Stored(
                     (last["q"][0][i], last["k"][0][i], last["v"][0][i]),
                     (last["q"][1][i], last["k"][1][i], last["v"][1][i]),
-                    wo_hat[cols],
+                    wo_hat[cols], lam_e,
                 ),
             )  # fmt: skip
     # every head's chunks of rows side by side (each evaluated as it would be alone)
@@ -577,17 +597,17 @@ def _output_projection(
     shape: tuple[int, ...],
     w: dict[str, Any],
     num: Numerics,
-    lam_group: tuple[float | None, int],
+    lam_group: tuple[float | None, int, float | None],
     reasons: list[str],
     ev: float,
 ) -> tuple[dict[str, Any], dict[str, Any], Any]:
     """Steps (c) and (c'): the heads' terms through the output projection, and its own error
     (``output_projection``); the logits term through the weights (step (c'), where smaller);
-    then Theorem A.3‴ where the heads carry its parts (``lam_group``: ``lam`` and the query
-    heads per key/value head). Returns the terms, the logits term's parts and the outputs the
+    then Theorem A.3‴ where the heads carry its parts (``lam_group``: ``lam``, the query
+    heads per key/value head and the ``λ`` of A.3‴'s per-entry events). Returns the terms, the logits term's parts and the outputs the
     projection may overflow; adds the heads' and the projection's reasons to ``reasons``.
     ``ev``: the float64 evaluation's relative rounding of step (c')'s sums."""
-    lam, group = lam_group
+    lam, group, lam_e = lam_group
     names = sorted({name for r in results.values() for name in r[0]})
     head_terms = {
         n: gather(results, lambda r, n=n: r[0].get(n, np.zeros_like(r[1])), shape) for n in names
@@ -625,7 +645,7 @@ def _output_projection(
     if lam is not None and all(STORED_PARTS[0] in r[3] for r in results.values()):
         read = _read_by_the_projection(o, o_given, w["wo"], out, num)
         own = _projection_roundings(out, o_err)
-        across_heads(terms, logits, (results, shape, out, (read, own)), lam, group)
+        across_heads(terms, logits, (results, shape, out, (read, own)), lam_e or lam, group)
     return terms, logits, bad_out
 
 

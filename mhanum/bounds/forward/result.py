@@ -4,19 +4,20 @@ reason, and the probability of the union of the chains' events."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from mhanum._errors import InvalidArgument
 from mhanum.bounds._result import Bound
-from mhanum.bounds.factors import union_failure
+from mhanum.bounds.union import union_failure
 from mhanum.numerics import Numerics
 from mhanum.units import Online
 
 __all__ = [
     "ASSUMPTIONS",
     "PROBABILISTIC",
+    "Events",
     "check_scope",
     "head_reasons",
     "result",
@@ -82,22 +83,32 @@ def stack(per_head: list[dict[str, np.ndarray]], shape: tuple[int, ...]) -> dict
     return {n: np.stack([h.get(n, zeros) for h in per_head]).reshape(shape) for n in names}
 
 
+class Events(NamedTuple):
+    """The events a probabilistic bound's statement counts: ``lam`` (``None``: a certain
+    bound) over ``chains`` events, or ``1 - failure`` where classes of them take ``λ``s of their
+    own (``lam`` then the chains')."""
+
+    lam: float | None
+    chains: int
+    failure: float | None = None
+
+
 def result(
     total: Any,
     terms: dict[str, Any],
     theorem: str,
     num: Numerics,
-    lam: float | None,
-    chains: int,
+    events: Events,
     parts: dict[str, dict[str, Any]] | None = None,
     reasons: tuple[str, ...] = (),
 ) -> Bound:
-    """The :class:`Bound`; with ``lam``, the probability of the union of the ``chains`` events.
+    """The :class:`Bound`; with ``events.lam``, the probability of the union of the events.
 
     A NaN that the float64 evaluation produced (inf - inf, 0·inf where a range check already
     made an entry infinite, or an overflow no check caught) is an infinite bound: nothing is
     proved there, and an entry no other reason covers gets its own.
     """
+    lam, chains, failure = events
     parts = parts or {}
     total = np.asarray(total, np.float64)
     nan = np.isnan(total)
@@ -115,5 +126,7 @@ def result(
             total, terms, theorem, ASSUMPTIONS, "blanchard2021", parts=parts, reasons=reasons
         )
     assumptions = (*ASSUMPTIONS, PROBABILISTIC)
-    probability = max(0.0, 1.0 - union_failure(lam, chains, num))
+    if failure is None:
+        failure = union_failure(lam, chains, num)
+    probability = max(0.0, 1.0 - failure)
     return Bound(total, terms, theorem, assumptions, "higham2019", probability, parts, reasons, lam)

@@ -78,16 +78,18 @@ class Stored:
     entry of the head's ``q``, ``k``, ``v`` (the rest of each operand's error is ``errors -
     moved``) and ``sigma`` the root-sum-square of their bounds
     (:meth:`mhanum.bounds.projections.Linear.roundings`); ``w`` is the head's rows of the
-    output projection's weights as the kernel reads them (signed)."""
+    output projection's weights as the kernel reads them (signed); ``lam`` the ``λ`` of the
+    layer's per-entry and per-row events (its martingales', A.3‴), ``None``: the head's."""
 
     moved: tuple[np.ndarray, np.ndarray, np.ndarray]
     sigma: tuple[np.ndarray, np.ndarray, np.ndarray]
     w: np.ndarray
+    lam: float | None = None
 
     def rows(self, cut: Callable[[np.ndarray], np.ndarray]) -> Stored:
         """The query rows of this head (``cut`` applied to the queries' parts)."""
         m, s = self.moved, self.sigma
-        return Stored((cut(m[0]), m[1], m[2]), (cut(s[0]), s[1], s[2]), self.w)
+        return Stored((cut(m[0]), m[1], m[2]), (cut(s[0]), s[1], s[2]), self.w, self.lam)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

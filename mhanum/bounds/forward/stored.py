@@ -127,7 +127,8 @@ def stored_parts(
         d = np.where(live, enc.delta, 0.0)
         # per key: the moved roundings' part of ε_j, and δ'_j + (e^δ - 1 - δ) >= |ε' + r_j|
         moved, other = pl * st.moved, pl * (st.rest + np.expm1(d) - d)
-        z_inv = 1 + normaliser(pl, st, other, (d, ev, lam))  # 1/Z, and |1/Z - 1| + 1, at most
+        lam_row = lam if st.stored.lam is None else st.stored.lam  # (a per-row event)
+        z_inv = 1 + normaliser(pl, st, other, (d, ev, lam_row))  # 1/Z, and |1/Z - 1| + 1, at most
         o = pl @ v
         unsigned = _deviation(moved + other, np.abs(v), np.abs(o))
         first = z_inv * scale_out * unsigned + scale_out * mu_v
