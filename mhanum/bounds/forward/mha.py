@@ -1,6 +1,6 @@
 """Theorem A.2 (papers/attention.md): multi-head attention, its projections (step (a)), the heads
 as Theorem A.1 with computed operands (step (b), :func:`head_output_bound`), and the output
-projection (steps (c) and (c'))."""
+projection (steps (c), (c') and (c''))."""
 
 from __future__ import annotations
 
@@ -310,8 +310,9 @@ def mha_bound(
             event per output entry, and one per head's row for its normaliser).
         probability: instead of ``lam``, the probability the bound should state, as for
             :func:`attention_bound`. Where Theorem A.3‴ applies, its per-entry and per-row
-            events take a ``λ`` of their own: each class is solved on half the failure
-            probability, and ``Bound.lam`` is the chains' (Theorem A.3's).
+            events take a ``λ`` of their own, solved on a tenth of the failure probability
+            (:func:`mhanum.bounds.union.lam_split`); ``Bound.lam`` is the chains' (Theorem
+            A.3's), solved on the rest.
         input_rounding: ``"auto"``, ``"exact"`` or ``"bounded"``: how the rounding of the
             inputs and weights into ``numerics.input`` is charged (above). ``"exact"`` needs
             the default scale and falls back to ``"bounded"`` where a rounded value is not
@@ -434,7 +435,7 @@ def _lams(
 ) -> tuple[float | None, float | None, float | None]:
     """``(λ, λ_e, failure)``: ``lam`` for every event (``failure`` None: the union over them
     all); or, for ``probability`` with A.3‴'s ``entries`` (``counts = (chains, entries)``), the
-    chains' ``λ`` and the entries' ``λ_e``, each on half the failure probability
+    chains' ``λ`` and the entries' ``λ_e``, each on its share of the failure probability
     (:func:`lam_split`), and the failure they state together."""
     chains, entries = counts
     if probability is None or not entries:
@@ -601,12 +602,13 @@ def _output_projection(
     reasons: list[str],
     ev: float,
 ) -> tuple[dict[str, Any], dict[str, Any], Any]:
-    """Steps (c) and (c'): the heads' terms through the output projection, and its own error
-    (``output_projection``); the logits term through the weights (step (c'), where smaller);
-    then Theorem A.3‴ where the heads carry its parts (``lam_group``: ``lam``, the query
-    heads per key/value head and the ``λ`` of A.3‴'s per-entry events). Returns the terms, the logits term's parts and the outputs the
+    """Steps (c), (c') and (c''): the heads' terms through the output projection, and its own
+    error (``output_projection``); the logits and the softmax terms through the weights with
+    their signs (steps (c') and (c''), where smaller); then Theorem A.3‴ where the heads carry
+    its parts (``lam_group``: ``lam``, the query heads per key/value head and the ``λ`` of
+    A.3‴'s per-entry events). Returns the terms, the logits term's parts and the outputs the
     projection may overflow; adds the heads' and the projection's reasons to ``reasons``.
-    ``ev``: the float64 evaluation's relative rounding of step (c')'s sums."""
+    ``ev``: the float64 evaluation's relative rounding of steps (c') and (c'')'s sums."""
     lam, group, lam_e = lam_group
     names = sorted({name for r in results.values() for name in r[0]})
     head_terms = {

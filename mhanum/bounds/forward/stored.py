@@ -169,7 +169,7 @@ def normaliser(
 ) -> np.ndarray:
     """Theorem A.3‴, the normaliser: a bound on ``|1/Z - 1|`` per row, ``Z = Σ_j p_j e^{ε_j}``.
 
-    ``e^{max δ} - 1`` always; and, on one more event per row, ``ζ/(1 - ζ)`` where ``ζ < 1``:
+    ``e^{max δ} - 1`` always; and, on one more event per row, ``ζ/(1 - ζ)`` where ``ζ < 1/2``:
     ``Z - 1 = Σ_j p_j (e^{ε_j} - 1)`` is ``M_Z = Σ_j p_j (ε^dot_j + ε^μ_j)``, the dots' and the
     moved roundings' first-order part, a martingale in the order of A.3‴ with increments
     ``c δ T_t κ_t`` (the queries', ``κ = Σ_j p_j k_j``), ``p_j`` times the keys', the scores'
