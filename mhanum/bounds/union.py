@@ -1,7 +1,8 @@
 """The union bound of the probabilistic variants (Theorem A.3, papers/attention.md): the
 failure probability of ``N`` events each within ``λ`` (Azuma-Hoeffding per event), and the ``λ``
 that states a given probability, over one class of events or two (A.3's product chains and
-Theorem A.3‴'s per-entry martingales, each with its own ``λ``)."""
+the per-entry martingales of Theorems A.3', A.3'', A.3e and A.3‴, each class with its own
+``λ``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ __all__ = [
     "check_probability",
     "lam_or_probability",
     "lam_split",
+    "lams_for",
     "split_failure",
     "union_failure",
 ]
@@ -86,3 +88,24 @@ def lam_or_probability(
     while 1.0 - union_failure(found, chains, num) < probability:  # the formula's own rounding
         found = math.nextafter(found, math.inf)
     return found
+
+
+def lams_for(
+    lam: float | None, probability: float | None, counts: tuple[int, int], num: Numerics
+) -> tuple[float | None, float | None, float | None]:
+    """``(λ_c, λ_e, failure)`` for ``counts = (chains, entries)``: with ``lam`` (or neither)
+    one ``λ`` for every event (``failure`` ``None``: the union over them all, as
+    :class:`~mhanum.bounds.Bound` states it); with ``probability`` and some ``entries``, the
+    chains' ``λ`` and the entries' ``λ_e``, each on its share of the failure probability
+    (:func:`lam_split`), and the failure they state together; one ``λ`` where the split's
+    ``λ_e`` would not be below it (entries about as many as chains: small problems). The
+    choice reads the counts only."""
+    chains, entries = counts
+    found = lam_or_probability(lam, probability, chains + entries, num)
+    if probability is None or not entries:
+        return found, found, None
+    assert found is not None
+    found_c, found_e = lam_split(probability, chains, entries, num)
+    if found_e >= found:
+        return found, found, None
+    return found_c, found_e, split_failure((found_c, found_e), counts, num)

@@ -463,7 +463,7 @@ def test_the_entries_events_take_a_lambda_of_their_own(monkeypatch):
         return found, found, None
 
     with monkeypatch.context() as mp:
-        mp.setattr(mha_module, "_lams", one)
+        mp.setattr(mha_module, "lams_for", one)
         single = mha_bound(x, x, params, 8, numerics=num, probability=0.99)
     assert single.lam < bound.lam < single.lam * 1.003
     assert 0.99 <= bound.probability < 0.99 + 1e-9

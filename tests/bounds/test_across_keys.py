@@ -20,6 +20,7 @@ from mhanum import reference
 from mhanum.bounds import attention_bound
 from mhanum.bounds.factors import gamma
 from mhanum.bounds.forward.one_martingale import Increments
+from mhanum.bounds.union import ENTRIES_SHARE, lam_or_probability, lam_split, split_failure
 
 INF = np.array(np.inf)
 
@@ -71,19 +72,44 @@ def test_the_probability_counts_three_events_per_output_entry():
 
 
 @pytest.mark.parametrize("probability", [0.5, 0.9, 0.99, 0.999, 1 - 1e-9])
-def test_a_requested_probability_is_stated_and_its_lam_is_the_union_bounds(probability):
-    # probability= solves the same union bound for λ: the stated probability reaches the
-    # request, and a λ smaller by 1e-9 (relative) would not.
+def test_a_requested_probability_is_stated_and_its_lams_are_the_union_bounds(probability):
+    # probability= solves the union bound over two classes: the chains on 0.9 of the failure
+    # probability (a λ smaller by 1e-9, relative, would not reach it) and the three
+    # martingale events per output entry on the rest, each with its own λ; the stated
+    # probability reaches the request, and the chains' λ for every event (the entries' is
+    # below it) gives a bound never below it, stating more.
     rng = np.random.default_rng(2)
-    q, k, v = (rng.standard_normal((2, 5, 8)) for _ in range(3))
-    bound = attention_bound(q, k, v, numerics="bf16-fp32acc", probability=probability)
+    q, k, v = (rng.standard_normal((2, 32, 8)) for _ in range(3))
+    num = mn.Numerics.preset("bf16-fp32acc")
+    bound = attention_bound(q, k, v, numerics=num, probability=probability)
     assert bound.probability >= probability
     assert bound.lam is not None
-    chains = 2 * 5 * (5 * (8 + 1 + 8) + 3 * 8)
+    chains, entries = 2 * 32 * 32 * (8 + 1 + 8), 2 * 32 * 3 * 8
+    lam_c, lam_e = lam_split(probability, chains, entries, num)
+    assert bound.lam == lam_c
+    assert lam_e < lam_c
+    assert bound.probability == 1 - split_failure((lam_c, lam_e), (chains, entries), num)
     u = 2.0**-24
-    below = bound.lam * (1 - 1e-9)
-    assert 1 - chains * 2 * math.exp(-((below * (1 - u)) ** 2) / 2) < probability
-    same = attention_bound(q, k, v, numerics="bf16-fp32acc", lam=bound.lam)
+    below = lam_c * (1 - 1e-9)
+    chains_share = 1 - (1 - probability) * (1 - ENTRIES_SHARE)
+    assert 1 - chains * 2 * math.exp(-((below * (1 - u)) ** 2) / 2) < chains_share
+    one = attention_bound(q, k, v, numerics=num, lam=lam_c)
+    assert one.probability > bound.probability
+    assert np.all(one.total >= bound.total)
+
+
+def test_a_small_problem_keeps_one_lam_for_every_event():
+    # 5 keys of width 8: the entries' 3·8 events per row against 5·17 chains, so a tenth of
+    # the failure probability would give the entries a λ above the common one; the union
+    # bound then takes one λ over all 5(5·17 + 3·8) events per batch element.
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((2, 5, 8)) for _ in range(3))
+    num = mn.Numerics.preset("bf16-fp32acc")
+    bound = attention_bound(q, k, v, numerics=num, probability=0.99)
+    events = 2 * 5 * (5 * (8 + 1 + 8) + 3 * 8)
+    assert bound.lam == lam_or_probability(None, 0.99, events, num)
+    assert lam_split(0.99, 2 * 5 * 5 * 17, 2 * 5 * 24, num)[1] > bound.lam
+    same = attention_bound(q, k, v, numerics=num, lam=bound.lam)
     assert same.probability == bound.probability
     np.testing.assert_array_equal(same.total, bound.total)
 

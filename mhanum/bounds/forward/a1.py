@@ -43,7 +43,7 @@ from mhanum.bounds.forward.result import (
     stack,
 )
 from mhanum.bounds.forward.stage import ALONG, PLAIN, Head, Setting
-from mhanum.bounds.union import lam_or_probability
+from mhanum.bounds.union import lams_for
 from mhanum.formats import round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.problem import AttentionProblem
@@ -131,9 +131,12 @@ def attention_bound(
             one way (sums of equal values just above half an ulp) the error is ``~h·u`` and
             exceeds this bound (papers/attention.md, A.3); use ``lam=None`` for adversarial or
             structured data.
-        probability: instead of ``lam``, the probability the bound should state: ``λ`` is
-            solved from the union bound over this call's chains (``Bound.lam`` holds it), so
-            ``Bound.probability >= probability``. At most one of ``lam`` and ``probability``.
+        probability: instead of ``lam``, the probability the bound should state: the
+            union bound over this call's events, with the three per-entry martingale events
+            of A.3', A.3'' and A.3e a class of their own (a tenth of ``1 - probability``,
+            their own ``λ``; :func:`mhanum.bounds.union.lam_split`) and the product chains
+            the rest (``Bound.lam`` holds the chains' ``λ``), so ``Bound.probability >=
+            probability``. At most one of ``lam`` and ``probability``.
         sink: optional attention-sink logits, one per batch element or head (broadcast
             against the batch dimensions): ``e^σ`` joins every row's normaliser, as one more
             key with value 0 that no mask excludes (:func:`mhanum.masks.with_sink`); the
@@ -374,10 +377,11 @@ def _attention_bound(
     keep, masked, b, replaced = keep_and_bias(mask, bias, (*batch, rows, keys), num)
     dead = dead_rows(keep, masked)
     keep = with_dead_rows(keep, dead)  # evaluated as unmasked, then infinite with the reason
-    # every chain's event, and three martingale events per output entry (A.3', A.3'', A.3e)
-    chains = math.prod(batch) * rows * (keys * (q.shape[-1] + 1 + v.shape[-1]) + 3 * v.shape[-1])
-    chains *= split_count(num, keys)
-    lam = lam_or_probability(lam, probability, chains, num)
+    # every chain's event, and a class of their own: three martingale events per output
+    # entry (A.3', A.3'', A.3e), with a λ of their own under probability= (Theorem A.3)
+    splits = math.prod(batch) * rows * split_count(num, keys)
+    counts = (splits * keys * (q.shape[-1] + 1 + v.shape[-1]), splits * 3 * v.shape[-1])
+    lam, lam_e, failure = lams_for(lam, probability, counts, num)
     qb, kb, vb = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
     out_shape = (*batch, rows, v.shape[-1])
     gb = gu = None
@@ -418,7 +422,7 @@ def _attention_bound(
         errors = (errors[0], e_k, _cached(v_cache, vb, fmt_in))
     along = None if gb is None or gu is None or p.descale else (gb, gu)
     stacked = (qb, kb, vb, keep, b, masked, replaced, errors, along, moved)
-    heads = _heads(p, (num, num_y), lam, stacked, known)
+    heads = _heads(p, (num, num_y), (lam, lam_e), stacked, known)
     coupled = [h[3].pop(ALONG, None) for h in heads]
     if p.descale is not None:
         heads = [_descaled(h, p.descale[2], num, num_y) for h in heads]
@@ -437,7 +441,9 @@ def _attention_bound(
     if not reasons and not np.all(np.isfinite(np.asarray(total))):
         reasons = (EVALUATION_OVERFLOW,)
     theorem = "A.1" if num.kv_splits is None else "A.6"
-    bound = result(total, terms, theorem, num, Events(lam, chains), all_parts, reasons)
+    bound = result(
+        total, terms, theorem, num, Events(lam, sum(counts), failure), all_parts, reasons
+    )
     if gu is None:
         return bound, None
     present = [c for c in coupled if c is not None]
@@ -451,7 +457,7 @@ def _attention_bound(
 def _heads(
     p: AttentionProblem,
     nums: tuple[Numerics, Numerics],
-    lam: float | None,
+    lams: tuple[float | None, float | None],
     stacked: tuple[Any, ...],
     known: bool = True,
 ) -> list[HeadResult]:
@@ -460,7 +466,8 @@ def _heads(
     distances to the exact inputs (``moved``), each with the batch dimensions in front
     (``None`` where absent). ``nums``: the numerics, and those of the output before an fp8
     descale multiplies it (step 7''; the numerics themselves without one), whose constant is
-    then charged (:func:`_constant_given`)."""
+    then charged (:func:`_constant_given`). ``lams``: the chains' ``λ`` and the per-entry
+    martingales' (A.3; ``None``: certain)."""
     qb, kb, vb, keep, b, masked, replaced, errors, along, moved = stacked
     num, num_y = nums
     factors = p.descale
@@ -468,8 +475,8 @@ def _heads(
     if factors is not None:
         c = c * factors[0] * factors[1]  # the loose constant charges its float64 roundings too
     setting = Setting(
-        num_y, c, p.scale is None and factors is None, lam, p.softcap, factors is not None,
-        known,
+        num_y, c, p.scale is None and factors is None, lams[0], p.softcap, factors is not None,
+        known, lams[1],
     )  # fmt: skip
     heads = [
         Head(

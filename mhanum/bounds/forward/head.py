@@ -103,7 +103,7 @@ def evaluate_head(head: Head, setting: Setting) -> HeadResult:
         stored,
     )  # fmt: skip
     values = Values(head.v, ops.v_abs, ops.bits_pv, dots.anchor, head.v_centre)
-    ctx = Context(num, setting.lam, u_div, ranges, setting.known_rounding)
+    ctx = Context(num, setting.lam, u_div, ranges, setting.known_rounding, setting.lam_entries)
     if num.kv_splits is None:
         terms, p, _, direct = softmax_pv(enc, values, ctx, head.project, head.along)
     else:

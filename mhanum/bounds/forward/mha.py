@@ -36,7 +36,7 @@ from mhanum.bounds.forward.stage import (
 )
 from mhanum.bounds.forward.stored import stored_scope
 from mhanum.bounds.projections import Linear, linear, linear_overflow
-from mhanum.bounds.union import lam_or_probability, lam_split, split_failure
+from mhanum.bounds.union import lams_for
 from mhanum.formats import round_to
 from mhanum.numerics import Numerics, resolve
 from mhanum.params import MHAParams
@@ -385,7 +385,7 @@ def _mha_bound(
     across_heads = (lam is not None or probability is not None) and stored_scope(p, num)
     # Theorem A.3‴: one more event per output entry, and per head's row
     entries = math.prod(outer) * rows * (params.d_out + heads) if across_heads else 0
-    lam, lam_e, failure = _lams(lam, probability, (chains, entries), num)
+    lam, lam_e, failure = lams_for(lam, probability, (chains, entries), num)
     chains += entries
     keep, masked, b, replaced = keep_and_bias(mask, bias, (*outer, heads, rows, keys), num)
     dead = dead_rows(keep, masked)
@@ -428,23 +428,6 @@ def _mha_bound(
         total, terms, "A.2", num, Events(lam, chains, failure), {"attention.logits": logits},
         tuple(reasons),
     )  # fmt: skip
-
-
-def _lams(
-    lam: float | None, probability: float | None, counts: tuple[int, int], num: Numerics
-) -> tuple[float | None, float | None, float | None]:
-    """``(λ, λ_e, failure)``: ``lam`` for every event (``failure`` None: the union over them
-    all); or, for ``probability`` with A.3‴'s ``entries`` (``counts = (chains, entries)``), the
-    chains' ``λ`` and the entries' ``λ_e``, each on its share of the failure probability
-    (:func:`lam_split`), and the failure they state together."""
-    chains, entries = counts
-    if probability is None or not entries:
-        found = lam_or_probability(lam, probability, chains + entries, num)
-        return found, found, None
-    if lam is not None:
-        lam_or_probability(lam, probability, chains, num)  # (the error it raises)
-    lams = lam_split(probability, chains, entries, num)
-    return *lams, split_failure(lams, counts, num)
 
 
 def _projections(

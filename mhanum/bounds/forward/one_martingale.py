@@ -1,7 +1,8 @@
 """Theorem A.3e (papers/attention.md): one martingale per output entry. The ``Q Kᵀ`` dots'
 roundings (A.3'), the probabilities' roundings (A.3'') and ``P·V``'s (R.8') are increments of
 one martingale in the order the kernel computes them, so their bounds add as a root-sum-square
-under one event per entry, not as three sums under three."""
+under one event per entry, not as three sums under three; the row sum's additions join them
+(never alone: they have no event of their own)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from mhanum._types import NumpyArray
-from mhanum.bounds.factors import evaluation_rounding
+from mhanum.bounds.factors import chain, evaluation_rounding, order_of
 from mhanum.bounds.forward.evaluation import quiet
 from mhanum.bounds.forward.stage import RoundingKeys
+from mhanum.numerics import Numerics
 
 __all__ = [
     "GROUPS",
@@ -22,10 +24,17 @@ __all__ = [
     "one_martingale_step",
     "replace_group",
     "rounding_martingale",
+    "row_sum_martingale",
 ]
 
-# the terms each martingale bounds: the logits' (A.3'), P·V's (R.8'), the probabilities' (A.3'')
-GROUPS = {"logits": ("logits",), "pv": ("pv",), "rounding": ("probability_rounding", "operands")}
+# the terms each martingale bounds: the logits' (A.3'), P·V's (R.8'), the probabilities'
+# (A.3''), the row sum's (its additions' roundings, common to the row)
+GROUPS = {
+    "logits": ("logits",),
+    "pv": ("pv",),
+    "rounding": ("probability_rounding", "operands"),
+    "softmax": ("softmax",),
+}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -151,3 +160,42 @@ def rounding_martingale(
         kept = np.where(normal, 0.0, prob) @ v_abs + np.where(normal, eta_conv, operand_p) @ v_abs
         det = np.sqrt(2 * c2) * (w_keys @ v_abs) * (1 + ev_rel)
         return Increments(kept * (1 + ev_rel) + rest, spread, None, det)
+
+
+def row_sum_martingale(
+    num: Numerics,
+    live: NumpyArray,
+    common: tuple[NumpyArray, NumpyArray],
+    row: tuple[NumpyArray, ...],
+    scale: float | NumpyArray,
+) -> Increments | None:
+    """Theorem A.3e, the row sum (papers/attention.md): the computed row sum is ``D(1 + μ)``
+    plus its additions' underflow, ``D`` the exact sum of the computed exponentials and ``μ =
+    Σ_k δ_k T_k / D`` over its additions' roundings (``T_k`` the exact sum of the addition's
+    computed operands, ``0 <= T_k <= (1 + γ)(1 + under/(1 - T_e))D``), so step 5''s common
+    part ``(1/(1 + τ) - 1)õ`` is ``-μõ``, a martingale with increments at most ``u(1 + u)Õ``
+    times that factor (``n_live - 1`` additions, each rounded twice where the backend may carry
+    a narrower format in float32), plus ``(gT + T_e(1 + g) + under)/(1 - T)·Õ``, where ``T =
+    (1 + T_e)(1 + g) - 1 + under``. ``common = (apart, Õ)``: step 5''s form without its
+    common part, and ``Õ >= |õ|``; ``row = (T, g, T_e, under, sound)`` per row (step 5;
+    ``g >= |μ|`` the sum's factor, ``sound`` the rows step 5 bounds); ``scale``: the output's
+    factor. ``None`` for a sum that is not a summation tree (Kahan's)."""
+    unit = order_of(num.summation)
+    if not unit.tree:
+        return None
+    apart, o_tilde = common
+    t, g, t_exp, under, sound = row
+    u = num.format_of("softmax").u
+    n = live.shape[-1]
+    twice = 2 if unit.carried and u > 2.0**-24 else 1  # (rounded to float32, then to F_m)
+    g_det = chain(n, num.summation, u, None, products=False)
+    additions = np.maximum(live.sum(axis=-1, keepdims=True) - 1, 0)
+    ev = 1 + evaluation_rounding(n)
+    with quiet():
+        rest = (g * t + t_exp * (1 + g) + under) / (1 - t) * o_tilde
+        fixed = np.where(sound, (apart + rest) * ev, np.inf)
+        # a computed partial sum is at most (1 + γ)(D + nη_m) <= (1 + γ)(1 + under/(1 - T_e))D
+        most = (1 + g_det) * (1 + under / (1 - t_exp))
+        spread = o_tilde * (u * (1 + u)) * most * np.sqrt(twice * additions) * ev
+        det = g_det * o_tilde * ev
+    return Increments(fixed * scale, spread * scale, None, det * scale)

@@ -49,6 +49,7 @@ from mhanum.bounds.forward.one_martingale import (
     one_martingale_step,
     replace_group,
     rounding_martingale,
+    row_sum_martingale,
 )
 from mhanum.bounds.forward.pv_dot import pv_one_signed
 from mhanum.bounds.forward.stage import (
@@ -72,7 +73,9 @@ __all__ = ["softmax_pv"]
 @dataclasses.dataclass(frozen=True, eq=False)
 class _RowSum:
     """Step 5 (and W): the exponentials' and sums' factors, the row sum's error ``t_safe``
-    (0 in a vacuous row), ``per_sum >= 1/(S(1 - T))`` and step W's bound ``whole``."""
+    (0 in a vacuous row), ``per_sum >= 1/(S(1 - T))`` and step W's bound ``whole``; ``T =
+    (1 + t_exp)(1 + g_sum) - 1 + under``, ``t_exp`` the exponentials' part and ``under`` the
+    additions' underflow (Theorem A.3e's row sum)."""
 
     x: Any
     blocks: int
@@ -86,6 +89,8 @@ class _RowSum:
     per_sum: Any
     whole: tuple[Any, Any] | None
     rescued: Any
+    t_exp: Any = 0.0
+    under: Any = 0.0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -145,8 +150,9 @@ def _row_sum(enc: Enclosure, values: Values, ctx: Context, pk: PerKey) -> _RowSu
     t_safe = on(sound, t_sum, 0.0)
     per_sum = np.exp(on(sound, -log_s_lo, 0.0)) / (1 - t_safe)
     return _RowSum(
-        x, blocks, g_sum, g_pv, eta_pv, lift, vacuous, sound, t_safe, per_sum, whole, rescued
-    )
+        x, blocks, g_sum, g_pv, eta_pv, lift, vacuous, sound, t_safe, per_sum, whole, rescued,
+        on(sound, r_bar + underflow, 0.0), on(sound, underflow, 0.0),
+    )  # fmt: skip
 
 
 def _step_w(
@@ -408,7 +414,8 @@ class _Output:
 class _Charges:
     """What step 7's terms charge: the per-key deviations ``logits`` and their product
     ``logits_v`` with the centred values, the weights, the softmax term, the last division's
-    ``u_last``, the ``P·V`` factor ``g_row`` and underflow ``eta_pv``, and ``p̂|v|``."""
+    ``u_last``, the ``P·V`` factor ``g_row`` and underflow ``eta_pv``, ``p̂|v|``, and step
+    5''s form without the row sum's common part with ``Õ >= |õ|`` (``common``)."""
 
     logits: Any
     logits_v: Any
@@ -418,6 +425,7 @@ class _Charges:
     g_row: Any
     eta_pv: Any
     p_hat_v: Any
+    common: tuple[Any, Any] | None = None
 
 
 def _output(enc: Enclosure, values: Values, pk: PerKey) -> _Output:
@@ -452,12 +460,12 @@ def _charges(
         o_tilde = (np.abs(out.o) + out.ev + logits_v + dot(out.pl, out.v_extra)) * (1 + ev_rel)
         o_tilde = np.minimum(o_tilde, pk.hi @ v_abs)
         inv = 1 / (1 - rs.t_safe)
-        soft_term = (
-            (w.rel @ v_abs) * inv + rs.t_safe * inv * o_tilde + w.eta_soft * v_abs.sum(axis=0)
-        )
+        apart = (w.rel @ v_abs) * inv + w.eta_soft * v_abs.sum(axis=0)
+        soft_term = apart + rs.t_safe * inv * o_tilde
+    common = (apart, o_tilde)
     soft_term = np.fmin(soft_term, w.soft @ v_abs)
     eta_pv, p_hat_v = pv
-    return _Charges(pk.logits, logits_v, w, soft_term, ctx.u_div, rs.g_pv, eta_pv, p_hat_v)
+    return _Charges(pk.logits, logits_v, w, soft_term, ctx.u_div, rs.g_pv, eta_pv, p_hat_v, common)
 
 
 def _one_key_rows(
@@ -498,6 +506,9 @@ def _one_key_rows(
         g_row,
         eta_pv,
         p_hat_hi @ values.v_abs,
+        None
+        if ch.common is None
+        else (np.where(single, 0.0, ch.common[0]), np.where(single, 0.0, ch.common[1])),
     )
 
 
@@ -544,13 +555,13 @@ def _rounding_martingale(
     roundings into the probability and operand formats is smaller, it replaces the two terms
     (the choice depends on the inputs only: one event per entry); ``scale`` is the output's
     factor. Returns the martingale form for Theorem A.3e. Updates ``terms``."""
-    w = ch.w
-    if w.rounding_keys is None or ctx.lam is None:
+    w, lam_e = ch.w, ctx.lam_e
+    if w.rounding_keys is None or lam_e is None:
         return None
     rest = dot(w.p_hat_hi, out.v_extra)
     form = rounding_martingale(w.rounding_keys, (w.prob, w.operand_p), values.v_abs, rest)
     form = form.scaled(scale)
-    replace_group(terms, GROUPS["rounding"], form.bound(ctx.lam))
+    replace_group(terms, GROUPS["rounding"], form.bound(lam_e))
     return form
 
 
@@ -700,7 +711,7 @@ def softmax_pv(
     evaluated on the logits shifted by the row maximum, so the float64 evaluation does not
     lose accuracy with the logits' magnitude.
     """
-    num, lam = ctx.num, ctx.lam
+    num, lam, lam_e = ctx.num, ctx.lam, ctx.lam_e
     online = isinstance(num.softmax_algorithm, Online)
     pk = per_key(enc)
     rs = _row_sum(enc, values, ctx, pk)
@@ -713,18 +724,23 @@ def softmax_pv(
     scale_out = (1 + num.format_of("output").u) * ((1 + ctx.u_div) if online else 1.0)
     terms, op_v, pv_form = _terms(values, ctx, rs, ch, out, scale_out)
     rounding = _rounding_martingale(terms, values, ctx, ch, out, scale_out)
+    row_sum = None
+    if lam is not None and ch.common is not None and not online:  # Theorem A.3e's row sum
+        row = (rs.t_safe, rs.g_sum, rs.t_exp, rs.under, rs.sound)
+        row_sum = row_sum_martingale(num, enc.live, ch.common, row, scale_out)
     forms: dict[str, list[Increments]] = {
         "pv": [] if pv_form is None else [pv_form],
         "logits": [],
         "rounding": [] if rounding is None else [rounding],
+        "softmax": [] if row_sum is None else [row_sum],
     }
-    if enc.across is not None and lam is not None:
+    if enc.across is not None and lam_e is not None:
         # the output's rounding carries this error as it carries the others (scale_out)
         kept = terms["logits"]
         for split in enc.across:
             inc = logits_increments(pk.p, enc.delta, values, enc.live, ch.logits, split)
             forms["logits"].append(inc.scaled(scale_out))
-            kept = np.fmin(kept, forms["logits"][-1].bound(lam))
+            kept = np.fmin(kept, forms["logits"][-1].bound(lam_e))
         terms["logits"] = np.where(np.isnan(terms["logits"]), np.nan, kept)
     # (A.1g's coupled bound reads step 6's charge: it keeps it)
     classic = along is not None or not ctx.known
@@ -739,8 +755,8 @@ def softmax_pv(
         terms["operands"] = np.where(swap, kept, terms["operands"])
     if project is None and along is None:
         _known_probabilities(terms, enc, values, ctx, pk, rs, ch.w, out)
-        if lam is not None and enc.stored is None:  # Theorem A.3e: one martingale per entry
-            one_martingale_step(terms, forms, lam)
+        if lam_e is not None and enc.stored is None:  # Theorem A.3e: one martingale per entry
+            one_martingale_step(terms, forms, lam_e)
     read = read_by_the_output(terms, num, (out.o, out.ev), ch.u_last)
     nearest = nearest_output(num, (out.o, out.ev), read)
     # the last rounding's plain bound (u_o|o|, η_o where the value it reads may be below F_o's

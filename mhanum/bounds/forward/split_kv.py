@@ -50,7 +50,9 @@ def _split(enc: Enclosure, values: Values, ctx: Context, cut: slice, lse_scale: 
     s, delta, ls, v = mine_enc.s, mine_enc.delta, mine_enc.live, mine_values.v
     some = ls.any(axis=-1, keepdims=True)
     mine = Ranges(*ranges.shape)  # this split's flags, kept only for rows it attends
-    terms, p_s, t_s, _ = softmax_pv(mine_enc, mine_values, Context(part, ctx.lam, ctx.u_div, mine))
+    terms, p_s, t_s, _ = softmax_pv(
+        mine_enc, mine_values, dataclasses.replace(ctx, num=part, ranges=mine, known=False)
+    )
     ranges.merge(mine, some)  # a split a row does not attend is exact (lse -inf, o 0)
     terms.pop(PLAIN)
     terms.pop(WHOLE, None)

@@ -188,7 +188,9 @@ class Setting:
     irrational unless ``d_k = 4^m``), ``lam`` (A.3), the soft-cap (step 3c) and
     ``loose_constant`` (fp8 descaling: the scale constant charged as up to three roundings of
     its format, and its product as rounded, whatever value the kernel's constant takes);
-    ``known_rounding``: steps 6k and 6r may replace the weights' charges (:class:`Context`)."""
+    ``known_rounding``: steps 6k and 6r may replace the weights' charges (:class:`Context`);
+    ``lam_entries``: the ``λ`` of the per-entry martingales of Theorems A.3', A.3'' and A.3e
+    where they are a class of events of their own (``None``: ``lam``)."""
 
     num: Numerics
     scale: float
@@ -197,6 +199,7 @@ class Setting:
     softcap: float | None = None
     loose_constant: bool = False
     known_rounding: bool = True
+    lam_entries: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -260,3 +263,10 @@ class Context:
     u_div: float
     ranges: Ranges
     known: bool = False
+    lam_entries: float | None = None
+
+    @property
+    def lam_e(self) -> float | None:
+        """The ``λ`` of the per-entry martingales (A.3', A.3'', A.3e): ``lam_entries``, or
+        ``lam`` where every event shares one."""
+        return self.lam if self.lam_entries is None else self.lam_entries
