@@ -233,7 +233,7 @@ class OneSigned:
     ``u_×A + (n - 1)u_*T`` grows per unit more of ``A`` and ``C`` (``u_× + (n - 1)u_*(1 + κ)``)."""
 
     n: int
-    eta: float
+    eta: float | np.ndarray
     u_acc: float
     u_add: float
     u_mul: float
@@ -265,7 +265,7 @@ class OneSigned:
             1 + 2.0**-40
         )
 
-    def underflow(self) -> float:
+    def underflow(self) -> float | np.ndarray:
         """R.8's underflow part ``(2n - 1)η``, with probability 1."""
         return (2 * self.n - 1) * self.eta * (1 + 2.0**-40)
 
@@ -275,11 +275,18 @@ class OneSigned:
 
 
 def one_signed_sizes(
-    num: Numerics, n: int, bits: tuple[int, int], absolute: np.ndarray, one_signed: np.ndarray
+    num: Numerics,
+    n: int,
+    bits: tuple[int, int],
+    absolute: np.ndarray,
+    one_signed: np.ndarray,
+    eta_scale: float | np.ndarray = 1.0,
 ) -> OneSigned | None:
     """Theorem R.8's sizes (:class:`OneSigned`) of a dot of ``n`` products on ``num``'s unit, or
     ``None`` outside it (a split or tensor-core unit, a compensated order, ``n < 2``,
-    ``γ_{n-2}(u_*)`` infinite)."""
+    ``γ_{n-2}(u_*)`` infinite). ``eta_scale``: the dot's sizes are given divided by a factor
+    ``>= 1/eta_scale`` (the online softmax's unnormalised weights over the row sum), so its
+    underflow ``η`` is taken as ``η·eta_scale``."""
     order, acc = num.order, num.format_of("accum")
     if num.dot_kind != "ieee" or not order.tree or n < 2:
         return None
@@ -291,9 +298,10 @@ def one_signed_sizes(
     kappa = u_mul + g * (1 + u_mul)
     j = n * (1 + g) + (n - 2) * (1 + u_add) ** (n - 2)
     a = absolute * (1 + F64_DOT * (n + 2))
-    rounded = one_signed + kappa * a + j * acc.smallest_normal
+    eta = acc.smallest_normal * eta_scale
+    rounded = one_signed + kappa * a + j * eta
     growth = u_mul + (n - 1) * u_add * (1 + kappa)
-    return OneSigned(n, acc.smallest_normal, acc.u, u_add, u_mul, kappa, a, rounded, growth)
+    return OneSigned(n, eta, acc.u, u_add, u_mul, kappa, a, rounded, growth)
 
 
 def f64_dot(n: int) -> float:

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mhanum as mn
+import mhanum.bounds.forward.softmax_pv as softmax_pv_module
 from mhanum import Numerics, reference
 from mhanum.bounds import attention_bound, mha_bound
 from mhanum.bounds.factors import exp_and_sum_factors
@@ -201,3 +202,64 @@ def test_the_online_weights_lower_end_holds_at_the_exponentials_extreme(exp_ulps
         sigma = ctx.mpf(u_m) * abs(ctx.mpf(sj)) + eta_m
         least = ctx.exp(ctx.mpf(sj) - sigma) * (1 - 2 * exp_ulps * ctx.mpf(u_m)) - eta_m
         assert ctx.mpf(float(lower[0, j])) <= least
+
+
+# -- rows of one block: Theorem R.8 for P·V and A.3e's row sum (papers/attention.md, step 7) --
+
+
+def _without_one_block_forms(monkeypatch, *args, **kwargs):
+    with monkeypatch.context() as mp:
+        mp.setattr(softmax_pv_module, "pv_one_signed", lambda *a, **k: (np.inf, None))
+        mp.setattr(softmax_pv_module, "row_sum_martingale", lambda *a: None)
+        return attention_bound(*args, **kwargs)
+
+
+def _one_block_case() -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(0)
+    return tuple(
+        np.asarray(mn.round_to(rng.standard_normal((64, 64)), "float32"), np.float64)
+        for _ in range(3)
+    )
+
+
+@pytest.mark.parametrize(
+    ("preset", "extra"),
+    [
+        ("fp32", {}),
+        ("fp32", {"online_sums": "running", "summation": "sequential"}),
+        ("fp32", {"exp_form": "exp2-folded", "prob_offset": 3}),
+        ("bf16-fp32acc", {}),
+        ("fp16-fp32acc", {"exp_form": "exp2-folded"}),
+    ],
+)
+@pytest.mark.parametrize("probability", [None, 0.99])
+def test_rows_of_one_block_take_r8_and_the_row_sums_martingale(
+    preset, extra, probability, monkeypatch
+):
+    """On a row of one block the online kernel's ``P·V`` is one dot of the unnormalised
+    weights, divided by the row sum after: Theorem R.8 (R.8' with ``probability``) bounds it,
+    and the row sum joins A.3e's martingale as the safe softmax's does. The bound never rises,
+    the ``P·V`` term falls (1.6 to 4 times at its median, measured; 1.3 asserted), and every
+    error is within. In float32 the whole bound falls about 1.06 times (certified) and 1.9
+    times (probability 0.99) at its median."""
+    q, k, v = _one_block_case()
+    num = mn.Numerics.preset(preset).replace(softmax="online(64)", **extra)
+    new = attention_bound(q, k, v, numerics=num, probability=probability)
+    old = _without_one_block_forms(monkeypatch, q, k, v, numerics=num, probability=probability)
+    assert np.all(new.total <= old.total)
+    assert np.median(old.terms["pv"] / new.terms["pv"]) > 1.3
+    out = np.asarray(mn.attention(q, k, v, numerics=num), np.float64)
+    assert np.all(np.abs(out - reference.attention(q, k, v)) <= new.total)
+    if preset == "fp32" and not extra:
+        assert np.median(old.total / new.total) > (1.03 if probability is None else 1.6)
+
+
+@pytest.mark.parametrize("probability", [None, 0.99])
+def test_rows_of_several_blocks_keep_step_7s_factor(probability, monkeypatch):
+    """Over several blocks the rescalings multiply the partial results by exponentials of
+    later maxima: the bound is the same with or without the one-block forms."""
+    q, k, v = _one_block_case()
+    num = mn.Numerics.preset("fp32").replace(softmax="online(32)")
+    new = attention_bound(q, k, v, numerics=num, probability=probability)
+    old = _without_one_block_forms(monkeypatch, q, k, v, numerics=num, probability=probability)
+    np.testing.assert_array_equal(new.total, old.total)

@@ -179,7 +179,9 @@ def row_sum_martingale(
     (1 + T_e)(1 + g) - 1 + under``. ``common = (apart, Õ)``: step 5''s form without its
     common part, and ``Õ >= |õ|``; ``row = (T, g, T_e, under, sound)`` per row (step 5;
     ``g >= |μ|`` the sum's factor, ``sound`` the rows step 5 bounds); ``scale``: the output's
-    factor. ``None`` for a sum that is not a summation tree (Kahan's)."""
+    factor. ``None`` for a sum that is not a summation tree (Kahan's). The online softmax's row
+    sum on one block is the same sum (it starts from ``0·0``, exactly); over several blocks its
+    rescalings depend on later maxima, and the caller does not take this form."""
     unit = order_of(num.summation)
     if not unit.tree:
         return None

@@ -529,10 +529,12 @@ def _terms(
     op_v = w.operand_p @ v_abs if u_op or np.any(eta_op) else np.zeros_like(prob_v)
     pv_under = ch.eta_pv * rs.per_sum / rs.lift if online else ch.eta_pv
     pv, form = ch.g_row * ch.p_hat_v + pv_under, None
-    if not online and num.kv_splits is None:  # or Theorem R.8's, through the one-signed total
+    if rs.blocks <= 1 and num.kv_splits is None:  # or R.8's, through the one-signed total
+        # (online on one block: the dot of the unnormalised weights, divided by ℓ̂ after)
         read, output = (ch.p_hat_v, v_abs), (out.o, out.ev, out.pl, out.v_extra)
         dev = ch.logits + w.soft + w.prob + w.operand_p
-        r8, form = pv_one_signed(num, values.bits_pv, read, output, dev, ctx.lam)
+        per = rs.per_sum / rs.lift if online else 1.0
+        r8, form = pv_one_signed(num, values.bits_pv, read, output, dev, ctx.lam, per)
         pv = np.fmin(pv, r8)
     o_abs = np.abs(out.o)
     terms = {
@@ -725,7 +727,7 @@ def softmax_pv(
     terms, op_v, pv_form = _terms(values, ctx, rs, ch, out, scale_out)
     rounding = _rounding_martingale(terms, values, ctx, ch, out, scale_out)
     row_sum = None
-    if lam is not None and ch.common is not None and not online:  # Theorem A.3e's row sum
+    if lam is not None and ch.common is not None and rs.blocks <= 1:  # A.3e's row sum
         row = (rs.t_safe, rs.g_sum, rs.t_exp, rs.under, rs.sound)
         row_sum = row_sum_martingale(num, enc.live, ch.common, row, scale_out)
     forms: dict[str, list[Increments]] = {
