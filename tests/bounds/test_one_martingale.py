@@ -9,6 +9,7 @@ measured errors stay within.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import mhanum as mn
 import mhanum.bounds.forward.softmax_pv as softmax_pv_module
 from mhanum import reference
 from mhanum.bounds import attention_bound
+from mhanum.bounds.factors import chain
 from mhanum.bounds.forward.one_martingale import Increments, one_martingale_step
 
 LAM = 3.0
@@ -158,8 +160,6 @@ def test_the_row_sums_common_part_less_its_martingale_is_within_the_rest(seed):
     1)õ + μõ| <= (gT + T_e(1 + g) + η)/(1 - T)·|õ|``. Half the draws sit at the ends with the
     worst signs, where the bound is reached to within 1% (so a bound slightly too small
     fails)."""
-    from fractions import Fraction
-
     rng = np.random.default_rng(seed)
     reached = 0.0
     for draw in range(60):
@@ -184,10 +184,6 @@ def test_a_float32_row_sums_error_is_its_roundings_increments(order):
     """The martingale's increments on real sums: for float32 sums of positive numbers (down to
     ``2^-40`` of the largest), ``d̂ - D = Σ_k δ_k T_k`` exactly with ``|δ_k| <= u`` and ``0 <=
     T_k <= (1 + γ)D``, as the form charges them (``γ`` of the order's tree)."""
-    from fractions import Fraction
-
-    from mhanum.bounds.factors import chain
-
     rng = np.random.default_rng(5)
     u = Fraction(2) ** -24
     for n in (2, 7, 64, 300):
