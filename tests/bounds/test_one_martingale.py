@@ -259,3 +259,34 @@ def test_the_row_sum_in_the_martingale_lowers_a3_in_float32(monkeypatch):
     tight = ratio >= np.percentile(ratio, 99)
     assert np.median(apart.total[tight] / joined.total[tight]) > 1.05
     assert np.all(err <= joined.total)
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-fp32acc", "fp16-fp32acc", "bf16"])
+@pytest.mark.parametrize("softmax", ["safe", "naive", "online(16)"])
+@pytest.mark.parametrize(
+    ("scale", "of_largest"),
+    [(2.0**-140, False), (2.0**-63, False), (1.0, False), (1 / 64, True), (1 / 2, True)],
+)
+def test_the_row_sums_form_at_the_formats_edges(preset, softmax, scale, of_largest):
+    """Values over the exponent range (subnormal in float32 at ``2^-140``; ``1/64`` and ``1/2`` of
+    the input format's largest finite value, where the sums of 16
+    values reach or pass it), logits that spread wide, and rows of one block: at probability
+    0.99 every error lies within the bound where it is finite, the bound is never NaN, and
+    where it is infinite a reason says why."""
+    rng = np.random.default_rng(2)
+    num = mn.Numerics.preset(preset).replace(softmax=softmax)
+    if of_largest:
+        scale = scale * num.format_of("input").max_finite / 3.5
+    q, k = (rng.standard_normal((4, 8)) * 3.0 for _ in range(2))
+    v = (np.abs(rng.standard_normal((16, 8))) + 1.0) * scale
+    k = np.concatenate([k, rng.standard_normal((12, 8))])
+    q, k, v = (np.asarray(mn.round_to(x, num.format_of("input")), np.float64) for x in (q, k, v))
+    bound = attention_bound(q, k, v, numerics=num, probability=0.99)
+    total = np.asarray(bound.total)
+    assert not np.isnan(total).any()
+    finite = np.isfinite(total)
+    assert finite.all() or bound.reasons
+    out = np.asarray(mn.attention(q, k, v, numerics=num), np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.abs(out - reference.attention(q, k, v))
+    assert np.all(err[finite] <= total[finite])

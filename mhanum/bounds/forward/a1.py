@@ -134,8 +134,9 @@ def attention_bound(
         probability: instead of ``lam``, the probability the bound should state: the
             union bound over this call's events, with the three per-entry martingale events
             of A.3', A.3'' and A.3e a class of their own (a tenth of ``1 - probability``,
-            their own ``λ``; :func:`mhanum.bounds.union.lam_split`) and the product chains
-            the rest (``Bound.lam`` holds the chains' ``λ``), so ``Bound.probability >=
+            their own ``λ``; :func:`mhanum.bounds.union.lams_for`, which keeps one ``λ``
+            where that split would not lower the entries') and the product chains the rest
+            (``Bound.lam`` holds the chains' ``λ``), so ``Bound.probability >=
             probability``. At most one of ``lam`` and ``probability``.
         sink: optional attention-sink logits, one per batch element or head (broadcast
             against the batch dimensions): ``e^σ`` joins every row's normaliser, as one more

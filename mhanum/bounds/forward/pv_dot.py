@@ -53,6 +53,6 @@ def pv_one_signed(
             found.append(sizes.deterministic())
             spread = None if lam is None else sizes.spread()
             if spread is not None and lam is not None:
-                form = Increments(spread * 0 + sizes.underflow(), spread, None, found[0])
+                form = Increments(np.zeros_like(spread) + sizes.underflow(), spread, None, found[0])
                 found.append(form.bound(lam))
     return (np.inf if not found else np.fmin.reduce(found)), form

@@ -89,8 +89,8 @@ class _RowSum:
     per_sum: Any
     whole: tuple[Any, Any] | None
     rescued: Any
-    t_exp: Any = 0.0
-    under: Any = 0.0
+    t_exp: Any
+    under: Any
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -425,7 +425,7 @@ class _Charges:
     g_row: Any
     eta_pv: Any
     p_hat_v: Any
-    common: tuple[Any, Any] | None = None
+    common: tuple[Any, Any]
 
 
 def _output(enc: Enclosure, values: Values, pk: PerKey) -> _Output:
@@ -506,9 +506,7 @@ def _one_key_rows(
         g_row,
         eta_pv,
         p_hat_hi @ values.v_abs,
-        None
-        if ch.common is None
-        else (np.where(single, 0.0, ch.common[0]), np.where(single, 0.0, ch.common[1])),
+        (np.where(single, 0.0, ch.common[0]), np.where(single, 0.0, ch.common[1])),
     )
 
 
@@ -727,7 +725,7 @@ def softmax_pv(
     terms, op_v, pv_form = _terms(values, ctx, rs, ch, out, scale_out)
     rounding = _rounding_martingale(terms, values, ctx, ch, out, scale_out)
     row_sum = None
-    if lam is not None and ch.common is not None and rs.blocks <= 1:  # A.3e's row sum
+    if lam is not None and rs.blocks <= 1:  # Theorem A.3e's row sum
         row = (rs.t_safe, rs.g_sum, rs.t_exp, rs.under, rs.sound)
         row_sum = row_sum_martingale(num, enc.live, ch.common, row, scale_out)
     forms: dict[str, list[Increments]] = {
