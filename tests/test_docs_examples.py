@@ -30,6 +30,14 @@ but blank lines between:
 * a line ``<!-- output of: mhanum ... -->`` right before the text block: what that command prints
   (for output shown apart from its command, as in the README's set-up).
 
+The pages show what a CPU with AVX-512 prints (:data:`SHOWN_ON`). The frameworks' float32
+kernels (XLA's, oneDNN's, MKL's) sum in orders of their own per instruction set, so a measured
+rounding error may print other figures on another CPU. Where it does, the output that CPU prints
+is recorded in ``tests/data/shown_outputs/<instruction set>.json`` beside the output the page
+shows, and a run on such a CPU checks against that record (:func:`shown_here`);
+``python -m tests.test_docs_examples --record PAGE...`` records what this CPU prints where it
+differs. A record whose page no longer shows its output is stale, and a test says so.
+
 The text must match line by line, with runs of spaces counted as one, except for the figures:
 a figure printed with a decimal point or an exponent matches within one unit in its last printed
 digit (so a figure is checked exactly as far as the page prints it, and a value on the rounding
@@ -41,10 +49,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import importlib.util
 import io
+import json
 import math
 import os
+import platform
 import re
 import shlex
 import subprocess
@@ -71,6 +82,8 @@ SCRIPT = re.compile(
 )
 TORCH_KERNELS = re.compile(r"<!--\s*torch CPU kernels:\s*(\w+)\s*-->")
 NO_SUCH_KERNELS = 3  # the exit status of ``python -m tests.test_docs_examples`` on such a CPU
+SHOWN_ON = "avx512"  # the instruction set of the CPU whose output the pages show
+VARIANTS = ROOT / "tests" / "data" / "shown_outputs"  # <instruction set>.json: what others print
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 OUTPUT_OF = re.compile(r"<!--\s*output of:\s*(mhanum\b[^\n]*?)\s*-->\s*\Z")
@@ -239,8 +252,69 @@ def run_script(path: Path, example: Example) -> str:
     return done.stdout
 
 
-def run_examples(path: Path, found: list[Example], namespace: dict[str, object]) -> None:
-    """Run every example in order in one namespace, checking the output each one shows."""
+def instruction_set() -> str:
+    """This CPU's vector instruction set as far as the frameworks' kernels tell them apart:
+    ``"avx512"``, ``"avx2"``, or (no ``/proc/cpuinfo``, another architecture) the machine's
+    name."""
+    try:
+        flags = set(re.findall(r"\b(avx512f|avx2)\b", Path("/proc/cpuinfo").read_text()))
+    except OSError:
+        flags = set()
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if "avx2" in flags else platform.machine()
+
+
+def _variants(isa: str) -> list[dict[str, str]]:
+    path = VARIANTS / f"{isa}.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def shown_here(page: str, shown: str) -> str:
+    """What a CPU of this instruction set prints where ``page`` shows ``shown``: the recorded
+    variant (module docstring), or ``shown`` itself."""
+    isa = instruction_set()
+    if isa == SHOWN_ON:
+        return shown
+    found = [r["prints"] for r in _variants(isa) if r["page"] == page and r["shows"] == shown]
+    return found[0] if found else shown
+
+
+def variant_of(shown: str, printed: str) -> str:
+    """The shown output as this CPU prints it: each shown line paired with a printed one of the
+    same words (figures aside) takes the printed line where a figure differs; the rest, ``...``
+    among them, stays as shown (so a record holds no path or other detail the page elides)."""
+    exp, act = _lines(shown), _lines(printed)
+
+    def words(line: str) -> str:
+        return " ".join(FIGURE.sub("#", line).split())
+
+    pairs = difflib.SequenceMatcher(None, [words(e) for e in exp], [words(a) for a in act], False)
+    out: list[str] = []
+    for tag, i1, i2, j1, j2 in pairs.get_opcodes():
+        if tag != "equal":
+            out += exp[i1:i2]
+            continue
+        out += [
+            e if _line_matches(e, a) else a for e, a in zip(exp[i1:i2], act[j1:j2], strict=True)
+        ]
+    return "\n".join(out) + "\n"
+
+
+def page_name(path: Path) -> str:
+    """A page's name in the records: its path from the repository's root (else as given)."""
+    path = path.resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
+
+
+def run_examples(
+    path: Path,
+    found: list[Example],
+    namespace: dict[str, object],
+    record: list[dict[str, str]] | None = None,
+) -> None:
+    """Run every example in order in one namespace, checking the output each one shows (with
+    ``record``: appending ``{page, shows, prints}`` where the output differs instead)."""
     for example in found:
         where = f"{path.name}:{example.line}"
         out = io.StringIO()
@@ -254,8 +328,15 @@ def run_examples(path: Path, found: list[Example], namespace: dict[str, object])
             printed = run_script(path, example)
         else:
             printed = run_command(example.source)
-        if example.expected is not None:
-            check_output(example.expected, printed, where)
+        if example.expected is None:
+            continue
+        if record is not None:
+            if not output_matches(example.expected, printed):
+                here = variant_of(example.expected, printed)
+                assert output_matches(here, printed), f"{where}: prints another structure"
+                record.append({"page": page_name(path), "shows": example.expected, "prints": here})
+            continue
+        check_output(shown_here(page_name(path), example.expected), printed, where)
 
 
 def torch_kernels(text: str) -> str | None:
@@ -354,6 +435,49 @@ def test_the_pages_show_what_their_examples_print():
     } <= shown
 
 
+def test_the_recorded_variants_belong_to_outputs_the_pages_show():
+    """A variant recorded for another CPU replaces a shown output the page still shows, for a
+    page that exists: a stale record fails here, on every CPU."""
+    for path in sorted(VARIANTS.glob("*.json")):
+        for record in json.loads(path.read_text()):
+            page = ROOT / record["page"]
+            assert page.is_file(), f"{path.name}: no page {record['page']}"
+            shown = {e.expected for e in examples(page.read_text())}
+            assert record["shows"] in shown, (
+                f"{path.name}: {record['page']} no longer shows\n" + (record["shows"])
+            )
+            assert not output_matches(record["shows"], record["prints"])  # else not needed
+
+
+def test_a_cpu_of_another_instruction_set_is_checked_against_its_record(tmp_path, monkeypatch):
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "VARIANTS", tmp_path)
+    record = [{"page": "docs/x.md", "shows": "error 9.59e-07\n", "prints": "error 1.02e-06\n"}]
+    (tmp_path / "avx2.json").write_text(json.dumps(record))
+    monkeypatch.setattr(module, "instruction_set", lambda: "avx2")
+    assert shown_here("docs/x.md", "error 9.59e-07\n") == "error 1.02e-06\n"
+    assert shown_here("docs/y.md", "error 9.59e-07\n") == "error 9.59e-07\n"  # no record
+    monkeypatch.setattr(module, "instruction_set", lambda: "avx512")
+    assert shown_here("docs/x.md", "error 9.59e-07\n") == "error 9.59e-07\n"  # the page's CPU
+    monkeypatch.setattr(module, "instruction_set", lambda: "aarch64")
+    assert shown_here("docs/x.md", "error 9.59e-07\n") == "error 9.59e-07\n"  # no file
+
+
+def test_recording_keeps_only_the_outputs_this_cpu_prints_otherwise(tmp_path, monkeypatch):
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "VARIANTS", tmp_path / "variants")
+    monkeypatch.setattr(module, "ROOT", tmp_path)
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nprint(0.5)\n```\n\n```text\n0.5\n```\n\n"
+        "```python\nprint(2.5)\n```\n\n```text\n2.7\n```\n"
+    )
+    path = record_variants([page])
+    assert json.loads(path.read_text()) == [
+        {"page": "page.md", "shows": "2.7\n", "prints": "2.5\n"}
+    ]
+
+
 # The checker itself -----------------------------------------------------------------------------
 
 
@@ -433,9 +557,30 @@ def test_examples_pair_code_with_its_output():
     assert found[0].line == 2
 
 
+def record_variants(pages: list[Path]) -> Path:
+    """Run the pages' examples and record, for this CPU's instruction set, the outputs it prints
+    where they differ from what the pages show (the records of other pages are kept)."""
+    isa = instruction_set()
+    names = {page_name(p) for p in pages}
+    kept = [r for r in _variants(isa) if r["page"] not in names]
+    found: list[dict[str, str]] = []
+    for page in pages:
+        with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):
+            (Path(folder) / "papers").symlink_to(ROOT / "papers")
+            run_examples(page, examples(page.read_text()), {"__name__": "__main__"}, found)
+    path = VARIANTS / f"{isa}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(kept + found, indent=1, ensure_ascii=False) + "\n")
+    return path
+
+
 def _main(argv: list[str]) -> int:
     """``python -m tests.test_docs_examples PAGE KIND...``: run the page's examples of those kinds
-    here, with the torch CPU kernels this interpreter was started with (:func:`run_page`)."""
+    here, with the torch CPU kernels this interpreter was started with (:func:`run_page`);
+    ``--record PAGE...``: :func:`record_variants`."""
+    if argv[:1] == ["--record"]:
+        print(record_variants([Path(a).resolve() for a in argv[1:]]))
+        return 0
     page = Path(argv[0])
     kernels = torch_kernels(page.read_text())
     if kernels is not None and _torch_capability() != kernels:
