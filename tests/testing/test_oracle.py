@@ -269,10 +269,12 @@ def test_an_unbounded_element_that_stays_finite_passes_without_a_warning():
 # -- a negative scale -------------------------------------------------------------------------
 
 
-def _assert_rounds_the_models_value(out, inputs, model):
+def _assert_rounds_the_models_value(out, inputs, model, scale):
     """``out`` (half precision) is the output format's rounding of a float32 value computed by
     ``model`` in some summation order: ``model`` with a float32 output computes ``y`` in XLA's
-    order, and Theorem A.5' bounds how far another order's value lies from it, ``δ``; rounding
+    order, and Theorem A.5 (``schedule_difference``: each order's A.1 around the same exact
+    attention; ``native`` logits may differ, so not A.5') bounds how far another order's value
+    lies from it, ``δ``; rounding
     to nearest is monotone, so ``fl(y - δ) <= out <= fl(y + δ)``: the emulation's own output
     wherever ``y`` is farther than ``δ`` from a rounding midpoint (the CPU's kernels choose the
     order: AVX2's and AVX-512's differ)."""
@@ -281,13 +283,13 @@ def _assert_rounds_the_models_value(out, inputs, model):
     from mhanum.formats import round_to
 
     wide = model.replace(output_format="float32")
-    y = np.asarray(mn.attention(*inputs, scale=0.3, numerics=wide), np.float64)
+    y = np.asarray(mn.attention(*inputs, scale=scale, numerics=wide), np.float64)
     q, k, v, mask = inputs
-    delta = schedule_difference(q, k, v, mask, numerics_a=wide, numerics_b=wide, scale=0.3).total
+    delta = schedule_difference(q, k, v, mask, numerics_a=wide, numerics_b=wide, scale=scale).total
     fmt = model.format_of("output")
     lo, hi = round_to(y - delta, fmt), round_to(y + delta, fmt)
     assert np.all((lo <= out) & (out <= hi)), np.argwhere((out < lo) | (out > hi))
-    exact = np.asarray(mn.attention(*inputs, scale=0.3, numerics=model), np.float64)
+    exact = np.asarray(mn.attention(*inputs, scale=scale, numerics=model), np.float64)
     assert np.all((lo <= exact) & (exact <= hi))  # the emulation's own output is one of them
 
 
@@ -325,7 +327,7 @@ def test_a_negative_scale_with_torchs_math_backend(dtype):
                                               kernel="torch-sdpa-math"),
     )  # fmt: skip
     if dtype != "float32":  # half inputs: torch's output is the model's, rounded once
-        _assert_rounds_the_models_value(out.double().numpy(), (-q64, k64, v64, mask), model)
+        _assert_rounds_the_models_value(out.double().numpy(), (-q64, k64, v64, mask), model, 0.3)
     with pytest.raises(AttentionMismatch):  # the sign dropped
         oracle.assert_close(sdpa(0.3))
 
