@@ -6,8 +6,9 @@ its largest finite value. Everything else (unit roundoff, smallest normal and su
 of the format at a value) follows.
 
 :func:`round_to` rounds a numpy array into a format exactly: one correct rounding from the float64
-value, never via an intermediate format. (Converting float64 to ``ml_dtypes.bfloat16`` goes through
-float32 and can round twice: ``1 + 2**-8 + 2**-30`` becomes ``1.0`` instead of ``1 + 2**-7``.)
+value, never via an intermediate format. (Converting float64 to ``ml_dtypes.bfloat16`` through
+float32 rounds twice, as ml_dtypes before 0.7 did: ``1 + 2**-8 + 2**-30`` becomes ``1.0`` instead
+of ``1 + 2**-7``.)
 The rounding is done on the bits of the carrier (float64 for numpy; float32 or float64 inside JAX),
 so a compiler cannot elide it, and the same algorithm serves both.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -32,15 +33,7 @@ import numpy as np
 from mhanum._errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-    from types import ModuleType
-
-    import numpy.typing as npt
-
     from mhanum._types import ArrayLike
-
-# A numpy or a JAX array, kept as given by the rounding both share.
-_A = TypeVar("_A", np.ndarray, jax.Array)
 
 __all__ = ["FORMATS", "Format", "get_format", "representable", "round_to", "ulp"]
 
@@ -180,20 +173,14 @@ _CARRIERS = {
 }
 
 
-def _round_bits(
-    xp: ModuleType,
-    bitcast: Callable[[_A, type[np.generic]], _A],
-    x: _A,
-    carrier: _Carrier,
-    fmt: Format,
-    mode: str,
-) -> _A:
-    """Round the carrier array ``x`` into ``fmt``: the algorithm shared by numpy and JAX.
+def _round_bits(x: jax.Array, carrier: _Carrier, fmt: Format, mode: str) -> jax.Array:
+    """Round the carrier array ``x`` into ``fmt`` inside JAX (:func:`round_jax`).
 
     In the normal range of ``fmt``, rounding to ``p`` bits is an integer operation on the carrier's
     bits (the carry out of the significand moves into the exponent, as it must). In the subnormal
     range the quantum is fixed, ``q = 2**(emin - p + 1)``, and ``|x|/q`` (an exact power-of-two
-    scaling) is rounded to an integer.
+    scaling) is rounded to an integer. :func:`_round_in_place` is the same algorithm for numpy,
+    step for step (``tests/test_formats.py`` checks the two agree on every bit pattern class).
     """
     drop = carrier.precision - fmt.precision
     if drop <= 0 and fmt.emin <= carrier.emin:
@@ -202,34 +189,86 @@ def _round_bits(
     one = uint(1)
     drop_u = uint(drop)
     low = (one << drop_u) - one
-    mag = bitcast(xp.abs(x), uint)
+    mag = jax.lax.bitcast_convert_type(jnp.abs(x), uint)
     if mode == "nearest":
         half_minus_one = (one << (drop_u - one)) - one
         mag = mag + half_minus_one + ((mag >> drop_u) & one)
-    rounded = bitcast(mag & ~low, carrier.float_dtype)
+    rounded = jax.lax.bitcast_convert_type(mag & ~low, carrier.float_dtype)
 
     if fmt.emin > carrier.emin:
         quantum = math.ldexp(1.0, fmt.emin - fmt.precision + 1)
-        tiny = xp.abs(x) < fmt.smallest_normal
-        scaled = xp.where(tiny, xp.abs(x), 0) * carrier.float_dtype(1.0 / quantum)
-        integral = xp.round(scaled) if mode == "nearest" else xp.trunc(scaled)
-        rounded = xp.where(tiny, integral * carrier.float_dtype(quantum), rounded)
+        tiny = jnp.abs(x) < fmt.smallest_normal
+        scaled = jnp.where(tiny, jnp.abs(x), 0) * carrier.float_dtype(1.0 / quantum)
+        integral = jnp.round(scaled) if mode == "nearest" else jnp.trunc(scaled)
+        rounded = jnp.where(tiny, integral * carrier.float_dtype(quantum), rounded)
 
     big = carrier.float_dtype(fmt.max_finite)
     if mode == "nearest":
-        overflow = xp.inf if fmt.has_inf else xp.nan
-        rounded = xp.where(rounded > big, carrier.float_dtype(overflow), rounded)
+        overflow = jnp.inf if fmt.has_inf else jnp.nan
+        rounded = jnp.where(rounded > big, carrier.float_dtype(overflow), rounded)
     else:
-        keep_inf = xp.isinf(x) & fmt.has_inf
-        rounded = xp.where((rounded > big) & ~keep_inf, big, rounded)
+        keep_inf = jnp.isinf(x) & fmt.has_inf
+        rounded = jnp.where((rounded > big) & ~keep_inf, big, rounded)
         if not fmt.has_inf:
-            rounded = xp.where(xp.isinf(x), carrier.float_dtype(xp.nan), rounded)
-    rounded = xp.where(xp.isnan(x), x, rounded)
-    return xp.copysign(rounded, x)
+            rounded = jnp.where(jnp.isinf(x), carrier.float_dtype(jnp.nan), rounded)
+    rounded = jnp.where(jnp.isnan(x), x, rounded)
+    return jnp.copysign(rounded, x)
 
 
-def _np_bitcast(a: np.ndarray, dtype: npt.DTypeLike) -> np.ndarray:
-    return np.asarray(a).view(dtype)
+def _round_in_place(x: np.ndarray, fmt: Format, mode: str) -> np.ndarray:
+    """:func:`_round_bits` for a float64 numpy array, in place on a fresh ``|x|``: the same steps
+    and the same bits, with each rare case (a subnormal of ``fmt``, an overflow, a NaN) a pass
+    over its own entries only. ``x`` itself is read, never written."""
+    carrier = _CARRIERS["float64"]
+    drop = carrier.precision - fmt.precision
+    if drop <= 0 and fmt.emin <= carrier.emin:
+        return x
+    rounded = np.abs(x, out=np.empty_like(x))
+    tiny = rounded < fmt.smallest_normal if fmt.emin > carrier.emin else None
+    tiny_values = rounded[tiny] if tiny is not None and tiny.any() else None
+    _round_significand(rounded.view(np.uint64), drop, mode)
+    if tiny_values is not None:  # the subnormal range: a multiple of the quantum
+        quantum = math.ldexp(1.0, fmt.emin - fmt.precision + 1)
+        scaled = tiny_values * (1.0 / quantum)
+        integral = np.round(scaled) if mode == "nearest" else np.trunc(scaled)
+        rounded[tiny] = integral * quantum
+    _overflow(rounded, x, fmt, mode)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded[nan] = x[nan]
+    np.copysign(rounded, x, out=rounded)
+    return rounded if rounded.ndim else rounded[()]  # (a 0-d input: a scalar, as numpy gives)
+
+
+def _round_significand(mag: np.ndarray, drop: int, mode: str) -> None:
+    """Round the magnitudes' bits ``mag`` (uint64, in place) to ``53 - drop`` significant bits:
+    to nearest with ties to even (add half an ulp less one, plus the kept last bit), or toward
+    zero; the carry out of the significand moves into the exponent."""
+    one, drop_u = np.uint64(1), np.uint64(drop)
+    if mode == "nearest":
+        carry = mag >> drop_u
+        carry &= one
+        carry += (one << (drop_u - one)) - one
+        mag += carry
+    mag &= ~((one << drop_u) - one)
+
+
+def _overflow(rounded: np.ndarray, x: np.ndarray, fmt: Format, mode: str) -> None:
+    """Past the largest finite number after rounding: ``inf`` to nearest (NaN without an
+    infinity), the largest finite number toward zero (an infinite ``x`` stays infinite where
+    ``fmt`` has infinities, NaN where it has none); in place on ``rounded``."""
+    over = rounded > fmt.max_finite
+    if mode == "nearest":
+        if over.any():
+            rounded[over] = np.inf if fmt.has_inf else np.nan
+        return
+    infinite = np.isinf(x)
+    if fmt.has_inf:
+        over &= ~infinite
+    if over.any():
+        rounded[over] = fmt.max_finite
+    if not fmt.has_inf and infinite.any():
+        rounded[infinite] = np.nan
 
 
 def _check_mode(mode: str) -> None:
@@ -282,7 +321,7 @@ def round_to(x: ArrayLike, fmt: Format | str, mode: RoundingMode = "nearest") ->
     _check_mode(mode)
     f = get_format(fmt)
     arr = _as_float64(x, "x")
-    return _round_bits(np, _np_bitcast, arr, _CARRIERS["float64"], f, mode)
+    return _round_in_place(arr, f, mode)
 
 
 def round_jax(x: jax.Array, fmt: Format | str, mode: RoundingMode = "nearest") -> jax.Array:
@@ -302,7 +341,7 @@ def round_jax(x: jax.Array, fmt: Format | str, mode: RoundingMode = "nearest") -
     if dtype.name not in _CARRIERS:
         msg = f"x: expected a float32 or float64 JAX array, got dtype {dtype}"
         raise InvalidArgument(msg)
-    return _round_bits(jnp, jax.lax.bitcast_convert_type, x, _CARRIERS[dtype.name], f, mode)
+    return _round_bits(x, _CARRIERS[dtype.name], f, mode)
 
 
 def ulp(x: ArrayLike, fmt: Format | str) -> np.ndarray:

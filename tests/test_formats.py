@@ -48,7 +48,7 @@ def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize(("name", "dtype", "uint"), EXHAUSTIVE)
 def test_round_to_matches_ml_dtypes_on_every_value_and_midpoint(name, dtype, uint):
-    # ml_dtypes rounds float32 correctly (its float64 path goes through float32), so feed float32.
+    # ml_dtypes rounds float32 correctly (its float64 path went through float32 before 0.7).
     probes = _probes(_every_finite_value(dtype, uint))
     with np.errstate(over="ignore", invalid="ignore"):  # the overflow probes
         expected = probes.astype(dtype).astype(np.float64)
@@ -63,12 +63,40 @@ def test_round_jax_matches_round_to(name, dtype, uint, carrier):
     assert _same(got, round_to(probes, name)).all()
 
 
+def _float64_patterns() -> np.ndarray:
+    """float64 bit patterns of every class: uniform random bits (NaNs with payloads, infinities,
+    subnormals, both signs, every exponent), each format's normal and subnormal ranges and its
+    overflow threshold densely, and the special values."""
+    rng = np.random.default_rng(20261201)
+    bits = rng.integers(0, 2**64, 2**16, dtype=np.uint64, endpoint=False).view(np.float64)
+    spread = np.ldexp(rng.uniform(1.0, 2.0, 2**16), rng.integers(-1080, 1024, 2**16))
+    with np.errstate(over="ignore"):  # (float64's own overflow threshold: inf, a class too)
+        edges = [
+            np.float64(f.max_finite) * rng.uniform(0.99, 1.01, 512) for f in FORMATS.values()
+        ] + [np.float64(f.smallest_normal) * rng.uniform(0.0, 1.01, 512) for f in FORMATS.values()]
+    special = np.array([0.0, np.inf, np.nan, 2.0**-1074, 2.0**-1022, 1 + 2.0**-8 + 2.0**-30])
+    values = np.concatenate([bits, spread, *edges, special])
+    return np.concatenate([values, -values])
+
+
+@pytest.mark.parametrize("mode", ["nearest", "toward_zero"])
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_round_to_is_round_jax_bit_for_bit_on_every_pattern_class(name, mode):
+    # round_to runs the rounding in place in numpy, round_jax as a JAX expression: one
+    # algorithm, two implementations, the same bits (NaN payloads aside: any NaN is NaN)
+    x = _float64_patterns()
+    with np.errstate(invalid="ignore"):
+        numpy_bits = round_to(x, name, mode)
+    jax_bits = np.asarray(round_jax(jnp.asarray(x), name, mode))
+    both_nan = np.isnan(numpy_bits) & np.isnan(jax_bits)
+    assert (both_nan | (numpy_bits.view(np.uint64) == jax_bits.view(np.uint64))).all()
+
+
 def test_round_to_is_one_rounding_from_float64():
     # Just above the midpoint between 1 and 1 + 2**-7: rounds up. Via float32 it would tie to 1.
     x = 1 + 2.0**-8 + 2.0**-30
     assert float(round_to(x, "bfloat16")) == 1 + 2.0**-7
     assert float(np.float64(x).astype(np.float32).astype(ml_dtypes.bfloat16)) == 1.0
-    assert float(np.float64(x).astype(ml_dtypes.bfloat16)) == 1.0  # ml_dtypes double-rounds
 
 
 def _tf32_by_definition(x: np.ndarray) -> np.ndarray:
