@@ -4,6 +4,7 @@
     python benchmarks/bound_speed.py --quick    # L = 1024, attention only
     python benchmarks/bound_speed.py --blas-threads   # and attention_bound with BLAS's threads
     python benchmarks/bound_speed.py --long     # and the peak memory at L = 32,768, d = 128
+    python benchmarks/bound_speed.py --allocator   # and attention_bound with glibc keeping freed memory
 
 Every row prints its goal and whether it is met: ``attention_bound`` at most 5× its attention call
 (L = 1024 and 4096; ``fp32`` and ``bf16-fp32acc``, ``d = 64``), ``mha_bound`` at most 5×
@@ -33,11 +34,21 @@ with one BLAS thread, as the bounds do (``mhanum/_threads.py``); ``--blas-thread
 by default), in the row ``BLAS threads``, for comparison. The row ``jitted floor`` runs the same
 float64 work as one XLA program (``jax.jit``, float64, whole rows): what a jitted evaluation of
 the theorem could cost at best here (papers/evaluation.md states that evaluation's error model).
+
+``--allocator`` times ``attention_bound`` and its attention call again in a fresh process whose
+glibc ``malloc`` keeps up to 1 GiB of what it frees (``MALLOC_MMAP_THRESHOLD_=33554432``,
+``MALLOC_TRIM_THRESHOLD_=1073741824``), in the row ``glibc keeps freed memory``. The bounds
+themselves make glibc keep up to 64 MiB per thread (``mhanum/_threads.py``); what a thread
+frees beyond that goes back to the system and is faulted in again, page by page. Every
+attention row prints the bound's minor page faults per call: how much of its time is the
+system's, not its arithmetic.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -86,25 +97,69 @@ def _floor(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
             _ = p @ v_abs
 
 
-def _row(case: str, t_a: float, t_b: float, goal: float | None) -> None:
+def _row(
+    case: str, t_a: float, t_b: float, goal: float | None, faults: float | None = None
+) -> None:
     ratio = t_b / t_a
     met = "" if goal is None else ("met" if ratio <= goal else "not met")
     shown = "" if goal is None else f"<= {goal:g}"
-    print(f"{case:34s} {t_a:12.4f} {t_b:10.4f} {ratio:16.1f} {shown:>6s} {met:>8s}")
+    paged = "" if faults is None else f"{faults:10.0f}"
+    print(f"{case:34s} {t_a:12.4f} {t_b:10.4f} {ratio:16.1f} {shown:>6s} {met:>8s}{paged}")
+
+
+def _attention_data(length: int) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((length, 64)).astype(np.float32) for _ in range(3))
+    return tuple(np.asarray(x, np.float64) for x in (q, k, v))
+
+
+def _faults() -> int:
+    """This process's minor page faults so far (memory the system maps in on first touch)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _bound_time(bound: Callable[[], object], repeat: int) -> tuple[float, float]:
+    """:func:`median_time` of ``bound`` after a first call, and its minor page faults per call."""
+    bound()
+    before = _faults()
+    seconds = median_time(bound, repeat)
+    return seconds, (_faults() - before) / (repeat + 1)
+
+
+KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+"""glibc's malloc settings under which it keeps what it frees (up to 1 GiB) for reuse."""
+
+
+def _allocator_row(length: int, preset: str, repeat: int) -> None:
+    """The attention row again, in a fresh process with :data:`KEEP_FREED`."""
+    done = subprocess.run(
+        [sys.executable, __file__, "--one", str(length), preset, str(repeat)],
+        capture_output=True, text=True, check=True, env={**os.environ, **KEEP_FREED},
+    )  # fmt: skip
+    t_a, t_b, faults = (float(x) for x in done.stdout.split())
+    _row("  glibc keeps freed memory", t_a, t_b, 5.0, faults)
+
+
+def _one(length: int, preset: str, repeat: int) -> None:
+    """``--one``: the attention and bound times and the bound's faults per call, for
+    :func:`_allocator_row`."""
+    num = mhanum.Numerics.preset(preset)
+    q, k, v = _attention_data(length)
+    t_a = median_time(lambda: np.asarray(mhanum.attention(q, k, v, numerics=num)), repeat)
+    t_b, faults = _bound_time(lambda: attention_bound(q, k, v, numerics=num), repeat)
+    print(t_a, t_b, faults)
 
 
 def _attention_rows(length: int, preset: str, repeat: int, blas: bool) -> None:
     num = mhanum.Numerics.preset(preset)
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((length, 64)).astype(np.float32) for _ in range(3))
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    q, k, v = _attention_data(length)
 
     def attend() -> object:
         return np.asarray(mhanum.attention(q, k, v, numerics=num))
 
     t_a = median_time(attend, repeat)
-    t_b = median_time(lambda: attention_bound(q, k, v, numerics=num), repeat)
-    _row(f"attention {preset} L={length} d=64", t_a, t_b, 5.0)
+    t_b, faults = _bound_time(lambda: attention_bound(q, k, v, numerics=num), repeat)
+    _row(f"attention {preset} L={length} d=64", t_a, t_b, 5.0, faults)
     if blas:
         own = attention_bound.__wrapped__  # type: ignore[attr-defined]
         t_o = median_time(lambda: own(q, k, v, numerics=num), repeat)
@@ -227,15 +282,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--long", action="store_true", help="the peak memory of a bound at L = 32,768, d = 128"
     )
+    parser.add_argument(
+        "--allocator", action="store_true",
+        help="attention_bound also in a process whose glibc malloc keeps freed memory",
+    )  # fmt: skip
+    parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.one:
+        _one(int(args.one[0]), args.one[1], int(args.one[2]))
+        return 0
     print(
         f"{'case':34s} {'attention s':>12s} {'bound s':>10s} {'bound/attention':>16s} "
-        f"{'goal':>6s} {'':>8s}"
+        f"{'goal':>6s} {'':>8s} {'faults':>9s}"
     )
     for length in (1024,) if args.quick else (1024, 4096):
         repeat = 5 if length <= 1024 else 3
         for preset in ("fp32",) if args.quick else ("fp32", "bf16-fp32acc"):
             _attention_rows(length, preset, repeat, args.blas_threads)
+            if args.allocator:
+                _allocator_row(length, preset, repeat)
         if not args.quick:
             _mha_row(length, repeat)
     if not args.quick:
