@@ -170,6 +170,32 @@ def test_matmul_encloses_the_exact_product(a, b):
     _assert_encloses(_dd.Ball(*(np.where(finite, x, 0.0) for x in ball)), exact)
 
 
+@given(
+    fmt=st.sampled_from([np.float32, np.float16]),
+    spread=st.integers(0, 12),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_matmul_of_short_floats_takes_few_digits_and_encloses_the_product(fmt, spread, seed):
+    # float32 and float16 values within 2**spread of their line's largest have at most two
+    # digits of beta >= 20 bits, so the splitting stops there; the product is still enclosed
+    rng = np.random.default_rng(seed)
+
+    def draw(shape: tuple[int, int]) -> np.ndarray:
+        sign = rng.choice([-1.0, 1.0], shape)
+        x = sign * rng.uniform(1, 2, shape) * np.exp2(rng.integers(-spread, 1, shape)) / 2
+        return x.astype(fmt).astype(np.float64)
+
+    a, b = draw((2, 300)), draw((300, 3))
+    count, beta = _dd._digit_plan(300)
+    for x, axis in ((a, -1), (b, -2)):
+        assert len(_dd._digits(x, _dd._row_exponents(x, axis), beta, count)) <= 2 < count
+    ball = _dd.matmul(a, b)
+    exact = np.empty((2, 3), dtype=object)
+    for i, j in np.ndindex(exact.shape):
+        exact[i, j] = sum((Fraction(a[i, t]) * Fraction(b[t, j]) for t in range(300)), Fraction(0))
+    _assert_encloses(ball, exact)
+
+
 @given(inputs=_attention_inputs(), fully_masked=st.sampled_from(["nan", "zero", "uniform"]))
 def test_fast_attention_encloses_the_reference(inputs, fully_masked):
     q, k, v, options = inputs
