@@ -32,9 +32,12 @@ but blank lines between:
 
 The pages show what a CPU with AVX-512 prints (:data:`SHOWN_ON`). The frameworks' float32
 kernels (XLA's, oneDNN's, MKL's) sum in orders of their own per instruction set, so a measured
-rounding error may print other figures on another CPU. Where it does, the output that CPU prints
-is recorded in ``tests/data/shown_outputs/<instruction set>.json`` beside the output the page
-shows, and a run on such a CPU checks against that record (:func:`shown_here`);
+rounding error may print other figures on another CPU. MKL, torch's float32 matmul, picks its
+kernels by the CPU's maker as well as by its instruction set (with torch's own kernels held at
+AVX2, an Intel AVX-512 CPU prints other figures than the AMD one whose output the pages show),
+so an Intel CPU with AVX-512 counts as an instruction set of its own (``avx512-intel``). Where a CPU prints other output, it is recorded in
+``tests/data/shown_outputs/<instruction set>.json`` beside the output the page shows, and a run
+on such a CPU checks against that record (:func:`shown_here`);
 ``python -m tests.test_docs_examples --record PAGE...`` records what this CPU prints where it
 differs. A record whose page no longer shows its output is stale, and a test says so.
 
@@ -254,14 +257,16 @@ def run_script(path: Path, example: Example) -> str:
 
 def instruction_set() -> str:
     """This CPU's vector instruction set as far as the frameworks' kernels tell them apart:
-    ``"avx512"``, ``"avx2"``, or (no ``/proc/cpuinfo``, another architecture) the machine's
-    name."""
+    ``"avx512"``, ``"avx512-intel"``, ``"avx2"``, or (no ``/proc/cpuinfo``, another
+    architecture) the machine's name."""
     try:
-        flags = set(re.findall(r"\b(avx512f|avx2)\b", Path("/proc/cpuinfo").read_text()))
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        flags = set()
+        info = ""
+    flags = set(re.findall(r"\b(avx512f|avx2)\b", info))
     if "avx512f" in flags:
-        return "avx512"
+        # MKL picks its float32 products by the CPU's maker too (module docstring)
+        return "avx512-intel" if "GenuineIntel" in info else "avx512"
     return "avx2" if "avx2" in flags else platform.machine()
 
 
@@ -351,6 +356,18 @@ def _torch_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def run_with_kernels(kernels: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``python -m tests.test_docs_examples ARGS...`` in a fresh interpreter whose torch uses
+    these CPU kernels (``ATEN_CPU_CAPABILITY``), in this process's environment otherwise."""
+    env = {
+        **os.environ,
+        "ATEN_CPU_CAPABILITY": kernels.lower(),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    argv = [sys.executable, "-m", "tests.test_docs_examples", *args]
+    return subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+
+
 def run_page(path: Path, kinds: tuple[str, ...]) -> None:
     """Run the page's examples of these kinds (module docstring), where torch uses the CPU
     kernels the page names; a skip where it cannot."""
@@ -360,13 +377,7 @@ def run_page(path: Path, kinds: tuple[str, ...]) -> None:
         found = [e for e in examples(text) if e.kind in kinds]
         run_examples(path, found, {"__name__": "__main__"})
         return
-    env = {
-        **os.environ,
-        "ATEN_CPU_CAPABILITY": kernels.lower(),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    argv = [sys.executable, "-m", "tests.test_docs_examples", str(path), *kinds]
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+    done = run_with_kernels(kernels, [str(path), *kinds])
     if done.returncode == NO_SUCH_KERNELS:
         pytest.skip(f"{path.name} shows torch's {kernels} CPU kernels, which this CPU cannot run")
     if done.returncode != 0:
@@ -464,12 +475,20 @@ def test_a_cpu_of_another_instruction_set_is_checked_against_its_record(tmp_path
     assert shown_here("docs/x.md", "error 9.59e-07\n") == "error 9.59e-07\n"  # no file
 
 
-def test_recording_keeps_only_the_outputs_this_cpu_prints_otherwise(tmp_path, monkeypatch):
+@pytest.fixture
+def page_of_an_avx2_cpu(tmp_path, monkeypatch):
+    """A page ``page.md`` in a repository of its own, recorded as on a CPU with AVX2 alone."""
     module = sys.modules[__name__]
     monkeypatch.setattr(module, "VARIANTS", tmp_path / "variants")
     monkeypatch.setattr(module, "ROOT", tmp_path)
     monkeypatch.setattr(module, "instruction_set", lambda: "avx2")
-    page = tmp_path / "page.md"
+    return tmp_path / "page.md"
+
+
+def test_recording_keeps_only_the_outputs_this_cpu_prints_otherwise(
+    page_of_an_avx2_cpu, monkeypatch
+):
+    page = page_of_an_avx2_cpu
     page.write_text(
         "```python\nprint(0.5)\n```\n\n```text\n0.5\n```\n\n"
         "```python\nprint(2.5)\n```\n\n```text\n2.7\n```\n"
@@ -478,9 +497,24 @@ def test_recording_keeps_only_the_outputs_this_cpu_prints_otherwise(tmp_path, mo
     assert json.loads(path.read_text()) == [
         {"page": "page.md", "shows": "2.7\n", "prints": "2.5\n"}
     ]
-    monkeypatch.setattr(module, "instruction_set", lambda: SHOWN_ON)
+    monkeypatch.setattr(sys.modules[__name__], "instruction_set", lambda: SHOWN_ON)
     with pytest.raises(SystemExit, match="update the pages instead"):
         record_variants([page])
+
+
+def test_recording_runs_a_page_with_the_torch_kernels_it_names(page_of_an_avx2_cpu):
+    """A page naming torch CPU kernels other than this interpreter's is recorded as the test
+    runs it, in a fresh interpreter with those kernels (not with this interpreter's)."""
+    pytest.importorskip("torch")
+    page = page_of_an_avx2_cpu
+    page.write_text(
+        "<!-- torch CPU kernels: DEFAULT -->\n\n```python\nimport torch\n\n"
+        "print(int(torch.backends.cpu.get_cpu_capability() == 'DEFAULT'))\n```\n\n"
+        "```text\n0\n```\n"
+    )
+    assert _torch_capability() != "DEFAULT"  # the tests' torch runs AVX2 kernels (conftest)
+    path = record_variants([page])
+    assert json.loads(path.read_text()) == [{"page": "page.md", "shows": "0\n", "prints": "1\n"}]
 
 
 # The checker itself -----------------------------------------------------------------------------
@@ -571,23 +605,45 @@ def record_variants(pages: list[Path]) -> Path:
         raise SystemExit(msg)
     names = {page_name(p) for p in pages}
     kept = [r for r in _variants(isa) if r["page"] not in names]
-    found: list[dict[str, str]] = []
-    for page in pages:
-        with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):
-            (Path(folder) / "papers").symlink_to(ROOT / "papers")
-            run_examples(page, examples(page.read_text()), {"__name__": "__main__"}, found)
+    found = [record for page in pages for record in page_variants(page)]
     path = VARIANTS / f"{isa}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(kept + found, indent=1, ensure_ascii=False) + "\n")
     return path
 
 
+def page_variants(page: Path) -> list[dict[str, str]]:
+    """The outputs the page's examples print otherwise than it shows, each run as
+    :func:`test_python_blocks_run` runs it: here, or with the torch CPU kernels the page names
+    in a fresh interpreter (:func:`run_page`)."""
+    kernels = torch_kernels(page.read_text())
+    if kernels is not None and _torch_capability() != kernels:
+        with tempfile.TemporaryDirectory() as folder:
+            out = Path(folder) / "records.json"
+            done = run_with_kernels(kernels, ["--record-page", str(page), str(out)])
+            if done.returncode != 0:
+                msg = f"{page_name(page)}, run with torch's {kernels} CPU kernels:\n"
+                raise SystemExit(msg + done.stderr[-6000:])
+            return [{**r, "page": page_name(page)} for r in json.loads(out.read_text())]
+    found: list[dict[str, str]] = []
+    with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):
+        (Path(folder) / "papers").symlink_to(ROOT / "papers")
+        run_examples(page, examples(page.read_text()), {"__name__": "__main__"}, found)
+    return found
+
+
 def _main(argv: list[str]) -> int:
     """``python -m tests.test_docs_examples PAGE KIND...``: run the page's examples of those kinds
     here, with the torch CPU kernels this interpreter was started with (:func:`run_page`);
-    ``--record PAGE...``: :func:`record_variants`."""
+    ``--record PAGE...``: :func:`record_variants`; ``--record-page PAGE OUT``: the page's
+    :func:`page_variants`, written to OUT as JSON."""
     if argv[:1] == ["--record"]:
+        import tests.conftest  # noqa: F401  (the tests' environment: threads, 64-bit JAX)
+
         print(record_variants([Path(a).resolve() for a in argv[1:]]))
+        return 0
+    if argv[:1] == ["--record-page"]:
+        Path(argv[2]).write_text(json.dumps(page_variants(Path(argv[1]))))
         return 0
     page = Path(argv[0])
     kernels = torch_kernels(page.read_text())
