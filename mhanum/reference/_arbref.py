@@ -687,7 +687,10 @@ def refine_mha_rows(
             probs = linear.probabilities(flint, scores, spec)
             if probs is None:
                 return None
-            fixed, errors = _fixed_point(probs, fixed_bits)
+            fixed_point = _fixed_point(probs, fixed_bits)
+            if fixed_point is None:
+                return None
+            fixed, errors = fixed_point
             center = linear.outputs(fixed, fixed_bits)
             with np.errstate(over="ignore", invalid="ignore"):
                 radius = _dd.upper_matmul(errors, radius_factors)
@@ -781,8 +784,10 @@ class _RowAlgebra:
         return _dd.up(largest[:, None] * column_sums)
 
 
-def _fixed_point(probs: list[Any], bits: int) -> tuple[_exact.Dyadic, np.ndarray]:
-    """Midpoints rounded to multiples of ``2**-bits`` ``(H, R, Lk)``, and error bounds ``(R, H)``.
+def _fixed_point(probs: list[Any], bits: int) -> tuple[_exact.Dyadic, np.ndarray] | None:
+    """Midpoints rounded to multiples of ``2**-bits`` ``(H, R, Lk)``, and error bounds ``(R, H)``;
+    ``None`` where a probability's ball is not finite (its exponential's argument beyond arb's
+    reach at this precision: scores some ``2**100`` apart), which certifies nothing.
 
     The error bound of head ``h`` in row ``r`` is an upper bound, in float64, of ``sum_j (rad_j +
     2**-(bits+1))``: the radii and the rounding of the midpoints.
@@ -795,6 +800,8 @@ def _fixed_point(probs: list[Any], bits: int) -> tuple[_exact.Dyadic, np.ndarray
             radii: list[tuple[int, int]] = [(l_k, -bits - 1)]
             for j in range(l_k):
                 ball = matrix[r, j]
+                if not ball.is_finite():
+                    return None
                 man, exp = (int(t) for t in ball.mid().man_exp())
                 # Below half a unit (exp(-1e40), say) it rounds to 0, with no huge shift.
                 tiny = exp + abs(man).bit_length() < -bits - 1

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     from mhanum._types import ArrayLike
     from mhanum.kvcache import KVQuant
     from mhanum.numerics import Numerics
+    from mhanum.params import MHAParams
     from mhanum.rope import Rope
 
 __all__ = [
@@ -360,7 +361,7 @@ def _attention_oracle(
     from mhanum.rope import reference_rope
 
     (mask, bias, scale, is_causal, kernel, dtype, layout, enable_gqa, softcap, sink, confidence,
-     rope, positions, kv_cache) = (keywords[n] for n in _ORACLE_KEYWORDS)  # fmt: skip
+     rope, positions, kv_cache) = (keywords[n] for n in _ORACLE_DEFAULTS)  # fmt: skip
     confidence = _confidence(confidence)
     kern = get_kernel(kernel)
     fmt = _format_of(q, dtype)
@@ -449,13 +450,22 @@ def _exact_magnitude(v: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 _LEAK_ARGUMENT = 151.0  # fl(x_j - M) <= -151: exp2 below 2^-146 within 8 ulps of float32
 
 
-# attention_oracle's keyword arguments, in the order of its signature, and their defaults.
-_ORACLE_DEFAULTS = {
-    name: p.default
-    for name, p in inspect.signature(attention_oracle).parameters.items()
-    if p.kind is p.KEYWORD_ONLY
-}
-_ORACLE_KEYWORDS = tuple(_ORACLE_DEFAULTS)
+def _keyword_defaults(function: Callable[..., object]) -> dict[str, Any]:
+    """A function's keyword-only arguments, in the order of its signature, with their defaults."""
+    parameters = inspect.signature(function).parameters.values()
+    return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY}
+
+
+def _keywords(defaults: dict[str, Any], given: dict[str, Any], caller: str) -> dict[str, Any]:
+    """``given`` over ``defaults``; a TypeError, as Python's, for a name they do not hold."""
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        msg = f"{caller}() got an unexpected keyword argument {unknown[0]!r}"
+        raise TypeError(msg)
+    return {**defaults, **given}
+
+
+_ORACLE_DEFAULTS = _keyword_defaults(attention_oracle)
 
 
 def _added_mask(
@@ -655,11 +665,7 @@ def attention_tolerance(q: Any, k: Any, v: Any, **kwargs: Any) -> np.ndarray:
     least ``attention_oracle(...).tolerance``, and exceeds it by at most ``2^-51·max_j |v_j|``
     per element (``2^-52`` of it, and a kernel's added masking constant's ``n·2^-145`` of it),
     at about a third of its cost."""
-    unknown = sorted(set(kwargs) - set(_ORACLE_KEYWORDS))
-    if unknown:
-        msg = f"attention_tolerance() got an unexpected keyword argument {unknown[0]!r}"
-        raise TypeError(msg)
-    keywords = {**_ORACLE_DEFAULTS, **kwargs}
+    keywords = _keywords(_ORACLE_DEFAULTS, kwargs, "attention_tolerance")
     return _attention_oracle(q, k, v, keywords, certified=False).tolerance
 
 
@@ -731,9 +737,29 @@ def mha_oracle(
     exact answer (the output bias when heads return 0, NaN): tolerance 0 there. A row where only
     some heads attend no key has no finite bound yet (tolerance ``inf``, term ``fully_masked``).
     """
+    keywords = {n: value for n, value in locals().items() if n not in _MHA_POSITIONAL}
+    return _mha_oracle(x_q, x_kv, params, num_heads, keywords, certified=True)
+
+
+_MHA_POSITIONAL = ("x_q", "x_kv", "params", "num_heads")
+
+
+def _mha_oracle(
+    x_q: object,
+    x_kv: object,
+    params: MHAParams,
+    num_heads: int,
+    keywords: dict[str, Any],
+    *,
+    certified: bool,
+) -> Oracle:
+    """:func:`mha_oracle` for its ``keywords``; with ``certified=False``, its tolerance alone,
+    the reference's rounding charged on :func:`_mha_exact_magnitude` (as in
+    :func:`_attention_oracle`)."""
     from mhanum import reference
     from mhanum.bounds import mha_bound
 
+    mask, kernel, dtype, num_kv_heads, softcap, confidence = (keywords[n] for n in _MHA_DEFAULTS)
     confidence = _confidence(confidence)
     kern = get_kernel(kernel)
     fmt = _format_of(x_q, dtype)
@@ -753,13 +779,6 @@ def mha_oracle(
     if m is not None:
         m4 = m if m.ndim >= 3 else m[None]  # (..., heads or 1, Lq, Lk)
         dead = np.asarray(~m4.any(axis=-1), bool).all(axis=-2)  # every head's row is masked
-    exact = np.asarray(
-        reference.multi_head_attention(
-            xq, xkv, params, num_heads, mask=m, num_kv_heads=num_kv_heads,
-            fully_masked="nan" if policy == "unmasked" else policy, softcap=softcap,
-        ),
-        np.float64,
-    )  # fmt: skip
     kw: dict[str, Any] = {
         "mask": m, "num_kv_heads": num_kv_heads, "softcap": softcap, "probability": confidence,
     }  # fmt: skip
@@ -767,15 +786,62 @@ def mha_oracle(
         mha_bound(xq, xkv, params, num_heads, numerics=n, known_rounding=kern.known_rounding, **kw)
         for n in kern.candidates(fmt)
     ]
+    if certified:
+        exact = np.asarray(
+            reference.multi_head_attention(
+                xq, xkv, params, num_heads, mask=m, num_kv_heads=num_kv_heads,
+                fully_masked="nan" if policy == "unmasked" else policy, softcap=softcap,
+            ),
+            np.float64,
+        )  # fmt: skip
+    else:
+        exact = _mha_exact_magnitude(xkv, params, num_kv_heads or num_heads, num_heads)
+        exact = np.broadcast_to(exact[..., None, :], np.shape(bounds[0].total))
     if dead is not None:
         dead = np.broadcast_to(dead, exact.shape[:-1])
     return _fold(exact, bounds, dead, kern, fmt, confidence)
 
 
+_MHA_DEFAULTS = _keyword_defaults(mha_oracle)
+
+
+def _mha_exact_magnitude(
+    x_kv: np.ndarray, params: MHAParams, num_kv_heads: int, num_heads: int
+) -> np.ndarray:
+    """An upper bound of ``|exact|`` for every output column of the layer, per batch entry.
+
+    Head ``h``'s output row is ``Σ_j p_j v_j`` with ``p_j >= 0``, ``Σ_j p_j <= 1``
+    (:func:`_exact_magnitude`) and ``v_j = x_j W_v + b_v`` of its key/value head, so its
+    entry ``e`` is at most ``A_e = max_{kv head, j} Σ_t |x_jt||W_v,te| + |b_v,e|`` (the largest
+    over the key/value heads, whichever head reads which), and output column ``c`` at most
+    ``B_c = Σ_{h,e} A_e |W_o,(h,e)c| + |b_o,c|``. The float64 evaluation sums ``n_1 = d_kv + 1``
+    and then ``n_2 = H·d_v + 1`` non-negative terms (any order, contracted or not): relative
+    errors ``γ_n1``, ``γ_n2`` (``γ_n = n·2^-53/(1 - n·2^-53)``) and, below the normal range, an
+    absolute ``2^-1075`` a product. So ``B <= B̂·(1 + (n_1 + n_2 + 4)·2^-52) + (n_1 + n_2)·
+    2^-1074·(1 + max_c Σ|W_o,c|)``, which the last two operations keep (their roundings are in
+    the factor's margin)."""
+    wv, wo = (np.abs(np.asarray(w, np.float64)) for w in (params.wv, params.wo))
+    bv, bo = (
+        0.0 if b is None else np.abs(np.asarray(b, np.float64)) for b in (params.bv, params.bo)
+    )
+    values = (np.abs(x_kv) @ wv + bv).max(axis=-2)  # (..., kv heads · d_v)
+    per_entry = values.reshape(*values.shape[:-1], num_kv_heads, -1).max(axis=-2)
+    top = np.tile(per_entry, num_heads) @ wo + bo
+    n = wv.shape[0] + wo.shape[0] + 2
+    slack = n * 2.0**-1074 * (1 + float(wo.sum(axis=0).max(initial=0.0)))
+    return top * (1 + (n + 4) * 2.0**-52) + slack
+
+
 def mha_tolerance(x_q: Any, x_kv: Any, params: Any, num_heads: int, **kwargs: Any) -> np.ndarray:
     """The per-element certified tolerance of a multi-head attention layer (see :func:`mha_oracle`;
-    ``confidence=P``: the probabilistic one, as in :func:`attention_tolerance`)."""
-    return mha_oracle(x_q, x_kv, params, num_heads, **kwargs).tolerance
+    ``confidence=P``: the probabilistic one, as in :func:`attention_tolerance`).
+
+    It computes no reference, as :func:`attention_tolerance`: the reference's float64 rounding
+    is charged on a bound of ``|exact|`` (``Σ_{h,e} max|v_e|·|W_o| + |b_o|``, with
+    ``max|v_e|`` bounded through ``|x_kv||W_v| + |b_v|``), so it is at least
+    ``mha_oracle(...).tolerance``, at about half its cost."""
+    keywords = _keywords(_MHA_DEFAULTS, kwargs, "mha_tolerance")
+    return _mha_oracle(x_q, x_kv, params, num_heads, keywords, certified=False).tolerance
 
 
 def assert_mha_close(

@@ -328,6 +328,32 @@ def test_mha_keeps_the_small_part_of_values_whose_large_parts_cancel(backend):
     _assert_agree(value, np.array([[1 / (1 + ctx.e)]], dtype=object), TOL)
 
 
+@pytest.mark.parametrize("exponent", [100, 300])
+def test_mha_with_scores_far_apart_attends_each_rows_top_key(exponent):
+    # x ~ 2**exponent: each head's scores lie some 2**(2 exponent - 4) apart, so every weight but
+    # the top key's is below e**(-2**190) and the output is y = sum_h v_top(h) wo_h + bo (the fast
+    # path's probability balls are not finite there: it hands the rows to the exact backend).
+    rng = np.random.default_rng(exponent)
+    x = np.ldexp(rng.standard_normal((3, 4)), exponent)
+    params = MHAParams.random(4, seed=exponent)
+    _, value = reference.multi_head_attention(x, x, params, 2, return_mpf=True)
+    ctx = mpmath.MPContext()
+    ctx.prec = 3000
+    exactly = np.vectorize(ctx.mpf, otypes=[object])
+    names = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
+    p = [exactly(getattr(params, name)) for name in names]
+    q, k, v = (exactly(x) @ p[i] + p[4 + i] for i in range(3))
+    expected = np.empty((3, 4), dtype=object)
+    for r in range(3):
+        heads = []
+        for h in range(2):
+            cols = slice(2 * h, 2 * h + 2)
+            scores = [sum(q[r, cols] * k[j, cols]) for j in range(3)]
+            heads.extend(v[max(range(3), key=lambda j: scores[j]), cols])
+        expected[r] = np.array(heads, dtype=object) @ p[3] + p[7]
+    _assert_agree(value, expected, TOL)
+
+
 # --- masking -----------------------------------------------------------------------------------
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mhanum import MHAParams
 from mhanum.rope import Rope
-from mhanum.testing import attention_oracle, attention_tolerance
+from mhanum.testing import attention_oracle, attention_tolerance, mha_oracle, mha_tolerance
 
 RNG = np.random.default_rng(38)
 Q, K, V = (RNG.standard_normal((2, 2, 9, 16)).astype(np.float32) for _ in range(3))
@@ -47,3 +48,55 @@ def test_the_tolerance_alone_is_the_oracles_with_max_v_for_the_exact(keywords):
 def test_the_tolerance_alone_refuses_an_unknown_keyword():
     with pytest.raises(TypeError, match="unexpected keyword argument 'masks'"):
         attention_tolerance(Q, K, V, masks=MASK)
+
+
+# -- mha_tolerance -------------------------------------------------------------------------------
+
+PARAMS = MHAParams.random(16, seed=3)
+X = RNG.standard_normal((2, 7, 16)).astype(np.float32)
+HEAD_MASK = RNG.random((2, 4, 7, 7)) < 0.6
+HEAD_MASK[0, 1, 2] = False  # one head of a row attends no key
+
+
+@pytest.mark.parametrize(
+    "keywords",
+    [
+        {"kernel": "jax-xla"},
+        {"kernel": "torch-sdpa-math", "mask": HEAD_MASK, "softcap": 2.0},
+        {"kernel": "jax-xla", "num_kv_heads": 2, "confidence": 0.99},
+    ],
+    ids=["plain", "mask-softcap", "gqa-confidence"],
+)
+def test_the_mha_tolerance_alone_is_at_least_the_oracles(keywords):
+    grouped = "num_kv_heads" in keywords
+    params = MHAParams.random(16, seed=4, kv_width=8) if grouped else PARAMS
+    oracle = mha_oracle(X, X, params, 4, **keywords)
+    alone = mha_tolerance(X, X, params, 4, **keywords)
+    np.testing.assert_array_equal(np.isfinite(alone), np.isfinite(oracle.tolerance))
+    finite = np.isfinite(alone)
+    assert finite.any()
+    assert (alone[finite] >= oracle.tolerance[finite]).all()
+    assert (alone[finite] > oracle.tolerance[finite]).any()
+
+
+@pytest.mark.parametrize("exponent", [-1074, -1060, -1022, -600, 0, 300, 500])
+def test_the_mha_magnitude_bounds_the_exact_output_over_the_exponent_range(exponent):
+    """``|exact|`` against its bound (:func:`mhanum.testing._mha_exact_magnitude`), on inputs and
+    biases from the smallest subnormal to near overflow, with grouped key/value heads."""
+    from mhanum import reference
+    from mhanum.testing import _mha_exact_magnitude
+
+    rng = np.random.default_rng(exponent + 2000)
+    x = np.ldexp(rng.standard_normal((2, 5, 8)), exponent)
+    x[0, :, 0] = np.ldexp(1.0, exponent)  # a key's entry at exactly 2^exponent
+    wq, wk, wv = (
+        rng.standard_normal((8, 8)),
+        rng.standard_normal((8, 4)),
+        rng.standard_normal((8, 4)),
+    )
+    wo, bo, bv = rng.standard_normal((8, 8)), rng.standard_normal(8), rng.standard_normal(4)
+    params = MHAParams(wq, wk, wv, wo, bv=np.ldexp(bv, exponent), bo=np.ldexp(bo, exponent))
+    exact = np.asarray(reference.multi_head_attention(x, x, params, 4, num_kv_heads=2))
+    top = _mha_exact_magnitude(x, params, 2, 4)[..., None, :]
+    assert np.isfinite(top).all()
+    assert (np.abs(exact) <= top).all()
