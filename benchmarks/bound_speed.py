@@ -200,7 +200,7 @@ def _tolerance_rows(repeat: int) -> None:
 
 
 def _tolerance_row(torch: Any, dtype: Any, rng: np.random.Generator, repeat: int) -> None:
-    from mhanum.testing import attention_tolerance
+    from mhanum.testing import attention_oracle, attention_tolerance
 
     q, k, v = (torch.tensor(rng.standard_normal((1, 1, 1024, 64)), dtype=dtype) for _ in range(3))
 
@@ -212,6 +212,8 @@ def _tolerance_row(torch: Any, dtype: Any, rng: np.random.Generator, repeat: int
     t_b = median_time(lambda: attention_tolerance(q, k, v, kernel="torch-sdpa-math"), repeat)
     name = str(dtype).removeprefix("torch.")
     _row(f"tolerance {name} L=1024 d=64", t_a, t_b, 20.0)
+    t_o = median_time(lambda: attention_oracle(q, k, v, kernel="torch-sdpa-math"), repeat)
+    _row(f"  oracle {name} L=1024 d=64", t_a, t_o, None)
 
 
 def _grad_tolerance_row(torch: Any, dtype: Any, rng: np.random.Generator, repeat: int) -> None:
@@ -286,10 +288,17 @@ def main(argv: list[str] | None = None) -> int:
         "--allocator", action="store_true",
         help="attention_bound also in a process whose glibc malloc keeps freed memory",
     )  # fmt: skip
+    parser.add_argument(
+        "--tolerances", action="store_true",
+        help="the tolerance rows alone (attention_tolerance, attention_oracle, the gradients')",
+    )  # fmt: skip
     parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         _one(int(args.one[0]), args.one[1], int(args.one[2]))
+        return 0
+    if args.tolerances:
+        _tolerance_rows(5)
         return 0
     print(
         f"{'case':34s} {'attention s':>12s} {'bound s':>10s} {'bound/attention':>16s} "
