@@ -30,14 +30,14 @@ but blank lines between:
 * a line ``<!-- output of: mhanum ... -->`` right before the text block: what that command prints
   (for output shown apart from its command, as in the README's set-up).
 
-The pages show what a CPU with AVX-512 prints (:data:`SHOWN_ON`). The frameworks' float32
+The pages show what an AMD CPU with AVX-512 prints (:data:`SHOWN_ON`). The frameworks' float32
 kernels (XLA's, oneDNN's, MKL's) sum in orders of their own per instruction set, so a measured
 rounding error may print other figures on another CPU. MKL, torch's float32 matmul, picks its
 kernels by the CPU's maker as well as by its instruction set (with torch's own kernels held at
-AVX2, an Intel AVX-512 CPU prints other figures than the AMD one whose output the pages show),
-so an Intel CPU with AVX-512 counts as an instruction set of its own (``avx512-intel``). Where a CPU prints other output, it is recorded in
-``tests/data/shown_outputs/<instruction set>.json`` beside the output the page shows, and a run
-on such a CPU checks against that record (:func:`shown_here`);
+AVX2, an Intel AVX-512 CPU prints other figures than the AMD one), so an Intel CPU with AVX-512
+counts as an instruction set of its own (``avx512-intel``). Where a CPU prints other output, it
+is recorded in ``tests/data/shown_outputs/<instruction set>.json`` beside the output the page
+shows, and a run on such a CPU checks against that record (:func:`shown_here`);
 ``python -m tests.test_docs_examples --record PAGE...`` records what this CPU prints where it
 differs. A record whose page no longer shows its output is stale, and a test says so.
 

@@ -839,7 +839,8 @@ def mha_tolerance(x_q: Any, x_kv: Any, params: Any, num_heads: int, **kwargs: An
     It computes no reference, as :func:`attention_tolerance`: the reference's float64 rounding
     is charged on a bound of ``|exact|`` (``Σ_{h,e} max|v_e|·|W_o| + |b_o|``, with
     ``max|v_e|`` bounded through ``|x_kv||W_v| + |b_v|``), so it is at least
-    ``mha_oracle(...).tolerance``, at about half its cost."""
+    ``mha_oracle(...).tolerance``, at a fraction of its cost (the reference is most of the
+    oracle's: about a sixth at ``L = 1024``, ``d_model = 512``, 8 heads)."""
     keywords = _keywords(_MHA_DEFAULTS, kwargs, "mha_tolerance")
     return _mha_oracle(x_q, x_kv, params, num_heads, keywords, certified=False).tolerance
 
