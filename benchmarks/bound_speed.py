@@ -219,7 +219,7 @@ def _tolerance_row(torch: Any, dtype: Any, rng: np.random.Generator, repeat: int
 def _grad_tolerance_row(torch: Any, dtype: Any, rng: np.random.Generator, repeat: int) -> None:
     """``attention_grad_tolerance`` against the PyTorch CPU math kernel's forward and backward
     (autograd through ``scaled_dot_product_attention``, L = 1024, d = 64)."""
-    from mhanum.testing import attention_grad_tolerance
+    from mhanum.testing import attention_grad_oracle, attention_grad_tolerance
 
     q, k, v, g = (
         torch.tensor(rng.standard_normal((1, 1, 1024, 64)), dtype=dtype) for _ in range(4)
@@ -238,6 +238,8 @@ def _grad_tolerance_row(torch: Any, dtype: Any, rng: np.random.Generator, repeat
     )
     name = str(dtype).removeprefix("torch.")
     _row(f"grad tolerance {name} L=1024 d=64", t_a, t_b, 20.0)
+    t_o = median_time(lambda: attention_grad_oracle(q, k, v, g, kernel="torch-sdpa-math"), repeat)
+    _row(f"  grad oracle {name} L=1024 d=64", t_a, t_o, None)
 
 
 def _peak_memory(length: int, d: int) -> float:

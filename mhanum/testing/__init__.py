@@ -30,9 +30,8 @@ mhanum.testing.oracle.AttentionMismatch: 1 of 64 elements outside the certified 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -69,6 +68,8 @@ from mhanum.testing.oracle import (
     PredictedOverflow,
     as_float64,
     assert_close,
+    keyword_defaults,
+    keywords_over,
 )
 
 if TYPE_CHECKING:
@@ -450,22 +451,7 @@ def _exact_magnitude(v: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 _LEAK_ARGUMENT = 151.0  # fl(x_j - M) <= -151: exp2 below 2^-146 within 8 ulps of float32
 
 
-def _keyword_defaults(function: Callable[..., object]) -> dict[str, Any]:
-    """A function's keyword-only arguments, in the order of its signature, with their defaults."""
-    parameters = inspect.signature(function).parameters.values()
-    return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY}
-
-
-def _keywords(defaults: dict[str, Any], given: dict[str, Any], caller: str) -> dict[str, Any]:
-    """``given`` over ``defaults``; a TypeError, as Python's, for a name they do not hold."""
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        msg = f"{caller}() got an unexpected keyword argument {unknown[0]!r}"
-        raise TypeError(msg)
-    return {**defaults, **given}
-
-
-_ORACLE_DEFAULTS = _keyword_defaults(attention_oracle)
+_ORACLE_DEFAULTS = keyword_defaults(attention_oracle)
 
 
 def _added_mask(
@@ -665,7 +651,7 @@ def attention_tolerance(q: Any, k: Any, v: Any, **kwargs: Any) -> np.ndarray:
     least ``attention_oracle(...).tolerance``, and exceeds it by at most ``2^-51·max_j |v_j|``
     per element (``2^-52`` of it, and a kernel's added masking constant's ``n·2^-145`` of it),
     at about a third of its cost."""
-    keywords = _keywords(_ORACLE_DEFAULTS, kwargs, "attention_tolerance")
+    keywords = keywords_over(_ORACLE_DEFAULTS, kwargs, "attention_tolerance")
     return _attention_oracle(q, k, v, keywords, certified=False).tolerance
 
 
@@ -802,7 +788,7 @@ def _mha_oracle(
     return _fold(exact, bounds, dead, kern, fmt, confidence)
 
 
-_MHA_DEFAULTS = _keyword_defaults(mha_oracle)
+_MHA_DEFAULTS = keyword_defaults(mha_oracle)
 
 
 def _mha_exact_magnitude(
@@ -841,7 +827,7 @@ def mha_tolerance(x_q: Any, x_kv: Any, params: Any, num_heads: int, **kwargs: An
     ``max|v_e|`` bounded through ``|x_kv||W_v| + |b_v|``), so it is at least
     ``mha_oracle(...).tolerance``, at a fraction of its cost (the reference is most of the
     oracle's: about a sixth at ``L = 1024``, ``d_model = 512``, 8 heads)."""
-    keywords = _keywords(_MHA_DEFAULTS, kwargs, "mha_tolerance")
+    keywords = keywords_over(_MHA_DEFAULTS, kwargs, "mha_tolerance")
     return _mha_oracle(x_q, x_kv, params, num_heads, keywords, certified=False).tolerance
 
 

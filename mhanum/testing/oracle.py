@@ -6,8 +6,10 @@ per gradient."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,7 +17,15 @@ import numpy as np
 from mhanum._errors import InvalidArgument
 from mhanum.testing.kernels import Kernel
 
-__all__ = ["AttentionMismatch", "Oracle", "PredictedOverflow", "as_float64", "assert_close"]
+__all__ = [
+    "AttentionMismatch",
+    "Oracle",
+    "PredictedOverflow",
+    "as_float64",
+    "assert_close",
+    "keyword_defaults",
+    "keywords_over",
+]
 
 
 class AttentionMismatch(AssertionError):
@@ -186,3 +196,19 @@ def as_float64(x: Any, name: str) -> np.ndarray:
         msg = f"{name}: expected a floating-point array, got dtype {arr.dtype}"
         raise InvalidArgument(msg)
     return arr.astype(np.float64)
+
+
+def keyword_defaults(function: Callable[..., object]) -> dict[str, Any]:
+    """A function's keyword-only arguments, in the order of its signature, with their defaults
+    (the keywords a ``**kwargs`` tolerance function forwards to its oracle)."""
+    parameters = inspect.signature(function).parameters.values()
+    return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY}
+
+
+def keywords_over(defaults: dict[str, Any], given: dict[str, Any], caller: str) -> dict[str, Any]:
+    """``given`` over ``defaults``; a TypeError, as Python's, for a name they do not hold."""
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        msg = f"{caller}() got an unexpected keyword argument {unknown[0]!r}"
+        raise TypeError(msg)
+    return {**defaults, **given}
