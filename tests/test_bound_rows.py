@@ -166,6 +166,25 @@ def test_the_gradient_bound_and_oracle_are_the_same_on_one_and_two_threads(monke
         np.testing.assert_array_equal(t2[name], t1[name])
 
 
+def test_the_gradient_oracles_own_products_take_one_blas_thread_too(monkeypatch):
+    """The oracle's products outside the bounds (the candidates' product terms) run with one
+    BLAS thread whichever thread takes them: with the caller's two, OpenBLAS splits a
+    300 × 130 product differently and the tolerance moved by an ulp with the thread count."""
+    from threadpoolctl import threadpool_limits
+
+    from mhanum.testing import attention_grad_oracle
+
+    rng = np.random.default_rng(1)
+    q, k, v, g = (rng.standard_normal((1, 2, 300, 130)).astype(np.float32) for _ in range(4))
+    runs = []
+    for n in ("1", "2"):
+        monkeypatch.setenv("MHANUM_THREADS", n)
+        with threadpool_limits(limits=2, user_api="blas"):
+            runs.append(attention_grad_oracle(q, k, v, g, kernel="jax-xla"))
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(runs[1][name].tolerance, runs[0][name].tolerance)
+
+
 BANDS = [
     masks.causal(),
     masks.window(5, 0),

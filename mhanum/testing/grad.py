@@ -38,7 +38,7 @@ import numpy as np
 
 from mhanum import masks
 from mhanum._errors import InvalidArgument
-from mhanum._threads import map_threads
+from mhanum._threads import map_threads, one_blas_thread
 from mhanum.testing.backward_kernels import BackwardKernel, get_backward_kernel
 from mhanum.testing.grad_magnitudes import gradient_magnitudes, probabilities_upper
 from mhanum.testing.kernels import Kernel
@@ -281,6 +281,7 @@ def attention_grad_oracle(
     return _attention_grad_oracle(q, k, v, d_out, keywords, certified=True)
 
 
+@one_blas_thread  # its own products too, whichever thread takes them: the same bits
 def _attention_grad_oracle(
     q: object, k: object, v: object, d_out: object, keywords: dict[str, Any], *, certified: bool
 ) -> GradientOracle:

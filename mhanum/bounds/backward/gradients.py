@@ -420,12 +420,15 @@ def _pair_sums(w: np.ndarray, a: np.ndarray) -> np.ndarray:
     cw = np.concatenate([zero, np.cumsum(w_s, axis=-1)], axis=-1)
     cwa = np.concatenate([zero, np.cumsum(w_s * a_s, axis=-1)], axis=-1)
     # below[..., j]: how many keys have a_l < -a_j, from one stable sort of (-a, sorted a):
-    # each -a_j is preceded by the a_l below it (a tie adds |a_j + a_l| = 0 either way)
-    merged = np.argsort(np.concatenate([-a, a_s], axis=-1), axis=-1, kind="stable")
+    # each -a_j is preceded by the a_l below it (a tie adds |a_j + a_l| = 0 either way). The
+    # -a_j go in as -(sorted a) reversed, itself sorted, so the sort merges two sorted runs
+    needle = -a_s[..., ::-1]  # needle[..., i] = -a[order[..., n - 1 - i]]
+    merged = np.argsort(np.concatenate([needle, a_s], axis=-1), axis=-1, kind="stable")
     is_key = merged >= n
     ranks = np.empty(merged.shape, dtype=np.intp)
     np.put_along_axis(ranks, merged, np.cumsum(is_key, axis=-1) - is_key, axis=-1)
-    below = ranks[..., :n]
+    below = np.empty(a.shape, dtype=np.intp)
+    np.put_along_axis(below, order[..., ::-1], ranks[..., :n], axis=-1)
     w_lo = np.take_along_axis(cw, below, axis=-1)
     wa_lo = np.take_along_axis(cwa, below, axis=-1)
     w_all, wa_all = cw[..., -1:], cwa[..., -1:]
@@ -476,9 +479,21 @@ def _coupled_dq(
 
     def chunk(task: tuple[int, slice]) -> np.ndarray:
         b, sl = task
+        rows = range(lq)[sl]
+        part = np.empty((len(rows), d))
+        # a few rows at a time, in place: the temporaries stay in the core's cache (the same
+        # operations on the same values as one pass over the chunk, so the same bits)
+        sub = max(1, 2**16 // max(1, n * d))
+        x, y = np.empty((sub, n, d)), np.empty((sub, n, d))
         with np.errstate(over="ignore", invalid="ignore"):  # (per thread, as the caller's)
-            diff = t[b, sl, :, None] * k[b, None] - dpm[b, sl, :, None] * kbar[b, sl, None, :]
-            return np.einsum("ij,ijc->ic", pe[b, sl], np.abs(diff))
+            for i in range(0, len(rows), sub):
+                r = slice(rows.start + i, rows.start + min(i + sub, len(rows)))
+                xs, ys = x[: r.stop - r.start], y[: r.stop - r.start]
+                np.multiply(t[b, r, :, None], k[b, None], out=xs)
+                np.multiply(dpm[b, r, :, None], kbar[b, r, None, :], out=ys)
+                np.abs(np.subtract(xs, ys, out=xs), out=xs)
+                part[i : i + xs.shape[0]] = np.einsum("ij,ijc->ic", pe[b, r], xs)
+        return part
 
     # the chunks of rows side by side, each as it would be alone (mhanum._threads)
     for (b, sl), part in zip(chunks, map_threads(chunk, chunks), strict=True):
