@@ -356,7 +356,7 @@ def _attention_grad_oracle(
             bounds = gradient_magnitudes(q64, k64, v64, g64, m, b64, (c, softcap), sink)
             if all(np.isfinite(b).all() for b in bounds.values()):
                 return bounds
-            # a bound that overflows would make a finite tolerance infinite: the exact values
+            # a bound that overflows would turn a finite tolerance infinite: take the exact ones
         exact = reference.attention_grad(
             q64, k64, v64, g64, mask=m, bias=b64, scale=scale, digits=17, softcap=softcap,
             sink=sink,
