@@ -1,10 +1,14 @@
-"""The test tiers, by measured time: tests/slow.txt lists the tests that run in the full run only.
+r"""The test tiers, by measured time: tests/slow.txt lists the tests that run in the full run only.
 
-Regenerate it from a timed run of the fast tier (``--durations=0`` prints every test's setup and
-call times; a test whose setup and call together take at least ``THRESHOLD`` seconds moves to
-the slow tier)::
+Regenerate it from a timed run of the fast tier with an empty compilation cache
+(``--durations=0`` prints every test's setup and call times; a test whose setup and call together
+take at least ``THRESHOLD`` seconds moves to the slow tier). The cache must be empty: XLA's
+compilations are most of a cold run's time (91% of two test files' 273 s, measured with
+``jax.monitoring``'s compile durations), and a test that compiles its own programs is fast only
+where an earlier run left them::
 
-    HYPOTHESIS_PROFILE=ci python -m pytest -n 2 -m "not slow" --durations=0 -q > durations.txt
+    MHANUM_JAX_CACHE=$(mktemp -d) HYPOTHESIS_PROFILE=ci \
+        python -m pytest -n 2 -m "not slow" --durations=0 -q > durations.txt
     python tests/tiers.py durations.txt
 
 Tests already marked ``@pytest.mark.slow`` in their files stay slow; this file only adds to them.
@@ -20,6 +24,13 @@ from pathlib import Path
 THRESHOLD = 3.0  # seconds (setup + call) on 2 cores under `-n 2`
 LIST = Path(__file__).with_name("slow.txt")
 LINE = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(\S.*?)\s*$")
+# The tests of what a minimal install offers stay fast whatever they take: .ci/run runs them in
+# the README's own install (the test extra alone) with -m "not slow".
+ALWAYS_FAST = (
+    "tests/test_import.py",
+    "tests/adapters/test_import.py",
+    "tests/test_optional_dependencies.py",
+)
 
 
 def slow_ids(lines: list[str]) -> list[tuple[float, str]]:
@@ -29,7 +40,10 @@ def slow_ids(lines: list[str]) -> list[tuple[float, str]]:
         m = LINE.match(line)
         if m:
             total[m.group(3)] += float(m.group(1))
-    return sorted(((t, n) for n, t in total.items() if t >= THRESHOLD), reverse=True)
+    return sorted(
+        ((t, n) for n, t in total.items() if t >= THRESHOLD and not n.startswith(ALWAYS_FAST)),
+        reverse=True,
+    )
 
 
 def read() -> set[str]:
