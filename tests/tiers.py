@@ -1,7 +1,7 @@
 r"""The test tiers, by measured time: tests/slow.txt lists the tests that run in the full run only.
 
 Regenerate it from a timed run of the fast tier with an empty compilation cache
-(``--durations=0`` prints every test's setup and call times; a test whose setup and call together
+(``--durations=0`` prints every test's setup, call and teardown times; a test whose phases together
 take at least ``THRESHOLD`` seconds moves to the slow tier). The cache must be empty: XLA's
 compilations are most of a cold run's time (91% of two test files' 273 s, measured with
 ``jax.monitoring``'s compile durations), and a test that compiles its own programs is fast only
@@ -22,7 +22,7 @@ import re
 import sys
 from pathlib import Path
 
-THRESHOLD = 3.0  # seconds (setup + call) on 2 cores under `-n 2`
+THRESHOLD = 3.0  # seconds (setup + call + teardown) on 2 cores under `-n 2`
 LIST = Path(__file__).with_name("slow.txt")
 LINE = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(\S.*?)\s*$")
 # The tests of what a minimal install offers stay fast whatever they take: .ci/run runs them in
@@ -75,6 +75,8 @@ if __name__ == "__main__":
     found = slow_ids(Path(sys.argv[1]).read_text().splitlines())
     kept = {n for n in read() - {n for _, n in found} if defined(n)}  # renamed tests drop out
     lines = [f"{t:6.2f} {n}" for t, n in found] + [f"     - {n}" for n in sorted(kept)]
-    header = f"# measured seconds (setup + call) >= {THRESHOLD}; regenerate with tests/tiers.py\n"
+    header = (
+        f"# measured seconds (setup + call + teardown) >= {THRESHOLD}; regenerate: tests/tiers.py\n"
+    )
     LIST.write_text(header + "\n".join(lines) + "\n")
     print(f"{len(found)} tests at or above {THRESHOLD} s; {len(kept)} kept from before")
