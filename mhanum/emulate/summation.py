@@ -32,6 +32,7 @@ magnitude may come out as zero. float16 subnormals are normal float32 numbers an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, TypeAlias, TypeVar
@@ -218,7 +219,8 @@ def sum(
     """Sum ``x`` along ``axis`` in ``accum`` in the given order.
 
     The terms are first rounded into ``accum`` (exactly, if they are already values of it). The
-    result is returned in ``accum``'s carrier dtype (float32, or float64 for float64).
+    result is returned in ``accum``'s carrier dtype (float32, or float64 for float64). The sum
+    runs as one compiled program (``jax.jit``) per shape, order, format and axis.
 
     Args:
         x: a JAX or numpy float array.
@@ -234,8 +236,19 @@ def sum(
         >>> float(sum(x, order="pairwise")) == 1 + 2.0**-22
         True
     """
-    ar = Arith(_accum_format(accum), runtime_zero(jnp.asarray(x)))
-    return sum_with(ar, jnp.moveaxis(jnp.asarray(x), axis, -1), order)
+    fmt = _accum_format(accum)
+    _order(order)
+    x = jnp.asarray(x)
+    if not -x.ndim <= axis < max(x.ndim, 1):
+        msg = f"axis: expected an axis of an array of {x.ndim} dimensions, got {axis}"
+        raise InvalidArgument(msg)
+    return _sum_jit(x, order, fmt, axis)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _sum_jit(x: jax.Array, order: str, fmt: Format, axis: int) -> jax.Array:
+    """:func:`sum` as one compiled program per shape, order, format and axis."""
+    return sum_with(Arith(fmt, runtime_zero(x)), jnp.moveaxis(x, axis, -1), order)
 
 
 def sum_with(ar: Arith, x: jax.Array, order: str, *, keepdims: bool = False) -> jax.Array:
@@ -277,7 +290,8 @@ def matmul(
             ``"bf16x3"``, ``"bf16x6"``, ``"tensor-core(<model>)"``).
 
     Returns:
-        ``(..., M, N)`` in ``accum``'s carrier dtype, each entry a value of ``accum``.
+        ``(..., M, N)`` in ``accum``'s carrier dtype, each entry a value of ``accum``, from one
+        compiled program (``jax.jit``) per shapes and numerics.
     """
     fmt = _accum_format(accum)
     a, b = jnp.asarray(a), jnp.asarray(b)
@@ -291,8 +305,15 @@ def matmul(
         operand_format=None if operand_format is None else get_format(operand_format).name,
         dot=dot,
     )
-    ar = Arith(fmt, runtime_zero(a))
-    return matmul_with(ar, a, b, order, num.operand_rounding, num.dot)
+    return _matmul_jit(a, b, order, fmt, num.operand_rounding, num.dot)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _matmul_jit(
+    a: jax.Array, b: jax.Array, order: str, fmt: Format, operand: Format | None, dot: str
+) -> jax.Array:
+    """:func:`matmul` as one compiled program per shapes and numerics."""
+    return matmul_with(Arith(fmt, runtime_zero(a)), a, b, order, operand, dot)
 
 
 _PASSES = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given
@@ -124,6 +125,7 @@ def test_tf32_operands_are_rounded_before_the_product():
     [
         (lambda: summation.sum(np.ones(3), order="random"), "order: expected"),
         (lambda: summation.sum(np.ones(3), accum="tf32"), "accum: expected float64"),
+        (lambda: summation.sum(np.ones((2, 3)), axis=2), "axis: expected an axis of an array of 2"),
         (
             lambda: summation.matmul(np.ones((2, 3)), np.ones((2, 3))),
             r"b: expected shape \(\.\.\., 3, N\)",
@@ -133,3 +135,11 @@ def test_tf32_operands_are_rounded_before_the_product():
 def test_bad_arguments_raise(call, match):
     with pytest.raises(InvalidArgument, match=match):
         call()
+
+
+def test_a_sum_along_another_axis_and_inside_a_callers_jit_is_the_same_sum():
+    x = np.array([[1.0, E, E, E], [E, 1.0, -1.0, E]], np.float32).T  # the terms along axis 0
+    expected = [1.0, E]  # sequential: 1 absorbs each E (a tie, to even), so E + 1 - 1 + E = E
+    assert summation.sum(x, axis=0).tolist() == expected
+    assert summation.sum(x.T).tolist() == expected
+    assert jax.jit(lambda y: summation.sum(y, axis=0))(x).tolist() == expected
