@@ -379,25 +379,32 @@ def _floor(
     take no ``δ``; ``orders``: the sums whose addends the run takes in another order than
     their index's (the ``masses``' partial sums in that order)."""
     zeros = {s: jnp.zeros(m.shape[1:] if is_sum else m.shape) for s, (m, is_sum) in masses.items()}
-    y0, vjp = jax.vjp(lambda e: fwd(_Run(e, "linear", nearest=nearest)), zeros)
+    # the linearisation and each entry's pullback as compiled programs (op by op, each of their
+    # operations would be a program of its own)
+    y0, vjp = jax.jit(lambda e: jax.vjp(lambda e: fwd(_Run(e, "linear", nearest=nearest)), e))(
+        zeros
+    )
+    pullback = jax.jit(lambda vjp, cot: vjp(cot)[0])
+    values = {s: (np.asarray(m), is_sum) for s, (m, is_sum) in masses.items()}
     known = np.asarray(y0) - exact
     worst, realised, spread, tops, kept = [], [], [], [], []
     exact_in = {s: _DTYPES[u[s]] for s in masses if u[s] in _DTYPES}
     # the orders as an argument: as constants of the program XLA would fold their gathers
     real = jax.jit(lambda d, o: fwd(_Run(d, "real", exact_in, nearest, o)))
     for m in entries:
-        cot = jnp.zeros_like(y0).at[m].set(1.0)
-        (g,) = vjp(cot)
+        cot = np.zeros(known.shape)
+        cot[m] = 1.0
+        g = {s: np.asarray(gs) for s, gs in pullback(vjp, cot).items()}
         sign = 1.0 if known[m] >= 0 else -1.0
         deltas, incs = {}, []
-        for s, (vals, is_sum) in masses.items():
+        for s, (vals, is_sum) in values.items():
             if is_sum:  # δ_k S_k for k ≥ 1 (the first partial sum is a product, not rounded)
                 coef = g[s][None] * vals
-                coef = coef.at[0].set(0.0)
+                coef[0] = 0.0
             else:
                 coef = g[s] * vals
-            incs.append(u[s] * np.abs(np.asarray(coef)).ravel())
-            deltas[s] = sign * u[s] * jnp.sign(coef)
+            incs.append(u[s] * np.abs(coef).ravel())
+            deltas[s] = sign * u[s] * np.sign(coef)
         inc = np.concatenate(incs)
         top = -np.sort(-np.partition(inc, -_TOP)[-_TOP:]) if inc.size > _TOP else -np.sort(-inc)
         tops.append(np.pad(top, (0, _TOP - top.size)))
