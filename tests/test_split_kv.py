@@ -15,6 +15,7 @@ import pytest
 import mhanum as mn
 from mhanum import InvalidArgument, Numerics, reference
 from mhanum.bounds import attention_bound, attention_bound_a_priori, schedule_difference
+from tests._grid import covering_grid
 
 SOFTMAXES = ("safe", "online(16)", "naive")
 
@@ -47,9 +48,15 @@ def test_the_split_size_follows_flashattention_2():
     assert Numerics().kv_split_size(100) == 100
 
 
-@pytest.mark.parametrize("splits", [2, 3, 7, 100])
-@pytest.mark.parametrize("softmax", SOFTMAXES)
-@pytest.mark.parametrize("preset", ["fp32", "bf16-fp32acc", "fp16", "bf16"])
+# 48 cells, each compiling its own programs: the fast run takes 12, in which every pair of preset
+# and softmax and every number of splits appears
+@pytest.mark.parametrize(
+    ("preset", "softmax", "splits"),
+    covering_grid(
+        [(p, s) for p in ("fp32", "bf16-fp32acc", "fp16", "bf16") for s in SOFTMAXES],
+        [2, 3, 7, 100],
+    ),
+)
 def test_split_kv_is_within_theorem_a6(preset, softmax, splits):
     q, k, v = _inputs(1)
     num = Numerics.preset(preset).replace(softmax=softmax, kv_splits=splits)

@@ -21,6 +21,7 @@ import mhanum as mn
 from mhanum import InvalidArgument, Numerics, metrics, reference, round_to
 from mhanum.bounds import attention_bound
 from mhanum.numerics import PRESETS
+from tests._grid import covering_grid
 from tests._numerics import configured
 
 ORDERS = ["native", "sequential", "pairwise", "blocked(5)", "kahan"]
@@ -43,21 +44,12 @@ def _check_within_bound(q, k, v, num, mask=None):
     return err
 
 
-def _grid() -> list:
-    """Every softmax × order × preset: 210 cells, each compiling its own program (about 0.5 s on
-    an empty cache). The fast run takes 15 of them, in which every preset and every pair of
-    order and softmax appears; the full run takes them all."""
-    pairs = [(softmax, order) for softmax in SOFTMAXES for order in ORDERS]
-    presets = list(PRESETS)
-    fast = {(*pairs[i % len(pairs)], presets[i % len(presets)])
-            for i in range(max(len(pairs), len(presets)))}  # fmt: skip
-    return [
-        pytest.param(*cell, marks=() if cell in fast else pytest.mark.slow)
-        for cell in ((*pair, preset) for pair in pairs for preset in presets)
-    ]
-
-
-@pytest.mark.parametrize(("softmax", "order", "preset"), _grid())
+# 210 cells, each compiling its own program (about 0.5 s with an empty cache): the fast run takes
+# 15, in which every preset and every pair of order and softmax appears
+@pytest.mark.parametrize(
+    ("softmax", "order", "preset"),
+    covering_grid([(s, o) for s in SOFTMAXES for o in ORDERS], list(PRESETS)),
+)
 def test_error_is_within_the_derived_bound_and_nonzero(preset, order, softmax):
     num = configured(preset, summation=order, softmax=softmax)
     q, k, v = _inputs(hash((preset, order, softmax)) % 2**32, num.format_of("input"))
