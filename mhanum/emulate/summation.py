@@ -39,6 +39,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from mhanum._errors import InvalidArgument
@@ -239,10 +240,13 @@ def sum(
     fmt = _accum_format(accum)
     _order(order)
     x = jnp.asarray(x)
-    if not -x.ndim <= axis < max(x.ndim, 1):
+    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+        msg = f"axis: expected an integer, got {axis!r}"
+        raise InvalidArgument(msg)
+    if not -x.ndim <= axis < x.ndim:
         msg = f"axis: expected an axis of an array of {x.ndim} dimensions, got {axis}"
         raise InvalidArgument(msg)
-    return _sum_jit(x, order, fmt, axis)
+    return _sum_jit(x, order, fmt, int(axis))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))

@@ -126,6 +126,8 @@ def test_tf32_operands_are_rounded_before_the_product():
         (lambda: summation.sum(np.ones(3), order="random"), "order: expected"),
         (lambda: summation.sum(np.ones(3), accum="tf32"), "accum: expected float64"),
         (lambda: summation.sum(np.ones((2, 3)), axis=2), "axis: expected an axis of an array of 2"),
+        (lambda: summation.sum(np.float32(1.0)), "axis: expected an axis of an array of 0"),
+        (lambda: summation.sum(np.ones(3), axis=0.0), "axis: expected an integer, got 0.0"),
         (
             lambda: summation.matmul(np.ones((2, 3)), np.ones((2, 3))),
             r"b: expected shape \(\.\.\., 3, N\)",
