@@ -63,6 +63,7 @@ from threadpoolctl import threadpool_limits
 
 import mhanum
 from mhanum.bounds import attention_bound, mha_bound
+from mhanum.bounds.forward.head import rows_per_chunk
 
 jax.config.update("jax_enable_x64", True)
 
@@ -84,7 +85,7 @@ def floor(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
 
 
 def _floor(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-    step = max(1, 2**18 // k.shape[0])
+    step = rows_per_chunk(k.shape[0])  # the bound's chunks of query rows
     v_abs = np.abs(v)
     for start in range(0, q.shape[0], step):
         qs = q[start : start + step]

@@ -85,8 +85,10 @@ def one_blas_thread(fn: F) -> F:
 
 
 MAX_DEFAULT_THREADS = 8
-"""The most threads used by default: each holds one chunk's float64 temporaries (about 150 MB
-for ``2**18`` logits), so memory grows with the threads; ``MHANUM_THREADS`` sets more."""
+"""The most threads used by default: each holds one chunk's float64 temporaries (at their peak
+about 490 bytes a logit in ``bf16-fp32acc``: 130 MB for ``2**18`` logits, 250 MB for the
+``2**19`` of a chunk of many keys, :data:`mhanum.bounds.forward.head.CHUNK_MAX`), so memory
+grows with the threads; ``MHANUM_THREADS`` sets more."""
 
 
 def bound_threads() -> int:

@@ -54,11 +54,29 @@ def _same(a: mn.bounds.Bound, b: mn.bounds.Bound, vmax: float) -> None:
         np.testing.assert_allclose(x[f], y[f], rtol=2 * EVALUATION, atol=2 * EVALUATION * vmax)
 
 
+@pytest.mark.parametrize("keys", [1, 2, 3, 100, 1024, 2047, 2048, 2049, 4096, 5000, 32768,
+                                  2**19, 2**19 + 1, 2**20, 10**7])  # fmt: skip
+def test_a_chunk_holds_about_chunk_logits_and_many_rows_within_chunk_max(keys):
+    rows = head_module.rows_per_chunk(keys)
+    chunk, least, most = head_module.CHUNK, head_module.CHUNK_ROWS, head_module.CHUNK_MAX
+    assert rows >= 1
+    # never more logits than the larger of CHUNK (or one row) and CHUNK_MAX
+    assert rows * keys <= max(chunk, most, keys)
+    # at least CHUNK_ROWS rows wherever they fit within CHUNK_MAX logits, and CHUNK's rows
+    # wherever those are more
+    if least * keys <= most:
+        assert rows >= least
+    assert rows >= chunk // keys
+    # and no more than either rule asks
+    assert rows <= max(chunk // keys, least, 1)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_chunks_of_rows_give_the_whole_bound(case, monkeypatch):
     kwargs, numerics = CASES[case]
     whole = attention_bound(Q, K, V, numerics=numerics, **kwargs)
     monkeypatch.setattr(head_module, "CHUNK", 5 * 24)  # chunks of 5 rows, the last of 4
+    monkeypatch.setattr(head_module, "CHUNK_ROWS", 1)
     _same(attention_bound(Q, K, V, numerics=numerics, **kwargs), whole, np.abs(V).max())
 
 
@@ -68,6 +86,7 @@ def test_chunks_of_rows_give_the_whole_mha_bound(monkeypatch):
     mask = RNG.random((1, 2, 20, 20)) < 0.8
     whole = mha_bound(x, x, params, 2, mask=mask, numerics="bf16-fp32acc")
     monkeypatch.setattr(head_module, "CHUNK", 3 * 20)
+    monkeypatch.setattr(head_module, "CHUNK_ROWS", 1)
     chunked = mha_bound(x, x, params, 2, mask=mask, numerics="bf16-fp32acc")
     _same(chunked, whole, 0.0)  # terms after the output projection: relative only
 

@@ -60,14 +60,26 @@ from mhanum.units import Online
 
 __all__ = [
     "CHUNK",
+    "CHUNK_MAX",
+    "CHUNK_ROWS",
     "HeadResult",
     "evaluate_head",
     "evaluate_heads",
     "evaluate_rows",
     "given_error",
+    "rows_per_chunk",
 ]
 
-CHUNK = 2**18  # logits per chunk of query rows: the float64 temporaries stay small
+# The chunks of query rows the float64 temporaries are evaluated on: about CHUNK logits, and at
+# least CHUNK_ROWS rows while they hold at most CHUNK_MAX logits. Each chunk also repeats the
+# keys' side of the work (the operands k and v read, |v|, the values centred: O(keys × d)), and
+# its products stream v from memory for its rows alone, so a chunk of few rows costs more a
+# logit: at L = 16,384, d = 128 (fp32, 2 threads) 16 rows a chunk took 52 s and 32 rows 37 s
+# (docs/performance.md). CHUNK_MAX bounds a chunk's temporaries (about 490 bytes a logit at
+# their peak in bf16-fp32acc: 250 MiB a thread), which keeps L = 32,768 within 2 GiB.
+CHUNK = 2**18
+CHUNK_ROWS = 64
+CHUNK_MAX = 2**19
 
 # the terms, the float64 output o, |o - o*|, the logits' parts, the range record
 HeadResult = tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray], Ranges]
@@ -341,11 +353,22 @@ def evaluate_heads(heads: list[Head], setting: Setting) -> list[HeadResult]:
     ]
 
 
+def rows_per_chunk(keys: int) -> int:
+    """The query rows of a chunk of a head with ``keys`` keys: about :data:`CHUNK` logits, and
+    at least :data:`CHUNK_ROWS` rows while they hold at most :data:`CHUNK_MAX` logits.
+
+    >>> rows_per_chunk(1024), rows_per_chunk(4096), rows_per_chunk(32768), rows_per_chunk(10**7)
+    (256, 64, 16, 1)
+    """
+    keys = max(1, keys)
+    return max(1, CHUNK // keys, min(CHUNK_ROWS, CHUNK_MAX // keys))
+
+
 def _row_chunks(head: Head) -> list[slice | None]:
-    """The chunks of query rows that keep ``rows × keys`` near :data:`CHUNK` (``None``: the
-    head in one piece, where its mask is an array already)."""
-    rows = head.q.shape[-2]
-    step = max(1, CHUNK // max(1, head.k.shape[-2]))
+    """The chunks of query rows that keep ``rows × keys`` near :data:`CHUNK`, of at least
+    :data:`CHUNK_ROWS` rows within :data:`CHUNK_MAX` logits (``None``: the head in one piece,
+    where its mask is an array already)."""
+    rows, step = head.q.shape[-2], rows_per_chunk(head.k.shape[-2])
     if rows <= step:
         lazy = isinstance(head.keep, BandRows) or isinstance(head.replaced, BandRows)
         return [slice(0, rows) if lazy else None]
