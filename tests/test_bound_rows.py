@@ -21,7 +21,8 @@ from mhanum.bounds.forward.evaluation import quiet
 from mhanum.bounds.forward.stage import Head, Setting
 from mhanum.numerics import Numerics
 
-# rows × keys past one chunk (head.CHUNK): 700 rows of 700 keys are two chunks
+# rows × keys past one chunk (head.CHUNK): 700 rows of 700 keys are two chunks, four in
+# bf16-fp32acc (half the logits: head.chunk_logits)
 L = 700
 
 
@@ -60,11 +61,11 @@ def test_the_chunks_run_on_the_pools_threads(monkeypatch):
 
     monkeypatch.setattr(head_module, "evaluate_head", spy)
     _bound(monkeypatch, "2")
-    assert len(names) == 4  # two heads of two chunks
+    assert len(names) == 8  # two heads of four chunks
     assert all(name.startswith("mhanum") for name in names)
     names.clear()
     _bound(monkeypatch, "1")
-    assert names == [threading.current_thread().name] * 4
+    assert names == [threading.current_thread().name] * 8
 
 
 def test_a_head_in_chunks_is_its_chunks_evaluated_alone_and_stacked():
@@ -73,8 +74,8 @@ def test_a_head_in_chunks_is_its_chunks_evaluated_alone_and_stacked():
     zero = np.zeros_like(q)
     head = Head(q, k, v, keep, (zero, zero, zero))
     setting = Setting(Numerics.preset("bf16-fp32acc"), 0.25, False)
-    chunks = head_module._row_chunks(head)
-    assert len(chunks) == 2
+    chunks = head_module._row_chunks(head, head_module.chunk_logits(setting))
+    assert len(chunks) == 4
     whole = head_module.evaluate_rows(head, setting)
     with quiet():
         alone = [head_module.evaluate_head(head.rows(cut), setting) for cut in chunks]

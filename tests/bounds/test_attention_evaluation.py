@@ -56,19 +56,30 @@ def _same(a: mn.bounds.Bound, b: mn.bounds.Bound, vmax: float) -> None:
 
 @pytest.mark.parametrize("keys", [1, 2, 3, 100, 1024, 2047, 2048, 2049, 4096, 5000, 32768,
                                   2**19, 2**19 + 1, 2**20, 10**7])  # fmt: skip
-def test_a_chunk_holds_about_chunk_logits_and_many_rows_within_chunk_max(keys):
-    rows = head_module.rows_per_chunk(keys)
-    chunk, least, most = head_module.CHUNK, head_module.CHUNK_ROWS, head_module.CHUNK_MAX
+@pytest.mark.parametrize("logits", [head_module.CHUNK, head_module.CHUNK // 2])
+def test_a_chunk_holds_about_its_logits_and_many_rows_within_chunk_max(keys, logits):
+    rows = head_module.rows_per_chunk(keys, logits)
+    least, most = head_module.CHUNK_ROWS, head_module.CHUNK_MAX
     assert rows >= 1
-    # never more logits than the larger of CHUNK (or one row) and CHUNK_MAX
-    assert rows * keys <= max(chunk, most, keys)
-    # at least CHUNK_ROWS rows wherever they fit within CHUNK_MAX logits, and CHUNK's rows
-    # wherever those are more
+    # never more logits than the larger of the chunk's (or one row) and CHUNK_MAX
+    assert rows * keys <= max(logits, most, keys)
+    # at least CHUNK_ROWS rows wherever they fit within CHUNK_MAX logits, and the chunk's
+    # rows wherever those are more
     if least * keys <= most:
         assert rows >= least
-    assert rows >= chunk // keys
+    assert rows >= logits // keys
     # and no more than either rule asks
-    assert rows <= max(chunk // keys, least, 1)
+    assert rows <= max(logits // keys, least, 1)
+
+
+def test_a_chunk_is_halved_where_the_probabilities_are_stored_coarser():
+    def logits(preset: str, known: bool = True) -> int:
+        setting = forward.stage.Setting(Numerics.preset(preset), 1.0, False, known_rounding=known)
+        return head_module.chunk_logits(setting)
+
+    assert logits("fp32") == logits("bf16") == head_module.CHUNK  # no coarser probabilities
+    assert logits("bf16-fp32acc") == logits("fp16-fp32acc") == head_module.CHUNK // 2
+    assert logits("bf16-fp32acc", known=False) == head_module.CHUNK  # steps 6k, 6r not taken
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -16,6 +16,7 @@ from mhanum.bounds.forward.across_keys import across_splits, stored_split
 from mhanum.bounds.forward.centring import column_median
 from mhanum.bounds.forward.evaluation import on, quiet
 from mhanum.bounds.forward.keys import BandRows
+from mhanum.bounds.forward.known_rounding import coarser_probabilities
 from mhanum.bounds.forward.logits import (
     Logits,
     Masking,
@@ -63,6 +64,7 @@ __all__ = [
     "CHUNK_MAX",
     "CHUNK_ROWS",
     "HeadResult",
+    "chunk_logits",
     "evaluate_head",
     "evaluate_heads",
     "evaluate_rows",
@@ -337,7 +339,8 @@ def evaluate_heads(heads: list[Head], setting: Setting) -> list[HeadResult]:
     nothing, so they are evaluated side by side (:func:`mhanum._threads.map_threads`), each as
     it would be alone: the result does not depend on the number of threads.
     """
-    tasks = [(i, cut) for i, head in enumerate(heads) for cut in _row_chunks(head)]
+    logits = chunk_logits(setting)
+    tasks = [(i, cut) for i, head in enumerate(heads) for cut in _row_chunks(head, logits)]
     if len(tasks) > len(heads):  # (a head in chunks: its values' median once, step 4)
         heads = [dataclasses.replace(h, v_centre=column_median(h.v)) for h in heads]
 
@@ -353,22 +356,34 @@ def evaluate_heads(heads: list[Head], setting: Setting) -> list[HeadResult]:
     ]
 
 
-def rows_per_chunk(keys: int) -> int:
-    """The query rows of a chunk of a head with ``keys`` keys: about :data:`CHUNK` logits, and
-    at least :data:`CHUNK_ROWS` rows while they hold at most :data:`CHUNK_MAX` logits.
+def chunk_logits(setting: Setting) -> int:
+    """The logits a chunk of query rows holds (:func:`rows_per_chunk`): :data:`CHUNK`, or half
+    of it where steps 6k and 6r may keep the weights' enclosures (probabilities stored in a
+    coarser format than the softmax computes them in), whose temporaries reach about 420 bytes
+    a logit at their peak against 240 for ``fp32`` (tracemalloc, ``L = 1024``): half keeps a
+    chunk within the 64 MiB that glibc keeps for a thread (:mod:`mhanum._threads`)."""
+    heavy = setting.known_rounding and coarser_probabilities(setting.num)
+    return CHUNK // 2 if heavy else CHUNK
+
+
+def rows_per_chunk(keys: int, logits: int = CHUNK) -> int:
+    """The query rows of a chunk of a head with ``keys`` keys: about ``logits`` logits
+    (:func:`chunk_logits`), and at least :data:`CHUNK_ROWS` rows while they hold at most
+    :data:`CHUNK_MAX` logits.
 
     >>> rows_per_chunk(1024), rows_per_chunk(4096), rows_per_chunk(32768), rows_per_chunk(10**7)
     (256, 64, 16, 1)
+    >>> rows_per_chunk(1024, CHUNK // 2), rows_per_chunk(8192, CHUNK // 2)
+    (128, 64)
     """
     keys = max(1, keys)
-    return max(1, CHUNK // keys, min(CHUNK_ROWS, CHUNK_MAX // keys))
+    return max(1, logits // keys, min(CHUNK_ROWS, CHUNK_MAX // keys))
 
 
-def _row_chunks(head: Head) -> list[slice | None]:
-    """The chunks of query rows that keep ``rows × keys`` near :data:`CHUNK`, of at least
-    :data:`CHUNK_ROWS` rows within :data:`CHUNK_MAX` logits (``None``: the head in one piece,
+def _row_chunks(head: Head, logits: int) -> list[slice | None]:
+    """The chunks of query rows of :func:`rows_per_chunk` (``None``: the head in one piece,
     where its mask is an array already)."""
-    rows, step = head.q.shape[-2], rows_per_chunk(head.k.shape[-2])
+    rows, step = head.q.shape[-2], rows_per_chunk(head.k.shape[-2], logits)
     if rows <= step:
         lazy = isinstance(head.keep, BandRows) or isinstance(head.replaced, BandRows)
         return [slice(0, rows) if lazy else None]
