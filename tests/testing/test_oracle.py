@@ -508,3 +508,34 @@ def test_flex_attentions_float32_candidates_with_a_bias_and_a_soft_cap():
             out = np.asarray(mn.attention(q64, k64, v64, mask, numerics=num, **emu), np.float64)
             failing, ratio = oracle.check(out)
             assert not failing.any(), (num.describe(), kw, float(ratio.max()))
+
+
+_TORCH_FLOATS = [
+    name
+    for name in ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+                 "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", _TORCH_FLOATS)
+def test_a_tensor_is_read_exactly_in_every_format_torch_holds(name):
+    from mhanum.testing.oracle import as_float64
+
+    dtype = getattr(torch, name)
+    if torch.finfo(dtype).bits == 8:  # every bit pattern
+        t = torch.arange(256, dtype=torch.uint8).view(dtype)
+    else:  # the extremes of the format and random values over its range
+        info = torch.finfo(dtype)
+        edges = [info.max, -info.max, info.tiny, info.tiny / 4, info.eps, 1.0, -0.0, 0.0]
+        spread = torch.tensor(np.random.default_rng(0).standard_normal(200) * 1e3)
+        t = torch.cat([torch.tensor(edges, dtype=torch.float64), spread]).to(dtype)
+        t = t.reshape(8, 26).T  # (not contiguous)
+    got = as_float64(t, "q")
+    want = t.double().numpy()
+    assert got.dtype == np.float64
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    fine = ~np.isnan(want)
+    np.testing.assert_array_equal(got[fine], want[fine])
+    np.testing.assert_array_equal(np.signbit(got[fine]), np.signbit(want[fine]))
