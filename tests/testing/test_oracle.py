@@ -539,3 +539,11 @@ def test_a_tensor_is_read_exactly_in_every_format_torch_holds(name):
     fine = ~np.isnan(want)
     np.testing.assert_array_equal(got[fine], want[fine])
     np.testing.assert_array_equal(np.signbit(got[fine]), np.signbit(want[fine]))
+
+
+@pytest.mark.parametrize("tensor", [torch.tensor([[1, 2]]), torch.tensor([[True, False]])])
+def test_a_tensor_of_integers_or_bools_is_refused_naming_the_argument(tensor):
+    from mhanum.testing.oracle import as_float64
+
+    with pytest.raises(InvalidArgument, match=r"^q: expected a floating-point array, got dtype"):
+        as_float64(tensor, "q")
