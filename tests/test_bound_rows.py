@@ -87,6 +87,50 @@ def test_a_head_in_chunks_is_its_chunks_evaluated_alone_and_stacked():
         )
 
 
+def test_the_keys_side_is_taken_once_per_head_in_chunks(monkeypatch):
+    calls: list[int] = []
+    inner = head_module.keys_step
+
+    def spy(head: Head, setting: Setting) -> Any:
+        calls.append(head.q.shape[-2])
+        return inner(head, setting)
+
+    monkeypatch.setattr(head_module, "keys_step", spy)
+    _bound(monkeypatch, "2")
+    assert calls == [L, L]  # two heads of four chunks: once each, for the whole head
+
+
+def test_the_keys_range_findings_are_the_chunks_own_in_their_order():
+    # R.1 and R.2 on k and v are found once for a head (operands.keys_step) and taken by each
+    # chunk where its own stages check: the head in chunks records what its chunks record
+    # alone, with the reasons in the order of the stages that find them
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((L, 16)) * 300.0 for _ in range(3))
+    q[3], k[5], v[:, 2] = 7e4, 6.6e4, 6.6e4
+    zero = np.zeros_like(q)
+    head = Head(q, k, v, np.ones((L, L), bool), (zero, zero, zero))
+    setting = Setting(Numerics.preset("fp16").replace(scale="qk"), 4.0, False)
+    chunks = head_module._row_chunks(head, head_module.chunk_logits(setting))
+    assert len(chunks) == 2
+    whole = head_module.evaluate_rows(head, setting)[4]
+    with quiet():
+        alone = [head_module.evaluate_head(head.rows(cut), setting)[4] for cut in chunks]
+    assert whole.reasons == list(dict.fromkeys(r for a in alone for r in a.reasons))
+    # in the order of the stages: R.1, step 2' (q, then k), R.2
+    assert [r.split(":")[0] for r in whole.reasons[:10]] == [
+        "q in the input format", "k in the input format", "v in the input format",
+        "q read into the scale format", "q times the scale factor 2",
+        "k read into the scale format", "k times the scale factor 2",
+        "q read into the accumulation format", "k read into the accumulation format",
+        "v read into the accumulation format",
+    ]  # fmt: skip
+    assert whole.where.keys() == alone[0].where.keys()
+    for name in whole.where:
+        np.testing.assert_array_equal(
+            whole.where[name], np.concatenate([a.where.get(name, False) for a in alone])
+        )
+
+
 def test_map_threads_keeps_the_items_order_and_raises_what_an_item_raises(monkeypatch):
     monkeypatch.setenv("MHANUM_THREADS", "2")
     assert map_threads(lambda x: x * x, list(range(7))) == [x * x for x in range(7)]

@@ -32,9 +32,10 @@ def on(where: np.ndarray, x: Any, other: float) -> Any:
     return np.where(where, x, other)
 
 
-def dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``a @ b``, with no product where the (thin) factor ``b`` is zero."""
-    if np.any(b):
+def dot(a: np.ndarray, b: np.ndarray, nonzero: bool | None = None) -> np.ndarray:
+    """``a @ b``, with no product where the (thin) factor ``b`` is zero (``nonzero``: whether
+    ``b`` has an entry other than zero, where that is known already)."""
+    if np.any(b) if nonzero is None else nonzero:
         return a @ b
     return np.zeros((*a.shape[:-1], b.shape[-1]))
 

@@ -4,7 +4,7 @@ output's range (R.6, step W); evaluated on chunks of query rows."""
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -13,7 +13,6 @@ from mhanum._threads import map_threads
 from mhanum.bounds._result import where_smaller
 from mhanum.bounds.factors import compound, evaluation_rounding
 from mhanum.bounds.forward.across_keys import across_splits, stored_split
-from mhanum.bounds.forward.centring import column_median
 from mhanum.bounds.forward.evaluation import on, quiet
 from mhanum.bounds.forward.keys import BandRows
 from mhanum.bounds.forward.known_rounding import coarser_probabilities
@@ -31,8 +30,10 @@ from mhanum.bounds.forward.logits import (
 )
 from mhanum.bounds.forward.operands import (
     Constant,
+    Keys,
     Operands,
     constant_step,
+    keys_step,
     operands_step,
     stored_operands,
 )
@@ -73,12 +74,12 @@ __all__ = [
 ]
 
 # The chunks of query rows the float64 temporaries are evaluated on: about CHUNK logits, and at
-# least CHUNK_ROWS rows while they hold at most CHUNK_MAX logits. Each chunk also repeats the
-# keys' side of the work (the operands k and v read, |v|, the values centred: O(keys × d)), and
-# its products stream v from memory for its rows alone, so a chunk of few rows costs more a
-# logit: at L = 16,384, d = 128 (fp32, 2 threads) 16 rows a chunk took 52 s and 32 rows 37 s
-# (docs/performance.md). CHUNK_MAX bounds a chunk's temporaries (about 490 bytes a logit at
-# their peak in bf16-fp32acc: 250 MiB a thread), which keeps L = 32,768 within 2 GiB.
+# least CHUNK_ROWS rows while they hold at most CHUNK_MAX logits. A chunk's products stream the
+# values from memory for its rows alone (the keys' side itself is taken once per head:
+# keys_step), so a chunk of few rows costs more a logit: at L = 16,384, d = 128 (fp32,
+# 2 threads) 16 rows a chunk took 31-36 s and 32 rows 26-28 s (docs/performance.md). CHUNK_MAX
+# bounds a chunk's temporaries (about 490 bytes a logit at their peak in bf16-fp32acc: 250 MiB
+# a thread), which keeps L = 32,768 within 2 GiB.
 CHUNK = 2**18
 CHUNK_ROWS = 64
 CHUNK_MAX = 2**19
@@ -87,19 +88,22 @@ CHUNK_MAX = 2**19
 HeadResult = tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray], Ranges]
 
 
-def evaluate_head(head: Head, setting: Setting) -> HeadResult:
+def evaluate_head(head: Head, setting: Setting, keys: Keys | None = None) -> HeadResult:
     """The terms of Theorem A.1 for one head, the float64 output ``o = p v``, ``|o - o*|``, the
     logits term apportioned to the sources of the logit errors (``Bound.parts``) and the output
     entries the range checks (papers/attention.md, R) cannot prove finite.
 
     The float64 logits the bound is evaluated on are off the exact ones by at most ``ε64``
     (step 0); that is added to the logits' errors and, as a perturbation of the target, to the
-    term ``evaluation``, as is the effect of ``head.given`` on the exact output.
+    term ``evaluation``, as is the effect of ``head.given`` on the exact output. ``keys``: the
+    keys' and values' side (:func:`keys_step`), where it is taken once for the whole head.
     """
+    if keys is None:
+        keys = keys_step(head, setting)
     ranges = Ranges(head.q.shape[-2], head.v.shape[-1])
-    head, setting = stored_operands(head, setting, ranges)
+    head, setting = stored_operands(head, setting, ranges, keys)
     num = setting.num
-    ops = operands_step(head, num, ranges)
+    ops = operands_step(head, num, ranges, keys)
     u_div = division_error(num.div_ulps, num.format_of("softmax").u)
     const = constant_step(setting, head.q.shape[-1], ranges)
     dots = dots_step(head, ops, num, setting.lam)
@@ -116,7 +120,7 @@ def evaluate_head(head: Head, setting: Setting) -> HeadResult:
         on(live, lg.s, -np.inf), on(live, lg.delta, 0.0), live, fold, across, lift_arg, kernel,
         stored,
     )  # fmt: skip
-    values = Values(head.v, ops.v_abs, ops.bits_pv, dots.anchor, head.v_centre)
+    values = keys.values
     ctx = Context(num, setting.lam, u_div, ranges, setting.known_rounding, setting.lam_entries)
     if num.kv_splits is None:
         terms, p, _, direct = softmax_pv(enc, values, ctx, head.project, head.along)
@@ -127,7 +131,7 @@ def evaluate_head(head: Head, setting: Setting) -> HeadResult:
     parts = _parts(terms, p, enc, lg.sources)
     target, p_t, o, pv_abs = _target(terms, head, enc, masking, (p, direct))
     o_error = _evaluation(terms, head, setting, (ops, lg.eps64), target, (p_t, pv_abs))
-    terms = _output_range(terms, parts, ctx, (head, o, o_error), whole)
+    terms = _output_range(terms, parts, ctx, (head, o, o_error, values), whole)
     return terms, o, o_error, parts, ranges
 
 
@@ -252,13 +256,14 @@ def _output_range(
     terms: dict[str, Any],
     parts: dict[str, Any],
     ctx: Context,
-    output: tuple[Head, np.ndarray, Any],
+    output: tuple[Head, np.ndarray, Any, Values],
     whole: Any,
 ) -> dict[str, Any]:
     """R.6: the output, ``|ô| <= |o| + the bound``, in the output format (online: and the
     softmax format it is divided in); step W's magnitudes (:func:`_at_most_magnitudes`).
-    Returns the terms, rounded up for their float64 evaluation."""
-    head, o, o_error = output
+    Returns the terms, rounded up for their float64 evaluation. ``output``: the head, ``o``,
+    ``|o - o*|`` and the values."""
+    head, o, o_error, values = output
     num, ranges = ctx.num, ctx.ranges
     ev_rel = evaluation_rounding(head.k.shape[-2])
     terms = {name: value * (1 + ev_rel) for name, value in terms.items()}
@@ -268,9 +273,11 @@ def _output_range(
     ranges.check(upper, num.format_of("output"), "the output", entries=True)
     if whole is not None:
         # |o*| <= max_j |v*_j| too: the target is a convex combination of the exact values
-        v = head.v
-        v_star = np.abs(v) if head.given is None else np.abs(v) + np.asarray(head.given[2])
-        o_star = np.fmin(np.abs(o) + o_error, v_star.max(axis=0, initial=0.0))
+        if head.given is None:
+            v_top = values.abs_v_max
+        else:
+            v_top = (values.abs_v + np.asarray(head.given[2])).max(axis=0, initial=0.0)
+        o_star = np.fmin(np.abs(o) + o_error, v_top)
         terms = _at_most_magnitudes(terms, parts, whole + o_star * (1 + ev_rel))
     if isinstance(num.softmax_algorithm, Online):
         fm = num.format_of("softmax")
@@ -335,25 +342,33 @@ def evaluate_heads(heads: list[Head], setting: Setting) -> list[HeadResult]:
 
     Every quantity of Theorem A.1 belongs to one query row (the keys and values enter each
     row alike), so the chunks' terms, outputs and range flags are those of the whole head,
-    stacked; the chunks only keep the ``rows × keys`` temporaries small. The chunks share
-    nothing, so they are evaluated side by side (:func:`mhanum._threads.map_threads`), each as
-    it would be alone: the result does not depend on the number of threads.
+    stacked; the chunks only keep the ``rows × keys`` temporaries small. The keys' and values'
+    side (:func:`keys_step`, with the values' median of step 4) is taken once per head, before
+    its chunks. The chunks share nothing else, so they are evaluated side by side
+    (:func:`mhanum._threads.map_threads`), each as it would be alone: the result does not
+    depend on the number of threads. Heads in one piece are evaluated side by side instead,
+    each taking its own keys' side.
     """
     logits = chunk_logits(setting)
-    tasks = [(i, cut) for i, head in enumerate(heads) for cut in _row_chunks(head, logits)]
-    if len(tasks) > len(heads):  # (a head in chunks: its values' median once, step 4)
-        heads = [dataclasses.replace(h, v_centre=column_median(h.v)) for h in heads]
+    cuts = [_row_chunks(head, logits) for head in heads]
+    chunk = functools.partial(_evaluate_chunk, setting=setting)
+    if all(len(c) == 1 for c in cuts):
+        return map_threads(chunk, [(h, c[0], None) for h, c in zip(heads, cuts, strict=True)])
+    results = []
+    for head, head_cuts in zip(heads, cuts, strict=True):
+        with quiet():
+            keys = keys_step(head, setting)
+        done = map_threads(chunk, [(head, cut, keys) for cut in head_cuts])
+        results.append(_stacked_rows(done, head))
+    return results
 
-    def one(task: tuple[int, slice | None]) -> HeadResult:
-        i, cut = task
-        with quiet():  # (per thread) overflow in float64 is caught by the range checks
-            return evaluate_head(heads[i] if cut is None else heads[i].rows(cut), setting)
 
-    done = map_threads(one, tasks)
-    return [
-        _stacked_rows([r for (i, _), r in zip(tasks, done, strict=True) if i == h], head)
-        for h, head in enumerate(heads)
-    ]
+def _evaluate_chunk(task: tuple[Head, slice | None, Keys | None], setting: Setting) -> HeadResult:
+    """:func:`evaluate_head` on the query rows ``cut`` of ``head`` (``None``: all of them),
+    ``task = (head, cut, keys)``."""
+    head, cut, keys = task
+    with quiet():  # (per thread) overflow in float64 is caught by the range checks
+        return evaluate_head(head if cut is None else head.rows(cut), setting, keys)
 
 
 def chunk_logits(setting: Setting) -> int:

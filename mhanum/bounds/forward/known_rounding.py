@@ -266,6 +266,6 @@ def row_factor_known(
             low, high = on(live, low, 0.0), on(live, high, 0.0)
             centre, radius = (low + high) / 2, (high - low) / 2
             shift = np.abs(centre @ values.v - o) * (1 + 2.0**-52)
-            spread_v = (radius + ev * centre) @ values.v_abs + dot(high, v_extra)
+            spread_v = (radius + ev * centre) @ values.v_abs + dot(high, v_extra, values.extra_any)
             worst = np.maximum(worst, (shift + spread_v + ev_out) * (1 + ev))
     return np.where(ok, worst, np.inf)

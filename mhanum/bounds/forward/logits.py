@@ -100,9 +100,9 @@ def dots_step(head: Head, ops: Operands, num: Numerics, lam: float | None) -> Do
     qk_abs = ops.q_abs @ ops.k_abs.T
     # e_q|k| + |q|e_k + e_q e_k (no product for operands read exactly)
     operands = np.zeros_like(t)
-    if np.any(ops.e_q_op):
+    if ops.some_errors[0]:
         operands = ops.e_q_op @ ops.k_op.T
-    if np.any(ops.e_k_op):
+    if ops.some_errors[1]:
         operands = operands + ops.q_abs @ ops.e_k_op.T
     # (operands read exactly: q_op = |q|, k_op = |k|, the product already taken)
     qk_op = qk_abs if _read_exactly(ops) else ops.q_op @ ops.k_op.T
@@ -114,7 +114,7 @@ def dots_step(head: Head, ops: Operands, num: Numerics, lam: float | None) -> Do
 
 def _read_exactly(ops: Operands) -> bool:
     """Whether the dot reads ``q`` and ``k`` as given (step 1: no operand errors)."""
-    return not (np.any(ops.e_q_op) or np.any(ops.e_k_op))
+    return not any(ops.some_errors)
 
 
 def _signed_dot(dots: Dots, d_k: int) -> np.ndarray:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -17,17 +18,21 @@ from mhanum.bounds.factors import (
     operand_bits,
     operand_error,
     rounding_error,
+    tensor_core_anchor,
 )
-from mhanum.bounds.forward.ranges import Ranges
-from mhanum.bounds.forward.stage import Head, Setting
-from mhanum.bounds.scale import is_power_of_four, operand_scale, scale_rounding
-from mhanum.formats import representable, round_to
+from mhanum.bounds.forward.centring import column_median
+from mhanum.bounds.forward.ranges import Found, Ranges, finding
+from mhanum.bounds.forward.stage import Head, Setting, Values
+from mhanum.bounds.scale import OperandScale, is_power_of_four, operand_scale, scale_rounding
+from mhanum.formats import Format, representable, round_to
 from mhanum.numerics import Numerics
 
 __all__ = [
     "Constant",
+    "Keys",
     "Operands",
     "constant_step",
+    "keys_step",
     "operands_step",
     "read_by_the_dot",
     "stored_operands",
@@ -49,6 +54,7 @@ class Operands:
     v_abs: np.ndarray
     bits_qk: tuple[int, int]
     bits_pv: tuple[int, int]
+    some_errors: tuple[bool, bool]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,30 +71,89 @@ class Constant:
     folded: bool
 
 
-def stored_operands(head: Head, setting: Setting, ranges: Ranges) -> tuple[Head, Setting]:
-    """R.1: the stored operands in the input format; then step 2' where the scale is on ``q``
-    (or ``sqrt(scale)`` on ``q`` and ``k``): the head of the scaled operands, whose scale is 1."""
-    num, q, k, v, errors = setting.num, head.q, head.k, head.v, head.errors
+@dataclasses.dataclass(frozen=True, eq=False)
+class Keys:
+    """Steps R.1, 2' and 1 on a head's keys and values: the same for every chunk of its query
+    rows, so taken once for the head (:func:`keys_step`). ``k`` holds the keys as the dots'
+    operands stand in for them (scaled by step 2' where the scale is on ``q`` and ``k``), within
+    ``e_k`` of the computed ones and ``g_k`` of the exact ones (``None`` where the scale is on
+    the scores); ``k_abs``, ``k_op`` and ``e_k_op`` are :class:`Operands`'; ``values`` the
+    values as ``P·V`` reads them. ``found``: the range checks' findings by stage, which each
+    chunk's record takes where its own stages check (:meth:`Ranges.take`), so that a chunk
+    records what it would alone, in the same order; ``some_error``: whether ``e_k_op`` has an
+    entry other than zero."""
+
+    k: np.ndarray
+    e_k: Any
+    g_k: Any
+    k_abs: np.ndarray
+    e_k_op: Any
+    k_op: np.ndarray
+    values: Values
+    found: Mapping[str, Found]
+    some_error: bool
+
+
+def keys_step(head: Head, setting: Setting) -> Keys:
+    """R.1 on the keys and values, step 2' on the keys where the scale is on ``q`` and ``k``,
+    step 1 (the operands as the dots read them) and R.2 on both: :class:`Keys`."""
+    num, k, v, errors = setting.num, head.k, head.v, head.errors
     store = num.storage_format
-    for x, e, name, how in ((q, errors[0], "q", "q"), (k, errors[1], "k", "k")):
-        ranges.check(np.abs(x) + e, store, f"{name} in the input format", rows=how)
-    ranges.check(np.abs(v) + errors[2], store, "v in the input format", cols=True)
+    found = {
+        "k": finding(np.abs(k) + errors[1], store, "k in the input format", rows="k"),
+        "v": finding(np.abs(v) + errors[2], store, "v in the input format", cols=True),
+    }
+    e_k, g_k = errors[1], None
+    if num.scale != "scores":
+        g_k = np.zeros_like(k) if head.given is None else head.given[1]
+    if num.scale == "qk":
+        sc = operand_scale(setting.scale, k.shape[-1], setting.default_scale, num)
+        found["k read"], found["k scaled"] = _scale_findings(sc, k, e_k, "k")
+        k, e_k, g_k = sc.applied(k, e_k, g_k)
+    f_k = num.format_of("scale") if num.scale == "qk" else store
+    k_abs, e_k_op = _operand_read(k, e_k, f_k, num)
+    k_op = k_abs + e_k_op
+    v_abs = _values_read(v, errors[2], num)
+    for fmt, where in _read_formats(num):
+        found[f"k {where}"] = finding(k_op, fmt, f"k read into {where}", rows="k")
+        found[f"v {where}"] = finding(v_abs, fmt, f"v read into {where}", cols=True)
+    bits_pv = (operand_bits(num, num.format_of("prob")), operand_bits(num, num.format_of("input")))
+    values = Values(v, v_abs, bits_pv, tensor_core_anchor(num), column_median(v))
+    some = bool(np.any(e_k_op))
+    return Keys(k, e_k, g_k, k_abs, e_k_op, k_op, values.evaluated(), found, some)
+
+
+def stored_operands(
+    head: Head, setting: Setting, ranges: Ranges, keys: Keys
+) -> tuple[Head, Setting]:
+    """R.1: the stored operands in the input format; then step 2' where the scale is on ``q``
+    (or ``sqrt(scale)`` on ``q`` and ``k``): the head of the scaled operands, whose scale is 1.
+    The keys' side is ``keys``' (:func:`keys_step`)."""
+    num, q, errors = setting.num, head.q, head.errors
+    ranges.check(np.abs(q) + errors[0], num.storage_format, "q in the input format", rows="q")
+    ranges.take(keys.found["k"])
+    ranges.take(keys.found["v"])
     if num.scale == "scores":
         return head, setting
-    q, k, errors, given = _scale_operands(q, k, errors, head.given, setting, ranges)
-    head = dataclasses.replace(head, q=q, k=k, errors=errors, given=given)
+    sc = operand_scale(setting.scale, q.shape[-1], setting.default_scale, num)
+    g_prev = head.given if head.given is not None else (np.zeros_like(q), None, 0.0)
+    for found in _scale_findings(sc, q, errors[0], "q"):
+        ranges.take(found)
+    q, e_q, g_q = sc.applied(q, errors[0], g_prev[0])
+    if num.scale == "qk":
+        ranges.take(keys.found["k read"])
+        ranges.take(keys.found["k scaled"])
+    head = dataclasses.replace(
+        head, q=q, k=keys.k, errors=(e_q, keys.e_k, errors[2]), given=(g_q, keys.g_k, g_prev[2])
+    )
     return head, dataclasses.replace(setting, scale=1.0, default_scale=False)
 
 
-def _scale_operands(
-    q: np.ndarray,
-    k: np.ndarray,
-    errors: tuple[Any, Any, Any],
-    given: tuple[Any, Any, Any] | None,
-    setting: Setting,
-    ranges: Ranges,
-) -> tuple[np.ndarray, np.ndarray, tuple[Any, Any, Any], tuple[Any, Any, Any] | None]:
-    """Step 2' (scale on ``q``, or ``sqrt(scale)`` on ``q`` and ``k``): the scaled operands.
+def _scale_findings(
+    sc: OperandScale, x: np.ndarray, e: np.ndarray | float, name: str
+) -> tuple[Found, Found]:
+    """Step 2' (scale on ``q``, or ``sqrt(scale)`` on ``q`` and ``k``): the operand ``x``
+    (within ``e``) read into the scale format, and its product by the factor ``f̂`` there.
 
     The factor ``f`` (``c`` or ``sqrt(c)``) is the float64 number ``f64`` (relative error ``u64``
     against the exact factor: the default scale's two float64 roundings, and the float64 square
@@ -98,69 +163,77 @@ def _scale_operands(
     an absolute ``η`` for its range), and the product ``fl(x̃ f̂)`` is rounded in that format
     (``u_mul``, zero when ``f̂`` is a normal power of two). The stand-in of the exact scaled
     operand is the float64 product ``f64·x``; the errors against it, and of it against the
-    exact ``f·x*`` (``given``), are those of papers/attention.md step 2'. Operands whose
-    enclosure leaves the scale format's range are recorded in ``ranges``.
+    exact ``f·x*`` (``given``), are those of papers/attention.md step 2'
+    (:meth:`~mhanum.bounds.scale.OperandScale.applied`).
     """
-    num, scale, default_scale = setting.num, setting.scale, setting.default_scale
-    sc = operand_scale(scale, q.shape[-1], default_scale, num)
-    fmt, f_hat, u_t = sc.fmt, sc.f_hat, sc.u_t
-    g_prev = given if given is not None else (np.zeros_like(q), np.zeros_like(k), 0.0)
-
-    def scaled(x: np.ndarray, e: Any, g: Any, name: str) -> tuple[np.ndarray, Any, Any]:
-        stored = np.abs(x) + e
-        ranges.check(stored, fmt, f"{name} read into the scale format", rows=name)
-        ranges.check(
-            abs(f_hat) * stored * (1 + u_t) + fmt.smallest_normal,
+    fmt, f_hat = sc.fmt, sc.f_hat
+    stored = np.abs(x) + e
+    return (
+        finding(stored, fmt, f"{name} read into the scale format", rows=name),
+        finding(
+            abs(f_hat) * stored * (1 + sc.u_t) + fmt.smallest_normal,
             fmt,
             f"{name} times the scale factor {f_hat:.4g}",
             rows=name,
-        )
-        return sc.applied(x, e, g)
-
-    q, e_q, g_q = scaled(q, errors[0], g_prev[0], "q")
-    e_k, g_k = errors[1], g_prev[1]
-    if num.scale == "qk":
-        k, e_k, g_k = scaled(k, e_k, g_k, "k")
-    return q, k, (e_q, e_k, errors[2]), (g_q, g_k, g_prev[2])
+        ),
+    )
 
 
-def operands_step(head: Head, num: Numerics, ranges: Ranges) -> Operands:
+def operands_step(head: Head, num: Numerics, ranges: Ranges, keys: Keys) -> Operands:
     """Step 1. Operands: ``|q_used - q| <= e_q``, then the rounding into the operand format
     (TF32) and the reading into the accumulation format; R.2: the operands read into the
-    operand and accumulation formats. ``head`` holds the (scaled) operands of step 2'."""
-    q, k, v = head.q, head.k, head.v
+    operand and accumulation formats. ``head`` holds the (scaled) operands of step 2'; the
+    keys' and values' side is ``keys``' (:func:`keys_step`)."""
     store = num.storage_format
-    u_op, eta_op = operand_error(num)
-    op = num.operand_rounding
-    fin = num.format_of("input")
     f_q = num.format_of("scale") if num.scale != "scores" else store
     f_k = num.format_of("scale") if num.scale == "qk" else store
+    q_abs, e_q_op = _operand_read(head.q, head.errors[0], f_q, num)
+    q_op = q_abs + e_q_op
+    for fmt, where in _read_formats(num):
+        ranges.check(q_op, fmt, f"q read into {where}", rows="q")
+        ranges.take(keys.found[f"k {where}"])
+        ranges.take(keys.found[f"v {where}"])
     bits_qk = (operand_bits(num, f_q), operand_bits(num, f_k))
-    bits_pv = (operand_bits(num, num.format_of("prob")), operand_bits(num, fin))
-    conv = {f: conversion_eta(num, op or f) for f in (f_q, f_k, store)}
-    e_q, e_k, e_v = head.errors
-    q_abs, k_abs = np.abs(q), np.abs(k)
-    q_used, k_used = q_abs + e_q, k_abs + e_k
-    e_q_op = e_q + u_op * q_used + eta_op + conv[f_q]
-    e_k_op = e_k + u_op * k_used + eta_op + conv[f_k]
-    v_abs = (1 + u_op) * (np.abs(v) + e_v) + eta_op + conv[store]
+    return Operands(
+        q_abs, keys.k_abs, q_op, keys.k_op, e_q_op, keys.e_k_op, keys.values.v_abs, bits_qk,
+        keys.values.bits_pv, (bool(np.any(e_q_op)), keys.some_error),
+    )  # fmt: skip
+
+
+def _operand_read(
+    x: np.ndarray, e: np.ndarray | float, fmt: Format, num: Numerics
+) -> tuple[np.ndarray, np.ndarray]:
+    """Step 1 on an operand of ``Q Kᵀ`` held in ``fmt``, within ``e`` of the one used: ``|x|``
+    and ``e_op``, its error as the dot reads it (the rounding into the operand format, TF32,
+    and the conversion into the accumulation format)."""
+    u_op, eta_op = operand_error(num)
+    op = num.operand_rounding
+    conv = conversion_eta(num, op or fmt)
+    x_abs = np.abs(x)
+    e_op = e + u_op * (x_abs + e) + eta_op + conv
     if op is not None:
         # an operand the dot uses exactly (no error before the conversion) converts by its own
         # rounding into the operand format: none for a value of that format (fp8 inputs at 448)
-        e_q_op = np.where(e_q == 0, rounding_error(q, op) + conv[f_q], e_q_op)
-        e_k_op = np.where(e_k == 0, rounding_error(k, op) + conv[f_k], e_k_op)
-        v_abs = np.where(e_v == 0, np.abs(v) + rounding_error(v, op) + conv[store], v_abs)
-    q_op, k_op = q_abs + e_q_op, k_abs + e_k_op
-    # R.2: the operands read into the operand and accumulation formats
-    for fmt, where in (
-        (op, "the dot's operand format"),
-        (num.format_of("accum"), "the accumulation format"),
-    ):
-        if fmt is not None:
-            ranges.check(q_op, fmt, f"q read into {where}", rows="q")
-            ranges.check(k_op, fmt, f"k read into {where}", rows="k")
-            ranges.check(v_abs, fmt, f"v read into {where}", cols=True)
-    return Operands(q_abs, k_abs, q_op, k_op, e_q_op, e_k_op, v_abs, bits_qk, bits_pv)
+        e_op = np.where(e == 0, rounding_error(x, op) + conv, e_op)
+    return x_abs, e_op
+
+
+def _values_read(v: np.ndarray, e_v: np.ndarray | float, num: Numerics) -> np.ndarray:
+    """Step 1 on the values: ``v_abs >= |ṽ|``, the values as ``P·V`` reads them."""
+    u_op, eta_op = operand_error(num)
+    op = num.operand_rounding
+    conv = conversion_eta(num, op or num.storage_format)
+    v_abs = (1 + u_op) * (np.abs(v) + e_v) + eta_op + conv
+    if op is not None:
+        v_abs = np.where(e_v == 0, np.abs(v) + rounding_error(v, op) + conv, v_abs)
+    return v_abs
+
+
+def _read_formats(num: Numerics) -> list[tuple[Format, str]]:
+    """R.2: the formats the operands are read into, and how a reason names each."""
+    named = ((num.operand_rounding, "the dot's operand format"),
+             (num.format_of("accum"), "the accumulation format"))  # fmt: skip
+    return [(fmt, where) for fmt, where in named if fmt is not None]
 
 
 def read_by_the_dot(x: np.ndarray, num: Numerics) -> np.ndarray:

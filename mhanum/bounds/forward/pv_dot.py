@@ -8,7 +8,7 @@ import numpy as np
 from mhanum._types import NumpyArray
 from mhanum.bounds.enclosure import one_signed_sizes, one_signed_total
 from mhanum.bounds.factors import evaluation_rounding
-from mhanum.bounds.forward.evaluation import quiet
+from mhanum.bounds.forward.evaluation import dot, quiet
 from mhanum.bounds.forward.one_martingale import Increments
 from mhanum.numerics import Numerics
 
@@ -43,7 +43,7 @@ def pv_one_signed(
     (p_hat_v, v_abs), (o, ev, p, v_extra) = read, output
     n = v_abs.shape[-2]
     with quiet():
-        signed = np.abs(o) + ev + p @ v_extra + deviations @ v_abs
+        signed = np.abs(o) + ev + dot(p, v_extra) + deviations @ v_abs
         signed = signed * (1 + evaluation_rounding(n))
         total = one_signed_total(p_hat_v, signed, n)
         sizes = one_signed_sizes(num, n, bits, p_hat_v, total, eta_scale)

@@ -9,7 +9,45 @@ import numpy as np
 
 from mhanum.formats import Format
 
-__all__ = ["Ranges"]
+__all__ = ["Found", "Ranges", "finding"]
+
+# what a range check found: the output entries it hits (broadcast to the head's) and the reason;
+# None where the enclosure lies within the format's range
+Found = tuple[np.ndarray, str] | None
+
+
+def finding(
+    upper: np.ndarray | float,
+    fmt: Format,
+    stage: str,
+    *,
+    rows: str | None = None,
+    cols: bool = False,
+    entries: bool = False,
+) -> Found:
+    """What :meth:`Ranges.check` flags, without flagging it. A check of the keys' side
+    (``rows="k"``, or ``cols``) finds the same for every chunk of a head's query rows: it is
+    made once for the head, and each chunk's record takes it (:meth:`Ranges.take`)."""
+    up: np.ndarray = np.atleast_2d(np.asarray(upper, np.float64))
+    bad: np.ndarray = ~(up <= fmt.max_finite)  # NaN counts as bad
+    if not bad.any():
+        return None
+    if rows == "q":
+        hit = np.asarray(bad.any(axis=-1))[:, None]
+    elif rows == "k":
+        hit = np.ones((1, 1), bool)
+    elif cols:
+        hit = np.asarray(bad.any(axis=0))[None, :]
+    elif entries:
+        hit = bad
+    else:  # a per-logit flag (rows × keys): the row's outputs
+        hit = np.asarray(bad.any(axis=-1, keepdims=True))
+    worst = float(np.max(np.where(np.isnan(up), np.inf, up)[bad]))
+    reason = (
+        f"{stage}: values up to {worst:.4g} may overflow {fmt.name} "
+        f"(largest finite {fmt.max_finite:.6g})"
+    )
+    return hit, reason
 
 
 class Ranges:
@@ -37,26 +75,14 @@ class Ranges:
         cols: bool = False,
         entries: bool = False,
     ) -> None:
-        upper = np.atleast_2d(np.asarray(upper, np.float64))
-        bad = ~(upper <= fmt.max_finite)  # NaN counts as bad
-        if not bad.any():
-            return
-        if rows == "q":
-            hit = np.broadcast_to(bad.any(axis=-1)[:, None], self.shape)
-        elif rows == "k":
-            hit = np.ones(self.shape, bool)
-        elif cols:
-            hit = np.broadcast_to(bad.any(axis=0)[None, :], self.shape)
-        elif entries:
-            hit = np.broadcast_to(bad, self.shape)
-        else:  # a per-logit flag (rows × keys): the row's outputs
-            hit = np.broadcast_to(bad.any(axis=-1, keepdims=True), self.shape)
-        worst = float(np.max(np.where(np.isnan(upper), np.inf, upper)[bad]))
-        self.flag(
-            hit,
-            f"{stage}: values up to {worst:.4g} may overflow {fmt.name} "
-            f"(largest finite {fmt.max_finite:.6g})",
-        )
+        """Flag the output entries that ``upper >= |value|``, the enclosure of the exact value
+        a stage rounds into ``fmt``, does not prove finite (:func:`finding`)."""
+        self.take(finding(upper, fmt, stage, rows=rows, cols=cols, entries=entries))
+
+    def take(self, found: Found) -> None:
+        """Flag what a check found (:func:`finding`; ``None``: nothing)."""
+        if found is not None:
+            self.flag(*found)
 
     def flag(self, hit: Any, reason: str, term: str = "overflow") -> None:
         """Mark the output entries ``hit`` infinite in ``term``, for ``reason``."""

@@ -22,7 +22,6 @@ from mhanum.bounds.factors import (
 )
 from mhanum.bounds.forward.across_keys import logits_increments
 from mhanum.bounds.forward.along import along_term
-from mhanum.bounds.forward.centring import centred
 from mhanum.bounds.forward.evaluation import (
     dot,
     logsumexp,
@@ -178,11 +177,7 @@ def _step_w(
     g_w, g_pv_w, eta_pv_w = factors
     n_live = live.sum(axis=-1, keepdims=True)
     _, row = safe_weight_sums(n_live, g_w, ctx.u_div, fm)
-    v_abs = values.v_abs
-    whole = step_w_output(
-        row, n_live, n, v_abs.max(axis=0, initial=0.0), v_abs.sum(axis=0), g_pv_w,
-        eta_pv_w, num,
-    )  # fmt: skip
+    whole = step_w_output(row, n_live, n, values.abs_max, values.abs_sum, g_pv_w, eta_pv_w, num)
     rescued = vacuous & np.isfinite(whole[1]).all(axis=-1, keepdims=True)
     # R.5: the row sum of the computed exponentials, each at most 1 + ε_e (Lemma W), in
     # F_m (a pairwise sum of 2^16 float16 ones reaches inf; the output is then 0)
@@ -350,7 +345,7 @@ def _pv_ranges(
         # the P·V unit reads p̂ (online: unnormalised weights <= 1, divided by the sum later)
         weights = n if online else w.p_hat_hi.sum(axis=-1, keepdims=True)
         anchor = values.anchor
-        eta_pv = eta_pv + rs.g_pv * anchor * (weights + v_abs.sum(axis=0) + n * anchor)
+        eta_pv = eta_pv + rs.g_pv * anchor * (weights + values.abs_sum + n * anchor)
     rows_live = enc.live.any(axis=-1, keepdims=True)
     if not online:
         pv_upper = (1 + rs.g_pv) * (
@@ -386,7 +381,7 @@ def _pv_ranges(
                     fmt,
                     f"the exponentials lifted by 2^{num.prob_offset} (prob_offset)",
                 )
-    acc_upper = lift_hi * growth * (1 + f_p.u) * (1 + rs.g_pv) * v_abs.sum(axis=0) + eta_pv
+    acc_upper = lift_hi * growth * (1 + f_p.u) * (1 + rs.g_pv) * values.abs_sum + eta_pv
     for fmt in (fa, fm):
         ranges.check(
             np.where(rows_live, acc_upper, 0.0),
@@ -429,15 +424,13 @@ class _Charges:
 
 
 def _output(enc: Enclosure, values: Values, pk: PerKey) -> _Output:
-    """The float64 output of the logits ``s`` and ``|ṽ_j - c|`` (:func:`centred`)."""
+    """The float64 output of the logits ``s`` and ``|ṽ_j - c|`` (:attr:`Values.deviation`)."""
     v, ev_rel = values.v, evaluation_rounding(enc.s.shape[-1])
     pl = on(enc.live, pk.p, 0.0)
     with np.errstate(invalid="ignore"):
         o = pl @ v
-    v_extra = values.v_abs - np.abs(v)  # the values' errors (0 for values read exactly)
-    pv_abs = pl @ np.abs(v)
-    v_dev = centred(v, v_extra, values.centre)
-    return _Output(pl, o, pv_abs, ev_rel * pv_abs, v_extra, v_dev)
+    pv_abs = pl @ values.abs_v
+    return _Output(pl, o, pv_abs, ev_rel * pv_abs, values.extra, values.deviation)
 
 
 def _charges(
@@ -457,10 +450,12 @@ def _charges(
     with np.errstate(over="ignore", invalid="ignore"):
         # |Σ_j p̃_j ṽ_j| <= |o| + Σ_j |p̃_j - p_j| |v_j - c| + Σ_j p_j (v̄_j - |v_j|)
         logits_v = pk.logits @ out.v_dev
-        o_tilde = (np.abs(out.o) + out.ev + logits_v + dot(out.pl, out.v_extra)) * (1 + ev_rel)
+        o_tilde = (
+            np.abs(out.o) + out.ev + logits_v + dot(out.pl, out.v_extra, values.extra_any)
+        ) * (1 + ev_rel)
         o_tilde = np.minimum(o_tilde, pk.hi @ v_abs)
         inv = 1 / (1 - rs.t_safe)
-        apart = (w.rel @ v_abs) * inv + w.eta_soft * v_abs.sum(axis=0)
+        apart = (w.rel @ v_abs) * inv + w.eta_soft * values.abs_sum
         soft_term = apart + rs.t_safe * inv * o_tilde
     common = (apart, o_tilde)
     soft_term = np.fmin(soft_term, w.soft @ v_abs)
@@ -539,7 +534,7 @@ def _terms(
         "logits": scale_out * ch.logits_v,
         "softmax": scale_out * ch.soft_term,
         "probability_rounding": scale_out * prob_v,
-        "operands": scale_out * (op_v + dot(w.p_hat_hi, out.v_extra)),
+        "operands": scale_out * (op_v + dot(w.p_hat_hi, out.v_extra, values.extra_any)),
         "pv": scale_out * pv,
         # (the output's underflow, η_o, where the value rounded may be below F_o's normal
         # range: added by softmax_pv once the other terms bound that value)
@@ -558,7 +553,7 @@ def _rounding_martingale(
     w, lam_e = ch.w, ctx.lam_e
     if w.rounding_keys is None or lam_e is None:
         return None
-    rest = dot(w.p_hat_hi, out.v_extra)
+    rest = dot(w.p_hat_hi, out.v_extra, values.extra_any)
     form = rounding_martingale(w.rounding_keys, (w.prob, w.operand_p), values.v_abs, rest)
     form = form.scaled(scale)
     replace_group(terms, GROUPS["rounding"], form.bound(lam_e))
@@ -602,11 +597,11 @@ def _relative_roundings(
         spread = (2 * ev_rel * np.abs(centre) * pk.p + np.abs(centre) * (pk.logits + w.soft)
                   + radius * weight_hi + np.where(known, 0.0, w.prob)) @ values.v_abs  # fmt: skip
         # the known keys' roundings read ṽ, within v̄ - |v| of v (0 for values read exactly)
-        read = dot((np.abs(centre) + radius) * weight_hi, values.v_abs - np.abs(values.v))
+        read = dot((np.abs(centre) + radius) * weight_hi, values.extra)
         charge = (signed + spread + read) * (1 + ev_rel)
         if online:
             eta_m = num.format_of("softmax").smallest_normal
-            charge = charge + rs.blocks * eta_m * rs.per_sum / rs.lift * values.v_abs.sum(axis=0)
+            charge = charge + rs.blocks * eta_m * rs.per_sum / rs.lift * values.abs_sum
     return np.where(rs.sound, charge, np.inf)
 
 
@@ -660,7 +655,9 @@ def _known_probabilities(
         low, high = on(enc.live, low, 0.0), on(enc.live, high, 0.0)
         centre, radius = (low + high) / 2, (high - low) / 2
         c_v = centre @ values.v
-        spread = (radius + ev_rel * centre) @ values.v_abs + dot(high, out.v_extra)
+        spread = (radius + ev_rel * centre) @ values.v_abs + dot(
+            high, out.v_extra, values.extra_any
+        )
         if online:  # one block: Σ_j fl_p(ê_j) ṽ_j / l̂, l̂ in [l_lo, l_hi] (step 6k, online)
             eta_m = num.format_of("softmax").smallest_normal
             l_lo, l_hi = online_row_sum(w.before, enc.live, rs.g_sum, eta_m)
@@ -747,7 +744,7 @@ def softmax_pv(
     relative = None if classic else _relative_roundings(enc, values, ctx, pk, rs, ch.w)
     if relative is not None:
         # step 6r replaces step 6's charge (or the martingale's, shared with the operands)
-        kept = scale_out * (op_v + dot(ch.w.p_hat_hi, out.v_extra))
+        kept = scale_out * (op_v + dot(ch.w.p_hat_hi, out.v_extra, values.extra_any))
         swap = scale_out * relative + kept < terms["probability_rounding"] + terms["operands"]
         terms["probability_rounding"] = np.where(
             swap, scale_out * relative, terms["probability_rounding"]

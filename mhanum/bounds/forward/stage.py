@@ -5,11 +5,13 @@ them, and the names of the side terms a stage carries out with its terms."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from mhanum.bounds.forward.centring import centred
 from mhanum.bounds.forward.keys import BandRows
 from mhanum.bounds.forward.ranges import Ranges
 from mhanum.numerics import Numerics
@@ -138,8 +140,6 @@ class Head:
     ``project`` (A.2, step (c')) and ``along`` (A.1g) couple the logits' errors through the
     output projection's weights and along a direction per row (:func:`softmax_pv`); ``stored``
     (A.2 with ``lam``, Theorem A.3‴) the projections' relative roundings.
-    ``v_centre`` is ``v``'s median over the keys per column where it is taken once for the
-    head's chunks of rows (step 4, centred), ``None`` where each chunk takes it.
     """
 
     q: np.ndarray
@@ -153,7 +153,6 @@ class Head:
     replaced: np.ndarray | None = None
     project: Projection | None = None
     along: tuple[np.ndarray, np.ndarray] | None = None
-    v_centre: np.ndarray | None = None
     stored: Stored | None = None
 
     def rows(self, sl: slice) -> Head:
@@ -236,8 +235,10 @@ class Enclosure:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Values:
     """The values as ``P·V`` reads them (step 1): ``v`` and ``v_abs >= |ṽ|``, the operand bits
-    of the probabilities and the values, the tensor-core unit's anchor (0 for none) and, where
-    it is known, the keys' median of ``v`` per column (``centre``, step 4 centred)."""
+    of the probabilities and the values, the tensor-core unit's anchor (0 for none) and the
+    keys' median of ``v`` per column (``centre``, step 4 centred; ``None``: taken where needed).
+    What the stages read of them (``|v|``, the values' errors, their centred bound, the
+    column sums and maxima of ``v_abs``) is taken once, on first use (:meth:`evaluated`)."""
 
     v: np.ndarray
     v_abs: np.ndarray
@@ -248,6 +249,48 @@ class Values:
     def keys(self, cut: slice) -> Values:
         """The values of the keys ``cut`` (whose median is their own)."""
         return Values(self.v[cut], self.v_abs[cut], self.bits_pv, self.anchor)
+
+    def evaluated(self) -> Values:
+        """These values, with what the stages read of them taken: once for every chunk of a
+        head's query rows, before the chunks' threads read them."""
+        for name in ("abs_v", "extra", "extra_any", "deviation", "abs_sum", "abs_max", "abs_v_max"):
+            getattr(self, name)
+        return self
+
+    @functools.cached_property
+    def abs_v(self) -> np.ndarray:
+        """``|v|``."""
+        return np.abs(self.v)
+
+    @functools.cached_property
+    def extra(self) -> np.ndarray:
+        """``v_abs - |v|``: the values' errors (0 for values read exactly)."""
+        return self.v_abs - self.abs_v
+
+    @functools.cached_property
+    def extra_any(self) -> bool:
+        """Whether a value has an error (an entry of :attr:`extra` other than zero)."""
+        return bool(np.any(self.extra))
+
+    @functools.cached_property
+    def deviation(self) -> np.ndarray:
+        """``|ṽ_j - c|``'s bound (step 4, centred: :func:`centred`)."""
+        return centred(self.v, self.extra, self.centre)
+
+    @functools.cached_property
+    def abs_sum(self) -> np.ndarray:
+        """``Σ_j v_abs_j`` per column."""
+        return self.v_abs.sum(axis=0)
+
+    @functools.cached_property
+    def abs_max(self) -> np.ndarray:
+        """``max_j v_abs_j`` per column (0 for no key)."""
+        return self.v_abs.max(axis=0, initial=0.0)
+
+    @functools.cached_property
+    def abs_v_max(self) -> np.ndarray:
+        """``max_j |v_j|`` per column (0 for no key)."""
+        return self.abs_v.max(axis=0, initial=0.0)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
