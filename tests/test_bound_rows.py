@@ -16,10 +16,11 @@ import mhanum.bounds.forward.head as head_module
 from mhanum import masks
 from mhanum._errors import InvalidArgument
 from mhanum._threads import MAX_DEFAULT_THREADS, bound_threads, map_threads
-from mhanum.bounds import attention_bound
+from mhanum.bounds import attention_bound, mha_bound, projections
 from mhanum.bounds.forward.evaluation import quiet
 from mhanum.bounds.forward.stage import Head, Setting
 from mhanum.numerics import Numerics
+from mhanum.params import MHAParams
 
 # rows × keys past one chunk (head.CHUNK): 700 rows of 700 keys are two chunks, four in
 # bf16-fp32acc (half the logits: head.chunk_logits)
@@ -129,6 +130,46 @@ def test_the_keys_range_findings_are_the_chunks_own_in_their_order():
         np.testing.assert_array_equal(
             whole.where[name], np.concatenate([a.where.get(name, False) for a in alone])
         )
+
+
+def test_a_projection_in_blocks_of_rows_is_its_blocks_evaluated_alone_and_stacked(monkeypatch):
+    # A.2 (a) belongs to each row of x: linear takes blocks of rows (projections.BLOCK outputs)
+    # side by side, and stacks what each block gives alone
+    monkeypatch.setattr(projections, "BLOCK", 64)  # 8 rows of 8 outputs
+    rng = np.random.default_rng(7)
+    x, w, b = rng.standard_normal((20, 16)), rng.standard_normal((16, 8)), rng.standard_normal(8)
+    x_given = np.abs(rng.standard_normal((20, 16))) * 1e-9
+    num = Numerics.preset("bf16-fp32acc")
+    out = num.format_of("input")
+    whole = projections.linear(x, x_given, w, b, num, out, lam=3.0)
+    cuts = [slice(0, 8), slice(8, 16), slice(16, 20)]
+    alone = [projections.linear(x[c], x_given[c], w, b, num, out, lam=3.0) for c in cuts]
+    for name in ("y", "given", "fixed"):
+        np.testing.assert_array_equal(
+            getattr(whole, name), np.concatenate([getattr(a, name) for a in alone])
+        )
+    assert whole.kappa == alone[0].kappa
+    np.testing.assert_array_equal(whole.slope, alone[0].slope)
+    assert whole.rounded is not None
+    for name in ("rest", "sigma", "before"):
+        parts = [getattr(a.rounded, name) for a in alone if a.rounded is not None]
+        np.testing.assert_array_equal(
+            getattr(whole.rounded, name)[0], np.concatenate([r[0] for r in parts])
+        )
+        assert getattr(whole.rounded, name)[1] == parts[0][1]
+
+
+def test_mha_bound_in_blocks_and_chunks_is_the_same_on_one_and_two_threads(monkeypatch):
+    monkeypatch.setattr(projections, "BLOCK", 256)  # projections of 8 rows a block
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((1, 40, 32))
+    params = MHAParams.random(32, seed=2)
+    bounds = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("MHANUM_THREADS", threads)
+        bounds.append(mha_bound(x, x, params, 4, numerics="fp32"))
+    np.testing.assert_array_equal(bounds[0].total, bounds[1].total)
+    assert bounds[0].reasons == bounds[1].reasons
 
 
 def test_map_threads_keeps_the_items_order_and_raises_what_an_item_raises(monkeypatch):

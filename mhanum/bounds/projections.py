@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mhanum._threads import map_threads
 from mhanum.bounds.enclosure import one_signed_sizes, one_signed_total
 from mhanum.bounds.factors import (
     chain_dot_factor,
@@ -27,7 +28,9 @@ from mhanum.numerics import Numerics
 if TYPE_CHECKING:
     from mhanum._types import ArrayLike
 
-__all__ = ["Linear", "Roundings", "linear", "linear_overflow"]
+__all__ = ["BLOCK", "Linear", "Roundings", "linear", "linear_overflow"]
+
+BLOCK = 2**17  # the outputs of a block of rows (linear): 256 rows of 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +110,22 @@ def linear(
     overflow float64 give ``inf`` bounds, which :func:`linear_overflow` explains.
     ``x_exact``: ``x`` is the layer's input, which the kernel holds as ``fl_in(x)`` (exactly
     ``x`` where ``x`` is a value of the input format); a computed ``x`` is not.
+
+    Every bound belongs to one row of ``x`` (the weights enter each row alike), so the rows are
+    evaluated in blocks of about :data:`BLOCK` outputs, side by side
+    (:func:`mhanum._threads.map_threads`), and stacked: the blocks are fixed by the shapes, so
+    the result does not depend on the number of threads.
     """
+    rows = x.shape[-2] if x.ndim >= 2 else 1
+    step = max(1, BLOCK // max(1, w.shape[-1]))
+    if x.ndim >= 2 and rows > step:
+        given = np.broadcast_to(x_given, x.shape)
+        cuts = [slice(a, a + step) for a in range(0, rows, step)]
+
+        def block(cut: slice) -> Linear:
+            return linear(x[..., cut, :], given[..., cut, :], w, b, num, out, lam, x_exact)
+
+        return _stacked(map_threads(block, cuts), x_given)
     fmt_in, acc = num.format_of("input"), num.format_of("accum")
     u_op, eta_op = operand_error(num)
     d = x.shape[-1]
@@ -164,6 +182,29 @@ def linear(
     return Linear(
         y, y_given * scale, fixed * scale, slope, kappa * scale, x_given,
         None if rounded is None else rounded.scaled(scale),
+    )  # fmt: skip
+
+
+def _stacked(blocks: list[Linear], x_given: np.ndarray) -> Linear:
+    """One :class:`Linear` from its blocks of rows (in order): the row-shaped bounds stacked,
+    the weights' ``slope`` and the constants (the same in every block) kept."""
+
+    def rows(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts, axis=-2)
+
+    first, rounded = blocks[0], [b.rounded for b in blocks]
+    together = None
+    if first.rounded is not None:
+        r = [x for x in rounded if x is not None]
+        together = Roundings(
+            (rows([x.rest[0] for x in r]), first.rounded.rest[1]),
+            (rows([x.sigma[0] for x in r]), first.rounded.sigma[1]),
+            (rows([x.before[0] for x in r]), first.rounded.before[1]),
+            first.rounded.eta_last,
+        )
+    return Linear(
+        rows([b.y for b in blocks]), rows([b.given for b in blocks]),
+        rows([b.fixed for b in blocks]), first.slope, first.kappa, x_given, together,
     )  # fmt: skip
 
 

@@ -62,8 +62,7 @@ def test_the_softmax_part_through_the_weights_lies_within_step_c2(preset, seed):
     o = p @ v
     o_err = evaluation_rounding(keys) * (p @ np.abs(v))
     bound = tw_module._softmax_signed(
-        project,
-        v_extra @ project.slope,
+        tw_module.through_keys(project, v_extra),
         (deviations[None], rel[None], soft[None], eta, None, p_hi[None]),
         np.array([[t_bound]]),
         (o[None], p[None], o_err[None], v_extra),

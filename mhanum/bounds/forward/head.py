@@ -123,7 +123,7 @@ def evaluate_head(head: Head, setting: Setting, keys: Keys | None = None) -> Hea
     values = keys.values
     ctx = Context(num, setting.lam, u_div, ranges, setting.known_rounding, setting.lam_entries)
     if num.kv_splits is None:
-        terms, p, _, direct = softmax_pv(enc, values, ctx, head.project, head.along)
+        terms, p, _, direct = softmax_pv(enc, values, ctx, keys.through, head.along)
     else:
         terms, p, _ = split_pv(enc, values, ctx, _lse_scale(num, const))
         direct = None

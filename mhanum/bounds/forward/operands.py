@@ -23,6 +23,7 @@ from mhanum.bounds.factors import (
 from mhanum.bounds.forward.centring import column_median
 from mhanum.bounds.forward.ranges import Found, Ranges, finding
 from mhanum.bounds.forward.stage import Head, Setting, Values
+from mhanum.bounds.forward.through_weights import Through, through_keys
 from mhanum.bounds.scale import OperandScale, is_power_of_four, operand_scale, scale_rounding
 from mhanum.formats import Format, representable, round_to
 from mhanum.numerics import Numerics
@@ -81,7 +82,8 @@ class Keys:
     values as ``P·V`` reads them. ``found``: the range checks' findings by stage, which each
     chunk's record takes where its own stages check (:meth:`Ranges.take`), so that a chunk
     records what it would alone, in the same order; ``some_error``: whether ``e_k_op`` has an
-    entry other than zero."""
+    entry other than zero; ``through``: A.2's steps (c') and (c'') on the keys, where the head
+    carries the output projection's weights (:func:`through_keys`)."""
 
     k: np.ndarray
     e_k: Any
@@ -92,6 +94,7 @@ class Keys:
     values: Values
     found: Mapping[str, Found]
     some_error: bool
+    through: Through | None = None
 
 
 def keys_step(head: Head, setting: Setting) -> Keys:
@@ -120,7 +123,8 @@ def keys_step(head: Head, setting: Setting) -> Keys:
     bits_pv = (operand_bits(num, num.format_of("prob")), operand_bits(num, num.format_of("input")))
     values = Values(v, v_abs, bits_pv, tensor_core_anchor(num), column_median(v))
     some = bool(np.any(e_k_op))
-    return Keys(k, e_k, g_k, k_abs, e_k_op, k_op, values.evaluated(), found, some)
+    through = None if head.project is None else through_keys(head.project, values.extra)
+    return Keys(k, e_k, g_k, k_abs, e_k_op, k_op, values.evaluated(), found, some, through)
 
 
 def stored_operands(

@@ -58,12 +58,11 @@ from mhanum.bounds.forward.stage import (
     WHOLE,
     Context,
     Enclosure,
-    Projection,
     RoundingKeys,
     Values,
 )
 from mhanum.bounds.forward.stored import Rounding, stored_parts, stored_pv
-from mhanum.bounds.forward.through_weights import through_weights
+from mhanum.bounds.forward.through_weights import Through, through_weights
 from mhanum.units import Naive, Online, Safe
 
 __all__ = ["softmax_pv"]
@@ -681,7 +680,7 @@ def softmax_pv(
     enc: Enclosure,
     values: Values,
     ctx: Context,
-    project: Projection | None = None,
+    project: Through | None = None,
     along: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """Steps 4-7 of A.1 (papers/attention.md) for logits ``enc.s`` off by at most ``enc.delta``.
@@ -693,7 +692,7 @@ def softmax_pv(
     A.3''s for each split. The choice, entry by entry, depends on the inputs only, not on the
     roundings, so each entry's bound is still one event. ``lift_arg`` (``prob_offset = k``)
     is each row's largest argument of a lifted exponential, which the ranges of step R.5
-    take. ``project`` (A.2, steps (c') and (c''), a :class:`Projection`): the terms then
+    take. ``project`` (A.2, steps (c') and (c''), the head's :class:`Through`): the terms then
     carry the bounds on ``|Σ_l e_l ŵ_lm|`` for the logits' and the softmax's parts ``e`` of
     the output's error (:func:`through_weights`). ``along`` (Theorem A.1g, deterministic only) is
     ``(g, ḡ)``, one direction per query row with ``ḡ >= |g*|`` for the exact one: the terms

@@ -5,6 +5,7 @@ the layer's bound (:mod:`mhanum.bounds.forward.mha`) takes it where it is smalle
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -12,11 +13,36 @@ import numpy as np
 from mhanum.bounds.factors import evaluation_rounding
 from mhanum.bounds.forward.stage import PROJECTED, SOFTMAX_PROJECTED, Projection
 
-__all__ = ["through_weights"]
+__all__ = ["Through", "through_keys", "through_weights"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Through:
+    """Steps (c') and (c'') on one head's keys, the same for every chunk of its query rows:
+    the projection, ``read`` the values' errors through ``|ŵ_op|`` (``v_extra @ slope``),
+    ``z = plain + read >= |z̃|``, ``centred + read``, ``Σ_j z_j`` and ``slope - |ŵ|``."""
+
+    project: Projection
+    read: np.ndarray
+    z: np.ndarray
+    centred_read: np.ndarray
+    z_sum: np.ndarray
+    slope_gap: np.ndarray
+
+
+def through_keys(project: Projection, v_extra: np.ndarray) -> Through:
+    """:class:`Through` for the values' errors ``v_extra >= |ṽ - v|``: taken once per head."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        read = v_extra @ project.slope
+        z = project.plain + read
+        return Through(
+            project, read, z, project.centred + read, z.sum(axis=0),
+            project.slope - np.abs(project.weights),
+        )  # fmt: skip
 
 
 def through_weights(
-    project: Projection,
+    through: Through,
     logits: tuple[np.ndarray, np.ndarray],
     softmax: tuple[Any, Any, Any, Any, Any],
     row_sum: np.ndarray,
@@ -33,24 +59,22 @@ def through_weights(
     the probabilities it was formed with, its evaluation error and the values' errors
     (``|ṽ - v| <= v_extra``). ``scale_out`` is the head output's rounding factor ``κ_h``: its
     rounding ``θ_l`` is not common to the row, so the parts it multiplies go through
-    ``|ŵ_op| <= slope``.
+    ``|ŵ_op| <= slope``. ``through``: the head's keys' side (:func:`through_keys`), whose
+    ``read`` bounds ``|z̃_jm - z*_jm|`` for the values as read (their errors through
+    ``|ŵ_op|``).
     """
+    project = through.project
     slope = project.slope
     with np.errstate(over="ignore", invalid="ignore"):
-        # |z̃_jm - z*_jm| for the values as read: their errors through |ŵ_op|
-        read = output[3] @ slope
         return {
             PROJECTED: logits[0] @ project.centred + (scale_out - 1) * (logits[1] @ slope),
-            SOFTMAX_PROJECTED: _softmax_signed(
-                project, read, (logits[0], *softmax), row_sum, output
-            )
+            SOFTMAX_PROJECTED: _softmax_signed(through, (logits[0], *softmax), row_sum, output)
             + (scale_out - 1) * (softmax[3] @ slope),
         }
 
 
 def _softmax_signed(
-    project: Projection,
-    read: np.ndarray,
+    through: Through,
     weights: tuple[Any, Any, Any, Any, Any, Any],
     row_sum: np.ndarray,
     output: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
@@ -65,14 +89,13 @@ def _softmax_signed(
     float64 ``o·ŵ`` with its rounding and the read of ``ŵ``; or ``Σ_j p̄_j Z_jm``."""
     deviations, rel, soft, eta, _, p_hi = weights
     o, p, o_err, _ = output
-    z = project.plain + read
-    w = project.weights
-    w_abs = np.abs(w)
+    project, z = through.project, through.z
     o_abs = np.abs(o)
     ev = evaluation_rounding(max(o.shape[-1], p.shape[-1]))
-    o_w = np.abs(o @ w) + (ev * o_abs + o_err) @ project.slope + o_abs @ (project.slope - w_abs)
-    o_w = o_w + p @ read + deviations @ (project.centred + read)
+    o_w = np.abs(o @ project.weights) + (ev * o_abs + o_err) @ project.slope
+    o_w = o_w + o_abs @ through.slope_gap
+    o_w = o_w + p @ through.read + deviations @ through.centred_read
     o_w = np.fmin(o_w * (1 + 4 * ev), p_hi @ z)
     inv = np.where(row_sum < 1, 1 / (1 - row_sum), np.inf)
-    signed = (rel @ z) * inv + row_sum * inv * o_w + eta * z.sum(axis=0)
+    signed = (rel @ z) * inv + row_sum * inv * o_w + eta * through.z_sum
     return np.fmin(signed, soft @ z) * (1 + 4 * ev)
