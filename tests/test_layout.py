@@ -15,6 +15,7 @@
 * The bound engine (``mhanum/bounds/``) stays in small pieces: no module over 800 lines, no
   function body over 120 lines (its docstring not counted), and no signature over 8 parameters
   except the public API's.
+* The rest of the package stays readable: no module over 1,000 lines, no function body over 150.
 """
 
 from __future__ import annotations
@@ -542,25 +543,44 @@ def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     return sum(p.arg not in ("self", "cls") for p in params)
 
 
-def size_offenders(name: str, source: str, public: frozenset[str] = PUBLIC_API) -> list[str]:
-    """What breaks the size limits in the module ``name`` of the source ``source``: the module's
+@dataclasses.dataclass(frozen=True)
+class SizeLimits:
+    """The most lines a module, a function body and (with ``parameters``) a signature may hold."""
+
+    module: int
+    body: int
+    parameters: int | None = None
+
+
+BOUND_ENGINE = SizeLimits(MAX_MODULE_LINES, MAX_BODY_LINES, MAX_PARAMETERS)
+PACKAGE = SizeLimits(1_000, 150)
+
+
+def size_offenders(
+    name: str,
+    source: str,
+    public: frozenset[str] = PUBLIC_API,
+    limits: SizeLimits = BOUND_ENGINE,
+) -> list[str]:
+    """What breaks ``limits`` in the module ``name`` of the source ``source``: the module's
     length, each function's body and each signature but a public function's (a module-level
     ``def`` whose name ``public`` holds)."""
     found = []
     lines = len(source.splitlines())
-    if lines > MAX_MODULE_LINES:
-        found.append(f"{name}: {lines} lines (at most {MAX_MODULE_LINES})")
+    if lines > limits.module:
+        found.append(f"{name}: {lines} lines (at most {limits.module})")
     tree = ast.parse(source)
     top = {id(node) for node in tree.body}
     for node in ast.walk(tree):
         if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
         where = f"{name}:{node.lineno} {node.name}"
-        if (body := _body_lines(node)) > MAX_BODY_LINES:
-            found.append(f"{where}: body of {body} lines (at most {MAX_BODY_LINES})")
-        exempt = id(node) in top and node.name in public
-        if not exempt and (n := _parameters(node)) > MAX_PARAMETERS:
-            found.append(f"{where}: {n} parameters (at most {MAX_PARAMETERS})")
+        if (body := _body_lines(node)) > limits.body:
+            found.append(f"{where}: body of {body} lines (at most {limits.body})")
+        if limits.parameters is None or (id(node) in top and node.name in public):
+            continue
+        if (n := _parameters(node)) > limits.parameters:
+            found.append(f"{where}: {n} parameters (at most {limits.parameters})")
     return found
 
 
@@ -597,3 +617,26 @@ def test_the_size_rule_catches_what_it_forbids():
         "demo:255 public: 9 parameters (at most 8)",  # a method: not the public function
     ]
     assert size_offenders("demo", "x = 1\n" * 801) == ["demo: 801 lines (at most 800)"]
+
+
+def test_package_size_limits():
+    """Every module of ``mhanum/`` holds at most 1,000 lines and every function body at most
+    150 (from its first statement after the docstring to its end); the bound engine's tighter
+    limits are :func:`test_bound_engine_size_limits`'."""
+    offenders = [
+        found
+        for path in MODULES
+        for found in size_offenders(_module_name(path), path.read_text(), limits=PACKAGE)
+    ]
+    assert offenders == [], "over the package's size limits:\n" + "\n".join(offenders)
+
+
+def test_the_package_size_rule_reads_its_own_limits():
+    body = "".join(f"    x{i} = {i}\n" for i in range(PACKAGE.body))
+    source = f"def short(a, b, c, d, e, f, g, h, i, j):\n{body}def long():\n{body}    pass\n"
+    assert size_offenders("demo", source, limits=PACKAGE) == [
+        f"demo:{PACKAGE.body + 2} long: body of {PACKAGE.body + 1} lines (at most {PACKAGE.body})"
+    ]
+    assert size_offenders("demo", "x = 1\n" * 1_001, limits=PACKAGE) == [
+        "demo: 1001 lines (at most 1000)"
+    ]
