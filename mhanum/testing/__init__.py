@@ -68,6 +68,7 @@ from mhanum.testing.oracle import (
     PredictedOverflow,
     as_float64,
     assert_close,
+    fold_candidates,
     keyword_defaults,
     keywords_over,
 )
@@ -229,20 +230,8 @@ def _fold(
 ) -> Oracle:
     """The tolerance from the candidates' bounds: the largest, per element, with its term; with
     ``confidence``, a :class:`ProbabilisticOracle` stating the least of their probabilities."""
-    totals = np.stack([np.asarray(b.total, np.float64) for b in bounds])
-    which = np.argmax(totals, axis=0)
-    tol = np.take_along_axis(totals, which[None], axis=0)[0]
-    names = np.empty(tol.shape, dtype=object)
-    reason = np.full(tol.shape, "", dtype=object)
-    for c, b in enumerate(bounds):
-        terms = {
-            n: np.broadcast_to(np.asarray(t, np.float64), tol.shape) for n, t in b.terms.items()
-        }
-        stack = np.stack(list(terms.values()))
-        top = np.asarray(list(terms))[np.argmax(stack, axis=0)]
-        names = np.where(which == c, top, names)
-        why = "; ".join(b.reasons) or "no reason recorded"
-        reason = np.where((which == c) & ~np.isfinite(tol), why, reason)
+    shape = np.shape(bounds[0].total)
+    tol, names, reason = fold_candidates([(b.total, b.terms, b.reasons) for b in bounds], shape)
     with np.errstate(invalid="ignore"):
         tol = tol + _F64_ROUNDING * np.where(np.isfinite(exact), np.abs(exact), 0.0)
     if dead is not None and dead.any() and kernel.fully_masked in ("nan", "zero"):

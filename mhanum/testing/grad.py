@@ -46,6 +46,7 @@ from mhanum.testing.oracle import (
     Oracle,
     PredictedOverflow,
     as_float64,
+    fold_candidates,
     keyword_defaults,
     keywords_over,
 )
@@ -534,18 +535,7 @@ def _add_products(
 def _fold(exact: np.ndarray, cands: list[Any]) -> tuple[np.ndarray, ...]:
     """The tolerance: the candidates' largest total, element by element, the governing term's
     name and the reason where it is infinite, plus the reference's float64 rounding."""
-    totals = np.stack([np.broadcast_to(t[0], exact.shape) for t in cands])
-    which = np.argmax(totals, axis=0)
-    tol = np.take_along_axis(totals, which[None], axis=0)[0]
-    names = np.empty(tol.shape, dtype=object)
-    reason = np.full(tol.shape, "", dtype=object)
-    for i, (_, terms, reasons) in enumerate(cands):
-        labels = np.asarray(list(terms), dtype=object)
-        stack = np.stack([np.broadcast_to(x, tol.shape) for x in terms.values()])
-        top = labels[np.argmax(np.nan_to_num(stack, nan=np.inf), axis=0)]
-        names = np.where(which == i, top, names)
-        why = "; ".join(reasons) or "no reason recorded"
-        reason = np.where((which == i) & ~np.isfinite(tol), why, reason)
+    tol, names, reason = fold_candidates(cands, exact.shape)
     tol = tol + _F64 * np.abs(exact) + 2.0**-1074
     return tol, names, reason
 

@@ -9,21 +9,25 @@ import dataclasses
 import inspect
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+from numpy.typing import ArrayLike
 
 from mhanum._errors import InvalidArgument
 from mhanum.testing.kernels import Kernel
 
 __all__ = [
     "AttentionMismatch",
+    "Candidate",
     "Oracle",
     "PredictedOverflow",
     "as_float64",
     "assert_close",
+    "first_largest",
+    "fold_candidates",
     "keyword_defaults",
     "keywords_over",
 ]
@@ -180,6 +184,57 @@ def assert_close(oracle: Oracle, actual: Any, *, stacklevel: int) -> None:
     got = oracle._actual(actual)
     if (oracle.unbounded & ~np.isfinite(got) & np.isfinite(oracle.exact)).any():
         warnings.warn(PredictedOverflow(oracle.unbounded_report(actual)), stacklevel=stacklevel)
+
+
+def first_largest(
+    arrays: Iterable[ArrayLike], shape: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(largest, which)``: the entrywise largest of ``arrays`` (each broadcast to ``shape``),
+    and the index of the first array that holds it, as ``np.argmax`` over their stack gives it
+    (a NaN counts as the largest, and the first NaN is taken) without stacking them: one pass
+    of each array against the running largest.
+
+    Example:
+        >>> import numpy as np
+        >>> largest, which = first_largest([[1.0, 5.0, 2.0], [3.0, 5.0, np.nan]], (3,))
+        >>> largest.tolist(), which.tolist()
+        ([3.0, 5.0, nan], [1, 0, 1])
+    """
+    it = iter(arrays)
+    largest = np.array(np.broadcast_to(np.asarray(next(it), np.float64), shape))
+    which = np.zeros(shape, np.intp)
+    for i, a in enumerate(it, 1):
+        a = np.asarray(a, np.float64)
+        beyond = (a > largest) | (np.isnan(a) & ~np.isnan(largest))
+        which[beyond] = i
+        np.maximum(largest, a, out=largest)
+    return largest, which
+
+
+Candidate = tuple[ArrayLike, Mapping[str, ArrayLike], Sequence[str]]
+"""A candidate numerics' bound as an oracle folds it: its total, its named terms (which add up
+to at most the total), and why it is infinite where it is."""
+
+
+def fold_candidates(
+    candidates: Sequence[Candidate], shape: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tolerance, term, reason)``: the candidates' largest total, element by element; the
+    name of the largest term of the candidate that gives it (:func:`first_largest`'s choice
+    among the candidates and among its terms); and, where the tolerance is infinite, that
+    candidate's reasons (``""`` where it is finite)."""
+    tol, which = first_largest((c[0] for c in candidates), shape)
+    names = np.empty(shape, dtype=object)
+    reason = np.full(shape, "", dtype=object)
+    infinite = ~np.isfinite(tol)
+    for c, (_, terms, reasons) in enumerate(candidates):
+        labels = np.asarray(list(terms), dtype=object)
+        top = labels[first_largest(terms.values(), shape)[1]]
+        names = top if len(candidates) == 1 else np.where(which == c, top, names)
+        if infinite.any():
+            why = "; ".join(reasons) or "no reason recorded"
+            reason = np.where((which == c) & infinite, why, reason)
+    return tol, names, reason
 
 
 def as_float64(x: Any, name: str) -> np.ndarray:
