@@ -28,6 +28,7 @@ the forms earlier versions wrote; a :class:`Backward` likewise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -308,6 +309,16 @@ class Numerics:
             role: one of ``input``, ``accum``, ``operand``, ``score``, ``softmax``, ``prob``,
                 ``output``, ``scale``.
         """
+        formats = self._formats
+        if role not in formats:
+            msg = f"role: expected one of {tuple(formats)}, got {role!r}"
+            raise InvalidArgument(msg)
+        return formats[role]
+
+    @functools.cached_property
+    def _formats(self) -> dict[str, Format]:
+        """Every role's :class:`Format`, resolved once per value (the fields are frozen; the
+        cache lives beside them, outside the fields that equality, hashing and records read)."""
         explicit = {
             "input": self.input,
             "accum": self.accum,
@@ -318,13 +329,12 @@ class Numerics:
             "output": self.output_format,
             "scale": self.scale_format or self.input,
         }
-        if role not in explicit:
-            msg = f"role: expected one of {tuple(explicit)}, got {role!r}"
-            raise InvalidArgument(msg)
-        value = explicit[role]
-        if value is None:
-            return get_format(self.input) if role == "operand" else self.storage_format
-        return get_format(value)
+        return {
+            role: get_format(value)
+            if value is not None
+            else (get_format(self.input) if role == "operand" else self.storage_format)
+            for role, value in explicit.items()
+        }
 
     def _dot_operand(self) -> str | None:
         return self.dot_unit.operand_format

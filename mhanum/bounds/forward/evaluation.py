@@ -27,8 +27,10 @@ TINY = 2.0**-1074  # float64's smallest subnormal number
 def on(where: np.ndarray, x: Any, other: float) -> Any:
     """``np.where(where, x, other)``, and ``x`` itself (no pass over it) where ``where`` holds
     everywhere: the same values, since ``x`` broadcasts to ``where``'s shape."""
-    if where.all() and np.shape(x) == np.broadcast_shapes(np.shape(x), where.shape):
-        return x
+    if where.all():
+        shape = np.shape(x)
+        if shape == where.shape or shape == np.broadcast_shapes(shape, where.shape):
+            return x
     return np.where(where, x, other)
 
 
