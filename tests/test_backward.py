@@ -648,3 +648,18 @@ def test_pair_sums_enclose_the_direct_sum(seed, n, ties):
     mass = np.abs(a) * w.sum(axis=-1, keepdims=True) + (w * np.abs(a)).sum(-1, keepdims=True)
     assert np.all(got >= direct - (n + 2) * 2.0**-53 * mass)  # the direct sum's own rounding
     assert np.all(got <= direct + (8 * n + 40) * 2.0**-53 * mass)
+
+
+def test_pair_sums_in_blocks_of_rows_are_the_rows_evaluated_at_once(monkeypatch):
+    # _pair_sums evaluates blocks of PAIR_ROWS entries side by side: every row is its own, so
+    # the blocks (here of 2 rows, over a batch and a broadcast w) give the same bits
+    from mhanum.bounds.backward import gradients
+
+    rng = np.random.default_rng(7)
+    a = np.round(rng.standard_normal((2, 5, 9)) * 4) / 4  # ties, opposites and zeros
+    w = rng.random((1, 5, 9))
+    whole = gradients._pair_sums(w, a)
+    monkeypatch.setattr(gradients, "PAIR_ROWS", 18)
+    monkeypatch.setenv("MHANUM_THREADS", "2")
+    assert np.array_equal(gradients._pair_sums(w, a), whole)
+    assert whole.shape == a.shape

@@ -406,12 +406,37 @@ def gradients_step(
     return results, ups
 
 
+PAIR_ROWS = 2**18
+"""The entries of a block of rows :func:`_pair_sums` evaluates at once (about 2 MB a temporary)."""
+
+
 def _pair_sums(w: np.ndarray, a: np.ndarray) -> np.ndarray:
     """``>= Σ_{l ≠ j} w_l |a_j + a_l|`` along the last axis, for ``w >= 0``: the keys sorted by
     ``a`` once per row, each ``j`` split at ``a_l = -a_j`` (``O(n log n)`` per row, where the
     direct sum is ``O(n²)``), plus the float64 evaluation of the prefix sums,
     ``(4n + 16)u64 (|a_j| Σ w + Σ w|a|)`` (each partial sum is within ``γ_n`` of its terms'
-    magnitudes; a few operations combine them)."""
+    magnitudes; a few operations combine them).
+
+    Every row is its own (sorts, prefix sums and sums along the last axis), so blocks of
+    :data:`PAIR_ROWS` entries are evaluated side by side (:func:`mhanum._threads.map_threads`),
+    each as it would be alone: the same bits whatever the number of threads."""
+    w, a = np.broadcast_arrays(w, a)
+    n = a.shape[-1]
+    flat_w, flat_a = w.reshape(-1, n), a.reshape(-1, n)
+    step = max(1, PAIR_ROWS // max(1, n))
+    blocks = [slice(i, i + step) for i in range(0, flat_a.shape[0], step)]
+    if len(blocks) <= 1:
+        return _row_pair_sums(w, a)
+
+    def block(rows: slice) -> np.ndarray:
+        with np.errstate(over="ignore", invalid="ignore"):  # (per thread, as the caller's)
+            return _row_pair_sums(flat_w[rows], flat_a[rows])
+
+    return np.concatenate(map_threads(block, blocks)).reshape(a.shape)
+
+
+def _row_pair_sums(w: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """:func:`_pair_sums` on the rows ``w`` and ``a`` (the last axis) at once."""
     n = a.shape[-1]
     order = np.argsort(a, axis=-1, kind="stable")
     a_s = np.take_along_axis(a, order, axis=-1)
