@@ -69,6 +69,34 @@ def test_the_chunks_run_on_the_pools_threads(monkeypatch):
     assert names == [threading.current_thread().name] * 8
 
 
+@pytest.mark.parametrize("side_by_side", [head_module.SIDE_BY_SIDE, 1])
+def test_small_heads_in_one_piece_run_in_turn_larger_ones_side_by_side(monkeypatch, side_by_side):
+    """Heads in one piece are evaluated on the pool where one holds at least SIDE_BY_SIDE
+    logits, in the caller's thread below: the same bits either way."""
+    names: list[str] = []
+    inner = head_module.evaluate_head
+
+    def spy(*args: Any) -> Any:
+        names.append(threading.current_thread().name)
+        return inner(*args)
+
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((3, 40, 8)) for _ in range(3))
+    monkeypatch.setenv("MHANUM_THREADS", "1")
+    alone = attention_bound(q, k, v, numerics="bf16-fp32acc")
+    monkeypatch.setattr(head_module, "evaluate_head", spy)
+    monkeypatch.setattr(head_module, "SIDE_BY_SIDE", side_by_side)
+    monkeypatch.setenv("MHANUM_THREADS", "2")
+    got = attention_bound(q, k, v, numerics="bf16-fp32acc")
+    assert len(names) == 3  # 40 x 40 = 1,600 logits a head
+    if side_by_side > 40 * 40:
+        assert names == [threading.current_thread().name] * 3
+    else:
+        assert all(name.startswith("mhanum") for name in names)
+    np.testing.assert_array_equal(got.total, alone.total)
+    assert got.reasons == alone.reasons
+
+
 def test_a_head_in_chunks_is_its_chunks_evaluated_alone_and_stacked():
     q, k, v = (x[0] for x in _inputs())
     keep = np.tril(np.ones((L, L), bool))

@@ -64,6 +64,7 @@ __all__ = [
     "CHUNK",
     "CHUNK_MAX",
     "CHUNK_ROWS",
+    "SIDE_BY_SIDE",
     "HeadResult",
     "chunk_logits",
     "evaluate_head",
@@ -83,6 +84,14 @@ __all__ = [
 CHUNK = 2**18
 CHUNK_ROWS = 64
 CHUNK_MAX = 2**19
+# Heads in one piece are evaluated side by side where a head holds at least SIDE_BY_SIDE logits,
+# in turn below: a small head's time is the interpreter's (a thousand NumPy calls on small
+# arrays, under its lock), and two threads taking turns at the lock are slower than one. Fp32,
+# d = 64 unless said, medians of 15 in one process, in turn against side by side on 2 threads:
+# 8 heads of 64 x 64, 13-23 ms against 26-33; 16 of 128 x 128, 55-65 against 71-98; 8 of
+# 181 x 181 (d = 181), 72-94 against 66; 8 of 256 x 256 (d = 128), 236-239 against 124-134
+# (docs/performance.md).
+SIDE_BY_SIDE = 2**15
 
 # the terms, the float64 output o, |o - o*|, the logits' parts, the range record
 HeadResult = tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, dict[str, np.ndarray], Ranges]
@@ -347,13 +356,17 @@ def evaluate_heads(heads: list[Head], setting: Setting) -> list[HeadResult]:
     its chunks. The chunks share nothing else, so they are evaluated side by side
     (:func:`mhanum._threads.map_threads`), each as it would be alone: the result does not
     depend on the number of threads. Heads in one piece are evaluated side by side instead,
-    each taking its own keys' side.
+    each taking its own keys' side, where one holds at least :data:`SIDE_BY_SIDE` logits (in
+    turn below).
     """
     logits = chunk_logits(setting)
     cuts = [_row_chunks(head, logits) for head in heads]
     chunk = functools.partial(_evaluate_chunk, setting=setting)
     if all(len(c) == 1 for c in cuts):
-        return map_threads(chunk, [(h, c[0], None) for h, c in zip(heads, cuts, strict=True)])
+        tasks = [(h, c[0], None) for h, c in zip(heads, cuts, strict=True)]
+        if max(h.q.shape[-2] * h.k.shape[-2] for h in heads) < SIDE_BY_SIDE:
+            return [chunk(task) for task in tasks]
+        return map_threads(chunk, tasks)
     results = []
     for head, head_cuts in zip(heads, cuts, strict=True):
         with quiet():
