@@ -201,7 +201,11 @@ def first_largest(
         ([3.0, 5.0, nan], [1, 0, 1])
     """
     it = iter(arrays)
-    largest = np.array(np.broadcast_to(np.asarray(next(it), np.float64), shape))
+    first = next(it, None)
+    if first is None:
+        msg = "arrays: expected at least one array, got none"
+        raise InvalidArgument(msg)
+    largest = np.array(np.broadcast_to(np.asarray(first, np.float64), shape))
     which = np.zeros(shape, np.intp)
     for i, a in enumerate(it, 1):
         a = np.asarray(a, np.float64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mhanum import InvalidArgument
 from mhanum.testing.oracle import first_largest, fold_candidates
 
 
@@ -37,3 +38,10 @@ def test_the_fold_names_the_governing_candidates_largest_term_and_its_reasons():
     np.testing.assert_array_equal(tol, [[2.0, 4.0], [np.inf, 1.0]])
     assert term.tolist() == [["z", "y"], ["x", "z"]]
     assert reason.tolist() == [["", ""], ["a", ""]]
+
+
+def test_a_fold_of_nothing_is_refused_naming_the_argument():
+    with pytest.raises(InvalidArgument, match="arrays: expected at least one array, got none"):
+        first_largest([], (2,))
+    with pytest.raises(InvalidArgument, match="arrays: expected at least one array"):
+        fold_candidates([], (2,))

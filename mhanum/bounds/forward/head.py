@@ -364,7 +364,7 @@ def evaluate_heads(heads: list[Head], setting: Setting) -> list[HeadResult]:
     chunk = functools.partial(_evaluate_chunk, setting=setting)
     if all(len(c) == 1 for c in cuts):
         tasks = [(h, c[0], None) for h, c in zip(heads, cuts, strict=True)]
-        if max(h.q.shape[-2] * h.k.shape[-2] for h in heads) < SIDE_BY_SIDE:
+        if max((h.q.shape[-2] * h.k.shape[-2] for h in heads), default=0) < SIDE_BY_SIDE:
             return [chunk(task) for task in tasks]
         return map_threads(chunk, tasks)
     results = []
