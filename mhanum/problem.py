@@ -114,7 +114,8 @@ class AttentionProblem:
         Raises:
             InvalidArgument: naming the first argument that does not fit: a non-float or
                 non-finite input, shapes that do not chain (``k``'s ``d_k`` is ``q``'s, ``v``'s
-                keys are ``k``'s), batch dimensions that do not broadcast, a mask that is not
+                keys are ``k``'s), no query, no key or ``d_k = 0``, batch dimensions that do
+                not broadcast or broadcast to an empty batch, a mask that is not
                 boolean or a band, a bias with NaN or ``+inf``, a mask, bias or sink that would
                 enlarge the batch, a scale, soft-cap or descale that is not a finite number of
                 the kind expected, a rope that is not a :class:`mhanum.rope.Rope` or wider
@@ -126,7 +127,7 @@ class AttentionProblem:
         if d_out is not None:
             d_out = _cotangent(d_out, (q.shape[-2], v.shape[-1]))
             shapes["d_out"] = d_out.shape[:-2]
-        batch = V.broadcast(shapes)
+        batch = _nonempty_batch(shapes)
         for x, name in ((q, "q"), (k, "k"), (v, "v"), (d_out, "d_out")):
             if x is not None:
                 V.check_finite(x, name)
@@ -263,7 +264,7 @@ class MHAProblem:
             InvalidArgument: naming the first argument that does not fit: ``params`` that is not
                 an :class:`mhanum.MHAParams` or whose widths ``num_heads`` (``num_kv_heads``)
                 does not divide, inputs whose widths are not the layer's or that are not finite
-                floats, and the mask, bias, scale, sink and soft-cap as for
+                floats, no query or no key, an empty batch, and the mask, bias, scale, sink and soft-cap as for
                 :meth:`AttentionProblem.of`.
         """
         if not isinstance(params, MHAParams):
@@ -282,7 +283,13 @@ class MHAProblem:
                 f"{full.d_out}), got {arrays['d_out'].shape}"
             )
             raise InvalidArgument(msg)
-        batch = V.broadcast({n: a.shape[:-2] for n, a in arrays.items()})
+        batch = _nonempty_batch({n: a.shape[:-2] for n, a in arrays.items()})
+        for name, rows in (("x_q", "query"), ("x_kv", "key")):
+            if arrays[name].shape[-2] < 1:
+                msg = (
+                    f"{name}: expected at least one {rows} (dimension -2), got {arrays[name].shape}"
+                )
+                raise InvalidArgument(msg)
         scores = (*batch, heads, arrays["x_q"].shape[-2], arrays["x_kv"].shape[-2])
         V.scale_value(scale, full.qk_width // heads)
         if rope is not None and d_out is not None:
@@ -337,6 +344,17 @@ def _check_shapes_chain(q: Array, k: Array, v: Array) -> None:
     if q.shape[-2] < 1 or k.shape[-2] < 1 or q.shape[-1] < 1:
         msg = f"k: expected at least one query, one key and d_k >= 1, got q {q.shape}, k {k.shape}"
         raise InvalidArgument(msg)
+
+
+def _nonempty_batch(shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The named batch shapes broadcast together, each dimension at least 1: an empty batch
+    holds no problem to bound, and is refused like an empty row (no query, no key)."""
+    batch = V.broadcast(shapes)
+    if 0 in batch:
+        described = ", ".join(f"{n} {s}" for n, s in shapes.items())
+        msg = f"{', '.join(shapes)}: expected batch dimensions of at least 1, got {described}"
+        raise InvalidArgument(msg)
+    return batch
 
 
 def _cotangent(d_out: ArrayLike, rows: tuple[int, int]) -> Array:
