@@ -134,6 +134,23 @@ def test_a_cap_the_score_format_cannot_hold_gives_an_infinite_bound_with_its_rea
     assert any("softcap" in reason for reason in bound.reasons)
 
 
+# reciprocals past float64's range (below 2^-1024) and subnormal in it (above 2^1022)
+@pytest.mark.parametrize("cap", [1e-320, 2.0**-1030, 1e308])
+def test_a_cap_whose_reciprocal_leaves_float64_gives_infinite_bounds_with_the_reason(cap):
+    q, k, v, _ = _inputs(6)
+    q[0] = 0.0  # a zero score times the reciprocal's stand-in: no NaN either
+    g = np.ones((3, 3))
+    params = mn.MHAParams.random(4, seed=0)
+    bounds = {
+        "attention_bound": attention_bound(q, k, v, softcap=cap),
+        "mha_bound": mha_bound(q, q, params, 2, softcap=cap),
+        "attention_grad_bound": mn.bounds.attention_grad_bound(q, k, v, g, softcap=cap).dq,
+    }
+    for name, bound in bounds.items():
+        assert np.isposinf(bound.total).all(), name
+        assert any(reason.startswith("softcap: the cap") for reason in bound.reasons), name
+
+
 @pytest.mark.parametrize("cap", [0.0, -1.0, np.inf, np.nan, True, "50"])
 def test_bad_caps_are_refused_by_name(cap):
     q, k, v, _ = _inputs(7)

@@ -21,6 +21,7 @@ from mhanum.bounds.a_priori.softcap import (
     CapRoundings,
     cap_constant,
     cap_roundings,
+    evaluated_constants,
     softcap_a_priori,
 )
 
@@ -30,6 +31,7 @@ __all__ = [
     "attention_bound_a_priori",
     "cap_constant",
     "cap_roundings",
+    "evaluated_constants",
     "mha_bound_a_priori",
     "softcap_a_priori",
 ]

@@ -8,6 +8,8 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
+
 from mhanum.bounds.a_priori.sizes import Logits, Range
 from mhanum.formats import Format, get_format, round_to
 from mhanum.numerics import Numerics
@@ -18,6 +20,7 @@ __all__ = [
     "cap_constant",
     "cap_roundings",
     "capped",
+    "evaluated_constants",
     "softcap_a_priori",
 ]
 
@@ -82,6 +85,27 @@ def cap_roundings(cap: float, num: Numerics) -> CapRoundings:
     return CapRoundings(fs, carrier, u_s, eta_s, u_t, eta_t, c_hat, e_c, r_hat, e_r, finite)
 
 
+_LARGEST_FLOAT64 = 1.7976931348623157e308
+
+
+def evaluated_constants(rounded: CapRoundings, cap: float) -> tuple[float, float, float, float]:
+    """``(ĉ, e_c, r̂, e_r)`` a step evaluates its enclosures on: ``rounded``'s where both
+    constants fit the score format. Where one does not, the step has flagged every entry
+    infinite, and evaluates on stand-ins that keep its arithmetic finite: ``cap``, its float64
+    reciprocal (the largest finite float64 where that overflows, as it does below
+    ``2^-1024``) and no errors; nothing evaluated on them reaches a finite bound.
+
+    >>> from mhanum import Numerics
+    >>> evaluated_constants(cap_roundings(1e-320, Numerics.preset("fp32")), 1e-320)[2:]
+    (1.7976931348623157e+308, 0.0)
+    """
+    if rounded.finite:
+        return rounded.c_hat, rounded.e_c, rounded.r_hat, rounded.e_r
+    with np.errstate(over="ignore"):
+        reciprocal = float(np.float64(1.0) / np.float64(cap))
+    return cap, 0.0, min(reciprocal, _LARGEST_FLOAT64), 0.0
+
+
 def softcap_a_priori(
     s_up: float,
     delta: float,
@@ -99,10 +123,11 @@ def softcap_a_priori(
     w_r·min(s_up/c, (w_a + 0.45)/(1 - w_r)), 2)`` whatever the norms; ``|a| <= c·tanh(s_up/c)
     <= min(c, s_up)``. ``check(upper, format, stage)`` is called on the
     stages that may overflow."""
-    fs, carrier, u_s, eta_s, u_t, eta_t, c_hat, e_c, r_hat, e_r, finite = cap_roundings(cap, num)
-    if not finite:
+    rounded = cap_roundings(cap, num)
+    fs, carrier, u_s, eta_s, u_t, eta_t = rounded[:6]
+    if not rounded.finite:
         check(math.inf, fs, f"softcap: the cap {cap:g} or its reciprocal in {fs.name}")
-        c_hat, r_hat = cap, 1.0 / cap
+    c_hat, e_c, r_hat, e_r = evaluated_constants(rounded, cap)
     s_hat = s_up + delta  # >= |ŝ|
     check(s_hat * r_hat * (1 + u_s) + eta_s, fs, f"the scores times 1/softcap = {r_hat:.4g}")
     # x̂ - s/c = e_a + e_r: |e_a| <= w_a (the scores' error), |e_r| <= w_r|s/c| (the roundings)

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from mhanum.bounds.a_priori import CappedLogits, cap_constant, cap_roundings
+from mhanum.bounds.a_priori import (
+    CappedLogits,
+    cap_constant,
+    cap_roundings,
+    evaluated_constants,
+)
 from mhanum.bounds.enclosure import U64, Enclosure, Ranges, read_error
 from mhanum.bounds.factors import compound
 from mhanum.formats import Format
@@ -31,11 +36,12 @@ def softcap_step(
     most ``sech²(max(0, |y₀| - R))`` per unit there, so ``|t̂ - tanh(s/c)| <= L·w + e_T`` for
     ``|x̂ - s/c| <= w = |ŝ - s| r̂ + |s||r̂ - 1/c| + u_s|ŝ|r̂ + η_s`` and ``tanh``'s rounding
     ``e_T`` (``tanh_ulps`` of its carrier, then the score format)."""
-    fs, carrier, u_s, eta_s, u_t, eta_t, c_hat, e_c, r_hat, e_r, finite = cap_roundings(cap, num)
-    if not finite:
+    rounded = cap_roundings(cap, num)
+    fs, carrier, u_s, eta_s, u_t, eta_t = rounded[:6]
+    if not rounded.finite:
         rng.check(np.inf, fs, f"softcap: the cap {cap:g} or its reciprocal in {fs.name}",
                   ("dq", "dk", "dv", "dbias"))  # fmt: skip
-        c_hat, r_hat = cap, 1.0 / cap
+    c_hat, e_c, r_hat, e_r = evaluated_constants(rounded, cap)
     s_up, s_used = s.up, s.used
     rng.check(np.where(keep, s_used * r_hat * (1 + u_s) + eta_s, 0.0), fs,
               f"the scores times 1/softcap = {r_hat:.4g}", ("dq", "dk", "dv", "dbias"))  # fmt: skip

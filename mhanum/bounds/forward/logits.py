@@ -6,12 +6,12 @@ the bias, a finite masking constant, the exponent's folded scale), with their ra
 from __future__ import annotations
 
 import dataclasses
-import fractions
 import math
 from typing import Any
 
 import numpy as np
 
+from mhanum.bounds.a_priori.softcap import cap_roundings, evaluated_constants
 from mhanum.bounds.enclosure import one_signed_sizes, one_signed_total
 from mhanum.bounds.factors import (
     F64_DOT,
@@ -26,7 +26,7 @@ from mhanum.bounds.forward.evaluation import on
 from mhanum.bounds.forward.operands import Constant, Operands
 from mhanum.bounds.forward.ranges import Ranges
 from mhanum.bounds.forward.stage import Head, Setting
-from mhanum.formats import Format, get_format, round_to
+from mhanum.formats import Format, round_to
 from mhanum.numerics import Numerics
 from mhanum.units import Fill
 
@@ -212,29 +212,19 @@ def softcap_step(lg: Logits, cap: float, num: Numerics, ranges: Ranges) -> Logit
     product's roundings), the bound on the capped scores' magnitude and the float64 error.
     """
     s, sources, s_upper, eps64, used = lg.s, lg.sources, lg.s_upper, lg.eps64, lg.used
-    fs = num.format_of("score")
-    u_s, eta_s = fs.u, fs.smallest_normal
-    carrier = fs if fs.name in ("float32", "float64") else get_format("float32")
+    rounded = cap_roundings(cap, num)
+    fs, carrier, u_s, eta_s, u_t, eta_t = rounded[:6]
     narrow = carrier.name != fs.name
-    u_t, eta_t = 2 * num.tanh_ulps * carrier.u, carrier.smallest_normal
-    c_hat, r_hat = float(round_to(cap, fs)), float(round_to(1.0 / cap, fs))
-    if not (math.isfinite(c_hat) and math.isfinite(r_hat) and c_hat > 0 and r_hat > 0):
+    if not rounded.finite:
         ranges.flag(
             True,
             f"softcap: the cap {cap:g} or its reciprocal does not fit the score format "
-            f"{fs.name} (rounds to {c_hat:g} and {r_hat:g})",
+            f"{fs.name} (rounds to {rounded.c_hat:g} and {rounded.r_hat:g})",
         )
-        c_hat, r_hat = cap, 1.0 / cap  # evaluated on these, then infinite
-    e_c = float(abs(fractions.Fraction(c_hat) - fractions.Fraction(cap))) * (1 + 2.0**-52)
-    e_r = float(abs(fractions.Fraction(r_hat) - 1 / fractions.Fraction(cap))) * (1 + 2.0**-52)
-    # any reciprocal within two roundings of 1/c (fl(1/fl(c)), a compiler's folded constant) or
-    # a division by ĉ (|fl(ŝ/ĉ) - ŝ/c| is within the same w) is covered, not only this r̂
-    e_r = max(e_r, (2 * u_s + 2 * u_s * u_s) / cap * (1 + 2.0**-50))
-    # a subnormal constant may be read as zero (XLA's flush of denormal inputs)
-    if c_hat < fs.smallest_normal:
-        e_c = max(e_c, cap)
-    if r_hat < fs.smallest_normal:
-        e_r = max(e_r, (1 / cap) * (1 + 2.0**-52))
+    # e_r covers any reciprocal within two roundings of 1/c (fl(1/fl(c)), a compiler's folded
+    # constant) or a division by ĉ (|fl(ŝ/ĉ) - ŝ/c| is within the same w), not only this r̂; a
+    # subnormal constant may be read as zero (XLA's flush of denormal inputs)
+    c_hat, e_c, r_hat, e_r = evaluated_constants(rounded, cap)
     delta = sum(sources.values())
     s_hat = np.abs(s) + delta  # >= |ŝ|
     ranges.check(
