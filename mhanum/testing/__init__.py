@@ -745,11 +745,11 @@ def _mha_oracle(
         )
         raise InvalidArgument(msg)
     xq, xkv = as_float64(x_q, "x_q"), as_float64(x_kv, "x_kv")
-    if num_heads >= 1 and xq.shape[-1] % num_heads == 0:
+    num_heads = V.positive_int(num_heads, "num_heads")
+    if xq.shape[-1] % num_heads == 0:
         kern.check_head_dims(xq.shape[-1] // num_heads)
     batch = V.broadcast({"x_q": xq.shape[:-2], "x_kv": xkv.shape[:-2]})
-    heads = (num_heads,) if isinstance(num_heads, int) and num_heads >= 1 else (1,)
-    m = _mask(mask, False, (*batch, *heads, xq.shape[-2], xkv.shape[-2]))
+    m = _mask(mask, False, (*batch, num_heads, xq.shape[-2], xkv.shape[-2]))
     policy, dead = kern.fully_masked, None
     if m is not None:
         m4 = m if m.ndim >= 3 else m[None]  # (..., heads or 1, Lq, Lk)

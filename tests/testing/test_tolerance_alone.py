@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mhanum import MHAParams
+from mhanum import InvalidArgument, MHAParams
 from mhanum.rope import Rope
 from mhanum.testing import attention_oracle, attention_tolerance, mha_oracle, mha_tolerance
 
@@ -77,6 +77,13 @@ def test_the_mha_tolerance_alone_is_at_least_the_oracles(keywords):
     assert finite.any()
     assert (alone[finite] >= oracle.tolerance[finite]).all()
     assert (alone[finite] > oracle.tolerance[finite]).any()
+
+
+@pytest.mark.parametrize("num_heads", ["4", 4.0, 0, True])
+@pytest.mark.parametrize("check", [mha_oracle, mha_tolerance], ids=["oracle", "tolerance"])
+def test_a_bad_head_count_is_refused_by_name(check, num_heads):
+    with pytest.raises(InvalidArgument, match=r"^num_heads: expected a positive integer, got"):
+        check(X, X, PARAMS, num_heads)
 
 
 @pytest.mark.parametrize("exponent", [-1074, -1060, -1022, -600, 0, 300, 500])
