@@ -348,19 +348,23 @@ def ulp(x: ArrayLike, fmt: Format | str) -> np.ndarray:
     """The spacing of ``fmt`` at ``x``: ``2**(max(e, emin) - p + 1)`` where ``2**e <= |x| < 2**(e+1)``.
 
     For ``|x|`` in the subnormal range (and 0) this is the smallest subnormal. Values of ``x`` above
-    the format's range get the spacing of the top binade extended (``2**(e - p + 1)``).
+    the format's range get the spacing of the top binade extended (``2**(e - p + 1)``); an
+    infinite ``x`` gets ``inf`` (the spacing grows without bound) and NaN stays NaN.
 
     Examples:
         >>> float(ulp(1e9, "float32"))
         64.0
         >>> float(ulp(0.0, "float16")) == 2.0**-24
         True
+        >>> ulp([np.inf, -np.inf, np.nan], "bfloat16").tolist()
+        [inf, inf, nan]
     """
     f = get_format(fmt)
     arr = np.abs(_as_float64(x, "x"))
     _, e = np.frexp(arr)
     exponent = np.where(arr > 0, np.maximum(e - 1, f.emin), f.emin)
-    return np.ldexp(1.0, exponent - f.precision + 1)
+    spacing = np.ldexp(1.0, exponent - f.precision + 1)
+    return np.where(np.isfinite(arr), spacing, arr)  # |x| itself: inf, or NaN
 
 
 def representable(x: ArrayLike, fmt: Format | str) -> np.ndarray:

@@ -12,8 +12,9 @@ hides what another shows:
 * ``max_ulps``: :math:`\\max_i |c_i - r_i| / \\mathrm{ulp}_{fmt}(r_i)`, the spacing of the format at
   the reference value (:func:`mhanum.formats.ulp`).
 
-NaN or Inf in the computed output where the reference is finite is never averaged away: every
-metric is then ``inf`` and ``n_nonfinite`` counts the entries. Entries where the reference is NaN
+NaN or Inf in the computed output, or an infinite reference (an exact value past float64's
+range), is never averaged away: every metric is then ``inf`` and ``n_nonfinite`` counts the
+entries (a finite answer to an infinite value, or an infinite one, has no finite error). Entries where the reference is NaN
 (undefined, as for a fully-masked row under ``fully_masked="nan"``) are excluded and counted in
 ``n_undefined``.
 
@@ -139,7 +140,7 @@ def errors(computed: ArrayLike, reference: ArrayLike, fmt: Format | str | None =
             diff = np.abs(c - r)
     undefined = np.isnan(r)
     defined = ~undefined
-    nonfinite = defined & ~np.isfinite(c)
+    nonfinite = defined & ~(np.isfinite(c) & np.isfinite(r))
     n_nonfinite = int(nonfinite.sum())
     n_compared = int(defined.sum())
     fmt_name = fmt_obj.name if fmt_obj is not None else None

@@ -190,6 +190,17 @@ def test_ulp_of_1e9_in_float32_is_64():
     assert float(ulp(0.0, "float16")) == 2.0**-24
 
 
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_the_ulp_of_an_infinity_is_infinite_and_of_a_nan_nan(name):
+    # frexp reads inf as exponent 0: the spacing of 0.5, a finite number far below the truth
+    fmt = FORMATS[name]
+    got = ulp(np.array([np.inf, -np.inf, np.nan, fmt.max_finite]), name)
+    assert np.isposinf(got[:2]).all()
+    assert np.isnan(got[2])
+    top = math.frexp(fmt.max_finite)[1] - 1  # 2**top <= max_finite < 2**(top + 1)
+    assert got[3] == 2.0 ** (top + 1 - fmt.precision)
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [

@@ -42,6 +42,19 @@ def test_nan_in_the_computed_output_is_reported_not_hidden():
     assert "1 non-finite computed" in str(e)
 
 
+@pytest.mark.parametrize("computed", [1.0, np.inf, -np.inf])
+@pytest.mark.parametrize("mpf", [False, True], ids=["float64", "mpf"])
+def test_an_infinite_reference_is_reported_as_infinite_not_nan(computed, mpf):
+    ref = np.array([np.inf, 2.0])
+    if mpf:
+        ref = np.array([mpmath.mpf("1e400"), mpmath.mpf(2)], dtype=object)
+    e = metrics.errors(np.array([computed, 2.0]), ref, fmt="float32")
+    assert e.n_nonfinite == 1
+    assert e.argmax_abs == (0,)
+    fields = (e.max_abs, e.max_rel, e.normwise_max, e.normwise_fro, e.max_ulps)
+    assert all(f == math.inf for f in fields)
+
+
 def test_undefined_reference_entries_are_excluded_and_counted():
     e = metrics.errors(np.array([np.nan, 1.0]), np.array([np.nan, 1.0]))
     assert e.n_undefined == 1
