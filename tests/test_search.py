@@ -266,6 +266,14 @@ def test_structures_that_draw_a_scale_or_a_bias_are_refused(structure):
         ms.worst_case("fp32", {"q_len": 2, "kv_len": 2, "d_k": 2}, budget=2, structure=structure)
 
 
+@pytest.mark.parametrize("structure", ["tie", ("ties", "bar")])
+@pytest.mark.parametrize("search", [ms.worst_case, ms.campaign])
+def test_an_unknown_structure_is_refused_with_mhanums_error(search, structure):
+    # the strategies refuse it with Hypothesis's InvalidArgument; the search is mhanum's API
+    with pytest.raises(InvalidArgument, match=r"^structure: expected names from"):
+        search("fp32", {"q_len": 2, "kv_len": 2, "d_k": 2}, budget=2, structure=structure)
+
+
 def test_entries_with_an_infinite_bound_are_left_out_of_the_ratio():
     # v's second column is near float16's largest value: over 40 keys P·V may overflow there
     # (inf, with a reason), the first column is bounded as usual

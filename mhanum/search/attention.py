@@ -60,6 +60,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import hypothesis.errors
 import numpy as np
 from hypothesis import strategies as st
 
@@ -140,11 +141,21 @@ class Shape(Sizes):
         self, num: Numerics, structure: str | Iterable[str] | None = None
     ) -> st.SearchStrategy[strategies.AttentionInputs]:
         """q, k and v of these sizes (:func:`mhanum.strategies.attention_inputs`, for ``num``,
-        with ``structure``), without a scale or a bias (a case holds neither)."""
-        return strategies.attention_inputs(
-            q_len=self.q_len, kv_len=self.kv_len, d_k=self.d_k, d_v=self.d_v, batch=self.batch,
-            heads=self.heads, accum=num.accum, structure=structure, numerics=num,
-        ).filter(lambda x: x.bias is None and x.scale is None)  # fmt: skip
+        with ``structure``), without a scale or a bias (a case holds neither).
+
+        Raises:
+            InvalidArgument: (mhanum's) for an unknown structure name, which the strategies
+                refuse with Hypothesis's error of the same message.
+        """
+        try:
+            drawn = strategies.attention_inputs(
+                q_len=self.q_len, kv_len=self.kv_len, d_k=self.d_k, d_v=self.d_v,
+                batch=self.batch, heads=self.heads, accum=num.accum, structure=structure,
+                numerics=num,
+            )  # fmt: skip
+        except hypothesis.errors.InvalidArgument as exc:
+            raise InvalidArgument(str(exc)) from None
+        return drawn.filter(lambda x: x.bias is None and x.scale is None)
 
     def arrays(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """The shapes of q, k and v."""
