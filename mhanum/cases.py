@@ -105,6 +105,19 @@ def metadata(case: AnyCase) -> dict[str, Any]:
     )
 
 
+_WRITERS = {WorstCase: "save", GradientWorstCase: "save_gradient", MHAWorstCase: "save_mha"}
+"""The function that writes each kind of case."""
+
+
+def _check_kind(case: object, kind: type) -> None:
+    """Refuse a ``case`` that is not a ``kind``, naming the function that writes what it is."""
+    if not isinstance(case, kind):
+        writer = next((name for cls, name in _WRITERS.items() if isinstance(case, cls)), None)
+        hint = f" (write it with {writer})" if writer else ""
+        msg = f"case: expected a {kind.__name__}, got {type(case).__name__}{hint}"
+        raise InvalidArgument(msg)
+
+
 def _write(case: AnyCase, target: Path, *, force: bool, unique: bool) -> Path:
     """Write ``case``'s arrays to ``<target>.npz`` and its :func:`metadata` to ``.json``."""
     npz, meta = _reserve(target, force=force, unique=unique)
@@ -157,8 +170,10 @@ def save(case: WorstCase, path: str | Path, *, force: bool = False, unique: bool
         The ``.npz`` path.
 
     Raises:
-        InvalidArgument: if either file exists and neither ``force`` nor ``unique`` is set.
+        InvalidArgument: if ``case`` is not a :class:`mhanum.search.WorstCase`, or either file
+            exists and neither ``force`` nor ``unique`` is set.
     """
+    _check_kind(case, WorstCase)
     target = Path(path)
     if target.is_dir():
         target = target / default_name(case)
@@ -396,8 +411,10 @@ def save_gradient(
     ``<preset>-gradient-<algorithm>-seed<seed>``); ``force`` and ``unique`` as for :func:`save`.
 
     Raises:
-        InvalidArgument: if either file exists and neither ``force`` nor ``unique`` is set.
+        InvalidArgument: if ``case`` is not a :class:`mhanum.search.GradientWorstCase`, or
+            either file exists and neither ``force`` nor ``unique`` is set.
     """
+    _check_kind(case, GradientWorstCase)
     target = Path(path)
     if target.is_dir():
         name = f"{case.preset or 'custom'}-gradient-{case.backward.algorithm}-seed{case.seed}"
@@ -423,8 +440,10 @@ def save_mha(
     ``force`` and ``unique`` as for :func:`save`.
 
     Raises:
-        InvalidArgument: if either file exists and neither ``force`` nor ``unique`` is set.
+        InvalidArgument: if ``case`` is not a :class:`mhanum.search.MHAWorstCase`, or either
+            file exists and neither ``force`` nor ``unique`` is set.
     """
+    _check_kind(case, MHAWorstCase)
     target = Path(path)
     if target.is_dir():
         near = "" if case.near is None else "-near"

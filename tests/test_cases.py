@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -104,6 +105,24 @@ def test_a_tampered_output_does_not_replay(found, tmp_path):
     arrays["output"] = np.nextafter(arrays["output"], math.inf)
     np.savez(npz, **arrays)
     assert not cases.replay(npz).bit_for_bit
+
+
+@pytest.mark.parametrize(
+    ("writer", "message"),
+    [
+        (
+            cases.save_gradient,
+            "case: expected a GradientWorstCase, got WorstCase (write it with save)",
+        ),
+        (cases.save_mha, "case: expected a MHAWorstCase, got WorstCase (write it with save)"),
+    ],
+)
+def test_a_case_of_another_kind_is_refused_and_nothing_is_written(found, tmp_path, writer, message):
+    with pytest.raises(InvalidArgument, match="^" + re.escape(message)):
+        writer(found[0], tmp_path / "other")
+    with pytest.raises(InvalidArgument, match=r"^case: expected a WorstCase, got str$"):
+        cases.save("case", tmp_path / "other")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_load_rejects_missing_files(tmp_path):
