@@ -284,6 +284,30 @@ def _judge(
     )
 
 
+def _selection(
+    frameworks: str | tuple[str, ...] | None, paths: dict[str, str | tuple[str, ...]] | None
+) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """The frameworks to compare (a single name as one; default: every installed adapter but
+    ``model``) and the paths chosen for them (a single path as one).
+
+    Raises:
+        InvalidArgument: for no framework, or paths chosen for a framework not compared.
+    """
+    if frameworks is None:
+        names = tuple(n for n in adapters.available() if n != "model")
+    else:
+        names = (frameworks,) if isinstance(frameworks, str) else tuple(frameworks)
+        if not names:
+            msg = "frameworks: expected at least one adapter name (or None: every one installed), got ()"
+            raise InvalidArgument(msg)
+    chosen = {n: (p,) if isinstance(p, str) else tuple(p) for n, p in (paths or {}).items()}
+    stray = [n for n in chosen if n not in names]
+    if stray:
+        msg = f"paths: expected keys among the frameworks compared {names}, got {stray}"
+        raise InvalidArgument(msg)
+    return names, chosen
+
+
 def compare(
     x_q: ArrayLike,
     x_kv: ArrayLike,
@@ -291,8 +315,8 @@ def compare(
     num_heads: int,
     *,
     mask: ArrayLike | None = None,
-    frameworks: tuple[str, ...] | None = None,
-    paths: dict[str, tuple[str, ...]] | None = None,
+    frameworks: str | tuple[str, ...] | None = None,
+    paths: dict[str, str | tuple[str, ...]] | None = None,
     config: dict[str, Any] | None = None,
 ) -> Comparison:
     """Run every installed framework path on the same input and weights, and measure each.
@@ -310,20 +334,19 @@ def compare(
         params: the weights (all four biases; ``d_q = d_kv = H*d_k = d_out``).
         num_heads: number of heads.
         mask: mhanum mask (True = attend) broadcastable to ``(B, Lq, Lk)``.
-        frameworks: adapter names (default: every installed one but ``model``).
-        paths: per framework, the paths to run (default: all of its paths; the torch ``fast``
-            path only for self-attention, ``x_kv is x_q``).
+        frameworks: adapter names, or one name (default: every installed one but ``model``).
+        paths: per framework compared, the paths to run, or one path (default: all of its
+            paths; the torch ``fast`` path only for self-attention, ``x_kv is x_q``).
         config: extra description echoed in the result.
 
     Returns:
         A :class:`Comparison`.
 
     Raises:
-        InvalidArgument: for an unknown or missing framework, or inputs that do not fit.
+        InvalidArgument: for an unknown or missing framework, no framework, paths for a
+            framework not compared, or inputs that do not fit.
     """
-    names = frameworks if frameworks is not None else tuple(
-        n for n in adapters.available() if n != "model"
-    )  # fmt: skip
+    names, chosen = _selection(frameworks, paths)
     p32 = C.float32_params(params, num_heads)
     q = C.batched(x_q, "x_q", p32.d_q)
     kv = q if x_kv is x_q else C.batched(x_kv, "x_kv", p32.d_kv)
@@ -333,7 +356,7 @@ def compare(
     for name in names:
         adapter = adapters.get(name)
         layer = adapter.load(p32, num_heads)
-        for path in (paths or {}).get(name, _paths(adapter)):
+        for path in chosen.get(name, _paths(adapter)):
             if name == "torch" and path == "fast" and kv is not q:
                 continue
             model = _model_of(adapter, layer, path)
@@ -674,7 +697,8 @@ def attribute(
         (mhanum's model vs the reference).
 
     Raises:
-        InvalidArgument: for an unknown or missing framework, or inputs that do not fit.
+        InvalidArgument: for an unknown or missing framework, no framework, paths for a
+            framework not compared, or inputs that do not fit.
     """
     ad_a, ad_b = adapters.get(a.framework), adapters.get(b.framework)
     path_a = a.path or _paths(ad_a)[0]

@@ -149,12 +149,25 @@ def test_compare_prints_the_ratio_with_three_significant_digits():
         (lambda x, p: compare(x, x, p, 4, mask=np.ones((2, 6, 6))), "mask: expected a boolean"),
         (lambda x, p: compare(x, x, p, 4, mask=np.ones((3, 6, 6), bool)), "broadcastable"),
         (lambda x, p: compare(x, x, dataclasses.replace(p, bo=None), 4), "biases"),
+        (lambda x, p: compare(x, x, p, 4, frameworks=()), r"^frameworks: expected at least one"),
+        (
+            lambda x, p: compare(x, x, p, 4, frameworks=("jax",), paths={"torch": ("sdpa",)}),
+            r"^paths: expected keys among the frameworks compared \('jax',\), got \['torch'\]",
+        ),
     ],
 )
 def test_bad_arguments(call, match):
     x, params = _check.inputs()
     with pytest.raises(InvalidArgument, match=match):
         call(x, params)
+
+
+def test_one_framework_and_one_path_may_be_named_alone():
+    x, params = _check.inputs()
+    alone = compare(x, x, params, 4, frameworks="jax", paths={"jax": "xla"})
+    listed = compare(x, x, params, 4, frameworks=("jax",), paths={"jax": ("xla",)})
+    assert [(m.framework, m.path) for m in alone.measurements] == [("jax", "xla")]
+    assert alone.measurements[0].errors == listed.measurements[0].errors
 
 
 def test_path_model_rejects_unknown_row_policy():
