@@ -140,7 +140,10 @@ class KVQuant:
         kernel's dot attends once its result is multiplied by the scale."""
         shaped = _heads_axis(x)
         codes, s = quantize(shaped, self)
-        read = dequantize(codes, s, self) if self.placement == "operand" else codes * s
+        # a scale past the scale format's range is inf, and a zero code times it NaN, as the
+        # kernel reads it; the bound there is inf (kv_error), and the range checks say why
+        with np.errstate(invalid="ignore", over="ignore"):
+            read = dequantize(codes, s, self) if self.placement == "operand" else codes * s
         shape = np.shape(np.asarray(x, np.float64))
         return read.reshape(shape), kv_error(shaped, self).reshape(shape)
 

@@ -176,15 +176,24 @@ class AttentionProblem:
         (kc, s_k, e_k), (vc, s_v, e_v) = (
             cache.accumulated(x) for cache, x in zip(self.kv_cache, (self.k, self.v), strict=True)
         )
-        k_over, v_over = (np.asarray(x, np.float64) / s for x, s in ((self.k, s_k), (self.v, s_v)))
         # the float64 quotients rounded up, and each within one rounding (relative 2^-53, or
-        # 2^-1075 absolute below the normal range) of the exact x/ŝ
+        # 2^-1075 absolute below the normal range) of the exact x/ŝ; a scale past the scale
+        # format's range is inf, where Theorem K.1's bound e is inf too: e/ŝ is then no bound
+        # (NaN), and is taken as inf (the range checks of k and v say why)
         up, tiny = 1 + 2.0**-51, 2.0**-1074
+        with np.errstate(invalid="ignore", over="ignore"):
+            k_over, v_over = (
+                np.asarray(x, np.float64) / s for x, s in ((self.k, s_k), (self.v, s_v))
+            )
+            e_k_over, e_v_over = (
+                np.where(np.isnan(q := e / s), np.inf, q) * up + tiny
+                for e, s in ((e_k, s_k), (e_v, s_v))
+            )
         return Accumulated(
             (kc, vc),
             (k_over, v_over),
             (1.0, s_k, s_v),
-            (e_k / s_k * up + tiny, e_v / s_v * up + tiny),
+            (e_k_over, e_v_over),
             (2.0**-52 * np.abs(k_over) + tiny, 2.0**-52 * np.abs(v_over) + tiny),
         )
 

@@ -277,6 +277,25 @@ def test_k_and_v_may_have_caches_of_their_own() -> None:
         attention_bound(q, k, v, kv_cache=(pair[0],))
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("cache_format", KV_FORMATS)
+def test_values_past_the_scale_formats_range_give_infinite_bounds_quietly(
+    cache_format: str, placement: str
+) -> None:
+    """Values near 1e300 need a scale past float32's range: ``ŝ = inf``, a zero code reads as
+    NaN and K.1's bound over the scale is ``inf/inf``. The bound is +inf with its reasons,
+    never NaN, and no floating-point warning escapes (warnings are errors in this suite)."""
+    from mhanum.bounds import attention_bound
+
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal((2, 5, 8)) for _ in range(3))
+    k[0, 0] = 0.0  # zero codes
+    cache = KVQuant(cache_format, placement=placement)
+    bound = attention_bound(q, k * 1e300, v * 1e300, kv_cache=cache)
+    assert np.isposinf(bound.total).all()
+    assert bound.reasons
+
+
 @pytest.mark.parametrize(("preset", "fmt"), [("fp32", "float32"), ("bf16-fp32acc", "bfloat16")])
 @pytest.mark.parametrize("cache_format", KV_FORMATS)
 def test_rotated_keys_in_a_cache_are_within_corollary_k3(
