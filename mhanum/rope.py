@@ -289,7 +289,8 @@ def check_positions(positions: ArrayLike, rope: Rope) -> np.ndarray:
     if np.issubdtype(p.dtype, np.floating) and not np.all(np.isfinite(p) & (p == np.round(p))):
         msg = "positions: expected integers, got a non-integer or non-finite value"
         raise InvalidArgument(msg)
-    p = p.astype(np.int64)
+    # the range is checked in the given dtype: int64 would wrap a uint64 past 2^63, or a float
+    # past int64's range, into a value the caller never gave
     if np.any(p < 0):
         msg = f"positions: expected non-negative positions, got {int(p.min())}"
         raise InvalidArgument(msg)
@@ -301,7 +302,7 @@ def check_positions(positions: ArrayLike, rope: Rope) -> np.ndarray:
             f"exactly (rope.position_format), got {int(p.max())}"
         )
         raise InvalidArgument(msg)
-    return p
+    return p.astype(np.int64)
 
 
 def _dynamic_base(rope: Rope, seq_len: int) -> float:

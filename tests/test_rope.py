@@ -299,6 +299,14 @@ def test_the_papers_figure_script_keeps_the_bound() -> None:
             "positions: expected positions up to 256, which bfloat16 represents exactly",
         ),
         (
+            lambda: rope_error(np.ones((2, 8)), np.array([0, 2**63], np.uint64), Rope(dim=8)),
+            r"positions: expected positions up to 1\.67772e\+07, .*, got 9223372036854775808$",
+        ),
+        (
+            lambda: rope_error(np.ones((2, 8)), [0.0, 1e20], Rope(dim=8)),
+            r"positions: expected positions up to .*, got 100000000000000000000$",
+        ),
+        (
             lambda: rope_error(np.ones((3, 8)), [0, 1], Rope(dim=8)),
             r"x: expected shape \(\.\.\., 2",
         ),
