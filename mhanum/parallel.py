@@ -158,7 +158,8 @@ def dask_executor(
 
     Raises:
         InvalidArgument: when ``dask.distributed`` is not installed (``pip install
-            "mhanum[dask]"``), or for a bad ``n_workers``.
+            "mhanum[dask]"``), for a bad ``n_workers``, or an ``address`` Dask cannot read or
+            reach.
     """
     try:
         from distributed import Client, LocalCluster
@@ -181,8 +182,25 @@ def dask_executor(
             )
             client = stack.enter_context(Client(cluster))
         else:
-            client = stack.enter_context(Client(address))
+            client = stack.enter_context(_connected(Client, address))
         yield client.get_executor(pure=False)
+
+
+def _connected(client: Callable[[str], Any], address: str) -> Any:
+    """A Dask client of the scheduler at ``address``.
+
+    Raises:
+        InvalidArgument: naming the address, where Dask cannot parse it (``ValueError``) or
+            reach a scheduler there (``OSError``, after Dask's connection timeout).
+    """
+    try:
+        return client(address)
+    except (ValueError, OSError) as exc:
+        msg = (
+            "scheduler: expected 'local' or the address of a running Dask scheduler "
+            f"(tcp://host:8786), got {address!r} ({type(exc).__name__}: {exc})"
+        )
+        raise InvalidArgument(msg) from None
 
 
 @contextlib.contextmanager
@@ -197,7 +215,8 @@ def executor_for(
     ``scheduler``: the Dask scheduler at that address (``tcp://host:8786``).
 
     Raises:
-        InvalidArgument: for a negative ``workers``, or Dask not installed.
+        InvalidArgument: for a negative ``workers``, Dask not installed, or a scheduler
+            address Dask cannot read or reach.
     """
     n = _workers(workers, "workers")
     if scheduler is not None:

@@ -304,6 +304,16 @@ def test_bad_executor_options_are_refused_by_name(kwargs, message):
         pass
 
 
+def test_a_scheduler_address_dask_cannot_read_is_refused_by_name():
+    pytest.importorskip("distributed", reason="the dask extra is not installed")
+    message = (
+        r"^scheduler: expected 'local' or the address of a running Dask scheduler "
+        r"\(tcp://host:8786\), got 'nowhere' \(ValueError: "
+    )
+    with pytest.raises(InvalidArgument, match=message), parallel.executor_for(scheduler="nowhere"):
+        pass
+
+
 def test_the_default_executor_spawns():
     with parallel.default_executor(1) as pool:
         assert pool._mp_context is multiprocessing.get_context("spawn")
