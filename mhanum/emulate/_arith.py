@@ -36,7 +36,11 @@ _MAGIC32 = 0x7FC0DEAD
 
 
 def runtime_zero(x: jax.Array) -> jax.Array:
-    """A uint32 zero computed from the data in ``x`` (one if ``x``'s first bits are a special NaN)."""
+    """A uint32 zero computed from the data in ``x`` (one if ``x``'s first bits are a special NaN);
+    a constant zero for an empty ``x``, which holds no data to compute with (and no arithmetic
+    to keep from being folded)."""
+    if x.size == 0:
+        return jnp.zeros((), jnp.uint32)
     first = jnp.ravel(x)[0].astype(jnp.float32)
     return (lax.bitcast_convert_type(first, jnp.uint32) == jnp.uint32(_MAGIC32)).astype(jnp.uint32)
 

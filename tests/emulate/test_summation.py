@@ -145,3 +145,17 @@ def test_a_sum_along_another_axis_and_inside_a_callers_jit_is_the_same_sum():
     assert summation.sum(x, axis=0).tolist() == expected
     assert summation.sum(x.T).tolist() == expected
     assert jax.jit(lambda y: summation.sum(y, axis=0))(x).tolist() == expected
+
+
+@pytest.mark.parametrize("order", ["native", *ORDERS])
+def test_an_empty_sum_and_an_empty_dot_are_positive_zero(order):
+    # no term: the empty sum's +0 in every order, as a kernel's loop over no term returns it
+    total = np.asarray(summation.sum(np.ones((3, 0), np.float32), order=order))
+    product = np.asarray(
+        summation.matmul(np.ones((2, 0), np.float32), np.ones((0, 4), np.float32), order=order)
+    )
+    assert total.shape == (3,)
+    assert product.shape == (2, 4)
+    for zeros in (total, product):
+        assert (zeros == 0).all()
+        assert not np.signbit(zeros).any()
