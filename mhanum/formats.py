@@ -364,7 +364,9 @@ def ulp(x: ArrayLike, fmt: Format | str) -> np.ndarray:
     _, e = np.frexp(arr)
     exponent = np.where(arr > 0, np.maximum(e - 1, f.emin), f.emin)
     spacing = np.ldexp(1.0, exponent - f.precision + 1)
-    return np.where(np.isfinite(arr), spacing, arr)  # |x| itself: inf, or NaN
+    # |x| itself where it is inf or NaN; [()] keeps a scalar's result a numpy scalar
+    result: np.ndarray = np.where(np.isfinite(arr), spacing, arr)[()]
+    return result
 
 
 def representable(x: ArrayLike, fmt: Format | str) -> np.ndarray:

@@ -188,6 +188,7 @@ def test_format_constants_agree_with_ml_dtypes(name):
 def test_ulp_of_1e9_in_float32_is_64():
     assert float(ulp(1e9, "float32")) == 64.0
     assert float(ulp(0.0, "float16")) == 2.0**-24
+    assert isinstance(ulp(1e9, "float32"), np.float64)  # a scalar for a scalar
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
