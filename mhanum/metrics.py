@@ -14,9 +14,9 @@ hides what another shows:
 
 NaN or Inf in the computed output, or an infinite reference (an exact value past float64's
 range), is never averaged away: every metric is then ``inf`` and ``n_nonfinite`` counts the
-entries (a finite answer to an infinite value, or an infinite one, has no finite error). Entries where the reference is NaN
-(undefined, as for a fully-masked row under ``fully_masked="nan"``) are excluded and counted in
-``n_undefined``.
+entries (a finite answer to an infinite value, or an infinite one, has no finite error).
+Entries where the reference is NaN (undefined, as for a fully-masked row under
+``fully_masked="nan"``) are excluded and counted in ``n_undefined``.
 
 With a reference given as mpf values (``reference.attention(..., return_mpf=True)``) the
 differences are formed exactly in mpmath, so errors of a float64 computation are not blurred by

@@ -273,8 +273,8 @@ class MHAProblem:
             InvalidArgument: naming the first argument that does not fit: ``params`` that is not
                 an :class:`mhanum.MHAParams` or whose widths ``num_heads`` (``num_kv_heads``)
                 does not divide, inputs whose widths are not the layer's or that are not finite
-                floats, no query or no key, an empty batch, and the mask, bias, scale, sink and soft-cap as for
-                :meth:`AttentionProblem.of`.
+                floats, no query or no key, an empty batch, and the mask, bias, scale, sink
+                and soft-cap as for :meth:`AttentionProblem.of`.
         """
         if not isinstance(params, MHAParams):
             msg = f"params: expected an MHAParams, got {type(params).__name__}"

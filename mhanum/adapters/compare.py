@@ -298,7 +298,10 @@ def _selection(
     else:
         names = (frameworks,) if isinstance(frameworks, str) else tuple(frameworks)
         if not names:
-            msg = "frameworks: expected at least one adapter name (or None: every one installed), got ()"
+            msg = (
+                "frameworks: expected at least one adapter name (or None: every one "
+                "installed), got ()"
+            )
             raise InvalidArgument(msg)
     chosen = {n: (p,) if isinstance(p, str) else tuple(p) for n, p in (paths or {}).items()}
     stray = [n for n in chosen if n not in names]
